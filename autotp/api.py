@@ -1,0 +1,75 @@
+"""`wrap`: one call that makes a Hugging Face model tensor-parallel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import build_groups, group_size, init_from_env, launched_by_torchrun
+from .plan import Plan, build_plan
+from .policy import Policy
+from .walker import apply_plan, parallel_layers
+
+PolicyArg = Policy | str | Path | Mapping[str, Any] | None
+
+
+def wrap(
+    model: nn.Module,
+    tp_size: int,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    policy: PolicyArg = None,
+) -> nn.Module:
+    """Shard `model` over `tp_size` ranks in place and return it.
+
+    TP groups are consecutive ranks; the rest of the world is data parallel. Under torchrun or
+    accelerate, torch.distributed is initialised here if the script has not done it (NCCL on GPUs,
+    gloo otherwise). `tp_size=1` needs no process group. Every check runs before the model is
+    touched, so a refused call leaves it unchanged.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int):
+        raise TypeError(f"tp_size must be an int, got {type(tp_size).__name__} {tp_size!r}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+    if getattr(model, "autotp_state", None) is not None or parallel_layers(model):
+        raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
+    plan = build_plan(model, tp_size, policy)
+    tp_group, dp_group = _groups(tp_size, tp_group)
+    apply_plan(model, plan, tp_group, dp_group)
+    if tp_group is not None and dist.get_backend(tp_group) == "nccl" and torch.cuda.is_available():
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    return model
+
+
+def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):
+    """This rank's (TP, DP) groups, initialising torch.distributed from launcher variables if needed."""
+    if not dist.is_initialized() and (tp_size > 1 or tp_group is not None) and launched_by_torchrun():
+        init_from_env()
+    if not dist.is_initialized():
+        if tp_size > 1 or tp_group is not None:
+            raise RuntimeError(
+                f"tp_size={tp_size} needs torch.distributed, which is not initialised and no launcher variables "
+                f"(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are set. Launch with "
+                f"`torchrun --nproc-per-node {tp_size} your_script.py` or `accelerate launch`, "
+                f"or call torch.distributed.init_process_group first."
+            )
+        return None, None
+    world = dist.get_world_size()
+    if tp_group is not None:
+        if group_size(tp_group) != tp_size:
+            raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
+        return tp_group, None
+    if world % tp_size:
+        raise ValueError(
+            f"tp_size={tp_size} must divide the world size {world} (world = data parallel x tensor parallel)"
+        )
+    return build_groups(tp_size)
+
+
+def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None) -> Plan:
+    """The plan `wrap` would apply, without a process group; works on a meta-device model."""
+    return build_plan(model, tp_size, policy)

@@ -1,0 +1,182 @@
+"""Full Hugging Face checkpoints from a tensor-parallel model, streamed one tensor at a time.
+
+Every file's header is known before any weight is gathered (full shapes come from the partition
+metadata), so rank 0 writes each safetensors file as a header followed by one tensor after
+another: no rank ever holds more than its shards plus one full tensor. Everything goes to a hidden
+sibling directory that is renamed into place at the end, so a crash never leaves a directory that
+loads as a valid but incomplete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import split_torch_state_dict_into_shards
+from torch import nn
+from tqdm.auto import tqdm
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from .comm import gather_full_to
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file whose tensor list is fixed up front, tensor by tensor, in order."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape in entries:
+            if dtype not in _DTYPES:
+                raise TypeError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
+        self._pending = [(name, dtype, tuple(shape)) for name, dtype, shape in entries]
+        self._file = open(path, "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self._pending.pop(0)
+        got = (name, tensor.dtype, tuple(tensor.shape))
+        if got != expected:
+            raise RuntimeError(f"safetensors writer expected {expected}, got {got}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+
+    def close(self) -> None:
+        if self._pending:
+            raise RuntimeError(f"{len(self._pending)} tensors were never written, first {self._pending[0][0]}")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+def save_pretrained(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> None:
+    """Write a full HF checkpoint (config, safetensors shards, index) that plain transformers loads.
+
+    Call it on every rank: the TP group of global rank 0 gathers one tensor at a time and rank 0
+    writes. `save_directory` must not exist or be empty, unless `overwrite=True`.
+    """
+    target = Path(save_directory)
+    state = getattr(model, "autotp_state", None)
+    tp_group = None if state is None else state.tp_group
+    distributed = dist.is_available() and dist.is_initialized()
+    is_writer = not distributed or dist.get_rank() == 0
+    writer_group = [0] if tp_group is None else dist.get_process_group_ranks(tp_group)
+    in_writer_group = not distributed or dist.get_rank() in writer_group
+    _agree(_target_problem(target, overwrite) if is_writer else None, distributed)
+
+    params = model.state_dict(keep_vars=True)
+    names = list(remove_tied_weights_from_state_dict({k: v.detach() for k, v in params.items()}, model))
+    for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        names = [n for n in names if n != ignored]
+    full = {n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names}
+    split = split_torch_state_dict_into_shards(full, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+
+    if is_writer:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.autotp-", dir=target.parent)) if is_writer else None
+    try:
+        if in_writer_group:
+            _write_weights(params, full, split, tmp, tp_group, is_writer)
+        if is_writer:
+            _write_metadata(model, split, tmp)
+            _move_into_place(tmp, target)
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+
+
+def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    shard = getattr(tensor, "autotp_shard", None)
+    return tuple(tensor.shape) if shard is None else shard.full_shape(tensor.shape)
+
+
+def _target_problem(target: Path, overwrite: bool) -> str | None:
+    if target.is_file():
+        return f"{target} is a file; save_pretrained needs a directory"
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        return f"{target} exists and is not empty; pass overwrite=True to replace it"
+    return None
+
+
+def _agree(problem: str | None, distributed: bool) -> None:
+    """Rank 0's verdict on the target, raised on every rank so none is left waiting in a gather."""
+    if distributed:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise FileExistsError(problem)
+
+
+def _write_weights(params, full, split, tmp: Path | None, tp_group, is_writer: bool) -> None:
+    total = sum(t.numel() * t.element_size() for t in full.values())
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="autotp save", disable=not is_writer)
+    for filename, tensor_names in split.filename_to_tensors.items():
+        writer = None
+        if is_writer:
+            entries = [(n, full[n].dtype, tuple(full[n].shape)) for n in tensor_names]
+            writer = SafetensorsWriter(tmp / filename, entries, {"format": "pt"})
+        for name in tensor_names:
+            tensor = params[name]
+            shard = getattr(tensor, "autotp_shard", None)
+            if shard is not None:
+                tensor = gather_full_to(tensor.detach(), shard.partition, tp_group, dst=0)
+            if writer is not None:
+                writer.write(name, tensor)
+                bar.update(full[name].numel() * full[name].element_size())
+        if writer is not None:
+            writer.close()
+    bar.close()
+
+
+def _write_metadata(model: nn.Module, split, tmp: Path) -> None:
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.architectures = [type(model).__name__]
+        config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        config.save_pretrained(tmp)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(tmp)
+    if split.is_sharded:
+        count = sum(torch.Size(_full_shape(p)).numel() for p in model.parameters())
+        index = {"metadata": {"total_parameters": count, **split.metadata}, "weight_map": split.tensor_to_filename}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _move_into_place(tmp: Path, target: Path) -> None:
+    """Swap the finished directory in; an old one is removed only after the new one is in place."""
+    old = None
+    if target.exists():
+        if any(target.iterdir()):
+            old = target.with_name(f".{target.name}.autotp-old-{os.getpid()}")
+            target.rename(old)
+        else:
+            target.rmdir()
+    tmp.rename(target)
+    if old is not None:
+        shutil.rmtree(old)

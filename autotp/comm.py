@@ -1,0 +1,166 @@
+"""Process groups and the autograd collectives of tensor parallelism.
+
+Every collective that sits on the autograd path is one short `torch.autograd.Function` with its
+forward and backward side by side (Megatron-LM's f / g operators). Each helper takes the process
+group explicitly; a group of `None` (no tensor parallelism) or of size 1 returns its input at once,
+so tp=1 runs the same code with no communication.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .sharding import Partition
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """Size of a TP group; `None` means no tensor parallelism (size 1), never the world group."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's rank inside a TP group (0 without one)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Column-parallel entry (Megatron f): identity forward, all-reduce of dL/dX backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # Out of place: autograd may hand the same gradient buffer to other branches.
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Row-parallel exit (Megatron g): all-reduce of the partial outputs forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        y = y.contiguous()
+        dist.all_reduce(y, group=group)
+        ctx.mark_dirty(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a column-parallel region: gradients of `x` are summed over the TP group."""
+    if group_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(y: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a row-parallel region: partial results are summed over the TP group."""
+    if group_size(group) == 1:
+        return y
+    return _ReduceFromTP.apply(y, group)
+
+
+def grad_allreduce_hook(group: Group, enabled: Callable[[], bool]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Gradient hook for a replicated parameter that only sees this rank's heads (per-head norms).
+
+    Its true gradient is the sum of every rank's partial one; `enabled()` turns the sum off while
+    the layers hold full weights and every rank already computes the whole gradient.
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if group_size(group) == 1 or not enabled():
+            return grad
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
+def all_gather_full(shard: torch.Tensor, partition: Partition, group: Group) -> torch.Tensor:
+    """Every rank's shard of one tensor, reassembled into the full tensor on every rank."""
+    if group_size(group) == 1:
+        return partition.unshard([shard])
+    shards = _gather_padded(shard, partition, group, dst=None)
+    return partition.unshard(shards)
+
+
+def gather_full_to(shard: torch.Tensor, partition: Partition, group: Group, dst: int = 0) -> torch.Tensor | None:
+    """The full tensor on group rank `dst` (None elsewhere), holding one copy only there."""
+    if group_size(group) == 1:
+        return partition.unshard([shard])
+    shards = _gather_padded(shard, partition, group, dst=dst)
+    return None if shards is None else partition.unshard(shards)
+
+
+def _gather_padded(shard: torch.Tensor, partition: Partition, group: dist.ProcessGroup, dst: int | None):
+    """Gather shards of possibly unequal length along `partition.dim`, padding to the longest."""
+    world = group_size(group)
+    longest = max(partition.local_size(r) for r in range(world))
+    dim = partition.dim
+    shard = shard.detach()
+    pad = longest - shard.shape[dim]
+    if pad:
+        shape = list(shard.shape)
+        shape[dim] = pad
+        shard = torch.cat([shard, shard.new_zeros(shape)], dim=dim)
+    shard = shard.contiguous()
+    if dst is None:
+        buffers = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(buffers, shard, group=group)
+    else:
+        mine = group_rank(group) == dst
+        buffers = [torch.empty_like(shard) for _ in range(world)] if mine else None
+        dist.gather(shard, buffers, dst=dist.get_global_rank(group, dst), group=group)
+        if not mine:
+            return None
+    return [b.narrow(dim, 0, partition.local_size(r)) for r, b in enumerate(buffers)]
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun / accelerate set the variables `init_process_group` reads."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env() -> None:
+    """Initialise torch.distributed from launcher variables: NCCL on GPUs (device from LOCAL_RANK), else gloo."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def build_groups(tp_size: int) -> tuple[Group, Group]:
+    """TP groups of consecutive ranks and DP groups strided across them; returns this rank's pair.
+
+    Every rank must call this, in the same order, because `new_group` is collective.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp_size = world // tp_size
+    tp_group = dp_group = None
+    for start in range(0, world, tp_size):
+        ranks = list(range(start, start + tp_size))
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if rank in ranks:
+            tp_group = group
+    for offset in range(tp_size):
+        ranks = list(range(offset, world, tp_size))
+        group = dist.new_group(ranks) if dp_size > 1 else None
+        if rank in ranks:
+            dp_group = group
+    return tp_group, dp_group

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from .comm import gather_full_to
@@ -89,7 +90,8 @@ def save_pretrained(
     names = list(remove_tied_weights_from_state_dict({k: v.detach() for k, v in params.items()}, model))
     for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
         names = [n for n in names if n != ignored]
-    full = {n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names}
+    full = _checkpoint_layout(model, {
+        n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names})
     split = split_torch_state_dict_into_shards(full, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
 
@@ -107,6 +109,24 @@ def save_pretrained(
             shutil.rmtree(tmp, ignore_errors=True)
     if distributed:
         dist.barrier()
+
+
+def _checkpoint_layout(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint key -> full meta tensor, in the order and under the names transformers would save.
+
+    transformers may rename keys on save (its weight conversions) and then sorts them; we follow it.
+    Each meta tensor keeps a `source` attribute naming the model key its data comes from.
+    """
+    for key, tensor in full.items():
+        tensor.source = key
+    converted = revert_weight_conversion(model, full)
+    for key, tensor in converted.items():
+        if getattr(tensor, "source", None) is None:
+            raise NotImplementedError(
+                f"transformers rebuilds {key!r} from several tensors when saving {type(model).__name__}; "
+                f"autotp.save_pretrained cannot stream that yet"
+            )
+    return converted
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -141,7 +161,7 @@ def _write_weights(params, full, split, tmp: Path | None, tp_group, is_writer: b
             entries = [(n, full[n].dtype, tuple(full[n].shape)) for n in tensor_names]
             writer = SafetensorsWriter(tmp / filename, entries, {"format": "pt"})
         for name in tensor_names:
-            tensor = params[name]
+            tensor = params[full[name].source]
             shard = getattr(tensor, "autotp_shard", None)
             if shard is not None:
                 tensor = gather_full_to(tensor.detach(), shard.partition, tp_group, dst=0)

@@ -1,0 +1,56 @@
+"""Count the real collectives of a training step: 2 all-reduces per decoder layer forward, 2 backward.
+
+Each torch.distributed entry point is wrapped by a counter that still runs the real collective.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch.distributed as dist
+
+import autotp
+from models import batch, tiny_model
+from ranks import run_ranks
+
+COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all",
+               "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def count_step(rank: int, world: int, family: str) -> dict:
+    model = autotp.wrap(tiny_model(family), world)
+    counts: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        ids = batch()
+        loss = model(ids, labels=ids).loss
+        forward = dict(counts)
+        counts.clear()
+        loss.backward()
+        backward = dict(counts)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"forward": forward, "backward": backward, "layers": model.config.num_hidden_layers}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("family,per_head_norms", [("llama", 0), ("qwen3", 2), ("gemma", 0)])
+def test_collectives_per_layer(family: str, per_head_norms: int, tp: int) -> None:
+    for report in run_ranks(count_step, tp, family):
+        layers = report["layers"]
+        if tp == 1:
+            assert report["forward"] == {} and report["backward"] == {}, report
+            continue
+        assert report["forward"] == {"all_reduce": 2 * layers}, report
+        assert report["backward"] == {"all_reduce": (2 + per_head_norms) * layers}, report

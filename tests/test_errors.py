@@ -1,0 +1,93 @@
+"""Bad input gets a clear error, and the model is left exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from models import tiny_model
+from ranks import run_ranks
+
+
+def snapshot(model: torch.nn.Module) -> dict:
+    return {
+        "modules": [(n, type(m).__name__) for n, m in model.named_modules()],
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "attrs": [(n, getattr(m, "num_key_value_groups", None)) for n, m in model.named_modules()],
+        "wrapped": hasattr(model, "autotp_state"),
+    }
+
+
+def assert_unchanged(before: dict, model: torch.nn.Module) -> None:
+    after = snapshot(model)
+    assert after["modules"] == before["modules"] and after["attrs"] == before["attrs"]
+    assert after["wrapped"] == before["wrapped"]
+    assert all(torch.equal(before["state"][k], v) for k, v in after["state"].items())
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("tp_size,error,words", [
+    (0, ValueError, "at least 1"), (-2, ValueError, "at least 1"),
+    (2.0, TypeError, "must be an int"), ("2", TypeError, "must be an int"), (True, TypeError, "must be an int"),
+])
+def test_bad_tp_size(no_launcher, tp_size, error, words) -> None:
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(error, match=words):
+        autotp.wrap(model, tp_size)
+    assert_unchanged(before, model)
+
+
+def test_heads_that_cannot_be_split_name_module_and_numbers(no_launcher) -> None:
+    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=6, head_dim=8)
+    before = snapshot(model)
+    with pytest.raises(ValueError) as err:
+        autotp.wrap(model, 4)
+    message = str(err.value)
+    assert "model.layers.0.self_attn" in message and "6 query heads" in message and "tp_size=4" in message
+    assert_unchanged(before, model)
+
+
+def test_wrapping_twice(no_launcher) -> None:
+    model = autotp.wrap(tiny_model("llama"), 1)
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="already wrapped"):
+        autotp.wrap(model, 1)
+    assert_unchanged(before, model)
+
+
+def test_tp_without_distributed_says_how_to_launch(no_launcher) -> None:
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        autotp.wrap(model, 2)
+    assert_unchanged(before, model)
+
+
+def test_unknown_model_type_is_refused(no_launcher) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="no sharding policy for model_type 'gpt2'"):
+        autotp.wrap(model, 1)
+    assert_unchanged(before, model)
+
+
+def world_not_divisible(rank: int, world: int) -> str:
+    model = tiny_model("llama")
+    before = snapshot(model)
+    with pytest.raises(ValueError) as err:
+        autotp.wrap(model, 4)
+    assert_unchanged(before, model)
+    return str(err.value)
+
+
+def test_world_not_divisible_by_tp() -> None:
+    for message in run_ranks(world_not_divisible, 2):
+        assert "tp_size=4 must divide the world size 2" in message

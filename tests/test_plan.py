@@ -1,0 +1,58 @@
+"""The plan is data: built on the meta device with no process group, from shipped or user policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import autotp
+from models import CONFIGS
+from ranks import run_ranks
+from test_parity import assert_parity, compare_training
+
+
+def test_explain_on_meta_device_without_process_group() -> None:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(CONFIGS["qwen3"]())
+    plan = autotp.explain(model, 4)
+    styles = {layer.path.rsplit(".", 1)[1]: layer.style for layer in plan.layers}
+    assert styles == {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
+                      "gate_proj": "column", "up_proj": "column", "down_proj": "row"}
+    q = next(layer for layer in plan.layers if layer.path == "model.layers.0.self_attn.q_proj")
+    assert [q.partition.local_size(r) for r in range(4)] == [32, 32, 32, 32]  # 8 heads x 16 over 4 ranks
+    assert plan.head_norms == ("model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm",
+                               "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm")
+    assert ("lm_head", "not covered by the policy; replicated, which is always correct") in plan.replicated
+    text = plan.describe()
+    assert "model.layers.1.mlp.down_proj" in text and "lm_head" in text
+
+
+def test_uneven_mlp_width_is_split_on_row_boundaries() -> None:
+    config = CONFIGS["llama"]()
+    config.intermediate_size = 90
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    up = next(layer for layer in autotp.explain(model, 4).layers if layer.path.endswith("up_proj"))
+    assert [up.partition.local_size(r) for r in range(4)] == [23, 23, 22, 22]
+
+
+MLP_ONLY = {
+    "model_types": ["llama"],
+    "mlp": [{"match": "model.layers.*.mlp", "column": ["gate_proj", "up_proj"], "row": ["down_proj"]}],
+}
+
+
+def test_user_policy_dict_shards_only_what_it_names() -> None:
+    for report in run_ranks(compare_training, 2, "llama", 3, MLP_ONLY):
+        assert report["sharded"] == 2 * 3  # gate/up/down in 2 layers
+        assert_parity(report)
+
+
+def test_policy_errors_name_the_problem() -> None:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    with pytest.raises(ValueError, match="unknown keys \\['layers'\\]"):
+        autotp.explain(model, 2, policy={"layers": {}})
+    with pytest.raises(ValueError, match="no module matches 'model.blocks.\\*.mlp'"):
+        autotp.explain(model, 2, policy={"mlp": [{"match": "model.blocks.*.mlp", "column": ["a"], "row": ["b"]}]})

@@ -29,9 +29,10 @@ def full(tensor: torch.Tensor, param: torch.nn.Parameter, group) -> torch.Tensor
     return tensor.detach() if shard is None else all_gather_full(tensor.detach(), shard.partition, group)
 
 
-def compare_training(rank: int, world: int, family: str, steps: int = 3, policy=None, **config) -> dict:
+def compare_training(rank: int, world: int, family: str, steps: int = 3, policy=None,
+                     config: dict | None = None) -> dict:
     """Train a reference and a wrapped copy side by side; report the worst differences."""
-    reference = tiny_model(family, **config)
+    reference = tiny_model(family, **(config or {}))
     model = autotp.wrap(copy.deepcopy(reference), world, policy=policy)
     group = model.autotp_state.tp_group
     ids = batch()
@@ -78,5 +79,5 @@ def test_training_parity(family: str, tp: int) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_uneven_mlp_width_parity(tp: int) -> None:
-    for report in run_ranks(compare_training, tp, "llama", 3, None, intermediate_size=90):
+    for report in run_ranks(compare_training, tp, "llama", 3, None, {"intermediate_size": 90}):
         assert_parity(report)

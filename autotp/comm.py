@@ -9,7 +9,7 @@ so tp=1 runs the same code with no communication.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,50 @@ def grad_allreduce_hook(group: Group, enabled: Callable[[], bool]) -> Callable[[
         return grad
 
     return hook
+
+
+def replica_grad_hook(
+    partition: Partition, rank: int, groups: Mapping[tuple[int, ...], Group], enabled: Callable[[], bool]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Gradient hook for rows several ranks hold (a replicated KV head): sum each over its holders.
+
+    Each holder computes only its own query heads' share of that head's gradient.
+    """
+    spans = partition.replicas(rank)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not enabled():
+            return grad
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        for offset, length, holders in spans:
+            piece = grad.narrow(partition.dim, offset, length)
+            summed = piece.contiguous()
+            dist.all_reduce(summed, group=groups[holders])
+            piece.copy_(summed)
+        return grad
+
+    return hook
+
+
+def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group) -> dict[tuple[int, ...], Group]:
+    """Process groups for sets of TP-group ranks (replica holders), in this rank's TP group.
+
+    `new_group` is collective over the world, so every rank creates every TP group's subgroups,
+    in the same order; TP groups are learnt from all ranks so a user-supplied one works too.
+    """
+    rank_sets = sorted(set(rank_sets))
+    if not rank_sets or group_size(tp_group) == 1:
+        return {}
+    mine = tuple(dist.get_process_group_ranks(tp_group))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for subset in rank_sets:
+        for tp_ranks in sorted(set(everyone)):
+            group = dist.new_group([tp_ranks[i] for i in subset])
+            if tp_ranks == mine:
+                out[subset] = group
+    return out
 
 
 def all_gather_full(shard: torch.Tensor, partition: Partition, group: Group) -> torch.Tensor:

@@ -1,18 +1,26 @@
-"""Column- and row-parallel linears that stand in for `nn.Linear` inside Hugging Face models.
+"""Column- and row-parallel linears that stand in for `nn.Linear` (or GPT-2's `Conv1D`) in HF models.
 
 Both subclass `nn.Linear` so HF code, PEFT and `isinstance` checks keep working: same `weight` and
-`bias` names, a tensor returned, `in_features` / `out_features` describing the local shard. Each
-sharded parameter carries a `Shard` (partition and rank) in its `autotp_shard` attribute.
+`bias` names, a tensor returned, `in_features` / `out_features` describing the local shard. A
+replaced `Conv1D` keeps its transposed [in, out] weight, so `state_dict` shapes never change.
+Each sharded parameter carries a `Shard` (partition and rank) in its `autotp_shard` attribute.
+
+`ShardedRegion` covers modules that are not linears but whose parameters shard the same way (MoE
+experts stored as 3-D tensors): its float inputs enter the TP region and its output is reduced.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp
+from .comm import Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp, replica_grad_hook
 from .sharding import Partition, Shard
+
+ReplicaGroups = Mapping[tuple[int, ...], Group]
 
 
 class SharedInput:
@@ -38,54 +46,85 @@ class SharedInput:
         self._source = self._copy = None
 
 
+def shard_parameter(
+    param: nn.Parameter, partition: Partition, rank: int, group: Group, replicas: ReplicaGroups,
+    gathered: Callable[[], bool],
+) -> nn.Parameter:
+    """A new Parameter holding this rank's rows, tagged with its `Shard`, replicas' gradients summed."""
+    shard = nn.Parameter(partition.shard(param.detach(), rank), requires_grad=param.requires_grad)
+    shard.autotp_shard = Shard(partition, rank)
+    if partition.replicas(rank) and shard.requires_grad:
+        shard.register_hook(replica_grad_hook(partition, rank, replicas, lambda: not gathered()))
+    return shard
+
+
+def gather_parameter_(param: nn.Parameter, group: Group) -> None:
+    """Swap the shard for the full tensor in place (same Parameter object), stashing the gradient."""
+    param.autotp_stashed_grad, param.grad = param.grad, None
+    param.data = all_gather_full(param.data, param.autotp_shard.partition, group)
+
+
+def partition_parameter_(param: nn.Parameter) -> None:
+    """Back to this rank's rows of whatever the full tensor became; a full gradient is sliced and added."""
+    shard = param.autotp_shard
+    full_grad, param.grad = param.grad, None
+    param.data = shard.partition.shard(param.data, shard.rank)
+    grad, param.autotp_stashed_grad = param.autotp_stashed_grad, None
+    if full_grad is not None:
+        sliced = shard.partition.shard(full_grad, shard.rank)
+        grad = sliced if grad is None else grad + sliced
+    param.grad = grad
+
+
 class _ParallelLinear(nn.Linear):
     """Shared mechanics: holding a shard, and swapping it for the full weight and back."""
 
     style = ""
 
-    def __init__(self, linear: nn.Linear, partition: Partition, group: Group):
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group, replicas: ReplicaGroups):
         nn.Module.__init__(self)
         self.group = group
         self.tp_rank, self.tp_size = group_rank(group), group_size(group)
         if partition.tp_size != self.tp_size:
             raise ValueError(f"partition is for tp_size={partition.tp_size}, the group has {self.tp_size} ranks")
+        self.transposed = type(linear).__name__ == "Conv1D"  # weight stored [in, out]
         self.partition = partition
         self.gathered = False
-        self.full_in, self.full_out = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(
-            partition.shard(linear.weight.detach(), self.tp_rank), requires_grad=linear.weight.requires_grad
-        )
-        self.weight.autotp_shard = Shard(partition, self.tp_rank)
-        self.bias = None if linear.bias is None else self._make_bias(linear.bias)
+        out_dim = 1 if self.transposed else 0
+        self.full_out, self.full_in = linear.weight.shape[out_dim], linear.weight.shape[1 - out_dim]
+        is_gathered = lambda: self.gathered  # noqa: E731
+        self.weight = shard_parameter(linear.weight, partition, self.tp_rank, group, replicas, is_gathered)
+        self.bias = None
+        if linear.bias is not None:
+            bias_partition = self._bias_partition()
+            self.bias = (nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+                         if bias_partition is None else
+                         shard_parameter(linear.bias, bias_partition, self.tp_rank, group, replicas, is_gathered))
         self._set_features()
 
-    def _make_bias(self, bias: nn.Parameter) -> nn.Parameter:
+    def _bias_partition(self) -> Partition | None:
         raise NotImplementedError
 
     def _set_features(self) -> None:
-        self.out_features, self.in_features = self.weight.shape
+        rows, cols = self.weight.shape
+        self.out_features, self.in_features = (cols, rows) if self.transposed else (rows, cols)
+        if self.transposed:  # Conv1D's own names
+            self.nf, self.nx = self.out_features, self.in_features
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
 
     def gather_(self) -> None:
-        """Hold the full weight (same Parameter objects) and compute like a plain `nn.Linear`."""
+        """Hold the full weight (same Parameter objects) and compute like the original layer."""
         for param in self._sharded_params():
-            param.autotp_stashed_grad, param.grad = param.grad, None
-            param.data = all_gather_full(param.data, param.autotp_shard.partition, self.group)
+            gather_parameter_(param, self.group)
         self.gathered = True
         self._set_features()
 
     def partition_(self) -> None:
-        """Back to this rank's shard, keeping whatever the full weight became meanwhile.
-
-        A gradient computed on the full weight is sliced and added to the one held before.
-        """
+        """Back to this rank's shard, keeping whatever the full weight became meanwhile."""
         for param in self._sharded_params():
-            partition, full_grad, param.grad = param.autotp_shard.partition, param.grad, None
-            param.data = partition.shard(param.data, self.tp_rank)
-            grad, param.autotp_stashed_grad = param.autotp_stashed_grad, None
-            if full_grad is not None:
-                sliced = partition.shard(full_grad, self.tp_rank)
-                grad = sliced if grad is None else grad + sliced
-            param.grad = grad
+            partition_parameter_(param)
         self.gathered = False
         self._set_features()
 
@@ -94,9 +133,10 @@ class _ParallelLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         state = "gathered" if self.gathered else f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+        kind = ", conv1d" if self.transposed else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"full=({self.full_out}, {self.full_in}), {state}, {self.partition.describe()}"
+            f"full=({self.full_out}, {self.full_in}){kind}, {state}, {self.partition.describe()}"
         )
 
 
@@ -105,22 +145,21 @@ class LinearLayer(_ParallelLinear):
 
     style = "column"
 
-    def __init__(self, linear: nn.Linear, partition: Partition, group: Group, shared_input: SharedInput | None = None):
-        if partition.dim != 0:
-            raise ValueError("a column-parallel weight is split on dim 0 (output features)")
-        super().__init__(linear, partition, group)
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group,
+                 shared_input: SharedInput | None = None, replicas: ReplicaGroups | None = None):
+        super().__init__(linear, partition, group, replicas or {})
+        expected = 1 if self.transposed else 0
+        if partition.dim != expected:
+            raise ValueError(f"a column-parallel weight is split on its output dim ({expected})")
         self._shared_input = shared_input or SharedInput(group)
 
-    def _make_bias(self, bias: nn.Parameter) -> nn.Parameter:
-        part = Partition(0, self.partition.parts)
-        sharded = nn.Parameter(part.shard(bias.detach(), self.tp_rank), requires_grad=bias.requires_grad)
-        sharded.autotp_shard = Shard(part, self.tp_rank)
-        return sharded
+    def _bias_partition(self) -> Partition:
+        return self.partition.with_dim(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gathered:
             x = self._shared_input(x)
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class LinearAllreduce(_ParallelLinear):
@@ -128,16 +167,54 @@ class LinearAllreduce(_ParallelLinear):
 
     style = "row"
 
-    def __init__(self, linear: nn.Linear, partition: Partition, group: Group):
-        if partition.dim != 1:
-            raise ValueError("a row-parallel weight is split on dim 1 (input features)")
-        super().__init__(linear, partition, group)
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group, replicas: ReplicaGroups | None = None):
+        super().__init__(linear, partition, group, replicas or {})
+        expected = 0 if self.transposed else 1
+        if partition.dim != expected:
+            raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")
 
-    def _make_bias(self, bias: nn.Parameter) -> nn.Parameter:
-        return nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+    def _bias_partition(self) -> None:
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gathered:
-            return F.linear(x, self.weight, self.bias)
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+            return self._matmul(x, self.bias)
+        y = reduce_from_tp(self._matmul(x, None), self.group)
         return y if self.bias is None else y + self.bias
+
+
+class ShardedRegion:
+    """A module computed on sharded parameters (MoE experts): float inputs enter the TP region, the output is reduced.
+
+    The module keeps its class, forward and parameter names; hooks add the two collectives.
+    """
+
+    def __init__(self, module: nn.Module, partitions: Mapping[str, Partition], group: Group, replicas: ReplicaGroups):
+        self.module, self.group, self.gathered = module, group, False
+        rank = group_rank(group)
+        for name, partition in partitions.items():
+            old = getattr(module, name)
+            setattr(module, name, shard_parameter(old, partition, rank, group, replicas, lambda: self.gathered))
+        self.params = [getattr(module, name) for name in partitions]
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        module.register_forward_hook(self._leave)
+        module.autotp_region = self
+
+    def _enter(self, module, args, kwargs):
+        if self.gathered:
+            return None
+        copy = lambda t: copy_to_tp(t, self.group) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+    def _leave(self, module, args, output):
+        return output if self.gathered else reduce_from_tp(output, self.group)
+
+    def gather_(self) -> None:
+        for param in self.params:
+            gather_parameter_(param, self.group)
+        self.gathered = True
+
+    def partition_(self) -> None:
+        for param in self.params:
+            partition_parameter_(param)
+        self.gathered = False

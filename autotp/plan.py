@@ -1,44 +1,56 @@
 """The plan: which module gets which style, as data.
 
-`build_plan` reads a model (meta device is fine) and a policy and returns a `Plan` that says, for
-one tp size, every linear's style and partition, the attention attributes to adjust and the
-parameters whose gradients need a TP sum. It touches no process group, so it can be printed and
-tested anywhere; every inconsistency is reported here, before the model is changed.
+`build_plan` reads a model (meta device is fine) and returns a `Plan` that says, for one tp size,
+every linear's style and partition, the expert tensors sharded in place, the attention attributes
+to adjust, and the parameters whose gradients need a TP sum. It touches no process group, so it
+can be printed and tested anywhere; every inconsistency is reported here, before the model is
+changed. Where the plan comes from, in order: a shipped or user policy, the model config's
+`base_model_tp_plan` (translated), structural detection (see `autotp.detect`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping
 
 from torch import nn
 
-from .policy import AttentionRule, MLPRule, Policy, as_policy, builtin_policies, find_policy
-from .sharding import Partition, split_sizes
+from .policy import Policy, Rule, as_policy, find_policy
+from .sharding import HeadLayout, Partition, layout_partition, split_sizes
 
-# Attention attributes HF code may read to reshape heads, and which count each one holds.
+# Attributes HF attention code may read to reshape heads, and which count each holds.
 _HEAD_ATTRS = {
-    "num_heads": "heads", "num_attention_heads": "heads", "n_heads": "heads", "n_head": "heads",
-    "num_key_value_heads": "kv_heads", "num_kv_heads": "kv_heads", "n_kv_heads": "kv_heads",
+    "num_heads": "q", "num_attention_heads": "q", "n_heads": "q", "n_head": "q",
+    "num_key_value_heads": "kv", "num_kv_heads": "kv", "n_kv_heads": "kv",
 }
+_WIDTH_ATTRS = {"split_size": "q", "embed_dim": "q", "all_head_size": "q", "hidden_size": "q", "kv_dim": "kv"}
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One linear to replace: its style, full (out, in) shape and weight partition."""
+    """One linear to replace: style, full weight shape as stored, and weight partition."""
 
     path: str
     style: str  # "column" or "row"
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     partition: Partition
     reason: str
 
 
 @dataclass(frozen=True)
+class RegionPlan:
+    """A module whose parameters shard in place (MoE experts): inputs enter TP, the output is reduced."""
+
+    path: str
+    partitions: tuple[tuple[str, tuple[int, ...], Partition], ...]  # (param name, full shape, partition)
+    reason: str
+
+
+@dataclass(frozen=True)
 class AttrPlan:
-    """An integer attribute of an attention module that holds a head count: full and per-rank values."""
+    """An integer a block reads as a head count or width (`config.x` for a config field): full and per rank."""
 
     path: str
     name: str
@@ -47,131 +59,249 @@ class AttrPlan:
 
 
 @dataclass(frozen=True)
+class HeadInputPlan:
+    """A tensor passed to an attention block with all heads folded into dim 0 (ALiBi): sliced per rank."""
+
+    path: str
+    name: str
+    heads: int
+    local: tuple[tuple[int, int], ...]  # (first head, head count) per rank
+
+
+@dataclass(frozen=True)
 class Plan:
     tp_size: int
     source: str
-    layers: tuple[LayerPlan, ...]
-    attrs: tuple[AttrPlan, ...]
-    head_norms: tuple[str, ...]
-    replicated: tuple[tuple[str, str], ...]
+    layers: tuple[LayerPlan, ...] = ()
+    regions: tuple[RegionPlan, ...] = ()
+    attrs: tuple[AttrPlan, ...] = ()
+    head_norms: tuple[str, ...] = ()
+    head_inputs: tuple[HeadInputPlan, ...] = ()
+    replicated: tuple[tuple[str, str], ...] = ()
+
+    def partitions(self) -> list[Partition]:
+        return [layer.partition for layer in self.layers] + [p for r in self.regions for _, _, p in r.partitions]
+
+    def replica_groups(self) -> set[tuple[int, ...]]:
+        """Sets of TP ranks that hold the same rows of some tensor (replicated KV heads)."""
+        return set().union(*(p.replica_groups() for p in self.partitions()))
 
     def describe(self) -> str:
         """A table of every decision, for people."""
         lines = [f"autotp plan: tp_size={self.tp_size}, from {self.source}"]
         for layer in self.layers:
-            p = layer.partition
-            local = [(p.local_size(r), layer.shape[1]) if p.dim == 0 else (layer.shape[0], p.local_size(r))
-                     for r in range(self.tp_size)]
-            shapes = f"{local[0]} each" if len(set(local)) == 1 else " / ".join(map(str, local))
-            lines.append(f"  {layer.style:<10} {layer.path}  {layer.shape} -> {shapes}  ({layer.reason})")
+            lines.append(f"  {layer.style:<10} {layer.path}  {layer.shape}  {layer.partition.describe()}  ({layer.reason})")
+        for region in self.regions:
+            for name, shape, partition in region.partitions:
+                lines.append(f"  {'experts':<10} {region.path}.{name}  {shape}  {partition.describe()}  ({region.reason})")
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:
             lines.append(f"  {'attribute':<10} {attr.path}.{attr.name}  {attr.full} -> {list(attr.local)}")
+        for head_input in self.head_inputs:
+            lines.append(f"  {'head-input':<10} {head_input.path}({head_input.name}=...)  sliced to each rank's heads")
         for path, why in self.replicated:
             lines.append(f"  {'replicated':<10} {path}  ({why})")
         return "\n".join(lines)
 
 
+def features(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of an nn.Linear or a GPT-2 Conv1D (whose weight is stored [in, out])."""
+    if type(module).__name__ == "Conv1D":
+        return module.weight.shape[1], module.weight.shape[0]
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    raise TypeError(f"expected an nn.Linear or Conv1D, found {type(module).__name__}")
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def weight_dim(module: nn.Module, style: str) -> int:
+    """The dim of the stored weight that a column (output) or row (input) split cuts."""
+    transposed = type(module).__name__ == "Conv1D"
+    return (1 if transposed else 0) if style == "column" else (0 if transposed else 1)
+
+
 def build_plan(model: nn.Module, tp_size: int, policy: Policy | str | Path | Mapping[str, Any] | None = None) -> Plan:
-    """The plan for `model` at `tp_size`, from the given policy or the shipped one for its model type."""
+    """The plan for `model` at `tp_size`: from `policy`, else a shipped policy, HF's plan or detection."""
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
-    if policy is None:
-        found = find_policy(model_type)
-        if found is None:
-            known = sorted(t for p in builtin_policies() for t in p.model_types)
-            raise ValueError(
-                f"autotp has no sharding policy for model_type {model_type!r} ({type(model).__name__}); "
-                f"shipped policies cover {known}. Pass policy=<file or dict> to wrap()."
-            )
-        policy = found
+    if policy is not None:
+        chosen = as_policy(policy)
     else:
-        policy = as_policy(policy)
+        chosen = find_policy(model_type)
+        if chosen is None:
+            from .detect import derive_policy  # detection builds a policy from HF's plan or the structure
+
+            chosen = derive_policy(model)
+    return plan_from_policy(model, tp_size, chosen)
+
+
+def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
+    config = model.config
     modules = dict(model.named_modules())
-    layers: list[LayerPlan] = []
-    attrs: list[AttrPlan] = []
-    head_norms: list[str] = []
-    for rule in policy.attention:
-        for path in _matching(modules, rule.match, policy):
-            _plan_attention(path, modules[path], rule, config, tp_size, layers, attrs, head_norms)
-    for rule in policy.mlp:
-        for path in _matching(modules, rule.match, policy):
-            _plan_mlp(path, modules[path], rule, tp_size, layers)
+    acc = _Accumulator()
+    claimed: set[str] = set()
+    for rule in policy.rules:
+        if any(getattr(config, key, None) != value for key, value in rule.when.items()):
+            continue
+        for path in [name for name in modules if fnmatchcase(name, rule.match) and name not in claimed]:
+            planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts}[rule.kind]
+            if planner(path, modules[path], rule, config, tp_size, acc):
+                claimed.add(path)
+    if policy.rules and not claimed:
+        raise ValueError(f"policy {policy.name!r} shards nothing in {type(model).__name__}: no rule matches its modules")
     order = {name: i for i, name in enumerate(modules)}
-    layers.sort(key=lambda layer: order[layer.path])
-    sharded = {layer.path for layer in layers}
+    acc.layers.sort(key=lambda layer: order[layer.path])
+    sharded = {layer.path for layer in acc.layers}
     replicated = tuple(
-        (name, "not covered by the policy; replicated, which is always correct")
-        for name, m in modules.items() if isinstance(m, nn.Linear) and name not in sharded
+        (name, "not covered by the plan; replicated, which is always correct")
+        for name, m in modules.items() if is_linear(m) and name not in sharded
     )
-    return Plan(tp_size, f"policy {policy.name!r}", tuple(layers), tuple(attrs), tuple(head_norms), replicated)
+    source = f"policy {policy.name!r}" + (f" ({policy.description})" if policy.description else "")
+    return Plan(tp_size, source, tuple(acc.layers), tuple(acc.regions), tuple(acc.attrs), tuple(acc.head_norms),
+                tuple(acc.head_inputs), replicated)
 
 
-def _matching(modules: Mapping[str, nn.Module], pattern: str, policy: Policy) -> list[str]:
-    paths = [name for name in modules if fnmatchcase(name, pattern)]
-    if not paths:
-        raise ValueError(f"policy {policy.name!r}: no module matches {pattern!r}; the model's structure differs")
-    return paths
+@dataclass
+class _Accumulator:
+    layers: list[LayerPlan] = field(default_factory=list)
+    regions: list[RegionPlan] = field(default_factory=list)
+    attrs: list[AttrPlan] = field(default_factory=list)
+    head_norms: list[str] = field(default_factory=list)
+    head_inputs: list[HeadInputPlan] = field(default_factory=list)
 
 
-def _linear(block_path: str, block: nn.Module, name: str) -> nn.Linear:
-    child = getattr(block, name, None)
-    if not isinstance(child, nn.Linear):
-        raise ValueError(f"{block_path}.{name}: expected an nn.Linear, found {type(child).__name__}")
-    return child
+def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
+    """The named descendants of `block` (dotted paths allowed), or None if any is missing."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = block.get_submodule(name)
+        except AttributeError:
+            return None
+    return found
 
 
-def _plan_attention(path, block, rule: AttentionRule, config, tp_size, layers, attrs, head_norms) -> None:
-    counts = {"heads": getattr(config, rule.heads, None), "kv_heads": getattr(config, rule.kv_heads, None)}
-    if counts["kv_heads"] is None:
-        counts["kv_heads"] = counts["heads"]
-    if counts["heads"] is None:
-        raise ValueError(f"{path}: the config has no field {rule.heads!r} giving the number of heads")
-    heads, kv = counts["heads"], counts["kv_heads"]
-    if heads % tp_size or kv % tp_size:
-        raise ValueError(
-            f"{path}: {heads} query heads and {kv} key/value heads cannot be split evenly over tp_size={tp_size}; "
-            f"choose a tp_size that divides both"
-        )
-    first = _linear(path, block, next(iter(rule.column)))
-    head_dim = getattr(block, "head_dim", None) or first.out_features // counts[rule.column[next(iter(rule.column))]]
-    for style, dim, children in (("column", 0, rule.column), ("row", 1, rule.row)):
-        for name, count_key in children.items():
-            linear = _linear(path, block, name)
-            rows = (linear.out_features, linear.in_features)[dim]
-            expected = counts[count_key] * head_dim
-            if rows != expected:
+def _count(config, spec: str | int | None, default: int | None = None) -> int:
+    if spec is None:
+        return default
+    if isinstance(spec, int):
+        return spec
+    value = getattr(config, spec, None)
+    if not isinstance(value, int):
+        raise ValueError(f"the config has no integer field {spec!r}")
+    return value
+
+
+def _parts(layout: str) -> int:
+    return layout.count("|") + 1
+
+
+def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
+    children = _children(block, [*rule.column, *rule.row])
+    if children is None:
+        return False
+    heads = _count(config, rule.heads)
+    kv = _count(config, rule.kv_heads, heads)
+    row_name = next(iter(rule.row))
+    row_in = features(children[row_name])[1]
+    if row_in % heads:
+        raise ValueError(f"{path}.{row_name}: {row_in} input features are not a whole number of {heads} heads")
+    head_dim = row_in // heads
+    try:
+        layout = HeadLayout.plan(heads, kv, tp)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    owned = {"q": layout.q, "k": layout.kv, "v": layout.kv}
+    units = {"q": head_dim, "k": head_dim, "v": head_dim}
+    for style, mapping in (("column", rule.column), ("row", rule.row)):
+        for name, spec in mapping.items():
+            module = children[name]
+            rows = features(module)[0 if style == "column" else 1]
+            partition = layout_partition(spec, weight_dim(module, style), owned, units, group=heads // kv)
+            if partition.full_size != rows:
                 raise ValueError(
-                    f"{path}.{name}: {rows} {'output' if dim == 0 else 'input'} features, expected "
-                    f"{counts[count_key]} heads x {head_dim} = {expected}"
+                    f"{path}.{name}: {rows} {'output' if style == 'column' else 'input'} features, but layout "
+                    f"{spec!r} with {heads} query / {kv} key-value heads of {head_dim} gives {partition.full_size}"
                 )
-            partition = Partition(dim, (split_sizes(rows, tp_size, unit=head_dim),))
-            layers.append(LayerPlan(f"{path}.{name}", style, (linear.out_features, linear.in_features), partition,
-                                    f"{counts[count_key]} {count_key.replace('_', ' ')} of {head_dim}"))
-    local = {k: split_sizes(v, tp_size) for k, v in counts.items()}
-    wanted = [(name, counts[key], local[key]) for name, key in _HEAD_ATTRS.items()
-              if getattr(block, name, None) == counts[key]]
-    if hasattr(block, "num_key_value_groups"):
-        wanted.append(("num_key_value_groups", block.num_key_value_groups,
-                       tuple(h // k for h, k in zip(local["heads"], local["kv_heads"]))))
-    attrs.extend(AttrPlan(path, name, full, per_rank) for name, full, per_rank in wanted
-                 if any(v != full for v in per_rank))
-    head_norms.extend(f"{path}.{name}" for name in rule.head_norms if hasattr(block, name))
+            acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition,
+                                        f"{spec} over {heads} heads / {kv} kv heads of {head_dim}"))
+    local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
+    full = {"q": heads, "kv": kv}
+    linears = {id(m) for m in children.values()}
+    for sub_path, sub in block.named_modules():
+        if id(sub) in linears:
+            continue
+        prefix = f"{path}.{sub_path}" if sub_path else path
+        for name, role in _HEAD_ATTRS.items():
+            if getattr(sub, name, None) == full[role] and full[role] != 0:
+                _attr(acc, prefix, name, full[role], local[role])
+        for name, role in _WIDTH_ATTRS.items():
+            if getattr(sub, name, None) == full[role] * head_dim:
+                _attr(acc, prefix, name, full[role] * head_dim, tuple(n * head_dim for n in local[role]))
+        if isinstance(getattr(sub, "num_key_value_groups", None), int):
+            groups = tuple(q // k for q, k in zip(local["q"], local["kv"]))
+            _attr(acc, prefix, "num_key_value_groups", sub.num_key_value_groups, groups)
+    for name in rule.local_config:
+        value = getattr(config, name)
+        role = "q" if value == heads else "kv" if value == kv else None
+        if role is None:
+            raise ValueError(f"{path}: config.{name}={value} is neither the query nor the key/value head count")
+        _attr(acc, path, f"config.{name}", value, local[role])
+    acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
+    acc.head_inputs.extend(HeadInputPlan(path, name, heads, tuple((r.start, len(r)) for r in layout.q))
+                           for name in rule.head_inputs)
+    return True
 
 
-def _plan_mlp(path, block, rule: MLPRule, tp_size, layers) -> None:
-    columns = [_linear(path, block, name) for name in rule.column]
-    width = columns[0].out_features
-    for name, linear in zip(rule.column, columns):
-        if linear.out_features != width:
-            raise ValueError(f"{path}.{name}: {linear.out_features} output features, {rule.column[0]} has {width}")
-    for name in rule.row:
-        if _linear(path, block, name).in_features != width:
-            raise ValueError(f"{path}.{name}: {_linear(path, block, name).in_features} input features, expected {width}")
-    sizes = split_sizes(width, tp_size)
-    for style, dim, names in (("column", 0, rule.column), ("row", 1, rule.row)):
-        for name in names:
-            linear = getattr(block, name)
-            layers.append(LayerPlan(f"{path}.{name}", style, (linear.out_features, linear.in_features),
-                                    Partition(dim, (sizes,)), f"MLP width {width}"))
+def _attr(acc: _Accumulator, path: str, name: str, full: int, local: tuple[int, ...]) -> None:
+    if any(v != full for v in local):
+        acc.attrs.append(AttrPlan(path, name, full, local))
+
+
+def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
+    children = _children(block, [*rule.column, *rule.row])
+    if children is None:
+        return False
+    widths = {}
+    for style, mapping in (("column", rule.column), ("row", rule.row)):
+        for name, spec in mapping.items():
+            rows = features(children[name])[0 if style == "column" else 1]
+            widths[name] = rows // _parts(spec) if rows % _parts(spec) == 0 else None
+    width = next(iter(widths.values()))
+    if width is None or any(w != width for w in widths.values()):
+        raise ValueError(f"{path}: the MLP projections disagree on the width: {widths}")
+    owned = {"w": [range(s, s + n) for s, n in _starts(split_sizes(width, tp))]}
+    for style, mapping in (("column", rule.column), ("row", rule.row)):
+        for name, spec in mapping.items():
+            module = children[name]
+            partition = layout_partition(spec, weight_dim(module, style), owned, {"w": 1})
+            acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition,
+                                        f"MLP width {width}" + (f" x {_parts(spec)} parts" if _parts(spec) > 1 else "")))
+    return True
+
+
+def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
+    params = {name: getattr(block, name, None) for name in rule.params}
+    if any(not isinstance(p, nn.Parameter) for p in params.values()):
+        return False
+    widths = {name: params[name].shape[dim] // _parts(spec) for name, (dim, spec) in rule.params.items()}
+    width = next(iter(widths.values()))
+    if any(w != width for w in widths.values()):
+        raise ValueError(f"{path}: the expert tensors disagree on the expert width: {widths}")
+    owned = {"w": [range(s, s + n) for s, n in _starts(split_sizes(width, tp))]}
+    partitions = tuple((name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
+                       for name, (dim, spec) in rule.params.items())
+    acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
+    return True
+
+
+def _starts(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, size))
+        start += size
+    return out

@@ -1,8 +1,10 @@
 """Declarative per-family sharding policies (the TOML files in `policies/`).
 
-A policy names, per block pattern, which child linears are column- or row-parallel and how their
-rows are counted (attention heads from config fields, or plain MLP width). It is data only: the
-plan builder turns it into concrete partitions for one model and tp size.
+A policy names, per block pattern, which child linears are column- or row-parallel and the row
+layout of each (see `autotp.sharding` for layout strings), and which expert tensors shard inside
+each expert. It is data only: `autotp.plan` turns it into partitions for one model and tp size.
+Rules may carry `when = {config_field = value}` so one family file can cover its variants; a
+block no rule covers stays replicated, which is always correct.
 """
 
 from __future__ import annotations
@@ -12,34 +14,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+_LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}}
+
 
 @dataclass(frozen=True)
-class AttentionRule:
-    """Heads-aligned sharding of one attention block pattern."""
+class Rule:
+    """One block pattern and how to shard it."""
 
+    kind: str  # "attention", "mlp" or "experts"
     match: str
-    heads: str
-    kv_heads: str
-    column: Mapping[str, str]
-    row: Mapping[str, str]
+    column: Mapping[str, str] = field(default_factory=dict)  # child path -> layout
+    row: Mapping[str, str] = field(default_factory=dict)
+    params: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # experts: name -> (dim, layout)
+    heads: str | int = "num_attention_heads"
+    kv_heads: str | int | None = None
+    when: Mapping[str, Any] = field(default_factory=dict)
     head_norms: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class MLPRule:
-    """Width sharding of one MLP block pattern."""
-
-    match: str
-    column: tuple[str, ...]
-    row: tuple[str, ...]
+    head_inputs: Mapping[str, str] = field(default_factory=dict)  # kwarg -> "batch*heads"
+    local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
 
 
 @dataclass(frozen=True)
 class Policy:
     name: str
     model_types: tuple[str, ...]
-    attention: tuple[AttentionRule, ...] = ()
-    mlp: tuple[MLPRule, ...] = ()
+    rules: tuple[Rule, ...]
     description: str = ""
     source: str = field(default="", compare=False)
 
@@ -49,33 +48,44 @@ def _policy_dir() -> Path:
     return installed if installed.is_dir() else Path(__file__).parent.parent / "policies"
 
 
+_RULE_KEYS = {"match", "column", "row", "params", "heads", "kv_heads", "when", "head_norms", "head_inputs",
+              "local_config"}
+
+
+def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
+    unknown = set(raw) - _RULE_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    if "match" not in raw:
+        raise ValueError(f"{where}: missing the key 'match'")
+    default = "w" if kind != "attention" else None
+    column = raw.get("column", {})
+    column = {name: default for name in column} if isinstance(column, list) else dict(column)
+    row = raw.get("row", {})
+    row = {name: default for name in row} if isinstance(row, list) else dict(row)
+    params = {name: (int(spec["dim"]), spec.get("layout", "w")) for name, spec in raw.get("params", {}).items()}
+    for name, layout in {**column, **row, **{k: v[1] for k, v in params.items()}}.items():
+        roles = {tok.strip("()*") for part in str(layout).split("|") for tok in part.split()}
+        if layout is None or not roles <= _LAYOUT_ROLES[kind]:
+            raise ValueError(f"{where}: {name} has layout {layout!r}; {kind} layouts use {sorted(_LAYOUT_ROLES[kind])}")
+    return Rule(kind=kind, match=raw["match"], column=column, row=row, params=params,
+                heads=raw.get("heads", "num_attention_heads"), kv_heads=raw.get("kv_heads"),
+                when=dict(raw.get("when", {})), head_norms=tuple(raw.get("head_norms", ())),
+                head_inputs=dict(raw.get("head_inputs", {})), local_config=tuple(raw.get("local_config", ())))
+
+
 def parse_policy(data: Mapping[str, Any], name: str, source: str = "") -> Policy:
     """A `Policy` from a TOML-shaped dict, with errors that name the offending key."""
-    known = {"description", "model_types", "attention", "mlp"}
+    known = {"description", "model_types", *_LAYOUT_ROLES}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"policy {name!r}: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
-    try:
-        attention = tuple(
-            AttentionRule(
-                match=r["match"], heads=r["heads"], kv_heads=r.get("kv_heads", r["heads"]),
-                column=dict(r["column"]), row=dict(r["row"]), head_norms=tuple(r.get("head_norms", ())),
-            )
-            for r in data.get("attention", ())
-        )
-        mlp = tuple(
-            MLPRule(match=r["match"], column=tuple(r["column"]), row=tuple(r["row"])) for r in data.get("mlp", ())
-        )
-    except KeyError as err:
-        raise ValueError(f"policy {name!r}: a block is missing the key {err}") from None
-    for rule in attention:
-        bad = {k: v for k, v in {**rule.column, **rule.row}.items() if v not in ("heads", "kv_heads")}
-        if bad:
-            raise ValueError(f"policy {name!r}, block {rule.match!r}: head counts must be 'heads' or 'kv_heads', got {bad}")
-    return Policy(
-        name=name, model_types=tuple(data.get("model_types", ())), attention=attention, mlp=mlp,
-        description=data.get("description", ""), source=source,
+    rules = tuple(
+        _rule(kind, raw, f"policy {name!r}, {kind} rule {i}")
+        for kind in _LAYOUT_ROLES for i, raw in enumerate(data.get(kind, ()))
     )
+    return Policy(name=name, model_types=tuple(data.get("model_types", ())), rules=rules,
+                  description=data.get("description", ""), source=source)
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -95,7 +105,7 @@ def find_policy(model_type: str) -> Policy | None:
     return next((p for p in builtin_policies() if model_type in p.model_types), None)
 
 
-def as_policy(policy: "Policy | str | Path | Mapping[str, Any]") -> Policy:
+def as_policy(policy: Policy | str | Path | Mapping[str, Any]) -> Policy:
     """Accept a user's policy as a `Policy`, a file path or a dict."""
     if isinstance(policy, Policy):
         return policy

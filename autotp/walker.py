@@ -5,13 +5,15 @@ The plan has already checked everything, so this step cannot fail halfway on bad
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-from .comm import Group, grad_allreduce_hook, group_rank
-from .layers import LinearAllreduce, LinearLayer, SharedInput, _ParallelLinear
-from .plan import Plan
+from .comm import Group, build_subgroups, grad_allreduce_hook, group_rank
+from .layers import LinearAllreduce, LinearLayer, ShardedRegion, SharedInput, _ParallelLinear
+from .plan import AttrPlan, HeadInputPlan, Plan
 
 
 @dataclass
@@ -23,11 +25,14 @@ class TPState:
     dp_group: Group
     tp_rank: int
     gathered: bool = False
+    regions: list[ShardedRegion] = field(default_factory=list)
 
 
 def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group) -> TPState:
     """Rewrite `model` in place to follow `plan` on this rank."""
     rank = group_rank(tp_group)
+    state = TPState(plan, tp_group, dp_group, rank)
+    replicas = build_subgroups(plan.replica_groups(), tp_group)
     modules = dict(model.named_modules())
     shared: dict[str, SharedInput] = {}
     for layer in plan.layers:
@@ -38,18 +43,47 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group) -
             if parent_path not in shared:
                 shared[parent_path] = SharedInput(tp_group)
                 parent.register_forward_hook(shared[parent_path].clear)
-            new = LinearLayer(old, layer.partition, tp_group, shared[parent_path])
+            new = LinearLayer(old, layer.partition, tp_group, shared[parent_path], replicas)
         else:
-            new = LinearAllreduce(old, layer.partition, tp_group)
+            new = LinearAllreduce(old, layer.partition, tp_group, replicas)
         setattr(parent, name, new)
-    for attr in plan.attrs:
-        setattr(modules[attr.path], attr.name, attr.local[rank])
-    state = TPState(plan, tp_group, dp_group, rank)
+    for region in plan.regions:
+        partitions = {name: partition for name, _, partition in region.partitions}
+        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, replicas))
+    for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
+        modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
+    _set_attrs(modules, plan.attrs, rank, gathered=False)
+    for head_input in plan.head_inputs:
+        modules[head_input.path].register_forward_pre_hook(_head_slicer(head_input, state), with_kwargs=True)
     for path in plan.head_norms:
         for param in modules[path].parameters():
             param.register_hook(grad_allreduce_hook(tp_group, lambda: not state.gathered))
     model.autotp_state = state
     return state
+
+
+def _set_attrs(modules: dict[str, nn.Module], attrs: tuple[AttrPlan, ...], rank: int, gathered: bool) -> None:
+    for attr in attrs:
+        target = modules[attr.path]
+        name = attr.name
+        if name.startswith("config."):
+            target, name = target.config, name.removeprefix("config.")
+        setattr(target, name, attr.full if gathered else attr.local[rank])
+
+
+def _head_slicer(plan: HeadInputPlan, state: TPState):
+    """Forward pre-hook keeping this rank's heads of a (batch*heads, ...) input such as ALiBi."""
+    first, count = plan.local[state.tp_rank]
+
+    def hook(module, args, kwargs):
+        tensor = kwargs.get(plan.name)
+        if state.gathered or not torch.is_tensor(tensor):
+            return None
+        by_head = tensor.reshape(-1, plan.heads, *tensor.shape[1:])
+        kwargs[plan.name] = by_head[:, first:first + count].reshape(-1, *tensor.shape[1:])
+        return args, kwargs
+
+    return hook
 
 
 def parallel_layers(model: nn.Module) -> list[_ParallelLinear]:
@@ -58,10 +92,8 @@ def parallel_layers(model: nn.Module) -> list[_ParallelLinear]:
 
 
 def set_gathered(model: nn.Module, state: TPState, gathered: bool) -> None:
-    """Switch every replaced layer and adjusted attribute between full weights and shards."""
-    modules = dict(model.named_modules())
-    for layer in parallel_layers(model):
-        layer.gather_() if gathered else layer.partition_()
-    for attr in state.plan.attrs:
-        setattr(modules[attr.path], attr.name, attr.full if gathered else attr.local[state.tp_rank])
+    """Switch every replaced layer, sharded region and adjusted attribute between full weights and shards."""
+    for part in [*parallel_layers(model), *state.regions]:
+        part.gather_() if gathered else part.partition_()
+    _set_attrs(dict(model.named_modules()), state.plan.attrs, state.tp_rank, gathered)
     state.gathered = gathered

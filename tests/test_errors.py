@@ -45,12 +45,12 @@ def test_bad_tp_size(no_launcher, tp_size, error, words) -> None:
 
 
 def test_heads_that_cannot_be_split_name_module_and_numbers(no_launcher) -> None:
-    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=6, head_dim=8)
+    model = tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, head_dim=8)
     before = snapshot(model)
     with pytest.raises(ValueError) as err:
         autotp.wrap(model, 4)
     message = str(err.value)
-    assert "model.layers.0.self_attn" in message and "6 query heads" in message and "tp_size=4" in message
+    assert "model.layers.0.self_attn" in message and "3 key/value heads" in message and "tp_size=4" in message
     assert_unchanged(before, model)
 
 
@@ -67,15 +67,6 @@ def test_tp_without_distributed_says_how_to_launch(no_launcher) -> None:
     before = snapshot(model)
     with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
         autotp.wrap(model, 2)
-    assert_unchanged(before, model)
-
-
-def test_unknown_model_type_is_refused(no_launcher) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
-    before = snapshot(model)
-    with pytest.raises(ValueError, match="no sharding policy for model_type 'gpt2'"):
-        autotp.wrap(model, 1)
     assert_unchanged(before, model)
 
 

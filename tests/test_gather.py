@@ -11,7 +11,7 @@ import autotp
 from autotp.layers import LinearAllreduce, LinearLayer
 from models import batch, tiny_model
 from ranks import run_ranks
-from test_parity import GRAD_RTOL, LOSS_ATOL, full
+from test_parity import GRAD_RTOL, LOSS_ATOL, full, grad_error
 
 
 def gather_cycle(rank: int, world: int, family: str) -> dict:
@@ -32,9 +32,8 @@ def gather_cycle(rank: int, world: int, family: str) -> dict:
         model(ids, labels=ids).loss.backward()
     reference(ids, labels=ids).loss.backward()
     ref_params = dict(reference.named_parameters())
-    report["grad_inside"] = max(
-        ((full(p.grad, p, group) - ref_params[n].grad).abs().max() / ref_params[n].grad.abs().max()).item()
-        for n, p in model.named_parameters())
+    report["grad_inside"] = max(grad_error(full(p.grad, p, group), ref_params[n].grad)
+                                for n, p in model.named_parameters())
     report["shards_back"] = all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
     model.zero_grad()
     reference.zero_grad()
@@ -50,9 +49,8 @@ def gather_cycle(rank: int, world: int, family: str) -> dict:
         loss.backward()
     report["loss_after"] = abs(losses[0].item() - losses[1].item())
     other_params = dict(other.named_parameters())
-    report["grad_after"] = max(
-        ((full(p.grad, p, group) - other_params[n].grad).abs().max() / other_params[n].grad.abs().max()).item()
-        for n, p in model.named_parameters())
+    report["grad_after"] = max(grad_error(full(p.grad, p, group), other_params[n].grad)
+                               for n, p in model.named_parameters())
     return report
 
 

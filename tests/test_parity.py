@@ -2,8 +2,9 @@
 
 Tolerances (fp32): TP changes only the order of floating-point sums (partial matmuls all-reduced),
 so results agree to rounding. Loss: 1e-5 absolute (observed ~1e-6). Gradients: max |diff| within
-1e-5 of the largest reference entry of the same tensor (observed <1e-6); a missing or doubled
-reduction is off by 50% or more. Parameters after 3 AdamW steps (lr 1e-3, so at most 3e-3 of
+1e-5 of the largest reference entry of the same tensor, floored at 1e-3 (observed <1e-6); the floor
+covers gradients that are zero in exact arithmetic (a key bias under softmax) and hold only rounding
+noise. A missing or doubled reduction is off by 50% or more of a real gradient. Parameters after 3 AdamW steps (lr 1e-3, so at most 3e-3 of
 movement): 3e-5 absolute (observed <1e-5); Adam divides by sqrt(v), which magnifies rounding in
 near-zero gradients, hence the gradient check is the sharp one.
 """
@@ -21,6 +22,12 @@ from models import FAMILIES, batch, tiny_model
 from ranks import run_ranks
 
 LOSS_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-5, 3e-5
+GRAD_FLOOR = 1e-3
+
+
+def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max |diff| relative to the tensor's largest reference gradient (floored, see above)."""
+    return ((got - expected).abs().max() / expected.abs().max().clamp_min(GRAD_FLOOR)).item()
 
 
 def full(tensor: torch.Tensor, param: torch.nn.Parameter, group) -> torch.Tensor:
@@ -49,8 +56,7 @@ def compare_training(rank: int, world: int, family: str, steps: int = 3, policy=
         if step == 0:
             for name, p in model.named_parameters():
                 expected = ref_params[name].grad
-                err = (full(p.grad, p, group) - expected).abs().max() / expected.abs().max()
-                report["grad"][name] = err.item()
+                report["grad"][name] = grad_error(full(p.grad, p, group), expected)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()

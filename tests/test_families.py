@@ -1,0 +1,29 @@
+"""Parity (loss, every gathered gradient, parameters after AdamW) for fused, MQA/GQA, MoE and encoder families,
+KV-head replication and uneven heads. Tolerances as in test_parity."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import ISSUE3_FAMILIES
+from ranks import run_ranks
+from test_parity import assert_parity, compare_training
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ISSUE3_FAMILIES)
+def test_family_parity(family: str, tp: int) -> None:
+    for report in run_ranks(compare_training, tp, family):
+        assert_parity(report)
+        assert report["sharded"] > 0, "nothing was sharded"
+
+
+@pytest.mark.parametrize("family,heads,kv,tp", [
+    ("llama", 8, 1, 2), ("llama", 8, 1, 4), ("llama", 8, 2, 4),   # KV heads replicated over tp/kv ranks
+    ("qwen3", 8, 2, 4),                                           # ... with per-head norms
+    ("llama", 6, 6, 4), ("llama", 6, 2, 4), ("llama", 14, 14, 4),  # uneven heads: 2/2/1/1, 2/1/2/1, 4/4/3/3
+])
+def test_head_layouts_parity(family: str, heads: int, kv: int, tp: int) -> None:
+    config = {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 8}
+    for report in run_ranks(compare_training, tp, family, 3, None, config):
+        assert_parity(report)

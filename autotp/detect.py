@@ -8,12 +8,15 @@ HF itself keeps replicated (`colwise_gather_output`, `rowwise_split_input`), sta
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
+from dataclasses import replace
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
-from .plan import features, is_linear
+from .plan import Plan, features, is_linear
 from .policy import Policy, parse_policy
 
 _ATTENTION_HINTS = ("attn", "attention")
@@ -131,3 +134,139 @@ def _from_structure(model: nn.Module) -> Policy:
         if found:
             data[found[0]].append(found[1])
     return parse_policy(data, name=f"{model.config.model_type} (structural detection)", source="detected")
+
+
+def verify_by_emulation(model: nn.Module, plan: Plan) -> Plan:
+    """Keep only the derived blocks whose sharded computation provably reproduces the original.
+
+    The model runs once on a short random input while hooks record each block's inputs and output.
+    Then, in this one process, every rank's shard of the block is computed from a copy holding
+    only that rank's rows; the sum of those partial outputs must equal the recorded output. A
+    block whose row projection is not its last step, or that holds parameters besides its
+    projections (whose gradients would be partial), or whose sum differs, stays replicated.
+    """
+    blocks = sorted({layer.block for layer in plan.layers})
+    if not blocks:
+        return plan
+    modules = dict(model.named_modules())
+    first_of = {}
+    for block in blocks:
+        pattern = _pattern(block)
+        first_of.setdefault(pattern, block)
+    records, problem = _record(model, {first_of[p] for p in first_of}, plan)
+    verdicts: dict[str, str | None] = {}
+    for pattern, block in first_of.items():
+        if problem:
+            verdicts[pattern] = problem
+            continue
+        verdicts[pattern] = _check_block(modules[block], block, plan, records.get(block))
+    rejected = {b for b in blocks if verdicts[_pattern(b)]}
+    if not rejected:
+        return plan
+    why = {b: f"derived plan not verified: {verdicts[_pattern(b)]}; replicated" for b in rejected}
+    kept = tuple(layer for layer in plan.layers if layer.block not in rejected)
+    replicated = plan.replicated + tuple((layer.path, why[layer.block]) for layer in plan.layers
+                                         if layer.block in rejected)
+    inside = lambda path: any(path == b or path.startswith(b + ".") for b in rejected)  # noqa: E731
+    return replace(plan, layers=kept, replicated=replicated,
+                   attrs=tuple(a for a in plan.attrs if not inside(a.path)),
+                   head_norms=tuple(h for h in plan.head_norms if not inside(h)),
+                   head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)))
+
+
+def _pattern(path: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+def _first_tensor(value):
+    if torch.is_tensor(value):
+        return value
+    if isinstance(value, (tuple, list)) and value and torch.is_tensor(value[0]):
+        return value[0]
+    return getattr(value, "last_hidden_state", None)
+
+
+def _record(model: nn.Module, blocks: set[str], plan: Plan) -> tuple[dict, str | None]:
+    """Each block's (args, kwargs, output, its row projection's output) from one forward on random ids."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return {}, "the model is on the meta device, so nothing could be run"
+    modules = dict(model.named_modules())
+    rows = {layer.block: layer.path for layer in plan.layers if layer.style == "row" and layer.block in blocks}
+    records: dict[str, dict] = {b: {} for b in blocks}
+    handles = []
+    for block in blocks:
+        def on_block(module, args, kwargs, output, block=block):
+            if "output" not in records[block]:
+                records[block].update(args=args, kwargs=kwargs, output=_first_tensor(output))
+        handles.append(modules[block].register_forward_hook(on_block, with_kwargs=True))
+        if block in rows:
+            def on_row(module, args, output, block=block):
+                records[block].setdefault("row_output", output)
+            handles.append(modules[rows[block]].register_forward_hook(on_row))
+    vocab = getattr(model.config, "vocab_size", None) or 8
+    device = next(model.parameters()).device
+    ids = torch.randint(0, min(vocab, 1000), (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    try:
+        with torch.no_grad():
+            try:
+                model(input_ids=ids, use_cache=False)  # a cache would be mutated by the replays
+            except TypeError:
+                model(input_ids=ids)
+    except Exception as err:  # any failure means we cannot verify, so nothing derived is sharded
+        return {}, f"a probe forward failed ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records, None
+
+
+def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -> str | None:
+    """None if the per-rank partial outputs of `block` sum to its recorded output, else why not."""
+    if not record or record.get("output") is None:
+        return "the probe forward never reached this block"
+    if record.get("row_output") is not record["output"]:
+        return "its output is not the row projection's output, so the reduction point cannot be checked"
+    layers = [layer for layer in plan.layers if layer.block == path]
+    sharded = {id(p) for layer in layers for p in block.get_submodule(layer.path[len(path) + 1:]).parameters()}
+    extra = [name for name, p in block.named_parameters() if id(p) not in sharded]
+    allowed = {h[len(path) + 1:] for h in plan.head_norms if h.startswith(path + ".")}
+    extra = [name for name in extra if name.rsplit(".", 1)[0] not in allowed]
+    if extra:
+        return f"it holds parameters besides its projections ({extra[0]}), whose gradients would be partial"
+    attrs = [a for a in plan.attrs if a.path == path or a.path.startswith(path + ".")]
+    expected = record["output"].float()
+    total = torch.zeros_like(expected)
+    for rank in range(plan.tp_size):
+        total += _partial(block, path, layers, attrs, rank, record).float()
+    err = (total - expected).abs().max().item()
+    scale = expected.abs().max().item() or 1.0
+    tolerance = (1e-4 if expected.dtype == torch.float32 else 2e-2) * scale
+    if not err <= tolerance:
+        return f"the sum of the emulated shards differs from the block's output by {err:.3g} (scale {scale:.3g})"
+    return None
+
+
+def _partial(block: nn.Module, path: str, layers, attrs, rank: int, record: dict) -> torch.Tensor:
+    """One rank's partial output: a copy of `block` holding only that rank's rows (row bias on rank 0)."""
+    clone = copy.deepcopy(block)
+    for layer in layers:
+        linear = clone.get_submodule(layer.path[len(path) + 1:])
+        linear.weight = nn.Parameter(layer.partition.shard(linear.weight.detach(), rank))
+        if linear.bias is not None:
+            bias = linear.bias.detach()
+            bias = layer.partition.with_dim(0).shard(bias, rank) if layer.style == "column" else (
+                bias if rank == 0 else torch.zeros_like(bias))
+            linear.bias = nn.Parameter(bias)
+        if type(linear).__name__ == "Conv1D":
+            linear.nf = linear.weight.shape[1]
+        else:
+            linear.out_features, linear.in_features = linear.weight.shape
+    for attr in attrs:
+        target = clone.get_submodule(attr.path[len(path) + 1:]) if attr.path != path else clone
+        name = attr.name
+        if name.startswith("config."):
+            target.config = copy.copy(target.config)
+            target, name = target.config, name.removeprefix("config.")
+        setattr(target, name, attr.local[rank])
+    with torch.no_grad():
+        return _first_tensor(clone(*record["args"], **record["kwargs"]))

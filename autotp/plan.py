@@ -37,6 +37,7 @@ class LayerPlan:
     shape: tuple[int, ...]
     partition: Partition
     reason: str
+    block: str = ""  # the attention / MLP block it belongs to
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,9 @@ def build_plan(model: nn.Module, tp_size: int, policy: Policy | str | Path | Map
     else:
         chosen = find_policy(model_type)
         if chosen is None:
-            from .detect import derive_policy  # detection builds a policy from HF's plan or the structure
+            from .detect import derive_policy, verify_by_emulation  # for models no policy covers
 
-            chosen = derive_policy(model)
+            return verify_by_emulation(model, plan_from_policy(model, tp_size, derive_policy(model)))
     return plan_from_policy(model, tp_size, chosen)
 
 
@@ -151,7 +152,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
             planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts}[rule.kind]
             if planner(path, modules[path], rule, config, tp_size, acc):
                 claimed.add(path)
-    if policy.rules and not claimed:
+    if policy.rules and not claimed and policy.source not in ("hf-plan", "detected"):
         raise ValueError(f"policy {policy.name!r} shards nothing in {type(model).__name__}: no rule matches its modules")
     order = {name: i for i, name in enumerate(modules)}
     acc.layers.sort(key=lambda layer: order[layer.path])
@@ -228,7 +229,7 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     f"{spec!r} with {heads} query / {kv} key-value heads of {head_dim} gives {partition.full_size}"
                 )
             acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition,
-                                        f"{spec} over {heads} heads / {kv} kv heads of {head_dim}"))
+                                        f"{spec} over {heads} heads / {kv} kv heads of {head_dim}", path))
     local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
     full = {"q": heads, "kv": kv}
     linears = {id(m) for m in children.values()}
@@ -279,8 +280,9 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
         for name, spec in mapping.items():
             module = children[name]
             partition = layout_partition(spec, weight_dim(module, style), owned, {"w": 1})
+            parts = f" x {_parts(spec)} parts" if _parts(spec) > 1 else ""
             acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition,
-                                        f"MLP width {width}" + (f" x {_parts(spec)} parts" if _parts(spec) > 1 else "")))
+                                        f"MLP width {width}{parts}", path))
     return True
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import autotp
 from models import batch, tiny_model
-from ranks import run_ranks
+from autotp.spawn import run_ranks
 
 COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all",
                "all_gather_into_tensor", "reduce_scatter_tensor")

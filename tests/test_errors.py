@@ -7,7 +7,7 @@ import torch
 
 import autotp
 from models import tiny_model
-from ranks import run_ranks
+from autotp.spawn import run_ranks
 
 
 def snapshot(model: torch.nn.Module) -> dict:

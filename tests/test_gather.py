@@ -10,8 +10,9 @@ import torch
 import autotp
 from autotp.layers import LinearAllreduce, LinearLayer
 from models import batch, tiny_model
-from ranks import run_ranks
-from test_parity import GRAD_RTOL, LOSS_ATOL, full, grad_error
+from autotp.spawn import run_ranks
+from autotp.parity import full_tensor as full, grad_error
+from test_parity import GRAD_RTOL, LOSS_ATOL
 
 
 def gather_cycle(rank: int, world: int, family: str) -> dict:

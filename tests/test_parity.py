@@ -4,66 +4,26 @@ Tolerances (fp32): TP changes only the order of floating-point sums (partial mat
 so results agree to rounding. Loss: 1e-5 absolute (observed ~1e-6). Gradients: max |diff| within
 1e-5 of the largest reference entry of the same tensor, floored at 1e-3 (observed <1e-6); the floor
 covers gradients that are zero in exact arithmetic (a key bias under softmax) and hold only rounding
-noise. A missing or doubled reduction is off by 50% or more of a real gradient. Parameters after 3 AdamW steps (lr 1e-3, so at most 3e-3 of
-movement): 3e-5 absolute (observed <1e-5); Adam divides by sqrt(v), which magnifies rounding in
+noise (see autotp.parity.grad_error). A missing or doubled reduction is off by 50% or more of a real
+gradient. Parameters after 3 AdamW steps (lr 1e-3, so at most 3e-3 of movement): 3e-5 absolute (observed <1e-5); Adam divides by sqrt(v), which magnifies rounding in
 near-zero gradients, hence the gradient check is the sharp one.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
-import autotp
-from autotp.comm import all_gather_full
+from autotp import parity
+from autotp.spawn import run_ranks
 from models import FAMILIES, batch, tiny_model
-from ranks import run_ranks
 
 LOSS_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-5, 3e-5
-GRAD_FLOOR = 1e-3
-
-
-def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """Max |diff| relative to the tensor's largest reference gradient (floored, see above)."""
-    return ((got - expected).abs().max() / expected.abs().max().clamp_min(GRAD_FLOOR)).item()
-
-
-def full(tensor: torch.Tensor, param: torch.nn.Parameter, group) -> torch.Tensor:
-    """The whole tensor behind a shard (a parameter or its gradient)."""
-    shard = getattr(param, "autotp_shard", None)
-    return tensor.detach() if shard is None else all_gather_full(tensor.detach(), shard.partition, group)
 
 
 def compare_training(rank: int, world: int, family: str, steps: int = 3, policy=None,
                      config: dict | None = None) -> dict:
-    """Train a reference and a wrapped copy side by side; report the worst differences."""
-    reference = tiny_model(family, **(config or {}))
-    model = autotp.wrap(copy.deepcopy(reference), world, policy=policy)
-    group = model.autotp_state.tp_group
-    ids = batch()
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model)]
-    ref_params = dict(reference.named_parameters())
-    report = {"loss": 0.0, "grad": {}, "param": {}}
-    for step in range(steps):
-        losses = []
-        for m in (reference, model):
-            loss = m(ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
-        report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))
-        if step == 0:
-            for name, p in model.named_parameters():
-                expected = ref_params[name].grad
-                report["grad"][name] = grad_error(full(p.grad, p, group), expected)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-    for name, p in model.named_parameters():
-        report["param"][name] = (full(p, p, group) - ref_params[name].detach()).abs().max().item()
-    report["sharded"] = sum(hasattr(p, "autotp_shard") for p in model.parameters())
-    return report
+    """Runs on each rank: a tiny `family` model, single process vs wrapped at tp=world."""
+    return parity.compare_training(tiny_model(family, **(config or {})), batch(), world, steps, policy)
 
 
 def assert_parity(report: dict) -> None:

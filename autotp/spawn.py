@@ -1,8 +1,8 @@
-"""Spawn CPU ranks from pytest: gloo on 127.0.0.1, a free port, one thread per rank.
+"""Spawn CPU ranks from one process (pytest, the sweep, verify): gloo on 127.0.0.1, a free port, one thread per rank.
 
-Ranks are forked from the pytest process, which has already imported torch and transformers, so
+Ranks are forked from the calling process, which has already imported torch and transformers, so
 a 4-rank job starts in well under a second. A rank that hangs in a collective hits the gloo
-timeout; pytest-timeout bounds the whole test and the children are killed on the way out.
+timeout; the children are killed on the way out, even when the caller is interrupted.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""Parity between one process and tensor parallelism: the check behind the tests, the sweep and verify.
+
+On each rank a reference model and a wrapped copy train side by side on the same batch; the
+report holds the worst differences of the loss, of every gathered gradient and of every gathered
+parameter after the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .api import wrap
+from .comm import Group, all_gather_full
+
+GRAD_FLOOR = 1e-3
+
+
+def full_tensor(tensor: torch.Tensor, param: nn.Parameter, group: Group) -> torch.Tensor:
+    """The whole tensor behind a shard (a parameter or its gradient); replicated ones as they are."""
+    shard = getattr(param, "autotp_shard", None)
+    return tensor.detach() if shard is None else all_gather_full(tensor.detach(), shard.partition, group)
+
+
+def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max |diff| relative to the tensor's largest reference entry, floored at `GRAD_FLOOR`.
+
+    The floor covers gradients that are zero in exact arithmetic (a key bias under softmax) and
+    hold only rounding noise.
+    """
+    return ((got - expected).abs().max() / expected.abs().max().clamp_min(GRAD_FLOOR)).item()
+
+
+def compare_training(
+    reference: nn.Module, ids: torch.Tensor, tp_size: int, steps: int = 3,
+    policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3,
+) -> dict:
+    """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences."""
+    model = wrap(copy.deepcopy(reference), tp_size, policy=policy)
+    group = model.autotp_state.tp_group
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (reference, model)]
+    ref_params = dict(reference.named_parameters())
+    report: dict[str, Any] = {"loss": 0.0, "grad": {}, "param": {}}
+    for step in range(steps):
+        losses = []
+        for m in (reference, model):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))
+        if step == 0:
+            for name, p in model.named_parameters():
+                expected = ref_params[name].grad
+                if expected is not None:
+                    report["grad"][name] = grad_error(full_tensor(p.grad, p, group), expected)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for name, p in model.named_parameters():
+        report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
+    report["sharded"] = sum(hasattr(p, "autotp_shard") for p in model.parameters())
+    return report

@@ -39,10 +39,16 @@ def compare_training(
     reference: nn.Module, ids: torch.Tensor, tp_size: int, steps: int = 3,
     policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3,
 ) -> dict:
-    """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences."""
+    """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
+
+    AdamW's eps is 1e-6 rather than 1e-8: Adam divides by sqrt(v), so a gradient that is zero in
+    exact arithmetic (a key bias under softmax) would turn its 1e-9 rounding noise into full-size
+    steps of random sign. With eps 1e-6 such noise moves a parameter by ~lr * 1e-3, while real
+    gradients (1e-4 and up) are stepped exactly as with the default.
+    """
     model = wrap(copy.deepcopy(reference), tp_size, policy=policy)
     group = model.autotp_state.tp_group
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (reference, model)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6) for m in (reference, model)]
     ref_params = dict(reference.named_parameters())
     report: dict[str, Any] = {"loss": 0.0, "grad": {}, "param": {}}
     for step in range(steps):

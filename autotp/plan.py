@@ -129,15 +129,12 @@ def build_plan(model: nn.Module, tp_size: int, policy: Policy | str | Path | Map
     """The plan for `model` at `tp_size`: from `policy`, else a shipped policy, HF's plan or detection."""
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
-    if policy is not None:
-        chosen = as_policy(policy)
-    else:
-        chosen = find_policy(model_type)
-        if chosen is None:
-            from .detect import derive_policy, verify_by_emulation  # for models no policy covers
+    from .detect import derive_policy, verify_by_emulation  # imported here: detect builds on this module
 
-            return verify_by_emulation(model, plan_from_policy(model, tp_size, derive_policy(model)))
-    return plan_from_policy(model, tp_size, chosen)
+    chosen = as_policy(policy) if policy is not None else find_policy(model_type)
+    if chosen is None:
+        return verify_by_emulation(model, plan_from_policy(model, tp_size, derive_policy(model)))
+    return verify_by_emulation(model, plan_from_policy(model, tp_size, chosen), only_custom=True)
 
 
 def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:

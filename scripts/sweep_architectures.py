@@ -1,0 +1,197 @@
+"""Run the tp=2 parity check over every causal-LM architecture of the installed transformers.
+
+    python scripts/sweep_architectures.py [--only TYPE ...] [--no-readme]
+
+Each architecture is built tiny from its config defaults (dims shrunk, dropout off), then trained
+3 AdamW steps single-process and at tp=2 on CPU ranks. Results:
+  matched           parity holds and something is sharded
+  replicated-only   parity holds, nothing could be sharded safely
+  refused           autotp.wrap raised an error naming the module and the reason
+  MISMATCH          parity failed: a silent wrong result (must never happen)
+  run-time error    the wrapped model raised during training
+Architectures that cannot be built tiny from defaults are listed apart. The table is written into
+README.md between the sweep markers, and the details to scripts/sweep_results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import autotp
+from autotp import parity
+from autotp.spawn import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+TP = 2
+SHRINK = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128, "head_dim": 16,
+    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
+}
+LOSS_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-5, 3e-5  # as in tests/test_parity.py
+MAX_PARAMS = 20_000_000
+
+
+RECIPES = {  # tried in order until the model builds and trains single-process
+    "shrunk": SHRINK,
+    "shrunk, own head_dim": {k: v for k, v in SHRINK.items() if k != "head_dim"},
+    "defaults, 2 layers": {"num_hidden_layers": 2, "vocab_size": 512},
+}
+
+
+def tiny_config(model_type: str, recipe: str = "shrunk"):
+    config = AutoConfig.for_model(model_type)
+    for key, value in RECIPES[recipe].items():
+        if hasattr(config, key) and isinstance(getattr(config, key), int):
+            try:
+                setattr(config, key, value)
+            except AttributeError:  # a derived, read-only property
+                pass
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or key == "layerdrop"):
+            setattr(config, key, 0.0)
+        if key == "layer_types" and isinstance(value, list):
+            setattr(config, key, value[: config.num_hidden_layers])
+    return config
+
+
+def build(model_type: str, recipe: str = "shrunk", seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, recipe), dtype=torch.float32)
+
+
+def batch(model) -> torch.Tensor:
+    vocab = min(model.config.vocab_size, 512)
+    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def rank_job(rank: int, world: int, model_type: str, recipe: str) -> dict:
+    model = build(model_type, recipe)
+    try:
+        report = parity.compare_training(model, batch(model), world, steps=3)
+    except (ValueError, TypeError, NotImplementedError) as err:
+        if "autotp" in "".join(_frames(err)):
+            return {"refused": f"{type(err).__name__}: {err}"}
+        raise
+    report["source"] = model.config.model_type
+    return report
+
+
+def _frames(err: BaseException) -> list[str]:
+    import traceback
+    return [f.filename for f in traceback.extract_tb(err.__traceback__)][-1:]
+
+
+def buildable(model_type: str) -> tuple[str | None, str]:
+    """The first recipe under which the model builds small and trains single-process, or why none does."""
+    why = ""
+    for recipe in RECIPES:
+        try:
+            with torch.device("meta"):  # count first: some defaults stay huge even shrunk
+                count = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+                    tiny_config(model_type, recipe)).parameters())
+            if count > MAX_PARAMS:
+                why = f"{count / 1e6:.0f}M parameters even shrunk"
+                continue
+            model = build(model_type, recipe)
+            ids = batch(model)
+            model(input_ids=ids, labels=ids).loss.backward()
+            return recipe, ""
+        except Exception as err:
+            why = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}" if str(err) else type(err).__name__
+    return None, why
+
+
+def classify(model_type: str) -> dict:
+    recipe, why = buildable(model_type)
+    if recipe is None:
+        return {"result": "not built", "note": why}
+    model = build(model_type, recipe)
+    try:
+        plan = autotp.explain(model, TP)
+    except Exception as err:
+        return {"result": "refused", "note": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+    source = plan.source.split(" (")[0].replace("policy ", "")
+    kind = "policy" if "from transformers" not in plan.source and "detection" not in plan.source else (
+        "HF plan" if "from transformers" in plan.source else "detection")
+    try:
+        report = run_ranks(rank_job, TP, model_type, recipe)[0]
+    except AssertionError as err:
+        return {"result": "run-time error", "plan": kind, "note": str(err).strip().splitlines()[-1][:160]}
+    if "refused" in report:
+        return {"result": "refused", "plan": kind, "note": report["refused"].splitlines()[0][:160]}
+    worst_grad = max(report["grad"].values(), default=0.0)
+    worst_param = max(report["param"].values(), default=0.0)
+    ok = report["loss"] <= LOSS_ATOL and worst_grad <= GRAD_RTOL and worst_param <= PARAM_ATOL
+    result = ("matched" if report["sharded"] else "replicated-only") if ok else "MISMATCH"
+    note = f"{report['sharded']} sharded tensors" if ok else (
+        f"loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}")
+    if result == "replicated-only":
+        reasons = {why for _, why in plan.replicated if "verified" in why}
+        note = next(iter(reasons), "no block the plan could shard")[:160]
+    return {"result": result, "plan": kind, "source": source, "note": note}
+
+
+def write_readme(results: dict[str, dict]) -> None:
+    counts: dict[str, int] = {}
+    for r in results.values():
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+    order = ["matched", "replicated-only", "refused", "run-time error", "MISMATCH", "not built"]
+    summary = ", ".join(f"{counts.get(k, 0)} {k}" for k in order)
+    lines = [
+        "<!-- sweep:start -->",
+        f"Swept {len(results)} causal-LM types of transformers {__import__('transformers').__version__} at tp={TP}: "
+        f"{summary}. Reproduce with `python scripts/sweep_architectures.py`.",
+        "",
+        "| model type | result | plan from | note |",
+        "|---|---|---|---|",
+    ]
+    for model_type, r in sorted(results.items()):
+        note = r.get("note", "").replace("|", "/")
+        lines.append(f"| {model_type} | {r['result']} | {r.get('plan', '')} | {note} |")
+    lines.append("<!-- sweep:end -->")
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    block = "\n".join(lines)
+    if "<!-- sweep:start -->" in text:
+        text = re.sub(r"<!-- sweep:start -->.*<!-- sweep:end -->", lambda _: block, text, flags=re.S)
+    else:
+        text += "\n" + block + "\n"
+    readme.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # ranks are forked from this process
+    types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    results = {}
+    out = ROOT / "scripts" / "sweep_results.json"
+    for i, model_type in enumerate(types, 1):
+        start = time.monotonic()
+        results[model_type] = classify(model_type)
+        print(f"[{i}/{len(types)}] {model_type}: {results[model_type]['result']} "
+              f"({time.monotonic() - start:.1f}s) {results[model_type].get('note', '')}", flush=True)
+    if args.only and out.exists():  # a partial run updates the stored full sweep
+        results = {**json.loads(out.read_text()), **results}
+    out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    if not args.no_readme:
+        write_readme(results)
+    bad = [t for t, r in results.items() if r["result"] in ("MISMATCH",)]
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

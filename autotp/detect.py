@@ -20,6 +20,7 @@ from .plan import Plan, features, is_linear
 from .policy import Policy, parse_policy
 
 _ATTENTION_HINTS = ("attn", "attention")
+_OUTPUT_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "proj", "wo", "o", "output", "out"}  # then verified
 
 
 def derive_policy(model: nn.Module) -> Policy:
@@ -30,14 +31,22 @@ def derive_policy(model: nn.Module) -> Policy:
     return _from_structure(model)
 
 
+def _field(config, name: str) -> int | None:
+    """A positive integer config field, or None (absent, not an int, or refused by a per-layer config)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # some configs raise for fields that vary per layer
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _heads(config) -> tuple[int | None, int | None, int | None]:
-    heads = getattr(config, "num_attention_heads", None)
-    if not isinstance(heads, int) or heads <= 0:
+    heads = _field(config, "num_attention_heads")
+    if heads is None:
         return None, None, None
-    kv = getattr(config, "num_key_value_heads", None)
-    kv = kv if isinstance(kv, int) and kv > 0 else heads
-    hidden = getattr(config, "hidden_size", None)
-    head_dim = getattr(config, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
+    kv = _field(config, "num_key_value_heads") or heads
+    hidden = _field(config, "hidden_size")
+    head_dim = _field(config, "head_dim") or (hidden // heads if hidden else None)
     return heads, kv, head_dim
 
 
@@ -115,8 +124,7 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
 
 def _from_structure(model: nn.Module) -> Policy:
     """Blocks whose direct children are linears reading the hidden size and one linear writing it back."""
-    config = model.config
-    hidden = getattr(config, "hidden_size", None)
+    hidden = _field(model.config, "hidden_size")
     patterns: dict[str, dict] = {}
     for name, module in model.named_modules():
         linears = {child: m for child, m in module.named_children() if is_linear(m)}
@@ -125,6 +133,9 @@ def _from_structure(model: nn.Module) -> Policy:
         reads = {c: "w" for c, m in linears.items() if features(m)[1] == hidden and features(m)[0] != hidden
                  or features(m)[1] == hidden and any(h in name.lower() for h in _ATTENTION_HINTS)}
         writes = [c for c, m in linears.items() if features(m)[0] == hidden and c not in reads]
+        if not writes and len(reads) > 2:  # square attention: the output projection is known by its name
+            writes = [c for c in reads if c.lower() in _OUTPUT_NAMES][:1]
+            reads = {c: "w" for c in reads if c not in writes}
         if reads and len(writes) == 1:
             pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
             patterns.setdefault(pattern, {"column": reads, "row": writes})
@@ -167,7 +178,13 @@ def verify_by_emulation(model: nn.Module, plan: Plan, only_custom: bool = False)
     kept = tuple(layer for layer in plan.layers if layer.block not in rejected)
     replicated = plan.replicated + tuple((layer.path, why[layer.block]) for layer in plan.layers
                                          if layer.block in rejected)
-    inside = lambda path: any(path == b or path.startswith(b + ".") for b in rejected)  # noqa: E731
+    all_blocks = sorted({layer.block for layer in plan.layers}, key=len, reverse=True)
+
+    def inside(path: str) -> bool:
+        """Whether the innermost planned block holding `path` was rejected (blocks nest: a layer holds its attention)."""
+        owner = next((b for b in all_blocks if path == b or path.startswith(b + ".")), None)
+        return owner in rejected
+
     return replace(plan, layers=kept, replicated=replicated,
                    attrs=tuple(a for a in plan.attrs if not inside(a.path)),
                    head_norms=tuple(h for h in plan.head_norms if not inside(h)),

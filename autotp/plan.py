@@ -87,14 +87,38 @@ class Plan:
         """Sets of TP ranks that hold the same rows of some tensor (replicated KV heads)."""
         return set().union(*(p.replica_groups() for p in self.partitions()))
 
-    def describe(self) -> str:
-        """A table of every decision, for people."""
+    def sharded_params(self, model: nn.Module) -> dict[str, Partition]:
+        """Parameter name -> partition, for every parameter the plan shards."""
+        out = {}
+        for layer in self.layers:
+            out[f"{layer.path}.weight"] = layer.partition
+            if layer.style == "column" and getattr(model.get_submodule(layer.path), "bias", None) is not None:
+                out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
+        for region in self.regions:
+            out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
+        return out
+
+    def param_bytes(self, model: nn.Module) -> list[int]:
+        """Parameter bytes each rank will hold after `wrap` (tied parameters counted once)."""
+        sharded = self.sharded_params(model)
+        totals = [0] * self.tp_size
+        for name, p in model.named_parameters():
+            part = sharded.get(name)
+            for rank in range(self.tp_size):
+                numel = p.numel() if part is None else p.numel() // p.shape[part.dim] * part.local_size(rank)
+                totals[rank] += numel * p.element_size()
+        return totals
+
+    def describe(self, model: nn.Module | None = None) -> str:
+        """A table of every decision, for people; with the model, also each rank's parameter bytes."""
         lines = [f"autotp plan: tp_size={self.tp_size}, from {self.source}"]
         for layer in self.layers:
-            lines.append(f"  {layer.style:<10} {layer.path}  {layer.shape}  {layer.partition.describe()}  ({layer.reason})")
+            lines.append(f"  {layer.style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
+                         f"  ({layer.reason})")
         for region in self.regions:
             for name, shape, partition in region.partitions:
-                lines.append(f"  {'experts':<10} {region.path}.{name}  {shape}  {partition.describe()}  ({region.reason})")
+                lines.append(f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
+                             f"  ({region.reason})")
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:
@@ -103,7 +127,21 @@ class Plan:
             lines.append(f"  {'head-input':<10} {head_input.path}({head_input.name}=...)  sliced to each rank's heads")
         for path, why in self.replicated:
             lines.append(f"  {'replicated':<10} {path}  ({why})")
+        if model is not None:
+            full = sum(p.numel() * p.element_size() for p in model.parameters())
+            per_rank = self.param_bytes(model)
+            lines.append(f"  parameter bytes per rank: {' / '.join(f'{b / 2**20:.2f} MiB' for b in per_rank)}"
+                         f" (unsharded {full / 2**20:.2f} MiB)")
         return "\n".join(lines)
+
+
+def _local_shapes(shape: tuple[int, ...], partition: Partition) -> str:
+    shapes = []
+    for rank in range(partition.tp_size):
+        local = list(shape)
+        local[partition.dim] = partition.local_size(rank)
+        shapes.append(tuple(local))
+    return f"{shapes[0]} each" if len(set(shapes)) == 1 else " / ".join(map(str, shapes))
 
 
 def features(module: nn.Module) -> tuple[int, int]:

@@ -31,30 +31,40 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         result = fn(rank, world, *args)
         torch.save(result, Path(out) / f"{rank}.pt")
     except BaseException:
         (Path(out) / f"{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` CPU ranks; returns each rank's result in rank order."""
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, out), nprocs=world,
-                                 join=False, start_method="fork")
-        try:
-            while not ctx.join(timeout=1):
-                pass
-        except mp.ProcessRaisedException:
-            errors = sorted(Path(out).glob("*.err"))
-            raise AssertionError("\n".join(f"--- {e.stem}:\n{e.read_text()}" for e in errors)) from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, attempts: int = 3) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` CPU ranks; returns each rank's result in rank order.
+
+    A free port can be taken by another process between choosing and binding it; that case alone
+    is retried on a new port.
+    """
+    for attempt in range(1, attempts + 1):
+        with tempfile.TemporaryDirectory() as out:
+            ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, out), nprocs=world,
+                                     join=False, start_method="fork")
+            try:
+                while not ctx.join(timeout=1):
+                    pass
+            except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+                errors = {e.stem: e.read_text() for e in sorted(Path(out).glob("*.err"))}
+                if attempt < attempts and any("address already in use" in t.lower() for t in errors.values()):
+                    continue
+                details = "\n".join(f"--- {rank}:\n{text}" for rank, text in errors.items()) or str(err)
+                raise AssertionError(details) from None
+            finally:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+            return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(world)]
+    raise ValueError(f"attempts must be at least 1, got {attempts}")

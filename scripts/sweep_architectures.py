@@ -37,6 +37,8 @@ SHRINK = {
     "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128, "head_dim": 16,
     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
+    "encoder_layers": 2, "decoder_layers": 2, "d_model": 64, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
 }
 LOSS_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-5, 3e-5  # as in tests/test_parity.py
 MAX_PARAMS = 20_000_000
@@ -57,6 +59,12 @@ def tiny_config(model_type: str, recipe: str = "shrunk"):
                 setattr(config, key, value)
             except AttributeError:  # a derived, read-only property
                 pass
+    config.use_cache = False  # training; hybrid models' caches refuse some calls
+    vocab = getattr(config, "vocab_size", None)
+    for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
+        value = getattr(config, key, None)
+        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
+            setattr(config, key, token)
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or key == "layerdrop"):
             setattr(config, key, 0.0)
@@ -75,8 +83,8 @@ def batch(model) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def rank_job(rank: int, world: int, model_type: str, recipe: str) -> dict:
-    model = build(model_type, recipe)
+def rank_job(rank: int, world: int, model_type: str, recipe: str, dtype: torch.dtype = torch.float32) -> dict:
+    model = build(model_type, recipe).to(dtype)
     try:
         report = parity.compare_training(model, batch(model), world, steps=3)
     except (ValueError, TypeError, NotImplementedError) as err:
@@ -94,22 +102,22 @@ def _frames(err: BaseException) -> list[str]:
 
 def buildable(model_type: str) -> tuple[str | None, str]:
     """The first recipe under which the model builds small and trains single-process, or why none does."""
-    why = ""
+    whys = []
     for recipe in RECIPES:
         try:
             with torch.device("meta"):  # count first: some defaults stay huge even shrunk
                 count = sum(p.numel() for p in AutoModelForCausalLM.from_config(
                     tiny_config(model_type, recipe)).parameters())
             if count > MAX_PARAMS:
-                why = f"{count / 1e6:.0f}M parameters even shrunk"
+                whys.append(f"{count / 1e6:.0f}M parameters under recipe '{recipe}'")
                 continue
             model = build(model_type, recipe)
             ids = batch(model)
             model(input_ids=ids, labels=ids).loss.backward()
             return recipe, ""
         except Exception as err:
-            why = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}" if str(err) else type(err).__name__
-    return None, why
+            whys.append(f"{type(err).__name__}: {str(err).splitlines()[0][:100]}" if str(err) else type(err).__name__)
+    return None, whys[0]
 
 
 def classify(model_type: str) -> dict:
@@ -133,9 +141,15 @@ def classify(model_type: str) -> dict:
     worst_grad = max(report["grad"].values(), default=0.0)
     worst_param = max(report["param"].values(), default=0.0)
     ok = report["loss"] <= LOSS_ATOL and worst_grad <= GRAD_RTOL and worst_param <= PARAM_ATOL
+    note = f"{report['sharded']} sharded tensors"
+    if not ok:  # rounding that this model amplifies past the fp32 tolerance vanishes in fp64; a real error does not
+        exact = run_ranks(rank_job, TP, model_type, recipe, torch.float64)[0]
+        fp64 = max([exact["loss"], *exact["grad"].values(), *exact["param"].values()])
+        ok = fp64 <= 1e-10
+        note = (f"fp32 differences (loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}) "
+                f"exceed the test tolerance; in fp64 they are {fp64:.1g}, so rounding only"
+                if ok else f"loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}; fp64 {fp64:.2g}")
     result = ("matched" if report["sharded"] else "replicated-only") if ok else "MISMATCH"
-    note = f"{report['sharded']} sharded tensors" if ok else (
-        f"loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}")
     if result == "replicated-only":
         reasons = {why for _, why in plan.replicated if "verified" in why}
         note = next(iter(reasons), "no block the plan could shard")[:160]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from models import ISSUE3_FAMILIES
+from models import DERIVED, ISSUE3_FAMILIES
 from autotp.spawn import run_ranks
 from test_parity import assert_parity, compare_training
 
@@ -27,3 +27,12 @@ def test_head_layouts_parity(family: str, heads: int, kv: int, tp: int) -> None:
     config = {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 8}
     for report in run_ranks(compare_training, tp, family, 3, None, config):
         assert_parity(report)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", sorted(DERIVED))
+def test_derived_plan_parity(family: str, tp: int) -> None:
+    """No shipped policy: HF's plan or detection, verified by emulation, must still match exactly."""
+    for report in run_ranks(compare_training, tp, family):
+        assert_parity(report)
+        assert report["sharded"] > 0, "nothing was sharded"

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from models import CONFIGS
+from models import CONFIGS, tiny_model
 from autotp.spawn import run_ranks
 from test_parity import assert_parity, compare_training
 
@@ -56,3 +56,24 @@ def test_policy_errors_name_the_problem() -> None:
         autotp.explain(model, 2, policy={"layers": {}})
     with pytest.raises(ValueError, match="shards nothing in LlamaForCausalLM"):
         autotp.explain(model, 2, policy={"mlp": [{"match": "model.blocks.*.mlp", "column": ["a"], "row": ["b"]}]})
+
+
+def bytes_after_wrap(rank: int, world: int, family: str) -> tuple[list[int], int]:
+    model = tiny_model(family)
+    predicted = autotp.explain(model, world).param_bytes(model)
+    autotp.wrap(model, world)
+    return predicted, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3", "mixtral", "falcon"])
+def test_explain_bytes_equal_real_bytes_after_wrap(family: str) -> None:
+    for rank, (predicted, real) in enumerate(run_ranks(bytes_after_wrap, 4, family)):
+        assert predicted[rank] == real
+
+
+def test_shipped_policies_load_and_claim_each_model_type_once() -> None:
+    from autotp.policy import builtin_policies
+    policies = builtin_policies()
+    assert len(policies) >= 14
+    claimed = [t for p in policies for t in p.model_types]
+    assert len(claimed) == len(set(claimed)), "a model type is claimed by two policies"

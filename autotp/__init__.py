@@ -8,11 +8,12 @@ from .api import explain, wrap
 from .checkpoint import save_pretrained
 from .gather import GatherReplacedLayerParams
 from .layers import LinearAllreduce, LinearLayer
+from .loading import CheckpointError, from_pretrained
 from .plan import Plan, build_plan
 from .sharding import Partition, Shard
 
 __all__ = [
-    "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Partition", "Plan", "Shard",
-    "build_plan", "explain", "save_pretrained", "wrap",
+    "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Partition", "Plan", "Shard",
+    "build_plan", "explain", "from_pretrained", "save_pretrained", "wrap",
 ]
 __version__ = "0.1.0"

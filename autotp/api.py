@@ -31,10 +31,7 @@ def wrap(
     gloo otherwise). `tp_size=1` needs no process group. Every check runs before the model is
     touched, so a refused call leaves it unchanged.
     """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int):
-        raise TypeError(f"tp_size must be an int, got {type(tp_size).__name__} {tp_size!r}")
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+    _validate_tp_size(tp_size)
     if getattr(model, "autotp_state", None) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
     plan = build_plan(model, tp_size, policy)
@@ -43,6 +40,13 @@ def wrap(
     if tp_group is not None and dist.get_backend(tp_group) == "nccl" and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return model
+
+
+def _validate_tp_size(tp_size: int) -> None:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int):
+        raise TypeError(f"tp_size must be an int, got {type(tp_size).__name__} {tp_size!r}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
 
 
 def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):

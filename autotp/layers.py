@@ -11,16 +11,14 @@ experts stored as 3-D tensors): its float inputs enter the TP region and its out
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp, replica_grad_hook
+from .comm import Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp
 from .sharding import Partition, Shard
-
-ReplicaGroups = Mapping[tuple[int, ...], Group]
 
 
 class SharedInput:
@@ -46,15 +44,10 @@ class SharedInput:
         self._source = self._copy = None
 
 
-def shard_parameter(
-    param: nn.Parameter, partition: Partition, rank: int, group: Group, replicas: ReplicaGroups,
-    gathered: Callable[[], bool],
-) -> nn.Parameter:
-    """A new Parameter holding this rank's rows, tagged with its `Shard`, replicas' gradients summed."""
+def shard_parameter(param: nn.Parameter, partition: Partition, rank: int) -> nn.Parameter:
+    """A new Parameter holding this rank's rows, tagged with its `Shard` (works on the meta device too)."""
     shard = nn.Parameter(partition.shard(param.detach(), rank), requires_grad=param.requires_grad)
     shard.autotp_shard = Shard(partition, rank)
-    if partition.replicas(rank) and shard.requires_grad:
-        shard.register_hook(replica_grad_hook(partition, rank, replicas, lambda: not gathered()))
     return shard
 
 
@@ -81,7 +74,7 @@ class _ParallelLinear(nn.Linear):
 
     style = ""
 
-    def __init__(self, linear: nn.Module, partition: Partition, group: Group, replicas: ReplicaGroups):
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         nn.Module.__init__(self)
         self.group = group
         self.tp_rank, self.tp_size = group_rank(group), group_size(group)
@@ -92,14 +85,12 @@ class _ParallelLinear(nn.Linear):
         self.gathered = False
         out_dim = 1 if self.transposed else 0
         self.full_out, self.full_in = linear.weight.shape[out_dim], linear.weight.shape[1 - out_dim]
-        is_gathered = lambda: self.gathered  # noqa: E731
-        self.weight = shard_parameter(linear.weight, partition, self.tp_rank, group, replicas, is_gathered)
+        self.weight = shard_parameter(linear.weight, partition, self.tp_rank)
         self.bias = None
         if linear.bias is not None:
             bias_partition = self._bias_partition()
             self.bias = (nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-                         if bias_partition is None else
-                         shard_parameter(linear.bias, bias_partition, self.tp_rank, group, replicas, is_gathered))
+                         if bias_partition is None else shard_parameter(linear.bias, bias_partition, self.tp_rank))
         self._set_features()
 
     def _bias_partition(self) -> Partition | None:
@@ -145,9 +136,8 @@ class LinearLayer(_ParallelLinear):
 
     style = "column"
 
-    def __init__(self, linear: nn.Module, partition: Partition, group: Group,
-                 shared_input: SharedInput | None = None, replicas: ReplicaGroups | None = None):
-        super().__init__(linear, partition, group, replicas or {})
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group, shared_input: SharedInput | None = None):
+        super().__init__(linear, partition, group)
         expected = 1 if self.transposed else 0
         if partition.dim != expected:
             raise ValueError(f"a column-parallel weight is split on its output dim ({expected})")
@@ -167,8 +157,8 @@ class LinearAllreduce(_ParallelLinear):
 
     style = "row"
 
-    def __init__(self, linear: nn.Module, partition: Partition, group: Group, replicas: ReplicaGroups | None = None):
-        super().__init__(linear, partition, group, replicas or {})
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group):
+        super().__init__(linear, partition, group)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
             raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")
@@ -189,13 +179,12 @@ class ShardedRegion:
     The module keeps its class, forward and parameter names; hooks add the two collectives.
     """
 
-    def __init__(self, module: nn.Module, partitions: Mapping[str, Partition], group: Group, replicas: ReplicaGroups):
+    def __init__(self, module: nn.Module, partitions: Mapping[str, Partition], group: Group):
         self.module, self.group, self.gathered = module, group, False
         rank = group_rank(group)
         for name, partition in partitions.items():
-            old = getattr(module, name)
-            setattr(module, name, shard_parameter(old, partition, rank, group, replicas, lambda: self.gathered))
-        self.params = [getattr(module, name) for name in partitions]
+            setattr(module, name, shard_parameter(getattr(module, name), partition, rank))
+        self.names = list(partitions)
         module.register_forward_pre_hook(self._enter, with_kwargs=True)
         module.register_forward_hook(self._leave)
         module.autotp_region = self
@@ -210,11 +199,11 @@ class ShardedRegion:
         return output if self.gathered else reduce_from_tp(output, self.group)
 
     def gather_(self) -> None:
-        for param in self.params:
-            gather_parameter_(param, self.group)
+        for name in self.names:
+            gather_parameter_(getattr(self.module, name), self.group)
         self.gathered = True
 
     def partition_(self) -> None:
-        for param in self.params:
-            partition_parameter_(param)
+        for name in self.names:
+            partition_parameter_(getattr(self.module, name))
         self.gathered = False

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .comm import Group, build_subgroups, grad_allreduce_hook, group_rank
+from .comm import Group, build_subgroups, grad_allreduce_hook, group_rank, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ShardedRegion, SharedInput, _ParallelLinear
 from .plan import AttrPlan, HeadInputPlan, Plan
 
@@ -28,11 +28,14 @@ class TPState:
     regions: list[ShardedRegion] = field(default_factory=list)
 
 
-def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group) -> TPState:
-    """Rewrite `model` in place to follow `plan` on this rank."""
+def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, hooks: bool = True) -> TPState:
+    """Rewrite `model` in place to follow `plan` on this rank (on the meta device too).
+
+    `hooks=False` leaves the gradient hooks to `register_grad_hooks`, for a caller that will still
+    replace the (meta) parameters with loaded ones.
+    """
     rank = group_rank(tp_group)
     state = TPState(plan, tp_group, dp_group, rank)
-    replicas = build_subgroups(plan.replica_groups(), tp_group)
     modules = dict(model.named_modules())
     shared: dict[str, SharedInput] = {}
     for layer in plan.layers:
@@ -43,23 +46,39 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group) -
             if parent_path not in shared:
                 shared[parent_path] = SharedInput(tp_group)
                 parent.register_forward_hook(shared[parent_path].clear)
-            new = LinearLayer(old, layer.partition, tp_group, shared[parent_path], replicas)
+            new = LinearLayer(old, layer.partition, tp_group, shared[parent_path])
         else:
-            new = LinearAllreduce(old, layer.partition, tp_group, replicas)
+            new = LinearAllreduce(old, layer.partition, tp_group)
         setattr(parent, name, new)
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
-        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, replicas))
+        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group))
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
     for head_input in plan.head_inputs:
         modules[head_input.path].register_forward_pre_hook(_head_slicer(head_input, state), with_kwargs=True)
-    for path in plan.head_norms:
-        for param in modules[path].parameters():
-            param.register_hook(grad_allreduce_hook(tp_group, lambda: not state.gathered))
     model.autotp_state = state
+    if hooks:
+        register_grad_hooks(model, state)
     return state
+
+
+def register_grad_hooks(model: nn.Module, state: TPState) -> None:
+    """Gradient sums for replicated KV rows (over the ranks sharing them) and per-head norms (over TP).
+
+    Collective (it creates the replica process groups): every rank calls it once, after the
+    parameters are final.
+    """
+    replicas = build_subgroups(state.plan.replica_groups(), state.tp_group)
+    active = lambda: not state.gathered  # noqa: E731
+    for param in model.parameters():
+        shard = getattr(param, "autotp_shard", None)
+        if shard is not None and shard.partition.replicas(shard.rank) and param.requires_grad:
+            param.register_hook(replica_grad_hook(shard.partition, shard.rank, replicas, active))
+    for path in state.plan.head_norms:
+        for param in model.get_submodule(path).parameters():
+            param.register_hook(grad_allreduce_hook(state.tp_group, active))
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: tuple[AttrPlan, ...], rank: int, gathered: bool) -> None:

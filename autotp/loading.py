@@ -1,0 +1,181 @@
+"""`from_pretrained`: build on the meta device, plan, then read only this rank's slices from safetensors.
+
+No rank ever materialises the full model: every sharded parameter is read as the runs of rows its
+partition names (`safe_open(...).get_slice`), fused tensors included, straight to its device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from .api import PolicyArg, _groups, _validate_tp_size
+from .plan import build_plan
+from .sharding import Partition
+from .walker import apply_plan, register_grad_hooks
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file or tensor and the numbers."""
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the index or the single file."""
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
+        files = {name: path / file for name, file in weight_map.items()}
+    elif (path / _SINGLE).is_file():
+        files = None
+    else:
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f"; it holds {pickles}, and autotp loads only safetensors (no pickle)" if pickles else ""
+        raise CheckpointError(f"{path}: no {_INDEX} or {_SINGLE}{hint}")
+    if files is None:
+        single = path / _SINGLE
+        return {name: single for name in _header(single)}
+    for file in sorted(set(files.values())):
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in {index.name} but missing")
+    return files
+
+
+def _header(file: Path) -> dict[str, dict]:
+    """The safetensors header (name -> dtype, shape, offsets), checked against the file's length."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if length <= 0 or 8 + length > size:
+                raise CheckpointError(f"{file}: corrupt safetensors header (says {length} bytes, file has {size})")
+            header = json.loads(f.read(length))
+    except (ValueError, UnicodeDecodeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"{file}: corrupt safetensors header ({err})") from None
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end > size:
+        raise CheckpointError(f"{file}: truncated: its tensors need {8 + length + end} bytes, the file has {size}")
+    return header
+
+
+def read_rows(handle, name: str, partition: Partition | None, rank: int) -> torch.Tensor:
+    """Tensor `name` from an open safetensors file: whole, or only the runs of rows `rank` holds."""
+    if partition is None:
+        return handle.get_tensor(name)
+    piece = handle.get_slice(name)
+    index = [slice(None)] * len(piece.get_shape())
+    runs = []
+    for start, length in partition.runs[rank]:
+        index[partition.dim] = slice(start, start + length)
+        runs.append(piece[tuple(index)])
+    return torch.cat(runs, dim=partition.dim) if len(runs) > 1 else runs[0]
+
+
+def from_pretrained(
+    path: str | Path,
+    tp_size: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    policy: PolicyArg = None,
+    **hf_kwargs: Any,
+) -> nn.Module:
+    """A tensor-parallel causal LM read straight into shards; equal to `wrap(from_pretrained(path))`.
+
+    The model is built on the meta device, planned like `wrap` plans it, and each rank reads only
+    its rows of every sharded tensor (including its parts of fused ones). Only safetensors load.
+    """
+    _validate_tp_size(tp_size)
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    files = checkpoint_files(path)
+    config = AutoConfig.from_pretrained(path, **hf_kwargs)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # tied parameters become one object, loaded once under whichever name the file has
+    plan = build_plan(model, tp_size, policy)
+    groups = _groups(tp_size, tp_group)
+    state = apply_plan(model, plan, *groups, hooks=False)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if (
+            state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl") else torch.device("cpu")
+    _load_params(model, files, torch.device(device), dtype, show=not dist.is_initialized() or dist.get_rank() == 0)
+    model.to(device)  # buffers built at init
+    register_grad_hooks(model, state)
+    if (path / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()  # as transformers' from_pretrained leaves it
+    return model
+
+
+def _load_params(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
+                 show: bool) -> None:
+    """Replace every meta parameter by its loaded rows (tied parameters stay one object)."""
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    loaded: dict[int, nn.Parameter] = {}
+    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
+    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent and n in files]
+    by_file: dict[Path, list] = {}
+    for key, param in params.items():
+        name = next((n for n in aliases[key] if n in files), None)
+        if name is None:
+            raise CheckpointError(f"{aliases[key][0]}: not found in the checkpoint")
+        by_file.setdefault(files[name], []).append((name, param))
+    headers = {file: _header(file) for file in by_file}
+    bar = tqdm(total=len(params) + len(buffers), desc="autotp load", unit="tensor", disable=not show)
+    for file, entries in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name, param in entries:
+                    _check_shape(file, name, headers[file][name]["shape"], param)
+                    shard = getattr(param, "autotp_shard", None)
+                    tensor = read_rows(handle, name, None if shard is None else shard.partition,
+                                       0 if shard is None else shard.rank)
+                    new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=param.requires_grad)
+                    new.__dict__.update(param.__dict__)  # the Shard metadata
+                    loaded[id(param)] = new
+                    bar.update()
+        except SafetensorError as err:
+            raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in loaded:
+                module._parameters[name] = loaded[id(param)]
+    for name, buffer in buffers:
+        with safe_open(str(files[name]), framework="pt", device="cpu") as handle:
+            buffer.data = handle.get_tensor(name).to(device=device, dtype=buffer.dtype)
+        bar.update()
+    bar.close()
+
+
+def _check_shape(file: Path, name: str, stored: list[int], param: nn.Parameter) -> None:
+    shard = getattr(param, "autotp_shard", None)
+    expected = list(param.shape if shard is None else shard.full_shape(param.shape))
+    if list(stored) != expected:
+        raise CheckpointError(f"{file.name}: tensor {name} has shape {tuple(stored)}, the config implies {tuple(expected)}")

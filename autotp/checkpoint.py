@@ -13,7 +13,9 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -77,38 +79,92 @@ def save_pretrained(
     Call it on every rank: the TP group of global rank 0 gathers one tensor at a time and rank 0
     writes. `save_directory` must not exist or be empty, unless `overwrite=True`.
     """
-    target = Path(save_directory)
     state = getattr(model, "autotp_state", None)
     tp_group = None if state is None else state.tp_group
     distributed = dist.is_available() and dist.is_initialized()
-    is_writer = not distributed or dist.get_rank() == 0
-    writer_group = [0] if tp_group is None else dist.get_process_group_ranks(tp_group)
-    in_writer_group = not distributed or dist.get_rank() in writer_group
-    _agree(_target_problem(target, overwrite) if is_writer else None, distributed)
-
+    in_writer_group = not distributed or dist.get_rank() in (
+        [0] if tp_group is None else dist.get_process_group_ranks(tp_group))
     params = model.state_dict(keep_vars=True)
+
+    def fetch(name: str) -> torch.Tensor | None:
+        tensor = params[name].detach()
+        shard = getattr(params[name], "autotp_shard", None)
+        return tensor if shard is None else gather_full_to(tensor, shard.partition, tp_group, dst=0)
+
+    with staged_directory(save_directory, overwrite) as tmp:
+        if in_writer_group:
+            write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
+
+
+@contextmanager
+def staged_directory(target: str | os.PathLike, overwrite: bool) -> Iterator[Path | None]:
+    """A hidden sibling directory to write into, renamed onto `target` only when every rank succeeded.
+
+    Collective under torch.distributed: rank 0 checks the target and creates the directory, every
+    rank gets its path (a shared filesystem is assumed), and the rename waits for all of them.
+    Rank 0 sees a refused target first and tells the others, so no rank is left waiting.
+    """
+    target = Path(target)
+    distributed = dist.is_available() and dist.is_initialized()
+    is_first = not distributed or dist.get_rank() == 0
+    box: list = [None, None]
+    if is_first:
+        box[0] = _target_problem(target, overwrite)
+        if box[0] is None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            box[1] = tempfile.mkdtemp(prefix=f".{target.name}.autotp-", dir=target.parent)
+    if distributed:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise FileExistsError(box[0])
+    tmp = Path(box[1])
+    ok = False
+    try:
+        yield tmp
+        ok = True
+    finally:
+        if distributed:  # everyone learns whether everyone finished
+            flags = torch.tensor([0 if ok else 1])
+            dist.all_reduce(flags)
+            ok = flags.item() == 0
+        if is_first:
+            if ok:
+                _move_into_place(tmp, target)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if distributed:
+            dist.barrier()
+
+
+def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fetch: Callable[[str], torch.Tensor | None],
+                        directory: Path, max_shard_size: int | str) -> None:
+    """Stream a transformers-layout checkpoint of `model` into `directory`.
+
+    `params` maps model keys to tensors whose shapes (or `autotp_shard`) give the full shapes;
+    `fetch(key)` returns the full tensor where it is written and None elsewhere (it may be collective).
+    """
     names = list(remove_tied_weights_from_state_dict({k: v.detach() for k, v in params.items()}, model))
-    for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
-        names = [n for n in names if n != ignored]
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     full = _checkpoint_layout(model, {
-        n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names})
+        n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names if n not in ignored})
     split = split_torch_state_dict_into_shards(full, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-
-    if is_writer:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.autotp-", dir=target.parent)) if is_writer else None
-    try:
-        if in_writer_group:
-            _write_weights(params, full, split, tmp, tp_group, is_writer)
-        if is_writer:
-            _write_metadata(model, split, tmp)
-            _move_into_place(tmp, target)
-    finally:
-        if tmp is not None and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    if distributed:
-        dist.barrier()
+    total = sum(t.numel() * t.element_size() for t in full.values())
+    writing = not dist.is_initialized() or dist.get_rank() == 0
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="autotp save", disable=not writing)
+    for filename, tensor_names in split.filename_to_tensors.items():
+        entries = [(n, full[n].dtype, tuple(full[n].shape)) for n in tensor_names]
+        writer = SafetensorsWriter(directory / filename, entries, {"format": "pt"}) if writing else None
+        for name in tensor_names:
+            tensor = fetch(full[name].source)
+            if writer is not None:
+                writer.write(name, tensor)
+                bar.update(full[name].numel() * full[name].element_size())
+        if writer is not None:
+            writer.close()
+    bar.close()
+    if writing:
+        _write_metadata(model, params, split, directory)
 
 
 def _checkpoint_layout(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -142,48 +198,18 @@ def _target_problem(target: Path, overwrite: bool) -> str | None:
     return None
 
 
-def _agree(problem: str | None, distributed: bool) -> None:
-    """Rank 0's verdict on the target, raised on every rank so none is left waiting in a gather."""
-    if distributed:
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
-    if problem:
-        raise FileExistsError(problem)
-
-
-def _write_weights(params, full, split, tmp: Path | None, tp_group, is_writer: bool) -> None:
-    total = sum(t.numel() * t.element_size() for t in full.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="autotp save", disable=not is_writer)
-    for filename, tensor_names in split.filename_to_tensors.items():
-        writer = None
-        if is_writer:
-            entries = [(n, full[n].dtype, tuple(full[n].shape)) for n in tensor_names]
-            writer = SafetensorsWriter(tmp / filename, entries, {"format": "pt"})
-        for name in tensor_names:
-            tensor = params[full[name].source]
-            shard = getattr(tensor, "autotp_shard", None)
-            if shard is not None:
-                tensor = gather_full_to(tensor.detach(), shard.partition, tp_group, dst=0)
-            if writer is not None:
-                writer.write(name, tensor)
-                bar.update(full[name].numel() * full[name].element_size())
-        if writer is not None:
-            writer.close()
-    bar.close()
-
-
-def _write_metadata(model: nn.Module, split, tmp: Path) -> None:
+def _write_metadata(model: nn.Module, params: Mapping[str, torch.Tensor], split, tmp: Path) -> None:
     config = getattr(model, "config", None)
     if config is not None:
         config.architectures = [type(model).__name__]
-        config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        config.dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and getattr(model, "can_generate", lambda: False)():
         generation_config.save_pretrained(tmp)
     if split.is_sharded:
-        count = sum(torch.Size(_full_shape(p)).numel() for p in model.parameters())
+        unique = {id(p): p for p in params.values() if isinstance(p, nn.Parameter)}
+        count = sum(torch.Size(_full_shape(p)).numel() for p in unique.values())
         index = {"metadata": {"total_parameters": count, **split.metadata}, "weight_map": split.tensor_to_filename}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

@@ -1,0 +1,240 @@
+"""Resumable training checkpoints: per-rank shards of model and optimizer, RNG states and user state.
+
+    directory/
+      autotp_checkpoint.json    tp / world sizes, step and user state, each sharded tensor's partition
+      config.json               the model config, so `consolidate` needs no model code
+      rank-00000/model.safetensors, optimizer.safetensors, rng.safetensors, state.json
+
+Everything is written into a hidden sibling directory that replaces `directory` only when every rank
+has finished, so a crash during a save leaves the previous checkpoint loadable. Per-rank files
+only load at the same tp and world size; `consolidate` turns them into a full HF checkpoint that
+`autotp.from_pretrained` loads at any tp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .checkpoint import staged_directory, write_hf_checkpoint
+from .comm import group_size
+from .loading import CheckpointError
+from .sharding import Partition
+
+_META = "autotp_checkpoint.json"
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_FORMAT = "autotp-checkpoint/1"
+
+
+def _rank_dir(directory: Path, rank: int) -> Path:
+    return directory / f"rank-{rank:05d}"
+
+
+def _layout(model: nn.Module) -> dict[str, Any]:
+    state = getattr(model, "autotp_state", None)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {"tp_size": group_size(None if state is None else state.tp_group), "world_size": world}
+
+
+def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any = None, **state: Any) -> None:
+    """Save everything needed to resume exactly; call on every rank. `state` must be JSON-serialisable."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        json.dumps(state)
+    except TypeError as err:
+        raise TypeError(f"save_checkpoint: the user state must be JSON-serialisable ({err})") from None
+    with staged_directory(directory, overwrite=True) as tmp:
+        mine = _rank_dir(tmp, rank)
+        mine.mkdir()
+        params = model.state_dict()
+        save_file({k: v.contiguous() for k, v in _untie(params).items()}, mine / "model.safetensors")
+        tensors, rest = _split_optimizer(optimizer.state_dict())
+        save_file(tensors, mine / "optimizer.safetensors")
+        rng_tensors, rng_rest = _rng_state()
+        save_file(rng_tensors, mine / "rng.safetensors")
+        rank_state = {"optimizer": rest, "rng": rng_rest,
+                      "scheduler": None if scheduler is None else scheduler.state_dict()}
+        (mine / "state.json").write_text(json.dumps(rank_state))
+        if rank == 0:
+            partitions = {name: {"dim": p.autotp_shard.partition.dim, "full_size": p.autotp_shard.partition.full_size,
+                                 "runs": p.autotp_shard.partition.runs}
+                          for name, p in model.state_dict(keep_vars=True).items() if hasattr(p, "autotp_shard")}
+            meta = {"format": _FORMAT, **_layout(model), "model_class": type(model).__name__,
+                    "state": state, "partitions": partitions}
+            (tmp / _META).write_text(json.dumps(meta, indent=1))
+            if getattr(model, "config", None) is not None:
+                model.config.save_pretrained(tmp)
+
+
+def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any = None) -> dict[str, Any]:
+    """Restore model shards, optimizer, scheduler and RNG states in place; returns the user state."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    here = _layout(model)
+    if (meta["tp_size"], meta["world_size"]) != (here["tp_size"], here["world_size"]):
+        raise CheckpointError(
+            f"{directory} was saved at tp={meta['tp_size']} on {meta['world_size']} ranks; this run has "
+            f"tp={here['tp_size']} on {here['world_size']} ranks. Per-rank checkpoints load only at the same sizes: "
+            f"run `python -m autotp consolidate {directory} FULL_DIR`, then "
+            f"autotp.from_pretrained(FULL_DIR, tp_size={here['tp_size']})."
+        )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = _rank_dir(directory, rank)
+    saved = _read(mine / "model.safetensors")
+    current = model.state_dict()
+    for name, tensor in current.items():
+        if name not in saved:
+            raise CheckpointError(f"{mine / 'model.safetensors'}: tensor {name} is missing")
+        if tuple(saved[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{mine / 'model.safetensors'}: tensor {name} has shape {tuple(saved[name].shape)}, "
+                                  f"the model holds {tuple(tensor.shape)}")
+    with torch.no_grad():
+        for name, tensor in current.items():
+            tensor.copy_(saved[name])
+    rank_state = json.loads((mine / "state.json").read_text())
+    if optimizer is not None:
+        optimizer.load_state_dict(_join_optimizer(_read(mine / "optimizer.safetensors"), rank_state["optimizer"]))
+    if scheduler is not None and rank_state["scheduler"] is not None:
+        scheduler.load_state_dict(rank_state["scheduler"])
+    _set_rng_state(_read(mine / "rng.safetensors"), rank_state["rng"])
+    return meta["state"]
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    meta_file = directory / _META
+    if not meta_file.is_file():
+        raise CheckpointError(f"{directory}: not an autotp training checkpoint (no {_META})")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != _FORMAT:
+        raise CheckpointError(f"{meta_file}: unknown format {meta.get('format')!r}, expected {_FORMAT!r}")
+    return meta
+
+
+def _read(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        return load_file(file)
+    except Exception as err:  # safetensors reports corruption with several error types
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None
+
+
+def _untie(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: tied entries are saved as copies (and restored by copy)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in params.items():
+        key = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return out
+
+
+def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, plain = {}, {}
+    for index, entry in state["state"].items():
+        plain[str(index)] = {}
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}.{key}"] = value.detach().contiguous().cpu()
+            else:
+                plain[str(index)][key] = value
+    return tensors, {"state": plain, "param_groups": state["param_groups"]}
+
+
+def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
+    state: dict[int, dict] = {int(i): dict(entry) for i, entry in rest["state"].items()}
+    for name, tensor in tensors.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    return {"state": state, "param_groups": rest["param_groups"]}
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    version, internal, gauss = random.getstate()
+    rest: dict[str, Any] = {"python": [version, list(internal), gauss]}
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        rest["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    return tensors, rest
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    version, internal, gauss = rest["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in rest:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = rest["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard_size: int | str = "5GB",
+                overwrite: bool = False) -> None:
+    """A full HF checkpoint from a per-rank one, in one process: shards are reassembled from their partitions."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint = Path(checkpoint)
+    meta = read_meta(checkpoint)
+    tp = meta["tp_size"]
+    config = AutoConfig.from_pretrained(checkpoint)
+    with _open(_rank_dir(checkpoint, 0) / "model.safetensors") as first:
+        dtype = first.get_slice(next(iter(first.keys()))).get_dtype()
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
+    model.tie_weights()
+    partitions = {name: Partition(p["dim"], p["full_size"], tuple(tuple(tuple(r) for r in rr) for rr in p["runs"]))
+                  for name, p in meta["partitions"].items()}
+    params = model.state_dict(keep_vars=True)
+    with ExitStack() as stack:  # one open file per TP rank; tensors are read one at a time
+        files = [_rank_dir(checkpoint, r) / "model.safetensors" for r in range(tp)]
+        handles = [stack.enter_context(_open(file)) for file in files]
+        for name, tensor in params.items():
+            if name not in handles[0].keys():
+                raise CheckpointError(f"{files[0]}: tensor {name} is missing")
+            shape = tuple(handles[0].get_slice(name).get_shape())
+            if name not in partitions and shape != tuple(tensor.shape):
+                raise CheckpointError(f"{files[0]}: tensor {name} has shape {shape}, the config implies "
+                                      f"{tuple(tensor.shape)}")
+
+        def fetch(name: str) -> torch.Tensor:
+            if name in partitions:
+                return partitions[name].unshard([h.get_tensor(name) for h in handles])
+            return handles[0].get_tensor(name)
+
+        with staged_directory(out, overwrite) as tmp:
+            write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
+
+
+def _open(file: Path):
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as err:  # safetensors reports corruption with several error types
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None

@@ -26,47 +26,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from .comm import gather_full_to
-
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
-
-class SafetensorsWriter:
-    """Writes one safetensors file whose tensor list is fixed up front, tensor by tensor, in order."""
-
-    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
-        header: dict[str, object] = {"__metadata__": metadata}
-        offset = 0
-        for name, dtype, shape in entries:
-            if dtype not in _DTYPES:
-                raise TypeError(f"{name}: dtype {dtype} cannot be stored in safetensors")
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
-        self._pending = [(name, dtype, tuple(shape)) for name, dtype, shape in entries]
-        self._file = open(path, "wb")
-        self._file.write(len(raw).to_bytes(8, "little") + raw)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected = self._pending.pop(0)
-        got = (name, tensor.dtype, tuple(tensor.shape))
-        if got != expected:
-            raise RuntimeError(f"safetensors writer expected {expected}, got {got}")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
-
-    def close(self) -> None:
-        if self._pending:
-            raise RuntimeError(f"{len(self._pending)} tensors were never written, first {self._pending[0][0]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-
+from .st_format import SafetensorsWriter
 
 def save_pretrained(
     model: nn.Module,

@@ -1,7 +1,7 @@
 """`from_pretrained`: build on the meta device, plan, then read only this rank's slices from safetensors.
 
 No rank ever materialises the full model: every sharded parameter is read as the runs of rows its
-partition names (`safe_open(...).get_slice`), fused tensors included, straight to its device.
+partition names, fused tensors included, with plain file reads (no mmap), straight to its device.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
-from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from .api import PolicyArg, _groups, _validate_tp_size
 from .plan import build_plan
-from .sharding import Partition
+from .st_format import FormatError, read_header, read_rows
 from .walker import apply_plan, register_grad_hooks
 
 _INDEX = "model.safetensors.index.json"
@@ -48,44 +47,18 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"{path}: no {_INDEX} or {_SINGLE}{hint}")
     if files is None:
         single = path / _SINGLE
-        return {name: single for name in _header(single)}
+        return {name: single for name in _read_header(single)[0]}
     for file in sorted(set(files.values())):
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in {index.name} but missing")
     return files
 
 
-def _header(file: Path) -> dict[str, dict]:
-    """The safetensors header (name -> dtype, shape, offsets), checked against the file's length."""
+def _read_header(file: Path) -> tuple[dict[str, dict], int]:
     try:
-        size = file.stat().st_size
-        with file.open("rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if length <= 0 or 8 + length > size:
-                raise CheckpointError(f"{file}: corrupt safetensors header (says {length} bytes, file has {size})")
-            header = json.loads(f.read(length))
-    except (ValueError, UnicodeDecodeError) as err:
-        if isinstance(err, CheckpointError):
-            raise
-        raise CheckpointError(f"{file}: corrupt safetensors header ({err})") from None
-    header.pop("__metadata__", None)
-    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + length + end > size:
-        raise CheckpointError(f"{file}: truncated: its tensors need {8 + length + end} bytes, the file has {size}")
-    return header
-
-
-def read_rows(handle, name: str, partition: Partition | None, rank: int) -> torch.Tensor:
-    """Tensor `name` from an open safetensors file: whole, or only the runs of rows `rank` holds."""
-    if partition is None:
-        return handle.get_tensor(name)
-    piece = handle.get_slice(name)
-    index = [slice(None)] * len(piece.get_shape())
-    runs = []
-    for start, length in partition.runs[rank]:
-        index[partition.dim] = slice(start, start + length)
-        runs.append(piece[tuple(index)])
-    return torch.cat(runs, dim=partition.dim) if len(runs) > 1 else runs[0]
+        return read_header(file)
+    except FormatError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def from_pretrained(
@@ -147,29 +120,30 @@ def _load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devi
         if name is None:
             raise CheckpointError(f"{aliases[key][0]}: not found in the checkpoint")
         by_file.setdefault(files[name], []).append((name, param))
-    headers = {file: _header(file) for file in by_file}
     bar = tqdm(total=len(params) + len(buffers), desc="autotp load", unit="tensor", disable=not show)
     for file, entries in by_file.items():
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name, param in entries:
-                    _check_shape(file, name, headers[file][name]["shape"], param)
-                    shard = getattr(param, "autotp_shard", None)
-                    tensor = read_rows(handle, name, None if shard is None else shard.partition,
+        header, data_start = _read_header(file)
+        with file.open("rb") as f:
+            for name, param in entries:
+                _check_shape(file, name, header[name]["shape"], param)
+                shard = getattr(param, "autotp_shard", None)
+                try:
+                    tensor = read_rows(f, header[name], data_start, None if shard is None else shard.partition,
                                        0 if shard is None else shard.rank)
-                    new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=param.requires_grad)
-                    new.__dict__.update(param.__dict__)  # the Shard metadata
-                    loaded[id(param)] = new
-                    bar.update()
-        except SafetensorError as err:
-            raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None
+                except FormatError as err:
+                    raise CheckpointError(str(err)) from None
+                new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)  # the Shard metadata
+                loaded[id(param)] = new
+                bar.update()
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in loaded:
                 module._parameters[name] = loaded[id(param)]
     for name, buffer in buffers:
-        with safe_open(str(files[name]), framework="pt", device="cpu") as handle:
-            buffer.data = handle.get_tensor(name).to(device=device, dtype=buffer.dtype)
+        header, data_start = _read_header(files[name])
+        with files[name].open("rb") as f:
+            buffer.data = read_rows(f, header[name], data_start, None, 0).to(device=device, dtype=buffer.dtype)
         bar.update()
     bar.close()
 

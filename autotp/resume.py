@@ -47,14 +47,17 @@ def _layout(model: nn.Module) -> dict[str, Any]:
 
 
 def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any = None, **state: Any) -> None:
-    """Save everything needed to resume exactly; call on every rank. `state` must be JSON-serialisable."""
+                    scheduler: Any = None, *, overwrite: bool = False, **state: Any) -> None:
+    """Save everything needed to resume exactly; call on every rank. `state` must be JSON-serialisable.
+
+    A non-empty `directory` is replaced only with `overwrite=True`, and only once the new one is complete.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
         json.dumps(state)
     except TypeError as err:
         raise TypeError(f"save_checkpoint: the user state must be JSON-serialisable ({err})") from None
-    with staged_directory(directory, overwrite=True) as tmp:
+    with staged_directory(directory, overwrite) as tmp:
         mine = _rank_dir(tmp, rank)
         mine.mkdir()
         params = model.state_dict()

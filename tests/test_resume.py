@@ -196,7 +196,7 @@ SAVER = textwrap.dedent("""
     autotp.save_checkpoint(sys.argv[1], model, optimizer, step=int(sys.argv[2]))
     print("saved", flush=True)
     if sys.argv[3] == "again":
-        autotp.save_checkpoint(sys.argv[1], model, optimizer, step=int(sys.argv[2]) + 1)
+        autotp.save_checkpoint(sys.argv[1], model, optimizer, overwrite=True, step=int(sys.argv[2]) + 1)
 """)
 
 
@@ -217,3 +217,17 @@ def test_killed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     assert meta["state"] == {"step": 7}, "the previous checkpoint must still be the one in place"
     model = autotp.wrap(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target)), 1)
     assert autotp.load_checkpoint(target, model) == {"step": 7}
+
+
+def test_existing_targets_need_overwrite(tmp_path: Path) -> None:
+    run_ranks(save_both, 2, str(tmp_path / "ckpt"), str(tmp_path / "full"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("keep me")
+    done = subprocess.run([sys.executable, "-m", "autotp", "consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "exists and is not empty; pass overwrite=True" in done.stderr
+    assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
+    model, optimizer, _ = make(1)
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        autotp.save_checkpoint(tmp_path / "ckpt", model, optimizer, step=1)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "a refused save left files"

@@ -1,0 +1,123 @@
+"""The safetensors file format, read and written in pieces.
+
+Writing: the header is fixed up front and tensors are streamed one by one, so a full checkpoint
+never sits in memory. Reading: only the runs of rows a rank holds are read, with plain file reads
+into the destination tensor (no mmap, so untouched parts of the file never count against the
+process's memory). Errors name the file and the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .sharding import Partition
+
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file whose tensor list is fixed up front, tensor by tensor, in order."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        for name, dtype, shape in entries:
+            if dtype not in DTYPES:
+                raise TypeError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
+        self._pending = [(name, dtype, tuple(shape)) for name, dtype, shape in entries]
+        self._file = open(path, "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self._pending.pop(0)
+        got = (name, tensor.dtype, tuple(tensor.shape))
+        if got != expected:
+            raise RuntimeError(f"safetensors writer expected {expected}, got {got}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+
+    def close(self) -> None:
+        if self._pending:
+            raise RuntimeError(f"{len(self._pending)} tensors were never written, first {self._pending[0][0]}")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+NAMES = {name: dtype for dtype, name in DTYPES.items()}
+_CHUNK_BYTES = 64 << 20  # column slices are read this many bytes of whole rows at a time
+
+
+class FormatError(ValueError):
+    """A file that is not valid safetensors."""
+
+
+def read_header(file: Path) -> tuple[dict[str, dict], int]:
+    """The header (name -> dtype, shape, offsets) and where the data starts, checked against the file size."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if size < 8 or length <= 0 or 8 + length > size:
+            raise FormatError(f"{file}: corrupt safetensors header (says {length} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise FormatError(f"{file}: corrupt safetensors header ({err})") from None
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end > size:
+        raise FormatError(f"{file}: truncated: its tensors need {8 + length + end} bytes, the file has {size}")
+    return header, 8 + length
+
+
+def read_rows(f, entry: dict, data_start: int, partition: Partition | None, rank: int) -> torch.Tensor:
+    """One tensor from an open file: whole, or only the runs of rows along `partition.dim` that `rank` holds."""
+    dtype = NAMES[entry["dtype"]]
+    shape = list(entry["shape"])
+    begin = data_start + entry["data_offsets"][0]
+    if partition is None:
+        return _read_into(f, begin, torch.empty(shape, dtype=dtype))
+    dim = partition.dim
+    local = shape.copy()
+    local[dim] = partition.local_size(rank)
+    out = torch.empty(local, dtype=dtype)
+    outer = torch.Size(shape[:dim]).numel()
+    inner = torch.Size(shape[dim + 1:]).numel() * dtype.itemsize  # bytes of one index along dim
+    span = shape[dim] * inner  # bytes of one outer index
+    out_rows = out.view(outer, local[dim], -1) if out.numel() else out
+    if dim == 0:  # every run is one contiguous range of the file
+        offset = 0
+        for start, length in partition.runs[rank]:
+            _read_into(f, begin + start * inner, out_rows[0, offset:offset + length])
+            offset += length
+        return out
+    step = max(1, _CHUNK_BYTES // max(span, 1))
+    for first in range(0, outer, step):
+        count = min(step, outer - first)
+        chunk = _read_into(f, begin + first * span, torch.empty((count, shape[dim], inner // dtype.itemsize), dtype=dtype))
+        offset = 0
+        for start, length in partition.runs[rank]:
+            out_rows[first:first + count, offset:offset + length] = chunk[:, start:start + length]
+            offset += length
+    return out
+
+
+def _read_into(f, position: int, out: torch.Tensor) -> torch.Tensor:
+    f.seek(position)
+    view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    if f.readinto(view) != len(view):
+        raise FormatError(f"{f.name}: ended early while reading {len(view)} bytes at offset {position}")
+    return out

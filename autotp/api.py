@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -9,12 +10,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import build_groups, group_size, init_from_env, launched_by_torchrun
+from .comm import build_groups, dp_group_for, group_size, init_from_env, launched_by_torchrun
+from .data_parallel import DDPGuard, input_check_hook
 from .plan import Plan, build_plan
 from .policy import Policy
 from .walker import apply_plan, parallel_layers
 
 PolicyArg = Policy | str | Path | Mapping[str, Any] | None
+
+
+_last: weakref.ref | None = None
+
+
+def last_wrapped() -> nn.Module | None:
+    """The model most recently wrapped in this process (what `autotp.tp_group()` and friends default to)."""
+    return None if _last is None else _last()
 
 
 def wrap(
@@ -23,13 +33,15 @@ def wrap(
     *,
     tp_group: dist.ProcessGroup | None = None,
     policy: PolicyArg = None,
+    check_inputs: bool = False,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
     TP groups are consecutive ranks; the rest of the world is data parallel. Under torchrun or
     accelerate, torch.distributed is initialised here if the script has not done it (NCCL on GPUs,
     gloo otherwise). `tp_size=1` needs no process group. Every check runs before the model is
-    touched, so a refused call leaves it unchanged.
+    touched, so a refused call leaves it unchanged. `check_inputs=True` verifies on every forward
+    that all TP ranks of a replica got the same tensors.
     """
     _validate_tp_size(tp_size)
     if getattr(model, "autotp_state", None) is not None or parallel_layers(model):
@@ -37,9 +49,21 @@ def wrap(
     plan = build_plan(model, tp_size, policy)
     tp_group, dp_group = _groups(tp_size, tp_group)
     apply_plan(model, plan, tp_group, dp_group)
+    finish(model, check_inputs)
     if tp_group is not None and dist.get_backend(tp_group) == "nccl" and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return model
+
+
+def finish(model: nn.Module, check_inputs: bool) -> None:
+    """What every wrapped model gets besides its plan: the DDP guard, the optional input check, and
+    becoming the default of `autotp.tp_group()` and friends."""
+    global _last
+    _last = weakref.ref(model)
+    ignored = tuple(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
+    if check_inputs:
+        model.register_forward_pre_hook(input_check_hook, with_kwargs=True)
 
 
 def _validate_tp_size(tp_size: int) -> None:
@@ -66,7 +90,7 @@ def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):
     if tp_group is not None:
         if group_size(tp_group) != tp_size:
             raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
-        return tp_group, None
+        return tp_group, dp_group_for(tp_group)
     if world % tp_size:
         raise ValueError(
             f"tp_size={tp_size} must divide the world size {world} (world = data parallel x tensor parallel)"

@@ -208,3 +208,20 @@ def build_groups(tp_size: int) -> tuple[Group, Group]:
         if rank in ranks:
             dp_group = group
     return tp_group, dp_group
+
+
+def dp_group_for(tp_group: dist.ProcessGroup) -> Group:
+    """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group."""
+    mine = tuple(dist.get_process_group_ranks(tp_group))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    tp_groups = sorted(set(everyone))
+    if len(tp_groups) == 1:
+        return None
+    position = mine.index(dist.get_rank())
+    out = None
+    for index in range(len(mine)):
+        group = dist.new_group([g[index] for g in tp_groups])
+        if index == position:
+            out = group
+    return out

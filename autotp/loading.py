@@ -17,7 +17,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from .api import PolicyArg, _groups, _validate_tp_size
+from .api import PolicyArg, _groups, _validate_tp_size, finish
 from .plan import build_plan
 from .st_format import FormatError, read_header, read_rows
 from .walker import apply_plan, register_grad_hooks
@@ -97,6 +97,7 @@ def from_pretrained(
     _load_params(model, files, torch.device(device), dtype, show=not dist.is_initialized() or dist.get_rank() == 0)
     model.to(device)  # buffers built at init
     register_grad_hooks(model, state)
+    finish(model, check_inputs=False)
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers' from_pretrained leaves it

@@ -1,0 +1,199 @@
+"""Data parallel x tensor parallel: groups, gradient sync over DP only, clipping, sampling, input checks.
+
+A world of N ranks with tp_size T holds N/T replicas of the T-way sharded model. TP groups are
+consecutive ranks, DP groups strided: rank r is TP rank r % T of DP replica r // T. Gradients are
+averaged over the DP group only; TP ranks of one replica must read the same batch.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils.data import Dataset, DistributedSampler
+
+from .comm import Group, group_rank, group_size
+
+_BUCKET_BYTES = 25 << 20
+
+
+def _state(model: nn.Module | None):
+    from .api import last_wrapped
+
+    model = model if model is not None else last_wrapped()
+    state = getattr(model, "autotp_state", None)
+    if state is None:
+        raise RuntimeError("no model wrapped by autotp: call autotp.wrap first, or pass the wrapped model")
+    return state
+
+
+def tp_group(model: nn.Module | None = None) -> Group:
+    """The TP group of `model` (default: the model last wrapped in this process); None when tp=1."""
+    return _state(model).tp_group
+
+
+def dp_group(model: nn.Module | None = None) -> Group:
+    """The data-parallel group: the ranks holding the same shards. None when there is one replica."""
+    return _state(model).dp_group
+
+
+def tp_rank(model: nn.Module | None = None) -> int:
+    return group_rank(tp_group(model))
+
+
+def tp_size(model: nn.Module | None = None) -> int:
+    return group_size(tp_group(model))
+
+
+def dp_rank(model: nn.Module | None = None) -> int:
+    return group_rank(dp_group(model))
+
+
+def dp_size(model: nn.Module | None = None) -> int:
+    return group_size(dp_group(model))
+
+
+def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
+    """Average (or sum) every gradient over the DP group, in ~25 MB buckets; call after the last micro-batch.
+
+    With gradient accumulation, call it once per optimizer step: the gradients accumulated over the
+    micro-batches are synchronised together.
+    """
+    group = dp_group(model)
+    size = group_size(group)
+    if size == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for bucket in _buckets(grads):
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(synced)
+
+
+def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    bucket, used = [], 0
+    for t in tensors:
+        if bucket and (used + t.numel() * t.element_size() > _BUCKET_BYTES or t.dtype != bucket[0].dtype
+                       or t.device != bucket[0].device):
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(t)
+        used += t.numel() * t.element_size()
+    if bucket:
+        yield bucket
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by the norm of the whole, unsharded model; returns that norm (before clipping).
+
+    Sharded parameters contribute their shard from every TP rank, rows replicated on several ranks
+    (shared KV heads) count once, replicated parameters count once. Call it after the DP gradient
+    sync, so every replica computes the same norm. Equals the single-process norm.
+    """
+    if norm_type not in (2.0, float("inf")):
+        raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
+    group = tp_group(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    device = params[0].grad.device
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        grad = p.grad.detach().double()
+        shard = getattr(p, "autotp_shard", None)
+        if shard is None:
+            replicated = _combine(replicated, grad, norm_type)
+            continue
+        spans = shard.partition.replicas(shard.rank)
+        dim = shard.partition.dim
+        if norm_type == 2.0:  # rows held by k ranks add 1/k of their square on each
+            total = grad.pow(2).sum()
+            for offset, length, holders in spans:
+                total -= grad.narrow(dim, offset, length).pow(2).sum() * (1 - 1 / len(holders))
+            sharded = sharded + total
+        else:
+            sharded = _combine(sharded, grad, norm_type)
+    if group_size(group) > 1:
+        dist.all_reduce(sharded, op=dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX, group=group)
+    norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)
+    coef = max_norm / (norm.item() + 1e-6)
+    if coef < 1:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm.float()
+
+
+def _combine(acc: torch.Tensor, grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    return acc + grad.pow(2).sum() if norm_type == 2.0 else torch.maximum(acc, grad.abs().max())
+
+
+def data_parallel_sampler(dataset: Dataset, model: nn.Module | None = None, *, shuffle: bool = True, seed: int = 0,
+                          drop_last: bool = False) -> DistributedSampler:
+    """A sampler giving each DP replica its own part of `dataset`, and all TP ranks of a replica the same part."""
+    return DistributedSampler(dataset, num_replicas=dp_size(model), rank=dp_rank(model), shuffle=shuffle,
+                              seed=seed, drop_last=drop_last)
+
+
+def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """Raise if the TP ranks of this replica were not given identical tensors; names the first that differs."""
+    group = tp_group(model)
+    if group_size(group) == 1:
+        return
+    named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]
+    tensors = [(name, t) for name, t in named if torch.is_tensor(t)]
+    mine = [(name, tuple(t.shape), str(t.dtype), zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                                                           .numpy().tobytes()))
+            for name, t in tensors]
+    everyone: list = [None] * group_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for index, (name, shape, dtype, _) in enumerate(mine):
+        for rank, theirs in zip(ranks, everyone):
+            if index >= len(theirs) or theirs[index] != mine[index]:
+                other = theirs[index] if index < len(theirs) else None
+                raise RuntimeError(
+                    f"tensor-parallel ranks got different inputs: {name} on rank {dist.get_rank()} "
+                    f"(shape {shape}, {dtype}) differs from rank {rank}'s "
+                    f"{'(missing)' if other is None else f'(shape {other[1]}, {other[2]})'}; every TP rank of a "
+                    f"replica must read the same batch (see autotp.data_parallel_sampler)"
+                )
+
+
+def input_check_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook form of `check_same_inputs`, installed by `wrap(..., check_inputs=True)`."""
+    check_same_inputs(module, *args, **kwargs)
+
+
+class DDPGuard:
+    """Stands in as `model._ddp_params_and_buffers_to_ignore`, which DDP reads while it is being built.
+
+    At that moment DDP already holds its process group; if the group contains two ranks of one TP
+    group, DDP would average different shards together, so this refuses with a clear error.
+    """
+
+    def __init__(self, model: nn.Module, ignored: tuple[str, ...] = ()):
+        self.model, self.ignored = model, ignored
+
+    def __iter__(self) -> Iterator[str]:
+        ddp = sys._getframe(1).f_locals.get("self")
+        group = getattr(ddp, "process_group", None)
+        tp = self.model.autotp_state.tp_group
+        if isinstance(ddp, nn.parallel.DistributedDataParallel) and group is not None and group_size(tp) > 1:
+            members = set(dist.get_process_group_ranks(group))
+            shared = sorted(members & set(dist.get_process_group_ranks(tp)))
+            if len(shared) > 1:
+                raise RuntimeError(
+                    f"DistributedDataParallel over ranks {sorted(members)} would average different tensor-parallel "
+                    f"shards together (ranks {shared} hold different shards of the same tensors). Pass "
+                    f"process_group=autotp.dp_group(model), or use autotp.allreduce_gradients(model)."
+                )
+        return iter(self.ignored)

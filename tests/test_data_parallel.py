@@ -1,0 +1,139 @@
+"""dp=2 x tp=2 on 4 CPU ranks equals one process on the whole batch; the DDP-over-world mistake is refused.
+
+Tolerances as in test_parity (fp32, only the order of sums differs): loss 1e-5, parameters after
+3 AdamW steps 3e-5, gradient norms 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import autotp
+from autotp.parity import full_tensor
+from autotp.spawn import run_ranks
+from models import batch, tiny_model
+from test_parity import LOSS_ATOL, PARAM_ATOL
+
+GLOBAL = batch(size=(4, 16))
+CLIP = 0.5
+
+
+def optimizer_for(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+
+
+def single_process(clip: bool) -> dict:
+    model = tiny_model("llama")
+    opt = optimizer_for(model)
+    losses, norms = [], []
+    for _ in range(3):
+        loss = model(input_ids=GLOBAL, labels=GLOBAL).loss
+        loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def dp_tp_rank(rank: int, world: int, mode: str) -> dict:
+    model = autotp.wrap(tiny_model("llama"), 2)
+    assert autotp.tp_size() == 2 and autotp.dp_size() == 2 and autotp.dp_rank() == rank // 2
+    runner = DistributedDataParallel(model, process_group=autotp.dp_group()) if mode == "ddp" else model
+    opt = optimizer_for(model)
+    mine = GLOBAL[2 * autotp.dp_rank(): 2 * autotp.dp_rank() + 2]  # this replica's half of the global batch
+    losses, norms = [], []
+    for _ in range(3):
+        if mode == "accumulate":  # 2 micro-batches of one sequence, gradients synced once
+            loss = 0.0
+            for micro in (mine[:1], mine[1:]):
+                part = runner(input_ids=micro, labels=micro).loss / 2
+                part.backward()
+                loss = loss + part.detach()
+        else:
+            loss = runner(input_ids=mine, labels=mine).loss
+            loss.backward()
+        if mode != "ddp":
+            autotp.allreduce_gradients(model)
+        if mode == "clip":
+            norms.append(autotp.clip_grad_norm_(model, CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=autotp.dp_group())
+        losses.append(mean.item() / 2)
+    group = autotp.tp_group()
+    return {"losses": losses, "norms": norms,
+            "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "accumulate", "clip"])
+def test_dp2_tp2_equals_single_process(mode: str) -> None:
+    expected = single_process(clip=mode == "clip")
+    if mode == "clip":
+        assert expected["norms"][0] > CLIP, "clipping must be active for this test to mean anything"
+    for report in run_ranks(dp_tp_rank, 4, mode):
+        assert max(abs(a - b) for a, b in zip(report["losses"], expected["losses"])) <= LOSS_ATOL
+        for a, b in zip(report["norms"], expected["norms"]):
+            assert abs(a - b) <= 1e-5 * b, (report["norms"], expected["norms"])
+        worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
+        assert worst[0] <= PARAM_ATOL, worst
+
+
+def ddp_over_world(rank: int, world: int) -> str:
+    model = autotp.wrap(tiny_model("llama"), 2)
+    with pytest.raises(RuntimeError) as err:
+        DistributedDataParallel(model)  # the whole world: ranks 0 and 1 hold different shards
+    return str(err.value)
+
+
+def test_ddp_over_the_world_is_refused() -> None:
+    for message in run_ranks(ddp_over_world, 4):
+        assert "would average different tensor-parallel shards" in message
+        assert "process_group=autotp.dp_group(model)" in message
+
+
+def different_batches(rank: int, world: int) -> str:
+    model = autotp.wrap(tiny_model("llama"), 2, check_inputs=True)
+    ids = batch(seed=rank)  # the bug: each TP rank reads its own batch
+    with pytest.raises(RuntimeError) as err:
+        model(input_ids=ids, labels=ids)
+    same = batch()
+    model(input_ids=same, labels=same)  # identical inputs pass
+    return str(err.value)
+
+
+def test_input_check_names_the_tensor() -> None:
+    for message in run_ranks(different_batches, 2):
+        assert "tensor-parallel ranks got different inputs: input_ids=" in message
+
+
+def sampler_parts(rank: int, world: int) -> list[int]:
+    autotp.wrap(tiny_model("llama"), 2)
+    return list(autotp.data_parallel_sampler(list(range(8)), shuffle=False))
+
+
+def test_sampler_splits_over_data_parallel_ranks_only() -> None:
+    parts = run_ranks(sampler_parts, 4)
+    assert parts[0] == parts[1] and parts[2] == parts[3]  # TP ranks of a replica read the same samples
+    assert sorted(parts[0] + parts[2]) == list(range(8))  # the replicas split the data
+
+
+def norm_with_replicated_kv(rank: int, world: int) -> tuple[float, float]:
+    reference = tiny_model("llama", num_key_value_heads=1)
+    model = autotp.wrap(copy.deepcopy(reference), world)  # the one KV head is held by every rank
+    for m in (reference, model):
+        m(input_ids=GLOBAL, labels=GLOBAL).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item()
+    return autotp.clip_grad_norm_(model, 1e9).item(), expected
+
+
+def test_grad_norm_counts_replicated_rows_once() -> None:
+    for got, expected in run_ranks(norm_with_replicated_kv, 4):
+        assert abs(got - expected) <= 1e-5 * expected

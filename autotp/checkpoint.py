@@ -33,12 +33,25 @@ def save_pretrained(
     save_directory: str | os.PathLike,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    into_existing: bool = False,
 ) -> None:
     """Write a full HF checkpoint (config, safetensors shards, index) that plain transformers loads.
 
     Call it on every rank: the TP group of global rank 0 gathers one tensor at a time and rank 0
-    writes. `save_directory` must not exist or be empty, unless `overwrite=True`.
+    writes. `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
+    whole, once the new one is complete). `into_existing=True` instead keeps the directory's other
+    files (a Trainer's output directory): the checkpoint is staged completely, then its files are
+    moved in, replacing the model files of an earlier save.
     """
+    if into_existing:
+        target = Path(save_directory)
+        incoming = target.parent / f".{target.name}.autotp-incoming"
+        save_pretrained(model, incoming, max_shard_size, overwrite=True)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _move_files_in(incoming, target)
+        if dist.is_initialized():
+            dist.barrier()
+        return
     state = getattr(model, "autotp_state", None)
     tp_group = None if state is None else state.tp_group
     distributed = dist.is_available() and dist.is_initialized()
@@ -186,3 +199,14 @@ def _move_into_place(tmp: Path, target: Path) -> None:
     tmp.rename(target)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _move_files_in(incoming: Path, target: Path) -> None:
+    """Replace `target`'s model files by those of the complete checkpoint in `incoming`."""
+    target.mkdir(parents=True, exist_ok=True)
+    for stale in [*target.glob("model*.safetensors"), target / "model.safetensors.index.json"]:
+        if stale.exists() and not (incoming / stale.name).exists():
+            stale.unlink()
+    for file in incoming.iterdir():
+        os.replace(file, target / file.name)
+    incoming.rmdir()

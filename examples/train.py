@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autotp
+from data import pattern_batch
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,14 +41,6 @@ def tiny_llama() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
-def pattern_batch(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
-    """Counting sequences with a per-row stride: predictable after a few tokens, so the loss falls."""
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, vocab, (batch, 1), generator=g)
-    stride = torch.randint(1, 8, (batch, 1), generator=g)
-    return (start + stride * torch.arange(seq)) % vocab
-
-
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -56,8 +49,7 @@ def main() -> None:
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     device = next(model.parameters()).device
-    dp_group = model.autotp_state.dp_group
-    dp_rank, dp_size = (dist.get_rank(dp_group), dist.get_world_size(dp_group)) if dp_group else (0, 1)
+    dp_rank, dp_size = autotp.dp_rank(model), autotp.dp_size(model)
     if rank == 0:
         print(model.autotp_state.plan.describe().splitlines()[0])
 
@@ -70,10 +62,7 @@ def main() -> None:
         ids = pattern_batch(step * dp_size + dp_rank, args.batch, args.seq, vocab).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if dp_group is not None:
-            for p in model.parameters():
-                dist.all_reduce(p.grad, group=dp_group)
-                p.grad /= dp_size
+        autotp.allreduce_gradients(model)  # average over data-parallel replicas only
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")

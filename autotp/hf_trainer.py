@@ -1,0 +1,135 @@
+"""`AutoTPTrainer`: `transformers.Trainer` for a model wrapped by autotp, at data parallel x tensor parallel.
+
+Trainer assumes every rank is a data-parallel replica. Here only the DP group is: gradients are
+averaged by DDP over `autotp.dp_group` (never over the world), each DP replica reads its own part
+of the data while the TP ranks of a replica read the same batches, the reported batch size counts
+DP replicas only, the loss is normalised by the tokens of the whole global batch (summed over DP,
+not over every rank), gradients are clipped by the norm of the whole unsharded model, the logged
+loss is the mean over replicas, and `save_model` writes a full checkpoint through
+`autotp.save_pretrained` on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Sampler
+from transformers import Trainer
+
+from .checkpoint import save_pretrained
+from .comm import group_size
+from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_size, tp_size
+
+
+class _EpochLoader(DataLoader):
+    """A DataLoader that forwards `set_epoch` to its sampler, as Trainer expects of a prepared one."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+class _TPOnly(nn.Module):
+    """Marks a model as wrapped when there is one replica, so Trainer does not hand it to a world-wide DDP."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class AutoTPTrainer(Trainer):
+    """Trainer for `autotp.wrap`-ped models; use it like `transformers.Trainer`."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm_(
+            self.model, max_norm, float(norm_type))
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
+        if not training or isinstance(model, (DistributedDataParallel, _TPOnly)):
+            return model
+        if dp_size(model) > 1:
+            device = next(model.parameters()).device
+            return DistributedDataParallel(model, process_group=dp_group(model),
+                                           device_ids=[device] if device.type == "cuda" else None)
+        return _TPOnly(model)
+
+    def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return data_parallel_sampler(dataset, self.model, shuffle=True, seed=self.args.seed)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again."""
+        dataset = self.train_dataset
+        collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        return _EpochLoader(dataset, batch_size=self._train_batch_size, sampler=self._get_train_sampler(dataset),
+                            collate_fn=collator, num_workers=self.args.dataloader_num_workers,
+                            pin_memory=self.args.dataloader_pin_memory, drop_last=self.args.dataloader_drop_last)
+
+    def get_tp_size(self) -> int:
+        return tp_size(self.model)
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * dp_size(self.model)
+
+    @contextmanager
+    def _no_world_token_average(self) -> Iterator[bool]:
+        """Trainer's token averaging assumes every rank is a replica; inside, autotp does it over DP instead."""
+        average = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            yield average
+        finally:
+            self.args.average_tokens_across_devices = average
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """This replica's label tokens, summed over the DP group when averaging tokens across devices."""
+        with self._no_world_token_average() as average:
+            count = super()._get_num_items_in_batch(batch_samples, device)
+        if not torch.is_tensor(count):
+            return count
+        count = count * self.get_tp_size()  # Trainer divided by the ranks sharing a batch; this count is ours alone
+        group = dp_group(self.model)
+        if average and group_size(group) > 1:
+            count = count.clone()
+            dist.all_reduce(count, group=group)
+        return count
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages."""
+        with self._no_world_token_average() as average:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if average and num_items_in_batch is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            scale = dp_size(self.model)
+            result = (result[0] * scale, result[1]) if return_outputs else result * scale
+        return result
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """The usual step; the loss returned for logging is the mean over DP replicas (TP ranks agree already)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        group = dp_group(self.model)
+        if group_size(group) > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=group)
+            loss /= group_size(group)
+        return loss
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
+        output_dir = output_dir or self.args.output_dir
+        save_pretrained(self.model, output_dir, into_existing=True)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))

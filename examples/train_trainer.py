@@ -1,0 +1,72 @@
+"""transformers.Trainer at data parallel x tensor parallel, through autotp.hf_trainer.AutoTPTrainer.
+
+    torchrun --nproc-per-node 4 examples/train_trainer.py --tp 2     # 2 replicas x tp=2 on CPU ranks
+
+AutoTPTrainer averages gradients over the data-parallel group only (DDP on autotp.dp_group), gives
+each replica its own part of the data (TP ranks of a replica read the same batches), reports the
+batch size and loss over replicas, and saves a full checkpoint with autotp.save_pretrained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+import autotp
+from autotp.hf_trainer import AutoTPTrainer
+from data import PatternDataset
+
+
+def tiny_llama() -> torch.nn.Module:
+    config = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    return AutoModelForCausalLM.from_config(config)
+
+
+class RecordingTrainer(AutoTPTrainer):
+    """Keeps each step's loss unrounded (Trainer's log rounds to 4 decimals) for comparisons."""
+
+    losses: list[float] = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.losses.append(loss.item())
+        return loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local HF model directory (default: a tiny Llama built from a config)")
+    parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=2, help="per-device batch")
+    parser.add_argument("--output", default="out/autotp-trainer")
+    parser.add_argument("--adam-epsilon", type=float, default=1e-8)
+    parser.add_argument("--losses-out", help="write the per-step losses here as JSON (rank 0)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny_llama()
+    model = autotp.wrap(model, tp_size=args.tp)
+    training = TrainingArguments(output_dir=args.output, per_device_train_batch_size=args.batch,
+                                 max_steps=args.steps, learning_rate=1e-3, adam_epsilon=args.adam_epsilon,
+                                 logging_steps=1, seed=0,
+                                 save_strategy="no", report_to=[], disable_tqdm=False)
+    dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
+    trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset)
+    trainer.train()
+    trainer.save_model()
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"total train batch size {trainer.get_total_train_batch_size(training)}, "
+              f"losses {[round(x, 4) for x in trainer.losses]}; saved {args.output}")
+        if args.losses_out:
+            with open(args.losses_out, "w") as f:
+                json.dump(trainer.losses, f)
+
+
+if __name__ == "__main__":
+    main()

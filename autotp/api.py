@@ -33,6 +33,7 @@ def wrap(
     *,
     tp_group: dist.ProcessGroup | None = None,
     policy: PolicyArg = None,
+    vocab_parallel: bool = True,
     check_inputs: bool = False,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
@@ -40,13 +41,14 @@ def wrap(
     TP groups are consecutive ranks; the rest of the world is data parallel. Under torchrun or
     accelerate, torch.distributed is initialised here if the script has not done it (NCCL on GPUs,
     gloo otherwise). `tp_size=1` needs no process group. Every check runs before the model is
-    touched, so a refused call leaves it unchanged. `check_inputs=True` verifies on every forward
-    that all TP ranks of a replica got the same tensors.
+    touched, so a refused call leaves it unchanged. `vocab_parallel` splits the embedding and LM head
+    by vocabulary where the model allows (the plan says). `check_inputs=True` verifies on every
+    forward that all TP ranks of a replica got the same tensors.
     """
     _validate_tp_size(tp_size)
     if getattr(model, "autotp_state", None) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
-    plan = build_plan(model, tp_size, policy)
+    plan = build_plan(model, tp_size, policy, vocab_parallel)
     tp_group, dp_group = _groups(tp_size, tp_group)
     apply_plan(model, plan, tp_group, dp_group)
     finish(model, check_inputs)
@@ -98,6 +100,6 @@ def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):
     return build_groups(tp_size)
 
 
-def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None) -> Plan:
+def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True) -> Plan:
     """The plan `wrap` would apply, without a process group; works on a meta-device model."""
-    return build_plan(model, tp_size, policy)
+    return build_plan(model, tp_size, policy, vocab_parallel)

@@ -60,6 +60,26 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromTP(torch.autograd.Function):
+    """Leave a sharded region for replicated code (logits for a user): all-gather forward, keep own slice backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, partition: Partition, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.partition, ctx.rank = partition, dist.get_rank(group)
+        return partition.unshard(_gather_padded(x, partition, group, dst=None))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.partition.shard(grad, ctx.rank), None, None
+
+
+def gather_from_tp(x: torch.Tensor, partition: Partition, group: Group) -> torch.Tensor:
+    """The whole tensor from every rank's shard, differentiably (downstream code is replicated)."""
+    if group_size(group) == 1:
+        return x
+    return _GatherFromTP.apply(x, partition, group)
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a column-parallel region: gradients of `x` are summed over the TP group."""
     if group_size(group) == 1:

@@ -52,13 +52,22 @@ def shard_parameter(param: nn.Parameter, partition: Partition, rank: int) -> nn.
 
 
 def gather_parameter_(param: nn.Parameter, group: Group) -> None:
-    """Swap the shard for the full tensor in place (same Parameter object), stashing the gradient."""
+    """Swap the shard for the full tensor in place (same Parameter object), stashing the gradient.
+
+    A parameter shared by two modules (tied embedding and LM head) is gathered once.
+    """
+    if getattr(param, "autotp_full", False):
+        return
+    param.autotp_full = True
     param.autotp_stashed_grad, param.grad = param.grad, None
     param.data = all_gather_full(param.data, param.autotp_shard.partition, group)
 
 
 def partition_parameter_(param: nn.Parameter) -> None:
     """Back to this rank's rows of whatever the full tensor became; a full gradient is sliced and added."""
+    if not getattr(param, "autotp_full", False):
+        return
+    param.autotp_full = False
     shard = param.autotp_shard
     full_grad, param.grad = param.grad, None
     param.data = shard.partition.shard(param.data, shard.rank)

@@ -69,6 +69,7 @@ def from_pretrained(
     device: torch.device | str | None = None,
     tp_group: dist.ProcessGroup | None = None,
     policy: PolicyArg = None,
+    vocab_parallel: bool = True,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel causal LM read straight into shards; equal to `wrap(from_pretrained(path))`.
@@ -88,7 +89,7 @@ def from_pretrained(
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # tied parameters become one object, loaded once under whichever name the file has
-    plan = build_plan(model, tp_size, policy)
+    plan = build_plan(model, tp_size, policy, vocab_parallel)
     groups = _groups(tp_size, tp_group)
     state = apply_plan(model, plan, *groups, hooks=False)
     if device is None:

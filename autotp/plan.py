@@ -10,7 +10,8 @@ changed. Where the plan comes from, in order: a shipped or user policy, the mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import inspect
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping
@@ -70,6 +71,16 @@ class HeadInputPlan:
 
 
 @dataclass(frozen=True)
+class VocabPlan:
+    """Vocab parallelism: the LM head (a column layer in `layers`) and the embedding share this row split."""
+
+    head: str
+    embedding: str | None  # None: the embedding stays replicated
+    tied: bool
+    partition: Partition
+
+
+@dataclass(frozen=True)
 class Plan:
     tp_size: int
     source: str
@@ -79,6 +90,8 @@ class Plan:
     head_norms: tuple[str, ...] = ()
     head_inputs: tuple[HeadInputPlan, ...] = ()
     replicated: tuple[tuple[str, str], ...] = ()
+    vocab: VocabPlan | None = None
+    vocab_reason: str = ""
 
     def partitions(self) -> list[Partition]:
         return [layer.partition for layer in self.layers] + [p for r in self.regions for _, _, p in r.partitions]
@@ -96,6 +109,8 @@ class Plan:
                 out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
         for region in self.regions:
             out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
+        if self.vocab is not None and self.vocab.embedding is not None:
+            out[f"{self.vocab.embedding}.weight"] = self.vocab.partition
         return out
 
     def param_bytes(self, model: nn.Module) -> list[int]:
@@ -127,6 +142,13 @@ class Plan:
             lines.append(f"  {'head-input':<10} {head_input.path}({head_input.name}=...)  sliced to each rank's heads")
         for path, why in self.replicated:
             lines.append(f"  {'replicated':<10} {path}  ({why})")
+        if self.vocab is not None:
+            embedding = (f"embedding {self.vocab.embedding} split the same way" + (" (tied)" if self.vocab.tied else "")
+                         if self.vocab.embedding else "embedding replicated")
+            lines.append(f"  {'vocab':<10} {self.vocab.head}: logits stay sharded, cross-entropy on the shards; "
+                         f"{embedding}")
+        elif self.vocab_reason:
+            lines.append(f"  {'vocab':<10} not vocab-parallel: {self.vocab_reason}")
         if model is not None:
             full = sum(p.numel() * p.element_size() for p in model.parameters())
             per_rank = self.param_bytes(model)
@@ -163,8 +185,20 @@ def weight_dim(module: nn.Module, style: str) -> int:
     return (1 if transposed else 0) if style == "column" else (0 if transposed else 1)
 
 
-def build_plan(model: nn.Module, tp_size: int, policy: Policy | str | Path | Mapping[str, Any] | None = None) -> Plan:
-    """The plan for `model` at `tp_size`: from `policy`, else a shipped policy, HF's plan or detection."""
+def build_plan(model: nn.Module, tp_size: int, policy: Policy | str | Path | Mapping[str, Any] | None = None,
+               vocab_parallel: bool = True) -> Plan:
+    """The plan for `model` at `tp_size`: from `policy`, else a shipped policy, HF's plan or detection.
+
+    `vocab_parallel` shards the embedding and LM head by vocabulary where the model allows it
+    (policy-covered causal LMs whose loss goes through `self.loss_function`).
+    """
+    plan = _build_plan(model, tp_size, policy)
+    if not vocab_parallel:
+        return replace(plan, vocab_reason="vocab_parallel=False")
+    return _with_vocab(model, plan)
+
+
+def _build_plan(model: nn.Module, tp_size: int, policy) -> Plan:
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     from .detect import derive_policy, verify_by_emulation  # imported here: detect builds on this module
@@ -342,3 +376,43 @@ def _starts(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
         out.append((start, size))
         start += size
     return out
+
+
+def _with_vocab(model: nn.Module, plan: Plan) -> Plan:
+    """Add vocab parallelism when it is known to be safe, else say why not."""
+    why = _vocab_refusal(model, plan)
+    if why:
+        return replace(plan, vocab_reason=why)
+    modules = {id(m): name for name, m in model.named_modules()}
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    tied = embedding is not None and embedding.weight is head.weight
+    rows = head.out_features
+    partition = Partition.even(0, rows, plan.tp_size)
+    embedding_ok = isinstance(embedding, nn.Embedding) and embedding.weight.shape[0] == rows
+    if tied and not embedding_ok:
+        return replace(plan, vocab_reason=f"the LM head is tied to a {type(embedding).__name__} autotp cannot split")
+    head_path = modules[id(head)]
+    layer = LayerPlan(head_path, "column", tuple(head.weight.shape), partition, f"vocab {rows}", head_path)
+    vocab = VocabPlan(head_path, modules[id(embedding)] if embedding_ok else None, tied, partition)
+    return replace(plan, layers=plan.layers + (layer,), vocab=vocab,
+                   replicated=tuple(r for r in plan.replicated if r[0] != head_path))
+
+
+def _vocab_refusal(model: nn.Module, plan: Plan) -> str:
+    if plan.tp_size == 1:
+        return "tp_size=1"
+    if not plan.source.startswith("policy ") or "(from transformers'" in plan.source or "detection" in plan.source:
+        return "only models covered by a policy (the loss and logits path of others is unchecked)"
+    if not type(model).__name__.endswith("ForCausalLM"):
+        return f"{type(model).__name__} is not a causal LM"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or any(layer.path.endswith(".lm_head") for layer in plan.layers):
+        return "no plain nn.Linear LM head"
+    try:
+        uses_loss_function = "self.loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        uses_loss_function = False
+    if not uses_loss_function:
+        return "the model computes its loss itself, not through self.loss_function"
+    return ""

@@ -13,7 +13,8 @@ from torch import nn
 
 from .comm import Group, build_subgroups, grad_allreduce_hook, group_rank, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ShardedRegion, SharedInput, _ParallelLinear
-from .plan import AttrPlan, HeadInputPlan, Plan
+from .plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
+from .vocab import VocabParallelEmbedding, VocabParallelLoss, logits_hook
 
 
 @dataclass
@@ -25,7 +26,7 @@ class TPState:
     dp_group: Group
     tp_rank: int
     gathered: bool = False
-    regions: list[ShardedRegion] = field(default_factory=list)
+    regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
 
 
 def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, hooks: bool = True) -> TPState:
@@ -53,6 +54,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, h
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group))
+    if plan.vocab is not None:
+        _apply_vocab(model, plan.vocab, tp_group, state)
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
@@ -62,6 +65,17 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, h
     if hooks:
         register_grad_hooks(model, state)
     return state
+
+
+def _apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPState) -> None:
+    """Split the embedding like the (already column-parallel) LM head; shard the loss; gather logits on demand."""
+    if vocab.embedding is not None:
+        embedding = model.get_submodule(vocab.embedding)
+        state.regions.append(VocabParallelEmbedding(embedding, vocab.partition, tp_group))
+        if vocab.tied:  # one shard serves both, as one parameter served both
+            model.get_submodule(vocab.head).weight = embedding.weight
+    model.loss_function = VocabParallelLoss(vocab.partition, tp_group)
+    model.register_forward_hook(logits_hook(vocab.partition, tp_group, state), with_kwargs=True)
 
 
 def register_grad_hooks(model: nn.Module, state: TPState) -> None:

@@ -1,6 +1,9 @@
 """Count the real collectives of a training step: 2 all-reduces per decoder layer forward, 2 backward.
 
-Each torch.distributed entry point is wrapped by a counter that still runs the real collective.
+Vocab parallelism adds, per step, 3 forward all-reduces (the embedding's partial lookups; the
+cross-entropy's max, then its sum-exp and target logit together) and 1 backward (the LM head's
+input gradient). Each torch.distributed entry point is wrapped by a counter that still runs the
+real collective.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatte
                "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
-def count_step(rank: int, world: int, family: str) -> dict:
-    model = autotp.wrap(tiny_model(family), world)
+def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict:
+    model = autotp.wrap(tiny_model(family), world, vocab_parallel=vocab_parallel)
     counts: dict[str, int] = {}
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
 
@@ -44,13 +47,15 @@ def count_step(rank: int, world: int, family: str) -> dict:
     return {"forward": forward, "backward": backward, "layers": model.config.num_hidden_layers}
 
 
+@pytest.mark.parametrize("vocab_parallel", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("family,per_head_norms", [("llama", 0), ("qwen3", 2), ("gemma", 0)])
-def test_collectives_per_layer(family: str, per_head_norms: int, tp: int) -> None:
-    for report in run_ranks(count_step, tp, family):
+def test_collectives_per_layer(family: str, per_head_norms: int, tp: int, vocab_parallel: bool) -> None:
+    for report in run_ranks(count_step, tp, family, vocab_parallel):
         layers = report["layers"]
         if tp == 1:
             assert report["forward"] == {} and report["backward"] == {}, report
             continue
-        assert report["forward"] == {"all_reduce": 2 * layers}, report
-        assert report["backward"] == {"all_reduce": (2 + per_head_norms) * layers}, report
+        vocab_forward, vocab_backward = (3, 1) if vocab_parallel else (0, 0)
+        assert report["forward"] == {"all_reduce": 2 * layers + vocab_forward}, report
+        assert report["backward"] == {"all_reduce": (2 + per_head_norms) * layers + vocab_backward}, report

@@ -16,14 +16,17 @@ def test_explain_on_meta_device_without_process_group() -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(CONFIGS["qwen3"]())
     plan = autotp.explain(model, 4)
-    styles = {layer.path.rsplit(".", 1)[1]: layer.style for layer in plan.layers}
+    styles = {layer.path.rsplit(".", 1)[-1]: layer.style for layer in plan.layers}
     assert styles == {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
-                      "gate_proj": "column", "up_proj": "column", "down_proj": "row"}
+                      "gate_proj": "column", "up_proj": "column", "down_proj": "row", "lm_head": "column"}
+    assert plan.vocab.embedding == "model.embed_tokens" and not plan.vocab.tied
     q = next(layer for layer in plan.layers if layer.path == "model.layers.0.self_attn.q_proj")
     assert [q.partition.local_size(r) for r in range(4)] == [32, 32, 32, 32]  # 8 heads x 16 over 4 ranks
     assert plan.head_norms == ("model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm",
                                "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm")
-    assert ("lm_head", "not covered by the plan; replicated, which is always correct") in plan.replicated
+    assert plan.replicated == ()
+    assert autotp.explain(model, 4, vocab_parallel=False).replicated == (
+        ("lm_head", "not covered by the plan; replicated, which is always correct"),)
     text = plan.describe()
     assert "model.layers.1.mlp.down_proj" in text and "lm_head" in text
 
@@ -45,7 +48,7 @@ MLP_ONLY = {
 
 def test_user_policy_dict_shards_only_what_it_names() -> None:
     for report in run_ranks(compare_training, 2, "llama", 3, MLP_ONLY):
-        assert report["sharded"] == 2 * 3  # gate/up/down in 2 layers
+        assert report["sharded"] == 2 * 3 + 2  # gate/up/down in 2 layers, and the vocab-split embedding and head
         assert_parity(report)
 
 

@@ -1,0 +1,150 @@
+"""Vocab parallelism: embedding rows and LM-head rows split by vocabulary, and a loss on sharded logits.
+
+The embedding keeps its class (Gemma's scaled embedding included): hooks map ids into the shard,
+zero the rows of ids another rank holds, and all-reduce. The LM head is an ordinary column-parallel
+`LinearLayer`, so logits stay sharded; the cross-entropy works on the shards with three small
+all-reduces and a local backward, so the batch x seq x vocab logits are never gathered for a loss.
+A caller that wants logits (evaluation, generation, no labels) gets them gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Group, gather_from_tp, group_rank, group_size, reduce_from_tp
+from .layers import gather_parameter_, partition_parameter_, shard_parameter
+from .sharding import Partition
+
+
+class VocabParallelEmbedding:
+    """Hooks that make an `nn.Embedding` (or subclass) look up only this rank's vocabulary rows."""
+
+    def __init__(self, module: nn.Embedding, partition: Partition, group: Group):
+        self.module, self.group, self.gathered = module, group, False
+        rank = group_rank(group)
+        (self.start, self.count), = partition.runs[rank]
+        self.full_rows, self.full_padding = module.num_embeddings, module.padding_idx
+        module.weight = shard_parameter(module.weight, partition, rank)
+        self._set_rows()
+        self._mask: torch.Tensor | None = None
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._leave)
+        module.autotp_region = self
+
+    def _set_rows(self) -> None:
+        if self.gathered:
+            self.module.num_embeddings, self.module.padding_idx = self.full_rows, self.full_padding
+            return
+        self.module.num_embeddings = self.count
+        padding = self.full_padding
+        self.module.padding_idx = padding - self.start if padding is not None and 0 <= padding - self.start < self.count \
+            else None
+
+    def _enter(self, module, args):
+        if self.gathered:
+            return None
+        ids = args[0]
+        self._mask = (ids < self.start) | (ids >= self.start + self.count)
+        return ((ids - self.start).masked_fill(self._mask, 0), *args[1:])
+
+    def _leave(self, module, args, output):
+        if self.gathered:
+            return output
+        output = output.masked_fill(self._mask.unsqueeze(-1), 0)
+        self._mask = None
+        return reduce_from_tp(output, self.group)
+
+    def gather_(self) -> None:
+        gather_parameter_(self.module.weight, self.group)
+        self.gathered = True
+        self._set_rows()
+
+    def partition_(self) -> None:
+        partition_parameter_(self.module.weight)
+        self.gathered = False
+        self._set_rows()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy on vocab-sharded logits: max, then (sum-exp, target logit) all-reduced forward; local backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, full_vocab: int, ignore_index: int,
+                smoothing: float, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        local = target - start
+        valid = target != ignore_index
+        mine = valid & (local >= 0) & (local < logits.shape[-1])
+        picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+        sums = torch.stack([exp.sum(-1), picked, shifted.sum(-1)])
+        dist.all_reduce(sums, group=group)
+        log_total = sums[0].log()
+        loss = log_total - sums[1]
+        if smoothing:
+            loss = (1 - smoothing) * loss + smoothing * (log_total - sums[2] / full_vocab)
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine, valid)
+        ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
+        return loss * valid
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, mine, valid = ctx.saved_tensors
+        out = softmax
+        rows = mine.nonzero(as_tuple=True)
+        out[rows + (local[rows],)] -= 1 - ctx.smoothing
+        if ctx.smoothing:
+            out -= ctx.smoothing / ctx.full_vocab
+        out *= (grad * valid).unsqueeze(-1)
+        return out.to(ctx.dtype), None, None, None, None, None, None
+
+
+class VocabParallelLoss:
+    """Stands in for an HF model's `loss_function` (ForCausalLM semantics) when its logits are vocab-sharded."""
+
+    def __init__(self, partition: Partition, group: Group):
+        self.group = group
+        (self.start, _), = partition.runs[group_rank(group)]
+        self.full_vocab = partition.full_size
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
+                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                 label_smoothing: float = 0.0, **kwargs: Any) -> torch.Tensor:
+        if logits.shape[-1] == self.full_vocab:  # gathered (GatherReplacedLayerParams) or tp=1: the plain loss
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            return ForCausalLMLoss(logits, labels, self.full_vocab, num_items_in_batch, ignore_index, shift_labels,
+                                   label_smoothing=label_smoothing)
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        target = shift_labels.reshape(-1).to(logits.device)
+        losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target, self.start,
+                                                  self.full_vocab, ignore_index, float(label_smoothing), self.group)
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(losses.device)
+            return losses.sum() / num_items_in_batch
+        return losses.sum() / (target != ignore_index).sum()
+
+
+def logits_hook(partition: Partition, group: Group, state):
+    """Forward hook on the model: gather sharded logits unless a training step only needs its loss."""
+
+    def hook(module, args, kwargs, output):
+        logits = getattr(output, "logits", None)
+        if state.gathered or logits is None or logits.shape[-1] == partition.full_size or group_size(group) == 1:
+            return output
+        if module.training and getattr(output, "loss", None) is not None:
+            return output  # the loss was computed on the shards; gathering batch x seq x vocab would waste memory
+        output.logits = gather_from_tp(logits, partition.with_dim(logits.ndim - 1), group)
+        return output
+
+    return hook

@@ -37,7 +37,7 @@ def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def compare_training(
     reference: nn.Module, ids: torch.Tensor, tp_size: int, steps: int = 3,
-    policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3,
+    policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3, labels: torch.Tensor | None = None,
 ) -> dict:
     """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
 
@@ -47,6 +47,7 @@ def compare_training(
     gradients (1e-4 and up) are stepped exactly as with the default.
     """
     model = wrap(copy.deepcopy(reference), tp_size, policy=policy)
+    labels = ids if labels is None else labels
     group = model.autotp_state.tp_group
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6) for m in (reference, model)]
     ref_params = dict(reference.named_parameters())
@@ -54,7 +55,7 @@ def compare_training(
     for step in range(steps):
         losses = []
         for m in (reference, model):
-            loss = m(input_ids=ids, labels=ids).loss
+            loss = m(input_ids=ids, labels=labels).loss
             loss.backward()
             losses.append(loss.item())
         report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))

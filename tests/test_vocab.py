@@ -1,0 +1,123 @@
+"""Vocab parallelism: parity with tied/untied embeddings, uneven vocab and -100 labels; bytes; logits; saving.
+
+Tolerances as in test_parity (fp32, only the order of sums differs).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import autotp
+from autotp import parity
+from autotp.spawn import run_ranks
+from models import batch, tiny_model
+from test_parity import assert_parity
+
+
+def labels_with_ignored(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt not to learn from
+    labels[1, -3:] = -100  # padding
+    return labels
+
+
+def vocab_parity(rank: int, world: int, tied: bool, vocab: int) -> dict:
+    reference = tiny_model("llama", tie_word_embeddings=tied, vocab_size=vocab)
+    if tied:
+        reference.tie_weights()
+    ids = batch(vocab=vocab)
+    report = parity.compare_training(reference, ids, world, labels=labels_with_ignored(ids))
+    plan = autotp.explain(reference, world)
+    report["vocab"] = plan.vocab
+    return report
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("vocab", [256, 250])  # 250 = 63/63/62/62 rows at tp=4
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_parallel_parity(tied: bool, vocab: int, tp: int) -> None:
+    for report in run_ranks(vocab_parity, tp, tied, vocab):
+        assert report["vocab"] is not None and report["vocab"].tied == tied
+        assert report["vocab"].embedding == "model.embed_tokens"
+        assert_parity(report)
+
+
+def per_rank_bytes(rank: int, world: int) -> tuple[int, int, int]:
+    config = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=8000)
+    full = tiny_model("llama", **config)
+    total = sum(p.numel() * p.element_size() for p in full.parameters())
+    norms = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "norm" in n)
+    model = autotp.wrap(full, world)
+    return sum(p.numel() * p.element_size() for p in model.parameters()), total, norms
+
+
+def test_parameter_bytes_per_rank_are_total_over_tp() -> None:
+    for tp in (2, 4):
+        for mine, total, norms in run_ranks(per_rank_bytes, tp):
+            expected = (total - norms) / tp + norms  # everything but the norms is split
+            assert abs(mine - expected) <= 0.02 * expected, (mine, expected)
+
+
+def logits_shapes(rank: int, world: int) -> dict:
+    model = autotp.wrap(tiny_model("llama", vocab_size=250), world)
+    ids = batch(vocab=250)
+    out = {"train_with_labels": tuple(model(input_ids=ids, labels=ids).logits.shape)}
+    out["train_without_labels"] = tuple(model(input_ids=ids).logits.shape)
+    model.eval()
+    with torch.no_grad():
+        out["eval_with_labels"] = tuple(model(input_ids=ids, labels=ids).logits.shape)
+    return out
+
+
+def test_logits_stay_sharded_only_for_a_training_loss() -> None:
+    for rank, shapes in enumerate(run_ranks(logits_shapes, 2)):
+        assert shapes["train_with_labels"] == (2, 16, 125)  # this rank's half of the vocabulary
+        assert shapes["train_without_labels"] == shapes["eval_with_labels"] == (2, 16, 250)
+
+
+def smoothed_loss(rank: int, world: int) -> tuple[float, float, float]:
+    reference = tiny_model("llama", vocab_size=250)
+    model = autotp.wrap(copy.deepcopy(reference), world)
+    ids = batch(vocab=250)
+    labels = labels_with_ignored(ids)
+    logits = model(input_ids=ids, labels=ids).logits  # sharded: a training forward with labels
+    ours = model.loss_function(logits, labels, label_smoothing=0.1)
+    full = reference(input_ids=ids).logits
+    target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    expected = F.cross_entropy(full.reshape(-1, 250).float(), target, ignore_index=-100, label_smoothing=0.1)
+    ours.backward()
+    expected.backward()
+    head = model.lm_head.weight
+    grad = parity.full_tensor(head.grad, head, autotp.tp_group(model))
+    return ours.item(), expected.item(), parity.grad_error(grad, reference.lm_head.weight.grad)
+
+
+def test_label_smoothing_matches_torch() -> None:
+    for ours, expected, grad_error in run_ranks(smoothed_loss, 2):
+        assert abs(ours - expected) <= 1e-5 and grad_error <= 1e-5
+
+
+def save_vocab_parallel(rank: int, world: int, path: str) -> torch.Tensor:
+    model = autotp.wrap(tiny_model("llama", vocab_size=250, tie_word_embeddings=True), world)
+    model.tie_weights()
+    autotp.save_pretrained(model, path)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=batch(vocab=250)).logits
+
+
+def test_vocab_parallel_tied_checkpoint_loads_in_plain_transformers(tmp_path: Path) -> None:
+    logits = run_ranks(save_vocab_parallel, 4, str(tmp_path / "out"))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    with torch.no_grad():
+        expected = plain(input_ids=batch(vocab=250)).logits
+    for tp_logits in logits:
+        assert (tp_logits - expected).abs().max().item() <= 1e-5  # fp32: reduction order only

@@ -14,6 +14,7 @@ from .comm import build_groups, dp_group_for, group_size, init_from_env, launche
 from .data_parallel import DDPGuard, input_check_hook
 from .plan import Plan, build_plan
 from .policy import Policy
+from .sequence import apply_sequence_parallel, sequence_layout
 from .walker import apply_plan, parallel_layers
 
 PolicyArg = Policy | str | Path | Mapping[str, Any] | None
@@ -34,6 +35,7 @@ def wrap(
     tp_group: dist.ProcessGroup | None = None,
     policy: PolicyArg = None,
     vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
     check_inputs: bool = False,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
@@ -42,15 +44,20 @@ def wrap(
     accelerate, torch.distributed is initialised here if the script has not done it (NCCL on GPUs,
     gloo otherwise). `tp_size=1` needs no process group. Every check runs before the model is
     touched, so a refused call leaves it unchanged. `vocab_parallel` splits the embedding and LM head
-    by vocabulary where the model allows (the plan says). `check_inputs=True` verifies on every
+    by vocabulary where the model allows (the plan says). `sequence_parallel=True` also splits the
+    residual stream between blocks along the sequence. `check_inputs=True` verifies on every
     forward that all TP ranks of a replica got the same tensors.
     """
     _validate_tp_size(tp_size)
     if getattr(model, "autotp_state", None) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
     plan = build_plan(model, tp_size, policy, vocab_parallel)
+    if sequence_parallel:
+        sequence_layout(model, plan)  # refuses before anything changes
     tp_group, dp_group = _groups(tp_size, tp_group)
-    apply_plan(model, plan, tp_group, dp_group)
+    state = apply_plan(model, plan, tp_group, dp_group)
+    if sequence_parallel:
+        apply_sequence_parallel(model, plan, tp_group, state)
     finish(model, check_inputs)
     if tp_group is not None and dist.get_backend(tp_group) == "nccl" and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))

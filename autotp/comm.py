@@ -80,6 +80,98 @@ def gather_from_tp(x: torch.Tensor, partition: Partition, group: Group) -> torch
     return _GatherFromTP.apply(x, partition, group)
 
 
+def _seq_chunks(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> int:
+    size = group_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"sequence_parallel needs the sequence length ({x.shape[dim]}) to be a multiple of "
+                         f"tp_size={size}; pad the batch")
+    return x.shape[dim] // size
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Sum over the group and keep this rank's chunk (gloo has no reduce-scatter: all-reduce, then slice)."""
+    chunk = _seq_chunks(x, group, dim)
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, group=group)
+    return x.narrow(dim, dist.get_rank(group) * chunk, chunk).contiguous()
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    """Enter the sequence-sharded residual stream: keep this rank's chunk forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        chunk = _seq_chunks(x, group, dim)
+        return x.narrow(dim, dist.get_rank(group) * chunk, chunk).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_seq(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    """Leave the sequence-sharded stream for replicated code: all-gather forward, keep own chunk backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.chunk = group, dim, x.shape[dim]
+        return _all_gather_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rank = dist.get_rank(ctx.group)
+        return grad.narrow(ctx.dim, rank * ctx.chunk, ctx.chunk).contiguous(), None, None
+
+
+class _AllGatherSeqToTP(torch.autograd.Function):
+    """Enter a column-parallel block under sequence parallelism: all-gather forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_seq(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSeqFromTP(torch.autograd.Function):
+    """Leave a row-parallel block under sequence parallelism: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_seq(y, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather_seq(grad, ctx.group, ctx.dim), None, None
+
+
+def scatter_to_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _ScatterToSeq.apply(x, group, dim)
+
+
+def gather_from_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _GatherFromSeq.apply(x, group, dim)
+
+
+def all_gather_seq_to_tp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _AllGatherSeqToTP.apply(x, group, dim)
+
+
+def reduce_scatter_seq_from_tp(y: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    return y if group_size(group) == 1 else _ReduceScatterSeqFromTP.apply(y, group, dim)
+
+
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a column-parallel region: gradients of `x` are summed over the TP group."""
     if group_size(group) == 1:

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp
+from .comm import (
+    Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp, reduce_scatter_seq_from_tp,
+)
 from .sharding import Partition, Shard
 
 
@@ -32,10 +34,13 @@ class SharedInput:
 
     def __init__(self, group: Group):
         self.group = group
+        self.sequence_parallel = False  # then the block's all-gather already reduce-scatters the gradient
         self._source: torch.Tensor | None = None
         self._copy: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return x
         if x is not self._source:
             self._source, self._copy = x, copy_to_tp(x, self.group)
         return self._copy
@@ -168,6 +173,7 @@ class LinearAllreduce(_ParallelLinear):
 
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         super().__init__(linear, partition, group)
+        self.sequence_parallel = False  # reduce-scatter the output along the sequence instead of all-reducing
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
             raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")
@@ -178,7 +184,8 @@ class LinearAllreduce(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gathered:
             return self._matmul(x, self.bias)
-        y = reduce_from_tp(self._matmul(x, None), self.group)
+        y = self._matmul(x, None)
+        y = reduce_scatter_seq_from_tp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from .api import PolicyArg, _groups, _validate_tp_size, finish
 from .plan import build_plan
+from .sequence import apply_sequence_parallel, sequence_layout
 from .st_format import FormatError, read_header, read_rows
 from .walker import apply_plan, register_grad_hooks
 
@@ -70,6 +71,7 @@ def from_pretrained(
     tp_group: dist.ProcessGroup | None = None,
     policy: PolicyArg = None,
     vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel causal LM read straight into shards; equal to `wrap(from_pretrained(path))`.
@@ -90,8 +92,12 @@ def from_pretrained(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # tied parameters become one object, loaded once under whichever name the file has
     plan = build_plan(model, tp_size, policy, vocab_parallel)
+    if sequence_parallel:
+        sequence_layout(model, plan)
     groups = _groups(tp_size, tp_group)
     state = apply_plan(model, plan, *groups, hooks=False)
+    if sequence_parallel:
+        apply_sequence_parallel(model, plan, state.tp_group, state)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if (
             state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl") else torch.device("cpu")

@@ -1,0 +1,82 @@
+"""Sequence parallelism (Megatron-SP): the residual stream between blocks is split along the sequence.
+
+Each attention / MLP block all-gathers its input along the sequence (its backward reduce-scatters
+the gradient, which also does the column layers' gradient sum), and its row projection
+reduce-scatters its output instead of all-reducing it. The decoder layers' own norms then work on
+a sequence chunk, so their weight gradients are summed over TP. The first decoder layer's input is
+split, and the last one's output gathered, so masks, positions and the LM head see the whole
+sequence: HF models need no extra arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .comm import Group, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, scatter_to_seq
+from .layers import LinearAllreduce, LinearLayer
+from .plan import Plan
+
+
+def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[str]]:
+    """(decoder layer list path, block paths, layer-level norm parameter names) or a clear refusal."""
+    if plan.regions or plan.head_inputs:
+        raise ValueError("sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
+                         "or per-head inputs (ALiBi)")
+    blocks = sorted({layer.block for layer in plan.layers if layer.block and (plan.vocab is None or
+                                                                               layer.path != plan.vocab.head)})
+    lists = {b.rsplit(".", 2)[0] for b in blocks}
+    if len(lists) != 1 or not isinstance(model.get_submodule(next(iter(lists))), nn.ModuleList):
+        raise ValueError(f"sequence_parallel needs every sharded block directly inside one list of decoder layers; "
+                         f"found blocks under {sorted(lists)}")
+    list_path = next(iter(lists))
+    inside = {name for b in blocks for name, _ in model.get_submodule(b).named_parameters(prefix=b)}
+    norms = [name for name, _ in model.get_submodule(list_path).named_parameters(prefix=list_path)
+             if name not in inside]
+    return list_path, blocks, norms
+
+
+def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -> None:
+    list_path, blocks, norms = sequence_layout(model, plan)
+    layers = model.get_submodule(list_path)
+    layers[0].register_forward_pre_hook(_on_hidden(lambda x: scatter_to_seq(x, group), state), with_kwargs=True)
+    layers[-1].register_forward_hook(_on_output(lambda x: gather_from_seq(x, group), state))
+    for path in blocks:
+        block = model.get_submodule(path)
+        block.register_forward_pre_hook(_on_hidden(lambda x: all_gather_seq_to_tp(x, group), state), with_kwargs=True)
+        for module in block.modules():
+            if isinstance(module, LinearAllreduce):
+                module.sequence_parallel = True
+            if isinstance(module, LinearLayer):
+                module._shared_input.sequence_parallel = True
+    active = lambda: not state.gathered  # noqa: E731
+    for name in norms:
+        model.get_parameter(name).register_hook(grad_allreduce_hook(group, active))
+
+
+def _on_hidden(fn, state):
+    """Forward pre-hook applying `fn` to the hidden states (first positional or `hidden_states=`)."""
+
+    def hook(module, args, kwargs):
+        if state.gathered:
+            return None
+        if args and torch.is_tensor(args[0]):
+            return (fn(args[0]), *args[1:]), kwargs
+        if torch.is_tensor(kwargs.get("hidden_states")):
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+        return None
+
+    return hook
+
+
+def _on_output(fn, state):
+    """Forward hook applying `fn` to a layer's hidden-state output (a tensor or a tuple's first item)."""
+
+    def hook(module, args, output):
+        if state.gathered:
+            return output
+        if torch.is_tensor(output):
+            return fn(output)
+        return (fn(output[0]), *output[1:])
+
+    return hook

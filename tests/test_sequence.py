@@ -1,0 +1,47 @@
+"""Sequence parallelism: parity (tolerances as in test_parity) and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp import parity
+from autotp.spawn import run_ranks
+from models import batch, tiny_model
+from test_parity import assert_parity
+from test_vocab import labels_with_ignored
+
+
+def sp_parity(rank: int, world: int, family: str, vocab_parallel_labels: bool) -> dict:
+    ids = batch()
+    labels = labels_with_ignored(ids) if vocab_parallel_labels else None
+    return parity.compare_training(tiny_model(family), ids, world, labels=labels, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_sequence_parallel_parity(family: str, tp: int) -> None:
+    for report in run_ranks(sp_parity, tp, family, True):
+        assert_parity(report)
+
+
+def odd_sequence(rank: int, world: int) -> str:
+    model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
+    ids = batch(size=(2, 15))
+    with pytest.raises(ValueError) as err:
+        model(input_ids=ids, labels=ids)
+    return str(err.value)
+
+
+def test_sequence_length_must_divide() -> None:
+    for message in run_ranks(odd_sequence, 2):
+        assert "sequence length (15) to be a multiple of tp_size=2" in message
+
+
+def test_moe_plans_are_refused_before_any_change() -> None:
+    model = tiny_model("mixtral")
+    before = [type(m).__name__ for m in model.modules()]
+    with pytest.raises(ValueError, match="sequence_parallel supports dense attention and MLP blocks"):
+        autotp.wrap(model, 1, sequence_parallel=True)
+    assert [type(m).__name__ for m in model.modules()] == before

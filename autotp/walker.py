@@ -14,6 +14,7 @@ from torch import nn
 from .comm import Group, build_subgroups, grad_allreduce_hook, group_rank, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ShardedRegion, SharedInput, _ParallelLinear
 from .plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
+from .rng import install_sharded_streams, sync_replicated_stream
 from .vocab import VocabParallelEmbedding, VocabParallelLoss, logits_hook
 
 
@@ -61,6 +62,9 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, h
     _set_attrs(modules, plan.attrs, rank, gathered=False)
     for head_input in plan.head_inputs:
         modules[head_input.path].register_forward_pre_hook(_head_slicer(head_input, state), with_kwargs=True)
+    sync_replicated_stream(tp_group)
+    blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
+    install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
     model.autotp_state = state
     if hooks:
         register_grad_hooks(model, state)

@@ -1,0 +1,100 @@
+"""Random streams under tensor parallelism (dropout).
+
+Code computed redundantly on every TP rank (the residual stream) must draw the same random numbers
+on every rank, or the replicas drift apart: `wrap` gives the TP group rank 0's generator state.
+Code computed on shards (attention heads, MLP columns) should draw independent numbers per rank:
+each sharded block runs under a seed drawn from the shared stream and offset by the TP rank, and
+the shared stream is restored afterwards. The seed depends only on the shared stream's state, so
+activation checkpointing (which replays that state) recomputes the same masks, and the state saved
+by `save_checkpoint` covers both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Group, group_rank, group_size
+
+_OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
+
+
+def sync_replicated_stream(group: Group) -> None:
+    """Give every rank of the TP group rank 0's CPU (and current CUDA) generator state."""
+    if group_size(group) == 1:
+        return
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states.append(torch.cuda.get_rng_state())
+    box = [[s.tolist() for s in states]]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    torch.set_rng_state(torch.tensor(box[0][0], dtype=torch.uint8))
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(box[0][1], dtype=torch.uint8))
+
+
+class ShardedStream:
+    """Runs one sharded region under a per-rank seed drawn from the shared stream, then restores the shared one.
+
+    A region starts at its first column layer (or a sharded module's entry) and ends when its row
+    layer (or the module) returns, so a dropout applied to the block's reduced output (GPT-2's
+    resid_dropout) still draws from the shared stream, as replicated code must.
+    """
+
+    def __init__(self, rank: int, state):
+        self.rank, self.state = rank, state
+        self._saved: list | None = None
+
+    def enter(self, module: nn.Module, *_) -> None:
+        if self._saved is not None or not module.training or self.state.gathered:
+            return
+        seed = int(torch.randint(0, 2**62, (1,)).item())  # the same draw on every TP rank
+        self._saved = [torch.get_rng_state()]
+        if torch.cuda.is_available():
+            self._saved.append(torch.cuda.get_rng_state())
+        torch.manual_seed(seed + _OFFSET * (self.rank + 1))
+
+    def leave(self, module: nn.Module, args, output):
+        if self._saved is not None:
+            torch.set_rng_state(self._saved[0])
+            if len(self._saved) > 1:
+                torch.cuda.set_rng_state(self._saved[1])
+            self._saved = None
+        return output
+
+
+def _has_dropout(block: nn.Module) -> bool:
+    """Any dropout module or dropout-probability attribute above zero inside `block`."""
+    for module in block.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        if any("dropout" in name and isinstance(value, float) and value > 0 for name, value in vars(module).items()):
+            return True
+    return False
+
+
+def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[str], group: Group, state) -> None:
+    """Per-rank streams for the sharded regions that draw random numbers at all (dropout)."""
+    if group_size(group) == 1:
+        return
+    from .layers import LinearAllreduce, LinearLayer
+
+    rank = group_rank(group)
+    for path in blocks:
+        block = model.get_submodule(path)
+        if not _has_dropout(block):
+            continue
+        stream = ShardedStream(rank, state)
+        for module in block.modules():
+            if isinstance(module, LinearLayer):
+                module.register_forward_pre_hook(stream.enter)
+            elif isinstance(module, LinearAllreduce):
+                module.register_forward_hook(stream.leave)
+        block.register_forward_hook(stream.leave)
+    for path in regions:
+        module = model.get_submodule(path)
+        if _has_dropout(module):
+            stream = ShardedStream(rank, state)
+            module.register_forward_pre_hook(stream.enter)
+            module.register_forward_hook(stream.leave)

@@ -156,6 +156,34 @@ class _ReduceScatterSeqFromTP(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
+class _SeqParallelColumnLinear(torch.autograd.Function):
+    """Column linear on a sequence-gathered input that keeps only its own chunk: re-all-gathered in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
+                dim: int) -> torch.Tensor:
+        chunk = _seq_chunks(x, group, dim)
+        ctx.save_for_backward(x.narrow(dim, dist.get_rank(group) * chunk, chunk).clone(), weight)
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        local, weight = ctx.saved_tensors
+        full = _all_gather_seq(local, ctx.group, ctx.dim)
+        flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1])
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad @ weight, flat_grad.t() @ flat_x, grad_bias, None, None
+
+
+def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
+                               dim: int = 1) -> torch.Tensor:
+    """`F.linear` whose saved input is this rank's sequence chunk only (the activation memory SP saves)."""
+    if group_size(group) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _SeqParallelColumnLinear.apply(x, weight, bias, group, dim)
+
+
 def scatter_to_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     return x if group_size(group) == 1 else _ScatterToSeq.apply(x, group, dim)
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from .comm import (
     Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp, reduce_scatter_seq_from_tp,
+    seq_parallel_column_linear,
 )
 from .sharding import Partition, Shard
 
@@ -161,9 +162,12 @@ class LinearLayer(_ParallelLinear):
         return self.partition.with_dim(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.gathered:
-            x = self._shared_input(x)
-        return self._matmul(x, self.bias)
+        if self.gathered:
+            return self._matmul(x, self.bias)
+        if self._shared_input.sequence_parallel:
+            weight = self.weight.t() if self.transposed else self.weight
+            return seq_parallel_column_linear(x, weight, self.bias, self.group)
+        return self._matmul(self._shared_input(x), self.bias)
 
 
 class LinearAllreduce(_ParallelLinear):

@@ -1,0 +1,92 @@
+"""Activation memory of one training step at tp=2: vocab parallelism and sequence parallelism on and off.
+
+    python benchmarks/activation_memory.py
+
+Each configuration runs in 2 freshly spawned CPU ranks (gloo, 1 thread). A rank wraps the model and
+runs one forward/backward. It reports the bytes autograd saves for the backward pass (every saved
+tensor's storage counted once, parameters excluded): the activation memory. It also reports how
+much its peak RSS (VmHWM) grew during the step, which adds gradients and temporaries. Rows are
+compared in pairs that differ in one option.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VOCAB = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=65536)
+VOCAB_BATCH = (4, 512)
+SEQUENCE = dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=8, vocab_size=1024)
+SEQUENCE_BATCH = (8, 256)
+
+RUNS = [  # (label, config, batch, wrap options); RUNS[int(sys.argv[1]):] with an argument
+    ("vocab 64k: logits gathered (vocab_parallel=False)", VOCAB, VOCAB_BATCH, dict(vocab_parallel=False)),
+    ("vocab 64k: sharded logits + vocab-parallel loss", VOCAB, VOCAB_BATCH, dict(vocab_parallel=True)),
+    ("hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=False", SEQUENCE, SEQUENCE_BATCH,
+     dict(sequence_parallel=False)),
+    ("hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
+     dict(sequence_parallel=True)),
+]
+
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], options: dict, port: int, out) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import autotp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = autotp.wrap(AutoModelForCausalLM.from_config(LlamaConfig(**config)), world, **options)
+    ids = torch.randint(0, config["vocab_size"], shape, generator=torch.Generator().manual_seed(1))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    baseline = peak_rss()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out.put((rank, sum(saved.values()), peak_rss() - baseline))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    from autotp.spawn import free_port
+
+    ctx = mp.get_context("spawn")
+    print("| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth (rank 0 / 1) |")
+    print("|---|---|---|")
+    for label, config, shape, options in RUNS[int(sys.argv[1]) if len(sys.argv) > 1 else 0:]:
+        out = ctx.SimpleQueue()
+        mp.start_processes(rank_main, args=(2, config, shape, options, free_port(), out), nprocs=2,
+                           start_method="spawn")
+        rows = sorted(out.get() for _ in range(2))
+        mib = lambda i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
+        print(f"| {label} | {mib(1)} | {mib(2)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,54 +23,18 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import autotp
 from autotp import parity
 from autotp.spawn import run_ranks
+from autotp.tiny import RECIPES, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TP = 2
-SHRINK = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128, "head_dim": 16,
-    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
-    "encoder_layers": 2, "decoder_layers": 2, "d_model": 64, "encoder_attention_heads": 4,
-    "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-}
 LOSS_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-5, 3e-5  # as in tests/test_parity.py
 MAX_PARAMS = 20_000_000
-
-
-RECIPES = {  # tried in order until the model builds and trains single-process
-    "shrunk": SHRINK,
-    "shrunk, own head_dim": {k: v for k, v in SHRINK.items() if k != "head_dim"},
-    "defaults, 2 layers": {"num_hidden_layers": 2, "vocab_size": 512},
-}
-
-
-def tiny_config(model_type: str, recipe: str = "shrunk"):
-    config = AutoConfig.for_model(model_type)
-    for key, value in RECIPES[recipe].items():
-        if hasattr(config, key) and isinstance(getattr(config, key), int):
-            try:
-                setattr(config, key, value)
-            except AttributeError:  # a derived, read-only property
-                pass
-    config.use_cache = False  # training; hybrid models' caches refuse some calls
-    vocab = getattr(config, "vocab_size", None)
-    for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
-        value = getattr(config, key, None)
-        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
-            setattr(config, key, token)
-    for key, value in list(vars(config).items()):
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or key == "layerdrop"):
-            setattr(config, key, 0.0)
-        if key == "layer_types" and isinstance(value, list):
-            setattr(config, key, value[: config.num_hidden_layers])
-    return config
 
 
 def build(model_type: str, recipe: str = "shrunk", seed: int = 0):

@@ -1,0 +1,84 @@
+"""What a plan costs: per-rank bytes and the collectives of one training step, computed from the plan alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class Collective:
+    where: str
+    phase: str  # "forward" or "backward"
+    count: int
+    bytes_each: int
+
+
+def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list[Collective]:
+    """The all-reduces of one forward and backward at this batch x seq (without sequence parallelism).
+
+    One forward reduction per row layer; one backward reduction per block for its column layers (they
+    share their input); expert regions reduce their output and their two float inputs; per-head norms
+    and replicated KV rows add gradient sums; vocab parallelism adds the embedding's reduction, the
+    loss's two and the LM head's input gradient.
+    """
+    if plan.tp_size == 1:
+        return []
+    element = next(model.parameters()).element_size()
+    tokens = batch * seq
+    out: list[Collective] = []
+    column_blocks: dict[str, int] = {}
+    for layer in plan.layers:
+        module = model.get_submodule(layer.path)
+        out_features, in_features = (module.weight.shape[1], module.weight.shape[0]) \
+            if type(module).__name__ == "Conv1D" else tuple(module.weight.shape)
+        if layer.style == "row":
+            out.append(Collective(layer.path, "forward", 1, tokens * out_features * element))
+        else:
+            parent = layer.path.rpartition(".")[0] or layer.path  # the LM head sits at the top
+            column_blocks.setdefault(parent, tokens * in_features * element)
+        for _, length, _ in layer.partition.replicas(0):
+            rows = module.weight.numel() // module.weight.shape[layer.partition.dim]
+            out.append(Collective(f"{layer.path} (replicated KV rows)", "backward", 1, length * rows * element))
+    out += [Collective(f"{parent} (input gradient)", "backward", 1, size) for parent, size in column_blocks.items()]
+    hidden = getattr(model.config, "hidden_size", 0)
+    for region in plan.regions:
+        out.append(Collective(region.path, "forward", 1, tokens * hidden * element))
+        out.append(Collective(f"{region.path} (input gradients)", "backward", 2, tokens * hidden * element))
+    for path in plan.head_norms:
+        size = sum(p.numel() for p in model.get_submodule(path).parameters()) * element
+        out.append(Collective(f"{path} (gradient)", "backward", 1, size))
+    if plan.vocab is not None:
+        if plan.vocab.embedding:
+            out.append(Collective(plan.vocab.embedding, "forward", 1, tokens * hidden * element))
+        out.append(Collective("vocab-parallel loss (max; sum-exp and target logit)", "forward", 2, tokens * 3 * 4))
+    return out
+
+
+def summary(model: nn.Module, plan: Plan, batch: int, seq: int) -> dict:
+    """Everything `autotp plan` prints, as data."""
+    per_rank = plan.param_bytes(model)
+    collectives = step_collectives(model, plan, batch, seq)
+    return {
+        "tp_size": plan.tp_size,
+        "source": plan.source,
+        "layers": [{"path": layer.path, "style": layer.style, "shape": list(layer.shape),
+                    "local_rows": [layer.partition.local_size(r) for r in range(plan.tp_size)],
+                    "dim": layer.partition.dim, "reason": layer.reason} for layer in plan.layers],
+        "experts": [{"path": f"{r.path}.{name}", "shape": list(shape),
+                     "local_rows": [p.local_size(k) for k in range(plan.tp_size)]}
+                    for r in plan.regions for name, shape, p in r.partitions],
+        "replicated": [{"path": path, "why": why} for path, why in plan.replicated],
+        "vocab_parallel": plan.vocab is not None,
+        "vocab_reason": plan.vocab_reason,
+        "param_bytes_per_rank": per_rank,
+        # parameters, their gradients and Adam's two moments, all in the parameter dtype
+        "train_state_bytes_per_rank": [4 * b for b in per_rank],
+        "unsharded_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "collectives": [{"where": c.where, "phase": c.phase, "count": c.count, "bytes": c.bytes_each}
+                        for c in collectives],
+        "collective_bytes_per_step": sum(c.count * c.bytes_each for c in collectives),
+    }

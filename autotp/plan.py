@@ -409,6 +409,14 @@ def _vocab_refusal(model: nn.Module, plan: Plan) -> str:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or any(layer.path.endswith(".lm_head") for layer in plan.layers):
         return "no plain nn.Linear LM head"
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    allowed = {id(embedding.weight)} if embedding is not None and embedding.weight is head.weight else set()
+    names: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)] = names.get(id(param), 0) + 1
+    shared = [p for p in (head.weight, head.bias) if p is not None and names.get(id(p), 0) > 1 and id(p) not in allowed]
+    if shared:
+        return "the LM head shares a parameter with another module (besides a tied embedding)"
     try:
         uses_loss_function = "self.loss_function" in inspect.getsource(type(model).forward)
     except (OSError, TypeError):

@@ -46,6 +46,10 @@ CONFIGS = {
     "starcoder2": lambda: tf.Starcoder2Config(**COMMON, residual_dropout=0.0, embedding_dropout=0.0,
                                               attention_dropout=0.0),
     "olmo2": lambda: tf.Olmo2Config(**COMMON),
+    "roberta_causal": lambda: tf.RobertaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                               intermediate_size=96, vocab_size=256, max_position_embeddings=64,
+                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                               is_decoder=True),  # LM head whose bias is shared: stays replicated
     "bert": lambda: tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=96,
                                   vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0),

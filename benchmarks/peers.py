@@ -69,6 +69,14 @@ def sgd_step(model, opt, ids, backward=None):
     return step
 
 
+def measure(model, steps: int, warmup: int) -> dict:
+    """Median SGD step time, last loss and parameter MB of a model that trains like a plain HF model."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    median, loss = time_steps(sgd_step(model, opt, batch()), steps, warmup)
+    return {"median": median, "loss": loss, "param_mb": param_mb(model)}
+
+
 # ---- the peers: each runs on one rank of a 2-rank group and returns its measurements ----
 
 def run_autotp(path: str, steps: int, warmup: int) -> dict:
@@ -102,10 +110,7 @@ def run_transformers(path: str, steps: int, warmup: int) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2),
                                                  dtype=torch.float32)
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    median, loss = time_steps(sgd_step(model, opt, batch()), steps, warmup)
-    return {"median": median, "loss": loss, "param_mb": param_mb(model)}
+    return measure(model, steps, warmup)
 
 
 def run_torch(path: str, steps: int, warmup: int) -> dict:
@@ -120,10 +125,7 @@ def run_torch(path: str, steps: int, warmup: int) -> dict:
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    median, loss = time_steps(sgd_step(model, opt, batch()), steps, warmup)
-    return {"median": median, "loss": loss, "param_mb": param_mb(model)}
+    return measure(model, steps, warmup)
 
 
 def run_deepspeed(path: str, steps: int, warmup: int) -> dict:
@@ -169,10 +171,7 @@ def one_process(path: str, steps: int, warmup: int, out) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    median, loss = time_steps(sgd_step(model, opt, batch()), steps, warmup)
-    out.put({"median": median, "loss": loss, "param_mb": param_mb(model), "rss_mb": peak_rss() / 2**20})
+    out.put({**measure(model, steps, warmup), "rss_mb": peak_rss() / 2**20})
 
 
 def save_rank(rank: int, world: int, path: str, port: int, target: str, out) -> None:

@@ -1,4 +1,4 @@
-"""The README's demo launch line runs the example to completion on 2 CPU ranks."""
+"""The README's torchrun lines run the example to completion on 2 and 4 CPU ranks."""
 
 from __future__ import annotations
 
@@ -8,16 +8,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from autotp.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_demo_command_runs() -> None:
-    readme = (ROOT / "README.md").read_text()
-    launch = re.search(r"(torchrun --nproc-per-node 2 examples/train\.py)", readme)
-    assert launch, "README lost its demo launch line"
-    argv = launch.group(1).split()
+@pytest.mark.parametrize("line", [
+    r"torchrun --nproc-per-node 2 examples/train\.py",  # the demo: tp=2
+    r"torchrun --nproc-per-node 4 examples/train\.py --tp 2",  # 2 replicas x tp=2
+])
+def test_readme_torchrun_command_runs(line: str) -> None:
+    launch = re.search(line + r"(?=\s)", (ROOT / "README.md").read_text())
+    assert launch, f"README lost the launch line {line!r}"
+    argv = launch.group(0).split()
     argv[0] = str(Path(sys.executable).with_name("torchrun"))  # the torchrun of the environment under test
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

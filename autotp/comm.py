@@ -88,6 +88,12 @@ def _seq_chunks(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> int:
     return x.shape[dim] // size
 
 
+def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """This rank's equal chunk of `x` along `dim` (a view)."""
+    chunk = _seq_chunks(x, group, dim)
+    return x.narrow(dim, dist.get_rank(group) * chunk, chunk)
+
+
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -96,10 +102,10 @@ def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """Sum over the group and keep this rank's chunk (gloo has no reduce-scatter: all-reduce, then slice)."""
-    chunk = _seq_chunks(x, group, dim)
+    _seq_chunks(x, group, dim)  # refuse a length that does not divide before communicating
     x = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(x, group=group)
-    return x.narrow(dim, dist.get_rank(group) * chunk, chunk).contiguous()
+    return _own_chunk(x, group, dim).contiguous()
 
 
 class _ScatterToSeq(torch.autograd.Function):
@@ -108,8 +114,7 @@ class _ScatterToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        chunk = _seq_chunks(x, group, dim)
-        return x.narrow(dim, dist.get_rank(group) * chunk, chunk).contiguous()
+        return _own_chunk(x, group, dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -121,13 +126,12 @@ class _GatherFromSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.chunk = group, dim, x.shape[dim]
+        ctx.group, ctx.dim = group, dim
         return _all_gather_seq(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rank = dist.get_rank(ctx.group)
-        return grad.narrow(ctx.dim, rank * ctx.chunk, ctx.chunk).contiguous(), None, None
+        return _own_chunk(grad, ctx.group, ctx.dim).contiguous(), None, None
 
 
 class _AllGatherSeqToTP(torch.autograd.Function):
@@ -162,8 +166,7 @@ class _SeqParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
                 dim: int) -> torch.Tensor:
-        chunk = _seq_chunks(x, group, dim)
-        ctx.save_for_backward(x.narrow(dim, dist.get_rank(group) * chunk, chunk).clone(), weight)
+        ctx.save_for_backward(_own_chunk(x, group, dim).clone(), weight)
         ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -263,12 +266,10 @@ def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group) -> di
     rank_sets = sorted(set(rank_sets))
     if not rank_sets or group_size(tp_group) == 1:
         return {}
-    mine = tuple(dist.get_process_group_ranks(tp_group))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    mine, tp_groups = _all_tp_groups(tp_group)
     out = {}
     for subset in rank_sets:
-        for tp_ranks in sorted(set(everyone)):
+        for tp_ranks in tp_groups:
             group = dist.new_group([tp_ranks[i] for i in subset])
             if tp_ranks == mine:
                 out[subset] = group
@@ -350,12 +351,17 @@ def build_groups(tp_size: int) -> tuple[Group, Group]:
     return tp_group, dp_group
 
 
-def dp_group_for(tp_group: dist.ProcessGroup) -> Group:
-    """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group."""
+def _all_tp_groups(tp_group: dist.ProcessGroup) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """This rank's TP group and every TP group of the world, as global ranks (collective)."""
     mine = tuple(dist.get_process_group_ranks(tp_group))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    tp_groups = sorted(set(everyone))
+    return mine, sorted(set(everyone))
+
+
+def dp_group_for(tp_group: dist.ProcessGroup) -> Group:
+    """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group."""
+    mine, tp_groups = _all_tp_groups(tp_group)
     if len(tp_groups) == 1:
         return None
     position = mine.index(dist.get_rank())

@@ -16,7 +16,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from .plan import Plan, features, is_linear
+from .plan import Plan, features, is_conv1d, is_linear
 from .policy import Policy, parse_policy
 
 _ATTENTION_HINTS = ("attn", "attention")
@@ -277,16 +277,14 @@ def _partial(block: nn.Module, path: str, layers, attrs, rank: int, record: dict
             bias = layer.partition.with_dim(0).shard(bias, rank) if layer.style == "column" else (
                 bias if rank == 0 else torch.zeros_like(bias))
             linear.bias = nn.Parameter(bias)
-        if type(linear).__name__ == "Conv1D":
+        if is_conv1d(linear):
             linear.nf = linear.weight.shape[1]
         else:
             linear.out_features, linear.in_features = linear.weight.shape
     for attr in attrs:
         target = clone.get_submodule(attr.path[len(path) + 1:]) if attr.path != path else clone
-        name = attr.name
-        if name.startswith("config."):
-            target.config = copy.copy(target.config)
-            target, name = target.config, name.removeprefix("config.")
-        setattr(target, name, attr.local[rank])
+        if attr.name.startswith("config."):
+            target.config = copy.copy(target.config)  # the clone's own head counts
+        attr.assign(target, attr.local[rank])
     with torch.no_grad():
         return _first_tensor(clone(*record["args"], **record["kwargs"]))

@@ -21,6 +21,7 @@ from .comm import (
     Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp, reduce_scatter_seq_from_tp,
     seq_parallel_column_linear,
 )
+from .plan import is_conv1d
 from .sharding import Partition, Shard
 
 
@@ -95,7 +96,7 @@ class _ParallelLinear(nn.Linear):
         self.tp_rank, self.tp_size = group_rank(group), group_size(group)
         if partition.tp_size != self.tp_size:
             raise ValueError(f"partition is for tp_size={partition.tp_size}, the group has {self.tp_size} ranks")
-        self.transposed = type(linear).__name__ == "Conv1D"  # weight stored [in, out]
+        self.transposed = is_conv1d(linear)  # weight stored [in, out]
         self.partition = partition
         self.gathered = False
         out_dim = 1 if self.transposed else 0

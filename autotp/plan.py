@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from .policy import Policy, Rule, as_policy, find_policy
-from .sharding import HeadLayout, Partition, layout_partition, split_sizes
+from .sharding import HeadLayout, Partition, layout_partition, split_ranges
 
 # Attributes HF attention code may read to reshape heads, and which count each holds.
 _HEAD_ATTRS = {
@@ -58,6 +58,13 @@ class AttrPlan:
     name: str
     full: int
     local: tuple[int, ...]
+
+    def assign(self, module: nn.Module, value: int) -> None:
+        """Set the attribute on the module at `path` (or on its config, for `config.x`)."""
+        target, name = module, self.name
+        if name.startswith("config."):
+            target, name = module.config, name.removeprefix("config.")
+        setattr(target, name, value)
 
 
 @dataclass(frozen=True)
@@ -166,9 +173,14 @@ def _local_shapes(shape: tuple[int, ...], partition: Partition) -> str:
     return f"{shapes[0]} each" if len(set(shapes)) == 1 else " / ".join(map(str, shapes))
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear whose weight is stored [in, out]."""
+    return type(module).__name__ == "Conv1D"
+
+
 def features(module: nn.Module) -> tuple[int, int]:
     """(out, in) of an nn.Linear or a GPT-2 Conv1D (whose weight is stored [in, out])."""
-    if type(module).__name__ == "Conv1D":
+    if is_conv1d(module):
         return module.weight.shape[1], module.weight.shape[0]
     if isinstance(module, nn.Linear):
         return module.out_features, module.in_features
@@ -176,12 +188,12 @@ def features(module: nn.Module) -> tuple[int, int]:
 
 
 def is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def weight_dim(module: nn.Module, style: str) -> int:
     """The dim of the stored weight that a column (output) or row (input) split cuts."""
-    transposed = type(module).__name__ == "Conv1D"
+    transposed = is_conv1d(module)
     return (1 if transposed else 0) if style == "column" else (0 if transposed else 1)
 
 
@@ -344,7 +356,7 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
     width = next(iter(widths.values()))
     if width is None or any(w != width for w in widths.values()):
         raise ValueError(f"{path}: the MLP projections disagree on the width: {widths}")
-    owned = {"w": [range(s, s + n) for s, n in _starts(split_sizes(width, tp))]}
+    owned = {"w": split_ranges(width, tp)}
     for style, mapping in (("column", rule.column), ("row", rule.row)):
         for name, spec in mapping.items():
             module = children[name]
@@ -363,19 +375,11 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
     width = next(iter(widths.values()))
     if any(w != width for w in widths.values()):
         raise ValueError(f"{path}: the expert tensors disagree on the expert width: {widths}")
-    owned = {"w": [range(s, s + n) for s, n in _starts(split_sizes(width, tp))]}
+    owned = {"w": split_ranges(width, tp)}
     partitions = tuple((name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
                        for name, (dim, spec) in rule.params.items())
     acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
     return True
-
-
-def _starts(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, size))
-        start += size
-    return out
 
 
 def _with_vocab(model: nn.Module, plan: Plan) -> Plan:

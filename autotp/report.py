@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .plan import Plan
+from .plan import Plan, features
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,7 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     column_blocks: dict[str, int] = {}
     for layer in plan.layers:
         module = model.get_submodule(layer.path)
-        out_features, in_features = (module.weight.shape[1], module.weight.shape[0]) \
-            if type(module).__name__ == "Conv1D" else tuple(module.weight.shape)
+        out_features, in_features = features(module)
         if layer.style == "row":
             out.append(Collective(layer.path, "forward", 1, tokens * out_features * element))
         else:

@@ -20,18 +20,24 @@ from .comm import Group, group_rank, group_size
 _OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
 
 
+def _capture() -> list[torch.Tensor]:
+    """The CPU generator's state, and the current CUDA device's when there is one."""
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])
+
+
+def _restore(states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])
+
+
 def sync_replicated_stream(group: Group) -> None:
     """Give every rank of the TP group rank 0's CPU (and current CUDA) generator state."""
     if group_size(group) == 1:
         return
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available():
-        states.append(torch.cuda.get_rng_state())
-    box = [[s.tolist() for s in states]]
+    box = [[s.tolist() for s in _capture()]]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    torch.set_rng_state(torch.tensor(box[0][0], dtype=torch.uint8))
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(box[0][1], dtype=torch.uint8))
+    _restore([torch.tensor(s, dtype=torch.uint8) for s in box[0]])
 
 
 class ShardedStream:
@@ -50,16 +56,12 @@ class ShardedStream:
         if self._saved is not None or not module.training or self.state.gathered:
             return
         seed = int(torch.randint(0, 2**62, (1,)).item())  # the same draw on every TP rank
-        self._saved = [torch.get_rng_state()]
-        if torch.cuda.is_available():
-            self._saved.append(torch.cuda.get_rng_state())
+        self._saved = _capture()
         torch.manual_seed(seed + _OFFSET * (self.rank + 1))
 
     def leave(self, module: nn.Module, args, output):
         if self._saved is not None:
-            torch.set_rng_state(self._saved[0])
-            if len(self._saved) > 1:
-                torch.cuda.set_rng_state(self._saved[1])
+            _restore(self._saved)
             self._saved = None
         return output
 

@@ -29,6 +29,11 @@ def split_sizes(total: int, parts: int) -> tuple[int, ...]:
     return tuple(base + (r < extra) for r in range(parts))
 
 
+def split_ranges(total: int, parts: int) -> list[range]:
+    """`split_sizes` as consecutive ranges of item indices (14 over 4: 0-3, 4-7, 8-10, 11-13)."""
+    return _ranges(split_sizes(total, parts))
+
+
 def _ranges(sizes: Sequence[int]) -> list[range]:
     out, start = [], 0
     for size in sizes:
@@ -148,7 +153,7 @@ class HeadLayout:
             raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
         group = heads // kv_heads
         if kv_heads >= tp_size:
-            kv = _ranges(split_sizes(kv_heads, tp_size))
+            kv = split_ranges(kv_heads, tp_size)
             q = [range(r.start * group, r.stop * group) for r in kv]
         else:
             if tp_size % kv_heads:
@@ -164,7 +169,7 @@ class HeadLayout:
                 )
             kv, q = [], []
             for head in range(kv_heads):
-                for sub in _ranges(split_sizes(group, copies)):
+                for sub in split_ranges(group, copies):
                     kv.append(range(head, head + 1))
                     q.append(range(head * group + sub.start, head * group + sub.stop))
         if any(len(r) == 0 for r in q):

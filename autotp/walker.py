@@ -101,11 +101,7 @@ def register_grad_hooks(model: nn.Module, state: TPState) -> None:
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: tuple[AttrPlan, ...], rank: int, gathered: bool) -> None:
     for attr in attrs:
-        target = modules[attr.path]
-        name = attr.name
-        if name.startswith("config."):
-            target, name = target.config, name.removeprefix("config.")
-        setattr(target, name, attr.full if gathered else attr.local[rank])
+        attr.assign(modules[attr.path], attr.full if gathered else attr.local[rank])
 
 
 def _head_slicer(plan: HeadInputPlan, state: TPState):

@@ -28,12 +28,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import autotp
 from autotp import parity
+from autotp.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 from autotp.spawn import run_ranks
 from autotp.tiny import RECIPES, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TP = 2
-LOSS_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-5, 3e-5  # as in tests/test_parity.py
 MAX_PARAMS = 20_000_000
 
 

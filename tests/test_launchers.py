@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,26 +10,9 @@ import torch
 from torch.utils.data import DistributedSampler
 from transformers import Trainer, TrainingArguments
 
-from autotp.spawn import free_port
+from readme_commands import ROOT, readme_command, run
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-
-
-def readme_command(pattern: str) -> list[str]:
-    """The README's command matching `pattern`, with its launcher taken from the environment under test."""
-    found = re.search(pattern, (ROOT / "README.md").read_text())
-    assert found, f"README lost the command {pattern!r}"
-    argv = found.group(0).split()
-    argv[0] = str(Path(sys.executable).with_name(argv[0]))
-    return argv
-
-
-def run(argv: list[str], cwd: Path = ROOT) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
 
 
 def test_readme_accelerate_command_matches_one_process() -> None:

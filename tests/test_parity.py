@@ -14,11 +14,9 @@ from __future__ import annotations
 import pytest
 
 from autotp import parity
+from autotp.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 from autotp.spawn import run_ranks
 from models import FAMILIES, batch, tiny_model
-
-LOSS_ATOL, GRAD_RTOL, PARAM_ATOL = 1e-5, 1e-5, 3e-5
-
 
 def compare_training(rank: int, world: int, family: str, steps: int = 3, policy=None,
                      config: dict | None = None) -> dict:

@@ -104,3 +104,17 @@ def test_crash_midway_leaves_no_checkpoint(tmp_path: Path) -> None:
     assert not target.exists(), "a killed save left the target directory in place"
     with pytest.raises(OSError):
         AutoModelForCausalLM.from_pretrained(target)
+
+
+def test_into_existing_keeps_other_files_and_replaces_model_files(tmp_path: Path) -> None:
+    target = tmp_path / "run"
+    target.mkdir()
+    (target / "trainer_state.json").write_text("{}")
+    (target / "model-00001-of-00009.safetensors").write_text("stale shard of an earlier save")
+    model = autotp.wrap(tiny_model("llama"), 1)
+    autotp.save_pretrained(model, target, into_existing=True)
+    assert (target / "trainer_state.json").read_text() == "{}"
+    assert not (target / "model-00001-of-00009.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(target)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "staging directory left behind"

@@ -137,3 +137,16 @@ def norm_with_replicated_kv(rank: int, world: int) -> tuple[float, float]:
 def test_grad_norm_counts_replicated_rows_once() -> None:
     for got, expected in run_ranks(norm_with_replicated_kv, 4):
         assert abs(got - expected) <= 1e-5 * expected
+
+
+def user_tp_group(rank: int, world: int) -> dict:
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the user's own TP groups
+    model = autotp.wrap(tiny_model("llama"), 2, tp_group=groups[rank // 2])
+    dp = autotp.dp_group(model)
+    return {"tp": dist.get_process_group_ranks(autotp.tp_group(model)), "dp": dist.get_process_group_ranks(dp)}
+
+
+def test_user_supplied_tp_group_gets_matching_dp_groups() -> None:
+    for rank, groups in enumerate(run_ranks(user_tp_group, 4)):
+        assert groups["tp"] == ([0, 1] if rank < 2 else [2, 3])
+        assert groups["dp"] == [rank % 2, rank % 2 + 2]

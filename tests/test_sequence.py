@@ -45,3 +45,18 @@ def test_moe_plans_are_refused_before_any_change() -> None:
     with pytest.raises(ValueError, match="sequence_parallel supports dense attention and MLP blocks"):
         autotp.wrap(model, 1, sequence_parallel=True)
     assert [type(m).__name__ for m in model.modules()] == before
+
+
+def load_with_sequence_parallel(rank: int, world: int, path: str) -> float:
+    from transformers import AutoModelForCausalLM
+
+    ids = batch()
+    direct = autotp.from_pretrained(path, world, sequence_parallel=True)
+    wrapped = autotp.wrap(AutoModelForCausalLM.from_pretrained(path), world, sequence_parallel=True)
+    losses = [m(input_ids=ids, labels=ids).loss for m in (direct, wrapped)]
+    return abs(losses[0].item() - losses[1].item())
+
+
+def test_from_pretrained_with_sequence_parallel_equals_wrap(tmp_path) -> None:
+    tiny_model("llama").save_pretrained(tmp_path)
+    assert run_ranks(load_with_sequence_parallel, 2, str(tmp_path)) == [0.0, 0.0]

@@ -2,26 +2,42 @@
 
     model = autotp.wrap(model, tp_size=4)       # under torchrun / accelerate launch
     autotp.save_pretrained(model, "out/")       # full HF checkpoint
+
+Layers, bottom to top; a module imports only from its own layer or the layers below it
+(tests/test_layering.py parses every import, those inside functions included, and fails on an
+upward import or a cycle):
+
+1. data, no torch.distributed: `hf_compat` (every touch of transformers internals), `sharding`,
+   `policy`, `linears`, `plan`
+2. building a plan: `derive`, `verify`, `planner`, `report`
+3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `apply`
+4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`
+5. entry points: `guards`, `api`, `data_parallel`, `gather`
+6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`
+7. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
 """
 
-from .api import explain, wrap
-from .checkpoint import save_pretrained
+from .api import explain, from_pretrained, wrap
 from .data_parallel import (
-    allreduce_gradients, check_same_inputs, clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size,
-    tp_group, tp_rank, tp_size,
+    allreduce_gradients, clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_group, tp_rank,
+    tp_size,
 )
 from .gather import GatherReplacedLayerParams
+from .guards import check_same_inputs
+from .io.errors import CheckpointError
+from .io.resume import consolidate, load_checkpoint, save_checkpoint
+from .io.save import save_pretrained
 from .layers import LinearAllreduce, LinearLayer
-from .loading import CheckpointError, from_pretrained
-from .plan import Plan, build_plan
-from .resume import consolidate, load_checkpoint, save_checkpoint
+from .plan import Plan
+from .planner import build_plan
+from .policy import Origin
 from .sharding import Partition, Shard
 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "data_parallel_sampler", "dp_group", "dp_rank",
     "dp_size", "tp_group", "tp_rank", "tp_size",
-    "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Partition", "Plan", "Shard",
-    "build_plan", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint", "save_pretrained",
-    "wrap",
+    "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
+    "Shard", "build_plan", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint",
+    "save_pretrained", "wrap",
 ]
 __version__ = "0.1.0"

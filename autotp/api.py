@@ -1,31 +1,30 @@
-"""`wrap`: one call that makes a Hugging Face model tensor-parallel."""
+"""The entry points: `wrap` a loaded model, or `from_pretrained` straight into shards; `explain` either plan.
+
+Both run one pipeline (`_shard`): plan, check, create the process groups, apply the plan, and
+finish the model (gradient hooks, guards). `from_pretrained` only adds reading each rank's slices
+between applying the plan and registering the gradient hooks.
+"""
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from accelerate import init_empty_weights
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from .comm import build_groups, dp_group_for, group_size, init_from_env, launched_by_torchrun
-from .data_parallel import DDPGuard, input_check_hook
-from .plan import Plan, build_plan
-from .policy import Policy
+from .apply import apply_plan, parallel_layers, register_grad_hooks
+from .groups import build_groups, dp_group_for, group_size, init_from_env, is_global_rank0, launched_by_torchrun
+from .guards import DDPGuard, input_check_hook
+from .io.errors import CheckpointError
+from .io.load import checkpoint_files, load_params
+from .plan import Plan
+from .planner import PolicyArg, build_plan
 from .sequence import apply_sequence_parallel, sequence_layout
-from .walker import apply_plan, parallel_layers
-
-PolicyArg = Policy | str | Path | Mapping[str, Any] | None
-
-
-_last: weakref.ref | None = None
-
-
-def last_wrapped() -> nn.Module | None:
-    """The model most recently wrapped in this process (what `autotp.tp_group()` and friends default to)."""
-    return None if _last is None else _last()
+from .state import TPState, find_state
 
 
 def wrap(
@@ -49,8 +48,68 @@ def wrap(
     forward that all TP ranks of a replica got the same tensors.
     """
     _validate_tp_size(tp_size)
-    if getattr(model, "autotp_state", None) is not None or parallel_layers(model):
+    if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
+    state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs)
+    if state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl" and torch.cuda.is_available():
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    return model
+
+
+def from_pretrained(
+    path: str | Path,
+    tp_size: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    policy: PolicyArg = None,
+    vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
+    **hf_kwargs: Any,
+) -> nn.Module:
+    """A tensor-parallel causal LM read straight into shards; equal to `wrap(from_pretrained(path))`.
+
+    The model is built on the meta device, planned like `wrap` plans it, and each rank reads only
+    its rows of every sharded tensor (including its parts of fused ones). Only safetensors load.
+    """
+    _validate_tp_size(tp_size)
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    files = checkpoint_files(path)
+    config = AutoConfig.from_pretrained(path, **hf_kwargs)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # tied parameters become one object, loaded once under whichever name the file has
+
+    def load(state: TPState) -> None:
+        target = device
+        if target is None:
+            nccl = state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl"
+            target = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
+        model.to(target)  # buffers built at init
+
+    _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, False, materialize=load)
+    if (path / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()  # as transformers' from_pretrained leaves it
+    return model
+
+
+def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True) -> Plan:
+    """The plan `wrap` would apply, without a process group; works on a meta-device model."""
+    return build_plan(model, tp_size, policy, vocab_parallel)
+
+
+def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, policy: PolicyArg,
+           vocab_parallel: bool, sequence_parallel: bool, check_inputs: bool,
+           materialize: Callable[[TPState], None] | None = None) -> TPState:
+    """The one sharding pipeline. `materialize` replaces meta parameters once the plan is applied."""
     plan = build_plan(model, tp_size, policy, vocab_parallel)
     if sequence_parallel:
         sequence_layout(model, plan)  # refuses before anything changes
@@ -58,21 +117,14 @@ def wrap(
     state = apply_plan(model, plan, tp_group, dp_group)
     if sequence_parallel:
         apply_sequence_parallel(model, plan, tp_group, state)
-    finish(model, check_inputs)
-    if tp_group is not None and dist.get_backend(tp_group) == "nccl" and torch.cuda.is_available():
-        model.to(torch.device("cuda", torch.cuda.current_device()))
-    return model
-
-
-def finish(model: nn.Module, check_inputs: bool) -> None:
-    """What every wrapped model gets besides its plan: the DDP guard, the optional input check, and
-    becoming the default of `autotp.tp_group()` and friends."""
-    global _last
-    _last = weakref.ref(model)
+    if materialize is not None:
+        materialize(state)
+    register_grad_hooks(model, state)  # after the parameters are final
     ignored = tuple(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
     model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
     if check_inputs:
         model.register_forward_pre_hook(input_check_hook, with_kwargs=True)
+    return state
 
 
 def _validate_tp_size(tp_size: int) -> None:
@@ -105,8 +157,3 @@ def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):
             f"tp_size={tp_size} must divide the world size {world} (world = data parallel x tensor parallel)"
         )
     return build_groups(tp_size)
-
-
-def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True) -> Plan:
-    """The plan `wrap` would apply, without a process group; works on a meta-device model."""
-    return build_plan(model, tp_size, policy, vocab_parallel)

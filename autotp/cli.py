@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .loading import CheckpointError
-from .parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
+from .io.errors import CheckpointError
+from .testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 
 
 def load_config(spec: str):
     """A config from a local HF directory, a config.json file, or a model type name (tiny defaults)."""
     from transformers import AutoConfig
 
-    from .tiny import tiny_config
+    from .testing.tiny import tiny_config
 
     path = Path(spec)
     if path.is_dir():
@@ -63,7 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from .parity import compare_training
+    from .testing.parity import compare_training
 
     torch.manual_seed(0)
     path = Path(spec)
@@ -77,7 +77,7 @@ def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | Non
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .spawn import run_ranks
+    from .testing.spawn import run_ranks
 
     torch.set_num_threads(1)  # the ranks are forked from this process
     report = run_ranks(_verify_rank, args.tp, args.model, args.steps, args.policy)[0]
@@ -100,7 +100,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from .resume import consolidate
+    from .io.resume import consolidate
 
     try:
         consolidate(args.checkpoint, args.out, max_shard_size=args.max_shard_size, overwrite=args.overwrite)

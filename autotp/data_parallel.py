@@ -1,4 +1,4 @@
-"""Data parallel x tensor parallel: groups, gradient sync over DP only, clipping, sampling, input checks.
+"""Data parallel x tensor parallel: groups, gradient sync over DP only, clipping, sampling.
 
 A world of N ranks with tp_size T holds N/T replicas of the T-way sharded model. TP groups are
 consecutive ranks, DP groups strided: rank r is TP rank r % T of DP replica r // T. Gradients are
@@ -7,9 +7,7 @@ averaged over the DP group only; TP ranks of one replica must read the same batc
 
 from __future__ import annotations
 
-import sys
-import zlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,29 +15,20 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
-from .comm import Group, group_rank, group_size
+from .groups import Group, group_rank, group_size
+from .state import state_of
 
 _BUCKET_BYTES = 25 << 20
 
 
-def _state(model: nn.Module | None):
-    from .api import last_wrapped
-
-    model = model if model is not None else last_wrapped()
-    state = getattr(model, "autotp_state", None)
-    if state is None:
-        raise RuntimeError("no model wrapped by autotp: call autotp.wrap first, or pass the wrapped model")
-    return state
-
-
 def tp_group(model: nn.Module | None = None) -> Group:
-    """The TP group of `model` (default: the model last wrapped in this process); None when tp=1."""
-    return _state(model).tp_group
+    """The TP group of `model` (or of the only wrapped model alive in this process); None when tp=1."""
+    return state_of(model).tp_group
 
 
 def dp_group(model: nn.Module | None = None) -> Group:
     """The data-parallel group: the ranks holding the same shards. None when there is one replica."""
-    return _state(model).dp_group
+    return state_of(model).dp_group
 
 
 def tp_rank(model: nn.Module | None = None) -> int:
@@ -141,59 +130,3 @@ def data_parallel_sampler(dataset: Dataset, model: nn.Module | None = None, *, s
     """A sampler giving each DP replica its own part of `dataset`, and all TP ranks of a replica the same part."""
     return DistributedSampler(dataset, num_replicas=dp_size(model), rank=dp_rank(model), shuffle=shuffle,
                               seed=seed, drop_last=drop_last)
-
-
-def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """Raise if the TP ranks of this replica were not given identical tensors; names the first that differs."""
-    group = tp_group(model)
-    if group_size(group) == 1:
-        return
-    named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]
-    tensors = [(name, t) for name, t in named if torch.is_tensor(t)]
-    mine = [(name, tuple(t.shape), str(t.dtype), zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                                                           .numpy().tobytes()))
-            for name, t in tensors]
-    everyone: list = [None] * group_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    ranks = dist.get_process_group_ranks(group)
-    for index, (name, shape, dtype, _) in enumerate(mine):
-        for rank, theirs in zip(ranks, everyone):
-            if index >= len(theirs) or theirs[index] != mine[index]:
-                other = theirs[index] if index < len(theirs) else None
-                raise RuntimeError(
-                    f"tensor-parallel ranks got different inputs: {name} on rank {dist.get_rank()} "
-                    f"(shape {shape}, {dtype}) differs from rank {rank}'s "
-                    f"{'(missing)' if other is None else f'(shape {other[1]}, {other[2]})'}; every TP rank of a "
-                    f"replica must read the same batch (see autotp.data_parallel_sampler)"
-                )
-
-
-def input_check_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook form of `check_same_inputs`, installed by `wrap(..., check_inputs=True)`."""
-    check_same_inputs(module, *args, **kwargs)
-
-
-class DDPGuard:
-    """Stands in as `model._ddp_params_and_buffers_to_ignore`, which DDP reads while it is being built.
-
-    At that moment DDP already holds its process group; if the group contains two ranks of one TP
-    group, DDP would average different shards together, so this refuses with a clear error.
-    """
-
-    def __init__(self, model: nn.Module, ignored: tuple[str, ...] = ()):
-        self.model, self.ignored = model, ignored
-
-    def __iter__(self) -> Iterator[str]:
-        ddp = sys._getframe(1).f_locals.get("self")
-        group = getattr(ddp, "process_group", None)
-        tp = self.model.autotp_state.tp_group
-        if isinstance(ddp, nn.parallel.DistributedDataParallel) and group is not None and group_size(tp) > 1:
-            members = set(dist.get_process_group_ranks(group))
-            shared = sorted(members & set(dist.get_process_group_ranks(tp)))
-            if len(shared) > 1:
-                raise RuntimeError(
-                    f"DistributedDataParallel over ranks {sorted(members)} would average different tensor-parallel "
-                    f"shards together (ranks {shared} hold different shards of the same tensors). Pass "
-                    f"process_group=autotp.dp_group(model), or use autotp.allreduce_gradients(model)."
-                )
-        return iter(self.ignored)

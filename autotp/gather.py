@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .walker import set_gathered
+from .apply import set_gathered
+from .state import find_state
 
 
 class GatherReplacedLayerParams:
@@ -17,7 +18,7 @@ class GatherReplacedLayerParams:
 
     def __init__(self, model: nn.Module, enabled: bool = True):
         self.model = model
-        self.state = getattr(model, "autotp_state", None)
+        self.state = find_state(model)
         self._active = False
         self.enabled = enabled
 

@@ -22,9 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from .checkpoint import save_pretrained
-from .comm import group_size
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_size, tp_size
+from .groups import group_size
+from .io.save import save_pretrained
 
 
 class _EpochLoader(DataLoader):

@@ -17,11 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import (
-    Group, all_gather_full, copy_to_tp, group_rank, group_size, reduce_from_tp, reduce_scatter_seq_from_tp,
-    seq_parallel_column_linear,
-)
-from .plan import is_conv1d
+from .comm import all_gather_full, copy_to_tp, reduce_from_tp, reduce_scatter_seq_from_tp, seq_parallel_column_linear
+from .groups import Group, group_rank, group_size
+from .hf_compat import is_conv1d
 from .sharding import Partition, Shard
 
 
@@ -36,13 +34,11 @@ class SharedInput:
 
     def __init__(self, group: Group):
         self.group = group
-        self.sequence_parallel = False  # then the block's all-gather already reduce-scatters the gradient
+        self.sequence_parallel = False  # then the column layers save only their sequence chunk (autotp.sequence)
         self._source: torch.Tensor | None = None
         self._copy: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return x
         if x is not self._source:
             self._source, self._copy = x, copy_to_tp(x, self.group)
         return self._copy
@@ -85,10 +81,8 @@ def partition_parameter_(param: nn.Parameter) -> None:
     param.grad = grad
 
 
-class _ParallelLinear(nn.Linear):
+class ParallelLinear(nn.Linear):
     """Shared mechanics: holding a shard, and swapping it for the full weight and back."""
-
-    style = ""
 
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         nn.Module.__init__(self)
@@ -147,10 +141,8 @@ class _ParallelLinear(nn.Linear):
         )
 
 
-class LinearLayer(_ParallelLinear):
+class LinearLayer(ParallelLinear):
     """Column-parallel linear: weight split on the output dim, output left sharded, dL/dX all-reduced."""
-
-    style = "column"
 
     def __init__(self, linear: nn.Module, partition: Partition, group: Group, shared_input: SharedInput | None = None):
         super().__init__(linear, partition, group)
@@ -171,10 +163,8 @@ class LinearLayer(_ParallelLinear):
         return self._matmul(self._shared_input(x), self.bias)
 
 
-class LinearAllreduce(_ParallelLinear):
+class LinearAllreduce(ParallelLinear):
     """Row-parallel linear: weight split on the input dim, partial outputs all-reduced, bias added once after."""
-
-    style = "row"
 
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         super().__init__(linear, partition, group)

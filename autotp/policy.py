@@ -11,10 +11,25 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
 _LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}}
+
+
+class Origin(Enum):
+    """Where a policy (and so a plan) came from; decisions read this, never display text."""
+
+    SHIPPED = "shipped policy"
+    USER = "user policy"
+    HF_PLAN = "transformers' base_model_tp_plan"
+    DETECTED = "structural detection"
+
+    @property
+    def checked_by_hand(self) -> bool:
+        """Written and parity-tested for the family (shipped) or vouched for by the user, not derived."""
+        return self in (Origin.SHIPPED, Origin.USER)
 
 
 @dataclass(frozen=True)
@@ -30,7 +45,7 @@ class Rule:
     kv_heads: str | int | None = None
     when: Mapping[str, Any] = field(default_factory=dict)
     head_norms: tuple[str, ...] = ()
-    head_inputs: Mapping[str, str] = field(default_factory=dict)  # kwarg -> "batch*heads"
+    head_inputs: tuple[str, ...] = ()  # kwargs holding (batch*heads, ...) tensors, such as ALiBi
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
 
 
@@ -39,8 +54,9 @@ class Policy:
     name: str
     model_types: tuple[str, ...]
     rules: tuple[Rule, ...]
+    origin: Origin
     description: str = ""
-    source: str = field(default="", compare=False)
+    path: str | None = field(default=None, compare=False)  # the TOML file, when read from one
 
 
 def _policy_dir() -> Path:
@@ -71,10 +87,17 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
     return Rule(kind=kind, match=raw["match"], column=column, row=row, params=params,
                 heads=raw.get("heads", "num_attention_heads"), kv_heads=raw.get("kv_heads"),
                 when=dict(raw.get("when", {})), head_norms=tuple(raw.get("head_norms", ())),
-                head_inputs=dict(raw.get("head_inputs", {})), local_config=tuple(raw.get("local_config", ())))
+                head_inputs=_names(raw.get("head_inputs", ()), f"{where}: head_inputs"),
+                local_config=tuple(raw.get("local_config", ())))
 
 
-def parse_policy(data: Mapping[str, Any], name: str, source: str = "") -> Policy:
+def _names(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} must be a list of names, got {value!r}")
+    return tuple(value)
+
+
+def parse_policy(data: Mapping[str, Any], name: str, origin: Origin, path: str | None = None) -> Policy:
     """A `Policy` from a TOML-shaped dict, with errors that name the offending key."""
     known = {"description", "model_types", *_LAYOUT_ROLES}
     unknown = set(data) - known
@@ -85,19 +108,19 @@ def parse_policy(data: Mapping[str, Any], name: str, source: str = "") -> Policy
         for kind in _LAYOUT_ROLES for i, raw in enumerate(data.get(kind, ()))
     )
     return Policy(name=name, model_types=tuple(data.get("model_types", ())), rules=rules,
-                  description=data.get("description", ""), source=source)
+                  origin=origin, description=data.get("description", ""), path=path)
 
 
-def load_policy(path: str | Path) -> Policy:
+def load_policy(path: str | Path, origin: Origin = Origin.USER) -> Policy:
     """Read one policy file."""
     path = Path(path)
     with path.open("rb") as f:
-        return parse_policy(tomllib.load(f), name=path.stem, source=str(path))
+        return parse_policy(tomllib.load(f), name=path.stem, origin=origin, path=str(path))
 
 
 def builtin_policies() -> list[Policy]:
     """Every policy shipped with autotp."""
-    return [load_policy(p) for p in sorted(_policy_dir().glob("*.toml"))]
+    return [load_policy(p, Origin.SHIPPED) for p in sorted(_policy_dir().glob("*.toml"))]
 
 
 def find_policy(model_type: str) -> Policy | None:
@@ -110,5 +133,5 @@ def as_policy(policy: Policy | str | Path | Mapping[str, Any]) -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, Mapping):
-        return parse_policy(policy, name="user policy", source="dict")
+        return parse_policy(policy, name="user policy", origin=Origin.USER)
     return load_policy(policy)

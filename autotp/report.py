@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .plan import Plan, features
+from .linears import features
+from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,10 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     """The all-reduces of one forward and backward at this batch x seq (without sequence parallelism).
 
     One forward reduction per row layer; one backward reduction per block for its column layers (they
-    share their input); expert regions reduce their output and their two float inputs; per-head norms
-    and replicated KV rows add gradient sums; vocab parallelism adds the embedding's reduction, the
-    loss's two and the LM head's input gradient.
+    share their input); expert regions reduce their output and the gradients of their two float
+    inputs (hidden states, routing weights); per-head norms and replicated KV rows add gradient sums;
+    vocab parallelism adds the embedding's reduction, the loss's two (fp32) and the LM head's input
+    gradient. tests/test_collectives.py checks the total against the bytes real all-reduces move.
     """
     if plan.tp_size == 1:
         return []
@@ -44,16 +46,19 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
             out.append(Collective(f"{layer.path} (replicated KV rows)", "backward", 1, length * rows * element))
     out += [Collective(f"{parent} (input gradient)", "backward", 1, size) for parent, size in column_blocks.items()]
     hidden = getattr(model.config, "hidden_size", 0)
-    for region in plan.regions:
+    top_k = getattr(model.config, "num_experts_per_tok", 1)
+    for region in plan.regions:  # experts(hidden_states, top_k_index, top_k_weights): two float inputs
         out.append(Collective(region.path, "forward", 1, tokens * hidden * element))
-        out.append(Collective(f"{region.path} (input gradients)", "backward", 2, tokens * hidden * element))
+        out.append(Collective(f"{region.path} (hidden-state gradient)", "backward", 1, tokens * hidden * element))
+        out.append(Collective(f"{region.path} (routing-weight gradient)", "backward", 1, tokens * top_k * element))
     for path in plan.head_norms:
         size = sum(p.numel() for p in model.get_submodule(path).parameters()) * element
         out.append(Collective(f"{path} (gradient)", "backward", 1, size))
     if plan.vocab is not None:
         if plan.vocab.embedding:
             out.append(Collective(plan.vocab.embedding, "forward", 1, tokens * hidden * element))
-        out.append(Collective("vocab-parallel loss (max; sum-exp and target logit)", "forward", 2, tokens * 3 * 4))
+        out.append(Collective("vocab-parallel loss (max logit)", "forward", 1, tokens * 4))  # fp32
+        out.append(Collective("vocab-parallel loss (sum-exp, target logit, sum of logits)", "forward", 1, tokens * 3 * 4))
     return out
 
 
@@ -63,6 +68,7 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int) -> dict:
     collectives = step_collectives(model, plan, batch, seq)
     return {
         "tp_size": plan.tp_size,
+        "origin": plan.origin.name.lower(),
         "source": plan.source,
         "layers": [{"path": layer.path, "style": layer.style, "shape": list(layer.shape),
                     "local_rows": [layer.partition.local_size(r) for r in range(plan.tp_size)],

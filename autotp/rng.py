@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Group, group_rank, group_size
+from .groups import Group, group_rank, group_size
+from .layers import LinearAllreduce, LinearLayer
 
 _OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
 
@@ -80,8 +81,6 @@ def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[s
     """Per-rank streams for the sharded regions that draw random numbers at all (dropout)."""
     if group_size(group) == 1:
         return
-    from .layers import LinearAllreduce, LinearLayer
-
     rank = group_rank(group)
     for path in blocks:
         block = model.get_submodule(path)

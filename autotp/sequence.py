@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .comm import Group, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, scatter_to_seq
+from .comm import all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, scatter_to_seq
+from .groups import Group
 from .layers import LinearAllreduce, LinearLayer
 from .plan import Plan
 

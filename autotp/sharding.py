@@ -126,6 +126,15 @@ class Partition:
     def with_dim(self, dim: int) -> Partition:
         return Partition(dim, self.full_size, self.runs)
 
+    def to_json(self) -> dict:
+        """A JSON-ready dict (the form checkpoints store); `from_json` reads it back."""
+        return {"dim": self.dim, "full_size": self.full_size, "runs": [[list(run) for run in rr] for rr in self.runs]}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Partition:
+        return cls(int(data["dim"]), int(data["full_size"]),
+                   tuple(tuple((int(start), int(length)) for start, length in rr) for rr in data["runs"]))
+
     def describe(self) -> str:
         sizes = [self.local_size(r) for r in range(self.tp_size)]
         split = "/".join(map(str, sizes)) if len(set(sizes)) > 1 else f"{sizes[0]} each"
@@ -175,9 +184,6 @@ class HeadLayout:
         if any(len(r) == 0 for r in q):
             raise ValueError(f"{heads} query heads cannot give every one of {tp_size} ranks a head")
         return cls(heads, kv_heads, tuple(q), tuple(kv))
-
-    def local(self, rank: int) -> tuple[int, int]:
-        return len(self.q[rank]), len(self.kv[rank])
 
 
 def layout_partition(

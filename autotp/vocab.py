@@ -9,13 +9,14 @@ A caller that wants logits (evaluation, generation, no labels) gets them gathere
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import Group, gather_from_tp, group_rank, group_size, reduce_from_tp
+from .comm import gather_from_tp, reduce_from_tp
+from .groups import Group, group_rank, group_size
 from .layers import gather_parameter_, partition_parameter_, shard_parameter
 from .sharding import Partition
 
@@ -108,21 +109,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 class VocabParallelLoss:
-    """Stands in for an HF model's `loss_function` (ForCausalLM semantics) when its logits are vocab-sharded."""
+    """Stands in for an HF model's `loss_function` (ForCausalLM semantics) when its logits are vocab-sharded.
 
-    def __init__(self, partition: Partition, group: Group):
-        self.group = group
+    Full-width logits (inside `GatherReplacedLayerParams`) go to the model's own loss function.
+    `calls` counts sharded calls, so a model that computes its loss some other way is caught.
+    """
+
+    def __init__(self, partition: Partition, group: Group, full_loss: Callable[..., torch.Tensor]):
+        self.group, self.full_loss = group, full_loss
         (self.start, _), = partition.runs[group_rank(group)]
         self.full_vocab = partition.full_size
+        self.calls = 0
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
                  num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
                  label_smoothing: float = 0.0, **kwargs: Any) -> torch.Tensor:
-        if logits.shape[-1] == self.full_vocab:  # gathered (GatherReplacedLayerParams) or tp=1: the plain loss
-            from transformers.loss.loss_utils import ForCausalLMLoss
-
-            return ForCausalLMLoss(logits, labels, self.full_vocab, num_items_in_batch, ignore_index, shift_labels,
-                                   label_smoothing=label_smoothing)
+        if logits.shape[-1] == self.full_vocab:
+            return self.full_loss(logits, labels, vocab_size=self.full_vocab, num_items_in_batch=num_items_in_batch,
+                                  ignore_index=ignore_index, shift_labels=shift_labels,
+                                  label_smoothing=label_smoothing, **kwargs)
+        self.calls += 1
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.reshape(-1).to(logits.device)
@@ -135,16 +141,31 @@ class VocabParallelLoss:
         return losses.sum() / (target != ignore_index).sum()
 
 
-def logits_hook(partition: Partition, group: Group, state):
-    """Forward hook on the model: gather sharded logits unless a training step only needs its loss."""
+class LogitsGate:
+    """Forward hooks on the model: gather sharded logits unless a training step only needs its loss.
 
-    def hook(module, args, kwargs, output):
+    A loss that did not go through the `VocabParallelLoss` was computed on this rank's logit shard
+    alone, so it is refused before anything trains on it.
+    """
+
+    def __init__(self, partition: Partition, group: Group, state, loss: VocabParallelLoss):
+        self.partition, self.group, self.state, self.loss = partition, group, state, loss
+        self._calls_before = 0
+
+    def before(self, module: nn.Module, args, kwargs) -> None:
+        self._calls_before = self.loss.calls
+
+    def after(self, module: nn.Module, args, kwargs, output):
         logits = getattr(output, "logits", None)
-        if state.gathered or logits is None or logits.shape[-1] == partition.full_size or group_size(group) == 1:
+        full = self.partition.full_size
+        if self.state.gathered or logits is None or logits.shape[-1] == full or group_size(self.group) == 1:
             return output
-        if module.training and getattr(output, "loss", None) is not None:
+        has_loss = getattr(output, "loss", None) is not None
+        if has_loss and self.loss.calls == self._calls_before:
+            raise RuntimeError(
+                f"{type(module).__name__} computed its loss without self.loss_function, on this rank's "
+                f"{logits.shape[-1]} of {full} vocabulary logits; wrap it with vocab_parallel=False")
+        if module.training and has_loss:
             return output  # the loss was computed on the shards; gathering batch x seq x vocab would waste memory
-        output.logits = gather_from_tp(logits, partition.with_dim(logits.ndim - 1), group)
+        output.logits = gather_from_tp(logits, self.partition.with_dim(logits.ndim - 1), self.group)
         return output
-
-    return hook

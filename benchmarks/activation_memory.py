@@ -74,7 +74,7 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
 
 
 def main() -> None:
-    from autotp.spawn import free_port
+    from autotp.testing.spawn import free_port
 
     ctx = mp.get_context("spawn")
     print("| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth (rank 0 / 1) |")

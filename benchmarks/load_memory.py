@@ -63,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/autotp-bench-1g", help="where the checkpoint is made (kept for reuse)")
     args = parser.parse_args()
-    from autotp.spawn import free_port
+    from autotp.testing.spawn import free_port
 
     size = make_checkpoint(Path(args.dir))
     print(f"checkpoint: {args.dir}, {size / 2**30:.2f} GiB (Llama, fp32, {CONFIG})")

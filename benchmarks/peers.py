@@ -205,7 +205,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from autotp.spawn import free_port
+    from autotp.testing.spawn import free_port
 
     work = Path(tempfile.mkdtemp(prefix="autotp-peers-"))
     path = str(work / "model")

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autotp
-from autotp.parity import full_tensor
+from autotp.testing.parity import full_tensor
 from data import PatternDataset
 
 

@@ -27,10 +27,11 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import autotp
-from autotp import parity
-from autotp.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
-from autotp.spawn import run_ranks
-from autotp.tiny import RECIPES, tiny_config
+from autotp import Origin
+from autotp.testing import parity
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
+from autotp.testing.spawn import run_ranks
+from autotp.testing.tiny import RECIPES, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TP = 2
@@ -93,9 +94,9 @@ def classify(model_type: str) -> dict:
         plan = autotp.explain(model, TP)
     except Exception as err:
         return {"result": "refused", "note": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
-    source = plan.source.split(" (")[0].replace("policy ", "")
-    kind = "policy" if "from transformers" not in plan.source and "detection" not in plan.source else (
-        "HF plan" if "from transformers" in plan.source else "detection")
+    source = plan.source.split(" (")[0]
+    kind = {Origin.SHIPPED: "policy", Origin.USER: "policy", Origin.HF_PLAN: "HF plan",
+            Origin.DETECTED: "detection"}[plan.origin]
     try:
         report = run_ranks(rank_job, TP, model_type, recipe)[0]
     except AssertionError as err:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from autotp.spawn import free_port
+from autotp.testing.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import autotp
 from models import batch, tiny_model
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 
 
 def train_and_save(rank: int, world: int, family: str, target: str, max_shard_size: str) -> dict | None:

@@ -12,7 +12,7 @@ import torch
 
 import autotp
 from autotp.cli import build, load_config
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 
 BROKEN_QWEN3 = '''
 model_types = ["qwen3"]

@@ -14,8 +14,9 @@ import pytest
 import torch.distributed as dist
 
 import autotp
+from autotp.report import summary
 from models import batch, tiny_model
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 
 COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all",
                "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -59,3 +60,32 @@ def test_collectives_per_layer(family: str, per_head_norms: int, tp: int, vocab_
         vocab_forward, vocab_backward = (3, 1) if vocab_parallel else (0, 0)
         assert report["forward"] == {"all_reduce": 2 * layers + vocab_forward}, report
         assert report["backward"] == {"all_reduce": (2 + per_head_norms) * layers + vocab_backward}, report
+
+
+def bytes_of_step(rank: int, world: int, family: str, config: dict) -> dict:
+    """Bytes `autotp plan` predicts for one training step against the bytes real all-reduces moved."""
+    model = autotp.wrap(tiny_model(family, **config), world)
+    ids = batch()
+    predicted = summary(model, model.autotp_state.plan, *ids.shape)["collective_bytes_per_step"]
+    moved = {"bytes": 0}
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        moved["bytes"] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        model(ids, labels=ids).loss.backward()
+    finally:
+        dist.all_reduce = original
+    return {"predicted": predicted, "moved": moved["bytes"]}
+
+
+@pytest.mark.parametrize("family,config", [
+    ("llama", {}), ("qwen3", {}), ("gpt2", {}), ("mixtral", {}),
+    ("llama", {"num_key_value_heads": 1}),  # replicated KV rows add their gradient sums
+])
+def test_plan_collective_bytes_equal_the_bytes_moved(family: str, config: dict) -> None:
+    for report in run_ranks(bytes_of_step, 2, family, config):
+        assert report["predicted"] == report["moved"], report

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import autotp
-from autotp.parity import full_tensor
-from autotp.spawn import run_ranks
+from autotp.testing.parity import full_tensor
+from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 from test_parity import LOSS_ATOL, PARAM_ATOL
 

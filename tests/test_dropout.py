@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 
 DROPOUT = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)

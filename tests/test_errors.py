@@ -7,7 +7,7 @@ import torch
 
 import autotp
 from models import tiny_model
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 
 
 def snapshot(model: torch.nn.Module) -> dict:

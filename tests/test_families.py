@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from models import DERIVED, ISSUE3_FAMILIES
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 from test_parity import assert_parity, compare_training
 
 

@@ -10,8 +10,8 @@ import torch
 import autotp
 from autotp.layers import LinearAllreduce, LinearLayer
 from models import batch, tiny_model
-from autotp.spawn import run_ranks
-from autotp.parity import full_tensor as full, grad_error
+from autotp.testing.spawn import run_ranks
+from autotp.testing.parity import full_tensor as full, grad_error
 from test_parity import GRAD_RTOL, LOSS_ATOL
 
 

@@ -56,5 +56,5 @@ def test_trainer_dp2_tp2_losses_equal_one_process_trainer(tmp_path: Path) -> Non
     trainer.losses = []
     trainer.train()
     # fp32: the two runs differ only in the order of sums (TP partials, DP gradient average); AdamW's eps is
-    # 1e-6 for the reason given in autotp.parity.compare_training.
+    # 1e-6 for the reason given in autotp.testing.parity.compare_training.
     assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, trainer.losses)) <= 1e-5, (got, trainer.losses)

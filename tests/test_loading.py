@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 
 

@@ -4,7 +4,7 @@ Tolerances (fp32): TP changes only the order of floating-point sums (partial mat
 so results agree to rounding. Loss: 1e-5 absolute (observed ~1e-6). Gradients: max |diff| within
 1e-5 of the largest reference entry of the same tensor, floored at 1e-3 (observed <1e-6); the floor
 covers gradients that are zero in exact arithmetic (a key bias under softmax) and hold only rounding
-noise (see autotp.parity.grad_error). A missing or doubled reduction is off by 50% or more of a real
+noise (see autotp.testing.parity.grad_error). A missing or doubled reduction is off by 50% or more of a real
 gradient. Parameters after 3 AdamW steps (lr 1e-3, so at most 3e-3 of movement): 3e-5 absolute (observed <1e-5); Adam divides by sqrt(v), which magnifies rounding in
 near-zero gradients, hence the gradient check is the sharp one.
 """
@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from autotp import parity
-from autotp.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
-from autotp.spawn import run_ranks
+from autotp.testing import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, assert_parity, parity, run_ranks
 from models import FAMILIES, batch, tiny_model
 
 def compare_training(rank: int, world: int, family: str, steps: int = 3, policy=None,
                      config: dict | None = None) -> dict:
     """Runs on each rank: a tiny `family` model, single process vs wrapped at tp=world."""
     return parity.compare_training(tiny_model(family, **(config or {})), batch(), world, steps, policy)
-
-
-def assert_parity(report: dict) -> None:
-    assert report["loss"] <= LOSS_ATOL, f"loss differs by {report['loss']:.3g}"
-    worst = max(report["grad"].items(), key=lambda kv: kv[1])
-    assert worst[1] <= GRAD_RTOL, f"gradient of {worst[0]} differs by {worst[1]:.3g} (relative to its max)"
-    worst = max(report["param"].items(), key=lambda kv: kv[1])
-    assert worst[1] <= PARAM_ATOL, f"{worst[0]} differs by {worst[1]:.3g} after AdamW steps"
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

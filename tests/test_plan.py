@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import autotp
 from models import CONFIGS, tiny_model
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 from test_parity import assert_parity, compare_training
 
 

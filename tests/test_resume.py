@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
-from autotp.spawn import run_ranks
+from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 
 

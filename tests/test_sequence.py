@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import autotp
-from autotp import parity
-from autotp.spawn import run_ranks
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 from test_parity import assert_parity
 from test_vocab import labels_with_ignored

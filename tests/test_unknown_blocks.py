@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import autotp
-from autotp import parity
-from autotp.spawn import run_ranks
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 from test_parity import assert_parity
 

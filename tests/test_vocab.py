@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp import parity
-from autotp.spawn import run_ranks
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 from test_parity import assert_parity
 

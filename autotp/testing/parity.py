@@ -14,8 +14,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .api import wrap
-from .comm import Group, all_gather_full
+from ..api import wrap
+from ..comm import all_gather_full
+from ..groups import Group
 
 # fp32 tolerances: tensor parallelism changes only the order of sums. Loss: absolute. Gradients: relative to
 # the tensor's largest reference entry (see grad_error). Parameters after a few AdamW steps at lr 1e-3: absolute.
@@ -75,3 +76,12 @@ def compare_training(
         report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
     report["sharded"] = sum(hasattr(p, "autotp_shard") for p in model.parameters())
     return report
+
+
+def assert_parity(report: dict) -> None:
+    """Fail, naming the worst tensor, when a `compare_training` report exceeds the fp32 tolerances."""
+    assert report["loss"] <= LOSS_ATOL, f"loss differs by {report['loss']:.3g}"
+    worst = max(report["grad"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= GRAD_RTOL, f"gradient of {worst[0]} differs by {worst[1]:.3g} (relative to its max)"
+    worst = max(report["param"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= PARAM_ATOL, f"{worst[0]} differs by {worst[1]:.3g} after AdamW steps"

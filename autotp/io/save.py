@@ -2,31 +2,29 @@
 
 Every file's header is known before any weight is gathered (full shapes come from the partition
 metadata), so rank 0 writes each safetensors file as a header followed by one tensor after
-another: no rank ever holds more than its shards plus one full tensor. Everything goes to a hidden
-sibling directory that is renamed into place at the end, so a crash never leaves a directory that
-loads as a valid but incomplete checkpoint.
+another: no rank ever holds more than its shards plus one full tensor. Everything is staged (see
+`autotp.io.staging`), so a crash never leaves a directory that loads as an incomplete checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.core_model_loading import revert_weight_conversion
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from .comm import gather_full_to
-from .st_format import SafetensorsWriter
+from ..comm import gather_full_to
+from ..groups import global_rank, is_global_rank0
+from ..hf_compat import checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
+from ..state import find_state
+from .safetensors import SafetensorsWriter
+from .staging import move_files_in, staged_directory
 
 def save_pretrained(
     model: nn.Module,
@@ -47,16 +45,14 @@ def save_pretrained(
         target = Path(save_directory)
         incoming = target.parent / f".{target.name}.autotp-incoming"
         save_pretrained(model, incoming, max_shard_size, overwrite=True)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            _move_files_in(incoming, target)
+        if is_global_rank0():
+            move_files_in(incoming, target)
         if dist.is_initialized():
             dist.barrier()
         return
-    state = getattr(model, "autotp_state", None)
+    state = find_state(model)
     tp_group = None if state is None else state.tp_group
-    distributed = dist.is_available() and dist.is_initialized()
-    in_writer_group = not distributed or dist.get_rank() in (
-        [0] if tp_group is None else dist.get_process_group_ranks(tp_group))
+    in_writer_group = global_rank() in ([0] if tp_group is None else dist.get_process_group_ranks(tp_group))
     params = model.state_dict(keep_vars=True)
 
     def fetch(name: str) -> torch.Tensor | None:
@@ -69,46 +65,6 @@ def save_pretrained(
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
 
 
-@contextmanager
-def staged_directory(target: str | os.PathLike, overwrite: bool) -> Iterator[Path | None]:
-    """A hidden sibling directory to write into, renamed onto `target` only when every rank succeeded.
-
-    Collective under torch.distributed: rank 0 checks the target and creates the directory, every
-    rank gets its path (a shared filesystem is assumed), and the rename waits for all of them.
-    Rank 0 sees a refused target first and tells the others, so no rank is left waiting.
-    """
-    target = Path(target)
-    distributed = dist.is_available() and dist.is_initialized()
-    is_first = not distributed or dist.get_rank() == 0
-    box: list = [None, None]
-    if is_first:
-        box[0] = _target_problem(target, overwrite)
-        if box[0] is None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            box[1] = tempfile.mkdtemp(prefix=f".{target.name}.autotp-", dir=target.parent)
-    if distributed:
-        dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise FileExistsError(box[0])
-    tmp = Path(box[1])
-    ok = False
-    try:
-        yield tmp
-        ok = True
-    finally:
-        if distributed:  # everyone learns whether everyone finished
-            flags = torch.tensor([0 if ok else 1])
-            dist.all_reduce(flags)
-            ok = flags.item() == 0
-        if is_first:
-            if ok:
-                _move_into_place(tmp, target)
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
-        if distributed:
-            dist.barrier()
-
-
 def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fetch: Callable[[str], torch.Tensor | None],
                         directory: Path, max_shard_size: int | str) -> None:
     """Stream a transformers-layout checkpoint of `model` into `directory`.
@@ -116,14 +72,14 @@ def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fe
     `params` maps model keys to tensors whose shapes (or `autotp_shard`) give the full shapes;
     `fetch(key)` returns the full tensor where it is written and None elsewhere (it may be collective).
     """
-    names = list(remove_tied_weights_from_state_dict({k: v.detach() for k, v in params.items()}, model))
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    names = list(remove_tied_weights({k: v.detach() for k, v in params.items()}, model))
+    ignored = keys_to_ignore_on_save(model)
     full = _checkpoint_layout(model, {
         n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names if n not in ignored})
     split = split_torch_state_dict_into_shards(full, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     total = sum(t.numel() * t.element_size() for t in full.values())
-    writing = not dist.is_initialized() or dist.get_rank() == 0
+    writing = is_global_rank0()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="autotp save", disable=not writing)
     for filename, tensor_names in split.filename_to_tensors.items():
         entries = [(n, full[n].dtype, tuple(full[n].shape)) for n in tensor_names]
@@ -148,7 +104,7 @@ def _checkpoint_layout(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[
     """
     for key, tensor in full.items():
         tensor.source = key
-    converted = revert_weight_conversion(model, full)
+    converted = checkpoint_names(model, full)
     for key, tensor in converted.items():
         if getattr(tensor, "source", None) is None:
             raise NotImplementedError(
@@ -161,14 +117,6 @@ def _checkpoint_layout(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     shard = getattr(tensor, "autotp_shard", None)
     return tuple(tensor.shape) if shard is None else shard.full_shape(tensor.shape)
-
-
-def _target_problem(target: Path, overwrite: bool) -> str | None:
-    if target.is_file():
-        return f"{target} is a file; save_pretrained needs a directory"
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        return f"{target} exists and is not empty; pass overwrite=True to replace it"
-    return None
 
 
 def _write_metadata(model: nn.Module, params: Mapping[str, torch.Tensor], split, tmp: Path) -> None:
@@ -185,28 +133,3 @@ def _write_metadata(model: nn.Module, params: Mapping[str, torch.Tensor], split,
         count = sum(torch.Size(_full_shape(p)).numel() for p in unique.values())
         index = {"metadata": {"total_parameters": count, **split.metadata}, "weight_map": split.tensor_to_filename}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _move_into_place(tmp: Path, target: Path) -> None:
-    """Swap the finished directory in; an old one is removed only after the new one is in place."""
-    old = None
-    if target.exists():
-        if any(target.iterdir()):
-            old = target.with_name(f".{target.name}.autotp-old-{os.getpid()}")
-            target.rename(old)
-        else:
-            target.rmdir()
-    tmp.rename(target)
-    if old is not None:
-        shutil.rmtree(old)
-
-
-def _move_files_in(incoming: Path, target: Path) -> None:
-    """Replace `target`'s model files by those of the complete checkpoint in `incoming`."""
-    target.mkdir(parents=True, exist_ok=True)
-    for stale in [*target.glob("model*.safetensors"), target / "model.safetensors.index.json"]:
-        if stale.exists() and not (incoming / stale.name).exists():
-            stale.unlink()
-    for file in incoming.iterdir():
-        os.replace(file, target / file.name)
-    incoming.rmdir()

@@ -1,9 +1,12 @@
-"""The safetensors file format, read and written in pieces.
+"""The safetensors format: the one place autotp reads and writes it.
 
-Writing: the header is fixed up front and tensors are streamed one by one, so a full checkpoint
-never sits in memory. Reading: only the runs of rows a rank holds are read, with plain file reads
-into the destination tensor (no mmap, so untouched parts of the file never count against the
-process's memory). Errors name the file and the numbers.
+Whole files of small tensors (per-rank training checkpoints) go through the `safetensors` library.
+Two things it cannot do are written here by hand:
+- streaming a file whose tensors arrive one at a time (a full checkpoint gathered tensor by tensor):
+  the library wants every tensor in memory at once. The header is fixed up front instead.
+- reading only the runs of rows a rank holds with plain reads into the destination tensor: the
+  library's slices go through mmap, whose touched pages count against the process's memory.
+Errors name the file and the numbers.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from .sharding import Partition
+from ..sharding import Partition
+from .errors import CheckpointError, FormatError
 
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -59,10 +65,6 @@ class SafetensorsWriter:
 
 NAMES = {name: dtype for dtype, name in DTYPES.items()}
 _CHUNK_BYTES = 64 << 20  # column slices are read this many bytes of whole rows at a time
-
-
-class FormatError(ValueError):
-    """A file that is not valid safetensors."""
 
 
 def read_header(file: Path) -> tuple[dict[str, dict], int]:
@@ -121,3 +123,34 @@ def _read_into(f, position: int, out: torch.Tensor) -> torch.Tensor:
     if f.readinto(view) != len(view):
         raise FormatError(f"{f.name}: ended early while reading {len(view)} bytes at offset {position}")
     return out
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A whole file of tensors at once (safetensors refuses shared storage: tied entries are stored as copies)."""
+    seen: set[int] = set()
+    unshared = {}
+    for name, tensor in tensors.items():
+        key = tensor.untyped_storage().data_ptr()
+        unshared[name] = (tensor.clone() if key in seen else tensor).contiguous()
+        seen.add(key)
+    save_file(unshared, file)
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a file, with corruption reported as a `CheckpointError` naming the file."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        return load_file(file)
+    except Exception as err:  # safetensors reports corruption with several error types
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None
+
+
+def open_tensors(file: Path):
+    """A lazily read file (`keys()`, `get_tensor(name)`, `get_slice(name)`), for reading tensors one at a time."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as err:  # safetensors reports corruption with several error types
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None

@@ -22,17 +22,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .checkpoint import staged_directory, write_hf_checkpoint
-from .comm import group_size
-from .loading import CheckpointError
-from .sharding import Partition
+from ..groups import global_rank, group_size
+from ..sharding import Partition
+from ..state import find_state
+from .errors import CheckpointError
+from .safetensors import NAMES, open_tensors, read_tensors, write_tensors
+from .save import write_hf_checkpoint
+from .staging import staged_directory
 
 _META = "autotp_checkpoint.json"
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _FORMAT = "autotp-checkpoint/1"
 
 
@@ -41,7 +41,7 @@ def _rank_dir(directory: Path, rank: int) -> Path:
 
 
 def _layout(model: nn.Module) -> dict[str, Any]:
-    state = getattr(model, "autotp_state", None)
+    state = find_state(model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return {"tp_size": group_size(None if state is None else state.tp_group), "world_size": world}
 
@@ -52,7 +52,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
 
     A non-empty `directory` is replaced only with `overwrite=True`, and only once the new one is complete.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     try:
         json.dumps(state)
     except TypeError as err:
@@ -60,18 +60,16 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     with staged_directory(directory, overwrite) as tmp:
         mine = _rank_dir(tmp, rank)
         mine.mkdir()
-        params = model.state_dict()
-        save_file({k: v.contiguous() for k, v in _untie(params).items()}, mine / "model.safetensors")
+        write_tensors(model.state_dict(), mine / "model.safetensors")
         tensors, rest = _split_optimizer(optimizer.state_dict())
-        save_file(tensors, mine / "optimizer.safetensors")
+        write_tensors(tensors, mine / "optimizer.safetensors")
         rng_tensors, rng_rest = _rng_state()
-        save_file(rng_tensors, mine / "rng.safetensors")
+        write_tensors(rng_tensors, mine / "rng.safetensors")
         rank_state = {"optimizer": rest, "rng": rng_rest,
                       "scheduler": None if scheduler is None else scheduler.state_dict()}
         (mine / "state.json").write_text(json.dumps(rank_state))
         if rank == 0:
-            partitions = {name: {"dim": p.autotp_shard.partition.dim, "full_size": p.autotp_shard.partition.full_size,
-                                 "runs": p.autotp_shard.partition.runs}
+            partitions = {name: p.autotp_shard.partition.to_json()
                           for name, p in model.state_dict(keep_vars=True).items() if hasattr(p, "autotp_shard")}
             meta = {"format": _FORMAT, **_layout(model), "model_class": type(model).__name__,
                     "state": state, "partitions": partitions}
@@ -93,9 +91,8 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
             f"run `python -m autotp consolidate {directory} FULL_DIR`, then "
             f"autotp.from_pretrained(FULL_DIR, tp_size={here['tp_size']})."
         )
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = _rank_dir(directory, rank)
-    saved = _read(mine / "model.safetensors")
+    mine = _rank_dir(directory, global_rank())
+    saved = read_tensors(mine / "model.safetensors")
     current = model.state_dict()
     for name, tensor in current.items():
         if name not in saved:
@@ -108,10 +105,10 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
             tensor.copy_(saved[name])
     rank_state = json.loads((mine / "state.json").read_text())
     if optimizer is not None:
-        optimizer.load_state_dict(_join_optimizer(_read(mine / "optimizer.safetensors"), rank_state["optimizer"]))
+        optimizer.load_state_dict(_join_optimizer(read_tensors(mine / "optimizer.safetensors"), rank_state["optimizer"]))
     if scheduler is not None and rank_state["scheduler"] is not None:
         scheduler.load_state_dict(rank_state["scheduler"])
-    _set_rng_state(_read(mine / "rng.safetensors"), rank_state["rng"])
+    _set_rng_state(read_tensors(mine / "rng.safetensors"), rank_state["rng"])
     return meta["state"]
 
 
@@ -123,26 +120,6 @@ def read_meta(directory: Path) -> dict[str, Any]:
     if meta.get("format") != _FORMAT:
         raise CheckpointError(f"{meta_file}: unknown format {meta.get('format')!r}, expected {_FORMAT!r}")
     return meta
-
-
-def _read(file: Path) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing")
-    try:
-        return load_file(file)
-    except Exception as err:  # safetensors reports corruption with several error types
-        raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None
-
-
-def _untie(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses shared storage: tied entries are saved as copies (and restored by copy)."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in params.items():
-        key = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if key in seen else tensor
-        seen.add(key)
-    return out
 
 
 def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -206,17 +183,16 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
     meta = read_meta(checkpoint)
     tp = meta["tp_size"]
     config = AutoConfig.from_pretrained(checkpoint)
-    with _open(_rank_dir(checkpoint, 0) / "model.safetensors") as first:
+    with open_tensors(_rank_dir(checkpoint, 0) / "model.safetensors") as first:
         dtype = first.get_slice(next(iter(first.keys()))).get_dtype()
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=NAMES[dtype])
     model.tie_weights()
-    partitions = {name: Partition(p["dim"], p["full_size"], tuple(tuple(tuple(r) for r in rr) for rr in p["runs"]))
-                  for name, p in meta["partitions"].items()}
+    partitions = {name: Partition.from_json(p) for name, p in meta["partitions"].items()}
     params = model.state_dict(keep_vars=True)
     with ExitStack() as stack:  # one open file per TP rank; tensors are read one at a time
         files = [_rank_dir(checkpoint, r) / "model.safetensors" for r in range(tp)]
-        handles = [stack.enter_context(_open(file)) for file in files]
+        handles = [stack.enter_context(open_tensors(file)) for file in files]
         for name, tensor in params.items():
             if name not in handles[0].keys():
                 raise CheckpointError(f"{files[0]}: tensor {name} is missing")
@@ -232,12 +208,3 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
 
         with staged_directory(out, overwrite) as tmp:
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
-
-
-def _open(file: Path):
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing")
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as err:  # safetensors reports corruption with several error types
-        raise CheckpointError(f"{file}: cannot be read as safetensors ({err})") from None

@@ -6,35 +6,24 @@ The plan has already checked everything, so this step cannot fail halfway on bad
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .comm import Group, build_subgroups, grad_allreduce_hook, group_rank, replica_grad_hook
-from .layers import LinearAllreduce, LinearLayer, ShardedRegion, SharedInput, _ParallelLinear
+from .comm import grad_allreduce_hook, replica_grad_hook
+from .groups import Group, build_subgroups, group_rank
+from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion, SharedInput
 from .plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
 from .rng import install_sharded_streams, sync_replicated_stream
-from .vocab import VocabParallelEmbedding, VocabParallelLoss, logits_hook
+from .state import TPState, attach
+from .vocab import LogitsGate, VocabParallelEmbedding, VocabParallelLoss
 
 
-@dataclass
-class TPState:
-    """What `wrap` attached to a model (as `model.autotp_state`): plan, groups, rank, gathered or not."""
-
-    plan: Plan
-    tp_group: Group
-    dp_group: Group
-    tp_rank: int
-    gathered: bool = False
-    regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
-
-
-def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, hooks: bool = True) -> TPState:
+def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group) -> TPState:
     """Rewrite `model` in place to follow `plan` on this rank (on the meta device too).
 
-    `hooks=False` leaves the gradient hooks to `register_grad_hooks`, for a caller that will still
-    replace the (meta) parameters with loaded ones.
+    The gradient hooks come later (`register_grad_hooks`), once loading has replaced any meta
+    parameters: a hook belongs to one Parameter object.
     """
     rank = group_rank(tp_group)
     state = TPState(plan, tp_group, dp_group, rank)
@@ -65,9 +54,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, h
     sync_replicated_stream(tp_group)
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
-    model.autotp_state = state
-    if hooks:
-        register_grad_hooks(model, state)
+    attach(model, state)
     return state
 
 
@@ -78,8 +65,11 @@ def _apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPS
         state.regions.append(VocabParallelEmbedding(embedding, vocab.partition, tp_group))
         if vocab.tied:  # one shard serves both, as one parameter served both
             model.get_submodule(vocab.head).weight = embedding.weight
-    model.loss_function = VocabParallelLoss(vocab.partition, tp_group)
-    model.register_forward_hook(logits_hook(vocab.partition, tp_group, state), with_kwargs=True)
+    loss = VocabParallelLoss(vocab.partition, tp_group, model.loss_function)
+    model.loss_function = loss
+    gate = LogitsGate(vocab.partition, tp_group, state, loss)
+    model.register_forward_pre_hook(gate.before, with_kwargs=True)
+    model.register_forward_hook(gate.after, with_kwargs=True)
 
 
 def register_grad_hooks(model: nn.Module, state: TPState) -> None:
@@ -119,9 +109,9 @@ def _head_slicer(plan: HeadInputPlan, state: TPState):
     return hook
 
 
-def parallel_layers(model: nn.Module) -> list[_ParallelLinear]:
+def parallel_layers(model: nn.Module) -> list[ParallelLinear]:
     """Every replaced linear in `model`."""
-    return [m for m in model.modules() if isinstance(m, _ParallelLinear)]
+    return [m for m in model.modules() if isinstance(m, ParallelLinear)]
 
 
 def set_gathered(model: nn.Module, state: TPState, gathered: bool) -> None:

@@ -1,0 +1,143 @@
+"""Policies for models no shipped policy covers: from HF's `base_model_tp_plan`, else from structure.
+
+Both produce an ordinary `Policy`, so the plan builder checks their shapes like any other. They
+only shard what they can lay out unambiguously: separate q/k/v/o projections, plain MLPs, and
+HF's packed gate|up. A fused projection whose row order cannot be read from shapes, or a block
+HF itself keeps replicated (`colwise_gather_output`, `rowwise_split_input`), stays replicated.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from .linears import features, is_linear
+from .policy import Origin, Policy, parse_policy
+
+_ATTENTION_HINTS = ("attn", "attention")
+_OUTPUT_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "proj", "wo", "o", "output", "out"}  # then verified
+
+
+def derive_policy(model: nn.Module) -> Policy:
+    """HF's plan translated when the config has one, else structural detection."""
+    hf_plan = getattr(model.config, "base_model_tp_plan", None)
+    if hf_plan:
+        return _from_hf_plan(model, dict(hf_plan))
+    return _from_structure(model)
+
+
+def _field(config, name: str) -> int | None:
+    """A positive integer config field, or None (absent, not an int, or refused by a per-layer config)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # some configs raise for fields that vary per layer
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _heads(config) -> tuple[int | None, int | None, int | None]:
+    heads = _field(config, "num_attention_heads")
+    if heads is None:
+        return None, None, None
+    kv = _field(config, "num_key_value_heads") or heads
+    hidden = _field(config, "hidden_size")
+    head_dim = _field(config, "head_dim") or (hidden // heads if hidden else None)
+    return heads, kv, head_dim
+
+
+def _block_rule(model: nn.Module, block: str, columns: dict[str, str], rows: list[str]) -> tuple[str, dict] | None:
+    """An attention or MLP rule for one block pattern, from its children's shapes; None if unclear."""
+    config = model.config
+    heads, kv, head_dim = _heads(config)
+    modules = dict(model.named_modules())
+    instance = next((m for name, m in modules.items() if fnmatchcase(name, block)), None)
+    if instance is None or len(rows) != 1:
+        return None
+    try:
+        children = {name: instance.get_submodule(name) for name in [*columns, *rows]}
+    except AttributeError:
+        return None
+    if not all(is_linear(m) for m in children.values()):
+        return None
+    outs = {name: features(children[name])[0] for name in columns}
+    row_in = features(children[rows[0]])[1]
+    looks_like_attention = any(h in block.rsplit(".", 1)[-1].lower() for h in _ATTENTION_HINTS)
+    if looks_like_attention and heads and head_dim and row_in == heads * head_dim:
+        layout = {}
+        for name, out in outs.items():
+            if columns[name] != "w" or out not in (heads * head_dim, kv * head_dim):
+                return None
+            layout[name] = "q" if out == heads * head_dim else "k"
+        rule = {"match": block, "column": layout, "row": {rows[0]: "q"},
+                "heads": "num_attention_heads", "kv_heads": kv}
+        return "attention", rule
+    parts = {name: 2 if columns[name] == "w | w" else 1 for name in columns}
+    if all(out == row_in * parts[name] for name, out in outs.items()):
+        return "mlp", {"match": block, "column": dict(columns), "row": list(rows)}
+    return None
+
+
+def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not hasattr(model, prefix):
+        prefix = ""
+    blocks: dict[str, dict] = defaultdict(lambda: {"column": {}, "row": [], "other": [], "norms": []})
+    for key, style in hf_plan.items():
+        path = f"{prefix}.{key}" if prefix else key
+        block, _, child = path.rpartition(".")
+        entry = blocks[block]
+        if style == "colwise":
+            entry["column"][child] = "w"
+        elif style == "packed_colwise":
+            entry["column"][child] = "w | w"
+        elif style == "rowwise":
+            entry["row"].append(child)
+        elif style == "replicated_with_grad_allreduce":
+            entry["norms"].append(child)
+        else:
+            entry["other"].append(style)
+    data: dict[str, list] = {"attention": [], "mlp": [], "experts": []}
+    experts = {path for path, e in blocks.items() if "moe_tp_experts" in e["other"]}
+    for block, entry in blocks.items():
+        parent = block.rpartition(".")[0]
+        if parent in experts and set(entry["column"]) <= {"gate_up_proj"} and entry["row"] == ["down_proj"]:
+            if entry["column"].get("gate_up_proj") == "w | w":
+                data["experts"].append({"match": block, "params": {"gate_up_proj": {"dim": 1, "layout": "w | w"},
+                                                                   "down_proj": {"dim": 2}}})
+            continue
+        if entry["other"] or not entry["column"]:
+            continue  # HF keeps this block's compute replicated (or it is not a linear block)
+        found = _block_rule(model, block, entry["column"], entry["row"])
+        if found:
+            kind, rule = found
+            if kind == "attention" and entry["norms"]:
+                rule["head_norms"] = entry["norms"]
+            data[kind].append(rule)
+    return parse_policy(data, name=model.config.model_type, origin=Origin.HF_PLAN)
+
+
+def _from_structure(model: nn.Module) -> Policy:
+    """Blocks whose direct children are linears reading the hidden size and one linear writing it back."""
+    hidden = _field(model.config, "hidden_size")
+    patterns: dict[str, dict] = {}
+    for name, module in model.named_modules():
+        linears = {child: m for child, m in module.named_children() if is_linear(m)}
+        if len(linears) < 2 or not isinstance(hidden, int):
+            continue
+        reads = {c: "w" for c, m in linears.items() if features(m)[1] == hidden and features(m)[0] != hidden
+                 or features(m)[1] == hidden and any(h in name.lower() for h in _ATTENTION_HINTS)}
+        writes = [c for c, m in linears.items() if features(m)[0] == hidden and c not in reads]
+        if not writes and len(reads) > 2:  # square attention: the output projection is known by its name
+            writes = [c for c in reads if c.lower() in _OUTPUT_NAMES][:1]
+            reads = {c: "w" for c in reads if c not in writes}
+        if reads and len(writes) == 1:
+            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            patterns.setdefault(pattern, {"column": reads, "row": writes})
+    data: dict[str, list] = {"attention": [], "mlp": [], "experts": []}
+    for block, entry in patterns.items():
+        found = _block_rule(model, block, entry["column"], entry["row"])
+        if found:
+            data[found[0]].append(found[1])
+    return parse_policy(data, name=model.config.model_type, origin=Origin.DETECTED)

@@ -1,0 +1,111 @@
+"""Process groups: TP groups of consecutive ranks, DP groups strided across them, and subgroups of TP ranks.
+
+`new_group` is collective over the world, so every function here that creates groups must be
+called by every rank, in the same order. A group of `None` means no tensor parallelism (size 1).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """Size of a TP group; `None` means no tensor parallelism (size 1), never the world group."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's rank inside a TP group (0 without one)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def global_rank() -> int:
+    """This process's rank in the world (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_global_rank0() -> bool:
+    """Whether this process writes files and prints progress for the job (rank 0, or not distributed)."""
+    return global_rank() == 0
+
+
+def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group) -> dict[tuple[int, ...], Group]:
+    """Process groups for sets of TP-group ranks (replica holders), in this rank's TP group.
+
+    `new_group` is collective over the world, so every rank creates every TP group's subgroups,
+    in the same order; TP groups are learnt from all ranks so a user-supplied one works too.
+    """
+    rank_sets = sorted(set(rank_sets))
+    if not rank_sets or group_size(tp_group) == 1:
+        return {}
+    mine, tp_groups = _all_tp_groups(tp_group)
+    out = {}
+    for subset in rank_sets:
+        for tp_ranks in tp_groups:
+            group = dist.new_group([tp_ranks[i] for i in subset])
+            if tp_ranks == mine:
+                out[subset] = group
+    return out
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun / accelerate set the variables `init_process_group` reads."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env() -> None:
+    """Initialise torch.distributed from launcher variables: NCCL on GPUs (device from LOCAL_RANK), else gloo."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def build_groups(tp_size: int) -> tuple[Group, Group]:
+    """TP groups of consecutive ranks and DP groups strided across them; returns this rank's pair.
+
+    Every rank must call this, in the same order, because `new_group` is collective.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp_size = world // tp_size
+    tp_group = dp_group = None
+    for start in range(0, world, tp_size):
+        ranks = list(range(start, start + tp_size))
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if rank in ranks:
+            tp_group = group
+    for offset in range(tp_size):
+        ranks = list(range(offset, world, tp_size))
+        group = dist.new_group(ranks) if dp_size > 1 else None
+        if rank in ranks:
+            dp_group = group
+    return tp_group, dp_group
+
+
+def _all_tp_groups(tp_group: dist.ProcessGroup) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """This rank's TP group and every TP group of the world, as global ranks (collective)."""
+    mine = tuple(dist.get_process_group_ranks(tp_group))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return mine, sorted(set(everyone))
+
+
+def dp_group_for(tp_group: dist.ProcessGroup) -> Group:
+    """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group."""
+    mine, tp_groups = _all_tp_groups(tp_group)
+    if len(tp_groups) == 1:
+        return None
+    position = mine.index(dist.get_rank())
+    out = None
+    for index in range(len(mine)):
+        group = dist.new_group([g[index] for g in tp_groups])
+        if index == position:
+            out = group
+    return out

@@ -1,0 +1,101 @@
+"""Guards against the mistakes that give silently wrong results around a wrapped model.
+
+- TP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
+- DistributedDataParallel over a group that holds two ranks of one TP group, which would average
+  different shards together (`DDPGuard`).
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from .groups import group_size
+from .state import state_of
+
+
+def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """Raise if the TP ranks of this replica were not given identical tensors; names the first that differs."""
+    group = state_of(model).tp_group
+    if group_size(group) == 1:
+        return
+    named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]
+    tensors = [(name, t) for name, t in named if torch.is_tensor(t)]
+    mine = [(name, tuple(t.shape), str(t.dtype), zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                                                           .numpy().tobytes()))
+            for name, t in tensors]
+    everyone: list = [None] * group_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for index, (name, shape, dtype, _) in enumerate(mine):
+        for rank, theirs in zip(ranks, everyone):
+            if index >= len(theirs) or theirs[index] != mine[index]:
+                other = theirs[index] if index < len(theirs) else None
+                raise RuntimeError(
+                    f"tensor-parallel ranks got different inputs: {name} on rank {dist.get_rank()} "
+                    f"(shape {shape}, {dtype}) differs from rank {rank}'s "
+                    f"{'(missing)' if other is None else f'(shape {other[1]}, {other[2]})'}; every TP rank of a "
+                    f"replica must read the same batch (see autotp.data_parallel_sampler)"
+                )
+
+
+def input_check_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook form of `check_same_inputs`, installed by `wrap(..., check_inputs=True)`."""
+    check_same_inputs(module, *args, **kwargs)
+
+
+class DDPGuard:
+    """Stands in as `model._ddp_params_and_buffers_to_ignore`, which DDP reads while it is being built.
+
+    DDP then already holds its process group, but broadcasts rank 0's weights over it right after;
+    if the group holds two ranks of one TP group that broadcast and every gradient average would mix
+    different shards, so the guard refuses at once. No public hook exposes the group at that point:
+    `_ddp_under_construction` reads it from the constructor's frame (checked on torch 2.4 to 2.13),
+    and should a later torch hide it, the check still runs on the DDP module's first forward.
+    """
+
+    def __init__(self, model: nn.Module, ignored: tuple[str, ...] = ()):
+        self.model, self.ignored = model, ignored
+        self._pending = None
+
+    def __iter__(self) -> Iterator[str]:
+        ddp = _ddp_under_construction()
+        if ddp is not None:
+            self.check(ddp.process_group)
+        elif self._pending is None:
+            self._pending = register_module_forward_pre_hook(self._on_forward)
+        return iter(self.ignored)
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if isinstance(module, DistributedDataParallel) and module.module is self.model:
+            self._pending.remove()
+            self._pending = None
+            self.check(module.process_group)
+
+    def check(self, group: dist.ProcessGroup | None) -> None:
+        """Refuse a data-parallel group that contains two ranks of this model's TP group."""
+        tp = state_of(self.model).tp_group
+        if group is None or group_size(tp) == 1:
+            return
+        members = set(dist.get_process_group_ranks(group))
+        shared = sorted(members & set(dist.get_process_group_ranks(tp)))
+        if len(shared) > 1:
+            raise RuntimeError(
+                f"DistributedDataParallel over ranks {sorted(members)} would average different tensor-parallel "
+                f"shards together (ranks {shared} hold different shards of the same tensors). Pass "
+                f"process_group=autotp.dp_group(model), or use autotp.allreduce_gradients(model)."
+            )
+
+
+def _ddp_under_construction() -> DistributedDataParallel | None:
+    """The DDP whose constructor is reading the ignore list (two frames up), if it can be seen."""
+    frame = sys._getframe(2)
+    ddp = frame.f_locals.get("self") if frame is not None else None
+    return ddp if isinstance(ddp, DistributedDataParallel) and hasattr(ddp, "process_group") else None

@@ -1,0 +1,53 @@
+"""Every place autotp reads Hugging Face transformers beyond its documented model API, in one module.
+
+Checked against transformers 5.0 to 5.23 (CI runs the parity suite on the newest and on the minimum
+that pyproject.toml names). A transformers upgrade that moves one of these breaks here, with a
+message that names the missing piece, rather than somewhere inside a training step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+def _internal(module: str, name: str) -> Callable[..., Any]:
+    """`module.name` from transformers, or an error saying which transformers internal autotp lost."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        import transformers
+
+        raise RuntimeError(
+            f"autotp needs {module}.{name}, which transformers {transformers.__version__} lacks ({err}); "
+            f"install a transformers version that autotp supports (see the README)"
+        ) from None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D: a linear whose weight is stored [in, out]."""
+    return isinstance(module, Conv1D)
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether transformers classifies the model's loss as causal-LM cross-entropy (`PreTrainedModel.loss_type`)."""
+    return getattr(model, "loss_type", None) == "ForCausalLM"
+
+
+def keys_to_ignore_on_save(model: nn.Module) -> set[str]:
+    """State-dict keys transformers leaves out of a saved checkpoint."""
+    return set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+
+
+def remove_tied_weights(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict without the tied aliases transformers leaves out of a checkpoint."""
+    return _internal("transformers.modeling_utils", "remove_tied_weights_from_state_dict")(state_dict, model)
+
+
+def checkpoint_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict under the key names transformers writes to disk (it may rename on save)."""
+    return _internal("transformers.core_model_loading", "revert_weight_conversion")(model, state_dict)

@@ -1,0 +1,29 @@
+"""What autotp needs to know about a linear layer: its features and which weight dim a split cuts.
+
+HF models hold `nn.Linear` and GPT-2's `Conv1D`, whose weight is stored transposed ([in, out]).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .hf_compat import is_conv1d
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of an nn.Linear or a GPT-2 Conv1D (whose weight is stored [in, out])."""
+    if is_conv1d(module):
+        return module.weight.shape[1], module.weight.shape[0]
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    raise TypeError(f"expected an nn.Linear or Conv1D, found {type(module).__name__}")
+
+
+def weight_dim(module: nn.Module, style: str) -> int:
+    """The dim of the stored weight that a column (output) or row (input) split cuts."""
+    transposed = is_conv1d(module)
+    return (1 if transposed else 0) if style == "column" else (0 if transposed else 1)

@@ -1,0 +1,69 @@
+"""A wrapped model's tensor-parallel state, and the one way to reach it.
+
+`wrap` attaches a `TPState` to the model. Helpers such as `autotp.tp_group(model)` take the model;
+without one they use the only wrapped model alive in the process, and refuse when there are
+several (a policy model and a reference model in one RL script), rather than guess.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .groups import Group
+from .plan import Plan
+
+_ATTR = "autotp_state"
+_live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapped model -> the pid that wrapped it
+
+
+@dataclass
+class TPState:
+    """What `wrap` attached to a model (as `model.autotp_state`): plan, groups, rank, gathered or not."""
+
+    plan: Plan
+    tp_group: Group
+    dp_group: Group
+    tp_rank: int
+    gathered: bool = False
+    regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
+
+
+def attach(model: nn.Module, state: TPState) -> None:
+    """Record `state` on `model` and count the model among the live wrapped ones."""
+    setattr(model, _ATTR, state)
+    _live[model] = os.getpid()
+
+
+def find_state(model: nn.Module) -> TPState | None:
+    """The model's state, or None for a model autotp has not wrapped."""
+    return getattr(model, _ATTR, None)
+
+
+def state_of(model: nn.Module | None = None) -> TPState:
+    """The state of `model`, or of the one wrapped model alive in this process when `model` is None."""
+    if model is None:
+        live = _wrapped_here()
+        if len(live) > 1:
+            gc.collect()  # wrapped models hold reference cycles; count only the reachable ones
+            live = _wrapped_here()
+        if len(live) != 1:
+            raise RuntimeError(
+                f"{len(live)} models wrapped by autotp are alive in this process; pass the model "
+                f"(for example autotp.tp_group(model))" if live else
+                "no model wrapped by autotp: call autotp.wrap first, or pass the wrapped model")
+        model = live[0]
+    state = find_state(model)
+    if state is None:
+        raise RuntimeError(f"{type(model).__name__} is not wrapped by autotp: call autotp.wrap(model, tp_size) first")
+    return state
+
+
+def _wrapped_here() -> list[nn.Module]:
+    """Wrapped models alive in this process, not counting those a forked parent wrapped."""
+    pid = os.getpid()
+    return [model for model, owner in list(_live.items()) if owner == pid]

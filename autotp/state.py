@@ -47,20 +47,24 @@ def find_state(model: nn.Module) -> TPState | None:
 def state_of(model: nn.Module | None = None) -> TPState:
     """The state of `model`, or of the one wrapped model alive in this process when `model` is None."""
     if model is None:
-        live = _wrapped_here()
-        if len(live) > 1:
-            gc.collect()  # wrapped models hold reference cycles; count only the reachable ones
-            live = _wrapped_here()
-        if len(live) != 1:
-            raise RuntimeError(
-                f"{len(live)} models wrapped by autotp are alive in this process; pass the model "
-                f"(for example autotp.tp_group(model))" if live else
-                "no model wrapped by autotp: call autotp.wrap first, or pass the wrapped model")
-        model = live[0]
+        model = _only_wrapped_model()
     state = find_state(model)
     if state is None:
         raise RuntimeError(f"{type(model).__name__} is not wrapped by autotp: call autotp.wrap(model, tp_size) first")
     return state
+
+
+def _only_wrapped_model() -> nn.Module:
+    count = len(_wrapped_here())
+    if count > 1:
+        gc.collect()  # wrapped models hold reference cycles; count only the reachable ones
+        count = len(_wrapped_here())
+    if count == 1:
+        return _wrapped_here()[0]
+    # no model in this frame: a caught error's traceback must not keep any of them alive
+    raise RuntimeError(f"{count} models wrapped by autotp are alive in this process; pass the model "
+                       f"(for example autotp.tp_group(model))" if count else
+                       "no model wrapped by autotp: call autotp.wrap first, or pass the wrapped model")
 
 
 def _wrapped_here() -> list[nn.Module]:

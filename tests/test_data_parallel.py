@@ -150,3 +150,39 @@ def test_user_supplied_tp_group_gets_matching_dp_groups() -> None:
     for rank, groups in enumerate(run_ranks(user_tp_group, 4)):
         assert groups["tp"] == ([0, 1] if rank < 2 else [2, 3])
         assert groups["dp"] == [rank % 2, rank % 2 + 2]
+
+
+def two_wrapped_models(rank: int, world: int) -> dict:
+    policy = autotp.wrap(tiny_model("llama"), 2)
+    reference = autotp.wrap(tiny_model("llama", seed=3), 2)  # an RL script's reference model
+    out = {"mine": dist.get_process_group_ranks(autotp.tp_group(reference))}
+    with pytest.raises(RuntimeError) as err:
+        autotp.tp_group()  # which one? refused rather than guessed
+    out["error"] = str(err.value)
+    del reference
+    out["after_del"] = autotp.tp_size() == 2 and autotp.tp_group() is autotp.tp_group(policy)
+    return out
+
+
+def test_helpers_without_a_model_refuse_when_two_wrapped_models_are_alive() -> None:
+    for report in run_ranks(two_wrapped_models, 2):
+        assert report["mine"] == [0, 1]
+        assert "2 models wrapped by autotp are alive" in report["error"] and "pass the model" in report["error"]
+        assert report["after_del"]
+
+
+def ddp_over_world_found_at_forward(rank: int, world: int) -> str:
+    """If a future torch hides DDP's group from the constructor, the guard still stops the first forward."""
+    import autotp.guards
+
+    model = autotp.wrap(tiny_model("llama"), 2)
+    autotp.guards._ddp_under_construction = lambda: None
+    runner = DistributedDataParallel(model)
+    with pytest.raises(RuntimeError) as err:
+        runner(input_ids=batch(), labels=batch())
+    return str(err.value)
+
+
+def test_ddp_over_the_world_is_refused_at_first_forward_when_construction_cannot_tell() -> None:
+    for message in run_ranks(ddp_over_world_found_at_forward, 4):
+        assert "would average different tensor-parallel shards" in message

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoModelForCausalLM
 
 import autotp
@@ -121,3 +122,32 @@ def test_vocab_parallel_tied_checkpoint_loads_in_plain_transformers(tmp_path: Pa
         expected = plain(input_ids=batch(vocab=250)).logits
     for tp_logits in logits:
         assert (tp_logits - expected).abs().max().item() <= 1e-5  # fp32: reduction order only
+
+
+class OwnLossForCausalLM(transformers.LlamaForCausalLM):
+    """A causal LM that computes its cross-entropy itself instead of through self.loss_function."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if labels is not None:
+            logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
+            out.loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+        return out
+
+
+def own_loss(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = autotp.wrap(OwnLossForCausalLM(tiny_model("llama").config), world)
+    ids = batch(vocab=100)  # every target inside rank 0's shard: the wrong loss would compute without complaint
+    with pytest.raises(RuntimeError) as err:
+        model(ids, labels=ids)
+    torch.manual_seed(0)
+    report = parity.compare_training(OwnLossForCausalLM(tiny_model("llama").config), ids, world, vocab_parallel=False)
+    return {"error": str(err.value), "report": report}
+
+
+def test_a_model_computing_its_own_loss_is_stopped_before_training_on_sharded_logits() -> None:
+    for out in run_ranks(own_loss, 2):
+        assert "computed its loss without self.loss_function" in out["error"]
+        assert "vocab_parallel=False" in out["error"]
+        assert_parity(out["report"])

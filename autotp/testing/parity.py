@@ -42,7 +42,7 @@ def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def compare_training(
     reference: nn.Module, ids: torch.Tensor, tp_size: int, steps: int = 3,
     policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3, labels: torch.Tensor | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, vocab_parallel: bool = True,
 ) -> dict:
     """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
 
@@ -51,7 +51,8 @@ def compare_training(
     steps of random sign. With eps 1e-6 such noise moves a parameter by ~lr * 1e-3, while real
     gradients (1e-4 and up) are stepped exactly as with the default.
     """
-    model = wrap(copy.deepcopy(reference), tp_size, policy=policy, sequence_parallel=sequence_parallel)
+    model = wrap(copy.deepcopy(reference), tp_size, policy=policy, sequence_parallel=sequence_parallel,
+                 vocab_parallel=vocab_parallel)
     labels = ids if labels is None else labels
     group = model.autotp_state.tp_group
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6) for m in (reference, model)]

@@ -10,7 +10,8 @@ upward import or a cycle):
 1. data, no torch.distributed: `hf_compat` (every touch of transformers internals), `sharding`,
    `policy`, `linears`, `plan`
 2. building a plan: `derive`, `verify`, `planner`, `report`
-3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `apply`
+3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`, `apply`,
+   `rollback`
 4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`
 5. entry points: `guards`, `api`, `data_parallel`, `gather`
 6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`
@@ -29,6 +30,7 @@ from .io.resume import consolidate, load_checkpoint, save_checkpoint
 from .io.save import save_pretrained
 from .layers import LinearAllreduce, LinearLayer
 from .plan import Plan
+from .replicas import check_replicas
 from .planner import build_plan
 from .policy import Origin
 from .sharding import Partition, Shard
@@ -37,7 +39,7 @@ __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "data_parallel_sampler", "dp_group", "dp_rank",
     "dp_size", "tp_group", "tp_rank", "tp_size",
     "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
-    "Shard", "build_plan", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint",
+    "Shard", "build_plan", "check_replicas", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint",
     "save_pretrained", "wrap",
 ]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ between applying the plan and registering the gradient hooks.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,13 +19,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from .apply import apply_plan, parallel_layers, register_grad_hooks
 from .groups import build_groups, dp_group_for, group_size, init_from_env, is_global_rank0, launched_by_torchrun
-from .guards import DDPGuard, input_check_hook
+from .guards import DDPGuard, InputCheck
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .plan import Plan
 from .planner import PolicyArg, build_plan
 from .sequence import apply_sequence_parallel, sequence_layout
-from .state import TPState, find_state
+from .replicas import broadcast_replicated
+from .rollback import Snapshot
+from .state import TPState, detach, find_state
+
+log = logging.getLogger("autotp")
 
 
 def wrap(
@@ -109,21 +114,35 @@ def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_para
 def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, policy: PolicyArg,
            vocab_parallel: bool, sequence_parallel: bool, check_inputs: bool,
            materialize: Callable[[TPState], None] | None = None) -> TPState:
-    """The one sharding pipeline. `materialize` replaces meta parameters once the plan is applied."""
+    """The one sharding pipeline, all or nothing: a failure at any step puts the model back as it was.
+
+    `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
+    """
     plan = build_plan(model, tp_size, policy, vocab_parallel)
     if sequence_parallel:
         sequence_layout(model, plan)  # refuses before anything changes
     tp_group, dp_group = _groups(tp_size, tp_group)
-    state = apply_plan(model, plan, tp_group, dp_group)
-    if sequence_parallel:
-        apply_sequence_parallel(model, plan, tp_group, state)
-    if materialize is not None:
-        materialize(state)
-    register_grad_hooks(model, state)  # after the parameters are final
-    ignored = tuple(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
-    model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
-    if check_inputs:
-        model.register_forward_pre_hook(input_check_hook, with_kwargs=True)
+    snapshot = Snapshot(model)
+    try:
+        state = apply_plan(model, plan, tp_group, dp_group)
+        if sequence_parallel:
+            snapshot.track(apply_sequence_parallel(model, plan, tp_group, state))
+        if materialize is not None:
+            materialize(state)
+        snapshot.track(register_grad_hooks(model, state))  # after the parameters are final
+        ignored = tuple(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
+        model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
+        if check_inputs:
+            model.register_forward_pre_hook(InputCheck(), with_kwargs=True)
+        broadcast_replicated(model, tp_group)  # last: it writes all of its tensors only once all arrived
+    except BaseException:
+        snapshot.restore()
+        detach(model)
+        raise
+    if is_global_rank0():
+        log.info(plan.summary())
+        for warning in plan.warnings(vocab_requested=vocab_parallel):
+            log.warning(warning)
     return state
 
 
@@ -148,6 +167,8 @@ def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):
             )
         return None, None
     world = dist.get_world_size()
+    if tp_size == 1 and tp_group is None:  # no group and no collective, so a subset of the ranks may call it
+        return None, (dist.group.WORLD if world > 1 else None)
     if tp_group is not None:
         if group_size(tp_group) != tp_size:
             raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")

@@ -10,7 +10,7 @@ import copy
 import torch
 from torch import nn
 
-from .comm import grad_allreduce_hook, replica_grad_hook
+from .comm import GradHook, grad_allreduce_hook, replica_grad_hook
 from .groups import Group, build_subgroups, group_rank
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion, SharedInput
 from .plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
@@ -72,21 +72,25 @@ def _apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPS
     model.register_forward_hook(gate.after, with_kwargs=True)
 
 
-def register_grad_hooks(model: nn.Module, state: TPState) -> None:
+def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
     """Gradient sums for replicated KV rows (over the ranks sharing them) and per-head norms (over TP).
 
     Collective (it creates the replica process groups): every rank calls it once, after the
-    parameters are final.
+    parameters are final. Frozen parameters get their hook when they are unfrozen.
     """
     replicas = build_subgroups(state.plan.replica_groups(), state.tp_group)
     active = lambda: not state.gathered  # noqa: E731
-    for param in model.parameters():
-        shard = getattr(param, "autotp_shard", None)
-        if shard is not None and shard.partition.replicas(shard.rank) and param.requires_grad:
-            param.register_hook(replica_grad_hook(shard.partition, shard.rank, replicas, active))
+    hooks, seen = [], set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            shard = getattr(param, "autotp_shard", None)
+            if shard is not None and shard.partition.replicas(shard.rank) and id(param) not in seen:
+                seen.add(id(param))
+                hooks.append(GradHook(module, param, replica_grad_hook(shard.partition, shard.rank, replicas, active)))
     for path in state.plan.head_norms:
-        for param in model.get_submodule(path).parameters():
-            param.register_hook(grad_allreduce_hook(state.tp_group, active))
+        norm = model.get_submodule(path)
+        hooks += [GradHook(norm, param, grad_allreduce_hook(state.tp_group, active)) for param in norm.parameters()]
+    return hooks
 
 
 def _set_attrs(modules: dict[str, nn.Module], attrs: tuple[AttrPlan, ...], rank: int, gathered: bool) -> None:

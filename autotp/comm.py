@@ -8,10 +8,11 @@ so tp=1 runs the same code with no communication.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .groups import Group, group_rank, group_size
 from .sharding import Partition
@@ -249,6 +250,27 @@ def replica_grad_hook(
     return hook
 
 
+class GradHook:
+    """A gradient hook on `param`, registered now if it trains, else on the first forward of `owner` after
+    it is unfrozen: a frozen parameter takes no tensor hook, and must not lose its reduction later."""
+
+    def __init__(self, owner: nn.Module, param: nn.Parameter, hook: Callable[[torch.Tensor], torch.Tensor]):
+        self.param, self.hook = param, hook
+        self._handle = param.register_hook(hook) if param.requires_grad else None
+        self._waiting = None if self._handle else owner.register_forward_pre_hook(self._when_trainable)
+
+    def _when_trainable(self, module: nn.Module, args) -> None:
+        if self.param.requires_grad:
+            self._handle = self.param.register_hook(self.hook)
+            self._waiting.remove()
+            self._waiting = None
+
+    def remove(self) -> None:
+        for handle in (self._handle, self._waiting):
+            if handle is not None:
+                handle.remove()
+
+
 def all_gather_full(shard: torch.Tensor, partition: Partition, group: Group) -> torch.Tensor:
     """Every rank's shard of one tensor, reassembled into the full tensor on every rank."""
     if group_size(group) == 1:
@@ -289,3 +311,15 @@ def _gather_padded(shard: torch.Tensor, partition: Partition, group: dist.Proces
     return [b.narrow(dim, 0, partition.local_size(r)) for r, b in enumerate(buffers)]
 
 
+def buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of tensors of one dtype and device, each up to `max_bytes`, to flatten into one collective."""
+    bucket, used = [], 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if bucket and (used + size > max_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(t)
+        used += size
+    if bucket:
+        yield bucket

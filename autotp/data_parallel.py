@@ -7,14 +7,13 @@ averaged over the DP group only; TP ranks of one replica must read the same batc
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
+from .comm import buckets
 from .groups import Group, group_rank, group_size
 from .state import state_of
 
@@ -58,26 +57,13 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     if size == 1:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    for bucket in _buckets(grads):
+    for bucket in buckets(grads, _BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
         if average:
             flat /= size
         for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(synced)
-
-
-def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    bucket, used = [], 0
-    for t in tensors:
-        if bucket and (used + t.numel() * t.element_size() > _BUCKET_BYTES or t.dtype != bucket[0].dtype
-                       or t.device != bucket[0].device):
-            yield bucket
-            bucket, used = [], 0
-        bucket.append(t)
-        used += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

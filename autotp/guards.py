@@ -18,7 +18,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .groups import group_size
+from .replicas import check_replicas
 from .state import state_of
+
+REPLICA_CHECK_EVERY = 100
 
 
 def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -46,9 +49,19 @@ def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
                 )
 
 
-def input_check_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook form of `check_same_inputs`, installed by `wrap(..., check_inputs=True)`."""
-    check_same_inputs(module, *args, **kwargs)
+class InputCheck:
+    """Forward pre-hook of `wrap(..., check_inputs=True)`: `check_same_inputs` on every forward, and
+    `check_replicas` every `REPLICA_CHECK_EVERY` training forwards (replicas drift slowly, and it costs a checksum)."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        check_same_inputs(module, *args, **kwargs)
+        if module.training:
+            if self.forwards % REPLICA_CHECK_EVERY == 0:
+                check_replicas(module)
+            self.forwards += 1
 
 
 class DDPGuard:

@@ -121,6 +121,31 @@ class Plan:
                 totals[rank] += numel * p.element_size()
         return totals
 
+    def summary(self) -> str:
+        """One line for a log: what was sharded and from where."""
+        blocks = len({layer.block for layer in self.layers if self.vocab is None or layer.path != self.vocab.head})
+        vocab = "vocab-parallel" if self.vocab is not None else "vocab replicated"
+        return (f"autotp: tp_size={self.tp_size}, {self.origin.value} {self.source}: {len(self.layers)} linears in "
+                f"{blocks} blocks sharded, {len(self.regions)} expert regions, {len(self.replicated)} linears "
+                f"replicated, {vocab}")
+
+    def warnings(self, vocab_requested: bool = True) -> list[str]:
+        """What a user should hear about: nothing sharded, blocks left replicated, vocab parallelism off."""
+        out = []
+        if self.tp_size > 1 and not self.layers and not self.regions:
+            out.append(f"autotp: nothing is sharded at tp_size={self.tp_size}; every rank holds the whole model")
+        rejected: dict[str, str] = {}
+        for path, why in self.replicated:
+            if why.startswith("not verified"):
+                rejected.setdefault(path.rpartition(".")[0], why)
+        if rejected:
+            shown = "; ".join(f"{block} ({why})" for block, why in list(rejected.items())[:3])
+            out.append(f"autotp: {len(rejected)} attention/MLP blocks stay replicated: {shown}"
+                       + (" ..." if len(rejected) > 3 else ""))
+        if vocab_requested and self.tp_size > 1 and self.vocab is None:
+            out.append(f"autotp: vocab parallelism is off: {self.vocab_reason}")
+        return out
+
     def describe(self, model: nn.Module | None = None) -> str:
         """A table of every decision, for people; with the model, also each rank's parameter bytes."""
         lines = [f"autotp plan: tp_size={self.tp_size}, from {self.origin.value} {self.source}"]

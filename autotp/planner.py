@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from torch import nn
+from transformers import PretrainedConfig
 
 from .derive import derive_policy
 from .hf_compat import is_causal_lm
@@ -39,6 +40,9 @@ def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_p
     `vocab_parallel` shards the embedding and LM head by vocabulary where the model allows it
     (policy-covered causal LMs whose loss goes through `self.loss_function`).
     """
+    if not isinstance(getattr(model, "config", None), PretrainedConfig):
+        raise TypeError(f"autotp shards Hugging Face models (a transformers PreTrainedModel with a .config); got "
+                        f"{type(model).__name__}. Wrap the PreTrainedModel itself, not a module around it")
     plan = _build_plan(model, tp_size, policy)
     if not vocab_parallel:
         return replace(plan, vocab_reason="vocab_parallel=False")
@@ -188,6 +192,7 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
     width = next(iter(widths.values()))
     if width is None or any(w != width for w in widths.values()):
         raise ValueError(f"{path}: the MLP projections disagree on the width: {widths}")
+    _check_width(path, "MLP width", width, tp)
     owned = {"w": split_ranges(width, tp)}
     for style, mapping in (("column", rule.column), ("row", rule.row)):
         for name, spec in mapping.items():
@@ -199,6 +204,12 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
     return True
 
 
+def _check_width(path: str, what: str, width: int, tp: int) -> None:
+    if width < tp:
+        raise ValueError(f"{path}: {what} {width} is smaller than tp_size={tp}, so some rank would hold no column; "
+                         f"use a tp_size of at most {width}")
+
+
 def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
     params = {name: getattr(block, name, None) for name in rule.params}
     if any(not isinstance(p, nn.Parameter) for p in params.values()):
@@ -207,6 +218,7 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
     width = next(iter(widths.values()))
     if any(w != width for w in widths.values()):
         raise ValueError(f"{path}: the expert tensors disagree on the expert width: {widths}")
+    _check_width(path, "expert width", width, tp)
     owned = {"w": split_ranges(width, tp)}
     partitions = tuple((name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
                        for name, (dim, spec) in rule.params.items())
@@ -245,6 +257,8 @@ def _vocab_refusal(model: nn.Module, plan: Plan) -> str:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or any(layer.path.endswith(".lm_head") for layer in plan.layers):
         return "no plain nn.Linear LM head"
+    if head.out_features < plan.tp_size:
+        return f"the LM head's vocabulary ({head.out_features}) is smaller than tp_size={plan.tp_size}"
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     allowed = {id(embedding.weight)} if embedding is not None and embedding.weight is head.weight else set()
     names: dict[int, int] = {}

@@ -21,12 +21,12 @@ from .layers import LinearAllreduce, LinearLayer
 _OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
 
 
-def _capture() -> list[torch.Tensor]:
+def capture() -> list[torch.Tensor]:
     """The CPU generator's state, and the current CUDA device's when there is one."""
     return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])
 
 
-def _restore(states: list[torch.Tensor]) -> None:
+def restore(states: list[torch.Tensor]) -> None:
     torch.set_rng_state(states[0])
     if len(states) > 1:
         torch.cuda.set_rng_state(states[1])
@@ -36,9 +36,9 @@ def sync_replicated_stream(group: Group) -> None:
     """Give every rank of the TP group rank 0's CPU (and current CUDA) generator state."""
     if group_size(group) == 1:
         return
-    box = [[s.tolist() for s in _capture()]]
+    box = [[s.tolist() for s in capture()]]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    _restore([torch.tensor(s, dtype=torch.uint8) for s in box[0]])
+    restore([torch.tensor(s, dtype=torch.uint8) for s in box[0]])
 
 
 class ShardedStream:
@@ -57,12 +57,12 @@ class ShardedStream:
         if self._saved is not None or not module.training or self.state.gathered:
             return
         seed = int(torch.randint(0, 2**62, (1,)).item())  # the same draw on every TP rank
-        self._saved = _capture()
+        self._saved = capture()
         torch.manual_seed(seed + _OFFSET * (self.rank + 1))
 
     def leave(self, module: nn.Module, args, output):
         if self._saved is not None:
-            _restore(self._saved)
+            restore(self._saved)
             self._saved = None
         return output
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .comm import all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, scatter_to_seq
+from .comm import GradHook, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, scatter_to_seq
 from .groups import Group
 from .layers import LinearAllreduce, LinearLayer
 from .plan import Plan
@@ -37,7 +37,8 @@ def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[
     return list_path, blocks, norms
 
 
-def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -> None:
+def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -> list[GradHook]:
+    """Install the sequence split; returns the gradient hooks it put on the layers' own norms."""
     list_path, blocks, norms = sequence_layout(model, plan)
     layers = model.get_submodule(list_path)
     layers[0].register_forward_pre_hook(_on_hidden(lambda x: scatter_to_seq(x, group), state), with_kwargs=True)
@@ -51,8 +52,8 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
             if isinstance(module, LinearLayer):
                 module._shared_input.sequence_parallel = True
     active = lambda: not state.gathered  # noqa: E731
-    for name in norms:
-        model.get_parameter(name).register_hook(grad_allreduce_hook(group, active))
+    return [GradHook(model.get_submodule(name.rpartition(".")[0]), model.get_parameter(name),
+                     grad_allreduce_hook(group, active)) for name in norms]
 
 
 def _on_hidden(fn, state):

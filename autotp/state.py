@@ -39,6 +39,12 @@ def attach(model: nn.Module, state: TPState) -> None:
     _live[model] = os.getpid()
 
 
+def detach(model: nn.Module) -> None:
+    """Forget `model` (its wrap was rolled back)."""
+    _live.pop(model, None)
+    vars(model).pop(_ATTR, None)
+
+
 def find_state(model: nn.Module) -> TPState | None:
     """The model's state, or None for a model autotp has not wrapped."""
     return getattr(model, _ATTR, None)

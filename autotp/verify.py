@@ -34,8 +34,14 @@ def verify_by_emulation(model: nn.Module, plan: Plan, only_custom: bool = False)
     first_of: dict[tuple, str] = {}
     for block in blocks:
         first_of.setdefault(group_of[block], block)
-    records, problem = _record(model, set(first_of.values()), plan)
-    verdicts = {key: problem or _check_block(modules[b], b, plan, records.get(b)) for key, b in first_of.items()}
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # dropout would make the replays differ from the recording
+    try:
+        records, problem = _record(model, set(first_of.values()), plan)
+        verdicts = {key: problem or _check_block(modules[b], b, plan, records.get(b)) for key, b in first_of.items()}
+    finally:
+        for module, training in modes.items():
+            module.training = training
     rejected = {b for b in blocks if verdicts[group_of[b]]}
     if not rejected:
         return plan

@@ -8,6 +8,7 @@ between applying the plan and registering the gradient hooks.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,7 +19,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from .apply import apply_plan, parallel_layers, register_grad_hooks
-from .groups import build_groups, dp_group_for, group_size, init_from_env, is_global_rank0, launched_by_torchrun
+from .groups import (
+    DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
+    launched_by_torchrun, world_timeout,
+)
 from .guards import DDPGuard, InputCheck
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
@@ -41,6 +45,7 @@ def wrap(
     vocab_parallel: bool = True,
     sequence_parallel: bool = False,
     check_inputs: bool = False,
+    timeout: timedelta | float | None = None,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
@@ -50,12 +55,15 @@ def wrap(
     touched, so a refused call leaves it unchanged. `vocab_parallel` splits the embedding and LM head
     by vocabulary where the model allows (the plan says). `sequence_parallel=True` also splits the
     residual stream between blocks along the sequence. `check_inputs=True` verifies on every
-    forward that all TP ranks of a replica got the same tensors.
+    forward that all TP ranks of a replica got the same tensors, and every 100 training forwards
+    that the replicated parameters are still equal on every TP rank (`autotp.check_replicas`).
+    `timeout` (a timedelta or seconds) bounds how long autotp's collectives wait for a failed or hung
+    peer; by default the one given to `init_process_group`, else 5 minutes.
     """
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
-    state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs)
+    state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout)
     if state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl" and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return model
@@ -71,6 +79,7 @@ def from_pretrained(
     policy: PolicyArg = None,
     vocab_parallel: bool = True,
     sequence_parallel: bool = False,
+    timeout: timedelta | float | None = None,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel causal LM read straight into shards; equal to `wrap(from_pretrained(path))`.
@@ -99,7 +108,7 @@ def from_pretrained(
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
         model.to(target)  # buffers built at init
 
-    _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, False, materialize=load)
+    _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, materialize=load)
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -112,7 +121,7 @@ def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_para
 
 
 def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, policy: PolicyArg,
-           vocab_parallel: bool, sequence_parallel: bool, check_inputs: bool,
+           vocab_parallel: bool, sequence_parallel: bool, check_inputs: bool, timeout: timedelta | float | None,
            materialize: Callable[[TPState], None] | None = None) -> TPState:
     """The one sharding pipeline, all or nothing: a failure at any step puts the model back as it was.
 
@@ -121,10 +130,11 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
     plan = build_plan(model, tp_size, policy, vocab_parallel)
     if sequence_parallel:
         sequence_layout(model, plan)  # refuses before anything changes
-    tp_group, dp_group = _groups(tp_size, tp_group)
+    timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+    tp_group, dp_group, timeout = _groups(tp_size, tp_group, timeout)
     snapshot = Snapshot(model)
     try:
-        state = apply_plan(model, plan, tp_group, dp_group)
+        state = apply_plan(model, plan, tp_group, dp_group, timeout)
         if sequence_parallel:
             snapshot.track(apply_sequence_parallel(model, plan, tp_group, state))
         if materialize is not None:
@@ -153,10 +163,11 @@ def _validate_tp_size(tp_size: int) -> None:
         raise ValueError(f"tp_size must be at least 1, got {tp_size}")
 
 
-def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):
-    """This rank's (TP, DP) groups, initialising torch.distributed from launcher variables if needed."""
+def _groups(tp_size: int, tp_group: dist.ProcessGroup | None,
+            timeout: timedelta | None) -> tuple[Group, Group, timedelta]:
+    """This rank's (TP, DP) groups and their timeout, initialising torch.distributed from launcher variables if needed."""
     if not dist.is_initialized() and (tp_size > 1 or tp_group is not None) and launched_by_torchrun():
-        init_from_env()
+        init_from_env(timeout or DEFAULT_TIMEOUT)
     if not dist.is_initialized():
         if tp_size > 1 or tp_group is not None:
             raise RuntimeError(
@@ -165,16 +176,17 @@ def _groups(tp_size: int, tp_group: dist.ProcessGroup | None):
                 f"`torchrun --nproc-per-node {tp_size} your_script.py` or `accelerate launch`, "
                 f"or call torch.distributed.init_process_group first."
             )
-        return None, None
+        return None, None, timeout or DEFAULT_TIMEOUT
+    timeout = timeout or world_timeout()
     world = dist.get_world_size()
     if tp_size == 1 and tp_group is None:  # no group and no collective, so a subset of the ranks may call it
-        return None, (dist.group.WORLD if world > 1 else None)
+        return None, (dist.group.WORLD if world > 1 else None), timeout
     if tp_group is not None:
         if group_size(tp_group) != tp_size:
             raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
-        return tp_group, dp_group_for(tp_group)
+        return tp_group, dp_group_for(tp_group, timeout), timeout
     if world % tp_size:
         raise ValueError(
             f"tp_size={tp_size} must divide the world size {world} (world = data parallel x tensor parallel)"
         )
-    return build_groups(tp_size)
+    return (*build_groups(tp_size, timeout), timeout)

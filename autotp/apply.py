@@ -6,6 +6,7 @@ The plan has already checked everything, so this step cannot fail halfway on bad
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -19,14 +20,14 @@ from .state import TPState, attach
 from .vocab import LogitsGate, VocabParallelEmbedding, VocabParallelLoss
 
 
-def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group) -> TPState:
+def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, timeout: timedelta) -> TPState:
     """Rewrite `model` in place to follow `plan` on this rank (on the meta device too).
 
     The gradient hooks come later (`register_grad_hooks`), once loading has replaced any meta
     parameters: a hook belongs to one Parameter object.
     """
     rank = group_rank(tp_group)
-    state = TPState(plan, tp_group, dp_group, rank)
+    state = TPState(plan, tp_group, dp_group, rank, timeout)
     modules = dict(model.named_modules())
     shared: dict[str, SharedInput] = {}
     for layer in plan.layers:
@@ -78,7 +79,7 @@ def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
     Collective (it creates the replica process groups): every rank calls it once, after the
     parameters are final. Frozen parameters get their hook when they are unfrozen.
     """
-    replicas = build_subgroups(state.plan.replica_groups(), state.tp_group)
+    replicas = build_subgroups(state.plan.replica_groups(), state.tp_group, state.timeout)
     active = lambda: not state.gathered  # noqa: E731
     hooks, seen = [], set()
     for module in model.modules():

@@ -14,8 +14,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .groups import Group, group_rank, group_size
+from .groups import Group, group_rank, group_size, named_failure
 from .sharding import Partition
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+    """`dist.all_reduce` in place; a failed or timed-out peer is reported with the group's ranks."""
+    with named_failure(group, "all-reduce"):
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_gather(buffers: list[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """`dist.all_gather`; a failed or timed-out peer is reported with the group's ranks."""
+    with named_failure(group, "all-gather"):
+        dist.all_gather(buffers, tensor, group=group)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -30,7 +42,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         # Out of place: autograd may hand the same gradient buffer to other branches.
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
+        all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -40,7 +52,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         y = y.contiguous()
-        dist.all_reduce(y, group=group)
+        all_reduce(y, group)
         ctx.mark_dirty(y)
         return y
 
@@ -85,7 +97,7 @@ def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Ten
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    all_gather(parts, x.contiguous(), group)
     return torch.cat(parts, dim=dim)
 
 
@@ -97,7 +109,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     """
     _seq_chunks(x, group, dim)  # refuse a length that does not divide before communicating
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=group)
+    all_reduce(x, group)
     return _own_chunk(x, group, dim).contiguous()
 
 
@@ -221,7 +233,7 @@ def grad_allreduce_hook(group: Group, enabled: Callable[[], bool]) -> Callable[[
         if group_size(group) == 1 or not enabled():
             return grad
         grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=group)
+        all_reduce(grad, group)
         return grad
 
     return hook
@@ -243,7 +255,7 @@ def replica_grad_hook(
         for offset, length, holders in spans:
             piece = grad.narrow(partition.dim, offset, length)
             summed = piece.contiguous()
-            dist.all_reduce(summed, group=groups[holders])
+            all_reduce(summed, groups[holders])
             piece.copy_(summed)
         return grad
 
@@ -301,7 +313,7 @@ def _gather_padded(shard: torch.Tensor, partition: Partition, group: dist.Proces
     shard = shard.contiguous()
     if dst is None:
         buffers = [torch.empty_like(shard) for _ in range(world)]
-        dist.all_gather(buffers, shard, group=group)
+        all_gather(buffers, shard, group)
     else:
         mine = group_rank(group) == dst
         buffers = [torch.empty_like(shard) for _ in range(world)] if mine else None

@@ -7,12 +7,18 @@ called by every rank, in the same order. A group of `None` means no tensor paral
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
+
+# How long a collective may wait for a peer before failing, when neither the user's
+# init_process_group nor wrap(..., timeout=) says otherwise (torch's own default is 30 minutes).
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def group_size(group: Group) -> int:
@@ -35,7 +41,36 @@ def is_global_rank0() -> bool:
     return global_rank() == 0
 
 
-def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group) -> dict[tuple[int, ...], Group]:
+def world_timeout() -> timedelta:
+    """The timeout the default process group was created with, or `DEFAULT_TIMEOUT` if it cannot be read.
+
+    torch offers no public getter: this reads the backend's options (checked on torch 2.13).
+    """
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        timeout = dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return DEFAULT_TIMEOUT
+    return timeout if isinstance(timeout, timedelta) else DEFAULT_TIMEOUT
+
+
+def _new_group(ranks: list[int], timeout: timedelta, what: str) -> dist.ProcessGroup:
+    return dist.new_group(ranks, timeout=timeout, group_desc=f"autotp {what} {ranks}")
+
+
+@contextmanager
+def named_failure(group: dist.ProcessGroup, what: str) -> Iterator[None]:
+    """Re-raise a failed or timed-out collective with the group's ranks in the message."""
+    try:
+        yield
+    except RuntimeError as err:
+        raise RuntimeError(f"autotp: {what} over ranks {dist.get_process_group_ranks(group)} failed ({err}); a rank "
+                           f"of that group failed, hung or never called it. Every rank must run the same "
+                           f"training step.") from err
+
+
+def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group,
+                    timeout: timedelta = DEFAULT_TIMEOUT) -> dict[tuple[int, ...], Group]:
     """Process groups for sets of TP-group ranks (replica holders), in this rank's TP group.
 
     `new_group` is collective over the world, so every rank creates every TP group's subgroups,
@@ -48,7 +83,7 @@ def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group) -> di
     out = {}
     for subset in rank_sets:
         for tp_ranks in tp_groups:
-            group = dist.new_group([tp_ranks[i] for i in subset])
+            group = _new_group([tp_ranks[i] for i in subset], timeout, "replica group")
             if tp_ranks == mine:
                 out[subset] = group
     return out
@@ -59,16 +94,16 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def init_from_env() -> None:
+def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Initialise torch.distributed from launcher variables: NCCL on GPUs (device from LOCAL_RANK), else gloo."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", timeout=timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
 
 
-def build_groups(tp_size: int) -> tuple[Group, Group]:
+def build_groups(tp_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Group, Group]:
     """TP groups of consecutive ranks and DP groups strided across them; returns this rank's pair.
 
     Every rank must call this, in the same order, because `new_group` is collective.
@@ -78,12 +113,12 @@ def build_groups(tp_size: int) -> tuple[Group, Group]:
     tp_group = dp_group = None
     for start in range(0, world, tp_size):
         ranks = list(range(start, start + tp_size))
-        group = dist.new_group(ranks) if tp_size > 1 else None
+        group = _new_group(ranks, timeout, "TP group") if tp_size > 1 else None
         if rank in ranks:
             tp_group = group
     for offset in range(tp_size):
         ranks = list(range(offset, world, tp_size))
-        group = dist.new_group(ranks) if dp_size > 1 else None
+        group = _new_group(ranks, timeout, "DP group") if dp_size > 1 else None
         if rank in ranks:
             dp_group = group
     return tp_group, dp_group
@@ -97,7 +132,7 @@ def _all_tp_groups(tp_group: dist.ProcessGroup) -> tuple[tuple[int, ...], list[t
     return mine, sorted(set(everyone))
 
 
-def dp_group_for(tp_group: dist.ProcessGroup) -> Group:
+def dp_group_for(tp_group: dist.ProcessGroup, timeout: timedelta = DEFAULT_TIMEOUT) -> Group:
     """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group."""
     mine, tp_groups = _all_tp_groups(tp_group)
     if len(tp_groups) == 1:
@@ -105,7 +140,7 @@ def dp_group_for(tp_group: dist.ProcessGroup) -> Group:
     position = mine.index(dist.get_rank())
     out = None
     for index in range(len(mine)):
-        group = dist.new_group([g[index] for g in tp_groups])
+        group = _new_group([g[index] for g in tp_groups], timeout, "DP group")
         if index == position:
             out = group
     return out

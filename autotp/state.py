@@ -11,6 +11,7 @@ import gc
 import os
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from torch import nn
 
@@ -29,6 +30,7 @@ class TPState:
     tp_group: Group
     dp_group: Group
     tp_rank: int
+    timeout: timedelta  # what every group autotp creates for this model waits for a peer
     gathered: bool = False
     regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
 

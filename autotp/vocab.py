@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import gather_from_tp, reduce_from_tp
+from .comm import all_reduce, gather_from_tp, reduce_from_tp
 from .groups import Group, group_rank, group_size
 from .layers import gather_parameter_, partition_parameter_, shard_parameter
 from .sharding import Partition
@@ -79,7 +79,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.float()
         top = logits.max(dim=-1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(top, group, dist.ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
         exp = shifted.exp()
         local = target - start
@@ -87,7 +87,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         mine = valid & (local >= 0) & (local < logits.shape[-1])
         picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
         sums = torch.stack([exp.sum(-1), picked, shifted.sum(-1)])
-        dist.all_reduce(sums, group=group)
+        all_reduce(sums, group)
         log_total = sums[0].log()
         loss = log_total - sums[1]
         if smoothing:

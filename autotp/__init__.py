@@ -13,7 +13,7 @@ upward import or a cycle):
 3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`, `apply`,
    `rollback`
 4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`
-5. entry points: `guards`, `api`, `data_parallel`, `gather`
+5. entry points: `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
 6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`
 7. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
 """

@@ -24,6 +24,7 @@ from .groups import (
     launched_by_torchrun, world_timeout,
 )
 from .guards import DDPGuard, InputCheck
+from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .plan import Plan
@@ -140,6 +141,8 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
         if materialize is not None:
             materialize(state)
         snapshot.track(register_grad_hooks(model, state))  # after the parameters are final
+        model.save_pretrained = SavePretrained(model, state)
+        model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
         ignored = tuple(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
         model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
         if check_inputs:

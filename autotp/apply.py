@@ -31,6 +31,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, t
     modules = dict(model.named_modules())
     shared: dict[str, SharedInput] = {}
     for layer in plan.layers:
+        if plan.vocab is not None and layer.path == plan.vocab.head:
+            continue  # apply_vocab
         parent_path, _, name = layer.path.rpartition(".")
         parent = modules[parent_path]
         old = getattr(parent, name)
@@ -46,7 +48,8 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, t
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group))
     if plan.vocab is not None:
-        _apply_vocab(model, plan.vocab, tp_group, state)
+        state.full_loss = model.loss_function
+        apply_vocab(model, plan.vocab, tp_group, state)
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
@@ -59,18 +62,28 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, t
     return state
 
 
-def _apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPState) -> None:
-    """Split the embedding like the (already column-parallel) LM head; shard the loss; gather logits on demand."""
+def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPState) -> None:
+    """Split the LM head and the embedding by vocabulary; shard the loss; gather logits on demand.
+
+    The hooks it adds to the model are kept in `state.vocab_hooks`, so a vocabulary resize can undo
+    them and apply the new vocabulary's split.
+    """
+    head_parent, _, head_name = vocab.head.rpartition(".")
+    parent = model.get_submodule(head_parent)
+    shared = SharedInput(tp_group)  # the head is the only column layer reading its input
+    head = LinearLayer(getattr(parent, head_name), vocab.partition, tp_group, shared)
+    setattr(parent, head_name, head)
+    state.vocab_hooks.append(head.register_forward_hook(shared.clear))
     if vocab.embedding is not None:
         embedding = model.get_submodule(vocab.embedding)
         state.regions.append(VocabParallelEmbedding(embedding, vocab.partition, tp_group))
         if vocab.tied:  # one shard serves both, as one parameter served both
-            model.get_submodule(vocab.head).weight = embedding.weight
-    loss = VocabParallelLoss(vocab.partition, tp_group, model.loss_function)
+            head.weight = embedding.weight
+    loss = VocabParallelLoss(vocab.partition, tp_group, state.full_loss)
     model.loss_function = loss
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
-    model.register_forward_pre_hook(gate.before, with_kwargs=True)
-    model.register_forward_hook(gate.after, with_kwargs=True)
+    state.vocab_hooks += [model.register_forward_pre_hook(gate.before, with_kwargs=True),
+                          model.register_forward_hook(gate.after, with_kwargs=True)]
 
 
 def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:

@@ -46,7 +46,7 @@ def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_p
     plan = _build_plan(model, tp_size, policy)
     if not vocab_parallel:
         return replace(plan, vocab_reason="vocab_parallel=False")
-    return _with_vocab(model, plan)
+    return with_vocab(model, plan)
 
 
 def _build_plan(model: nn.Module, tp_size: int, policy) -> Plan:
@@ -226,7 +226,7 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
     return True
 
 
-def _with_vocab(model: nn.Module, plan: Plan) -> Plan:
+def with_vocab(model: nn.Module, plan: Plan) -> Plan:
     """Add vocab parallelism when it is known to be safe, else say why not."""
     why = _vocab_refusal(model, plan)
     if why:

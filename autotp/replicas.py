@@ -33,13 +33,17 @@ def replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def broadcast_replicated(model: nn.Module, group: Group) -> None:
-    """Copy TP rank 0's replicated parameters and buffers onto the other ranks of the group.
+    """Copy TP rank 0's replicated parameters and buffers onto the other ranks of the group."""
+    broadcast_tensors([t for _, t in replicated_tensors(model) if t.device.type != "meta"], group)
 
-    All buckets are received before any tensor is written, so a failed collective leaves the model as it was.
+
+def broadcast_tensors(tensors: list[torch.Tensor], group: Group) -> None:
+    """Copy TP rank 0's values of `tensors` onto the other ranks of the group, in place.
+
+    All buckets are received before any tensor is written, so a failed collective changes nothing.
     """
     if group_size(group) == 1:
         return
-    tensors = [t for _, t in replicated_tensors(model) if t.device.type != "meta"]
     received = []
     for bucket in buckets(tensors, _BUCKET_BYTES):
         flat = _flatten_dense_tensors([t.detach() for t in bucket])

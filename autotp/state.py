@@ -11,6 +11,7 @@ import gc
 import os
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 from datetime import timedelta
 
 from torch import nn
@@ -33,6 +34,8 @@ class TPState:
     timeout: timedelta  # what every group autotp creates for this model waits for a peer
     gathered: bool = False
     regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
+    vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
+    full_loss: Callable | None = None  # the model's own loss function, for full-width logits
 
 
 def attach(model: nn.Module, state: TPState) -> None:

@@ -32,9 +32,16 @@ class VocabParallelEmbedding:
         module.weight = shard_parameter(module.weight, partition, rank)
         self._set_rows()
         self._mask: torch.Tensor | None = None
-        module.register_forward_pre_hook(self._enter)
-        module.register_forward_hook(self._leave)
+        self._hooks = [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._leave)]
         module.autotp_region = self
+
+    def release(self) -> None:
+        """Leave the module a plain full embedding again (it must be gathered): before a vocabulary resize."""
+        if not self.gathered:
+            raise RuntimeError("gather the embedding before releasing it")
+        for hook in self._hooks:
+            hook.remove()
+        del self.module.autotp_region
 
     def _set_rows(self) -> None:
         if self.gathered:

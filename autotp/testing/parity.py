@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def compare_training(
     reference: nn.Module, ids: torch.Tensor, tp_size: int, steps: int = 3,
     policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3, labels: torch.Tensor | None = None,
-    sequence_parallel: bool = False, vocab_parallel: bool = True,
+    sequence_parallel: bool = False, vocab_parallel: bool = True, edit: Callable[[nn.Module], Any] | None = None,
 ) -> dict:
     """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
 
@@ -50,9 +50,17 @@ def compare_training(
     exact arithmetic (a key bias under softmax) would turn its 1e-9 rounding noise into full-size
     steps of random sign. With eps 1e-6 such noise moves a parameter by ~lr * 1e-3, while real
     gradients (1e-4 and up) are stepped exactly as with the default.
+
+    `edit`, if given, is applied to the reference and, after `wrap`, to the wrapped model, each time
+    from the same random state: what a user does to a loaded model (resize its vocabulary, unfreeze).
     """
     model = wrap(copy.deepcopy(reference), tp_size, policy=policy, sequence_parallel=sequence_parallel,
                  vocab_parallel=vocab_parallel)
+    if edit is not None:
+        rng = torch.get_rng_state()
+        edit(reference)
+        torch.set_rng_state(rng)
+        edit(model)
     labels = ids if labels is None else labels
     group = model.autotp_state.tp_group
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6) for m in (reference, model)]

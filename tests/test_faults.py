@@ -51,6 +51,23 @@ def test_resize_token_embeddings_without_vocab_parallelism() -> None:
         assert not report["vocab_parallel"]
 
 
+def resize_after_loading(rank: int, world: int, path: str) -> float:
+    model = autotp.from_pretrained(path, world)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    for m in (reference, model):
+        torch.manual_seed(7)  # the new rows are drawn at random: the same draw for both
+        m.resize_token_embeddings(262)
+    ids = torch.randint(0, 262, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return (model(ids).logits - reference(ids).logits).abs().max().item()
+
+
+def test_resize_token_embeddings_after_from_pretrained(tmp_path: Path) -> None:
+    tiny_model("gemma").save_pretrained(tmp_path)
+    for difference in run_ranks(resize_after_loading, 2, str(tmp_path)):
+        assert difference <= 1e-5  # fp32, only the order of sums differs
+
+
 # --- model.save_pretrained ------------------------------------------------------------------------------------
 
 def hf_save(rank: int, world: int, target: str) -> dict | None:

@@ -1,4 +1,8 @@
-"""Command line: `autotp plan`, `autotp verify`, `autotp consolidate` (also `python -m autotp ...`)."""
+"""Command line: `autotp plan`, `autotp verify`, `autotp consolidate` (also `python -m autotp ...`).
+
+Bad input (a file that is not a config, an unknown model type, a model that is not a causal LM, an
+incomplete checkpoint) is reported as one line, `autotp <command>: <message>`, with exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,25 +18,64 @@ from torch import nn
 from .io.errors import CheckpointError
 from .testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def load_config(spec: str):
+    from .policy import Policy
+
+# What bad input raises (JSONDecodeError, TOMLDecodeError and CheckpointError are ValueErrors, FileExistsError
+# an OSError); main reports these in one line. A rank's failure in verify arrives as an AssertionError and
+# keeps its traceback.
+INPUT_ERRORS = (ValueError, OSError)
+
+
+def load_config(spec: str) -> PretrainedConfig:
     """A config from a local HF directory, a config.json file, or a model type name (tiny defaults)."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     from .testing.tiny import tiny_config
 
     path = Path(spec)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: a directory without config.json")
         return AutoConfig.from_pretrained(path)
     if path.is_file():
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not a JSON config ({err})") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise ValueError(f"{path}: not a transformers config (no model_type key)")
+        if data["model_type"] not in CONFIG_MAPPING:
+            raise ValueError(f"{path}: unknown model_type {data['model_type']!r}")
         return AutoConfig.for_model(**data)
+    if spec not in CONFIG_MAPPING:
+        raise ValueError(f"{spec}: no such file or directory, and not a transformers model type")
     return tiny_config(spec)
 
 
-def build(config, device: str | None = None) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+def read_policy(path: str | None) -> Policy | None:
+    """The policy TOML file at `path` (None: autotp's own choice), with parse errors that name the file."""
+    import tomllib
 
+    from .policy import load_policy
+
+    if path is None:
+        return None
+    try:
+        return load_policy(path)
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML ({err})") from None
+
+
+def build(config: PretrainedConfig, device: str | None = None) -> nn.Module:
+    """The causal LM of `config`, random weights in fp32 (or on the meta device); refuses other model kinds."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"model type {config.model_type!r} is not a causal LM: transformers has no "
+                         f"AutoModelForCausalLM class for {type(config).__name__}")
     if device == "meta":
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
@@ -39,11 +83,12 @@ def build(config, device: str | None = None) -> nn.Module:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the plan (or its JSON summary) for `args.model` at `args.tp`."""
     from .api import explain
     from .report import summary
 
     model = build(load_config(args.model), "meta")
-    plan = explain(model, args.tp, policy=args.policy)
+    plan = explain(model, args.tp, policy=read_policy(args.policy))
     info = summary(model, plan, args.batch, args.seq)
     if args.json:
         print(json.dumps(info, indent=1))
@@ -77,10 +122,18 @@ def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | Non
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Train on `args.tp` CPU ranks and in one process; print the error table and exit 1 on a mismatch."""
+    from .api import explain
     from .testing.spawn import run_ranks
 
+    # Bad input fails here, in one line, rather than as a traceback from every rank.
+    explain(build(load_config(args.model), "meta"), args.tp, policy=read_policy(args.policy))
     torch.set_num_threads(1)  # the ranks are forked from this process
     report = run_ranks(_verify_rank, args.tp, args.model, args.steps, args.policy)[0]
+    if report["sharded"] == 0:
+        print(f"NOTHING SHARDED: every layer of {args.model} stays replicated at tp={args.tp}, so the comparison is "
+              f"trivially equal; wrap's log above says why (`autotp plan {args.model} --tp {args.tp}` shows the plan)")
+        return 1
     rows = [(err / GRAD_RTOL, "gradient", name, err) for name, err in report["grad"].items()]
     rows += [(err / PARAM_ATOL, f"param after {args.steps} steps", name, err) for name, err in report["param"].items()]
     rows.sort(reverse=True)
@@ -100,40 +153,64 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
+    """Write a full HF checkpoint from a per-rank training checkpoint."""
     from .io.resume import consolidate
 
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"{checkpoint}: no such directory")
+    if (checkpoint / "autotp_checkpoint.json").is_file() and not (checkpoint / "config.json").is_file():
+        raise CheckpointError(f"{checkpoint}: no config.json, so the model cannot be rebuilt")
     try:
-        consolidate(args.checkpoint, args.out, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    except (CheckpointError, FileExistsError) as err:
-        print(f"autotp consolidate: {err}", file=sys.stderr)
-        return 2
+        consolidate(checkpoint, args.out, max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    except KeyError as err:  # resume.py reads the metadata's keys unchecked
+        raise CheckpointError(f"{checkpoint / 'autotp_checkpoint.json'}: missing the key {err.args[0]!r}") from None
     print(f"wrote {args.out}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `autotp` argument parser with its three subcommands."""
     parser = argparse.ArgumentParser(prog="autotp", description="autotp tools")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do")
     plan = sub.add_parser("plan", help="print the plan wrap would apply (meta device, no process group)")
     plan.add_argument("model", help="local HF directory, config.json, or a model type name (tiny defaults)")
-    plan.add_argument("--tp", type=int, required=True)
-    plan.add_argument("--batch", type=int, default=4)
-    plan.add_argument("--seq", type=int, default=128)
+    plan.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
+    plan.add_argument("--batch", type=positive_int, default=4, help="batch size for the collective bytes")
+    plan.add_argument("--seq", type=positive_int, default=128, help="sequence length for the collective bytes")
     plan.add_argument("--policy", help="a policy TOML file")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--json", action="store_true", help="print a JSON summary instead of the text")
     plan.set_defaults(run=cmd_plan)
     verify = sub.add_parser("verify", help="train on N CPU ranks and on one process; compare everything")
     verify.add_argument("model", help="local HF directory (with or without weights), config.json, or a model type")
-    verify.add_argument("--tp", type=int, required=True)
-    verify.add_argument("--steps", type=int, default=3)
+    verify.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size (CPU ranks)")
+    verify.add_argument("--steps", type=positive_int, default=3, help="AdamW steps before comparing parameters")
     verify.add_argument("--policy", help="a policy TOML file")
-    verify.add_argument("--top", type=int, default=15, help="rows of the error table")
+    verify.add_argument("--top", type=positive_int, default=15, help="rows of the error table")
     verify.set_defaults(run=cmd_verify)
     cons = sub.add_parser("consolidate", help="turn a per-rank training checkpoint into a full HF checkpoint")
     cons.add_argument("checkpoint", help="directory written by autotp.save_checkpoint")
     cons.add_argument("out", help="where to write the HF checkpoint (config, safetensors, index)")
-    cons.add_argument("--max-shard-size", default="5GB")
+    cons.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, such as 5GB or 500MB")
     cons.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     cons.set_defaults(run=cmd_consolidate)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one `autotp` command; bad input is one line on stderr and exit code 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except INPUT_ERRORS as err:
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        print(f"autotp {args.command}: {lines[0]}", file=sys.stderr)
+        return 2

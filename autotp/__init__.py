@@ -9,7 +9,7 @@ upward import or a cycle):
 
 1. data, no torch.distributed: `hf_compat` (every touch of transformers internals), `sharding`,
    `policy`, `linears`, `plan`
-2. building a plan: `derive`, `verify`, `planner`, `report`
+2. building a plan: `derive`, `twin`, `verify`, `planner`, `report`
 3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`, `apply`,
    `rollback`
 4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`

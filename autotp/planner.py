@@ -22,7 +22,8 @@ from .linears import features, is_linear, weight_dim
 from .plan import AttrPlan, HeadInputPlan, LayerPlan, Plan, RegionPlan, VocabPlan
 from .policy import Policy, Rule, as_policy, find_policy
 from .sharding import HeadLayout, Partition, layout_partition, split_ranges
-from .verify import verify_by_emulation
+from .twin import structural_twin
+from .verify import apply_verdicts, verdicts, verify_by_emulation
 
 PolicyArg = Policy | str | Path | Mapping[str, Any] | None
 
@@ -52,9 +53,28 @@ def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_p
 def _build_plan(model: nn.Module, tp_size: int, policy) -> Plan:
     model_type = getattr(model.config, "model_type", type(model).__name__)
     chosen = as_policy(policy) if policy is not None else find_policy(model_type)
-    if chosen is None:
-        return verify_by_emulation(model, plan_from_policy(model, tp_size, derive_policy(model)))
-    return verify_by_emulation(model, plan_from_policy(model, tp_size, chosen), only_custom=True)
+    derived = chosen is None
+    policy = derive_policy(model) if derived else chosen
+    plan = plan_from_policy(model, tp_size, policy)
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return verify_by_emulation(model, plan, only_custom=not derived)
+    return _verified_on_twin(model, plan, policy, only_custom=not derived)
+
+
+def _verified_on_twin(model: nn.Module, plan: Plan, policy: Policy, only_custom: bool) -> Plan:
+    """A meta-device model's plan, verified on its structural twin; blocks the twin lacks stay replicated."""
+    if not any(layer.block for layer in plan.layers):
+        return plan
+    twin = structural_twin(model)
+    if twin is None:
+        return apply_verdicts(model, plan, {}, only_custom, "the model is on the meta device and no structural "
+                                                            "twin of it could be built to run")
+    try:
+        twin_plan = plan_from_policy(twin, plan.tp_size, policy)
+    except ValueError as err:
+        return apply_verdicts(model, plan, {}, only_custom, f"its structural twin plans differently ({err})")
+    return apply_verdicts(model, plan, verdicts(twin, twin_plan, only_custom), only_custom,
+                          "its block is not in the structural twin built from the config")
 
 
 def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:

@@ -12,43 +12,58 @@ from .hf_compat import is_conv1d
 from .plan import Plan
 
 
+Verdicts = dict[tuple[str, type], str | None]  # (block pattern, class) -> None if exact, else why not
+
+
 def verify_by_emulation(model: nn.Module, plan: Plan, only_custom: bool = False) -> Plan:
-    """Keep only the blocks whose sharded computation provably reproduces the original.
+    """Keep only the blocks whose sharded computation provably reproduces the original (see `verdicts`)."""
+    return apply_verdicts(model, plan, verdicts(model, plan, only_custom), only_custom, "")
+
+
+def verdicts(model: nn.Module, plan: Plan, only_custom: bool = False) -> Verdicts:
+    """For each (block pattern, class) the plan shards: None if its sharding is exact, else why not.
 
     The model runs once on a short random input while hooks record each block's inputs and output.
     Then, in this one process, every rank's shard of the block is computed from a copy holding
     only that rank's rows; the sum of those partial outputs must equal the recorded output. A
     block whose row projection is not its last step, or that holds parameters besides its
-    projections (whose gradients would be partial), or whose sum differs, stays replicated. One
-    instance per (pattern, class) is checked: instances of one class run the same code.
-    `only_custom` checks just blocks whose class is not transformers' own (a shipped policy is
-    tested on those).
+    projections (whose gradients would be partial), or whose sum differs, fails. One instance per
+    (pattern, class) is checked: instances of one class run the same code. `only_custom` checks
+    just blocks whose class is not transformers' own (a shipped policy is tested on those).
+    Dropout is off while it runs; every module's mode is restored afterwards.
     """
     modules = dict(model.named_modules())
-    blocks = sorted({layer.block for layer in plan.layers})
-    if only_custom:
-        blocks = [b for b in blocks if not type(modules[b]).__module__.startswith("transformers.")]
-    if not blocks:
-        return plan
-    group_of = {b: (_pattern(b), type(modules[b])) for b in blocks}
+    blocks = _checked_blocks(modules, plan, only_custom)
     first_of: dict[tuple, str] = {}
     for block in blocks:
-        first_of.setdefault(group_of[block], block)
+        first_of.setdefault(_key(block, modules), block)
+    if not first_of:
+        return {}
     modes = {m: m.training for m in model.modules()}
     model.eval()  # dropout would make the replays differ from the recording
     try:
         records, problem = _record(model, set(first_of.values()), plan)
-        verdicts = {key: problem or _check_block(modules[b], b, plan, records.get(b)) for key, b in first_of.items()}
+        return {key: problem or _check_block(modules[b], b, plan, records.get(b)) for key, b in first_of.items()}
     finally:
         for module, training in modes.items():
             module.training = training
-    rejected = {b for b in blocks if verdicts[group_of[b]]}
-    if not rejected:
+
+
+def apply_verdicts(model: nn.Module, plan: Plan, found: Verdicts, only_custom: bool, missing: str) -> Plan:
+    """`plan` without the blocks that failed verification, or that have no verdict (`missing` says why)."""
+    modules = dict(model.named_modules())
+    reasons = {}
+    for block in _checked_blocks(modules, plan, only_custom):
+        key = _key(block, modules)
+        reason = found[key] if key in found else missing or "it was never checked"
+        if reason:
+            reasons[block] = reason
+    if not reasons:
         return plan
-    why = {b: f"not verified: {verdicts[group_of[b]]}; replicated" for b in rejected}
+    rejected = set(reasons)
     kept = tuple(layer for layer in plan.layers if layer.block not in rejected)
-    replicated = plan.replicated + tuple((layer.path, why[layer.block]) for layer in plan.layers
-                                         if layer.block in rejected)
+    replicated = plan.replicated + tuple((layer.path, f"not verified: {reasons[layer.block]}; replicated")
+                                         for layer in plan.layers if layer.block in rejected)
     all_blocks = sorted({layer.block for layer in plan.layers}, key=len, reverse=True)
 
     def inside(path: str) -> bool:
@@ -60,6 +75,17 @@ def verify_by_emulation(model: nn.Module, plan: Plan, only_custom: bool = False)
                    attrs=tuple(a for a in plan.attrs if not inside(a.path)),
                    head_norms=tuple(h for h in plan.head_norms if not inside(h)),
                    head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)))
+
+
+def _checked_blocks(modules: dict[str, nn.Module], plan: Plan, only_custom: bool) -> list[str]:
+    blocks = sorted({layer.block for layer in plan.layers if layer.block})
+    if only_custom:
+        blocks = [b for b in blocks if not type(modules[b]).__module__.startswith("transformers.")]
+    return blocks
+
+
+def _key(block: str, modules: dict[str, nn.Module]) -> tuple[str, type]:
+    return _pattern(block), type(modules[block])
 
 
 def _pattern(path: str) -> str:

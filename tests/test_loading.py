@@ -50,3 +50,13 @@ def test_from_pretrained_equals_wrap_after_load(tmp_path: Path, family: str, lay
         assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report
         assert report["shards"] > 0
         assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report
+
+
+@pytest.mark.parametrize("family", ["olmo", "gpt_neo"])
+def test_from_pretrained_shards_derived_plans_like_wrap(tmp_path: Path, family: str) -> None:
+    """No shipped policy: HF's plan (olmo) or detection (gpt_neo), verified on a twin while on meta."""
+    tiny_model(family).save_pretrained(tmp_path)
+    for report in run_ranks(load_both_ways, 2, str(tmp_path)):
+        assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report
+        assert report["shards"] > 0
+        assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report

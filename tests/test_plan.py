@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from models import CONFIGS, tiny_model
+from models import CONFIGS, DERIVED, tiny_model
 from autotp.testing.spawn import run_ranks
 from test_parity import assert_parity, compare_training
 
@@ -80,3 +80,28 @@ def test_shipped_policies_load_and_claim_each_model_type_once() -> None:
     assert len(policies) >= 14
     claimed = [t for p in policies for t in p.model_types]
     assert len(claimed) == len(set(claimed)), "a model type is claimed by two policies"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", sorted(DERIVED))
+def test_a_meta_model_gets_the_plan_wrap_makes_on_the_loaded_one(family: str, tp: int) -> None:
+    """Derived plans are verified by running a structural twin when the model itself cannot run."""
+    real = tiny_model(family)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(CONFIGS[family]())
+    plan = autotp.explain(meta, tp)
+    assert plan == autotp.explain(real, tp)
+    assert plan.layers and not any("meta device" in why for _, why in plan.replicated)
+
+
+def test_a_custom_block_the_twin_cannot_show_stays_replicated_on_meta() -> None:
+    from test_unknown_blocks import SoftmaxMLP
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+        model.model.layers[1].mlp = SoftmaxMLP(64, 96)
+    model.config.model_type = "my_custom_lm"  # detection, so every block needs a verdict
+    plan = autotp.explain(model, 2)
+    why = dict(plan.replicated)["model.layers.1.mlp.down_proj"]
+    assert "not in the structural twin" in why
+    assert "model.layers.0.mlp.down_proj" in {layer.path for layer in plan.layers}

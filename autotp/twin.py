@@ -1,0 +1,85 @@
+"""A structural twin: the same model classes and layers, narrower, with random weights, to verify plans on.
+
+Plans derived from HF's `base_model_tp_plan` or from detection are verified by running the model
+(`autotp.verify`). A model on the meta device cannot run, and a 70B one should not have to: the
+twin can. It is built from the same config with every width divided by one factor, so head and
+key/value head counts, layer counts and layer kinds are exactly those of the model, and every
+width that was a multiple of another stays one (q = heads x head_dim, gate|up = 2 x width). The
+algebra that verification checks (do the partial outputs of the shards sum to the block's
+output?) depends on the code and the head grouping, not on the widths.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("autotp")
+
+_WIDTHS = {"hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d_kv", "ffn_dim", "n_embd", "n_inner",
+           "rotary_dim", "embed_dim", "word_embed_proj_dim", "ffn_hidden_size", "kv_channels"}
+_MIN_HEAD_DIM = 8  # keeps partial rotary fractions (1/4, 1/2) whole and even
+_TWIN_VOCAB = 512
+_MAX_TWIN_PARAMS = 400_000_000  # ~1.6 GB in fp32: beyond this the twin is not built
+
+
+def width_fields(config) -> dict[str, int]:
+    """The config's integer width fields: names above, and `*_intermediate_size` / `*_head_dim`."""
+    out = {}
+    for name, value in vars(config).items():
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0 and (
+                name in _WIDTHS or name.endswith("_intermediate_size") or name.endswith("_head_dim")):
+            out[name] = value
+    return out
+
+
+def shrink_factor(config) -> int:
+    """The largest power of two that divides every width and leaves at least `_MIN_HEAD_DIM` per head."""
+    widths = width_fields(config)
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = widths.get("head_dim") or (widths.get("hidden_size", 0) // heads if isinstance(heads, int) and heads
+                                          else 0)
+    factor = 1
+    while head_dim and head_dim // (factor * 2) >= _MIN_HEAD_DIM and all(v % (factor * 2) == 0 for v in widths.values()):
+        factor *= 2
+    return factor
+
+
+def twin_config(config):
+    """`config` with every width divided by `shrink_factor` and the vocabulary cut to `_TWIN_VOCAB`."""
+    twin = copy.deepcopy(config)
+    factor = shrink_factor(config)
+    for name, value in width_fields(config).items():
+        setattr(twin, name, value // factor)
+    vocab = getattr(twin, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > _TWIN_VOCAB:
+        twin.vocab_size = _TWIN_VOCAB
+        for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
+            if isinstance(getattr(twin, key, None), int) and getattr(twin, key) >= _TWIN_VOCAB:
+                setattr(twin, key, token)
+    twin.use_cache = False
+    return twin
+
+
+def structural_twin(model: nn.Module) -> nn.Module | None:
+    """A narrow real-weight copy of `model`'s architecture (None, with the reason logged, if it cannot be built).
+
+    The global random generators are left as they were: TP ranks keep them in step.
+    """
+    config = twin_config(model.config)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            shape_only = type(model)(config)
+        count = sum(p.numel() for p in shape_only.parameters())
+        if count > _MAX_TWIN_PARAMS:
+            log.info("autotp: no structural twin of %s: %d parameters even when narrowed", type(model).__name__, count)
+            return None
+        with torch.random.fork_rng(devices=[]):
+            twin = type(model)(config).float()
+    except Exception as err:  # any failure means the twin cannot stand in for the model
+        log.info("autotp: no structural twin of %s (%s: %s)", type(model).__name__, type(err).__name__, err)
+        return None
+    return twin.eval()

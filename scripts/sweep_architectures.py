@@ -9,7 +9,9 @@ Each architecture is built tiny from its config defaults (dims shrunk, dropout o
   refused           autotp.wrap raised an error naming the module and the reason
   MISMATCH          parity failed: a silent wrong result (must never happen)
   run-time error    the wrapped model raised during training
-Architectures that cannot be built tiny from defaults are listed apart. The table is written into
+Each matched type is also planned on the meta device (as from_pretrained and `autotp plan` see it);
+that plan must equal the one wrap made. Architectures that cannot be built tiny from defaults are
+listed apart. The table is written into
 README.md between the sweep markers, and the details to scripts/sweep_results.json.
 """
 
@@ -94,6 +96,9 @@ def classify(model_type: str) -> dict:
         plan = autotp.explain(model, TP)
     except Exception as err:
         return {"result": "refused", "note": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+    with torch.device("meta"):  # what from_pretrained and `autotp plan` see
+        meta_plan = autotp.explain(AutoModelForCausalLM.from_config(tiny_config(model_type, recipe)), TP)
+    same_plan = "yes" if meta_plan == plan else "NO"
     source = plan.source.split(" (")[0]
     kind = {Origin.SHIPPED: "policy", Origin.USER: "policy", Origin.HF_PLAN: "HF plan",
             Origin.DETECTED: "detection"}[plan.origin]
@@ -118,7 +123,7 @@ def classify(model_type: str) -> dict:
     if result == "replicated-only":
         reasons = {why for _, why in plan.replicated if "verified" in why}
         note = next(iter(reasons), "no block the plan could shard")[:160]
-    return {"result": result, "plan": kind, "source": source, "note": note}
+    return {"result": result, "plan": kind, "source": source, "meta plan = wrap plan": same_plan, "note": note}
 
 
 def write_readme(results: dict[str, dict]) -> None:
@@ -132,12 +137,13 @@ def write_readme(results: dict[str, dict]) -> None:
         f"Swept {len(results)} causal-LM types of transformers {__import__('transformers').__version__} at tp={TP}: "
         f"{summary}. Reproduce with `python scripts/sweep_architectures.py`.",
         "",
-        "| model type | result | plan from | note |",
-        "|---|---|---|---|",
+        "| model type | result | plan from | from_pretrained plan = wrap plan | note |",
+        "|---|---|---|---|---|",
     ]
     for model_type, r in sorted(results.items()):
         note = r.get("note", "").replace("|", "/")
-        lines.append(f"| {model_type} | {r['result']} | {r.get('plan', '')} | {note} |")
+        lines.append(f"| {model_type} | {r['result']} | {r.get('plan', '')} | {r.get('meta plan = wrap plan', '')} "
+                     f"| {note} |")
     lines.append("<!-- sweep:end -->")
     readme = ROOT / "README.md"
     text = readme.read_text()
@@ -168,7 +174,7 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     if not args.no_readme:
         write_readme(results)
-    bad = [t for t, r in results.items() if r["result"] in ("MISMATCH",)]
+    bad = [t for t, r in results.items() if r["result"] == "MISMATCH" or r.get("meta plan = wrap plan") == "NO"]
     sys.exit(1 if bad else 0)
 
 

@@ -13,6 +13,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -65,6 +66,11 @@ def _verified_on_twin(model: nn.Module, plan: Plan, policy: Policy, only_custom:
     """A meta-device model's plan, verified on its structural twin; blocks the twin lacks stay replicated."""
     if not any(layer.block for layer in plan.layers):
         return plan
+    with torch.device("cpu"):  # the caller may have made meta the default device
+        return _twin_verdicts(model, plan, policy, only_custom)
+
+
+def _twin_verdicts(model: nn.Module, plan: Plan, policy: Policy, only_custom: bool) -> Plan:
     twin = structural_twin(model)
     if twin is None:
         return apply_verdicts(model, plan, {}, only_custom, "the model is on the meta device and no structural "

@@ -77,7 +77,7 @@ def structural_twin(model: nn.Module) -> nn.Module | None:
         if count > _MAX_TWIN_PARAMS:
             log.info("autotp: no structural twin of %s: %d parameters even when narrowed", type(model).__name__, count)
             return None
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             twin = type(model)(config).float()
     except Exception as err:  # any failure means the twin cannot stand in for the model
         log.info("autotp: no structural twin of %s (%s: %s)", type(model).__name__, type(err).__name__, err)

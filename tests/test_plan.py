@@ -87,9 +87,9 @@ def test_shipped_policies_load_and_claim_each_model_type_once() -> None:
 def test_a_meta_model_gets_the_plan_wrap_makes_on_the_loaded_one(family: str, tp: int) -> None:
     """Derived plans are verified by running a structural twin when the model itself cannot run."""
     real = tiny_model(family)
-    with torch.device("meta"):
+    with torch.device("meta"):  # as `autotp plan` and from_pretrained build it; planned inside the context too
         meta = AutoModelForCausalLM.from_config(CONFIGS[family]())
-    plan = autotp.explain(meta, tp)
+        plan = autotp.explain(meta, tp)
     assert plan == autotp.explain(real, tp)
     assert plan.layers and not any("meta device" in why for _, why in plan.replicated)
 

@@ -17,6 +17,7 @@ from torch import nn
 from ..api import wrap
 from ..comm import all_gather_full
 from ..groups import Group
+from ..state import state_of
 
 # fp32 tolerances: tensor parallelism changes only the order of sums. Loss: absolute. Gradients: relative to
 # the tensor's largest reference entry (see grad_error). Parameters after a few AdamW steps at lr 1e-3: absolute.
@@ -62,7 +63,7 @@ def compare_training(
         torch.set_rng_state(rng)
         edit(model)
     labels = ids if labels is None else labels
-    group = model.autotp_state.tp_group
+    group = state_of(model).tp_group
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6) for m in (reference, model)]
     ref_params = dict(reference.named_parameters())
     report: dict[str, Any] = {"loss": 0.0, "grad": {}, "param": {}}

@@ -96,21 +96,28 @@ def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Ten
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    all_gather(parts, x.contiguous(), group)
-    return torch.cat(parts, dim=dim)
+    """Every rank's chunk along `dim`, concatenated: one all-gather into a buffer of rank-major chunks."""
+    size = group_size(group)
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after another along dim 0
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    with named_failure(group, "all-gather"):
+        gather(out, x, group=group)
+    shape = list(x.shape)
+    shape[dim] *= size
+    return out.view(size, *x.shape).movedim(0, dim).reshape(shape)  # one copy, not one per column layer
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Sum over the group and keep this rank's chunk, as an all-reduce and a slice.
-
-    torch 2.13's gloo and NCCL both have `reduce_scatter_tensor`; the emulation is kept for now so
-    that results stay bit-identical with earlier releases (moving to it is a separate change).
-    """
-    _seq_chunks(x, group, dim)  # refuse a length that does not divide before communicating
-    x = x.clone(memory_format=torch.contiguous_format)
-    all_reduce(x, group)
-    return _own_chunk(x, group, dim).contiguous()
+    """Sum over the group and keep this rank's chunk along `dim`: one reduce-scatter, no full-size result."""
+    chunk = _seq_chunks(x, group, dim)  # refuse a length that does not divide before communicating
+    size = group_size(group)
+    split = x.unflatten(dim, (size, chunk)).movedim(dim, 0).contiguous()  # rank-major chunks along dim 0
+    out = x.new_empty(split.shape[1:])
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    with named_failure(group, "reduce-scatter"):
+        scatter(out, split.flatten(0, 1), group=group)
+    return out
 
 
 class _ScatterToSeq(torch.autograd.Function):

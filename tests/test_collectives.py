@@ -19,7 +19,7 @@ from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
 
 COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all",
-               "all_gather_into_tensor", "reduce_scatter_tensor")
+               "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single")
 
 
 def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict:

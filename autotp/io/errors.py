@@ -1,6 +1,15 @@
-"""The errors of autotp's file I/O: each message names the file or tensor and the numbers."""
+"""The errors of autotp's file I/O, and how one rank's failure reaches every rank.
+
+Each message names the file or tensor and the numbers. A collective save or load must fail on
+every rank or on none: a rank that raises alone leaves its peers blocked in the next collective
+until the timeout, or lets them carry on believing the checkpoint was written or loaded.
+"""
 
 from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..groups import global_rank
 
 
 class CheckpointError(ValueError):
@@ -9,3 +18,26 @@ class CheckpointError(ValueError):
 
 class FormatError(CheckpointError):
     """A file that is not valid safetensors."""
+
+
+def world() -> dist.ProcessGroup | None:
+    """The world group when torch.distributed is running (None: one process, nothing to agree on)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def failures(error: BaseException | None, group: dist.ProcessGroup | None) -> dict[int, tuple[int | None, str]]:
+    """Every failed rank -> (errno, message), the same on every rank of `group` (collective over it; None: no peers).
+
+    Every rank must call it, whether or not it failed, at the same point.
+    """
+    mine = None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")
+    if group is None:
+        return {} if mine is None else {global_rank(): mine}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (global_rank(), mine), group=group)
+    return {rank: outcome for rank, outcome in everyone if outcome is not None}
+
+
+def describe(failed: dict[int, tuple[int | None, str]]) -> str:
+    """'rank 1: OSError: ...; rank 3: ...' for an error message."""
+    return "; ".join(f"rank {rank}: {text}" for rank, (_, text) in sorted(failed.items()))

@@ -2,11 +2,15 @@
 
 No rank ever materialises the full model: every sharded parameter is read as the runs of rows its
 partition names, fused tensors included, with plain file reads (no mmap), straight to its device.
+Every header is validated before a byte of data is read, and the TP ranks agree on the outcome
+before any parameter is replaced, so a failure on one rank is raised on all of them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Mapping
 
@@ -14,55 +18,107 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .errors import CheckpointError
+from ..state import find_state
+from .errors import CheckpointError, describe, failures
 from .safetensors import read_header, read_rows
+
+log = logging.getLogger("autotp")
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+_LISTED = 5  # unused checkpoint tensors named in the warning
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from the index or the single file."""
+    """Tensor name -> the safetensors file holding it, from the index or the single file.
+
+    Every file's header is read and validated, and every tensor the index lists must be in its file.
+    """
     index = path / _INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
-        files = {name: path / file for name, file in weight_map.items()}
+        files = _read_index(index)
     elif (path / _SINGLE).is_file():
-        files = None
+        single = path / _SINGLE
+        return {name: single for name in read_header(single)[0]}
     else:
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         hint = f"; it holds {pickles}, and autotp loads only safetensors (no pickle)" if pickles else ""
         raise CheckpointError(f"{path}: no {_INDEX} or {_SINGLE}{hint}")
-    if files is None:
-        single = path / _SINGLE
-        return {name: single for name in read_header(single)[0]}
     for file in sorted(set(files.values())):
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in {index.name} but missing")
+        held = read_header(file)[0]
+        absent = [name for name, where in files.items() if where == file and name not in held]
+        if absent:
+            raise CheckpointError(f"{index}: maps tensor {absent[0]} to {file.name}, which does not contain it "
+                                  f"({len(absent)} such tensors)")
     return files
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    try:
+        content = json.loads(index.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
+    if not isinstance(content, dict) or "weight_map" not in content:
+        raise CheckpointError(f"{index}: not a valid safetensors index (no weight_map object)")
+    weight_map = content["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map is a JSON {type(weight_map).__name__}, not an object of "
+                              f"tensor name -> file name")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index}: weight_map maps tensor {name} to {file!r}, not a file name")
+    return {name: index.parent / file for name, file in weight_map.items()}
 
 
 def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
                 show: bool) -> None:
-    """Replace every meta parameter by its loaded rows (tied parameters stay one object)."""
+    """Replace every meta parameter by its loaded rows (tied parameters stay one object).
+
+    Everything is read first; then the TP group agrees (a collective when the model has one), and
+    only if every rank succeeded does any parameter change. Checkpoint tensors the model does not
+    use are listed in a warning, as transformers does.
+    """
+    state = find_state(model)
+    error = None
+    try:
+        loaded, buffers = _read_all(model, files, device, dtype, show)
+    except Exception as err:  # every rank must still reach the agreement below
+        error = err
+    failed = failures(error, None if state is None else state.tp_group)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"loading the checkpoint failed on {describe(failed)}")
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in loaded:
+                module._parameters[name] = loaded[id(param)]
+    for buffer, tensor in buffers:
+        buffer.data = tensor
+    if show:
+        _warn_unused(model, files)
+
+
+def _read_all(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
+              show: bool) -> tuple[dict[int, nn.Parameter], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every parameter's new tensor, by the id of the meta parameter it replaces, and every persistent buffer's."""
     aliases: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
         params[id(param)] = param
     loaded: dict[int, nn.Parameter] = {}
-    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
-    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent and n in files]
+    persistent = set(model.state_dict(keep_vars=True))
+    wanted = [(n, b) for n, b in model.named_buffers() if n in persistent and n in files]
     by_file: dict[Path, list] = {}
     for key, param in params.items():
         name = next((n for n in aliases[key] if n in files), None)
         if name is None:
             raise CheckpointError(f"{aliases[key][0]}: not found in the checkpoint")
         by_file.setdefault(files[name], []).append((name, param))
-    bar = tqdm(total=len(params) + len(buffers), desc="autotp load", unit="tensor", disable=not show)
+    bar = tqdm(total=len(params) + len(wanted), desc="autotp load", unit="tensor", disable=not show)
     for file, entries in by_file.items():
         header, data_start = read_header(file)
         with file.open("rb") as f:
@@ -75,16 +131,27 @@ def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devic
                 new.__dict__.update(param.__dict__)  # the Shard metadata
                 loaded[id(param)] = new
                 bar.update()
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and id(param) in loaded:
-                module._parameters[name] = loaded[id(param)]
-    for name, buffer in buffers:
+    buffers = []
+    for name, buffer in wanted:
         header, data_start = read_header(files[name])
         with files[name].open("rb") as f:
-            buffer.data = read_rows(f, header[name], data_start, None, 0).to(device=device, dtype=buffer.dtype)
+            tensor = read_rows(f, header[name], data_start, None, 0)
+        buffers.append((buffer, tensor.to(device=device, dtype=buffer.dtype)))
         bar.update()
     bar.close()
+    return loaded, buffers
+
+
+def _warn_unused(model: nn.Module, files: Mapping[str, Path]) -> None:
+    """Warn about checkpoint tensors the model has no place for (transformers' "unexpected keys")."""
+    known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    known.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unused = sorted(n for n in files if n not in known and not any(p.search(n) for p in ignored))
+    if unused:
+        more = f" and {len(unused) - _LISTED} more" if len(unused) > _LISTED else ""
+        log.warning(f"{len(unused)} tensors of the checkpoint are not used by {type(model).__name__}: "
+                    f"{', '.join(unused[:_LISTED])}{more}")
 
 
 def _check_shape(file: Path, name: str, stored: list[int], param: nn.Parameter) -> None:

@@ -6,7 +6,9 @@
       rank-00000/model.safetensors, optimizer.safetensors, rng.safetensors, state.json
 
 Everything is written into a hidden sibling directory that replaces `directory` only when every rank
-has finished, so a crash during a save leaves the previous checkpoint loadable. Per-rank files
+has finished, so a crash during a save leaves the previous checkpoint loadable. Loading reads and
+checks every rank's files before anything changes, and `consolidate` before anything is written,
+so a damaged checkpoint fails on every rank and changes nothing. Per-rank files
 only load at the same tp and world size; `consolidate` turns them into a full HF checkpoint that
 `autotp.from_pretrained` loads at any tp.
 """
@@ -18,7 +20,7 @@ import os
 import random
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,8 +29,8 @@ from torch import nn
 from ..groups import global_rank, group_size
 from ..sharding import Partition
 from ..state import find_state
-from .errors import CheckpointError
-from .safetensors import NAMES, open_tensors, read_tensors, write_tensors
+from .errors import CheckpointError, describe, failures, world
+from .safetensors import NAMES, open_tensors, read_header, read_tensors, write_tensors
 from .save import write_hf_checkpoint
 from .staging import staged_directory
 
@@ -42,8 +44,8 @@ def _rank_dir(directory: Path, rank: int) -> Path:
 
 def _layout(model: nn.Module) -> dict[str, Any]:
     state = find_state(model)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return {"tp_size": group_size(None if state is None else state.tp_group), "world_size": world}
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    return {"tp_size": group_size(None if state is None else state.tp_group), "world_size": size}
 
 
 def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -51,13 +53,14 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     """Save everything needed to resume exactly; call on every rank. `state` must be JSON-serialisable.
 
     A non-empty `directory` is replaced only with `overwrite=True`, and only once the new one is complete.
+    A failure on any rank (a full disk, say) is raised on every rank and leaves the previous one in place.
     """
     rank = global_rank()
     try:
         json.dumps(state)
     except TypeError as err:
         raise TypeError(f"save_checkpoint: the user state must be JSON-serialisable ({err})") from None
-    with staged_directory(directory, overwrite) as tmp:
+    with staged_directory(directory, overwrite, what="autotp.save_checkpoint") as tmp:
         mine = _rank_dir(tmp, rank)
         mine.mkdir()
         write_tensors(model.state_dict(), mine / "model.safetensors")
@@ -80,8 +83,32 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     scheduler: Any = None) -> dict[str, Any]:
-    """Restore model shards, optimizer, scheduler and RNG states in place; returns the user state."""
+    """Restore model shards, optimizer, scheduler and RNG states in place; returns the user state. Call on every rank.
+
+    Every rank reads and checks all of its files before anything changes, and the ranks agree on
+    the outcome: if any rank's files are missing, truncated or do not fit the model, every rank
+    raises `CheckpointError` and no rank's model, optimizer or RNG has changed.
+    """
     directory = Path(directory)
+    error = None
+    try:
+        restore = _read_rank(directory, model, optimizer, scheduler)
+    except CheckpointError as err:  # every rank must still reach the agreement below
+        error = err
+    except Exception as err:
+        error = CheckpointError(f"{directory}: {type(err).__name__}: {err}")
+        error.__cause__ = err
+    failed = failures(error, world())
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{directory}: nothing was loaded, as loading failed on {describe(failed)}")
+    return restore()
+
+
+def _read_rank(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               scheduler: Any) -> Callable[[], dict[str, Any]]:
+    """Read and check this rank's files; returns what applies them, which can no longer fail on bad files."""
     meta = read_meta(directory)
     here = _layout(model)
     if (meta["tp_size"], meta["world_size"]) != (here["tp_size"], here["world_size"]):
@@ -100,26 +127,55 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
         if tuple(saved[name].shape) != tuple(tensor.shape):
             raise CheckpointError(f"{mine / 'model.safetensors'}: tensor {name} has shape {tuple(saved[name].shape)}, "
                                   f"the model holds {tuple(tensor.shape)}")
-    with torch.no_grad():
-        for name, tensor in current.items():
-            tensor.copy_(saved[name])
-    rank_state = json.loads((mine / "state.json").read_text())
+    rank_state = _read_json(mine / "state.json", ("optimizer", "rng", "scheduler"))
+    optimizer_state = None
     if optimizer is not None:
-        optimizer.load_state_dict(_join_optimizer(read_tensors(mine / "optimizer.safetensors"), rank_state["optimizer"]))
-    if scheduler is not None and rank_state["scheduler"] is not None:
-        scheduler.load_state_dict(rank_state["scheduler"])
-    _set_rng_state(read_tensors(mine / "rng.safetensors"), rank_state["rng"])
-    return meta["state"]
+        optimizer_state = _join_optimizer(read_tensors(mine / "optimizer.safetensors"), rank_state["optimizer"])
+        groups = [len(g["params"]) for g in optimizer_state["param_groups"]]
+        if groups != [len(g["params"]) for g in optimizer.param_groups]:
+            raise CheckpointError(f"{mine / 'state.json'}: the saved optimizer has parameter groups of {groups} "
+                                  f"parameters, this one {[len(g['params']) for g in optimizer.param_groups]}")
+    rng = read_tensors(mine / "rng.safetensors")
+    if "torch" not in rng or "python" not in rank_state["rng"]:
+        raise CheckpointError(f"{mine}: the RNG state is incomplete (rng.safetensors holds {sorted(rng)}, state.json "
+                              f"{sorted(rank_state['rng'])})")
+
+    def restore() -> dict[str, Any]:
+        with torch.no_grad():
+            for name, tensor in current.items():
+                tensor.copy_(saved[name])
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+        if scheduler is not None and rank_state["scheduler"] is not None:
+            scheduler.load_state_dict(rank_state["scheduler"])
+        _set_rng_state(rng, rank_state["rng"])
+        return meta["state"]
+
+    return restore
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
+    """The checkpoint's `autotp_checkpoint.json`, checked to be one."""
     meta_file = directory / _META
     if not meta_file.is_file():
         raise CheckpointError(f"{directory}: not an autotp training checkpoint (no {_META})")
-    meta = json.loads(meta_file.read_text())
+    meta = _read_json(meta_file, ())
     if meta.get("format") != _FORMAT:
         raise CheckpointError(f"{meta_file}: unknown format {meta.get('format')!r}, expected {_FORMAT!r}")
     return meta
+
+
+def _read_json(file: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A JSON object from `file` holding `keys`, or a `CheckpointError` that names the file."""
+    try:
+        content = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: cannot be read as JSON ({err})") from None
+    if not isinstance(content, dict) or not set(keys) <= content.keys():
+        raise CheckpointError(f"{file}: expected a JSON object with the keys {list(keys)}")
+    return content
 
 
 def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -175,36 +231,52 @@ def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard_size: int | str = "5GB",
                 overwrite: bool = False) -> None:
-    """A full HF checkpoint from a per-rank one, in one process: shards are reassembled from their partitions."""
+    """A full HF checkpoint from a per-rank one, in one process: shards are reassembled from their partitions.
+
+    Every rank's model file is checked first (present, complete, and holding every tensor with its
+    rank's shape), so that a damaged checkpoint raises `CheckpointError` before anything is written.
+    """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     checkpoint = Path(checkpoint)
     meta = read_meta(checkpoint)
-    tp = meta["tp_size"]
+    tp, world_size = meta["tp_size"], meta["world_size"]
     config = AutoConfig.from_pretrained(checkpoint)
-    with open_tensors(_rank_dir(checkpoint, 0) / "model.safetensors") as first:
-        dtype = first.get_slice(next(iter(first.keys()))).get_dtype()
+    files = [_rank_dir(checkpoint, r) / "model.safetensors" for r in range(world_size)]
+    headers = [_model_header(file) for file in files]
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=NAMES[dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=NAMES[next(iter(headers[0].values()))["dtype"]])
     model.tie_weights()
     partitions = {name: Partition.from_json(p) for name, p in meta["partitions"].items()}
     params = model.state_dict(keep_vars=True)
-    with ExitStack() as stack:  # one open file per TP rank; tensors are read one at a time
-        files = [_rank_dir(checkpoint, r) / "model.safetensors" for r in range(tp)]
-        handles = [stack.enter_context(open_tensors(file)) for file in files]
+    for rank, (file, header) in enumerate(zip(files, headers)):
         for name, tensor in params.items():
-            if name not in handles[0].keys():
-                raise CheckpointError(f"{files[0]}: tensor {name} is missing")
-            shape = tuple(handles[0].get_slice(name).get_shape())
-            if name not in partitions and shape != tuple(tensor.shape):
-                raise CheckpointError(f"{files[0]}: tensor {name} has shape {shape}, the config implies "
-                                      f"{tuple(tensor.shape)}")
+            expected = list(tensor.shape)
+            if name in partitions:
+                expected[partitions[name].dim] = partitions[name].local_size(rank % tp)
+            if name not in header:
+                raise CheckpointError(f"{file}: tensor {name} is missing")
+            if header[name]["shape"] != expected:
+                raise CheckpointError(f"{file}: tensor {name} has shape {tuple(header[name]['shape'])}, rank {rank} "
+                                      f"of this config holds {tuple(expected)}")
+    with ExitStack() as stack:  # one open file per TP rank; tensors are read one at a time
+        handles = [stack.enter_context(open_tensors(file)) for file in files[:tp]]
 
         def fetch(name: str) -> torch.Tensor:
             if name in partitions:
                 return partitions[name].unshard([h.get_tensor(name) for h in handles])
             return handles[0].get_tensor(name)
 
-        with staged_directory(out, overwrite) as tmp:
+        with staged_directory(out, overwrite, what="autotp.consolidate") as tmp:
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
+
+
+def _model_header(file: Path) -> dict[str, dict]:
+    """A rank's model file's validated header (tensors only)."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    header = read_header(file)[0]
+    if not header:
+        raise CheckpointError(f"{file}: holds no tensors")
+    return header

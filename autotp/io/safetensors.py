@@ -12,6 +12,7 @@ Errors name the file and the numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -65,34 +66,90 @@ class SafetensorsWriter:
 
 NAMES = {name: dtype for dtype, name in DTYPES.items()}
 _CHUNK_BYTES = 64 << 20  # column slices are read this many bytes of whole rows at a time
+_MAX_HEADER_BYTES = 100_000_000  # the `safetensors` library's limit
 
 
 def read_header(file: Path) -> tuple[dict[str, dict], int]:
-    """The header (name -> dtype, shape, offsets) and where the data starts, checked against the file size."""
+    """The header (name -> dtype, shape, offsets) and where the data starts, validated as `safetensors` does.
+
+    Every tensor's bytes must match its shape and dtype, and the tensors must tile the data after
+    the header exactly (no overlap, no gap, nothing past the end or left over), so that a corrupt
+    file is reported here, naming the file and the tensor, instead of loading the wrong bytes.
+    """
     size = file.stat().st_size
     with file.open("rb") as f:
         length = int.from_bytes(f.read(8), "little")
-        if size < 8 or length <= 0 or 8 + length > size:
+        if size < 8 or length <= 0 or length > _MAX_HEADER_BYTES or 8 + length > size:
             raise FormatError(f"{file}: corrupt safetensors header (says {length} bytes, file has {size})")
         try:
             header = json.loads(f.read(length))
         except (ValueError, UnicodeDecodeError) as err:
             raise FormatError(f"{file}: corrupt safetensors header ({err})") from None
-    header.pop("__metadata__", None)
-    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + length + end > size:
-        raise FormatError(f"{file}: truncated: its tensors need {8 + length + end} bytes, the file has {size}")
+    if not isinstance(header, dict):
+        raise FormatError(f"{file}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise FormatError(f"{file}: __metadata__ must map names to strings, got {metadata!r}")
+    for name, entry in header.items():
+        _check_entry(file, name, entry)
+    end, previous = 0, None
+    for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, stop = entry["data_offsets"]
+        if begin < end:
+            raise FormatError(f"{file}: tensor {name} starts at byte {begin} of the data, inside tensor {previous}, "
+                              f"which ends at byte {end}")
+        if begin > end:
+            raise FormatError(f"{file}: tensor {name} starts at byte {begin} of the data, {begin - end} bytes after "
+                              f"the previous tensor ends (the format allows no gaps)")
+        end, previous = stop, name
+        if 8 + length + end > size:
+            raise FormatError(f"{file}: truncated: its tensors need {8 + length + end} bytes (tensor {name} ends "
+                              f"there), the file has {size}")
+    if 8 + length + end != size:
+        raise FormatError(f"{file}: {size - 8 - length - end} bytes after the last tensor's data (the tensors end at "
+                          f"byte {8 + length + end}, the file has {size})")
     return header, 8 + length
 
 
+def _check_entry(file: Path, name: str, entry: object) -> None:
+    if not isinstance(entry, dict):
+        raise FormatError(f"{file}: tensor {name} has the header entry {entry!r}, not an object")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+    if missing:
+        raise FormatError(f"{file}: tensor {name} has no {' or '.join(missing)} in the header")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in NAMES:
+        raise FormatError(f"{file}: tensor {name} has dtype {dtype!r}, which autotp does not read (it reads "
+                          f"{', '.join(sorted(NAMES))})")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise FormatError(f"{file}: tensor {name} has shape {shape!r}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise FormatError(f"{file}: tensor {name} has data_offsets {offsets!r}, not [begin, end] with begin <= end")
+    nbytes = math.prod(shape) * NAMES[dtype].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise FormatError(f"{file}: tensor {name} of shape {tuple(shape)} and dtype {dtype} needs {nbytes} bytes, "
+                          f"its data_offsets {offsets} hold {offsets[1] - offsets[0]}")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_rows(f, entry: dict, data_start: int, partition: Partition | None, rank: int) -> torch.Tensor:
-    """One tensor from an open file: whole, or only the runs of rows along `partition.dim` that `rank` holds."""
+    """One tensor from an open file: whole, or only the runs of rows along `partition.dim` that `rank` holds.
+
+    `entry` comes from `read_header`, which validated it.
+    """
     dtype = NAMES[entry["dtype"]]
     shape = list(entry["shape"])
     begin = data_start + entry["data_offsets"][0]
     if partition is None:
         return _read_into(f, begin, torch.empty(shape, dtype=dtype))
     dim = partition.dim
+    if dim >= len(shape) or shape[dim] != partition.full_size:
+        raise FormatError(f"{f.name}: a tensor of shape {tuple(shape)} cannot be split into {partition.full_size} "
+                          f"rows along dim {dim}")
     local = shape.copy()
     local[dim] = partition.local_size(rank)
     out = torch.empty(local, dtype=dtype)

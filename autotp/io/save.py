@@ -24,7 +24,8 @@ from ..groups import global_rank, is_global_rank0
 from ..hf_compat import checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
 from ..state import find_state
 from .safetensors import SafetensorsWriter
-from .staging import move_files_in, staged_directory
+from .staging import staged_directory
+
 
 def save_pretrained(
     model: nn.Module,
@@ -39,17 +40,9 @@ def save_pretrained(
     writes. `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
     whole, once the new one is complete). `into_existing=True` instead keeps the directory's other
     files (a Trainer's output directory): the checkpoint is staged completely, then its files are
-    moved in, replacing the model files of an earlier save.
+    moved in, replacing the model files of an earlier save. A failure on any rank (an unwritable
+    target, a full disk) is raised on every rank.
     """
-    if into_existing:
-        target = Path(save_directory)
-        incoming = target.parent / f".{target.name}.autotp-incoming"
-        save_pretrained(model, incoming, max_shard_size, overwrite=True)
-        if is_global_rank0():
-            move_files_in(incoming, target)
-        if dist.is_initialized():
-            dist.barrier()
-        return
     state = find_state(model)
     tp_group = None if state is None else state.tp_group
     in_writer_group = global_rank() in ([0] if tp_group is None else dist.get_process_group_ranks(tp_group))
@@ -60,7 +53,7 @@ def save_pretrained(
         shard = getattr(params[name], "autotp_shard", None)
         return tensor if shard is None else gather_full_to(tensor, shard.partition, tp_group, dst=0)
 
-    with staged_directory(save_directory, overwrite) as tmp:
+    with staged_directory(save_directory, overwrite, into_existing=into_existing) as tmp:
         if in_writer_group:
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
 
@@ -80,20 +73,44 @@ def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fe
                                                max_shard_size=max_shard_size)
     total = sum(t.numel() * t.element_size() for t in full.values())
     writing = is_global_rank0()
+    writes = _UntilFirstFailure()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="autotp save", disable=not writing)
     for filename, tensor_names in split.filename_to_tensors.items():
         entries = [(n, full[n].dtype, tuple(full[n].shape)) for n in tensor_names]
-        writer = SafetensorsWriter(directory / filename, entries, {"format": "pt"}) if writing else None
+        writer = writes.run(SafetensorsWriter, directory / filename, entries, {"format": "pt"}) if writing else None
         for name in tensor_names:
             tensor = fetch(full[name].source)
             if writer is not None:
-                writer.write(name, tensor)
+                writes.run(writer.write, name, tensor)
                 bar.update(full[name].numel() * full[name].element_size())
         if writer is not None:
-            writer.close()
+            writes.run(writer.close)
     bar.close()
     if writing:
-        _write_metadata(model, params, split, directory)
+        writes.run(_write_metadata, model, params, split, directory)
+    if writes.error is not None:
+        raise writes.error
+
+
+class _UntilFirstFailure:
+    """Runs the writer's file operations until one fails, then skips the rest.
+
+    `fetch` may be collective: the other ranks of the writer's TP group are still gathering the
+    remaining tensors, so the writer keeps gathering with them and raises the failure at the end,
+    where `staged_directory` hands it to every rank.
+    """
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def run(self, operation: Callable, *args):
+        if self.error is not None:
+            return None
+        try:
+            return operation(*args)
+        except Exception as err:
+            self.error = err
+            return None
 
 
 def _checkpoint_layout(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

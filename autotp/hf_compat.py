@@ -1,7 +1,7 @@
 """Every place autotp reads Hugging Face transformers beyond its documented model API, in one module.
 
-Checked against transformers 5.0 to 5.23 (CI runs the parity suite on the newest and on the minimum
-that pyproject.toml names). A transformers upgrade that moves one of these breaks here, with a
+Checked against transformers 5.19 to 5.23 (CI runs the whole suite on 5.23 and a parity subset on
+5.19, the minimum that pyproject.toml names; 4.x lacks both internals below). A transformers upgrade that moves one of these breaks here, with a
 message that names the missing piece, rather than somewhere inside a training step.
 """
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from .apply import apply_vocab
 from .io.save import save_pretrained
-from .layers import ParallelLinear
+from .layers import ParallelLinear, forget_shard
 from .planner import with_vocab
 from .replicas import broadcast_tensors
 from .state import TPState
@@ -43,7 +43,7 @@ class SavePretrained:
         if args:
             raise TypeError("save_pretrained on a wrapped model takes the directory and keyword arguments only")
         for name, default in self._REFUSED.items():
-            if name in kwargs and kwargs[name] is not default and kwargs[name] != default:
+            if name in kwargs and kwargs[name] != default:
                 raise ValueError(
                     f"save_pretrained({name}={kwargs[name]!r}) is not supported on a model wrapped by autotp: it "
                     f"writes the full safetensors checkpoint gathered from every rank. Save without {name}, or "
@@ -91,8 +91,7 @@ class ResizeTokenEmbeddings:
         broadcast_tensors(_vocab_tensors(model), state.tp_group)
         _plain_head(model, vocab.head)
         for param in _vocab_tensors(model):  # a same-size resize keeps the gathered parameters
-            for key in ("autotp_shard", "autotp_full", "autotp_stashed_grad"):
-                vars(param).pop(key, None)
+            forget_shard(param)
         layers = tuple(layer for layer in state.plan.layers if layer.path != vocab.head)
         plan = with_vocab(model, replace(state.plan, layers=layers, vocab=None))
         if plan.vocab is None:

@@ -54,6 +54,12 @@ def shard_parameter(param: nn.Parameter, partition: Partition, rank: int) -> nn.
     return shard
 
 
+def forget_shard(param: nn.Parameter) -> None:
+    """Drop the shard metadata `shard_parameter` and `gather_parameter_` put on a parameter that now holds a full tensor."""
+    for key in ("autotp_shard", "autotp_full", "autotp_stashed_grad"):
+        vars(param).pop(key, None)
+
+
 def gather_parameter_(param: nn.Parameter, group: Group) -> None:
     """Swap the shard for the full tensor in place (same Parameter object), stashing the gradient.
 

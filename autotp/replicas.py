@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .comm import buckets
+from .comm import all_gather, buckets
 from .groups import Group, group_size
 from .state import state_of
 
@@ -68,7 +68,7 @@ def check_replicas(model: nn.Module, group: Group | None = None) -> None:
     named = [(n, t) for n, t in replicated_tensors(model) if t.is_floating_point()]
     mine = torch.stack([_checksum(t) for _, t in named]) if named else torch.zeros(0, 3, dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(everyone, mine, group=group)
+    all_gather(everyone, mine, group)
     ranks = dist.get_process_group_ranks(group)
     for index, (name, tensor) in enumerate(named):
         for rank, theirs in zip(ranks, everyone):

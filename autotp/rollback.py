@@ -23,7 +23,6 @@ class Snapshot:
     """The state of every module of a model, to restore in place if sharding it fails halfway."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
         self._modules = [(vars(m), dict(vars(m)), _containers(m)) for m in model.modules()]
         self._rng = capture()
         self._handles: list[_Removable] = []

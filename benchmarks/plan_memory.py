@@ -16,17 +16,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from load_memory import peak_rss  # benchmarks/ is on the path when a script there runs
 
 WIDTHS = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
-
-
-def peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def measure(model_type: str) -> dict:

@@ -85,6 +85,8 @@ def check_against_one_process(reference, dataset, args, losses, params, replicas
     if loss_diff > 1e-5 or param_diff > 3e-5:
         raise SystemExit("parity with one process FAILED")
     print("parity with one process: ok")
+    if dist.is_initialized():  # before exit, not in the interpreter's teardown (gloo threads)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

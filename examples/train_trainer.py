@@ -66,6 +66,8 @@ def main() -> None:
         if args.losses_out:
             with open(args.losses_out, "w") as f:
                 json.dump(trainer.losses, f)
+    if torch.distributed.is_initialized():  # before exit, not in the interpreter's teardown (gloo threads)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

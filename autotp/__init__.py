@@ -24,6 +24,7 @@ from .data_parallel import (
     tp_size,
 )
 from .gather import GatherReplacedLayerParams
+from .groups import finish
 from .guards import check_same_inputs
 from .io.errors import CheckpointError
 from .io.resume import consolidate, load_checkpoint, save_checkpoint
@@ -37,7 +38,7 @@ from .sharding import Partition, Shard
 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "data_parallel_sampler", "dp_group", "dp_rank",
-    "dp_size", "tp_group", "tp_rank", "tp_size",
+    "dp_size", "finish", "tp_group", "tp_rank", "tp_size",
     "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
     "Shard", "build_plan", "check_replicas", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint",
     "save_pretrained", "wrap",

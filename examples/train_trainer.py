@@ -66,8 +66,7 @@ def main() -> None:
         if args.losses_out:
             with open(args.losses_out, "w") as f:
                 json.dump(trainer.losses, f)
-    if torch.distributed.is_initialized():  # before exit, not in the interpreter's teardown (gloo threads)
-        torch.distributed.destroy_process_group()
+    autotp.finish()  # every rank: exiting straight after a gloo collective can abort (see autotp.finish)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ Layers, bottom to top; a module imports only from its own layer or the layers be
 upward import or a cycle):
 
 1. data, no torch.distributed: `hf_compat` (every touch of transformers internals), `sharding`,
-   `policy`, `linears`, `plan`
-2. building a plan: `derive`, `twin`, `verify`, `planner`, `report`
+   `policy`, `linears`, `plan`, `components`
+2. building a plan: `derive`, `twin`, `probe`, `verify`, `planner`, `report`
 3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`, `apply`,
    `rollback`
 4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from .components import Held, components, joined, rebased
 from .derive import derive_policy
 from .hf_compat import is_causal_lm
 from .linears import features, is_linear, weight_dim
@@ -52,14 +53,40 @@ def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_p
 
 
 def _build_plan(model: nn.Module, tp_size: int, policy) -> Plan:
+    parts = components(model) if policy is None else []
+    if parts:
+        return _composite_plan(model, tp_size, parts)
     model_type = getattr(model.config, "model_type", type(model).__name__)
     chosen = as_policy(policy) if policy is not None else find_policy(model_type)
     derived = chosen is None
     policy = derive_policy(model) if derived else chosen
-    plan = plan_from_policy(model, tp_size, policy)
+    return _verified(model, plan_from_policy(model, tp_size, policy), policy, derived)
+
+
+def _verified(model: nn.Module, plan: Plan, policy: Policy, derived: bool) -> Plan:
+    """`plan` with the blocks verification could not prove exact moved to replicated (shipped: custom classes only)."""
     if not any(p.device.type == "meta" for p in model.parameters()):
         return verify_by_emulation(model, plan, only_custom=not derived)
+    if components(model):  # the twin is built and planned as a plain model
+        return apply_verdicts(model, plan, {}, not derived, "a composite model on the meta device is not verified "
+                                                            "yet; wrap the loaded model to shard this block")
     return _verified_on_twin(model, plan, policy, only_custom=not derived)
+
+
+def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
+    """A vision-language (or other composite) model: each sub-model planned from its own config and policy,
+    then verified inside the whole model, whose forward on `autotp.probe` inputs reaches every block."""
+    planned = []
+    for path, component in parts:
+        held = Held(component)
+        chosen = find_policy(component.config.model_type)
+        policy = chosen or derive_policy(held)
+        try:
+            plan = rebased(plan_from_policy(held, tp_size, policy), held.prefix, path)
+        except ValueError as err:
+            raise ValueError(f"{path} ({type(component).__name__}): {err}") from None
+        planned.append((path, _verified(model, plan, policy, derived=chosen is None)))
+    return joined(model, planned, tp_size)
 
 
 def _verified_on_twin(model: nn.Module, plan: Plan, policy: Policy, only_custom: bool) -> Plan:

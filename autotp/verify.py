@@ -10,6 +10,7 @@ from torch import nn
 
 from .hf_compat import is_conv1d
 from .plan import Plan
+from .probe import probe_inputs
 
 
 Verdicts = dict[tuple[str, type], str | None]  # (block pattern, class) -> None if exact, else why not
@@ -101,7 +102,7 @@ def _first_tensor(value):
 
 
 def _record(model: nn.Module, blocks: set[str], plan: Plan) -> tuple[dict, str | None]:
-    """Each block's (args, kwargs, output, its row projection's output) from one forward on random ids."""
+    """Each block's (args, kwargs, output, its row projection's output) from one forward on probe inputs."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return {}, "the model is on the meta device, so nothing could be run"
     modules = dict(model.named_modules())
@@ -117,15 +118,13 @@ def _record(model: nn.Module, blocks: set[str], plan: Plan) -> tuple[dict, str |
             def on_row(module, args, output, block=block):
                 records[block].setdefault("row_output", output)
             handles.append(modules[rows[block]].register_forward_hook(on_row))
-    vocab = getattr(model.config, "vocab_size", None) or 8
-    device = next(model.parameters()).device
-    ids = torch.randint(0, min(vocab, 1000), (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
     try:
         with torch.no_grad():
+            inputs = probe_inputs(model)
             try:
-                model(input_ids=ids, use_cache=False)  # a cache would be mutated by the replays
+                model(**inputs, use_cache=False)  # a cache would be mutated by the replays
             except TypeError:
-                model(input_ids=ids)
+                model(**inputs)
     except Exception as err:  # any failure means we cannot verify, so nothing derived is sharded
         return {}, f"a probe forward failed ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
     finally:

@@ -44,6 +44,7 @@ def compare_training(
     reference: nn.Module, ids: torch.Tensor, tp_size: int, steps: int = 3,
     policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3, labels: torch.Tensor | None = None,
     sequence_parallel: bool = False, vocab_parallel: bool = True, edit: Callable[[nn.Module], Any] | None = None,
+    inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> dict:
     """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
 
@@ -54,6 +55,7 @@ def compare_training(
 
     `edit`, if given, is applied to the reference and, after `wrap`, to the wrapped model, each time
     from the same random state: what a user does to a loaded model (resize its vocabulary, unfreeze).
+    `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.probe`).
     """
     model = wrap(copy.deepcopy(reference), tp_size, policy=policy, sequence_parallel=sequence_parallel,
                  vocab_parallel=vocab_parallel)
@@ -70,7 +72,7 @@ def compare_training(
     for step in range(steps):
         losses = []
         for m in (reference, model):
-            loss = m(input_ids=ids, labels=labels).loss
+            loss = m(input_ids=ids, labels=labels, **(inputs or {})).loss
             loss.backward()
             losses.append(loss.item())
         report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))

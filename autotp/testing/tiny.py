@@ -19,10 +19,39 @@ RECIPES = {  # tried in order until a model builds
 }
 
 
+# Vision towers (in a `vision_config`): small images, and outputs as wide as the tiny text model.
+VISION = {
+    "image_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 4, "projection_dim": 64,
+    "out_hidden_size": 64, "vision_output_dim": 64,
+}
+# A composite model's own fields: as many image tokens as the tiny tower makes (4x4 patches, pooled to 4).
+COMPOSITE = {"mm_tokens_per_image": 4, "image_seq_length": 16}
+
+
 def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
-    """`model_type`'s default config with the sizes in `RECIPES[recipe]` and no dropout."""
+    """`model_type`'s default config with the sizes in `RECIPES[recipe]` and no dropout.
+
+    Sub-configs (a vision-language model's `text_config` and `vision_config`) are shrunk the same
+    way; the image token then lies inside the tiny vocabulary.
+    """
     config = AutoConfig.for_model(model_type)
-    for key, value in RECIPES[recipe].items():
+    _shrink(config, {**RECIPES[recipe], **COMPOSITE})
+    for name, sub in vars(config).items():
+        if isinstance(sub, PretrainedConfig):
+            _shrink(sub, {**RECIPES[recipe], **(VISION if "vision" in name else {})})
+            _rope_sections(sub, "vl" in model_type)
+    text = getattr(config, "text_config", None)
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(text, PretrainedConfig) and isinstance(vocab, int):
+        for key in ("image_token_id", "image_token_index"):
+            if isinstance(getattr(config, key, None), int):
+                setattr(config, key, vocab - 1)
+    return config
+
+
+def _shrink(config: PretrainedConfig, sizes: dict) -> None:
+    """Integer fields from `sizes`, token ids inside the vocabulary, dropout off, no cache."""
+    for key, value in sizes.items():
         if hasattr(config, key) and isinstance(getattr(config, key), int):
             try:
                 setattr(config, key, value)
@@ -37,6 +66,20 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or key == "layerdrop"):
             setattr(config, key, 0.0)
-        if key == "layer_types" and isinstance(value, list):
+        if key == "layer_types" and isinstance(value, list) and isinstance(getattr(config, "num_hidden_layers", None), int):
             setattr(config, key, value[: config.num_hidden_layers])
-    return config
+
+
+def _rope_sections(config: PretrainedConfig, multimodal_rope: bool) -> None:
+    """Multimodal RoPE splits head_dim / 2 into sections (Qwen-VL's mrope_section, default 16/24/24): fit the tiny head."""
+    head_dim = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // max(getattr(config, "num_attention_heads", 1) or 1, 1))
+    for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(rope, dict) and multimodal_rope:
+            rope.setdefault("mrope_section", [16, 24, 24])
+        sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if sections and sum(sections) != head_dim // 2:
+            half = head_dim // 2
+            scaled = [max(1, s * half // sum(sections)) for s in sections]
+            scaled[0] += half - sum(scaled)
+            rope["mrope_section"] = scaled

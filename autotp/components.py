@@ -1,0 +1,85 @@
+"""Composite models: the sub-models that carry a config of their own, and plans moved between module paths.
+
+A vision-language model holds a language model and a vision tower, each a `PreTrainedModel` with
+its own sub-config (head counts, widths, model type). Each is planned as a model of its own, with
+its own policy, and the plans are joined under the sub-model's path. Policies are written against a
+family's head model (`model.layers.*` for Llama), so a base sub-model is seen through `Held`, which
+puts it where its head model would: under its `base_model_prefix`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from .linears import is_linear
+from .plan import Plan
+
+
+def components(model: nn.Module) -> list[tuple[str, PreTrainedModel]]:
+    """The outermost sub-models whose config is not the model's own (empty for a plain model)."""
+    found: list[tuple[str, PreTrainedModel]] = []
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, PreTrainedModel) or module.config is model.config:
+            continue
+        if not any(name.startswith(outer + ".") for outer, _ in found):
+            found.append((name, module))
+    return found
+
+
+class Held(nn.Module):
+    """A base sub-model under its `base_model_prefix`, so names read as in its family's head model."""
+
+    def __init__(self, component: PreTrainedModel) -> None:
+        super().__init__()
+        self.config = component.config
+        self.prefix = component.base_model_prefix if component.base_model is component else ""
+        self.base_model_prefix = self.prefix
+        if self.prefix:
+            self.add_module(self.prefix, component)
+        else:
+            self.add_module("component", component)
+            self.prefix = "component"
+
+    def forward(self, *args, **kwargs):  # never run: verification runs the whole model
+        raise TypeError("autotp: a held component is only planned, never run")
+
+
+def rebased(plan: Plan, old: str, new: str) -> Plan:
+    """`plan` with every module path under `old` moved under `new` (both dotted prefixes, no trailing dot)."""
+    def move(path: str) -> str:
+        if path == old:
+            return new
+        if not path.startswith(old + "."):
+            raise ValueError(f"autotp: {path} is not under {old}")
+        return new + path[len(old):]
+
+    return replace(
+        plan,
+        layers=tuple(replace(l, path=move(l.path), block=move(l.block) if l.block else "") for l in plan.layers),
+        regions=tuple(replace(r, path=move(r.path)) for r in plan.regions),
+        attrs=tuple(replace(a, path=move(a.path)) for a in plan.attrs),
+        head_norms=tuple(move(h) for h in plan.head_norms),
+        head_inputs=tuple(replace(h, path=move(h.path)) for h in plan.head_inputs),
+        replicated=tuple((move(p), why) for p, why in plan.replicated),
+    )
+
+
+def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Plan:
+    """One plan from each component's (already rebased) plan; linears outside every component stay replicated."""
+    planned = {l.path for _, p in parts for l in p.layers} | {path for _, p in parts for path, _ in p.replicated}
+    outside = tuple((name, "outside the language and vision models (a projector or head); replicated")
+                    for name, m in model.named_modules() if is_linear(m) and name not in planned)
+    weakest = min((p.origin for _, p in parts), key=lambda origin: origin.checked_by_hand)
+    return Plan(
+        tp_size, weakest, "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),
+        layers=tuple(l for _, p in parts for l in p.layers),
+        regions=tuple(r for _, p in parts for r in p.regions),
+        attrs=tuple(a for _, p in parts for a in p.attrs),
+        head_norms=tuple(h for _, p in parts for h in p.head_norms),
+        head_inputs=tuple(h for _, p in parts for h in p.head_inputs),
+        replicated=tuple(r for _, p in parts for r in p.replicated) + outside,
+    )
+

@@ -1,0 +1,78 @@
+"""Vision-language models: the language model and the vision tower's blocks sharded, each planned from its own
+sub-config, and training on image + text inputs matching one process. Tolerances as in test_parity (fp32: only
+the order of the TP partial sums differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+import autotp
+from autotp.probe import image_token, probe_inputs
+from autotp.testing import assert_parity, parity, run_ranks, tiny_config
+
+# (model type, sub-model path of the vision tower, of the language model)
+VLMS = {
+    "llava": ("model.vision_tower", "model.language_model"),
+    "paligemma": ("model.vision_tower", "model.language_model"),
+    "gemma3": ("model.vision_tower", "model.language_model"),
+    "qwen2_vl": ("model.visual", "model.language_model"),
+    "qwen2_5_vl": ("model.visual", "model.language_model"),
+    "idefics3": ("model.vision_model", "model.text_model"),
+    "aya_vision": ("model.vision_tower", "model.language_model"),
+    "mistral3": ("model.vision_tower", "model.language_model"),
+}
+
+
+def tiny_vlm(model_type: str) -> torch.nn.Module:
+    """A tiny model whose image path carries gradient: matrices initialised to zero (Gemma3's image projection)
+    get random values, or the vision tower would be checked against zeros."""
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_config(model_type))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and not param.any():
+                param.normal_(0, 0.02)
+    return model
+
+
+def test_image_reaches_the_loss() -> None:
+    """Guards the parity tests: every tower's first layer gets a gradient from the image."""
+    for model_type, (vision, _) in VLMS.items():
+        model = tiny_vlm(model_type)
+        inputs = probe_inputs(model, batch=2, seed=1)
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        grads = [p.grad for n, p in model.named_parameters()
+                 if n.startswith(vision) and (".layers.0." in n or ".blocks.0." in n) and p.dim() == 2]
+        assert grads and all(g is not None and g.abs().max() > 1e-6 for g in grads), model_type
+
+
+def vlm_parity(rank: int, world: int, model_type: str) -> dict:
+    reference = tiny_vlm(model_type)
+    inputs = probe_inputs(reference, batch=2, seed=1)
+    ids = inputs.pop("input_ids")
+    labels = ids.clone()
+    labels[ids == image_token(reference.config)] = -100  # no loss on image positions, as processors do
+    return parity.compare_training(reference, ids, world, labels=labels, inputs=inputs)
+
+
+@pytest.mark.parametrize("model_type", sorted(VLMS))
+def test_plan_shards_language_and_vision_blocks(model_type: str) -> None:
+    vision, language = VLMS[model_type]
+    plan = autotp.build_plan(tiny_vlm(model_type), 2)
+    paths = [layer.path for layer in plan.layers]
+    assert any(p.startswith(language + ".") for p in paths), f"nothing of {language} sharded"
+    assert any(p.startswith(vision + ".") for p in paths), f"nothing of {vision} sharded: {plan.replicated}"
+    unexplained = [p for p, why in plan.replicated if not why]
+    assert not unexplained
+    projector = [p for p, why in plan.replicated if "projector" in p or "connector" in p or "merger" in p]
+    assert all(not p.startswith(language) for p in projector)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("model_type", sorted(VLMS))
+def test_vlm_training_parity(model_type: str, tp: int) -> None:
+    for report in run_ranks(vlm_parity, tp, model_type):
+        assert_parity(report)
+        assert report["sharded"] > 0, "nothing was sharded"

@@ -68,13 +68,16 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
 
 
 def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Plan:
-    """One plan from each component's (already rebased) plan; linears outside every component stay replicated."""
+    """One plan from each component's (already rebased) plan; linears outside every component stay replicated.
+
+    Its origin is that of the component holding the input embeddings (the language model): what the
+    vocabulary decisions read. `source` names every component's origin.
+    """
     planned = {l.path for _, p in parts for l in p.layers} | {path for _, p in parts for path, _ in p.replicated}
-    outside = tuple((name, "outside the language and vision models (a projector or head); replicated")
+    outside = tuple((name, "outside the sub-models planned (a projector or head); replicated")
                     for name, m in model.named_modules() if is_linear(m) and name not in planned)
-    weakest = min((p.origin for _, p in parts), key=lambda origin: origin.checked_by_hand)
     return Plan(
-        tp_size, weakest, "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),
+        tp_size, _text_origin(model, parts), "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),
         layers=tuple(l for _, p in parts for l in p.layers),
         regions=tuple(r for _, p in parts for r in p.regions),
         attrs=tuple(a for _, p in parts for a in p.attrs),
@@ -83,3 +86,14 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
         replicated=tuple(r for _, p in parts for r in p.replicated) + outside,
     )
 
+
+
+def _text_origin(model: nn.Module, parts: list[tuple[str, Plan]]):
+    """The origin of the part holding the input embeddings, else the least checked one."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    names = {id(m): name for name, m in model.named_modules()}
+    where = names.get(id(embedding), "")
+    for path, plan in parts:
+        if where.startswith(path + "."):
+            return plan.origin
+    return min((p.origin for _, p in parts), key=lambda origin: origin.checked_by_hand)

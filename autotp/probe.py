@@ -18,7 +18,8 @@ _SPECIAL_IDS = 3  # pad, bos, eos in the tiny configs: kept out of random text
 
 
 def probe_inputs(model: nn.Module, batch: int = 1, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
-    """`input_ids` (and, for vision-language models, pixel inputs and their image tokens) for one forward."""
+    """Inputs for one forward: `input_ids` (speech: `input_features`), an encoder-decoder's `decoder_input_ids`,
+    and a vision-language model's pixel inputs with as many image tokens as its tower makes."""
     config = model.config
     text = getattr(config, "text_config", None) or config
     vocab = getattr(text, "vocab_size", None) or 8
@@ -38,8 +39,15 @@ def probe_inputs(model: nn.Module, batch: int = 1, seq: int = 8, seed: int = 0) 
         for key in ("token_type_ids", "mm_token_type_ids"):  # Gemma3 / PaliGemma masks, Qwen-VL's M-RoPE
             if key in accepted:
                 inputs[key] = (ids == token).long()
+    if getattr(config, "is_encoder_decoder", False):  # the decoder and its cross-attention run too
+        inputs["decoder_input_ids"] = torch.randint(low, high, (batch, seq), generator=generator)
+    if getattr(model, "main_input_name", "input_ids") == "input_features":  # speech encoders: mel frames
+        frames = 2 * getattr(config, "max_source_positions", seq)  # Whisper's encoder takes exactly this many
+        inputs["input_features"] = torch.randn(batch, config.num_mel_bins, frames, generator=generator)
+    else:
+        inputs["input_ids"] = ids
     device = next(model.parameters()).device
-    return {"input_ids": ids.to(device), **{k: v.to(device) for k, v in inputs.items()}}
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def image_token(config) -> int | None:

@@ -61,11 +61,9 @@ DERIVED = {
     "gpt_neo": lambda: tf.GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=8, attention_types=[[["global", "local"], 1]],
                                        intermediate_size=96, vocab_size=256, max_position_embeddings=64,
                                        embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0),  # detection
-    "whisper": lambda: tf.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=8,
-                                        decoder_attention_heads=8, encoder_ffn_dim=96, decoder_ffn_dim=96,
-                                        vocab_size=256, max_target_positions=64, dropout=0.0, attention_dropout=0.0,
-                                        activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                        decoder_start_token_id=0, use_cache=False),  # detection, nested blocks
+    "xglm": lambda: tf.XGLMConfig(d_model=64, num_layers=2, attention_heads=8, ffn_dim=96, vocab_size=256,
+                                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0, layerdrop=0.0),  # detection, nested blocks
 }
 CONFIGS.update(DERIVED)
 LLAMA_FAMILY = ["gemma", "llama", "mistral", "qwen2", "qwen3"]

@@ -25,6 +25,10 @@ VLMS = {
 }
 
 
+# Their language models have a shipped policy, so their vocabulary is split too.
+VOCAB_PARALLEL = {"idefics3", "llava", "mistral3", "paligemma"}
+
+
 def tiny_vlm(model_type: str) -> torch.nn.Module:
     """A tiny model whose image path carries gradient: matrices initialised to zero (Gemma3's image projection)
     get random values, or the vision tower would be checked against zeros."""
@@ -66,8 +70,27 @@ def test_plan_shards_language_and_vision_blocks(model_type: str) -> None:
     assert any(p.startswith(vision + ".") for p in paths), f"nothing of {vision} sharded: {plan.replicated}"
     unexplained = [p for p, why in plan.replicated if not why]
     assert not unexplained
+    if model_type in VOCAB_PARALLEL:
+        assert plan.vocab is not None and plan.vocab.head == "lm_head", plan.vocab_reason
+    else:
+        assert plan.vocab is None and "policy" in plan.vocab_reason
     projector = [p for p, why in plan.replicated if "projector" in p or "connector" in p or "merger" in p]
     assert all(not p.startswith(language) for p in projector)
+
+
+def eval_logits_error(rank: int, world: int, model_type: str) -> float:
+    """Evaluation without labels: the wrapped model's (gathered) logits against one process."""
+    reference = tiny_vlm(model_type).eval()
+    inputs = probe_inputs(reference, batch=2, seed=2)
+    model = autotp.wrap(tiny_vlm(model_type), world).eval()
+    with torch.no_grad():
+        return (model(**inputs).logits - reference(**inputs).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("model_type", sorted(VOCAB_PARALLEL))
+def test_vlm_eval_logits_match(model_type: str) -> None:
+    # fp32, only the order of partial sums differs; logits are O(1)
+    assert max(run_ranks(eval_logits_error, 2, model_type)) < 1e-4
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -41,7 +41,7 @@ def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def compare_training(
-    reference: nn.Module, ids: torch.Tensor, tp_size: int, steps: int = 3,
+    reference: nn.Module, ids: torch.Tensor | None, tp_size: int, steps: int = 3,
     policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3, labels: torch.Tensor | None = None,
     sequence_parallel: bool = False, vocab_parallel: bool = True, edit: Callable[[nn.Module], Any] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
@@ -55,7 +55,8 @@ def compare_training(
 
     `edit`, if given, is applied to the reference and, after `wrap`, to the wrapped model, each time
     from the same random state: what a user does to a loaded model (resize its vocabulary, unfreeze).
-    `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.probe`).
+    `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.probe`); `ids` may
+    be None when they hold the model's main input (Whisper's `input_features`), and then `labels` is needed.
     """
     model = wrap(copy.deepcopy(reference), tp_size, policy=policy, sequence_parallel=sequence_parallel,
                  vocab_parallel=vocab_parallel)
@@ -72,7 +73,7 @@ def compare_training(
     for step in range(steps):
         losses = []
         for m in (reference, model):
-            loss = m(input_ids=ids, labels=labels, **(inputs or {})).loss
+            loss = m(**({} if ids is None else {"input_ids": ids}), labels=labels, **(inputs or {})).loss
             loss.backward()
             losses.append(loss.item())
         report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))

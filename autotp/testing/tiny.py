@@ -11,6 +11,7 @@ SHRINK = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
     "encoder_layers": 2, "decoder_layers": 2, "d_model": 64, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "max_source_positions": 16, "num_mel_bins": 16, "decoder_vocab_size": 512,
 }
 RECIPES = {  # tried in order until a model builds
     "shrunk": SHRINK,
@@ -40,6 +41,8 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
         if isinstance(sub, PretrainedConfig):
             _shrink(sub, {**RECIPES[recipe], **(VISION if "vision" in name else {})})
             _rope_sections(sub, "vl" in model_type)
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = 0  # T5 starts decoding from the pad token
     text = getattr(config, "text_config", None)
     vocab = getattr(text, "vocab_size", None)
     if isinstance(text, PretrainedConfig) and isinstance(vocab, int):
@@ -64,7 +67,7 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
             setattr(config, key, token)
     for key, value in list(vars(config).items()):
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or key == "layerdrop"):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or key.endswith("layerdrop")):
             setattr(config, key, 0.0)
         if key == "layer_types" and isinstance(value, list) and isinstance(getattr(config, "num_hidden_layers", None), int):
             setattr(config, key, value[: config.num_hidden_layers])

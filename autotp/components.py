@@ -35,13 +35,14 @@ class Held(nn.Module):
     def __init__(self, component: PreTrainedModel) -> None:
         super().__init__()
         self.config = component.config
-        self.prefix = component.base_model_prefix if component.base_model is component else ""
+        self.prefix = (component.base_model_prefix if component.base_model is component else "") or "component"
         self.base_model_prefix = self.prefix
-        if self.prefix:
-            self.add_module(self.prefix, component)
-        else:
-            self.add_module("component", component)
-            self.prefix = "component"
+        parent: nn.Module = self
+        *outer, last = self.prefix.split(".")  # a dotted prefix (Mllama's "language_model.model") nests
+        for name in outer:
+            parent.add_module(name, nn.Module())
+            parent = getattr(parent, name)
+        parent.add_module(last, component)
 
     def forward(self, *args, **kwargs):  # never run: verification runs the whole model
         raise TypeError("autotp: a held component is only planned, never run")

@@ -5,8 +5,9 @@ averaged by DDP over `autotp.dp_group` (never over the world), each DP replica r
 of the data while the TP ranks of a replica read the same batches, the reported batch size counts
 DP replicas only, the loss is normalised by the tokens of the whole global batch (summed over DP,
 not over every rank), gradients are clipped by the norm of the whole unsharded model, the logged
-loss is the mean over replicas, and `save_model` writes a full checkpoint through
-`autotp.save_pretrained` on every rank.
+loss is the mean over replicas, evaluation reads each replica's part of the eval set, bf16/fp16
+autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
+full checkpoint through `autotp.save_pretrained` on every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer
 
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_size, tp_size
+from .comm import all_gather
 from .groups import group_size
 from .io.save import save_pretrained
 
@@ -58,6 +60,8 @@ class AutoTPTrainer(Trainer):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
         if not training or isinstance(model, (DistributedDataParallel, _TPOnly)):
             return model
+        if not any(m is model for m in self.accelerator._models):  # bf16 / fp16: autocast, as Trainer's prepare does
+            self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         if dp_size(model) > 1:
             device = next(model.parameters()).device
             return DistributedDataParallel(model, process_group=dp_group(model),
@@ -75,6 +79,59 @@ class AutoTPTrainer(Trainer):
         return _EpochLoader(dataset, batch_size=self._train_batch_size, sampler=self._get_train_sampler(dataset),
                             collate_fn=collator, num_workers=self.args.dataloader_num_workers,
                             pin_memory=self.args.dataloader_pin_memory, drop_last=self.args.dataloader_drop_last)
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """Each DP replica evaluates its own part; the TP ranks of a replica read the same batches."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        return self._replica_loader(dataset, "evaluation")
+
+    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
+        return self._replica_loader(test_dataset, "test")
+
+    def _replica_loader(self, dataset: Dataset, description: str) -> DataLoader:
+        """In order, over DP replicas only, and not through `accelerator.prepare` (which splits over every rank).
+
+        Trainer averages every gathered loss, so a sampler that padded a replica with repeated samples
+        would count them twice: a dataset that does not split evenly is refused instead.
+        """
+        replicas = dp_size(self.model)
+        if len(dataset) % replicas:
+            raise ValueError(f"autotp: the {description} dataset has {len(dataset)} samples, which do not split "
+                             f"evenly over {replicas} data-parallel replicas; the padded duplicates would skew the "
+                             f"{description} loss. Use a multiple of {replicas} samples")
+        collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        return DataLoader(dataset, batch_size=self.args.eval_batch_size,
+                          sampler=data_parallel_sampler(dataset, self.model, shuffle=False), collate_fn=collator,
+                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's loop, with what each replica evaluated gathered over the DP group (Trainer resets it after)."""
+        self.gather_function = self._gather_over_replicas
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_replicas(self, value: Any) -> Any:
+        """Losses, logits or labels of every DP replica, concatenated in replica order; TP ranks of a replica
+        hold the same, so they are not gathered twice. Sequences are padded to the longest with -100, as
+        Trainer pads batches."""
+        group = dp_group(self.model)
+        if group_size(group) == 1 or value is None:
+            return value
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._gather_over_replicas(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._gather_over_replicas(v) for k, v in value.items()}
+        shapes: list = [None] * group_size(group)
+        dist.all_gather_object(shapes, tuple(value.shape), group=group)
+        if value.dim() > 1:
+            longest = max(shape[1] for shape in shapes)
+            value = nn.functional.pad(value, (*[0, 0] * (value.dim() - 2), 0, longest - value.shape[1]), value=-100)
+        parts = [value.new_empty((shape[0], *value.shape[1:])) for shape in shapes]
+        all_gather(parts, value.contiguous(), group)
+        return torch.cat(parts)
 
     def get_tp_size(self) -> int:
         return tp_size(self.model)

@@ -46,7 +46,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="per-device batch")
     parser.add_argument("--output", default="out/autotp-trainer")
     parser.add_argument("--adam-epsilon", type=float, default=1e-8)
-    parser.add_argument("--losses-out", help="write the per-step losses here as JSON (rank 0)")
+    parser.add_argument("--eval", action="store_true", help="evaluate on 16 held-out sequences after training")
+    parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bf16 autocast")
+    parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -54,18 +56,28 @@ def main() -> None:
     model = autotp.wrap(model, tp_size=args.tp)
     training = TrainingArguments(output_dir=args.output, per_device_train_batch_size=args.batch,
                                  max_steps=args.steps, learning_rate=1e-3, adam_epsilon=args.adam_epsilon,
-                                 logging_steps=1, seed=0,
+                                 logging_steps=1, seed=0, bf16=args.bf16, per_device_eval_batch_size=args.batch,
+                                 use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
                                  save_strategy="no", report_to=[], disable_tqdm=False)
     dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
-    trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset)
+    held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None
+    trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out)
+    dtypes = []  # the LM head's output dtype at each forward: shows whether bf16 autocast is on
+    model.get_output_embeddings().register_forward_hook(lambda m, i, out: dtypes.append(str(out.dtype)))
     trainer.train()
+    record = {"losses": trainer.losses, "train_dtypes": sorted(set(dtypes))}
+    if args.eval:
+        dtypes.clear()
+        record["eval_loss"] = trainer.evaluate()["eval_loss"]
+        record["eval_dtypes"] = sorted(set(dtypes))
     trainer.save_model()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(f"total train batch size {trainer.get_total_train_batch_size(training)}, "
-              f"losses {[round(x, 4) for x in trainer.losses]}; saved {args.output}")
+              f"losses {[round(x, 4) for x in trainer.losses]}"
+              + (f", eval loss {record['eval_loss']:.4f}" if args.eval else "") + f"; saved {args.output}")
         if args.losses_out:
             with open(args.losses_out, "w") as f:
-                json.dump(trainer.losses, f)
+                json.dump(record, f)
     autotp.finish()  # every rank: exiting straight after a gloo collective can abort (see autotp.finish)
 
 

@@ -1,9 +1,10 @@
-"""Run the tp=2 parity check over every causal-LM architecture of the installed transformers.
+"""Run the tp=2 parity check over every architecture of one task of the installed transformers.
 
-    python scripts/sweep_architectures.py [--only TYPE ...] [--no-readme]
+    python scripts/sweep_architectures.py [--task causal-lm|image-text|seq2seq|masked-lm] [--only TYPE ...] [--no-readme]
 
-Each architecture is built tiny from its config defaults (dims shrunk, dropout off), then trained
-3 AdamW steps single-process and at tp=2 on CPU ranks. Results:
+Each architecture is built tiny from its config defaults (dims shrunk, sub-configs too, dropout
+off), then trained 3 AdamW steps single-process and at tp=2 on CPU ranks, on `autotp.probe`
+inputs (an image with its tokens for vision-language models, decoder labels for seq2seq). Results:
   matched           parity holds and something is sharded
   replicated-only   parity holds, nothing could be sharded safely
   refused           autotp.wrap raised an error naming the module and the reason
@@ -11,8 +12,8 @@ Each architecture is built tiny from its config defaults (dims shrunk, dropout o
   run-time error    the wrapped model raised during training
 Each matched type is also planned on the meta device (as from_pretrained and `autotp plan` see it);
 that plan must equal the one wrap made. Architectures that cannot be built tiny from defaults are
-listed apart. The table is written into
-README.md between the sweep markers, and the details to scripts/sweep_results.json.
+listed apart. Each task's table is written into README.md between its sweep markers, and the
+details to scripts/sweep_results[_TASK].json.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+import transformers as tf
+from transformers.models.auto import modeling_auto
 
 import autotp
 from autotp import Origin
+from autotp.components import components
+from autotp.probe import image_token, probe_inputs
 from autotp.testing import parity
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 from autotp.testing.spawn import run_ranks
@@ -40,20 +43,43 @@ TP = 2
 MAX_PARAMS = 20_000_000
 
 
-def build(model_type: str, recipe: str = "shrunk", seed: int = 0):
+# task -> (auto class, transformers' mapping of model types, README marker suffix, what the table calls it)
+TASKS = {
+    "causal-lm": (tf.AutoModelForCausalLM, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "", "causal-LM"),
+    "image-text": (tf.AutoModelForImageTextToText, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                   "-image-text", "vision-language (image-text-to-text)"),
+    "seq2seq": (tf.AutoModelForSeq2SeqLM, modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "-seq2seq",
+                "sequence-to-sequence"),
+    "masked-lm": (tf.AutoModelForMaskedLM, modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, "-masked-lm",
+                  "masked-LM"),
+}
+
+
+def build(model_type: str, recipe: str = "shrunk", seed: int = 0, task: str = "causal-lm"):
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(model_type, recipe), dtype=torch.float32)
+    return TASKS[task][0].from_config(tiny_config(model_type, recipe), dtype=torch.float32)
 
 
-def batch(model) -> torch.Tensor:
-    vocab = min(model.config.vocab_size, 512)
-    return torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+def batch(model) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
+    """(input_ids, labels, other inputs): decoder labels for seq2seq, no loss on image positions."""
+    inputs = probe_inputs(model, batch=2, seq=16, seed=1)
+    ids = inputs.pop("input_ids", None)
+    if "decoder_input_ids" in inputs:
+        return ids, inputs.pop("decoder_input_ids"), inputs
+    labels = ids.clone()
+    token = image_token(model.config)
+    if token is not None:
+        labels[ids == token] = -100
+    return ids, labels, inputs
 
 
-def rank_job(rank: int, world: int, model_type: str, recipe: str, dtype: torch.dtype = torch.float32) -> dict:
-    model = build(model_type, recipe).to(dtype)
+def rank_job(rank: int, world: int, model_type: str, recipe: str, dtype: torch.dtype = torch.float32,
+             task: str = "causal-lm") -> dict:
+    model = build(model_type, recipe, task=task).to(dtype)
+    ids, labels, inputs = batch(model)
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     try:
-        report = parity.compare_training(model, batch(model), world, steps=3)
+        report = parity.compare_training(model, ids, world, steps=3, labels=labels, inputs=inputs)
     except (ValueError, TypeError, NotImplementedError) as err:
         if "autotp" in "".join(_frames(err)):
             return {"refused": f"{type(err).__name__}: {err}"}
@@ -67,43 +93,43 @@ def _frames(err: BaseException) -> list[str]:
     return [f.filename for f in traceback.extract_tb(err.__traceback__)][-1:]
 
 
-def buildable(model_type: str) -> tuple[str | None, str]:
+def buildable(model_type: str, task: str) -> tuple[str | None, str]:
     """The first recipe under which the model builds small and trains single-process, or why none does."""
     whys = []
     for recipe in RECIPES:
         try:
             with torch.device("meta"):  # count first: some defaults stay huge even shrunk
-                count = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+                count = sum(p.numel() for p in TASKS[task][0].from_config(
                     tiny_config(model_type, recipe)).parameters())
             if count > MAX_PARAMS:
                 whys.append(f"{count / 1e6:.0f}M parameters under recipe '{recipe}'")
                 continue
-            model = build(model_type, recipe)
-            ids = batch(model)
-            model(input_ids=ids, labels=ids).loss.backward()
+            model = build(model_type, recipe, task=task)
+            ids, labels, inputs = batch(model)
+            model(**({} if ids is None else {"input_ids": ids}), labels=labels, **inputs).loss.backward()
             return recipe, ""
         except Exception as err:
             whys.append(f"{type(err).__name__}: {str(err).splitlines()[0][:100]}" if str(err) else type(err).__name__)
     return None, whys[0]
 
 
-def classify(model_type: str) -> dict:
-    recipe, why = buildable(model_type)
+def classify(model_type: str, task: str) -> dict:
+    recipe, why = buildable(model_type, task)
     if recipe is None:
         return {"result": "not built", "note": why}
-    model = build(model_type, recipe)
+    model = build(model_type, recipe, task=task)
     try:
         plan = autotp.explain(model, TP)
     except Exception as err:
         return {"result": "refused", "note": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
     with torch.device("meta"):  # what from_pretrained and `autotp plan` see
-        meta_plan = autotp.explain(AutoModelForCausalLM.from_config(tiny_config(model_type, recipe)), TP)
+        meta_plan = autotp.explain(TASKS[task][0].from_config(tiny_config(model_type, recipe)), TP)
     same_plan = "yes" if meta_plan == plan else "NO"
     source = plan.source.split(" (")[0]
     kind = {Origin.SHIPPED: "policy", Origin.USER: "policy", Origin.HF_PLAN: "HF plan",
             Origin.DETECTED: "detection"}[plan.origin]
     try:
-        report = run_ranks(rank_job, TP, model_type, recipe)[0]
+        report = run_ranks(rank_job, TP, model_type, recipe, torch.float32, task)[0]
     except AssertionError as err:
         return {"result": "run-time error", "plan": kind, "note": str(err).strip().splitlines()[-1][:160]}
     if "refused" in report:
@@ -112,8 +138,13 @@ def classify(model_type: str) -> dict:
     worst_param = max(report["param"].values(), default=0.0)
     ok = report["loss"] <= LOSS_ATOL and worst_grad <= GRAD_RTOL and worst_param <= PARAM_ATOL
     note = f"{report['sharded']} sharded tensors"
+    parts = components(model)
+    if parts:
+        sharded_in = [path for path, _ in parts if any(l.path.startswith(path + ".") for l in plan.layers)]
+        note += f" in {', '.join(sharded_in) or 'no sub-model'} of {len(parts)} sub-models"
+        note += "; vocab-parallel" if plan.vocab is not None else ""
     if not ok:  # rounding that this model amplifies past the fp32 tolerance vanishes in fp64; a real error does not
-        exact = run_ranks(rank_job, TP, model_type, recipe, torch.float64)[0]
+        exact = run_ranks(rank_job, TP, model_type, recipe, torch.float64, task)[0]
         fp64 = max([exact["loss"], *exact["grad"].values(), *exact["param"].values()])
         ok = fp64 <= 1e-10
         note = (f"fp32 differences (loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}) "
@@ -126,16 +157,17 @@ def classify(model_type: str) -> dict:
     return {"result": result, "plan": kind, "source": source, "meta plan = wrap plan": same_plan, "note": note}
 
 
-def write_readme(results: dict[str, dict]) -> None:
+def write_readme(results: dict[str, dict], task: str) -> None:
     counts: dict[str, int] = {}
     for r in results.values():
         counts[r["result"]] = counts.get(r["result"], 0) + 1
     order = ["matched", "replicated-only", "refused", "run-time error", "MISMATCH", "not built"]
     summary = ", ".join(f"{counts.get(k, 0)} {k}" for k in order)
+    marker, title = TASKS[task][2], TASKS[task][3]
     lines = [
-        "<!-- sweep:start -->",
-        f"Swept {len(results)} causal-LM types of transformers {__import__('transformers').__version__} at tp={TP}: "
-        f"{summary}. Reproduce with `python scripts/sweep_architectures.py`.",
+        f"<!-- sweep{marker}:start -->",
+        f"Swept {len(results)} {title} types of transformers {tf.__version__} at tp={TP}: "
+        f"{summary}. Reproduce with `python scripts/sweep_architectures.py --task {task}`.",
         "",
         "| model type | result | plan from | from_pretrained plan = wrap plan | note |",
         "|---|---|---|---|---|",
@@ -144,12 +176,12 @@ def write_readme(results: dict[str, dict]) -> None:
         note = r.get("note", "").replace("|", "/")
         lines.append(f"| {model_type} | {r['result']} | {r.get('plan', '')} | {r.get('meta plan = wrap plan', '')} "
                      f"| {note} |")
-    lines.append("<!-- sweep:end -->")
+    lines.append(f"<!-- sweep{marker}:end -->")
     readme = ROOT / "README.md"
     text = readme.read_text()
     block = "\n".join(lines)
-    if "<!-- sweep:start -->" in text:
-        text = re.sub(r"<!-- sweep:start -->.*<!-- sweep:end -->", lambda _: block, text, flags=re.S)
+    if f"<!-- sweep{marker}:start -->" in text:
+        text = re.sub(rf"<!-- sweep{marker}:start -->.*<!-- sweep{marker}:end -->", lambda _: block, text, flags=re.S)
     else:
         text += "\n" + block + "\n"
     readme.write_text(text)
@@ -157,23 +189,24 @@ def write_readme(results: dict[str, dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=sorted(TASKS), default="causal-lm")
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
     args = parser.parse_args()
     torch.set_num_threads(1)  # ranks are forked from this process
-    types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    types = args.only or sorted(TASKS[args.task][1])
     results = {}
-    out = ROOT / "scripts" / "sweep_results.json"
+    out = ROOT / "scripts" / f"sweep_results{TASKS[args.task][2].replace('-', '_')}.json"
     for i, model_type in enumerate(types, 1):
         start = time.monotonic()
-        results[model_type] = classify(model_type)
+        results[model_type] = classify(model_type, args.task)
         print(f"[{i}/{len(types)}] {model_type}: {results[model_type]['result']} "
               f"({time.monotonic() - start:.1f}s) {results[model_type].get('note', '')}", flush=True)
     if args.only and out.exists():  # a partial run updates the stored full sweep
         results = {**json.loads(out.read_text()), **results}
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     if not args.no_readme:
-        write_readme(results)
+        write_readme(results, args.task)
     bad = [t for t, r in results.items() if r["result"] == "MISMATCH" or r.get("meta plan = wrap plan") == "NO"]
     sys.exit(1 if bad else 0)
 

@@ -39,11 +39,16 @@ class OneProcessTrainer(Trainer):
         return loss
 
 
-def test_trainer_dp2_tp2_losses_equal_one_process_trainer(tmp_path: Path) -> None:
+def run_trainer_example(tmp_path: Path, *flags: str) -> dict:
+    """The README's Trainer command at dp=2 x tp=2 with `flags`; returns what rank 0 recorded."""
     argv = readme_command(r"torchrun --nproc-per-node 4 examples/train_trainer\.py --tp 2")
-    run(argv + ["--steps", "4", "--adam-epsilon", "1e-6", "--losses-out", str(tmp_path / "losses.json"), "--output", str(tmp_path / "tp")])
-    got = json.loads((tmp_path / "losses.json").read_text())
+    run(argv + ["--steps", "4", "--adam-epsilon", "1e-6", "--losses-out", str(tmp_path / "losses.json"),
+                "--output", str(tmp_path / "tp"), *flags])
+    return json.loads((tmp_path / "losses.json").read_text())
 
+
+def one_process_trainer(tmp_path: Path, bf16: bool = False) -> tuple[list[float], float]:
+    """Plain transformers.Trainer on one process over the same global batches: (step losses, eval loss)."""
     from data import PatternDataset
     from train_trainer import tiny_llama
 
@@ -51,10 +56,31 @@ def test_trainer_dp2_tp2_losses_equal_one_process_trainer(tmp_path: Path) -> Non
     model = tiny_llama()
     args = TrainingArguments(output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, max_steps=4,
                              learning_rate=1e-3, adam_epsilon=1e-6, logging_steps=1, seed=0, save_strategy="no",
-                             report_to=[])
-    trainer = OneProcessTrainer(model=model, args=args, train_dataset=PatternDataset(64, 32, model.config.vocab_size))
+                             report_to=[], bf16=bf16, use_cpu=True, per_device_eval_batch_size=2)
+    vocab = model.config.vocab_size
+    trainer = OneProcessTrainer(model=model, args=args, train_dataset=PatternDataset(64, 32, vocab),
+                                eval_dataset=PatternDataset(16, 32, vocab, seed=1))
     trainer.losses = []
     trainer.train()
+    return trainer.losses, trainer.evaluate()["eval_loss"]
+
+
+def test_trainer_dp2_tp2_losses_and_eval_loss_equal_one_process_trainer(tmp_path: Path) -> None:
+    got = run_trainer_example(tmp_path, "--eval")
+    losses, eval_loss = one_process_trainer(tmp_path)
     # fp32: the two runs differ only in the order of sums (TP partials, DP gradient average); AdamW's eps is
     # 1e-6 for the reason given in autotp.testing.parity.compare_training.
-    assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, trainer.losses)) <= 1e-5, (got, trainer.losses)
+    assert len(got["losses"]) == 4 and max(abs(a - b) for a, b in zip(got["losses"], losses)) <= 1e-5, (got, losses)
+    # Evaluation: each replica reads its half of the held-out set, the TP ranks of a replica the same half.
+    assert abs(got["eval_loss"] - eval_loss) <= 1e-5, (got["eval_loss"], eval_loss)
+    assert got["train_dtypes"] == got["eval_dtypes"] == ["torch.float32"]
+
+
+def test_trainer_bf16_autocasts_from_the_first_step(tmp_path: Path) -> None:
+    got = run_trainer_example(tmp_path, "--eval", "--bf16")
+    assert got["train_dtypes"] == got["eval_dtypes"] == ["torch.bfloat16"], got
+    losses, eval_loss = one_process_trainer(tmp_path, bf16=True)
+    # bf16 autocast: matmuls round to 8 bits of mantissa (relative 4e-3) and TP changes their order of sums, so
+    # losses near 5.5 agree to a few hundredths, not to fp32's 1e-5.
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) <= 5e-2, (got["losses"], losses)
+    assert abs(got["eval_loss"] - eval_loss) <= 5e-2, (got["eval_loss"], eval_loss)

@@ -69,17 +69,36 @@ def read_policy(path: str | None) -> Policy | None:
         raise ValueError(f"{path}: not valid TOML ({err})") from None
 
 
-def build(config: PretrainedConfig, device: str | None = None) -> nn.Module:
-    """The causal LM of `config`, random weights in fp32 (or on the meta device); refuses other model kinds."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+# --task -> the transformers auto class that builds it
+TASKS = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM",
+         "image-text": "AutoModelForImageTextToText", "masked-lm": "AutoModelForMaskedLM",
+         "classification": "AutoModelForSequenceClassification"}
 
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"model type {config.model_type!r} is not a causal LM: transformers has no "
-                         f"AutoModelForCausalLM class for {type(config).__name__}")
+
+def auto_class(config: PretrainedConfig, task: str | None):
+    """The auto class for `task`; by default that of the class named in `config.architectures`, else the first
+    task (in `TASKS` order) with a class for the config."""
+    import transformers
+
+    if task is None:
+        named = (getattr(config, "architectures", None) or [""])[0]
+        mappings = {t: getattr(transformers, auto)._model_mapping for t, auto in TASKS.items()}
+        task = next((t for t, mapping in mappings.items() if named in mapping._model_mapping.values()), None) or next(
+            (t for t, mapping in mappings.items() if type(config) in mapping), "causal-lm")
+    auto = getattr(transformers, TASKS[task])
+    if type(config) not in auto._model_mapping:
+        raise ValueError(f"model type {config.model_type!r} has no {TASKS[task]} class in transformers; "
+                         f"try another --task ({', '.join(TASKS)})")
+    return auto
+
+
+def build(config: PretrainedConfig, device: str | None = None, task: str | None = None) -> nn.Module:
+    """The model of `config` for `task` (see `auto_class`), random weights in fp32 (or on the meta device)."""
+    auto = auto_class(config, task)
     if device == "meta":
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return auto.from_config(config)
+    return auto.from_config(config, dtype=torch.float32)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -87,7 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .api import explain
     from .report import summary
 
-    model = build(load_config(args.model), "meta")
+    model = build(load_config(args.model), "meta", args.task)
     plan = explain(model, args.tp, policy=read_policy(args.policy))
     info = summary(model, plan, args.batch, args.seq)
     if args.json:
@@ -105,20 +124,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | None) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from .testing.parity import compare_training
+def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | None, task: str | None) -> dict:
+    from .testing.parity import compare_training, training_inputs
 
     torch.manual_seed(0)
     path = Path(spec)
+    config = load_config(spec)
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = auto_class(config, task).from_pretrained(path, dtype=torch.float32)
     else:
-        model = build(load_config(spec))
-    vocab = getattr(model.config, "vocab_size", 256)
-    ids = torch.randint(0, min(vocab, 1000), (2, 16), generator=torch.Generator().manual_seed(1))
-    return compare_training(model, ids, world, steps=steps, policy=policy)
+        model = build(config, task=task)
+    ids, labels, inputs = training_inputs(model)
+    return compare_training(model, ids, world, steps=steps, policy=policy, labels=labels, inputs=inputs)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -127,9 +144,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .testing.spawn import run_ranks
 
     # Bad input fails here, in one line, rather than as a traceback from every rank.
-    explain(build(load_config(args.model), "meta"), args.tp, policy=read_policy(args.policy))
+    explain(build(load_config(args.model), "meta", args.task), args.tp, policy=read_policy(args.policy))
     torch.set_num_threads(1)  # the ranks are forked from this process
-    report = run_ranks(_verify_rank, args.tp, args.model, args.steps, args.policy)[0]
+    report = run_ranks(_verify_rank, args.tp, args.model, args.steps, args.policy, args.task)[0]
     if report["sharded"] == 0:
         print(f"NOTHING SHARDED: every layer of {args.model} stays replicated at tp={args.tp}, so the comparison is "
               f"trivially equal; wrap's log above says why (`autotp plan {args.model} --tp {args.tp}` shows the plan)")
@@ -187,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=positive_int, default=4, help="batch size for the collective bytes")
     plan.add_argument("--seq", type=positive_int, default=128, help="sequence length for the collective bytes")
     plan.add_argument("--policy", help="a policy TOML file")
+    plan.add_argument("--task", choices=sorted(TASKS), help="model head to build (default: from config.architectures, "
+                                                            "else causal-lm)")
     plan.add_argument("--json", action="store_true", help="print a JSON summary instead of the text")
     plan.set_defaults(run=cmd_plan)
     verify = sub.add_parser("verify", help="train on N CPU ranks and on one process; compare everything")
@@ -194,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size (CPU ranks)")
     verify.add_argument("--steps", type=positive_int, default=3, help="AdamW steps before comparing parameters")
     verify.add_argument("--policy", help="a policy TOML file")
+    verify.add_argument("--task", choices=sorted(TASKS), help="model head to build (default: from "
+                                                              "config.architectures, else causal-lm)")
     verify.add_argument("--top", type=positive_int, default=15, help="rows of the error table")
     verify.set_defaults(run=cmd_verify)
     cons = sub.add_parser("consolidate", help="turn a per-rank training checkpoint into a full HF checkpoint")

@@ -67,26 +67,49 @@ def _verified(model: nn.Module, plan: Plan, policy: Policy, derived: bool) -> Pl
     """`plan` with the blocks verification could not prove exact moved to replicated (shipped: custom classes only)."""
     if not any(p.device.type == "meta" for p in model.parameters()):
         return verify_by_emulation(model, plan, only_custom=not derived)
-    if components(model):  # the twin is built and planned as a plain model
-        return apply_verdicts(model, plan, {}, not derived, "a composite model on the meta device is not verified "
-                                                            "yet; wrap the loaded model to shard this block")
     return _verified_on_twin(model, plan, policy, only_custom=not derived)
 
 
 def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
     """A vision-language (or other composite) model: each sub-model planned from its own config and policy,
-    then verified inside the whole model, whose forward on `autotp.probe` inputs reaches every block."""
+    then verified inside the whole model (or its structural twin, on the meta device), whose forward on
+    `autotp.probe` inputs reaches every block."""
+    meta = any(p.device.type == "meta" for p in model.parameters())
+    twin = None
+    if meta:
+        with torch.device("cpu"):  # the caller may have made meta the default device
+            twin = structural_twin(model)
+    twin_parts = dict(components(twin)) if twin is not None else {}
     planned = []
     for path, component in parts:
-        held = Held(component)
         chosen = find_policy(component.config.model_type)
-        policy = chosen or derive_policy(held)
-        try:
-            plan = rebased(plan_from_policy(held, tp_size, policy), held.prefix, path)
-        except ValueError as err:
-            raise ValueError(f"{path} ({type(component).__name__}): {err}") from None
-        planned.append((path, _verified(model, plan, policy, derived=chosen is None)))
+        policy = chosen or derive_policy(Held(component))
+        plan = _component_plan(component, path, tp_size, policy)
+        only_custom = chosen is not None
+        if not meta:
+            plan = verify_by_emulation(model, plan, only_custom)
+        elif path not in twin_parts:
+            plan = apply_verdicts(model, plan, {}, only_custom, "the model is on the meta device and no structural "
+                                                                "twin of it could be built to run")
+        else:
+            try:
+                twin_plan = _component_plan(twin_parts[path], path, tp_size, policy)
+            except ValueError as err:
+                plan = apply_verdicts(model, plan, {}, only_custom, f"its structural twin plans differently ({err})")
+            else:
+                with torch.device("cpu"):
+                    found = verdicts(twin, twin_plan, only_custom)
+                plan = apply_verdicts(model, plan, found, only_custom, "its block is not in the structural twin")
+        planned.append((path, plan))
     return joined(model, planned, tp_size)
+
+
+def _component_plan(component: nn.Module, path: str, tp_size: int, policy: Policy) -> Plan:
+    held = Held(component)
+    try:
+        return rebased(plan_from_policy(held, tp_size, policy), held.prefix, path)
+    except ValueError as err:
+        raise ValueError(f"{path} ({type(component).__name__}): {err}") from None
 
 
 def _verified_on_twin(model: nn.Module, plan: Plan, policy: Policy, only_custom: bool) -> Plan:

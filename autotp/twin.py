@@ -16,11 +16,14 @@ import logging
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 log = logging.getLogger("autotp")
 
 _WIDTHS = {"hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d_kv", "ffn_dim", "n_embd", "n_inner",
-           "rotary_dim", "embed_dim", "word_embed_proj_dim", "ffn_hidden_size", "kv_channels"}
+           "rotary_dim", "embed_dim", "word_embed_proj_dim", "ffn_hidden_size", "kv_channels",
+           # a vision tower's output width, which is its language model's input width
+           "out_hidden_size", "projection_dim", "vision_output_dim", "text_hidden_size", "mm_hidden_size"}
 _MIN_HEAD_DIM = 8  # keeps partial rotary fractions (1/4, 1/2) whole and even
 _TWIN_VOCAB = 512
 _MAX_TWIN_PARAMS = 400_000_000  # ~1.6 GB in fp32: beyond this the twin is not built
@@ -36,8 +39,24 @@ def width_fields(config) -> dict[str, int]:
     return out
 
 
+def sub_configs(config) -> dict[str, object]:
+    """A composite config's sub-configs (a vision-language model's `text_config`, `vision_config`)."""
+    return {name: value for name, value in vars(config).items() if isinstance(value, PretrainedConfig)}
+
+
 def shrink_factor(config) -> int:
-    """The largest power of two that divides every width and leaves at least `_MIN_HEAD_DIM` per head."""
+    """The largest power of two that divides every width and leaves at least `_MIN_HEAD_DIM` per head.
+
+    A composite config takes the smallest factor of its parts, so widths shared between them (a
+    tower's output and the language model's input) stay equal.
+    """
+    parts = sub_configs(config)
+    if parts:
+        return min([_own_factor(config), *(shrink_factor(part) for part in parts.values())])
+    return _own_factor(config)
+
+
+def _own_factor(config) -> int:
     widths = width_fields(config)
     heads = getattr(config, "num_attention_heads", None)
     head_dim = widths.get("head_dim") or (widths.get("hidden_size", 0) // heads if isinstance(heads, int) and heads
@@ -48,10 +67,15 @@ def shrink_factor(config) -> int:
     return factor
 
 
-def twin_config(config):
-    """`config` with every width divided by `shrink_factor` and the vocabulary cut to `_TWIN_VOCAB`."""
+def twin_config(config, factor: int | None = None):
+    """`config` with every width divided by `shrink_factor` and the vocabulary cut to `_TWIN_VOCAB`.
+
+    Sub-configs are narrowed by the same factor; image token ids move inside the cut vocabulary.
+    """
     twin = copy.deepcopy(config)
-    factor = shrink_factor(config)
+    factor = factor or shrink_factor(config)
+    for name, part in sub_configs(config).items():
+        setattr(twin, name, twin_config(part, factor))
     for name, value in width_fields(config).items():
         setattr(twin, name, value // factor)
     vocab = getattr(twin, "vocab_size", None)
@@ -60,6 +84,10 @@ def twin_config(config):
         for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
             if isinstance(getattr(twin, key, None), int) and getattr(twin, key) >= _TWIN_VOCAB:
                 setattr(twin, key, token)
+    text_vocab = getattr(getattr(twin, "text_config", None), "vocab_size", None)
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(text_vocab, int) and isinstance(getattr(twin, key, None), int) and getattr(twin, key) >= text_vocab:
+            setattr(twin, key, text_vocab - 1)
     twin.use_cache = False
     return twin
 

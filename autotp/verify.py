@@ -126,11 +126,17 @@ def _record(model: nn.Module, blocks: set[str], plan: Plan) -> tuple[dict, str |
             except TypeError:
                 model(**inputs)
     except Exception as err:  # any failure means we cannot verify, so nothing derived is sharded
-        return {}, f"a probe forward failed ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
+        return {}, f"a probe forward failed ({_what(err, 120)})"
     finally:
         for handle in handles:
             handle.remove()
     return records, None
+
+
+def _what(err: Exception, width: int) -> str:
+    """An exception as one short line: its type, and its message's first line if it has one."""
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0][:width]}" if lines else type(err).__name__
 
 
 def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -> str | None:
@@ -153,7 +159,7 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
         try:
             total += _partial(block, path, layers, attrs, rank, record).float()
         except Exception as err:  # the block cannot run on a shard at all: keep it whole
-            return f"a shard of it fails to run ({type(err).__name__}: {str(err).splitlines()[0][:100]})"
+            return f"a shard of it fails to run ({_what(err, 100)})"
     err = (total - expected).abs().max().item()
     scale = expected.abs().max().item() or 1.0
     tolerance = (1e-4 if expected.dtype == torch.float32 else 2e-2) * scale

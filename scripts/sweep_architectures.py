@@ -32,7 +32,6 @@ from transformers.models.auto import modeling_auto
 import autotp
 from autotp import Origin
 from autotp.components import components
-from autotp.probe import image_token, probe_inputs
 from autotp.testing import parity
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 from autotp.testing.spawn import run_ranks
@@ -61,16 +60,7 @@ def build(model_type: str, recipe: str = "shrunk", seed: int = 0, task: str = "c
 
 
 def batch(model) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
-    """(input_ids, labels, other inputs): decoder labels for seq2seq, no loss on image positions."""
-    inputs = probe_inputs(model, batch=2, seq=16, seed=1)
-    ids = inputs.pop("input_ids", None)
-    if "decoder_input_ids" in inputs:
-        return ids, inputs.pop("decoder_input_ids"), inputs
-    labels = ids.clone()
-    token = image_token(model.config)
-    if token is not None:
-        labels[ids == token] = -100
-    return ids, labels, inputs
+    return parity.training_inputs(model, batch=2, seq=16, seed=1)
 
 
 def rank_job(rank: int, world: int, model_type: str, recipe: str, dtype: torch.dtype = torch.float32,

@@ -59,3 +59,17 @@ def test_verify_fails_and_names_the_parameter_when_a_reduction_is_skipped(tmp_pa
     done = cli("verify", "qwen3", "--tp", "2", "--policy", str(policy))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "MISMATCH" in done.stdout and "_norm.weight" in done.stdout.split("MISMATCH")[1]
+
+
+def test_plan_builds_the_task_the_model_type_has() -> None:
+    """No --task: a vision-language type is built as one, and both its sub-models show sharded."""
+    done = cli("plan", "llava", "--tp", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    paths = [layer["path"] for layer in json.loads(done.stdout)["layers"]]
+    assert any(p.startswith("model.vision_tower.") for p in paths)
+    assert any(p.startswith("model.language_model.") for p in paths)
+
+
+def test_verify_seq2seq_task() -> None:
+    done = cli("verify", "bart", "--tp", "2", "--task", "seq2seq", "--steps", "1")
+    assert done.returncode == 0 and "OK:" in done.stdout, done.stdout + done.stderr

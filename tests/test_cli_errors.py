@@ -45,9 +45,14 @@ def test_plan_refuses_a_directory_without_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["plan", "verify"])
-def test_a_model_that_is_not_a_causal_lm_is_refused(command: str) -> None:
+def test_a_model_without_a_text_head_is_refused(command: str) -> None:
     line = one_line_error(cli(command, "vit", "--tp", "2"), command)
-    assert "'vit' is not a causal LM" in line and "ViTConfig" in line
+    assert "'vit' has no AutoModelForCausalLM class" in line and "--task" in line
+
+
+def test_a_task_the_model_lacks_is_refused() -> None:
+    line = one_line_error(cli("plan", "llama", "--tp", "2", "--task", "seq2seq"), "plan")
+    assert "'llama' has no AutoModelForSeq2SeqLM class" in line
 
 
 def test_plan_names_a_policy_file_that_is_not_toml(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import torch
 import transformers as tf
 
 import autotp
-from autotp.probe import probe_inputs
 from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 
 SEQ2SEQ = ["bart", "blenderbot", "blenderbot-small", "m2m_100", "marian", "mbart", "pegasus", "plbart", "t5", "whisper"]
@@ -23,19 +22,11 @@ def tiny(model_type: str) -> torch.nn.Module:
     return auto.from_config(tiny_config(model_type))
 
 
-def seq2seq_parity(rank: int, world: int, model_type: str) -> dict:
+def task_parity(rank: int, world: int, model_type: str) -> dict:
+    """Decoder labels for seq2seq (the model shifts them into the decoder's inputs), classes for classifiers."""
     reference = tiny(model_type)
-    inputs = probe_inputs(reference, batch=2, seq=12, seed=1)
-    labels = inputs.pop("decoder_input_ids")  # the model shifts them right into the decoder's inputs
-    return parity.compare_training(reference, inputs.pop("input_ids", None), world, labels=labels, inputs=inputs)
-
-
-def encoder_parity(rank: int, world: int, model_type: str) -> dict:
-    reference = tiny(model_type)
-    ids = probe_inputs(reference, batch=2, seq=12, seed=1)["input_ids"]
-    labels = {tf.AutoModelForSequenceClassification: torch.tensor([0, 1]),
-              tf.AutoModelForTokenClassification: ids % 2}.get(ENCODERS[model_type], ids)
-    return parity.compare_training(reference, ids, world, labels=labels)
+    ids, labels, inputs = parity.training_inputs(reference, seq=12)
+    return parity.compare_training(reference, ids, world, labels=labels, inputs=inputs)
 
 
 def test_cross_attention_is_column_over_encoder_output() -> None:
@@ -54,10 +45,16 @@ def test_t5_self_attention_with_relative_bias_stays_replicated_with_reason() -> 
     assert any(layer.path.startswith("encoder.block.0.layer.1.DenseReluDense.") for layer in plan.layers)
 
 
+def test_block_failing_with_an_empty_message_stays_replicated_with_a_reason() -> None:
+    """FSMT's attention asserts without a message on a shard: the plan says so instead of crashing."""
+    plan = autotp.build_plan(tf.AutoModelForSeq2SeqLM.from_config(tiny_config("fsmt")), 2)
+    assert any("fails to run (AssertionError)" in why for _, why in plan.replicated)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("model_type", SEQ2SEQ)
 def test_seq2seq_training_parity(model_type: str, tp: int) -> None:
-    for report in run_ranks(seq2seq_parity, tp, model_type):
+    for report in run_ranks(task_parity, tp, model_type):
         assert_parity(report)
         assert report["sharded"] > 0, "nothing was sharded"
 
@@ -65,6 +62,6 @@ def test_seq2seq_training_parity(model_type: str, tp: int) -> None:
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("model_type", sorted(ENCODERS))
 def test_encoder_task_head_parity(model_type: str, tp: int) -> None:
-    for report in run_ranks(encoder_parity, tp, model_type):
+    for report in run_ranks(task_parity, tp, model_type):
         assert_parity(report)
         assert report["sharded"] > 0, "nothing was sharded"

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 import autotp
-from autotp.probe import image_token, probe_inputs
+from autotp.probe import probe_inputs
 from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 
 # (model type, sub-model path of the vision tower, of the language model)
@@ -41,6 +41,14 @@ def tiny_vlm(model_type: str) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.parametrize("model_type", sorted(VLMS))
+def test_meta_device_plan_equals_wrap_plan(model_type: str) -> None:
+    """from_pretrained and `autotp plan` plan on the meta device: verified on the composite's structural twin."""
+    with torch.device("meta"):
+        meta = AutoModelForImageTextToText.from_config(tiny_config(model_type))
+    assert autotp.explain(meta, 2) == autotp.build_plan(tiny_vlm(model_type), 2)
+
+
 def test_image_reaches_the_loss() -> None:
     """Guards the parity tests: every tower's first layer gets a gradient from the image."""
     for model_type, (vision, _) in VLMS.items():
@@ -54,10 +62,7 @@ def test_image_reaches_the_loss() -> None:
 
 def vlm_parity(rank: int, world: int, model_type: str) -> dict:
     reference = tiny_vlm(model_type)
-    inputs = probe_inputs(reference, batch=2, seed=1)
-    ids = inputs.pop("input_ids")
-    labels = ids.clone()
-    labels[ids == image_token(reference.config)] = -100  # no loss on image positions, as processors do
+    ids, labels, inputs = parity.training_inputs(reference, seq=8)  # no loss on image positions
     return parity.compare_training(reference, ids, world, labels=labels, inputs=inputs)
 
 

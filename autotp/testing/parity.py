@@ -17,6 +17,7 @@ from torch import nn
 from ..api import wrap
 from ..comm import all_gather_full
 from ..groups import Group
+from ..probe import image_token, probe_inputs
 from ..state import state_of
 
 # fp32 tolerances: tensor parallelism changes only the order of sums. Loss: absolute. Gradients: relative to
@@ -38,6 +39,30 @@ def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     hold only rounding noise.
     """
     return ((got - expected).abs().max() / expected.abs().max().clamp_min(GRAD_FLOOR)).item()
+
+
+def training_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 1
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
+    """(input_ids, labels, other inputs) for one training batch of any task, from `autotp.probe`.
+
+    Seq2seq: the decoder ids are the labels (the model shifts them right). Vision-language: no loss on
+    image positions, as processors do. Classification: a class per sequence or per token.
+    """
+    inputs = probe_inputs(model, batch=batch, seq=seq, seed=seed)
+    ids = inputs.pop("input_ids", None)
+    if "decoder_input_ids" in inputs:
+        return ids, inputs.pop("decoder_input_ids"), inputs
+    loss_type = getattr(model, "loss_type", None) or ""
+    classes = getattr(model.config, "num_labels", 2)
+    if loss_type.endswith("ForSequenceClassification"):
+        return ids, torch.arange(batch) % classes, inputs
+    if loss_type.endswith("ForTokenClassification"):
+        return ids, ids % classes, inputs
+    labels = ids.clone()
+    token = image_token(model.config)
+    if token is not None:
+        labels[ids == token] = -100
+    return ids, labels, inputs
 
 
 def compare_training(

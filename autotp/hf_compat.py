@@ -36,13 +36,15 @@ def is_conv1d(module: nn.Module) -> bool:
 def is_causal_lm(model: nn.Module) -> bool:
     """Whether transformers classifies the model's loss as causal-LM cross-entropy (`PreTrainedModel.loss_type`).
 
-    "ForConditionalGeneration" maps to the same loss in transformers; for a decoder-only model (a
-    vision-language model) that is the causal LM's shifted cross-entropy, while an encoder-decoder's
-    labels are not shifted, so it is left out.
+    "ForConditionalGeneration" maps to the same loss in transformers. Only vision-language models
+    (a `vision_config`, no encoder-decoder) are counted: their forward calls `self.loss_function`
+    (the image-text sweep runs every one), while others of that name (Qwen2-Audio) still compute
+    cross-entropy inline, which vocab-sharded logits would break.
     """
     loss_type = getattr(model, "loss_type", None)
-    return loss_type == "ForCausalLM" or (
-        loss_type == "ForConditionalGeneration" and not getattr(model.config, "is_encoder_decoder", False))
+    config = model.config
+    return loss_type == "ForCausalLM" or (loss_type == "ForConditionalGeneration" and not getattr(
+        config, "is_encoder_decoder", False) and getattr(config, "vision_config", None) is not None)
 
 
 def keys_to_ignore_on_save(model: nn.Module) -> set[str]:

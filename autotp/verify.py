@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import replace
 
 import torch
@@ -29,22 +30,27 @@ def verdicts(model: nn.Module, plan: Plan, only_custom: bool = False) -> Verdict
     only that rank's rows; the sum of those partial outputs must equal the recorded output. A
     block whose row projection is not its last step, or that holds parameters besides its
     projections (whose gradients would be partial), or whose sum differs, fails. One instance per
-    (pattern, class) is checked: instances of one class run the same code. `only_custom` checks
+    (pattern, class) is checked, the first the probe reached: instances of one class run the same code. `only_custom` checks
     just blocks whose class is not transformers' own (a shipped policy is tested on those).
     Dropout is off while it runs; every module's mode is restored afterwards.
     """
     modules = dict(model.named_modules())
     blocks = _checked_blocks(modules, plan, only_custom)
-    first_of: dict[tuple, str] = {}
+    instances: dict[tuple, list[str]] = {}
     for block in blocks:
-        first_of.setdefault(_key(block, modules), block)
-    if not first_of:
+        instances.setdefault(_key(block, modules), []).append(block)
+    if not instances:
         return {}
     modes = {m: m.training for m in model.modules()}
     model.eval()  # dropout would make the replays differ from the recording
     try:
-        records, problem = _record(model, set(first_of.values()), plan)
-        return {key: problem or _check_block(modules[b], b, plan, records.get(b)) for key, b in first_of.items()}
+        records, problem = _record(model, set(blocks), plan)
+        found = {}
+        for key, members in instances.items():
+            # the first instance the probe reached: a router may send no token to some experts
+            block = next((b for b in members if records.get(b)), members[0])
+            found[key] = problem or _check_block(modules[block], block, plan, records.get(block))
+        return found
     finally:
         for module, training in modes.items():
             module.training = training
@@ -90,7 +96,8 @@ def _key(block: str, modules: dict[str, nn.Module]) -> tuple[str, type]:
 
 
 def _pattern(path: str) -> str:
-    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+    """`path` with its indices as `*`: layer numbers, and numbered siblings such as `experts.expert_3`."""
+    return ".".join(re.sub(r"\d+$", "*", part) for part in path.split("."))
 
 
 def _first_tensor(value):

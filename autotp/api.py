@@ -23,7 +23,7 @@ from .groups import (
     DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
     launched_by_torchrun, world_timeout,
 )
-from .guards import DDPGuard, InputCheck
+from .guards import DDPGuard, InputCheck, SwapGuard, refuse_adapters
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
@@ -64,6 +64,7 @@ def wrap(
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
+    refuse_adapters(model)
     state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout)
     if state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl" and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))
@@ -147,6 +148,10 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
         model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
         if check_inputs:
             model.register_forward_pre_hook(InputCheck(), with_kwargs=True)
+        if state.tp_group is not None:  # at tp 1 nothing is sharded, so an adapter sees whole weights
+            vocab_head = plan.vocab.head if plan.vocab is not None else None
+            SwapGuard.install(model, {layer.path: model.get_submodule(layer.path) for layer in plan.layers
+                                      if layer.path != vocab_head})
         broadcast_replicated(model, tp_group)  # last: it writes all of its tensors only once all arrived
     except BaseException:
         snapshot.restore()

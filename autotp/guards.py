@@ -3,6 +3,8 @@
 - TP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
 - DistributedDataParallel over a group that holds two ranks of one TP group, which would average
   different shards together (`DDPGuard`).
+- A sharded layer swapped for another module after `wrap` (PEFT's `get_peft_model` wraps each target
+  in a LoRA layer that sees only the shard and adds an update nobody reduces) (`SwapGuard`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from .groups import group_size
+from .hf_compat import adapter_module
 from .replicas import check_replicas
 from .state import state_of
 
@@ -112,3 +115,47 @@ def _ddp_under_construction() -> DistributedDataParallel | None:
     frame = sys._getframe(2)
     ddp = frame.f_locals.get("self") if frame is not None else None
     return ddp if isinstance(ddp, DistributedDataParallel) and hasattr(ddp, "process_group") else None
+
+
+PEFT_UNSUPPORTED = ("PEFT adapters (LoRA and others) on a tensor-parallel model are not supported yet: the adapter "
+                    "would see only this rank's shard and its update would never be reduced, giving wrong results. "
+                    "Train adapters at tp_size=1, or fine-tune the full model under autotp")
+
+
+def refuse_adapters(model: nn.Module) -> None:
+    """Refuse a model that already holds PEFT modules, before anything changes."""
+    found = adapter_module(model)
+    if found is not None:
+        raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
+
+
+class SwapGuard:
+    """Forward pre-hook on each block holding sharded layers: refuses to run once one was replaced.
+
+    Hooks sit on the blocks, not on the model: PEFT calls the model's `forward` directly, which skips
+    the model's own hooks, while blocks are still called as modules. A check is one dict lookup per layer.
+    """
+
+    def __init__(self, block: nn.Module, block_path: str, slots: dict[str, nn.Module]):
+        self.block_path, self.slots = block_path, slots
+        block.register_forward_pre_hook(self)
+
+    def __call__(self, block: nn.Module, args: tuple) -> None:
+        for name, layer in self.slots.items():
+            current = block._modules.get(name)
+            if current is not layer:
+                found = adapter_module(current) if current is not None else None
+                why = PEFT_UNSUPPORTED if found else (
+                    "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
+                raise RuntimeError(f"autotp: {self.block_path}.{name} was replaced after wrap by "
+                                   f"{type(current).__module__}.{type(current).__qualname__}. {why}")
+
+    @classmethod
+    def install(cls, model: nn.Module, layers: dict[str, nn.Module]) -> None:
+        """Guard every sharded layer (path -> layer) from its parent block."""
+        by_parent: dict[str, dict[str, nn.Module]] = {}
+        for path, layer in layers.items():
+            parent, _, name = path.rpartition(".")
+            by_parent.setdefault(parent, {})[name] = layer
+        for parent, slots in by_parent.items():
+            cls(model.get_submodule(parent), parent, slots)

@@ -33,6 +33,14 @@ def is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
+def adapter_module(model: nn.Module) -> tuple[str, str] | None:
+    """The first module (path, class) that a parameter-efficient tuning library (PEFT) put into `model`."""
+    for path, module in model.named_modules():
+        if type(module).__module__.split(".")[0] == "peft":
+            return path or "the model itself", f"{type(module).__module__}.{type(module).__qualname__}"
+    return None
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """Whether transformers classifies the model's loss as causal-LM cross-entropy (`PreTrainedModel.loss_type`).
 

@@ -107,8 +107,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         softmax, local, mine, valid = ctx.saved_tensors
         out = softmax
-        rows = mine.nonzero(as_tuple=True)
-        out[rows + (local[rows],)] -= 1 - ctx.smoothing
+        # minus (1 - smoothing) at each row's target, where this rank holds it: a scatter, not a nonzero
+        # (whose data-dependent shape breaks torch.compile's graph)
+        target = local.clamp(0, out.shape[-1] - 1).unsqueeze(-1)
+        out.scatter_add_(-1, target, mine.to(out.dtype).unsqueeze(-1) * -(1 - ctx.smoothing))
         if ctx.smoothing:
             out -= ctx.smoothing / ctx.full_vocab
         out *= (grad * valid).unsqueeze(-1)

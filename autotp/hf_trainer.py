@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -26,6 +27,9 @@ from transformers import Trainer
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_size, tp_size
 from .comm import all_gather
 from .groups import group_size
+from .data_parallel import dp_rank, tp_rank
+from .io.errors import CheckpointError
+from .io.load import checkpoint_files, load_params
 from .io.save import save_pretrained
 
 
@@ -181,6 +185,45 @@ class AutoTPTrainer(Trainer):
             dist.all_reduce(loss, group=group)
             loss /= group_size(group)
         return loss
+
+    def _optimizer_file(self) -> str:
+        return f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}.pt"
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0).
+
+        Trainer writes one `optimizer.pt` from rank 0, which would hold rank 0's shards only; it is
+        replaced by these files. The scheduler and scaler are Trainer's.
+        """
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save and os.path.isfile(os.path.join(output_dir, "optimizer.pt")):
+            os.remove(os.path.join(output_dir, "optimizer.pt"))
+        if dp_rank(self.model) == 0:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, self._optimizer_file()))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """This TP rank's optimizer state, then Trainer's scheduler."""
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, self._optimizer_file())
+        if not os.path.isfile(path):
+            found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
+            raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored (the "
+                                  f"checkpoint holds {found or 'no optimizer files'}); resume at the tp size it "
+                                  f"was saved with, from a checkpoint AutoTPTrainer wrote")
+        device = next(self.model.parameters()).device
+        self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+        scheduler = os.path.join(checkpoint, "scheduler.pt")
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The full checkpoint `_save` wrote, read as this rank's rows into the wrapped model's own parameters."""
+        model = self.model
+        param = next(model.parameters())
+        load_params(model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
+                    show=self.args.should_save, in_place=True)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""

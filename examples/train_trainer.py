@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--adam-epsilon", type=float, default=1e-8)
     parser.add_argument("--eval", action="store_true", help="evaluate on 16 held-out sequences after training")
     parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bf16 autocast")
+    parser.add_argument("--save-steps", type=int, help="write a resumable Trainer checkpoint every N steps")
+    parser.add_argument("--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))")
     parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
     args = parser.parse_args()
 
@@ -58,13 +60,14 @@ def main() -> None:
                                  max_steps=args.steps, learning_rate=1e-3, adam_epsilon=args.adam_epsilon,
                                  logging_steps=1, seed=0, bf16=args.bf16, per_device_eval_batch_size=args.batch,
                                  use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
-                                 save_strategy="no", report_to=[], disable_tqdm=False)
+                                 save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+                                 report_to=[], disable_tqdm=False)
     dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
     held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None
     trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out)
     dtypes = []  # the LM head's output dtype at each forward: shows whether bf16 autocast is on
     model.get_output_embeddings().register_forward_hook(lambda m, i, out: dtypes.append(str(out.dtype)))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
     record = {"losses": trainer.losses, "train_dtypes": sorted(set(dtypes))}
     if args.eval:
         dtypes.clear()

@@ -73,12 +73,13 @@ def _read_index(index: Path) -> dict[str, Path]:
 
 
 def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
-                show: bool) -> None:
+                show: bool, in_place: bool = False) -> None:
     """Replace every meta parameter by its loaded rows (tied parameters stay one object).
 
     Everything is read first; then the TP group agrees (a collective when the model has one), and
     only if every rank succeeded does any parameter change. Checkpoint tensors the model does not
-    use are listed in a warning, as transformers does.
+    use are listed in a warning, as transformers does. `in_place` copies into a wrapped model's
+    existing parameters instead, which keeps the optimizer's and the gradient hooks' references.
     """
     state = find_state(model)
     error = None
@@ -94,7 +95,11 @@ def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devic
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in loaded:
-                module._parameters[name] = loaded[id(param)]
+                if in_place:
+                    with torch.no_grad():
+                        param.copy_(loaded[id(param)])
+                else:
+                    module._parameters[name] = loaded[id(param)]
     for buffer, tensor in buffers:
         buffer.data = tensor
     if show:

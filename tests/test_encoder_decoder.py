@@ -12,6 +12,7 @@ from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 
 SEQ2SEQ = ["bart", "blenderbot", "blenderbot-small", "m2m_100", "marian", "mbart", "pegasus", "plbart", "t5", "whisper"]
 ENCODERS = {"bert": tf.AutoModelForSequenceClassification, "roberta": tf.AutoModelForMaskedLM,
+            "modernbert": tf.AutoModelForMaskedLM,
             "xlm-roberta": tf.AutoModelForTokenClassification}
 
 

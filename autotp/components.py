@@ -85,6 +85,7 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
         head_norms=tuple(h for _, p in parts for h in p.head_norms),
         head_inputs=tuple(h for _, p in parts for h in p.head_inputs),
         replicated=tuple(r for _, p in parts for r in p.replicated) + outside,
+        vocab_reason=next((p.vocab_reason for _, p in parts if p.vocab_reason), ""),
     )
 
 

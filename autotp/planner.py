@@ -156,7 +156,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
     )
     source = repr(policy.name) + (f" ({policy.description})" if policy.description else "")
     return Plan(tp_size, policy.origin, source, tuple(acc.layers), tuple(acc.regions), tuple(acc.attrs), tuple(acc.head_norms),
-                tuple(acc.head_inputs), replicated)
+                tuple(acc.head_inputs), replicated, vocab_reason=policy.no_vocab_parallel)
 
 
 @dataclass
@@ -326,6 +326,8 @@ def with_vocab(model: nn.Module, plan: Plan) -> Plan:
 def _vocab_refusal(model: nn.Module, plan: Plan) -> str:
     if plan.tp_size == 1:
         return "tp_size=1"
+    if plan.vocab_reason:  # the policy says why not
+        return plan.vocab_reason
     if not plan.origin.checked_by_hand:
         return "only models covered by a policy (the loss and logits path of others is unchecked)"
     if not is_causal_lm(model):

@@ -57,6 +57,7 @@ class Policy:
     origin: Origin
     description: str = ""
     path: str | None = field(default=None, compare=False)  # the TOML file, when read from one
+    no_vocab_parallel: str = ""  # why the vocabulary must stay replicated (its loss is computed inline), if so
 
 
 def _policy_dir() -> Path:
@@ -99,7 +100,7 @@ def _names(value: Any, where: str) -> tuple[str, ...]:
 
 def parse_policy(data: Mapping[str, Any], name: str, origin: Origin, path: str | None = None) -> Policy:
     """A `Policy` from a TOML-shaped dict, with errors that name the offending key."""
-    known = {"description", "model_types", *_LAYOUT_ROLES}
+    known = {"description", "model_types", "no_vocab_parallel", *_LAYOUT_ROLES}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"policy {name!r}: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
@@ -107,8 +108,11 @@ def parse_policy(data: Mapping[str, Any], name: str, origin: Origin, path: str |
         _rule(kind, raw, f"policy {name!r}, {kind} rule {i}")
         for kind in _LAYOUT_ROLES for i, raw in enumerate(data.get(kind, ()))
     )
+    reason = data.get("no_vocab_parallel", "")
+    if not isinstance(reason, str):
+        raise ValueError(f"policy {name!r}: no_vocab_parallel must be a string saying why, got {reason!r}")
     return Policy(name=name, model_types=tuple(data.get("model_types", ())), rules=rules,
-                  origin=origin, description=data.get("description", ""), path=path)
+                  origin=origin, description=data.get("description", ""), path=path, no_vocab_parallel=reason)
 
 
 def load_policy(path: str | Path, origin: Origin = Origin.USER) -> Policy:

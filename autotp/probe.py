@@ -39,7 +39,8 @@ def probe_inputs(model: nn.Module, batch: int = 1, seq: int = 8, seed: int = 0) 
         for key in ("token_type_ids", "mm_token_type_ids"):  # Gemma3 / PaliGemma masks, Qwen-VL's M-RoPE
             if key in accepted:
                 inputs[key] = (ids == token).long()
-    if getattr(config, "is_encoder_decoder", False):  # the decoder and its cross-attention run too
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in _parameters(model.forward):
+        # the decoder and its cross-attention run too (BartForCausalLM, a decoder alone, takes none)
         inputs["decoder_input_ids"] = torch.randint(low, high, (batch, seq), generator=generator)
     if getattr(model, "main_input_name", "input_ids") == "input_features":  # speech encoders: mel frames
         frames = 2 * getattr(config, "max_source_positions", seq)  # Whisper's encoder takes exactly this many

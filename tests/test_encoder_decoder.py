@@ -52,6 +52,21 @@ def test_block_failing_with_an_empty_message_stays_replicated_with_a_reason() ->
     assert any("fails to run (AssertionError)" in why for _, why in plan.replicated)
 
 
+def decoder_alone_parity(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    reference = tf.AutoModelForCausalLM.from_config(tiny_config("bart"))
+    ids, labels, inputs = parity.training_inputs(reference, seq=12)
+    return parity.compare_training(reference, ids, world, labels=labels, inputs=inputs)
+
+
+def test_bart_decoder_alone_keeps_its_vocabulary_whole() -> None:
+    """BartForCausalLM computes cross-entropy inline, so its policy turns vocab parallelism off, and says why."""
+    plan = autotp.build_plan(tf.AutoModelForCausalLM.from_config(tiny_config("bart")), 2)
+    assert plan.vocab is None and "inline" in plan.vocab_reason
+    for report in run_ranks(decoder_alone_parity, 2):
+        assert_parity(report)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("model_type", SEQ2SEQ)
 def test_seq2seq_training_parity(model_type: str, tp: int) -> None:

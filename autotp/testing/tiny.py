@@ -40,7 +40,8 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
     for name, sub in vars(config).items():
         if isinstance(sub, PretrainedConfig):
             _shrink(sub, {**RECIPES[recipe], **(VISION if "vision" in name else {})})
-            _rope_sections(sub, "vl" in model_type)
+            if "vl" in model_type:
+                _rope_sections(sub)
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = 0  # T5 starts decoding from the pad token
     text = getattr(config, "text_config", None)
@@ -55,11 +56,11 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
 def _shrink(config: PretrainedConfig, sizes: dict) -> None:
     """Integer fields from `sizes`, token ids inside the vocabulary, dropout off, no cache."""
     for key, value in sizes.items():
-        if hasattr(config, key) and isinstance(getattr(config, key), int):
-            try:
+        try:
+            if isinstance(getattr(config, key, None), int):
                 setattr(config, key, value)
-            except AttributeError:  # a derived, read-only property
-                pass
+        except Exception:  # a derived, read-only property, or one that varies per layer (Gemma4)
+            pass
     config.use_cache = False  # training; hybrid models' caches refuse some calls
     vocab = getattr(config, "vocab_size", None)
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
@@ -74,12 +75,12 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
             setattr(config, key, value[: config.num_hidden_layers])
 
 
-def _rope_sections(config: PretrainedConfig, multimodal_rope: bool) -> None:
+def _rope_sections(config: PretrainedConfig) -> None:
     """Multimodal RoPE splits head_dim / 2 into sections (Qwen-VL's mrope_section, default 16/24/24): fit the tiny head."""
     head_dim = getattr(config, "head_dim", None) or (
         getattr(config, "hidden_size", 0) // max(getattr(config, "num_attention_heads", 1) or 1, 1))
     for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
-        if isinstance(rope, dict) and multimodal_rope:
+        if isinstance(rope, dict):
             rope.setdefault("mrope_section", [16, 24, 24])
         sections = rope.get("mrope_section") if isinstance(rope, dict) else None
         if sections and sum(sections) != head_dim // 2:

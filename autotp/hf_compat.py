@@ -8,7 +8,8 @@ message that names the missing piece, rather than somewhere inside a training st
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -68,3 +69,47 @@ def remove_tied_weights(state_dict: dict[str, torch.Tensor], model: nn.Module) -
 def checkpoint_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict under the key names transformers writes to disk (it may rename on save)."""
     return _internal("transformers.core_model_loading", "revert_weight_conversion")(model, state_dict)
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """A fused expert tensor that transformers builds while loading: each expert's checkpoint tensor stacked
+    over the experts (dim 0) and, with several source patterns (gate, up), concatenated along dim 1.
+
+    `parts[j][e]` is the checkpoint key of expert `e` for pattern `j`. `problem`, if set, says why this
+    conversion cannot be read by slices (an operation other than stacking and concatenation).
+    """
+
+    parts: tuple[tuple[str, ...], ...]
+    problem: str = ""
+
+
+def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str | ExpertSource]:
+    """Model tensor name -> where transformers' own loading takes it from the checkpoint `keys`.
+
+    A key stored under another name (a renamed module) maps to that key; MoE experts saved one per
+    expert (the hub's layout, which transformers also writes) map to an `ExpertSource`.
+    """
+    transforms = _internal("transformers.conversion_mapping", "get_model_conversion_mapping")(model)
+    rename = _internal("transformers.core_model_loading", "rename_source_key")
+    natural = _internal("transformers.core_model_loading", "dot_natural_key")
+    renamings = [t for t in transforms if type(t).__name__ == "WeightRenaming"]
+    converters = [t for t in transforms if type(t).__name__ != "WeightRenaming"]
+    names = {name: True for name, _ in model.named_parameters(remove_duplicate=False)}
+    names.update({name: True for name, _ in model.named_buffers(remove_duplicate=False)})
+    out: dict[str, str | ExpertSource] = {}
+    fused: dict[str, dict[str, list[str]]] = {}
+    for key in sorted(keys, key=natural):
+        target, pattern = rename(key, renamings, converters, getattr(model, "base_model_prefix", None), names)
+        if pattern is None:
+            out.setdefault(target, key)
+        else:
+            fused.setdefault(target, {}).setdefault(pattern, []).append(key)
+    for target, by_pattern in fused.items():
+        converter = next(c for c in converters if set(by_pattern) <= set(c.source_patterns))
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", ())]
+        parts = tuple(tuple(by_pattern.get(p, ())) for p in converter.source_patterns)
+        stacked = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(parts) > 1 else [])
+        problem = "" if ops == stacked else f"transformers converts it with {ops}, which autotp cannot read by slices"
+        out[target] = ExpertSource(parts, problem)
+    return out

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..hf_compat import ExpertSource, checkpoint_sources
+from ..sharding import Partition
 from ..state import find_state
 from .errors import CheckpointError, describe, failures
 from .safetensors import read_header, read_rows
@@ -83,8 +85,10 @@ def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devic
     """
     state = find_state(model)
     error = None
+    sources: dict = {}
     try:
-        loaded, buffers = _read_all(model, files, device, dtype, show)
+        sources = checkpoint_sources(model, files)
+        loaded, buffers = _read_all(model, files, sources, device, dtype, show)
     except Exception as err:  # every rank must still reach the agreement below
         error = err
     failed = failures(error, None if state is None else state.tp_group)
@@ -103,12 +107,17 @@ def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devic
     for buffer, tensor in buffers:
         buffer.data = tensor
     if show:
-        _warn_unused(model, files)
+        _warn_unused(model, files, sources)
 
 
-def _read_all(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
+def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ExpertSource],
+              device: torch.device, dtype: torch.dtype,
               show: bool) -> tuple[dict[int, nn.Parameter], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Every parameter's new tensor, by the id of the meta parameter it replaces, and every persistent buffer's."""
+    """Every parameter's new tensor, by the id of the meta parameter it replaces, and every persistent buffer's.
+
+    `sources` names the checkpoint key of each model tensor (transformers may rename on save), or the
+    per-expert tensors a fused expert tensor is built from.
+    """
     aliases: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -116,14 +125,24 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], device: torch.device,
         params[id(param)] = param
     loaded: dict[int, nn.Parameter] = {}
     persistent = set(model.state_dict(keep_vars=True))
-    wanted = [(n, b) for n, b in model.named_buffers() if n in persistent and n in files]
+    wanted = [(sources[n], b) for n, b in model.named_buffers() if n in persistent and isinstance(sources.get(n), str)]
     by_file: dict[Path, list] = {}
+    experts = []
     for key, param in params.items():
-        name = next((n for n in aliases[key] if n in files), None)
+        name = next((n for n in aliases[key] if n in sources), None)
         if name is None:
             raise CheckpointError(f"{aliases[key][0]}: not found in the checkpoint")
-        by_file.setdefault(files[name], []).append((name, param))
+        if isinstance(sources[name], ExpertSource):
+            experts.append((name, sources[name], param))
+        else:
+            by_file.setdefault(files[sources[name]], []).append((sources[name], param))
     bar = tqdm(total=len(params) + len(wanted), desc="autotp load", unit="tensor", disable=not show)
+    for name, source, param in experts:
+        new = nn.Parameter(_read_experts(name, source, param, files).to(device=device, dtype=dtype),
+                           requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)
+        loaded[id(param)] = new
+        bar.update()
     for file, entries in by_file.items():
         header, data_start = read_header(file)
         with file.open("rb") as f:
@@ -147,10 +166,61 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], device: torch.device,
     return loaded, buffers
 
 
-def _warn_unused(model: nn.Module, files: Mapping[str, Path]) -> None:
+def _read_experts(name: str, source: ExpertSource, param: nn.Parameter, files: Mapping[str, Path]) -> torch.Tensor:
+    """This rank's part of a fused expert tensor, read from the per-expert checkpoint tensors it is built from.
+
+    The target is (experts, rows, cols) with rows the parts (gate | up) one after another; autotp
+    splits it along dim 1 or 2, which is dim 0 or 1 of each expert's tensor.
+    """
+    if source.problem:
+        raise CheckpointError(f"{name}: {source.problem}; load the model with transformers and wrap it")
+    shard = getattr(param, "autotp_shard", None)
+    full = list(param.shape if shard is None else shard.full_shape(param.shape))
+    counts = [len(keys) for keys in source.parts]
+    if any(count != full[0] for count in counts):
+        raise CheckpointError(f"{name}: the checkpoint holds {counts} per-expert tensors, the config implies "
+                              f"{full[0]} experts")
+    headers = {file: read_header(file) for file in {files[key] for keys in source.parts for key in keys}}
+    rows = [headers[files[keys[0]]][0][keys[0]]["shape"][0] for keys in source.parts]
+    for keys, part_rows in zip(source.parts, rows):
+        for key in keys:
+            stored = headers[files[key]][0][key]["shape"]
+            if list(stored) != [part_rows, *full[2:]] or sum(rows) != full[1]:
+                raise CheckpointError(f"{files[key].name}: tensor {key} has shape {tuple(stored)}, which does not "
+                                      f"build {name} of shape {tuple(full)}")
+    partition, rank = (None, 0) if shard is None else (shard.partition, shard.rank)
+    if partition is not None and partition.dim == 0:
+        raise CheckpointError(f"{name}: split by expert, which autotp does not read from per-expert tensors")
+    offsets = [sum(rows[:j]) for j in range(len(rows))]
+    per_part = [None if partition is None else _within(partition, offset, count) if partition.dim == 1
+                else partition.with_dim(partition.dim - 1) for offset, count in zip(offsets, rows)]
+    experts = []
+    for expert in range(full[0]):
+        pieces = []
+        for keys, part in zip(source.parts, per_part):
+            key = keys[expert]
+            header, data_start = headers[files[key]]
+            with files[key].open("rb") as f:
+                pieces.append(read_rows(f, header[key], data_start, part, rank))
+        experts.append(torch.cat(pieces))
+    return torch.stack(experts)
+
+
+def _within(partition: Partition, offset: int, rows: int) -> Partition:
+    """`partition` (along the rows of several parts laid end to end) restricted to the part at `offset`."""
+    runs = tuple(
+        tuple((max(start, offset) - offset, min(start + length, offset + rows) - max(start, offset))
+              for start, length in rank_runs if min(start + length, offset + rows) > max(start, offset))
+        for rank_runs in partition.runs)
+    return Partition(0, rows, runs)
+
+
+def _warn_unused(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ExpertSource]) -> None:
     """Warn about checkpoint tensors the model has no place for (transformers' "unexpected keys")."""
     known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     known.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    known.update(s for s in sources.values() if isinstance(s, str))
+    known.update(key for s in sources.values() if isinstance(s, ExpertSource) for keys in s.parts for key in keys)
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     unused = sorted(n for n in files if n not in known and not any(p.search(n) for p in ignored))
     if unused:

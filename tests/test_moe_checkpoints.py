@@ -1,0 +1,60 @@
+"""MoE checkpoints as transformers writes them (one tensor per expert, the hub's layout, renamed modules such as
+Mixtral's block_sparse_moe): `autotp.from_pretrained` builds the fused expert tensors from this rank's rows of each
+expert, and equals wrap-after-load tensor for tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from autotp.io.errors import CheckpointError
+from autotp.testing import tiny_config
+from autotp.testing.spawn import run_ranks
+from test_loading import load_both_ways
+
+MOE = ["granitemoe", "minimax", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
+
+
+def save_moe(model_type: str, path: Path) -> set[str]:
+    """Saves with transformers; returns the checkpoint names that are not the model's own."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    model.save_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return set(f.keys()) - set(model.state_dict())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("model_type", MOE)
+def test_per_expert_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str, tp: int) -> None:
+    assert save_moe(model_type, tmp_path), "transformers saves this model under its own names: nothing to convert"
+    for report in run_ranks(load_both_ways, tp, str(tmp_path)):
+        assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report
+        assert report["shards"] > 0
+        assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report
+
+
+def load_alone(rank: int, world: int, path: str) -> str:
+    import autotp
+
+    try:
+        autotp.from_pretrained(path, world)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_missing_expert_is_named(tmp_path: Path) -> None:
+    """A checkpoint with one expert's tensor gone fails before anything is replaced, naming the fused tensor."""
+    from safetensors.torch import load_file, save_file
+
+    save_moe("olmoe", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for message in run_ranks(load_alone, 2, str(tmp_path)):
+        assert "model.layers.1.mlp.experts.gate_up_proj" in message and "per-expert tensors" in message, message

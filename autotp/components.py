@@ -29,13 +29,22 @@ def components(model: nn.Module) -> list[tuple[str, PreTrainedModel]]:
     return found
 
 
+def as_planned(component: PreTrainedModel) -> tuple[nn.Module, str]:
+    """What a component is planned as, and the prefix its names then carry: a head model (Llama4's
+    `Llama4ForCausalLM` inside the VLM) as it is, a base model through `Held`."""
+    if component.get_output_embeddings() is not None:  # it has its own LM head: names as in its family's policy
+        return component, ""
+    held = Held(component)
+    return held, held.prefix
+
+
 class Held(nn.Module):
     """A base sub-model under its `base_model_prefix`, so names read as in its family's head model."""
 
     def __init__(self, component: PreTrainedModel) -> None:
         super().__init__()
         self.config = component.config
-        self.prefix = (component.base_model_prefix if component.base_model is component else "") or "component"
+        self.prefix = component.base_model_prefix or "component"
         self.base_model_prefix = self.prefix
         parent: nn.Module = self
         *outer, last = self.prefix.split(".")  # a dotted prefix (Mllama's "language_model.model") nests
@@ -51,6 +60,8 @@ class Held(nn.Module):
 def rebased(plan: Plan, old: str, new: str) -> Plan:
     """`plan` with every module path under `old` moved under `new` (both dotted prefixes, no trailing dot)."""
     def move(path: str) -> str:
+        if not old:
+            return f"{new}.{path}" if path else new
         if path == old:
             return new
         if not path.startswith(old + "."):

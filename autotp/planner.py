@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .components import Held, components, joined, rebased
+from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
 from .hf_compat import is_causal_lm
 from .linears import features, is_linear, weight_dim
@@ -83,7 +83,7 @@ def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
     planned = []
     for path, component in parts:
         chosen = find_policy(component.config.model_type)
-        policy = chosen or derive_policy(Held(component))
+        policy = chosen or derive_policy(as_planned(component)[0])
         plan = _component_plan(component, path, tp_size, policy)
         only_custom = chosen is not None
         if not meta:
@@ -105,9 +105,9 @@ def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
 
 
 def _component_plan(component: nn.Module, path: str, tp_size: int, policy: Policy) -> Plan:
-    held = Held(component)
+    planned, prefix = as_planned(component)
     try:
-        return rebased(plan_from_policy(held, tp_size, policy), held.prefix, path)
+        return rebased(plan_from_policy(planned, tp_size, policy), prefix, path)
     except ValueError as err:
         raise ValueError(f"{path} ({type(component).__name__}): {err}") from None
 

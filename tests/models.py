@@ -6,6 +6,8 @@ import torch
 import transformers as tf
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
+from autotp.testing import tiny_config
+
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
 GPT = dict(n_embd=64, n_layer=2, n_head=8, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -50,6 +52,7 @@ CONFIGS = {
                                                intermediate_size=96, vocab_size=256, max_position_embeddings=64,
                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                                is_decoder=True),  # LM head whose bias is shared: stays replicated
+    "llama4_text": lambda: tiny_config("llama4_text"),  # experts [gate | up] on dim 2, shared expert, L2 qk norm
     "bert": lambda: tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=96,
                                   vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0),

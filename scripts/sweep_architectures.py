@@ -39,6 +39,7 @@ from autotp.testing.tiny import RECIPES, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TP = 2
+LOADS = "from_pretrained of transformers' save"
 MAX_PARAMS = 20_000_000
 
 
@@ -141,10 +142,28 @@ def classify(model_type: str, task: str) -> dict:
                 f"exceed the test tolerance; in fp64 they are {fp64:.1g}, so rounding only"
                 if ok else f"loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}; fp64 {fp64:.2g}")
     result = ("matched" if report["sharded"] else "replicated-only") if ok else "MISMATCH"
+    loads = loads_like_wrap(model, task)
     if result == "replicated-only":
         reasons = {why for _, why in plan.replicated if "verified" in why}
         note = next(iter(reasons), "no block the plan could shard")[:160]
-    return {"result": result, "plan": kind, "source": source, "meta plan = wrap plan": same_plan, "note": note}
+    return {"result": result, "plan": kind, "source": source, "meta plan = wrap plan": same_plan,
+            LOADS: loads, "note": note}
+
+
+def loads_like_wrap(model, task: str) -> str:
+    """Whether `autotp.from_pretrained` on transformers' own save equals wrap after transformers' load."""
+    if task != "causal-lm":
+        return ""  # from_pretrained builds causal LMs
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        model.save_pretrained(path)
+        try:
+            report = run_ranks(parity.compare_loading, TP, path)[0]
+        except AssertionError as err:
+            return f"error: {str(err).strip().splitlines()[-1][:100]}"
+    equal = report["keys"] and not report["unequal"] and not report["buffers"] and not report["grads"]
+    return "yes" if equal and report["logits"] == 0.0 and report["loss"] == 0.0 else "NO"
 
 
 def write_readme(results: dict[str, dict], task: str) -> None:
@@ -159,13 +178,14 @@ def write_readme(results: dict[str, dict], task: str) -> None:
         f"Swept {len(results)} {title} types of transformers {tf.__version__} at tp={TP}: "
         f"{summary}. Reproduce with `python scripts/sweep_architectures.py --task {task}`.",
         "",
-        "| model type | result | plan from | from_pretrained plan = wrap plan | note |",
-        "|---|---|---|---|---|",
+        "| model type | result | plan from | from_pretrained plan = wrap plan | from_pretrained of transformers' "
+        "save = wrap | note |",
+        "|---|---|---|---|---|---|",
     ]
     for model_type, r in sorted(results.items()):
         note = r.get("note", "").replace("|", "/")
         lines.append(f"| {model_type} | {r['result']} | {r.get('plan', '')} | {r.get('meta plan = wrap plan', '')} "
-                     f"| {note} |")
+                     f"| {r.get(LOADS, '')} | {note} |")
     lines.append(f"<!-- sweep{marker}:end -->")
     readme = ROOT / "README.md"
     text = readme.read_text()
@@ -178,15 +198,19 @@ def write_readme(results: dict[str, dict], task: str) -> None:
 
 
 def main() -> None:
+    global TP
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=sorted(TASKS), default="causal-lm")
+    parser.add_argument("--tp", type=int, default=TP, help="tensor-parallel size (the README tables are at 2)")
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
     args = parser.parse_args()
+    TP = args.tp
     torch.set_num_threads(1)  # ranks are forked from this process
     types = args.only or sorted(TASKS[args.task][1])
     results = {}
-    out = ROOT / "scripts" / f"sweep_results{TASKS[args.task][2].replace('-', '_')}.json"
+    suffix = TASKS[args.task][2].replace("-", "_") + ("" if TP == 2 else f"_tp{TP}")
+    out = ROOT / "scripts" / f"sweep_results{suffix}.json"
     for i, model_type in enumerate(types, 1):
         start = time.monotonic()
         results[model_type] = classify(model_type, args.task)
@@ -195,9 +219,10 @@ def main() -> None:
     if args.only and out.exists():  # a partial run updates the stored full sweep
         results = {**json.loads(out.read_text()), **results}
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    if not args.no_readme:
+    if not args.no_readme and TP == 2:
         write_readme(results, args.task)
-    bad = [t for t, r in results.items() if r["result"] == "MISMATCH" or r.get("meta plan = wrap plan") == "NO"]
+    bad = [t for t, r in results.items() if r["result"] == "MISMATCH" or r.get("meta plan = wrap plan") == "NO"
+           or r.get(LOADS, "").startswith(("NO", "error"))]
     sys.exit(1 if bad else 0)
 
 

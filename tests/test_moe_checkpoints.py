@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from autotp.io.errors import CheckpointError
 from autotp.testing import tiny_config
 from autotp.testing.spawn import run_ranks
-from test_loading import load_both_ways
+from autotp.testing.parity import compare_loading
 
 MOE = ["granitemoe", "minimax", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
 
@@ -32,7 +32,7 @@ def save_moe(model_type: str, path: Path) -> set[str]:
 @pytest.mark.parametrize("model_type", MOE)
 def test_per_expert_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str, tp: int) -> None:
     assert save_moe(model_type, tmp_path), "transformers saves this model under its own names: nothing to convert"
-    for report in run_ranks(load_both_ways, tp, str(tmp_path)):
+    for report in run_ranks(compare_loading, tp, str(tmp_path)):
         assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report
         assert report["shards"] > 0
         assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report

@@ -116,6 +116,42 @@ def compare_training(
     return report
 
 
+def compare_loading(rank: int, world: int, path: str) -> dict:
+    """Runs on each rank: `autotp.from_pretrained(path)` against `wrap` after transformers' own load.
+
+    The report lists tensors, buffers and gradients that are not bit-equal, the logits' and the
+    loss's difference, and how many parameters are sharded.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..api import from_pretrained
+
+    direct = from_pretrained(path, world)
+    reference = wrap(AutoModelForCausalLM.from_pretrained(path), world)
+    ours, theirs = direct.state_dict(), reference.state_dict()
+    buffers = dict(reference.named_buffers())
+    ids, labels, inputs = training_inputs(reference)
+    with torch.no_grad():
+        logits = (direct(ids, **inputs).logits - reference(ids, **inputs).logits).abs().max().item()
+    losses = []
+    for model in (direct, reference):  # both must also train alike: one step, same loss and gradients
+        model.train()
+        loss = model(ids, labels=labels, **inputs).loss
+        loss.backward()
+        losses.append(loss.item())
+    grads = dict(reference.named_parameters())
+    return {
+        "keys": set(ours) == set(theirs),
+        "unequal": [k for k in theirs if not torch.equal(ours[k], theirs[k])],
+        "buffers": [n for n, b in direct.named_buffers() if not torch.equal(b, buffers[n])],
+        "shards": sum(hasattr(p, "autotp_shard") for p in direct.parameters()),
+        "logits": logits,
+        "loss": losses[0] - losses[1],
+        "grads": [n for n, p in direct.named_parameters()
+                  if (p.grad is None) != (grads[n].grad is None) or p.grad is not None and not torch.equal(p.grad, grads[n].grad)],
+    }
+
+
 def assert_parity(report: dict) -> None:
     """Fail, naming the worst tensor, when a `compare_training` report exceeds the fp32 tolerances."""
     assert report["loss"] <= LOSS_ATOL, f"loss differs by {report['loss']:.3g}"

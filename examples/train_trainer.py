@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="evaluate on 16 held-out sequences after training")
     parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bf16 autocast")
     parser.add_argument("--save-steps", type=int, help="write a resumable Trainer checkpoint every N steps")
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--grad-ckpt", action="store_true", help="gradient_checkpointing=True")
     parser.add_argument("--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))")
     parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
     args = parser.parse_args()
@@ -61,6 +63,7 @@ def main() -> None:
                                  logging_steps=1, seed=0, bf16=args.bf16, per_device_eval_batch_size=args.batch,
                                  use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
                                  save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+                                 gradient_accumulation_steps=args.grad_accum, gradient_checkpointing=args.grad_ckpt,
                                  report_to=[], disable_tqdm=False)
     dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
     held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None

@@ -48,7 +48,7 @@ def run_trainer_example(tmp_path: Path, *flags: str) -> dict:
     return json.loads((tmp_path / "losses.json").read_text())
 
 
-def one_process_trainer(tmp_path: Path, bf16: bool = False) -> tuple[list[float], float]:
+def one_process_trainer(tmp_path: Path, bf16: bool = False, **arguments) -> tuple[list[float], float]:
     """Plain transformers.Trainer on one process over the same global batches: (step losses, eval loss)."""
     from data import PatternDataset
     from train_trainer import tiny_llama
@@ -57,7 +57,7 @@ def one_process_trainer(tmp_path: Path, bf16: bool = False) -> tuple[list[float]
     model = tiny_llama()
     args = TrainingArguments(output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, max_steps=4,
                              learning_rate=1e-3, adam_epsilon=1e-6, logging_steps=1, seed=0, save_strategy="no",
-                             report_to=[], bf16=bf16, use_cpu=True, per_device_eval_batch_size=2)
+                             report_to=[], bf16=bf16, use_cpu=True, per_device_eval_batch_size=2, **arguments)
     vocab = model.config.vocab_size
     trainer = OneProcessTrainer(model=model, args=args, train_dataset=PatternDataset(64, 32, vocab),
                                 eval_dataset=PatternDataset(16, 32, vocab, seed=1))
@@ -96,3 +96,11 @@ def test_trainer_resumes_bit_for_bit(tmp_path: Path) -> None:
     # the same ranks, data order and reductions: only the save and reload lie between, so equal to fp32 rounding
     assert len(resumed["losses"]) == 2
     assert max(abs(a - b) for a, b in zip(resumed["losses"], whole["losses"][2:])) <= 1e-6, (resumed, whole)
+
+
+def test_trainer_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None:
+    """gradient_accumulation_steps=2 and gradient_checkpointing=True at dp=2 x tp=2 against one process (fp32)."""
+    got = run_trainer_example(tmp_path, "--grad-accum", "2", "--grad-ckpt")
+    losses, _ = one_process_trainer(tmp_path, gradient_accumulation_steps=2, gradient_checkpointing=True)
+    assert len(got["losses"]) == len(losses) == 8  # Trainer records each micro-batch's loss
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) <= 1e-5, (got["losses"], losses)

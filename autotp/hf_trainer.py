@@ -220,10 +220,13 @@ class AutoTPTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """The full checkpoint `_save` wrote, read as this rank's rows into the wrapped model's own parameters."""
-        model = self.model
-        param = next(model.parameters())
-        load_params(model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
+        param = next(self.model.parameters())
+        load_params(self.model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
                     show=self.args.should_save, in_place=True)
+
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint's full model, read as this rank's rows, in place."""
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""

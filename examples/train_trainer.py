@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, help="write a resumable Trainer checkpoint every N steps")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient_checkpointing=True")
+    parser.add_argument("--best-at-end", action="store_true",
+                        help="evaluate and save every --save-steps, keep 1 checkpoint, load the best at the end")
     parser.add_argument("--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))")
     parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
     args = parser.parse_args()
@@ -64,6 +66,8 @@ def main() -> None:
                                  use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
                                  save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
                                  gradient_accumulation_steps=args.grad_accum, gradient_checkpointing=args.grad_ckpt,
+                                 load_best_model_at_end=args.best_at_end, save_total_limit=1 if args.best_at_end else None,
+                                 eval_strategy="steps" if args.best_at_end else "no", eval_steps=args.save_steps,
                                  report_to=[], disable_tqdm=False)
     dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
     held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None

@@ -55,9 +55,10 @@ def one_process_trainer(tmp_path: Path, bf16: bool = False, **arguments) -> tupl
 
     torch.manual_seed(0)
     model = tiny_llama()
-    args = TrainingArguments(output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, max_steps=4,
-                             learning_rate=1e-3, adam_epsilon=1e-6, logging_steps=1, seed=0, save_strategy="no",
-                             report_to=[], bf16=bf16, use_cpu=True, per_device_eval_batch_size=2, **arguments)
+    settings = dict(output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3,
+                    adam_epsilon=1e-6, logging_steps=1, seed=0, save_strategy="no", report_to=[], bf16=bf16,
+                    use_cpu=True, per_device_eval_batch_size=2)
+    args = TrainingArguments(**{**settings, **arguments})
     vocab = model.config.vocab_size
     trainer = OneProcessTrainer(model=model, args=args, train_dataset=PatternDataset(64, 32, vocab),
                                 eval_dataset=PatternDataset(16, 32, vocab, seed=1))
@@ -104,3 +105,13 @@ def test_trainer_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None
     losses, _ = one_process_trainer(tmp_path, gradient_accumulation_steps=2, gradient_checkpointing=True)
     assert len(got["losses"]) == len(losses) == 8  # Trainer records each micro-batch's loss
     assert max(abs(a - b) for a, b in zip(got["losses"], losses)) <= 1e-5, (got["losses"], losses)
+
+
+def test_trainer_load_best_model_at_end_with_save_total_limit(tmp_path: Path) -> None:
+    """Evaluate and save every step, keep one checkpoint: the best model comes back as each rank's rows."""
+    got = run_trainer_example(tmp_path, "--save-steps", "1", "--best-at-end", "--eval")
+    _, eval_loss = one_process_trainer(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                                       save_steps=1, load_best_model_at_end=True, save_total_limit=1)
+    checkpoints = sorted(p.name for p in (tmp_path / "tp").glob("checkpoint-*"))
+    assert 1 <= len(checkpoints) <= 2, checkpoints  # the limit, plus the best one when it is not the last
+    assert abs(got["eval_loss"] - eval_loss) <= 1e-5, (got["eval_loss"], eval_loss)

@@ -210,8 +210,10 @@ class AutoTPTrainer(Trainer):
         if not os.path.isfile(path):
             found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
             raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored (the "
-                                  f"checkpoint holds {found or 'no optimizer files'}); resume at the tp size it "
-                                  f"was saved with, from a checkpoint AutoTPTrainer wrote")
+                                  f"checkpoint holds {found or 'no optimizer files'}). Resume at the tp size it was "
+                                  f"saved with. Its model is a full checkpoint that loads at any tp "
+                                  f"(autotp.from_pretrained); to carry optimizer state across tp sizes, train with "
+                                  f"autotp.save_checkpoint and reshard with `python -m autotp consolidate`")
         device = next(self.model.parameters()).device
         self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
         scheduler = os.path.join(checkpoint, "scheduler.pt")

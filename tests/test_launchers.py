@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from transformers import Trainer, TrainingArguments
 
+from autotp.testing.spawn import free_port
 from readme_commands import ROOT, readme_command, run
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -97,6 +100,14 @@ def test_trainer_resumes_bit_for_bit(tmp_path: Path) -> None:
     # the same ranks, data order and reductions: only the save and reload lie between, so equal to fp32 rounding
     assert len(resumed["losses"]) == 2
     assert max(abs(a - b) for a, b in zip(resumed["losses"], whole["losses"][2:])) <= 1e-6, (resumed, whole)
+    # At another tp size the optimizer shards do not fit: a clear error, before any step.
+    argv = readme_command(r"torchrun --nproc-per-node 4 examples/train_trainer\.py --tp 2")
+    argv[argv.index("--tp") + 1] = "4"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
+    done = subprocess.run(argv + ["--steps", "4", "--output", str(tmp_path / "tp4"), "--resume",
+                                  str(tmp_path / "whole" / "tp" / "checkpoint-2")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "optimizer.tp0-of-4.pt: missing" in done.stderr and "consolidate" in done.stderr
 
 
 def test_trainer_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None:

@@ -112,4 +112,7 @@ def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str |
         stacked = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(parts) > 1 else [])
         problem = "" if ops == stacked else f"transformers converts it with {ops}, which autotp cannot read by slices"
         out[target] = ExpertSource(parts, problem)
+        first = converter.target_patterns[0]
+        for other in converter.target_patterns[1:]:  # a split: one checkpoint tensor becomes several
+            out.setdefault(target.replace(first, other), ExpertSource(parts, problem or "split from one tensor"))
     return out

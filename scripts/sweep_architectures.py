@@ -157,7 +157,10 @@ def loads_like_wrap(model, task: str) -> str:
     import tempfile
 
     with tempfile.TemporaryDirectory() as path:
-        model.save_pretrained(path)
+        try:
+            model.save_pretrained(path)
+        except Exception as err:  # transformers refuses to save this tiny config: nothing of autotp's to check
+            return f"not saved by transformers ({type(err).__name__})"
         try:
             report = run_ranks(parity.compare_loading, TP, path)[0]
         except AssertionError as err:

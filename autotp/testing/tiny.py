@@ -71,7 +71,7 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or "drop_path" in key
                                         or key.endswith("layerdrop")):
             setattr(config, key, 0.0)
-        if key == "layer_types" and isinstance(value, list) and isinstance(getattr(config, "num_hidden_layers", None), int):
+        if key.endswith("layer_types") and isinstance(value, list) and isinstance(getattr(config, "num_hidden_layers", None), int):
             setattr(config, key, value[: config.num_hidden_layers])
 
 

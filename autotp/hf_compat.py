@@ -88,11 +88,15 @@ def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str |
     """Model tensor name -> where transformers' own loading takes it from the checkpoint `keys`.
 
     A key stored under another name (a renamed module) maps to that key; MoE experts saved one per
-    expert (the hub's layout, which transformers also writes) map to an `ExpertSource`.
+    expert (the hub's layout, which transformers also writes) map to an `ExpertSource`. A transformers
+    without this machinery (before 5.19) converts nothing, so every name maps to itself.
     """
-    transforms = _internal("transformers.conversion_mapping", "get_model_conversion_mapping")(model)
-    rename = _internal("transformers.core_model_loading", "rename_source_key")
-    natural = _internal("transformers.core_model_loading", "dot_natural_key")
+    try:
+        transforms = _internal("transformers.conversion_mapping", "get_model_conversion_mapping")(model)
+        rename = _internal("transformers.core_model_loading", "rename_source_key")
+        natural = _internal("transformers.core_model_loading", "dot_natural_key")
+    except RuntimeError:
+        return {key: key for key in keys}
     renamings = [t for t in transforms if type(t).__name__ == "WeightRenaming"]
     converters = [t for t in transforms if type(t).__name__ != "WeightRenaming"]
     names = {name: True for name, _ in model.named_parameters(remove_duplicate=False)}

@@ -58,3 +58,16 @@ def test_a_missing_expert_is_named(tmp_path: Path) -> None:
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     for message in run_ranks(load_alone, 2, str(tmp_path)):
         assert "model.layers.1.mlp.experts.gate_up_proj" in message and "per-expert tensors" in message, message
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])
+def test_per_expert_tensors_count_as_used(tmp_path: Path, model_type: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Every per-expert tensor was read into a fused one, so none is reported as unused."""
+    import logging
+
+    import autotp
+
+    save_moe(model_type, tmp_path)
+    caplog.set_level(logging.WARNING, logger="autotp")
+    autotp.from_pretrained(tmp_path, 1)
+    assert not [r for r in caplog.records if "not used" in r.getMessage()], caplog.text

@@ -217,10 +217,12 @@ def _within(partition: Partition, offset: int, rows: int) -> Partition:
 
 def _warn_unused(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ExpertSource]) -> None:
     """Warn about checkpoint tensors the model has no place for (transformers' "unexpected keys")."""
-    known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    known.update(name for name, _ in model.named_buffers(remove_duplicate=False))
-    known.update(s for s in sources.values() if isinstance(s, str))
-    known.update(key for s in sources.values() if isinstance(s, ExpertSource) for keys in s.parts for key in keys)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    known = set(names)
+    for name in names & set(sources):  # the checkpoint keys the model's tensors were read from
+        source = sources[name]
+        known.update([source] if isinstance(source, str) else [key for keys in source.parts for key in keys])
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     unused = sorted(n for n in files if n not in known and not any(p.search(n) for p in ignored))
     if unused:

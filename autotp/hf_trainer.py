@@ -230,6 +230,14 @@ class AutoTPTrainer(Trainer):
         """`load_best_model_at_end`: the best checkpoint's full model, read as this rank's rows, in place."""
         self._load_from_checkpoint(self.state.best_model_checkpoint)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every rank takes part (`autotp.save_pretrained` is collective); Trainer itself calls `_save` on the
+        main process only (transformers 5.19 under accelerate's multi-process state), which would leave it
+        waiting for the others."""
+        self._save(output_dir or self.args.output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
         output_dir = output_dir or self.args.output_dir

@@ -100,7 +100,6 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
     )
 
 
-
 def _text_origin(model: nn.Module, parts: list[tuple[str, Plan]]):
     """The origin of the part holding the input embeddings, else the least checked one."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

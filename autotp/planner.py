@@ -8,10 +8,11 @@ shipped one, the model config's `base_model_tp_plan` (translated), structural de
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -60,48 +61,57 @@ def _build_plan(model: nn.Module, tp_size: int, policy) -> Plan:
     chosen = as_policy(policy) if policy is not None else find_policy(model_type)
     derived = chosen is None
     policy = derive_policy(model) if derived else chosen
-    return _verified(model, plan_from_policy(model, tp_size, policy), policy, derived)
+    return _verified(model, plan_from_policy(model, tp_size, policy), not derived, lambda: structural_twin(model),
+                     lambda twin: plan_from_policy(twin, tp_size, policy))
 
 
-def _verified(model: nn.Module, plan: Plan, policy: Policy, derived: bool) -> Plan:
-    """`plan` with the blocks verification could not prove exact moved to replicated (shipped: custom classes only)."""
+def _verified(model: nn.Module, plan: Plan, only_custom: bool, make_twin: Callable[[], nn.Module | None],
+              twin_plan: Callable[[nn.Module], Plan]) -> Plan:
+    """`plan` with the blocks verification could not prove exact moved to replicated (`only_custom`: a shipped
+    policy, whose transformers classes need no check).
+
+    A loaded model is verified itself. A meta-device model is verified on its structural twin (from
+    `make_twin`, planned by `twin_plan` as the model was); blocks the twin lacks stay replicated.
+    """
     if not any(p.device.type == "meta" for p in model.parameters()):
-        return verify_by_emulation(model, plan, only_custom=not derived)
-    return _verified_on_twin(model, plan, policy, only_custom=not derived)
+        return verify_by_emulation(model, plan, only_custom)
+    if not any(layer.block for layer in plan.layers):
+        return plan
+    with torch.device("cpu"):  # the caller may have made meta the default device
+        twin = make_twin()
+        if twin is None:
+            return apply_verdicts(model, plan, {}, only_custom, "the model is on the meta device and no structural "
+                                                                "twin of it could be built to run")
+        try:
+            planned = twin_plan(twin)
+        except ValueError as err:
+            return apply_verdicts(model, plan, {}, only_custom, f"its structural twin plans differently ({err})")
+        return apply_verdicts(model, plan, verdicts(twin, planned, only_custom), only_custom,
+                              "its block is not in the structural twin built from the config")
 
 
 def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
     """A vision-language (or other composite) model: each sub-model planned from its own config and policy,
-    then verified inside the whole model (or its structural twin, on the meta device), whose forward on
-    `autotp.probe` inputs reaches every block."""
-    meta = any(p.device.type == "meta" for p in model.parameters())
-    twin = None
-    if meta:
-        with torch.device("cpu"):  # the caller may have made meta the default device
-            twin = structural_twin(model)
-    twin_parts = dict(components(twin)) if twin is not None else {}
+    then verified inside the whole model (or its structural twin, built once, on the meta device), whose
+    forward on `autotp.probe` inputs reaches every block."""
+    twin = functools.cache(lambda: structural_twin(model))
     planned = []
     for path, component in parts:
         chosen = find_policy(component.config.model_type)
         policy = chosen or derive_policy(as_planned(component)[0])
         plan = _component_plan(component, path, tp_size, policy)
-        only_custom = chosen is not None
-        if not meta:
-            plan = verify_by_emulation(model, plan, only_custom)
-        elif path not in twin_parts:
-            plan = apply_verdicts(model, plan, {}, only_custom, "the model is on the meta device and no structural "
-                                                                "twin of it could be built to run")
-        else:
-            try:
-                twin_plan = _component_plan(twin_parts[path], path, tp_size, policy)
-            except ValueError as err:
-                plan = apply_verdicts(model, plan, {}, only_custom, f"its structural twin plans differently ({err})")
-            else:
-                with torch.device("cpu"):
-                    found = verdicts(twin, twin_plan, only_custom)
-                plan = apply_verdicts(model, plan, found, only_custom, "its block is not in the structural twin")
-        planned.append((path, plan))
+        planned.append((path, _verified(model, plan, chosen is not None, twin,
+                                        lambda t, path=path, policy=policy: _component_plan(
+                                            _component_at(t, path), path, tp_size, policy))))
     return joined(model, planned, tp_size)
+
+
+def _component_at(model: nn.Module, path: str) -> nn.Module:
+    """The sub-model at `path` of a composite (the twin's counterpart of a component), or ValueError."""
+    found = dict(components(model)).get(path)
+    if found is None:
+        raise ValueError(f"it has no sub-model {path}")
+    return found
 
 
 def _component_plan(component: nn.Module, path: str, tp_size: int, policy: Policy) -> Plan:
@@ -110,27 +120,6 @@ def _component_plan(component: nn.Module, path: str, tp_size: int, policy: Polic
         return rebased(plan_from_policy(planned, tp_size, policy), prefix, path)
     except ValueError as err:
         raise ValueError(f"{path} ({type(component).__name__}): {err}") from None
-
-
-def _verified_on_twin(model: nn.Module, plan: Plan, policy: Policy, only_custom: bool) -> Plan:
-    """A meta-device model's plan, verified on its structural twin; blocks the twin lacks stay replicated."""
-    if not any(layer.block for layer in plan.layers):
-        return plan
-    with torch.device("cpu"):  # the caller may have made meta the default device
-        return _twin_verdicts(model, plan, policy, only_custom)
-
-
-def _twin_verdicts(model: nn.Module, plan: Plan, policy: Policy, only_custom: bool) -> Plan:
-    twin = structural_twin(model)
-    if twin is None:
-        return apply_verdicts(model, plan, {}, only_custom, "the model is on the meta device and no structural "
-                                                            "twin of it could be built to run")
-    try:
-        twin_plan = plan_from_policy(twin, plan.tp_size, policy)
-    except ValueError as err:
-        return apply_verdicts(model, plan, {}, only_custom, f"its structural twin plans differently ({err})")
-    return apply_verdicts(model, plan, verdicts(twin, twin_plan, only_custom), only_custom,
-                          "its block is not in the structural twin built from the config")
 
 
 def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:

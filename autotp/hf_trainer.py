@@ -24,13 +24,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_size, tp_size
 from .comm import all_gather
+from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
 from .groups import group_size
-from .data_parallel import dp_rank, tp_rank
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .io.save import save_pretrained
+
+
+_SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
 
 
 class _EpochLoader(DataLoader):
@@ -190,17 +192,14 @@ class AutoTPTrainer(Trainer):
         return f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}.pt"
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0).
-
-        Trainer writes one `optimizer.pt` from rank 0, which would hold rank 0's shards only; it is
-        replaced by these files. The scheduler and scaler are Trainer's.
-        """
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save and os.path.isfile(os.path.join(output_dir, "optimizer.pt")):
-            os.remove(os.path.join(output_dir, "optimizer.pt"))
+        """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0),
+        in place of Trainer's single `optimizer.pt`, which would hold rank 0's shards only; the scheduler as
+        Trainer writes it (the scaler Trainer saves apart)."""
+        os.makedirs(output_dir, exist_ok=True)
         if dp_rank(self.model) == 0:
-            os.makedirs(output_dir, exist_ok=True)
             torch.save(self.optimizer.state_dict(), os.path.join(output_dir, self._optimizer_file()))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """This TP rank's optimizer state, then Trainer's scheduler."""
@@ -216,7 +215,7 @@ class AutoTPTrainer(Trainer):
                                   f"autotp.save_checkpoint and reshard with `python -m autotp consolidate`")
         device = next(self.model.parameters()).device
         self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
-        scheduler = os.path.join(checkpoint, "scheduler.pt")
+        scheduler = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 _SPECIAL_IDS = 3  # pad, bos, eos in the tiny configs: kept out of random text
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")  # the config field, by family
 
 
 def probe_inputs(model: nn.Module, batch: int = 1, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -55,7 +56,7 @@ def image_token(config) -> int | None:
     """The id a vision-language config reserves for image positions, or None for a text-only model."""
     if getattr(config, "vision_config", None) is None:
         return None
-    for key in ("image_token_id", "image_token_index"):
+    for key in IMAGE_TOKEN_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int):
             return value

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from .probe import IMAGE_TOKEN_KEYS
+
 log = logging.getLogger("autotp")
 
 _WIDTHS = {"hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d_kv", "ffn_dim", "n_embd", "n_inner",
@@ -85,7 +87,7 @@ def twin_config(config, factor: int | None = None):
             if isinstance(getattr(twin, key, None), int) and getattr(twin, key) >= _TWIN_VOCAB:
                 setattr(twin, key, token)
     text_vocab = getattr(getattr(twin, "text_config", None), "vocab_size", None)
-    for key in ("image_token_id", "image_token_index"):
+    for key in IMAGE_TOKEN_KEYS:
         if isinstance(text_vocab, int) and isinstance(getattr(twin, key, None), int) and getattr(twin, key) >= text_vocab:
             setattr(twin, key, text_vocab - 1)
     twin.use_cache = False

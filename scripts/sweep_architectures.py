@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 import transformers as tf
-from transformers.models.auto import modeling_auto
 
 import autotp
 from autotp import Origin
+from autotp.cli import TASKS
 from autotp.components import components
 from autotp.testing import parity
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
@@ -43,21 +43,19 @@ LOADS = "from_pretrained of transformers' save"
 MAX_PARAMS = 20_000_000
 
 
-# task -> (auto class, transformers' mapping of model types, README marker suffix, what the table calls it)
-TASKS = {
-    "causal-lm": (tf.AutoModelForCausalLM, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "", "causal-LM"),
-    "image-text": (tf.AutoModelForImageTextToText, modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-                   "-image-text", "vision-language (image-text-to-text)"),
-    "seq2seq": (tf.AutoModelForSeq2SeqLM, modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "-seq2seq",
-                "sequence-to-sequence"),
-    "masked-lm": (tf.AutoModelForMaskedLM, modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, "-masked-lm",
-                  "masked-LM"),
-}
+# task (as `autotp plan --task` names it) -> (README marker suffix, what the table calls it)
+TABLES = {"causal-lm": ("", "causal-LM"), "image-text": ("-image-text", "vision-language (image-text-to-text)"),
+          "seq2seq": ("-seq2seq", "sequence-to-sequence"), "masked-lm": ("-masked-lm", "masked-LM")}
+
+
+def auto(task: str):
+    """transformers' auto class for `task`, the one `autotp plan --task` builds."""
+    return getattr(tf, TASKS[task])
 
 
 def build(model_type: str, recipe: str = "shrunk", seed: int = 0, task: str = "causal-lm"):
     torch.manual_seed(seed)
-    return TASKS[task][0].from_config(tiny_config(model_type, recipe), dtype=torch.float32)
+    return auto(task).from_config(tiny_config(model_type, recipe), dtype=torch.float32)
 
 
 def batch(model) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
@@ -90,7 +88,7 @@ def buildable(model_type: str, task: str) -> tuple[str | None, str]:
     for recipe in RECIPES:
         try:
             with torch.device("meta"):  # count first: some defaults stay huge even shrunk
-                count = sum(p.numel() for p in TASKS[task][0].from_config(
+                count = sum(p.numel() for p in auto(task).from_config(
                     tiny_config(model_type, recipe)).parameters())
             if count > MAX_PARAMS:
                 whys.append(f"{count / 1e6:.0f}M parameters under recipe '{recipe}'")
@@ -114,7 +112,7 @@ def classify(model_type: str, task: str) -> dict:
     except Exception as err:
         return {"result": "refused", "note": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
     with torch.device("meta"):  # what from_pretrained and `autotp plan` see
-        meta_plan = autotp.explain(TASKS[task][0].from_config(tiny_config(model_type, recipe)), TP)
+        meta_plan = autotp.explain(auto(task).from_config(tiny_config(model_type, recipe)), TP)
     same_plan = "yes" if meta_plan == plan else "NO"
     source = plan.source.split(" (")[0]
     kind = {Origin.SHIPPED: "policy", Origin.USER: "policy", Origin.HF_PLAN: "HF plan",
@@ -175,7 +173,7 @@ def write_readme(results: dict[str, dict], task: str) -> None:
         counts[r["result"]] = counts.get(r["result"], 0) + 1
     order = ["matched", "replicated-only", "refused", "run-time error", "MISMATCH", "not built"]
     summary = ", ".join(f"{counts.get(k, 0)} {k}" for k in order)
-    marker, title = TASKS[task][2], TASKS[task][3]
+    marker, title = TABLES[task]
     lines = [
         f"<!-- sweep{marker}:start -->",
         f"Swept {len(results)} {title} types of transformers {tf.__version__} at tp={TP}: "
@@ -203,16 +201,16 @@ def write_readme(results: dict[str, dict], task: str) -> None:
 def main() -> None:
     global TP
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=sorted(TASKS), default="causal-lm")
+    parser.add_argument("--task", choices=sorted(TABLES), default="causal-lm")
     parser.add_argument("--tp", type=int, default=TP, help="tensor-parallel size (the README tables are at 2)")
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
     args = parser.parse_args()
     TP = args.tp
     torch.set_num_threads(1)  # ranks are forked from this process
-    types = args.only or sorted(TASKS[args.task][1])
+    types = args.only or sorted(auto(args.task)._model_mapping._model_mapping)  # model type -> class name
     results = {}
-    suffix = TASKS[args.task][2].replace("-", "_") + ("" if TP == 2 else f"_tp{TP}")
+    suffix = TABLES[args.task][0].replace("-", "_") + ("" if TP == 2 else f"_tp{TP}")
     out = ROOT / "scripts" / f"sweep_results{suffix}.json"
     for i, model_type in enumerate(types, 1):
         start = time.monotonic()

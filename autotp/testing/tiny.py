@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
+from ..probe import IMAGE_TOKEN_KEYS
+
 SHRINK = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128, "head_dim": 16,
@@ -47,7 +49,7 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
     text = getattr(config, "text_config", None)
     vocab = getattr(text, "vocab_size", None)
     if isinstance(text, PretrainedConfig) and isinstance(vocab, int):
-        for key in ("image_token_id", "image_token_index"):
+        for key in IMAGE_TOKEN_KEYS:
             if isinstance(getattr(config, key, None), int):
                 setattr(config, key, vocab - 1)
     return config

@@ -49,6 +49,34 @@ def test_meta_device_plan_equals_wrap_plan(model_type: str) -> None:
     assert autotp.explain(meta, 2) == autotp.build_plan(tiny_vlm(model_type), 2)
 
 
+def hf_methods_on_a_wrapped_vlm(rank: int, world: int, model_type: str, path: str) -> dict:
+    """transformers' own save_pretrained and resize_token_embeddings, called on the wrapped model."""
+    reference = tiny_vlm(model_type)
+    model = autotp.wrap(tiny_vlm(model_type), world)
+    model.save_pretrained(path)  # every rank: the save is collective
+    report = {}
+    if rank == 0:
+        reloaded = AutoModelForImageTextToText.from_pretrained(path).eval()
+        inputs = probe_inputs(reference, batch=2, seed=3)
+        with torch.no_grad():
+            report["reload"] = (reloaded(**inputs).logits - reference.eval()(**inputs).logits).abs().max().item()
+    rows = reference.get_input_embeddings().num_embeddings + 8
+    for m in (reference, model):
+        torch.manual_seed(1)  # transformers initialises the new rows from the generator
+        m.resize_token_embeddings(rows)
+    ids, labels, inputs = parity.training_inputs(reference, seq=8)
+    losses = [m.train()(input_ids=ids, labels=labels, **inputs).loss.item() for m in (reference, model)]
+    report["resized loss"] = abs(losses[0] - losses[1])
+    return report
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])  # vocab-parallel, and not
+def test_save_pretrained_and_resize_on_a_wrapped_vlm(tmp_path, model_type: str) -> None:
+    reports = run_ranks(hf_methods_on_a_wrapped_vlm, 2, model_type, str(tmp_path))
+    assert reports[0]["reload"] == 0.0  # the saved tensors are the gathered shards, bit for bit
+    assert all(r["resized loss"] <= parity.LOSS_ATOL for r in reports), reports
+
+
 def test_image_reaches_the_loss() -> None:
     """Guards the parity tests: every tower's first layer gets a gradient from the image."""
     for model_type, (vision, _) in VLMS.items():

@@ -11,7 +11,7 @@ upward import or a cycle):
    `policy`, `linears`, `plan`, `components`
 2. building a plan: `derive`, `twin`, `probe`, `verify`, `planner`, `report`
 3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`, `apply`,
-   `rollback`
+   `rollback`, `lora`
 4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`
 5. entry points: `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
 6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`

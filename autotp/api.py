@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from .apply import apply_plan, parallel_layers, register_grad_hooks
 from .groups import (
@@ -24,7 +24,9 @@ from .groups import (
     launched_by_torchrun, world_timeout,
 )
 from .guards import DDPGuard, InputCheck, SwapGuard, refuse_adapters
+from .hf_compat import build_model
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
+from . import lora
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .plan import Plan
@@ -64,8 +66,14 @@ def wrap(
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
-    refuse_adapters(model)
-    state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout)
+    lifted = lora.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
+    try:
+        refuse_adapters(model)
+        state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout)
+    except BaseException:
+        lora.put_back(lifted)
+        raise
+    lora.attach(model, lifted, state)
     if state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl" and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return model
@@ -82,12 +90,15 @@ def from_pretrained(
     vocab_parallel: bool = True,
     sequence_parallel: bool = False,
     timeout: timedelta | float | None = None,
+    task: str | None = None,
     **hf_kwargs: Any,
 ) -> nn.Module:
-    """A tensor-parallel causal LM read straight into shards; equal to `wrap(from_pretrained(path))`.
+    """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
 
     The model is built on the meta device, planned like `wrap` plans it, and each rank reads only
     its rows of every sharded tensor (including its parts of fused ones). Only safetensors load.
+    `task` is a key of `autotp.hf_compat.TASKS` ("causal-lm", "seq2seq", "image-text", ...); by
+    default the one of the class named in the checkpoint's `config.architectures`.
     """
     _validate_tp_size(tp_size)
     path = Path(path)
@@ -99,7 +110,7 @@ def from_pretrained(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = build_model(config, task, dtype=dtype)
     model.tie_weights()  # tied parameters become one object, loaded once under whichever name the file has
 
     def load(state: TPState) -> None:
@@ -149,9 +160,10 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
         if check_inputs:
             model.register_forward_pre_hook(InputCheck(), with_kwargs=True)
         if state.tp_group is not None:  # at tp 1 nothing is sharded, so an adapter sees whole weights
-            vocab_head = plan.vocab.head if plan.vocab is not None else None
-            SwapGuard.install(model, {layer.path: model.get_submodule(layer.path) for layer in plan.layers
-                                      if layer.path != vocab_head})
+            guarded = [layer.path for layer in plan.layers]
+            if plan.vocab is not None and plan.vocab.embedding is not None:
+                guarded.append(plan.vocab.embedding)
+            SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
         broadcast_replicated(model, tp_group)  # last: it writes all of its tensors only once all arrived
     except BaseException:
         snapshot.restore()

@@ -92,7 +92,7 @@ def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
     Collective (it creates the replica process groups): every rank calls it once, after the
     parameters are final. Frozen parameters get their hook when they are unfrozen.
     """
-    replicas = build_subgroups(state.plan.replica_groups(), state.tp_group, state.timeout)
+    replicas = state.replica_groups = build_subgroups(state.plan.replica_groups(), state.tp_group, state.timeout)
     active = lambda: not state.gathered  # noqa: E731
     hooks, seen = [], set()
     for module in model.modules():

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .hf_compat import TASKS, build_model, model_class
 from .io.errors import CheckpointError
 from .testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 
@@ -69,36 +70,12 @@ def read_policy(path: str | None) -> Policy | None:
         raise ValueError(f"{path}: not valid TOML ({err})") from None
 
 
-# --task -> the transformers auto class that builds it
-TASKS = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM",
-         "image-text": "AutoModelForImageTextToText", "masked-lm": "AutoModelForMaskedLM",
-         "classification": "AutoModelForSequenceClassification"}
-
-
-def auto_class(config: PretrainedConfig, task: str | None):
-    """The auto class for `task`; by default that of the class named in `config.architectures`, else the first
-    task (in `TASKS` order) with a class for the config."""
-    import transformers
-
-    if task is None:
-        named = (getattr(config, "architectures", None) or [""])[0]
-        mappings = {t: getattr(transformers, auto)._model_mapping for t, auto in TASKS.items()}
-        task = next((t for t, mapping in mappings.items() if named in mapping._model_mapping.values()), None) or next(
-            (t for t, mapping in mappings.items() if type(config) in mapping), "causal-lm")
-    auto = getattr(transformers, TASKS[task])
-    if type(config) not in auto._model_mapping:
-        raise ValueError(f"model type {config.model_type!r} has no {TASKS[task]} class in transformers; "
-                         f"try another --task ({', '.join(TASKS)})")
-    return auto
-
-
 def build(config: PretrainedConfig, device: str | None = None, task: str | None = None) -> nn.Module:
-    """The model of `config` for `task` (see `auto_class`), random weights in fp32 (or on the meta device)."""
-    auto = auto_class(config, task)
+    """The model of `config` for `task` (see `model_class`), random weights in fp32 (or on the meta device)."""
     if device == "meta":
         with torch.device("meta"):
-            return auto.from_config(config)
-    return auto.from_config(config, dtype=torch.float32)
+            return build_model(config, task)
+    return build_model(config, task, dtype=torch.float32)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -131,7 +108,7 @@ def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | Non
     path = Path(spec)
     config = load_config(spec)
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        model = auto_class(config, task).from_pretrained(path, dtype=torch.float32)
+        model = model_class(config, task).from_pretrained(path, dtype=torch.float32)
     else:
         model = build(config, task=task)
     ids, labels, inputs = training_inputs(model)

@@ -3,8 +3,8 @@
 - TP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
 - DistributedDataParallel over a group that holds two ranks of one TP group, which would average
   different shards together (`DDPGuard`).
-- A sharded layer swapped for another module after `wrap` (PEFT's `get_peft_model` wraps each target
-  in a LoRA layer that sees only the shard and adds an update nobody reduces) (`SwapGuard`).
+- A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.lora`
+  makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .groups import group_size
 from .hf_compat import adapter_module
+from .lora import adapt
 from .replicas import check_replicas
-from .state import state_of
+from .state import TPState, state_of
 
 REPLICA_CHECK_EVERY = 100
 
@@ -117,45 +118,55 @@ def _ddp_under_construction() -> DistributedDataParallel | None:
     return ddp if isinstance(ddp, DistributedDataParallel) and hasattr(ddp, "process_group") else None
 
 
-PEFT_UNSUPPORTED = ("PEFT adapters (LoRA and others) on a tensor-parallel model are not supported yet: the adapter "
-                    "would see only this rank's shard and its update would never be reduced, giving wrong results. "
-                    "Train adapters at tp_size=1, or fine-tune the full model under autotp")
+PEFT_UNSUPPORTED = ("Of PEFT's methods autotp shards only LoRA on linear layers (get_peft_model before or after "
+                    "autotp.wrap); any other adapter would see only this rank's shard and its update would never be "
+                    "reduced, giving wrong results. Use LoRA, or train this adapter at tp_size=1")
 
 
 def refuse_adapters(model: nn.Module) -> None:
     """Refuse a model that already holds PEFT modules, before anything changes."""
     found = adapter_module(model)
+    if found is not None and found[0] == "the model itself" and isinstance(getattr(model, "base_model", None), nn.Module):
+        raise TypeError(f"autotp: the model is a {found[1]}; wrap the transformers model it holds instead: "
+                        f"autotp.wrap(peft_model.base_model.model, tp_size)")
     if found is not None:
         raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
 
 
 class SwapGuard:
-    """Forward pre-hook on each block holding sharded layers: refuses to run once one was replaced.
+    """Forward pre-hook watching the slots of sharded modules: adapts PEFT's LoRA put around a sharded linear after
+    wrap (`autotp.lora`), and refuses to run once one was replaced by anything else.
 
-    Hooks sit on the blocks, not on the model: PEFT calls the model's `forward` directly, which skips
-    the model's own hooks, while blocks are still called as modules. A check is one dict lookup per layer.
+    Hooks sit on the parent blocks, not on the model: PEFT calls the model's `forward` directly, which skips
+    the model's own hooks, while blocks are still called as modules. Slots of the model itself (the LM head)
+    are watched from the input embedding, which every forward runs first. A check is one dict lookup a slot.
     """
 
-    def __init__(self, block: nn.Module, block_path: str, slots: dict[str, nn.Module]):
-        self.block_path, self.slots = block_path, slots
-        block.register_forward_pre_hook(self)
+    def __init__(self, parent: nn.Module, parent_path: str, slots: dict[str, nn.Module], state: TPState,
+                 carrier: nn.Module):
+        self.parent, self.parent_path, self.slots, self.state = parent, parent_path, slots, state
+        carrier.register_forward_pre_hook(self)
 
-    def __call__(self, block: nn.Module, args: tuple) -> None:
+    def __call__(self, module: nn.Module, args: tuple) -> None:
         for name, layer in self.slots.items():
-            current = block._modules.get(name)
-            if current is not layer:
-                found = adapter_module(current) if current is not None else None
-                why = PEFT_UNSUPPORTED if found else (
-                    "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
-                raise RuntimeError(f"autotp: {self.block_path}.{name} was replaced after wrap by "
-                                   f"{type(current).__module__}.{type(current).__qualname__}. {why}")
+            current = self.parent._modules.get(name)
+            path = f"{self.parent_path}.{name}" if self.parent_path else name
+            if adapt(current, layer, path, self.state):
+                continue
+            found = adapter_module(current) if current is not None else None
+            why = PEFT_UNSUPPORTED if found else (
+                "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
+            raise RuntimeError(f"autotp: {path} was replaced after wrap by "
+                               f"{type(current).__module__}.{type(current).__qualname__}. {why}")
 
     @classmethod
-    def install(cls, model: nn.Module, layers: dict[str, nn.Module]) -> None:
-        """Guard every sharded layer (path -> layer) from its parent block."""
+    def install(cls, model: nn.Module, modules: dict[str, nn.Module], state: TPState) -> None:
+        """Guard every sharded module (path -> module) from its parent block."""
         by_parent: dict[str, dict[str, nn.Module]] = {}
-        for path, layer in layers.items():
+        for path, module in modules.items():
             parent, _, name = path.rpartition(".")
-            by_parent.setdefault(parent, {})[name] = layer
+            by_parent.setdefault(parent, {})[name] = module
         for parent, slots in by_parent.items():
-            cls(model.get_submodule(parent), parent, slots)
+            block = model.get_submodule(parent)
+            carrier = (model.get_input_embeddings() or model) if block is model else block
+            cls(block, parent, slots, state, carrier)

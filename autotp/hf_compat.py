@@ -8,11 +8,13 @@ message that names the missing piece, rather than somewhere inside a training st
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
 
@@ -71,40 +73,65 @@ def checkpoint_names(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> d
     return _internal("transformers.core_model_loading", "revert_weight_conversion")(model, state_dict)
 
 
-@dataclass(frozen=True)
-class ExpertSource:
-    """A fused expert tensor that transformers builds while loading: each expert's checkpoint tensor stacked
-    over the experts (dim 0) and, with several source patterns (gate, up), concatenated along dim 1.
+def initialised_if_missing(model: nn.Module, name: str, param: nn.Parameter, shape: torch.Size) -> torch.Tensor | None:
+    """`name` at full `shape` as transformers makes it when a checkpoint leaves it out on purpose (a key matching the
+    model's `_keys_to_ignore_on_load_missing`, such as Marian's sinusoidal positions), else None."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+    if not any(re.search(p, name) for p in patterns):
+        return None
+    path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(path)
+    fresh = nn.Parameter(torch.empty(shape, dtype=param.dtype), requires_grad=param.requires_grad)
+    module._parameters[leaf] = fresh
+    try:
+        model._init_weights(module)
+    finally:
+        module._parameters[leaf] = param
+    return fresh.detach()
 
-    `parts[j][e]` is the checkpoint key of expert `e` for pattern `j`. `problem`, if set, says why this
-    conversion cannot be read by slices (an operation other than stacking and concatenation).
+
+@dataclass(frozen=True)
+class ConvertedSource:
+    """A model tensor that transformers builds from several checkpoint tensors (or a part of one) while loading.
+
+    `parts[j]` are the checkpoint keys matching the converter's `patterns[j]` (one per expert for MoE
+    experts). With `run` None, the tensor is those keys stacked over the experts (dim 0) and, with several
+    patterns (gate, up), concatenated along dim 1, so each rank can read its rows of each key. Otherwise
+    `run` applies transformers' own operations to the whole tensors ({pattern: [tensor, ...]}) and
+    returns this model tensor in full; `ops` names them.
     """
 
     parts: tuple[tuple[str, ...], ...]
-    problem: str = ""
+    patterns: tuple[str, ...] = ()
+    run: Callable[[dict[str, list[torch.Tensor]]], torch.Tensor] | None = None
+    ops: str = ""
 
 
-def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str | ExpertSource]:
+def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str | ConvertedSource]:
     """Model tensor name -> where transformers' own loading takes it from the checkpoint `keys`.
 
-    A key stored under another name (a renamed module) maps to that key; MoE experts saved one per
-    expert (the hub's layout, which transformers also writes) map to an `ExpertSource`. A transformers
-    without this machinery (before 5.19) converts nothing, so every name maps to itself.
+    A key stored under another name (a renamed module) maps to that key; tensors that transformers
+    converts on load (MoE experts saved one per expert, fused projections saved apart, a fused one saved
+    whole) map to a `ConvertedSource`. A transformers without this machinery (before 5.19) converts
+    nothing, so every name maps to itself.
     """
     try:
         transforms = _internal("transformers.conversion_mapping", "get_model_conversion_mapping")(model)
         rename = _internal("transformers.core_model_loading", "rename_source_key")
         natural = _internal("transformers.core_model_loading", "dot_natural_key")
+        renaming = _internal("transformers.core_model_loading", "WeightRenaming")
     except RuntimeError:
         return {key: key for key in keys}
-    renamings = [t for t in transforms if type(t).__name__ == "WeightRenaming"]
-    converters = [t for t in transforms if type(t).__name__ != "WeightRenaming"]
+    renamings = [t for t in transforms if isinstance(t, renaming)]  # subclasses too (offset indices, prefixes)
+    converters = [t for t in transforms if not isinstance(t, renaming)]
     names = {name: True for name, _ in model.named_parameters(remove_duplicate=False)}
     names.update({name: True for name, _ in model.named_buffers(remove_duplicate=False)})
-    out: dict[str, str | ExpertSource] = {}
+    out: dict[str, str | ConvertedSource] = {}
     fused: dict[str, dict[str, list[str]]] = {}
     for key in sorted(keys, key=natural):
         target, pattern = rename(key, renamings, converters, getattr(model, "base_model_prefix", None), names)
+        if pattern is None and target not in names and key in names:
+            target = key  # a rename meant for other modules (DeepSeek-V4's ".norm." -> ".kv_norm." hits model.norm)
         if pattern is None:
             out.setdefault(target, key)
         else:
@@ -114,9 +141,75 @@ def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str |
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", ())]
         parts = tuple(tuple(by_pattern.get(p, ())) for p in converter.source_patterns)
         stacked = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(parts) > 1 else [])
-        problem = "" if ops == stacked else f"transformers converts it with {ops}, which autotp cannot read by slices"
-        out[target] = ExpertSource(parts, problem)
         first = converter.target_patterns[0]
-        for other in converter.target_patterns[1:]:  # a split: one checkpoint tensor becomes several
-            out.setdefault(target.replace(first, other), ExpertSource(parts, problem or "split from one tensor"))
+        for other in converter.target_patterns:  # several when one checkpoint tensor becomes several
+            name = target.replace(first, other)
+            run = None if ops == stacked else _conversion(converter, model, other, name)
+            out.setdefault(name, ConvertedSource(
+                parts, tuple(converter.source_patterns), run, ", ".join(f"{op}(dim={dim})" for op, dim in ops)))
     return out
+
+
+def _conversion(converter: Any, model: nn.Module, pattern: str,
+                name: str) -> Callable[[dict[str, list[torch.Tensor]]], torch.Tensor]:
+    """transformers' operations of `converter` on whole checkpoint tensors, returning model tensor `name` (whose
+    target pattern is `pattern`) in full."""
+
+    def run(tensors: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        sources, targets = list(converter.source_patterns), list(converter.target_patterns)
+        for op in converter.operations:
+            tensors = op.convert(tensors, source_patterns=sources, target_patterns=targets, config=model.config,
+                                 model=_FullShapes(model), full_layer_name=name)
+        return tensors[pattern]
+
+    return run
+
+
+class _FullShapes:
+    """The model as transformers' conversions see it: parameters at their full shapes, not this rank's shard
+    (Transpose(check_dims=True) and Split compare the checkpoint tensor with the parameter's shape)."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        param = self._model.get_parameter(name)
+        shard = getattr(param, "autotp_shard", None)
+        return param if shard is None else torch.empty(shard.full_shape(param.shape), device="meta")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+TASKS = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM",
+         "image-text": "AutoModelForImageTextToText", "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+         "masked-lm": "AutoModelForMaskedLM",
+         "classification": "AutoModelForSequenceClassification"}
+
+
+def model_class(config: PretrainedConfig, task: str | None = None) -> type:
+    """The class that builds `config` for `task` (a key of `TASKS`): transformers' auto class, by default the
+    one of the class named in `config.architectures`, else the first task (in `TASKS` order) with a class
+    for the config. A config no auto class maps (a sub-model saved alone, such as Emu3's text model) gets
+    the class `config.architectures` names, as transformers' own loading of that save needs."""
+    import transformers
+
+    named = (getattr(config, "architectures", None) or [""])[0]
+    if task is None:
+        mappings = {t: getattr(transformers, auto)._model_mapping for t, auto in TASKS.items()}
+        task = next((t for t, mapping in mappings.items() if named in mapping._model_mapping.values()), None) or next(
+            (t for t, mapping in mappings.items() if type(config) in mapping), "causal-lm")
+    auto = getattr(transformers, TASKS[task])
+    if type(config) in auto._model_mapping:
+        return auto
+    cls = getattr(transformers, named, None)
+    if isinstance(cls, type) and isinstance(config, getattr(cls, "config_class", ())):
+        return cls
+    raise ValueError(f"model type {config.model_type!r} has no {TASKS[task]} class in transformers; "
+                     f"choose another task ({', '.join(TASKS)})")
+
+
+def build_model(config: PretrainedConfig, task: str | None = None, **kwargs: Any) -> nn.Module:
+    """`config`'s model for `task` (see `model_class`) with random weights; `kwargs` go to `from_config`."""
+    cls = model_class(config, task)
+    return cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)

@@ -11,6 +11,8 @@ experts stored as 3-D tensors): its float inputs enter the TP region and its out
 
 from __future__ import annotations
 
+import copy
+
 from typing import Mapping
 
 import torch
@@ -39,6 +41,8 @@ class SharedInput:
         self._copy: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x is self._copy:  # already inside (a LoRA wrapper entered for its base layer and adapter)
+            return x
         if x is not self._source:
             self._source, self._copy = x, copy_to_tp(x, self.group)
         return self._copy
@@ -112,6 +116,14 @@ class ParallelLinear(nn.Linear):
     def _bias_partition(self) -> Partition | None:
         raise NotImplementedError
 
+    def __deepcopy__(self, memo: dict) -> ParallelLinear:
+        """A copy of the shard that shares the process group (a handle, not data), as PEFT's modules_to_save makes."""
+        memo[id(self.group)] = self.group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        return new
+
     def _set_features(self) -> None:
         rows, cols = self.weight.shape
         self.out_features, self.in_features = (cols, rows) if self.transposed else (rows, cols)
@@ -175,6 +187,7 @@ class LinearAllreduce(ParallelLinear):
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         super().__init__(linear, partition, group)
         self.sequence_parallel = False  # reduce-scatter the output along the sequence instead of all-reducing
+        self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.lora)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
             raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")
@@ -186,6 +199,8 @@ class LinearAllreduce(ParallelLinear):
         if self.gathered:
             return self._matmul(x, self.bias)
         y = self._matmul(x, None)
+        if not self.reduce_output:
+            return y
         y = reduce_scatter_seq_from_tp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 

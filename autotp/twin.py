@@ -26,7 +26,7 @@ _WIDTHS = {"hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d
            "rotary_dim", "embed_dim", "word_embed_proj_dim", "ffn_hidden_size", "kv_channels",
            # a vision tower's output width, which is its language model's input width
            "out_hidden_size", "projection_dim", "vision_output_dim", "text_hidden_size", "mm_hidden_size"}
-_MIN_HEAD_DIM = 8  # keeps partial rotary fractions (1/4, 1/2) whole and even
+_MIN_HEAD_DIM = 16  # keeps a quarter-rotary head (4 dims) in whole row/column frequency pairs (NeoMME)
 _TWIN_VOCAB = 512
 _MAX_TWIN_PARAMS = 400_000_000  # ~1.6 GB in fp32: beyond this the twin is not built
 
@@ -97,7 +97,8 @@ def twin_config(config, factor: int | None = None):
 def structural_twin(model: nn.Module) -> nn.Module | None:
     """A narrow real-weight copy of `model`'s architecture (None, with the reason logged, if it cannot be built).
 
-    The global random generators are left as they were: TP ranks keep them in step.
+    Its weights are drawn from a fixed seed; the global random generators are left as they were: TP ranks
+    keep them in step.
     """
     config = twin_config(model.config)
     try:
@@ -108,6 +109,7 @@ def structural_twin(model: nn.Module) -> nn.Module | None:
             log.info("autotp: no structural twin of %s: %d parameters even when narrowed", type(model).__name__, count)
             return None
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(0)  # the same twin whatever ran before: a plan depends on the config only
             twin = type(model)(config).float()
     except Exception as err:  # any failure means the twin cannot stand in for the model
         log.info("autotp: no structural twin of %s (%s: %s)", type(model).__name__, type(err).__name__, err)

@@ -1,13 +1,13 @@
-"""PEFT adapters are not tensor-parallel yet, so every way of combining them with a sharded model stops at once,
-naming the module, instead of training on wrong numbers (an adapter on a shard sees only that rank's rows, and
-its update is never reduced)."""
+"""PEFT adapters other than LoRA after wrap (tests/test_lora.py) are not tensor-parallel, so every other way of
+combining them with a sharded model stops at once, naming the module and the method, instead of training on wrong
+numbers (an adapter on a shard sees only that rank's rows, and its update is never reduced)."""
 
 from __future__ import annotations
 
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import IA3Config, LoraConfig, get_peft_model
 
 import autotp
 from autotp.testing.spawn import run_ranks
@@ -16,9 +16,19 @@ from models import batch, tiny_model
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 
 
-def peft_after_wrap(rank: int, world: int) -> str:
+OTHERS = {  # PEFT config -> the slot refused first and the PEFT class that took it
+    "ia3": (lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+            "model.layers.0.self_attn.q_proj", "peft.tuners.ia3"),
+    "lora on the vocab-parallel embedding": (lambda: LoraConfig(r=4, target_modules=["embed_tokens"]),
+                                             "model.embed_tokens", "peft.tuners.lora.layer.Embedding"),
+    "modules_to_save": (lambda: LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+                        "lm_head", "peft.utils.other.ModulesToSaveWrapper"),
+}
+
+
+def other_after_wrap(rank: int, world: int, kind: str) -> str:
     model = autotp.wrap(tiny_model("llama"), world)
-    peft_model = get_peft_model(model, LoraConfig(**LORA))
+    peft_model = get_peft_model(model, OTHERS[kind][0]())
     ids = batch()
     try:
         peft_model(input_ids=ids, labels=ids).loss.backward()
@@ -27,18 +37,32 @@ def peft_after_wrap(rank: int, world: int) -> str:
     return "trained"
 
 
-def test_peft_after_wrap_stops_at_the_first_forward() -> None:
-    for message in run_ranks(peft_after_wrap, 2):
-        assert "model.layers.0.self_attn.q_proj was replaced after wrap by peft" in message, message
-        assert "not supported yet" in message
+@pytest.mark.parametrize("kind", sorted(OTHERS))
+def test_other_peft_methods_after_wrap_stop_at_the_first_forward(kind: str) -> None:
+    _, slot, cls = OTHERS[kind]
+    for message in run_ranks(other_after_wrap, 2, kind):
+        assert f"autotp: {slot} was replaced after wrap by {cls}" in message, message
+        assert "autotp shards only LoRA" in message
 
 
-@pytest.mark.parametrize("inside", [False, True])
-def test_wrap_refuses_a_model_holding_adapters(inside: bool) -> None:
+def test_wrap_points_from_a_peft_model_to_the_model_inside() -> None:
     peft_model = get_peft_model(tiny_model("llama"), LoraConfig(**LORA))
-    target = peft_model.base_model.model if inside else peft_model
-    with pytest.raises(TypeError, match=r"is a peft\..*not supported yet"):
-        autotp.wrap(target, 1)
+    with pytest.raises(TypeError, match=r"autotp.wrap\(peft_model.base_model.model, tp_size\)"):
+        autotp.wrap(peft_model, 1)
+
+
+@pytest.mark.parametrize("config,error,match", [
+    (lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]), TypeError,
+     r"model.layers.0.self_attn.q_proj is a peft.tuners.ia3.*only LoRA on linear layers"),
+    (lambda: LoraConfig(**LORA, use_dora=True), NotImplementedError, r"model.layers.0.self_attn.q_proj uses a LoRA variant"),
+])
+def test_wrap_refuses_other_adapters_unchanged(config, error, match) -> None:
+    """A model holding adapters autotp does not shard is refused before anything changes (LoRA layers included)."""
+    inner = get_peft_model(tiny_model("llama"), config()).base_model.model
+    before = {name: type(module) for name, module in inner.named_modules()}
+    with pytest.raises(error, match=match):
+        autotp.wrap(inner, 1)
+    assert {name: type(module) for name, module in inner.named_modules()} == before
 
 
 def test_adapter_at_tp1_trains_as_without_autotp() -> None:

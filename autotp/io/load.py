@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..hf_compat import ExpertSource, checkpoint_sources
+from ..hf_compat import ConvertedSource, checkpoint_sources, initialised_if_missing
 from ..sharding import Partition
 from ..state import find_state
 from .errors import CheckpointError, describe, failures
@@ -74,6 +74,11 @@ def _read_index(index: Path) -> dict[str, Path]:
     return {name: index.parent / file for name, file in weight_map.items()}
 
 
+# transformers' loading makes every parameter it reads trainable, whatever the model set before (Whisper's encoder
+# positions); equal to it means the same. Frozen parameters are the user's to freeze after loading.
+_TRAINABLE = True
+
+
 def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
                 show: bool, in_place: bool = False) -> None:
     """Replace every meta parameter by its loaded rows (tied parameters stay one object).
@@ -104,13 +109,13 @@ def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devic
                         param.copy_(loaded[id(param)])
                 else:
                     module._parameters[name] = loaded[id(param)]
-    for buffer, tensor in buffers:
-        buffer.data = tensor
+    for module_path, name, tensor in buffers:  # replaced, not written: one built from a meta weight is on meta
+        model.get_submodule(module_path)._buffers[name] = tensor
     if show:
         _warn_unused(model, files, sources)
 
 
-def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ExpertSource],
+def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ConvertedSource],
               device: torch.device, dtype: torch.dtype,
               show: bool) -> tuple[dict[int, nn.Parameter], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Every parameter's new tensor, by the id of the meta parameter it replaces, and every persistent buffer's.
@@ -125,21 +130,23 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
         params[id(param)] = param
     loaded: dict[int, nn.Parameter] = {}
     persistent = set(model.state_dict(keep_vars=True))
-    wanted = [(sources[n], b) for n, b in model.named_buffers() if n in persistent and isinstance(sources.get(n), str)]
+    wanted = [(sources[n], n, b) for n, b in model.named_buffers() if n in persistent and isinstance(sources.get(n), str)]
     by_file: dict[Path, list] = {}
     experts = []
+    bar = tqdm(total=len(params) + len(wanted), desc="autotp load", unit="tensor", disable=not show)
     for key, param in params.items():
         name = next((n for n in aliases[key] if n in sources), None)
         if name is None:
-            raise CheckpointError(f"{aliases[key][0]}: not found in the checkpoint")
-        if isinstance(sources[name], ExpertSource):
+            loaded[key] = _initialised(model, aliases[key][0], param, device, dtype)
+            bar.update()
+            continue
+        if isinstance(sources[name], ConvertedSource):
             experts.append((name, sources[name], param))
         else:
             by_file.setdefault(files[sources[name]], []).append((sources[name], param))
-    bar = tqdm(total=len(params) + len(wanted), desc="autotp load", unit="tensor", disable=not show)
     for name, source, param in experts:
-        new = nn.Parameter(_read_experts(name, source, param, files).to(device=device, dtype=dtype),
-                           requires_grad=param.requires_grad)
+        new = nn.Parameter(_read_converted(name, source, param, files).to(device=device, dtype=dtype),
+                           requires_grad=_TRAINABLE)
         new.__dict__.update(param.__dict__)
         loaded[id(param)] = new
         bar.update()
@@ -151,29 +158,46 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
                 shard = getattr(param, "autotp_shard", None)
                 tensor = read_rows(f, header[name], data_start, None if shard is None else shard.partition,
                                    0 if shard is None else shard.rank)
-                new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=param.requires_grad)
+                new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=_TRAINABLE)
                 new.__dict__.update(param.__dict__)  # the Shard metadata
                 loaded[id(param)] = new
                 bar.update()
     buffers = []
-    for name, buffer in wanted:
+    for name, target, buffer in wanted:
         header, data_start = read_header(files[name])
         with files[name].open("rb") as f:
             tensor = read_rows(f, header[name], data_start, None, 0)
-        buffers.append((buffer, tensor.to(device=device, dtype=buffer.dtype)))
+        module_path, _, leaf = target.rpartition(".")
+        buffers.append((module_path, leaf, tensor.to(device=device, dtype=buffer.dtype)))
         bar.update()
     bar.close()
     return loaded, buffers
 
 
-def _read_experts(name: str, source: ExpertSource, param: nn.Parameter, files: Mapping[str, Path]) -> torch.Tensor:
-    """This rank's part of a fused expert tensor, read from the per-expert checkpoint tensors it is built from.
+def _initialised(model: nn.Module, name: str, param: nn.Parameter, device: torch.device,
+                 dtype: torch.dtype) -> nn.Parameter:
+    """A parameter the checkpoint lacks: made as transformers makes it if left out on purpose, else an error."""
+    shard = getattr(param, "autotp_shard", None)
+    full = initialised_if_missing(model, name, param, param.shape if shard is None else shard.full_shape(param.shape))
+    if full is None:
+        raise CheckpointError(f"{name}: not found in the checkpoint")
+    tensor = full if shard is None else shard.partition.shard(full, shard.rank)
+    new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
 
-    The target is (experts, rows, cols) with rows the parts (gate | up) one after another; autotp
-    splits it along dim 1 or 2, which is dim 0 or 1 of each expert's tensor.
+
+def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
+                    files: Mapping[str, Path]) -> torch.Tensor:
+    """This rank's part of a tensor transformers builds from several checkpoint tensors while loading.
+
+    Stacked experts are read by slices: the target is (experts, rows, cols) with rows the parts
+    (gate | up) one after another; autotp splits it along dim 1 or 2, which is dim 0 or 1 of each
+    expert's tensor. Other conversions read the whole tensors, run transformers' operations on them,
+    and keep this rank's rows.
     """
-    if source.problem:
-        raise CheckpointError(f"{name}: {source.problem}; load the model with transformers and wrap it")
+    if source.run is not None:
+        return _run_conversion(name, source, param, files)
     shard = getattr(param, "autotp_shard", None)
     full = list(param.shape if shard is None else shard.full_shape(param.shape))
     counts = [len(keys) for keys in source.parts]
@@ -206,6 +230,27 @@ def _read_experts(name: str, source: ExpertSource, param: nn.Parameter, files: M
     return torch.stack(experts)
 
 
+def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter,
+                    files: Mapping[str, Path]) -> torch.Tensor:
+    """`name` in full from transformers' conversion of its whole checkpoint tensors, then this rank's rows."""
+    tensors = {}
+    for pattern, keys in zip(source.patterns, source.parts):
+        if keys:
+            tensors[pattern] = []
+            for key in keys:
+                header, data_start = read_header(files[key])
+                with files[key].open("rb") as f:
+                    tensors[pattern].append(read_rows(f, header[key], data_start, None, 0))
+    try:
+        full = source.run(tensors)
+    except Exception as err:
+        raise CheckpointError(f"{name}: transformers' conversion ({source.ops}) of {', '.join(sum(source.parts, ()))} "
+                              f"failed: {type(err).__name__}: {err}") from None
+    shard = getattr(param, "autotp_shard", None)
+    _check_shape(files[next(k for keys in source.parts for k in keys)], name, list(full.shape), param)
+    return full if shard is None else shard.partition.shard(full, shard.rank)
+
+
 def _within(partition: Partition, offset: int, rows: int) -> Partition:
     """`partition` (along the rows of several parts laid end to end) restricted to the part at `offset`."""
     runs = tuple(
@@ -215,7 +260,7 @@ def _within(partition: Partition, offset: int, rows: int) -> Partition:
     return Partition(0, rows, runs)
 
 
-def _warn_unused(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ExpertSource]) -> None:
+def _warn_unused(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ConvertedSource]) -> None:
     """Warn about checkpoint tensors the model has no place for (transformers' "unexpected keys")."""
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     names.update(name for name, _ in model.named_buffers(remove_duplicate=False))

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..comm import gather_full_to
 from ..groups import global_rank, is_global_rank0
-from ..hf_compat import checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
+from ..hf_compat import adapter_module, checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
 from ..state import find_state
 from .safetensors import SafetensorsWriter
 from .staging import staged_directory
@@ -43,6 +43,11 @@ def save_pretrained(
     moved in, replacing the model files of an earlier save. A failure on any rank (an unwritable
     target, a full disk) is raised on every rank.
     """
+    found = adapter_module(model)
+    if found is not None:
+        raise TypeError(f"autotp.save_pretrained: {found[0]} is a {found[1]}; a full checkpoint would store its adapter "
+                        f"under names transformers does not load. Call merge_and_unload() first, or save the adapter "
+                        f"with PEFT's save_pretrained inside autotp.GatherReplacedLayerParams")
     state = find_state(model)
     tp_group = None if state is None else state.tp_group
     in_writer_group = global_rank() in ([0] if tp_group is None else dist.get_process_group_ranks(tp_group))

@@ -116,34 +116,38 @@ def compare_training(
     return report
 
 
-def compare_loading(rank: int, world: int, path: str) -> dict:
-    """Runs on each rank: `autotp.from_pretrained(path)` against `wrap` after transformers' own load.
+def compare_loading(rank: int, world: int, path: str, task: str | None = None) -> dict:
+    """Runs on each rank: `autotp.from_pretrained(path)` against `wrap` after transformers' own load
+    (both through the auto class of `task`, by default the one `config.architectures` names).
 
     The report lists tensors, buffers and gradients that are not bit-equal, the logits' and the
     loss's difference, and how many parameters are sharded.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from ..api import from_pretrained
+    from ..hf_compat import model_class
 
-    direct = from_pretrained(path, world)
-    reference = wrap(AutoModelForCausalLM.from_pretrained(path), world)
+    direct = from_pretrained(path, world, task=task)
+    reference = wrap(model_class(AutoConfig.from_pretrained(path), task).from_pretrained(path), world)
     ours, theirs = direct.state_dict(), reference.state_dict()
-    buffers = dict(reference.named_buffers())
+    buffers = dict(reference.named_buffers())  # compared before a forward updates any (I-BERT's activation ranges)
+    unequal_buffers = [n for n, b in direct.named_buffers() if not torch.equal(b, buffers[n])]
     ids, labels, inputs = training_inputs(reference)
+    batch = {**({} if ids is None else {"input_ids": ids}), "labels": labels, **inputs}
     with torch.no_grad():
-        logits = (direct(ids, **inputs).logits - reference(ids, **inputs).logits).abs().max().item()
+        logits = (direct(**batch).logits - reference(**batch).logits).abs().max().item()
     losses = []
     for model in (direct, reference):  # both must also train alike: one step, same loss and gradients
         model.train()
-        loss = model(ids, labels=labels, **inputs).loss
+        loss = model(**batch).loss
         loss.backward()
         losses.append(loss.item())
     grads = dict(reference.named_parameters())
     return {
         "keys": set(ours) == set(theirs),
         "unequal": [k for k in theirs if not torch.equal(ours[k], theirs[k])],
-        "buffers": [n for n, b in direct.named_buffers() if not torch.equal(b, buffers[n])],
+        "buffers": unequal_buffers,
         "shards": sum(hasattr(p, "autotp_shard") for p in direct.parameters()),
         "logits": logits,
         "loss": losses[0] - losses[1],

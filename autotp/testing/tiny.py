@@ -9,6 +9,7 @@ from ..probe import IMAGE_TOKEN_KEYS
 SHRINK = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128, "head_dim": 16,
+    "global_head_dim": 32,
     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
     "encoder_layers": 2, "decoder_layers": 2, "d_model": 64, "encoder_attention_heads": 4,
@@ -28,7 +29,7 @@ VISION = {
     "out_hidden_size": 64, "vision_output_dim": 64,
 }
 # A composite model's own fields: as many image tokens as the tiny tower makes (4x4 patches, pooled to 4).
-COMPOSITE = {"mm_tokens_per_image": 4, "image_seq_length": 16}
+COMPOSITE = {"mm_tokens_per_image": 4, "image_seq_length": 16, "projection_dim": 64}
 
 
 def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
@@ -42,8 +43,8 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
     for name, sub in vars(config).items():
         if isinstance(sub, PretrainedConfig):
             _shrink(sub, {**RECIPES[recipe], **(VISION if "vision" in name else {})})
-            if "vl" in model_type:
-                _rope_sections(sub)
+            _rope_sections(sub, default="vl" in model_type)
+            _valid(sub)
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = 0  # T5 starts decoding from the pad token
     text = getattr(config, "text_config", None)
@@ -57,12 +58,25 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
 
 def _shrink(config: PretrainedConfig, sizes: dict) -> None:
     """Integer fields from `sizes`, token ids inside the vocabulary, dropout off, no cache."""
+    kept, heterogeneous = {}, getattr(config, "is_heterogeneous", False)
+    before = getattr(config, "num_hidden_layers", None)
+    if isinstance(getattr(config, "num_experts_per_tok", None), int):  # never more than the model allows (ZAYA: 1)
+        sizes = {**sizes, "num_experts_per_tok": min(config.num_experts_per_tok, sizes.get("num_experts_per_tok", 99))}
+    if heterogeneous:  # per-layer overrides (Gemma4): those of the first layers and of the last, which
+        # transformers makes full attention whatever layer_types says, so the config round-trips through a save
+        layers, last = sizes.get("num_hidden_layers", config.num_hidden_layers), config.num_hidden_layers - 1
+        for i, override in (config.to_dict().get("per_layer_config") or {}).items():
+            if int(i) < layers - 1 or int(i) == last:
+                kept[min(int(i), layers - 1)] = {k: sizes.get(k, v) for k, v in override.items()}
+        config.per_layer_config = None  # so that the global fields below can be set; restored after them
     for key, value in sizes.items():
         try:
             if isinstance(getattr(config, key, None), int):
                 setattr(config, key, value)
-        except Exception:  # a derived, read-only property, or one that varies per layer (Gemma4)
+        except Exception:  # a derived, read-only property
             pass
+    if kept:
+        config.per_layer_config = kept
     config.use_cache = False  # training; hybrid models' caches refuse some calls
     vocab = getattr(config, "vocab_size", None)
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
@@ -73,16 +87,59 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or "drop_path" in key
                                         or key.endswith("layerdrop")):
             setattr(config, key, 0.0)
-        if key.endswith("layer_types") and isinstance(value, list) and isinstance(getattr(config, "num_hidden_layers", None), int):
-            setattr(config, key, value[: config.num_hidden_layers])
+    _cut_per_layer(config, before, heterogeneous)
+    if isinstance(getattr(config, "attention_types", None), list):  # GPT-Neo: [[kinds, repeats]] makes the list
+        kinds = config.attention_types[0][0]
+        config.attention_types = [[kinds, max(1, config.num_layers // len(kinds))]]
+    if all(isinstance(getattr(config, k, None), int) for k in ("d_head", "d_model", "n_head")):
+        config.d_head = config.d_model // config.n_head  # XLNet checks it
 
 
-def _rope_sections(config: PretrainedConfig) -> None:
-    """Multimodal RoPE splits head_dim / 2 into sections (Qwen-VL's mrope_section, default 16/24/24): fit the tiny head."""
+def _cut_per_layer(config: PretrainedConfig, before: int | None, heterogeneous: bool) -> None:
+    """Per-layer lists cut to the layers kept: `*layer_types` keep the first layers (per-layer configs: the first
+    and the last, see `_shrink`), or, if the config then refuses them, one layer of every kind; other lists as long
+    as the old layer count (Laguna's heads per layer) keep the first."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int):
+        return
+    kinds_kept = {}
+    for key, value in list(vars(config).items()):
+        if not isinstance(value, list):
+            continue
+        if key.endswith("layer_types"):
+            cut = value[: layers - 1] + value[-1:] if heterogeneous else value[:layers]
+            setattr(config, key, cut)
+            lost = [kind for kind in dict.fromkeys(value) if kind not in cut]
+            if lost:
+                kinds_kept[key] = cut[: max(layers - len(lost), 0)] + lost[:layers]
+        elif len(value) == before != layers:
+            setattr(config, key, value[:layers])
+    for key, value in kinds_kept.items():  # OLMo-Hybrid refuses first layers without an attention layer among them
+        if "layer" in _invalid(config):
+            setattr(config, key, value)
+
+def _invalid(config: PretrainedConfig) -> str:
+    """Why the config's own checks refuse it (transformers runs them when it saves and loads), or ""."""
+    try:
+        config.validate()
+    except Exception as err:
+        return str(err)
+    return ""
+
+
+def _valid(config: PretrainedConfig) -> None:
+    """Undo a shrink that the config's own checks refuse; other refusals show when transformers loads the save."""
+    if "num_key_value_heads" in _invalid(config):
+        config.num_key_value_heads = config.num_attention_heads  # GLM-5-Next's text model: no grouped queries
+
+
+def _rope_sections(config: PretrainedConfig, default: bool) -> None:
+    """Multimodal RoPE splits head_dim / 2 into sections (Qwen-VL's mrope_section, by `default` 16/24/24): fit the
+    tiny head."""
     head_dim = getattr(config, "head_dim", None) or (
         getattr(config, "hidden_size", 0) // max(getattr(config, "num_attention_heads", 1) or 1, 1))
     for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
-        if isinstance(rope, dict):
+        if isinstance(rope, dict) and default:
             rope.setdefault("mrope_section", [16, 24, 24])
         sections = rope.get("mrope_section") if isinstance(rope, dict) else None
         if sections and sum(sections) != head_dim // 2:

@@ -1,0 +1,225 @@
+"""LoRA on sharded layers: PEFT's `lora.Linear` around an autotp layer, made tensor-parallel in place.
+
+Column layer (`LinearLayer`, weight split by output rows):
+    lora_A replicated, lora_B split by the base weight's rows (fused and replicated-KV layouts included).
+    The input enters the TP region once, before both paths, so the block's single backward all-reduce
+    of dL/dX carries the adapter's share too. lora_A's gradient is partial (each rank sees only its
+    rows of lora_B) and is summed over TP.
+Row layer (`LinearAllreduce`, weight split by input columns):
+    lora_A split by the base weight's columns, lora_B replicated. The base leaves its output partial;
+    base and adapter partial outputs are all-reduced once, then the bias is added. lora_B's gradient
+    (from this rank's partial lora_A output) is summed over TP.
+
+After `wrap`, adapters are adapted when the block first runs after `get_peft_model` (the guard on each
+block sees the swap), and again for adapters added later; anything else PEFT puts around a sharded
+layer is refused by that guard. Before `wrap`, `lift` takes the LoRA layers out so the model is planned
+and sharded as without them, and `attach` puts them back around the new layers, splitting each
+adapter from its full values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import GradHook, grad_allreduce_hook, reduce_from_tp, replica_grad_hook
+from .layers import LinearAllreduce, LinearLayer, ParallelLinear, gather_parameter_, partition_parameter_
+from .replicas import broadcast_tensors
+from .sharding import Partition, Shard
+from .state import TPState
+
+
+def is_lora_linear(module: nn.Module | None, layer: nn.Module) -> bool:
+    """Whether `module` is PEFT's LoRA `Linear` wrapped directly around the autotp `layer`."""
+    kind = type(module)
+    return kind.__module__.startswith("peft.tuners.lora") and kind.__name__ == "Linear" and getattr(
+        module, "base_layer", None) is layer
+
+
+class TPLora:
+    """One PEFT `lora.Linear` around one autotp layer: its hooks, and its adapters' shards (gather_/partition_)."""
+
+    def __init__(self, lora: nn.Module, layer: ParallelLinear, path: str, state: TPState):
+        self.lora, self.layer, self.path, self.state = lora, layer, path, state
+        self.column = isinstance(layer, LinearLayer)
+        self.adapted: set[str] = set()
+        self.hooks: list[GradHook] = []
+        self.handle = lora.register_forward_pre_hook(self._enter) if self.column else lora.register_forward_hook(
+            self._leave)
+        if not self.column:
+            layer.reduce_output = False  # its partial output is reduced together with the adapter's
+        layer.autotp_lora = self
+        state.regions.append(self)
+
+    def release(self) -> None:
+        """The base layer is back in its slot (PEFT's merge_and_unload or unload): it reduces its own output again."""
+        self.handle.remove()
+        for hook in self.hooks:
+            hook.remove()
+        if not self.column:
+            self.layer.reduce_output = True
+        del self.layer.autotp_lora
+        self.state.regions.remove(self)
+
+    def adapt_new(self, full: bool = False) -> None:
+        """Shard and synchronise the adapters PEFT added since the last call (collective over TP).
+
+        `full`: the adapters were made for the whole layer (PEFT before wrap) and are split, not redrawn.
+        """
+        for name in [n for n in self.lora.lora_A if n not in self.adapted]:
+            self._refuse(name)
+            a, b = self.lora.lora_A[name].weight, self.lora.lora_B[name].weight
+            if self.column:
+                self._adapt_column(a, b, full)
+            else:
+                self._adapt_row(a, b, full)
+            self.adapted.add(name)
+        self.lora.in_features, self.lora.out_features = self.layer.in_features, self.layer.out_features
+
+    def _refuse(self, name: str) -> None:
+        where = f"autotp: LoRA adapter {name!r} on {self.path}"
+        if name in getattr(self.lora, "lora_variant", {}):
+            variant = type(self.lora.lora_variant[name]).__name__
+            raise NotImplementedError(f"{where} uses {variant} (DoRA or another LoRA variant), which autotp does not "
+                                      f"shard yet; use plain LoRA")
+        if self.state.gathered:
+            raise RuntimeError(f"{where} was added inside GatherReplacedLayerParams; add adapters outside it")
+        sequence_parallel = getattr(self.layer, "sequence_parallel", False) or getattr(
+            getattr(self.layer, "_shared_input", None), "sequence_parallel", False)
+        if sequence_parallel:
+            raise NotImplementedError(f"{where}: LoRA with sequence parallelism is not supported yet; wrap with "
+                                      f"sequence_parallel=False")
+        if not self.column and self.lora.lora_B[name].bias is not None:
+            raise NotImplementedError(f"{where}: lora_bias on a row-parallel layer would be added once per rank; "
+                                      f"use lora_bias=False")
+
+    def _adapt_column(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
+        """lora_A replicated (same on every rank, gradient summed); lora_B split like the base weight's rows."""
+        rows = self.layer.partition.with_dim(0)
+        for param in self.lora.lora_B[self._name_of(b)].parameters():  # lora_bias too
+            self._split(param, rows, full)
+        self._replicate(a, 1, self.layer.full_in)
+        if rows.replicas(self.layer.tp_rank):  # replicated KV rows: summed over their holders, as the base weight's
+            self.hooks.append(GradHook(self.lora, b, replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups,
+                                                                       self._active)))
+
+    def _adapt_row(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
+        """lora_A split like the base weight's columns, drawn as PEFT draws it over the full width; lora_B replicated."""
+        cols = self.layer.partition.with_dim(1)
+        self._split(a, cols, full)
+        if not full and not b.detach().any():  # PEFT's init at the shard's width: redraw A at full width (PEFT's scale)
+            drawn = torch.empty(a.shape[0], cols.full_size, dtype=a.dtype, device=a.device)
+            nn.init.kaiming_uniform_(drawn, a=math.sqrt(5))
+            broadcast_tensors([drawn], self.layer.group)
+            with torch.no_grad():
+                a.copy_(cols.shard(drawn, self.layer.tp_rank))
+        self._replicate(b, 0, self.layer.full_out)
+
+    def _split(self, param: nn.Parameter, partition: Partition, full: bool) -> None:
+        """`param` held as this rank's part along `partition.dim` (cut from its full values when `full`), tagged."""
+        rank, dim = self.layer.tp_rank, partition.dim
+        if full and param.shape[dim] == partition.full_size:
+            param.data = partition.shard(param.detach(), rank)
+        if param.shape[dim] != partition.local_size(rank):
+            raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
+                               f"should be this rank's {partition.local_size(rank)} of {partition.full_size}")
+        param.autotp_shard = Shard(partition, rank)
+
+    def _replicate(self, param: nn.Parameter, dim: int, size: int) -> None:
+        """`param` the same on every TP rank (TP rank 0's values) with its partial gradient summed over TP."""
+        if param.shape[dim] != size:
+            raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
+                               f"should be the layer's full {size}")
+        broadcast_tensors([param], self.layer.group)
+        self.hooks.append(GradHook(self.lora, param, grad_allreduce_hook(self.layer.group, self._active)))
+
+    def _active(self) -> bool:
+        return not self.state.gathered
+
+    def _name_of(self, b: nn.Parameter) -> str:
+        return next(n for n, m in self.lora.lora_B.items() if m.weight is b)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None):
+        """Column: the input enters the TP region once for base and adapter (the base's copy is shared)."""
+        if self.state.gathered or not args or not torch.is_tensor(args[0]):
+            return None
+        return (self.layer._shared_input(args[0]), *args[1:])
+
+    def _leave(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        """Row: base and adapter partial outputs all-reduced once; the base bias added after."""
+        if self.state.gathered:
+            return None
+        output = reduce_from_tp(output, self.layer.group)
+        bias = self.layer.bias
+        return output if bias is None else output + bias
+
+    def _sharded(self) -> list[nn.Parameter]:
+        return [p for m in (*self.lora.lora_A.values(), *self.lora.lora_B.values()) for p in m.parameters()
+                if hasattr(p, "autotp_shard")]
+
+    def gather_(self) -> None:
+        """Full adapter weights, as for the base layer (GatherReplacedLayerParams, saving)."""
+        for param in self._sharded():
+            gather_parameter_(param, self.layer.group)
+
+    def partition_(self) -> None:
+        for param in self._sharded():
+            partition_parameter_(param)
+
+
+def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TPState) -> bool:
+    """Make PEFT's LoRA around `layer` (`current` holds its slot) tensor-parallel; False if `current` is something
+    else. The layer itself back in its slot releases the LoRA that held it."""
+    if current is layer:
+        if hasattr(layer, "autotp_lora"):
+            layer.autotp_lora.release()
+        return True
+    if not is_lora_linear(current, layer) or not isinstance(layer, (LinearLayer, LinearAllreduce)):
+        return False
+    tp_lora = getattr(current, "autotp_lora", None)
+    if tp_lora is None:
+        tp_lora = current.autotp_lora = TPLora(current, layer, path, state)
+    tp_lora.adapt_new()
+    return True
+
+
+def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """PEFT's LoRA layers taken out of `model` (each slot then holds the layer LoRA wraps), so that `wrap` shards
+    the model as if they were not there; `put_back` or `attach` returns them. A LoRA that autotp does not
+    shard is refused first, with nothing changed."""
+    found = []
+    for path, module in model.named_modules():
+        if is_lora_linear(module, getattr(module, "base_layer", None)):
+            if getattr(module, "lora_variant", None):
+                raise NotImplementedError(f"autotp: {path} uses a LoRA variant (DoRA or another), which autotp does not "
+                                          f"shard yet; use plain LoRA")
+            if any(m.bias is not None for m in module.lora_B.values()):
+                raise NotImplementedError(f"autotp: {path} has lora_bias, which autotp does not shard yet")
+            parent, _, name = path.rpartition(".")
+            found.append((model.get_submodule(parent), name, module))
+    for parent, name, lora in found:
+        parent._modules[name] = lora.base_layer
+    return found
+
+
+def put_back(lifted: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """The LoRA layers back in their slots, around the layers they wrapped (wrap failed)."""
+    for parent, name, lora in lifted:
+        parent._modules[name] = lora
+
+
+def attach(model: nn.Module, lifted: list[tuple[nn.Module, str, nn.Module]], state: TPState) -> None:
+    """The LoRA layers back around the layers now in their slots; those around sharded layers split their
+    adapters like the layer (collective over TP)."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    for parent, name, lora in lifted:
+        layer = parent._modules[name]
+        path = paths[id(layer)]
+        lora.base_layer = layer
+        parent._modules[name] = lora
+        if isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1:
+            lora.autotp_lora = TPLora(lora, layer, path, state)
+            lora.autotp_lora.adapt_new(full=True)

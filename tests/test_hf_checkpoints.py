@@ -1,0 +1,117 @@
+"""Checkpoints as transformers writes them, read by `autotp.from_pretrained` and equal to wrap-after-load tensor for
+tensor: MoE experts one tensor per expert (the hub's layout; renamed modules such as Mixtral's block_sparse_moe),
+built from this rank's rows of each expert; tensors transformers converts otherwise on load (a fused projection
+saved whole, projections saved apart, offset layer indices); and models of every task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+import transformers
+from transformers import AutoModelForCausalLM
+
+from autotp.hf_compat import TASKS
+from autotp.io.errors import CheckpointError
+from autotp.testing import tiny_config
+from autotp.testing.spawn import run_ranks
+from autotp.testing.parity import compare_loading
+
+MOE = ["granitemoe", "minimax", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
+
+
+def save_moe(model_type: str, path: Path, task: str = "causal-lm") -> set[str]:
+    """Saves with transformers; returns the checkpoint names that are not the model's own."""
+    torch.manual_seed(0)
+    model = getattr(transformers, TASKS[task]).from_config(tiny_config(model_type))
+    model.save_pretrained(path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return set(f.keys()) - set(model.state_dict())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("model_type", MOE)
+def test_per_expert_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str, tp: int) -> None:
+    assert save_moe(model_type, tmp_path), "transformers saves this model under its own names: nothing to convert"
+    for report in run_ranks(compare_loading, tp, str(tmp_path)):
+        assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report
+        assert report["shards"] > 0
+        assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report
+
+
+def load_alone(rank: int, world: int, path: str) -> str:
+    import autotp
+
+    try:
+        autotp.from_pretrained(path, world)
+    except CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_missing_expert_is_named(tmp_path: Path) -> None:
+    """A checkpoint with one expert's tensor gone fails before anything is replaced, naming the fused tensor."""
+    from safetensors.torch import load_file, save_file
+
+    save_moe("olmoe", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for message in run_ranks(load_alone, 2, str(tmp_path)):
+        assert "model.layers.1.mlp.experts.gate_up_proj" in message and "per-expert tensors" in message, message
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "olmoe"])
+def test_per_expert_tensors_count_as_used(tmp_path: Path, model_type: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Every per-expert tensor was read into a fused one, so none is reported as unused."""
+    import logging
+
+    import autotp
+
+    save_moe(model_type, tmp_path)
+    caplog.set_level(logging.WARNING, logger="autotp")
+    autotp.from_pretrained(tmp_path, 1)
+    assert not [r for r in caplog.records if "not used" in r.getMessage()], caplog.text
+
+
+# What transformers does on load, beyond stacking experts; each model type needs it on its own save.
+CONVERTED = {
+    "hrm_text": "q, k and v saved as one fused tensor, which transformers chunks",
+    "kimi_linear": "q/k/v convolutions saved apart, which transformers concatenates",
+    "inkling2_text": "per-layer tensors saved under layer indices shifted by one",
+    "deepseek_v4": "a rename of '.norm.' meant for the attention that also matches model.norm",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(CONVERTED))
+def test_converted_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str) -> None:
+    assert save_moe(model_type, tmp_path) or model_type == "deepseek_v4", CONVERTED[model_type]
+    for report in run_ranks(compare_loading, 2, str(tmp_path)):
+        assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report
+        assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report
+
+
+@pytest.mark.parametrize("model_type,task", [("llava", "image-text"), ("t5", "seq2seq"),
+                                             ("whisper", "speech-seq2seq"), ("bert", "masked-lm")])
+def test_every_task_loads_like_wrap(tmp_path: Path, model_type: str, task: str) -> None:
+    """from_pretrained builds the class the checkpoint's config.architectures names, not always a causal LM."""
+    save_moe(model_type, tmp_path, task)
+    for report in run_ranks(compare_loading, 2, str(tmp_path)):
+        assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report
+        assert report["shards"] > 0
+        assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report
+
+
+def test_a_bad_fused_tensor_is_named(tmp_path: Path) -> None:
+    """A fused tensor whose parts do not come out at the config's shape fails naming the model tensor and both shapes."""
+    from safetensors.torch import load_file, save_file
+
+    save_moe("hrm_text", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    key = "model.H_module.layers.0.attn.gqkv_proj.weight"  # gate, q, k, v: chunked into four by transformers
+    tensors[key] = tensors[key][:-8]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for message in run_ranks(load_alone, 2, str(tmp_path)):
+        assert "model.H_module.layers.0.self_attn." in message and "the config implies" in message, message

@@ -1,0 +1,243 @@
+"""LoRA from PEFT on a wrapped model (`get_peft_model` after `autotp.wrap`) trains like one-process PEFT.
+
+Column layers keep lora_A replicated and split lora_B like the base rows; row layers split lora_A like
+the base columns and keep lora_B replicated (see `autotp.lora`). The adapters start from the one-process
+adapters' values (PEFT draws them at local shapes under TP), then both train 3 AdamW steps on the same
+batch. Tolerances are parity's fp32 ones: only the order of sums differs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+
+import autotp
+from autotp.replicas import check_replicas
+from autotp.state import state_of
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, full_tensor, grad_error
+from autotp.testing.spawn import run_ranks
+from models import batch, tiny_model
+
+LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config(targets: list[str], **extra) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, **extra)
+
+
+def paired(rank: int, world: int, family: str, targets: list[str], model_config: dict | None = None,
+           before: bool = False):
+    """(one-process PEFT model, PEFT model on the wrapped copy with the same adapter values, TP group).
+
+    `before`: get_peft_model runs first and `wrap` shards the model holding the adapters.
+    """
+    torch.manual_seed(0)
+    base = tiny_model(family, **(model_config or {}))
+    reference = get_peft_model(copy.deepcopy(base), lora_config(targets))
+    if before:
+        model = get_peft_model(base, lora_config(targets))
+        model.load_state_dict(reference.state_dict())  # the same adapter values, drawn for the whole layers
+        autotp.wrap(model.base_model.model, world)
+        return reference, model, state_of(model.base_model.model).tp_group
+    model = get_peft_model(autotp.wrap(base, world), lora_config(targets))
+    with torch.no_grad():
+        model(input_ids=batch())  # each block adapts its LoRA layers on its first run
+    full = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                shard = getattr(param, "autotp_shard", None)
+                param.copy_(full[name] if shard is None else shard.partition.shard(full[name], shard.rank))
+    return reference, model, state_of(model.base_model.model).tp_group
+
+
+def lora_parity(rank: int, world: int, family: str, targets: list[str], model_config: dict | None = None,
+                before: bool = False) -> dict:
+    reference, model, group = paired(rank, world, family, targets, model_config, before)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ref_params = dict(reference.named_parameters())
+    assert set(trainable) == {n for n, p in ref_params.items() if p.requires_grad}
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+                  for m in (reference, model)]
+    ids = batch()
+    report: dict = {"loss": 0.0, "grad": {}, "param": {}, "adapters": len(trainable)}
+    for step in range(3):
+        losses = []
+        for m in (reference, model):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))
+        if step == 0:
+            for name, p in trainable.items():
+                report["grad"][name] = grad_error(full_tensor(p.grad, p, group), ref_params[name].grad)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for name, p in model.named_parameters():
+        report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
+    check_replicas(model.base_model.model)  # replicated adapter halves stayed equal on every TP rank
+    report["sharded_adapters"] = sum(hasattr(p, "autotp_shard") for p in trainable.values())
+    return report
+
+
+def assert_close(report: dict) -> None:
+    assert report["loss"] <= LOSS_ATOL, report["loss"]
+    worst = max(report["grad"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= GRAD_RTOL, worst
+    worst = max(report["param"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= PARAM_ATOL, worst
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family,targets,model_config", [
+    ("llama", LLAMA_ALL, {}),
+    ("llama", LLAMA_ALL, {"num_key_value_heads": 2}),  # at tp 4, k/v rows (and lora_B's) are replicated on 2 ranks
+    ("gpt2", ["c_attn", "c_proj", "c_fc"], {}),  # Conv1D; c_attn fused [q | k | v]
+    ("qwen2", ["q_proj", "v_proj", "lm_head"], {}),  # q/v biases; the vocab-parallel LM head (rows by vocabulary)
+])
+def test_lora_after_wrap_matches_one_process_peft(family: str, targets: list[str], model_config: dict,
+                                                  tp: int) -> None:
+    for report in run_ranks(lora_parity, tp, family, targets, model_config):
+        assert_close(report)
+        assert report["sharded_adapters"] == report["adapters"] // 2, report  # one half of each pair is split
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family,targets", [("llama", LLAMA_ALL), ("gpt2", ["c_attn", "c_proj", "c_fc"]),
+                                            ("qwen2", ["q_proj", "v_proj", "lm_head"])])
+def test_lora_before_wrap_matches_one_process_peft(family: str, targets: list[str], tp: int) -> None:
+    """wrap shards a model PEFT already adapted: each adapter is split from its full values like its layer."""
+    for report in run_ranks(lora_parity, tp, family, targets, None, True):
+        assert_close(report)
+        assert report["sharded_adapters"] == report["adapters"] // 2, report
+
+
+def count_lora_step(rank: int, world: int) -> dict:
+    _, model, _ = paired(rank, world, "llama", LLAMA_ALL)
+    counts: dict[str, int] = {}
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        counts["n"] = counts.get("n", 0) + 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        ids = batch()
+        loss = model(input_ids=ids, labels=ids).loss
+        forward, counts["n"] = counts.get("n", 0), 0
+        loss.backward()
+    finally:
+        dist.all_reduce = original
+    return {"forward": forward, "backward": counts["n"], "layers": model.config.num_hidden_layers}
+
+
+def test_lora_adds_no_activation_collective() -> None:
+    """Forward: 2 all-reduces per layer, as without LoRA (row adapters join the base's). Backward: the 2 input-gradient
+    all-reduces per layer, as without LoRA, but the first (all before it is frozen, so autograd skips it), and one per
+    adapted linear for its replicated half's gradient."""
+    for report in run_ranks(count_lora_step, 2):
+        layers = report["layers"]
+        assert report["forward"] == 2 * layers + 3, report  # + vocab parallelism's 3
+        assert report["backward"] == 2 * layers - 1 + 1 + len(LLAMA_ALL) * layers, report  # + the LM head's 1
+
+
+def dora_after_wrap(rank: int, world: int) -> str:
+    model = get_peft_model(autotp.wrap(tiny_model("llama"), world), lora_config(["q_proj"], use_dora=True))
+    try:
+        model(input_ids=batch())
+    except NotImplementedError as err:
+        return str(err)
+    return "ran"
+
+
+def test_dora_is_refused_naming_the_layer() -> None:
+    for message in run_ranks(dora_after_wrap, 2):
+        assert "model.layers.0.self_attn.q_proj" in message and "DoRA" in message, message
+
+
+def one_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
+    """One AdamW step at a large learning rate, so adapters move well away from their start."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def gathered_eval_and_save(rank: int, world: int, path: str) -> dict:
+    """After a training step: logits sharded and under GatherReplacedLayerParams, and PEFT's own save_pretrained
+    inside it on every rank."""
+    reference, model, _ = paired(rank, world, "llama", LLAMA_ALL)
+    ids = batch()
+    for m in (reference, model):
+        one_step(m, ids)
+    inner = model.base_model.model
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        sharded = (model(input_ids=ids).logits - expected).abs().max().item()
+        with autotp.GatherReplacedLayerParams(inner):
+            gathered = (model(input_ids=ids).logits - expected).abs().max().item()
+            model.save_pretrained(path, is_main_process=rank == 0)
+        after = (model(input_ids=ids).logits - expected).abs().max().item()
+    return {"sharded": sharded, "gathered": gathered, "after": after, "expected": expected}
+
+
+def test_gathered_adapters_evaluate_and_save_in_peft_format(tmp_path) -> None:
+    """One process loads the adapter trained and saved under TP with PeftModel.from_pretrained: the same logits."""
+    from peft import PeftModel
+
+    reports = run_ranks(gathered_eval_and_save, 2, str(tmp_path))
+    for report in reports:
+        assert max(report["sharded"], report["gathered"], report["after"]) < 1e-5, report
+    torch.manual_seed(0)
+    loaded = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path))
+    with torch.no_grad():
+        logits = loaded(input_ids=batch()).logits
+    assert (logits - reports[0]["expected"]).abs().max().item() < 1e-5
+
+
+def merge_under_tp(rank: int, world: int, path: str) -> dict:
+    """PEFT's merge_and_unload after a training step: the base layers hold the merged shards and reduce again."""
+    reference, model, _ = paired(rank, world, "llama", LLAMA_ALL)
+    ids = batch()
+    for m in (reference, model):
+        one_step(m, ids)
+    merged, expected = model.merge_and_unload(), reference.merge_and_unload()
+    with torch.no_grad():
+        error = (merged(input_ids=ids).logits - expected(input_ids=ids).logits).abs().max().item()
+    autotp.save_pretrained(merged, path)
+    return {"logits": error, "expected": {k: v.clone() for k, v in expected.state_dict().items()}}
+
+
+def test_merge_and_unload_gives_the_one_process_merge(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    reports = run_ranks(merge_under_tp, 2, str(tmp_path / "merged"))
+    assert max(r["logits"] for r in reports) < 1e-5, reports
+    saved = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    expected = reports[0]["expected"]
+    assert set(saved) <= set(expected)
+    worst = max((saved[k] - expected[k]).abs().max().item() for k in saved)
+    assert worst < 1e-6, worst  # the merged full checkpoint equals the one-process merge
+
+
+def full_save_with_adapters(rank: int, world: int, path: str) -> list[str]:
+    _, model, _ = paired(rank, world, "llama", ["q_proj"])
+    messages = []
+    for target in (model, model.base_model.model):  # ours, and the wrapped model's own save_pretrained
+        try:
+            (autotp.save_pretrained(target, path) if target is model else target.save_pretrained(path))
+        except TypeError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_a_full_save_of_a_model_holding_adapters_is_refused(tmp_path) -> None:
+    """It would write q_proj.base_layer.weight, which transformers does not load (it would re-initialise q_proj)."""
+    for messages in run_ranks(full_save_with_adapters, 2, str(tmp_path / "out")):
+        assert len(messages) == 2 and all("merge_and_unload" in m and "peft" in m for m in messages), messages
+    assert not (tmp_path / "out").exists()

@@ -7,7 +7,8 @@ DP replicas only, the loss is normalised by the tokens of the whole global batch
 not over every rank), gradients are clipped by the norm of the whole unsharded model, the logged
 loss is the mean over replicas, evaluation reads each replica's part of the eval set, bf16/fp16
 autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
-full checkpoint through `autotp.save_pretrained` on every rank.
+full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
+adapter, written with the weights gathered).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ from transformers import Trainer
 
 from .comm import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
+from .gather import GatherReplacedLayerParams
 from .groups import group_size
+from .hf_compat import adapter_module
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .io.save import save_pretrained
+from .state import find_state, wrapped_model
 
 
 _SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
+_ADAPTER = "adapter_model.safetensors"  # PEFT's name
 
 
 class _EpochLoader(DataLoader):
@@ -55,7 +60,17 @@ class _TPOnly(nn.Module):
 
 
 class AutoTPTrainer(Trainer):
-    """Trainer for `autotp.wrap`-ped models; use it like `transformers.Trainer`."""
+    """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        model = wrapped_model(self.model)
+        fused = _fused_head(vars(model).get("forward")) if model is not None else None
+        if fused is not None and find_state(model).plan.vocab is not None:
+            raise ValueError(f"autotp: {type(self).__name__} replaced the model's forward with a fused LM head "
+                             f"({fused}), which reads lm_head.weight directly; under vocab parallelism that holds "
+                             f"only this rank's vocabulary rows, so its log-probabilities would be wrong. Wrap with "
+                             f"vocab_parallel=False")
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
@@ -220,7 +235,16 @@ class AutoTPTrainer(Trainer):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """The full checkpoint `_save` wrote, read as this rank's rows into the wrapped model's own parameters."""
+        """The full checkpoint `_save` wrote, read as this rank's rows into the wrapped model's own parameters; for
+        a model holding PEFT adapters, the adapter PEFT wrote, loaded by PEFT while the weights are gathered."""
+        if adapter_module(self.model) is not None:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            weights = load_file(os.path.join(resume_from_checkpoint, _ADAPTER))
+            with GatherReplacedLayerParams(self.model):
+                set_peft_model_state_dict(self.model, weights)
+            return
         param = next(self.model.parameters())
         load_params(self.model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
                     show=self.args.should_save, in_place=True)
@@ -240,8 +264,29 @@ class AutoTPTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
         output_dir = output_dir or self.args.output_dir
-        save_pretrained(self.model, output_dir, into_existing=True)
+        if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (LoRA and PEFT in the README)
+            with GatherReplacedLayerParams(self.model):
+                self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        else:
+            save_pretrained(self.model, output_dir, into_existing=True)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _fused_head(forward: Any) -> str | None:
+    """Where a forward that a fused-LM-head patch (TRL's `add_fused_lm_head`) put on a model was defined, else None.
+
+    The patch copies the original forward's name (functools.wraps), so its code object tells."""
+    while forward is not None:
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        if code is not None and "fused" in code.co_name:
+            return f"{code.co_name} in {code.co_filename}"
+        forward = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+    return None
+
+
+def tp_trainer(trainer_class: type[Trainer]) -> type[Trainer]:
+    """`trainer_class` (a Trainer subclass, such as TRL's `SFTTrainer`) with `AutoTPTrainer`'s behaviour mixed in."""
+    return type(f"AutoTP{trainer_class.__name__}", (AutoTPTrainer, trainer_class), {})

@@ -15,6 +15,7 @@ from typing import Callable
 from datetime import timedelta
 
 from torch import nn
+from transformers import PreTrainedModel
 
 from .groups import Group
 from .plan import Plan
@@ -52,8 +53,24 @@ def detach(model: nn.Module) -> None:
 
 
 def find_state(model: nn.Module) -> TPState | None:
-    """The model's state, or None for a model autotp has not wrapped."""
-    return getattr(model, _ATTR, None)
+    """The model's state, or None for a model autotp has not wrapped; seen through the wrappers that hold a wrapped
+    model (DDP's and Trainer's `.module`, PEFT's `PeftModel.base_model.model`)."""
+    holder = wrapped_model(model)
+    return None if holder is None else vars(holder)[_ATTR]
+
+
+def wrapped_model(model: nn.Module) -> nn.Module | None:
+    """The model `wrap` sharded: `model` itself, or the one its wrappers hold (see `find_state`); else None."""
+    for _ in range(4):
+        if _ATTR in vars(model):  # its own: PEFT's wrappers pass attribute lookups on to the model inside
+            return model
+        if isinstance(model, PreTrainedModel):
+            return None
+        children = vars(model).get("_modules", {})  # registered children only, not attribute look-ups passed on
+        model = next((children[name] for name in ("module", "base_model", "model") if name in children), None)
+        if model is None:
+            return None
+    return None
 
 
 def state_of(model: nn.Module | None = None) -> TPState:

@@ -4,7 +4,8 @@
 
 AutoTPTrainer averages gradients over the data-parallel group only (DDP on autotp.dp_group), gives
 each replica its own part of the data (TP ranks of a replica read the same batches), reports the
-batch size and loss over replicas, and saves a full checkpoint with autotp.save_pretrained.
+batch size and loss over replicas, and saves a full checkpoint with autotp.save_pretrained (with --lora:
+PEFT's adapter, full size).
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 import autotp
 from autotp.hf_trainer import AutoTPTrainer
 from data import PatternDataset
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT's LoRA on all seven projections (r=8), its default initialisation (lora_B zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0))
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -54,12 +65,17 @@ def main() -> None:
     parser.add_argument("--best-at-end", action="store_true",
                         help="evaluate and save every --save-steps, keep 1 checkpoint, load the best at the end")
     parser.add_argument("--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT, added before wrap) only")
     parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny_llama()
-    model = autotp.wrap(model, tp_size=args.tp)
+    if args.lora:  # PEFT first, then wrap the transformers model inside: each adapter is split like its layer
+        model = with_lora(model)
+        autotp.wrap(model.base_model.model, tp_size=args.tp)
+    else:
+        model = autotp.wrap(model, tp_size=args.tp)
     training = TrainingArguments(output_dir=args.output, per_device_train_batch_size=args.batch,
                                  max_steps=args.steps, learning_rate=1e-3, adam_epsilon=args.adam_epsilon,
                                  logging_steps=1, seed=0, bf16=args.bf16, per_device_eval_batch_size=args.batch,

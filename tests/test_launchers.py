@@ -51,13 +51,14 @@ def run_trainer_example(tmp_path: Path, *flags: str) -> dict:
     return json.loads((tmp_path / "losses.json").read_text())
 
 
-def one_process_trainer(tmp_path: Path, bf16: bool = False, **arguments) -> tuple[list[float], float]:
+def one_process_trainer(tmp_path: Path, bf16: bool = False, lora: bool = False,
+                        **arguments) -> tuple[list[float], float]:
     """Plain transformers.Trainer on one process over the same global batches: (step losses, eval loss)."""
     from data import PatternDataset
-    from train_trainer import tiny_llama
+    from train_trainer import tiny_llama, with_lora
 
     torch.manual_seed(0)
-    model = tiny_llama()
+    model = with_lora(tiny_llama()) if lora else tiny_llama()
     settings = dict(output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3,
                     adam_epsilon=1e-6, logging_steps=1, seed=0, save_strategy="no", report_to=[], bf16=bf16,
                     use_cpu=True, per_device_eval_batch_size=2)
@@ -126,3 +127,65 @@ def test_trainer_load_best_model_at_end_with_save_total_limit(tmp_path: Path) ->
     checkpoints = sorted(p.name for p in (tmp_path / "tp").glob("checkpoint-*"))
     assert 1 <= len(checkpoints) <= 2, checkpoints  # the limit, plus the best one when it is not the last
     assert abs(got["eval_loss"] - eval_loss) <= 1e-5, (got["eval_loss"], eval_loss)
+
+
+def test_trainer_trains_and_resumes_lora_adapters(tmp_path: Path) -> None:
+    """LoRA (PEFT before wrap) at dp=2 x tp=2 against one-process PEFT under Trainer; its checkpoints hold PEFT's
+    full-size adapter and each TP rank's optimizer state, and resuming repeats the steps."""
+    from safetensors.torch import load_file
+
+    got = run_trainer_example(tmp_path / "whole", "--lora", "--eval", "--save-steps", "2")
+    losses, eval_loss = one_process_trainer(tmp_path, lora=True)
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) <= 1e-5, (got["losses"], losses)
+    assert abs(got["eval_loss"] - eval_loss) <= 1e-5, (got["eval_loss"], eval_loss)
+    checkpoint = tmp_path / "whole" / "tp" / "checkpoint-2"
+    adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert adapter["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (8, 172)  # full width
+    assert adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].shape == (64, 8)
+    assert not (checkpoint / "model.safetensors").exists()
+    resumed = run_trainer_example(tmp_path / "resumed", "--lora", "--resume", str(checkpoint))
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], got["losses"][2:])) <= 1e-6, (resumed, got)
+
+
+def test_trl_sft_with_lora_matches_one_process(tmp_path: Path) -> None:
+    """examples/sft_lora.py (TRL's SFTTrainer through tp_trainer, LoRA) on 2 CPU ranks at tp=2: the loss curve of
+    one-process SFT with the same adapters and batches, within fp32 rounding."""
+    from sft_lora import config, dataset, tokenizer
+    from train_trainer import tiny_llama, with_lora
+    from trl import SFTTrainer
+
+    argv = readme_command(r"torchrun --nproc-per-node 2 examples/sft_lora\.py --tp 2")
+    run(argv + ["--output", str(tmp_path / "tp"), "--losses-out", str(tmp_path / "losses.json")])
+    got = json.loads((tmp_path / "losses.json").read_text())["losses"]
+
+    class OneProcessSFT(SFTTrainer):
+        losses: list[float] = []
+
+        def _get_train_sampler(self, train_dataset=None):
+            return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.losses.append(loss.item())
+            return loss
+
+    torch.manual_seed(0)
+    model = with_lora(tiny_llama())
+    vocab = model.config.vocab_size
+    trainer = OneProcessSFT(model=model, args=config(str(tmp_path / "one"), 4), train_dataset=dataset(vocab),
+                            processing_class=tokenizer(vocab))
+    trainer.losses = []
+    trainer.train()
+    assert len(got) == len(trainer.losses) == 4
+    assert max(abs(a - b) for a, b in zip(got, trainer.losses)) <= 1e-5, (got, trainer.losses)
+
+
+def test_trl_fused_head_on_a_vocab_parallel_model_is_refused(tmp_path: Path) -> None:
+    """TRL's fused LM head reads lm_head.weight itself: on vocab-sharded rows its log-probabilities would be wrong."""
+    argv = readme_command(r"torchrun --nproc-per-node 2 examples/sft_lora\.py --tp 2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PET_MASTER_PORT": str(free_port())}
+    done = subprocess.run(argv + ["--output", str(tmp_path), "--vocab-parallel"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "fused LM head" in done.stderr and "vocab_parallel=False" in done.stderr, (
+        done.stderr[-3000:])
+    assert not list(tmp_path.glob("checkpoint-*"))

@@ -241,3 +241,25 @@ def test_a_full_save_of_a_model_holding_adapters_is_refused(tmp_path) -> None:
     for messages in run_ranks(full_save_with_adapters, 2, str(tmp_path / "out")):
         assert len(messages) == 2 and all("merge_and_unload" in m and "peft" in m for m in messages), messages
     assert not (tmp_path / "out").exists()
+
+
+def load_adapter_then_wrap(rank: int, world: int, path: str) -> torch.Tensor:
+    """PEFT's own loading of a saved adapter, before wrap: the logits of the one-process model that saved it."""
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    model = PeftModel.from_pretrained(tiny_model("llama"), path)
+    autotp.wrap(model.base_model.model, world)
+    with torch.no_grad():
+        return model(input_ids=batch()).logits
+
+
+def test_an_adapter_saved_by_one_process_loads_before_wrap(tmp_path) -> None:
+    torch.manual_seed(0)
+    reference = get_peft_model(tiny_model("llama"), lora_config(LLAMA_ALL))
+    one_step(reference, batch())
+    reference.save_pretrained(str(tmp_path))
+    with torch.no_grad():
+        expected = reference(input_ids=batch()).logits
+    for logits in run_ranks(load_adapter_then_wrap, 2, str(tmp_path)):
+        assert (logits - expected).abs().max().item() < 1e-5

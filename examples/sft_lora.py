@@ -1,0 +1,88 @@
+"""Supervised fine-tuning with TRL's SFTTrainer and LoRA, tensor-parallel through autotp.
+
+    torchrun --nproc-per-node 2 examples/sft_lora.py --tp 2        # 2 CPU ranks, no downloads
+
+A tiny Llama built from a config, an in-memory tokenizer and dataset. PEFT's LoRA goes on first (so
+its adapters start as they would in one process), then `autotp.wrap` shards the model inside the
+PeftModel, and `autotp.hf_trainer.tp_trainer(SFTTrainer)` is SFTTrainer with AutoTPTrainer's data
+parallel x tensor parallel behaviour. TRL computes the loss with a fused LM head that reads
+`lm_head.weight` itself, so the model is wrapped with `vocab_parallel=False` (autotp refuses the
+combination otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+
+import autotp
+from autotp.hf_trainer import tp_trainer
+from data import PatternDataset
+from train_trainer import tiny_llama, with_lora
+
+
+def tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny model's vocabulary, built in memory."""
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
+
+
+def dataset(vocab: int, size: int = 32, seq: int = 32) -> Dataset:
+    """Already tokenized sequences (SFTTrainer then skips tokenising)."""
+    samples = PatternDataset(size=size, seq=seq, vocab=vocab)
+    return Dataset.from_dict({"input_ids": [samples[i]["input_ids"].tolist() for i in range(size)]})
+
+
+def config(output: str, steps: int) -> SFTConfig:
+    return SFTConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
+                     adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no",
+                     use_cpu=not torch.cuda.is_available(), max_length=32, disable_tqdm=True,
+                     bf16=False)  # SFTConfig defaults to bf16 autocast; fp32 here, so the test compares to 1e-5
+
+
+class RecordingSFT(tp_trainer(SFTTrainer)):
+    """Keeps each step's loss unrounded (Trainer's log rounds to 4 decimals) for comparisons."""
+
+    losses: list[float] = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.losses.append(loss.item())
+        return loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--output", default="out/autotp-sft")
+    parser.add_argument("--losses-out", help="write the per-step losses as JSON (rank 0)")
+    parser.add_argument("--vocab-parallel", action="store_true", help="show the error TRL's fused LM head gets")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)  # the same base weights and adapters on every rank, and as in one process
+    model = with_lora(tiny_llama())
+    autotp.wrap(model.base_model.model, tp_size=args.tp, vocab_parallel=args.vocab_parallel)
+    vocab = model.config.vocab_size
+    trainer = RecordingSFT(model=model, args=config(args.output, args.steps), train_dataset=dataset(vocab),
+                           processing_class=tokenizer(vocab))
+    trainer.train()
+    losses = trainer.losses
+    trainer.save_model()  # PEFT's adapter, full size
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"SFT with LoRA at tp={args.tp}: losses {[round(x, 4) for x in losses]}; saved {args.output}")
+        if args.losses_out:
+            with open(args.losses_out, "w") as f:
+                json.dump({"losses": losses}, f)
+    autotp.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -145,7 +145,8 @@ class SwapGuard:
     def __init__(self, parent: nn.Module, parent_path: str, slots: dict[str, nn.Module], state: TPState,
                  carrier: nn.Module):
         self.parent, self.parent_path, self.slots, self.state = parent, parent_path, slots, state
-        carrier.register_forward_pre_hook(self)
+        self.handle = carrier.register_forward_pre_hook(self)
+        state.swap_guards.append(self)
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         for name, layer in self.slots.items():
@@ -170,3 +171,15 @@ class SwapGuard:
             block = model.get_submodule(parent)
             carrier = (model.get_input_embeddings() or model) if block is model else block
             cls(block, parent, slots, state, carrier)
+
+    @classmethod
+    def refresh(cls, model: nn.Module, state: TPState, paths: list[str]) -> None:
+        """Guard `paths` anew: autotp itself rebuilt their modules (a vocabulary resize)."""
+        for guard in list(state.swap_guards):
+            for name in list(guard.slots):
+                if (f"{guard.parent_path}.{name}" if guard.parent_path else name) in paths:
+                    del guard.slots[name]
+            if not guard.slots:
+                guard.handle.remove()
+                state.swap_guards.remove(guard)
+        cls.install(model, {path: model.get_submodule(path) for path in paths}, state)

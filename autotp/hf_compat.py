@@ -206,7 +206,7 @@ def model_class(config: PretrainedConfig, task: str | None = None) -> type:
     if isinstance(cls, type) and isinstance(config, getattr(cls, "config_class", ())):
         return cls
     raise ValueError(f"model type {config.model_type!r} has no {TASKS[task]} class in transformers; "
-                     f"choose another task ({', '.join(TASKS)})")
+                     f"choose another task (--task on the command line, task= in from_pretrained): {', '.join(TASKS)}")
 
 
 def build_model(config: PretrainedConfig, task: str | None = None, **kwargs: Any) -> nn.Module:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .apply import apply_vocab
+from .guards import SwapGuard
 from .io.save import save_pretrained
 from .layers import ParallelLinear, forget_shard
 from .planner import with_vocab
@@ -98,6 +99,8 @@ class ResizeTokenEmbeddings:
             raise RuntimeError(f"after resizing, vocab parallelism no longer applies: {plan.vocab_reason}")
         state.plan = plan
         apply_vocab(model, plan.vocab, state.tp_group, state)
+        if state.swap_guards:  # the new head and embedding replace the ones the guards watched
+            SwapGuard.refresh(model, state, [path for path in (plan.vocab.head, plan.vocab.embedding) if path])
         return model.get_input_embeddings()
 
 

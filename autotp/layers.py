@@ -122,6 +122,9 @@ class ParallelLinear(nn.Linear):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        for name, param in self._parameters.items():  # Parameter's own deepcopy drops the shard metadata
+            if param is not None and hasattr(param, "autotp_shard"):
+                new._parameters[name].autotp_shard = param.autotp_shard
         return new
 
     def _set_features(self) -> None:

@@ -177,6 +177,8 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
         if hasattr(layer, "autotp_lora"):
             layer.autotp_lora.release()
         return True
+    if _trainable_copies(current, layer):
+        return True
     if not is_lora_linear(current, layer) or not isinstance(layer, (LinearLayer, LinearAllreduce)):
         return False
     tp_lora = getattr(current, "autotp_lora", None)
@@ -184,6 +186,17 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
         tp_lora = current.autotp_lora = TPLora(current, layer, path, state)
     tp_lora.adapt_new()
     return True
+
+
+def _trainable_copies(current: nn.Module | None, layer: nn.Module) -> bool:
+    """Whether `current` is PEFT's `modules_to_save` wrapper around `layer`, holding trainable copies of it: copies
+    of a sharded layer are sharded alike (same partition, same group), so they train like the layer itself."""
+    kind = type(current)
+    if not (kind.__module__.startswith("peft") and kind.__name__ == "ModulesToSaveWrapper"):
+        return False
+    copies = list(getattr(current, "modules_to_save", {}).values())
+    return getattr(current, "original_module", None) is layer and all(
+        type(copy) is type(layer) and copy.partition == layer.partition for copy in copies)
 
 
 def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

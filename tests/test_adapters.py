@@ -21,8 +21,6 @@ OTHERS = {  # PEFT config -> the slot refused first and the PEFT class that took
             "model.layers.0.self_attn.q_proj", "peft.tuners.ia3"),
     "lora on the vocab-parallel embedding": (lambda: LoraConfig(r=4, target_modules=["embed_tokens"]),
                                              "model.embed_tokens", "peft.tuners.lora.layer.Embedding"),
-    "modules_to_save": (lambda: LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
-                        "lm_head", "peft.utils.other.ModulesToSaveWrapper"),
 }
 
 
@@ -55,6 +53,8 @@ def test_wrap_points_from_a_peft_model_to_the_model_inside() -> None:
     (lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]), TypeError,
      r"model.layers.0.self_attn.q_proj is a peft.tuners.ia3.*only LoRA on linear layers"),
     (lambda: LoraConfig(**LORA, use_dora=True), NotImplementedError, r"model.layers.0.self_attn.q_proj uses a LoRA variant"),
+    (lambda: LoraConfig(**LORA, modules_to_save=["lm_head"]), TypeError,
+     r"lm_head is a peft.utils.other.ModulesToSaveWrapper"),  # supported after wrap (tests/test_lora.py), not before
 ])
 def test_wrap_refuses_other_adapters_unchanged(config, error, match) -> None:
     """A model holding adapters autotp does not shard is refused before anything changes (LoRA layers included)."""

@@ -29,21 +29,25 @@ def lora_config(targets: list[str], **extra) -> LoraConfig:
     return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, **extra)
 
 
+LORA_OPTIONS = ("modules_to_save",)  # keys of a case's config that go to LoraConfig, not to the model
+
+
 def paired(rank: int, world: int, family: str, targets: list[str], model_config: dict | None = None,
            before: bool = False):
     """(one-process PEFT model, PEFT model on the wrapped copy with the same adapter values, TP group).
 
     `before`: get_peft_model runs first and `wrap` shards the model holding the adapters.
     """
+    options = {k: v for k, v in (model_config or {}).items() if k in LORA_OPTIONS}
     torch.manual_seed(0)
-    base = tiny_model(family, **(model_config or {}))
-    reference = get_peft_model(copy.deepcopy(base), lora_config(targets))
+    base = tiny_model(family, **{k: v for k, v in (model_config or {}).items() if k not in LORA_OPTIONS})
+    reference = get_peft_model(copy.deepcopy(base), lora_config(targets, **options))
     if before:
-        model = get_peft_model(base, lora_config(targets))
+        model = get_peft_model(base, lora_config(targets, **options))
         model.load_state_dict(reference.state_dict())  # the same adapter values, drawn for the whole layers
         autotp.wrap(model.base_model.model, world)
         return reference, model, state_of(model.base_model.model).tp_group
-    model = get_peft_model(autotp.wrap(base, world), lora_config(targets))
+    model = get_peft_model(autotp.wrap(base, world), lora_config(targets, **options))
     with torch.no_grad():
         model(input_ids=batch())  # each block adapts its LoRA layers on its first run
     full = dict(reference.named_parameters())
@@ -64,7 +68,7 @@ def lora_parity(rank: int, world: int, family: str, targets: list[str], model_co
     optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
                   for m in (reference, model)]
     ids = batch()
-    report: dict = {"loss": 0.0, "grad": {}, "param": {}, "adapters": len(trainable)}
+    report: dict = {"loss": 0.0, "grad": {}, "param": {}, "adapters": sum("lora_" in n for n in trainable)}
     for step in range(3):
         losses = []
         for m in (reference, model):
@@ -81,7 +85,8 @@ def lora_parity(rank: int, world: int, family: str, targets: list[str], model_co
     for name, p in model.named_parameters():
         report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
     check_replicas(model.base_model.model)  # replicated adapter halves stayed equal on every TP rank
-    report["sharded_adapters"] = sum(hasattr(p, "autotp_shard") for p in trainable.values())
+    report["sharded_adapters"] = sum(hasattr(p, "autotp_shard") for n, p in trainable.items() if "lora_" in n)
+    report["sharded_copies"] = sum(hasattr(p, "autotp_shard") for n, p in trainable.items() if "modules_to_save" in n)
     return report
 
 
@@ -99,12 +104,14 @@ def assert_close(report: dict) -> None:
     ("llama", LLAMA_ALL, {"num_key_value_heads": 2}),  # at tp 4, k/v rows (and lora_B's) are replicated on 2 ranks
     ("gpt2", ["c_attn", "c_proj", "c_fc"], {}),  # Conv1D; c_attn fused [q | k | v]
     ("qwen2", ["q_proj", "v_proj", "lm_head"], {}),  # q/v biases; the vocab-parallel LM head (rows by vocabulary)
+    ("qwen2", ["q_proj", "v_proj"], {"modules_to_save": ["lm_head"]}),  # a trainable copy of the vocab-parallel head
 ])
 def test_lora_after_wrap_matches_one_process_peft(family: str, targets: list[str], model_config: dict,
                                                   tp: int) -> None:
     for report in run_ranks(lora_parity, tp, family, targets, model_config):
         assert_close(report)
         assert report["sharded_adapters"] == report["adapters"] // 2, report  # one half of each pair is split
+        assert report["sharded_copies"] == len(model_config.get("modules_to_save", [])), report
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -263,3 +270,19 @@ def test_an_adapter_saved_by_one_process_loads_before_wrap(tmp_path) -> None:
         expected = reference(input_ids=batch()).logits
     for logits in run_ranks(load_adapter_then_wrap, 2, str(tmp_path)):
         assert (logits - expected).abs().max().item() < 1e-5
+
+
+def lora_on_a_resized_head(rank: int, world: int) -> bool:
+    """After resize_token_embeddings rebuilt the vocab-parallel head, LoRA put around it is still made parallel."""
+    torch.manual_seed(0)
+    wrapped = autotp.wrap(tiny_model("llama"), world)
+    wrapped.resize_token_embeddings(262)
+    model = get_peft_model(wrapped, lora_config(["lm_head"]))
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    check_replicas(wrapped)
+    return hasattr(wrapped.lm_head, "autotp_lora")
+
+
+def test_lora_on_the_head_after_a_vocabulary_resize() -> None:
+    assert all(run_ranks(lora_on_a_resized_head, 2))

@@ -21,9 +21,11 @@ from .layers import LinearAllreduce, LinearLayer
 _OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
 
 
-def capture() -> list[torch.Tensor]:
-    """The CPU generator's state, and the current CUDA device's when there is one."""
-    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])
+def capture(cuda: bool | None = None) -> list[torch.Tensor]:
+    """The CPU generator's state, and the current CUDA device's: by default when CUDA is initialised (before
+    that nothing has drawn from it, and initialising it here would stop forked ranks from using it)."""
+    cuda = torch.cuda.is_initialized() if cuda is None else cuda and torch.cuda.is_available()
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if cuda else [])
 
 
 def restore(states: list[torch.Tensor]) -> None:
@@ -36,7 +38,7 @@ def sync_replicated_stream(group: Group) -> None:
     """Give every rank of the TP group rank 0's CPU (and current CUDA) generator state."""
     if group_size(group) == 1:
         return
-    box = [[s.tolist() for s in capture()]]
+    box = [[s.tolist() for s in capture(cuda=True)]]  # CUDA too, initialised or not: ranks seeded apart diverge
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     restore([torch.tensor(s, dtype=torch.uint8) for s in box[0]])
 

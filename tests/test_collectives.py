@@ -18,8 +18,9 @@ from autotp.report import summary
 from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
 
-COLLECTIVES = ("all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all",
-               "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single")
+COLLECTIVES = tuple(name for name in (  # the *_single names are torch 2.13's; GPU users may run an older torch
+    "all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all", "all_gather_into_tensor",
+    "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single") if hasattr(dist, name))
 
 
 def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict:

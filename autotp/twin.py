@@ -26,7 +26,7 @@ _WIDTHS = {"hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d
            "rotary_dim", "embed_dim", "word_embed_proj_dim", "ffn_hidden_size", "kv_channels",
            # a vision tower's output width, which is its language model's input width
            "out_hidden_size", "projection_dim", "vision_output_dim", "text_hidden_size", "mm_hidden_size"}
-_MIN_HEAD_DIM = 16  # keeps a quarter-rotary head (4 dims) in whole row/column frequency pairs (NeoMME)
+_MIN_HEAD_DIM = 8  # keeps partial rotary fractions (1/4, 1/2) whole and even
 _TWIN_VOCAB = 512
 _MAX_TWIN_PARAMS = 400_000_000  # ~1.6 GB in fp32: beyond this the twin is not built
 
@@ -63,10 +63,23 @@ def _own_factor(config) -> int:
     heads = getattr(config, "num_attention_heads", None)
     head_dim = widths.get("head_dim") or (widths.get("hidden_size", 0) // heads if isinstance(heads, int) and heads
                                           else 0)
+    rotary = _rotary_fractions(config)
     factor = 1
-    while head_dim and head_dim // (factor * 2) >= _MIN_HEAD_DIM and all(v % (factor * 2) == 0 for v in widths.values()):
+    while head_dim and head_dim // (factor * 2) >= _MIN_HEAD_DIM and all(v % (factor * 2) == 0 for v in widths.values()) \
+            and all((head_dim // (factor * 2) * p) % 4 == 0 for p in rotary):
         factor *= 2
     return factor
+
+
+def _rotary_fractions(config) -> list[float]:
+    """The partial rotary fractions the config names (also per layer kind in `rope_parameters`): a narrowed head
+    keeps its rotary part a multiple of 4 dims, whole frequency pairs per axis (NeoMME's quarter-rotary heads)."""
+    found = [getattr(config, "partial_rotary_factor", None)]
+    rope = getattr(config, "rope_parameters", None)
+    for part in ([rope] + list(rope.values())) if isinstance(rope, dict) else []:
+        if isinstance(part, dict):
+            found.append(part.get("partial_rotary_factor"))
+    return [p for p in found if isinstance(p, float) and 0 < p < 1]
 
 
 def twin_config(config, factor: int | None = None):

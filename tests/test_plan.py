@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
 from models import CONFIGS, DERIVED, tiny_model
@@ -105,3 +105,17 @@ def test_a_custom_block_the_twin_cannot_show_stays_replicated_on_meta() -> None:
     why = dict(plan.replicated)["model.layers.1.mlp.down_proj"]
     assert "not in the structural twin" in why
     assert "model.layers.0.mlp.down_proj" in {layer.path for layer in plan.layers}
+
+
+def test_the_twin_keeps_quarter_rotary_heads_in_whole_frequency_pairs() -> None:
+    """NeoMME rotates a quarter of each full-attention head, interleaving row and column frequencies: a head
+    narrowed to 8 dims would rotate 2, one pair that cannot split, and the twin's forward failed on meta."""
+    from autotp.twin import shrink_factor
+    from autotp.testing import tiny_config
+
+    neomme, llama = tiny_config("neomme"), tiny_config("llama")
+    assert neomme.head_dim == llama.head_dim == 16
+    assert shrink_factor(neomme) == 1 and shrink_factor(llama) == 2
+    with torch.device("meta"):
+        planned = autotp.explain(AutoModelForMaskedLM.from_config(neomme), 2)
+    assert planned == autotp.explain(AutoModelForMaskedLM.from_config(neomme), 2)  # the same on the real model

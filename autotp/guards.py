@@ -151,7 +151,7 @@ class SwapGuard:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         for name, layer in self.slots.items():
             current = self.parent._modules.get(name)
-            path = f"{self.parent_path}.{name}" if self.parent_path else name
+            path = self._path(name)
             if adapt(current, layer, path, self.state):
                 continue
             found = adapter_module(current) if current is not None else None
@@ -159,6 +159,9 @@ class SwapGuard:
                 "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
             raise RuntimeError(f"autotp: {path} was replaced after wrap by "
                                f"{type(current).__module__}.{type(current).__qualname__}. {why}")
+
+    def _path(self, name: str) -> str:
+        return f"{self.parent_path}.{name}" if self.parent_path else name
 
     @classmethod
     def install(cls, model: nn.Module, modules: dict[str, nn.Module], state: TPState) -> None:
@@ -177,7 +180,7 @@ class SwapGuard:
         """Guard `paths` anew: autotp itself rebuilt their modules (a vocabulary resize)."""
         for guard in list(state.swap_guards):
             for name in list(guard.slots):
-                if (f"{guard.parent_path}.{name}" if guard.parent_path else name) in paths:
+                if guard._path(name) in paths:
                     del guard.slots[name]
             if not guard.slots:
                 guard.handle.remove()

@@ -280,10 +280,11 @@ def _fused_head(forward: Any) -> str | None:
 
     The patch copies the original forward's name (functools.wraps), so its code object tells."""
     while forward is not None:
-        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        function = getattr(forward, "__func__", forward)  # a bound method's function
+        code = getattr(function, "__code__", None)
         if code is not None and "fused" in code.co_name:
             return f"{code.co_name} in {code.co_filename}"
-        forward = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+        forward = getattr(function, "__wrapped__", None)
     return None
 
 

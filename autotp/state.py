@@ -35,8 +35,8 @@ class TPState:
     timeout: timedelta  # what every group autotp creates for this model waits for a peer
     gathered: bool = False
     regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
-    replica_groups: dict = field(default_factory=dict)
-    swap_guards: list = field(default_factory=list)  # autotp.guards.SwapGuard: the slots of sharded modules watched  # TP ranks holding one replicated KV row -> their group
+    replica_groups: dict = field(default_factory=dict)  # TP ranks holding one replicated KV row -> their group
+    swap_guards: list = field(default_factory=list)  # autotp.guards.SwapGuard: the slots of sharded modules watched
     vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
 

@@ -25,7 +25,7 @@ from trl import SFTConfig, SFTTrainer
 import autotp
 from autotp.hf_trainer import tp_trainer
 from data import PatternDataset
-from train_trainer import tiny_llama, with_lora
+from train_trainer import LossRecorder, tiny_llama, with_lora
 
 
 def tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -47,15 +47,8 @@ def config(output: str, steps: int) -> SFTConfig:
                      bf16=False)  # SFTConfig defaults to bf16 autocast; fp32 here, so the test compares to 1e-5
 
 
-class RecordingSFT(tp_trainer(SFTTrainer)):
-    """Keeps each step's loss unrounded (Trainer's log rounds to 4 decimals) for comparisons."""
-
-    losses: list[float] = []
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.losses.append(loss.item())
-        return loss
+class RecordingSFT(LossRecorder, tp_trainer(SFTTrainer)):
+    pass
 
 
 def main() -> None:

@@ -38,15 +38,21 @@ def tiny_llama() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
-class RecordingTrainer(AutoTPTrainer):
-    """Keeps each step's loss unrounded (Trainer's log rounds to 4 decimals) for comparisons."""
+class LossRecorder:
+    """Mixed into a Trainer: keeps each step's loss unrounded (Trainer's log rounds to 4 decimals) for comparisons."""
 
-    losses: list[float] = []
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.losses: list[float] = []
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.losses.append(loss.item())
         return loss
+
+
+class RecordingTrainer(LossRecorder, AutoTPTrainer):
+    pass
 
 
 def main() -> None:

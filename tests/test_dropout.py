@@ -12,14 +12,16 @@ from models import batch, tiny_model
 DROPOUT = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
 
 
-def replicated_streams(rank: int, world: int) -> list[bool]:
+def replicated_streams(rank: int, world: int, device: str = "cpu") -> list[bool]:
+    """Whether each block's output (the residual stream) is bit-identical on every TP rank, with dropout on
+    `device` (tests/test_gpu.py runs it on CUDA)."""
     torch.manual_seed(1000 + rank)  # ranks seeded differently on purpose: wrap must align the shared stream
-    model = autotp.wrap(tiny_model("gpt2", **DROPOUT), world)
+    model = autotp.wrap(tiny_model("gpt2", **DROPOUT).to(device), world)
     model.train()
     captured = []
     for block in model.transformer.h:  # each block's output is the residual stream: replicated
         block.register_forward_hook(lambda m, a, out: captured.append(out[0] if isinstance(out, tuple) else out))
-    ids = batch()
+    ids = batch().to(device)
     model(input_ids=ids, labels=ids).loss.backward()
     same = []
     for tensor in captured:

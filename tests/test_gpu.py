@@ -22,6 +22,7 @@ import autotp
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
+from test_dropout import replicated_streams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 CUDA = torch.device("cuda", 0)
@@ -71,25 +72,8 @@ def test_bf16_autocast_on_the_gpu_matches_one_process() -> None:
         assert abs(one - tp) <= 2e-2, (one, tp)  # bf16 keeps 8 bits of mantissa; TP reorders the sums
 
 
-def dropout_streams(rank: int, world: int) -> list[bool]:
-    torch.manual_seed(1000 + rank)  # seeded apart on purpose: wrap must align the shared CUDA stream too
-    model = autotp.wrap(tiny_model("gpt2", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1).to(CUDA), world)
-    model.train()
-    captured = []
-    for block in model.transformer.h:
-        block.register_forward_hook(lambda m, a, out: captured.append(out[0] if isinstance(out, tuple) else out))
-    ids = batch().to(CUDA)
-    model(input_ids=ids, labels=ids).loss.backward()
-    same = []
-    for tensor in captured:
-        everyone = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(everyone, tensor.detach().contiguous())
-        same.append(all(torch.equal(everyone[0], t) for t in everyone))
-    return same
-
-
 def test_cuda_dropout_keeps_replicated_activations_identical() -> None:
-    for same in run_ranks(dropout_streams, 2):
+    for same in run_ranks(replicated_streams, 2, "cuda"):
         assert same and all(same), same
 
 

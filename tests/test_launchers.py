@@ -16,6 +16,7 @@ from autotp.testing.spawn import free_port
 from readme_commands import ROOT, readme_command, run
 
 sys.path.insert(0, str(ROOT / "examples"))
+from train_trainer import LossRecorder  # noqa: E402  (examples/ is on the path from here on)
 
 
 def test_readme_accelerate_command_matches_one_process() -> None:
@@ -28,18 +29,15 @@ def test_readme_trainer_command_runs() -> None:
     assert "total train batch size 4" in out
 
 
-class OneProcessTrainer(Trainer):
-    """Plain transformers.Trainer, reading the data in the order autotp's DP sampler deals it."""
-
-    losses: list[float] = []
+class OneProcessOrder:
+    """Mixed into a one-process Trainer: it reads the data in the order autotp's DP sampler deals it."""
 
     def _get_train_sampler(self, train_dataset=None):
         return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.losses.append(loss.item())
-        return loss
+
+class OneProcessTrainer(OneProcessOrder, LossRecorder, Trainer):
+    """Plain transformers.Trainer, in autotp's data order, recording each step's loss."""
 
 
 def run_trainer_example(tmp_path: Path, *flags: str) -> dict:
@@ -66,7 +64,6 @@ def one_process_trainer(tmp_path: Path, bf16: bool = False, lora: bool = False,
     vocab = model.config.vocab_size
     trainer = OneProcessTrainer(model=model, args=args, train_dataset=PatternDataset(64, 32, vocab),
                                 eval_dataset=PatternDataset(16, 32, vocab, seed=1))
-    trainer.losses = []
     trainer.train()
     return trainer.losses, trainer.evaluate()["eval_loss"]
 
@@ -158,23 +155,14 @@ def test_trl_sft_with_lora_matches_one_process(tmp_path: Path) -> None:
     run(argv + ["--output", str(tmp_path / "tp"), "--losses-out", str(tmp_path / "losses.json")])
     got = json.loads((tmp_path / "losses.json").read_text())["losses"]
 
-    class OneProcessSFT(SFTTrainer):
-        losses: list[float] = []
-
-        def _get_train_sampler(self, train_dataset=None):
-            return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            self.losses.append(loss.item())
-            return loss
+    class OneProcessSFT(OneProcessOrder, LossRecorder, SFTTrainer):
+        pass
 
     torch.manual_seed(0)
     model = with_lora(tiny_llama())
     vocab = model.config.vocab_size
     trainer = OneProcessSFT(model=model, args=config(str(tmp_path / "one"), 4), train_dataset=dataset(vocab),
                             processing_class=tokenizer(vocab))
-    trainer.losses = []
     trainer.train()
     assert len(got) == len(trainer.losses) == 4
     assert max(abs(a - b) for a, b in zip(got, trainer.losses)) <= 1e-5, (got, trainer.losses)

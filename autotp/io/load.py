@@ -74,11 +74,6 @@ def _read_index(index: Path) -> dict[str, Path]:
     return {name: index.parent / file for name, file in weight_map.items()}
 
 
-# transformers' loading makes every parameter it reads trainable, whatever the model set before (Whisper's encoder
-# positions); equal to it means the same. Frozen parameters are the user's to freeze after loading.
-_TRAINABLE = True
-
-
 def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
                 show: bool, in_place: bool = False) -> None:
     """Replace every meta parameter by its loaded rows (tied parameters stay one object).
@@ -137,7 +132,8 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
     for key, param in params.items():
         name = next((n for n in aliases[key] if n in sources), None)
         if name is None:
-            loaded[key] = _initialised(model, aliases[key][0], param, device, dtype)
+            loaded[key] = _replacing(param, _initialised(model, aliases[key][0], param), device, dtype,
+                                     trainable=param.requires_grad)
             bar.update()
             continue
         if isinstance(sources[name], ConvertedSource):
@@ -145,10 +141,7 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
         else:
             by_file.setdefault(files[sources[name]], []).append((sources[name], param))
     for name, source, param in experts:
-        new = nn.Parameter(_read_converted(name, source, param, files).to(device=device, dtype=dtype),
-                           requires_grad=_TRAINABLE)
-        new.__dict__.update(param.__dict__)
-        loaded[id(param)] = new
+        loaded[id(param)] = _replacing(param, _read_converted(name, source, param, files), device, dtype)
         bar.update()
     for file, entries in by_file.items():
         header, data_start = read_header(file)
@@ -158,9 +151,7 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
                 shard = getattr(param, "autotp_shard", None)
                 tensor = read_rows(f, header[name], data_start, None if shard is None else shard.partition,
                                    0 if shard is None else shard.rank)
-                new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=_TRAINABLE)
-                new.__dict__.update(param.__dict__)  # the Shard metadata
-                loaded[id(param)] = new
+                loaded[id(param)] = _replacing(param, tensor, device, dtype)
                 bar.update()
     buffers = []
     for name, target, buffer in wanted:
@@ -174,17 +165,27 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
     return loaded, buffers
 
 
-def _initialised(model: nn.Module, name: str, param: nn.Parameter, device: torch.device,
-                 dtype: torch.dtype) -> nn.Parameter:
-    """A parameter the checkpoint lacks: made as transformers makes it if left out on purpose, else an error."""
+def _replacing(param: nn.Parameter, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
+               trainable: bool = True) -> nn.Parameter:
+    """The parameter that replaces meta `param`: `tensor` on `device` in `dtype`, with `param`'s Shard metadata.
+
+    Read parameters are trainable, whatever the model set before (Whisper's encoder positions), because
+    transformers' loading makes them so, and equal to it means the same; frozen parameters are the user's
+    to freeze after loading.
+    """
+    new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=trainable)
+    new.__dict__.update(param.__dict__)
+    return new
+
+
+def _initialised(model: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
+    """This rank's rows of a parameter the checkpoint lacks: made as transformers makes it if left out on purpose
+    (it keeps the model's own `requires_grad` then), else an error."""
     shard = getattr(param, "autotp_shard", None)
     full = initialised_if_missing(model, name, param, param.shape if shard is None else shard.full_shape(param.shape))
     if full is None:
         raise CheckpointError(f"{name}: not found in the checkpoint")
-    tensor = full if shard is None else shard.partition.shard(full, shard.rank)
-    new = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=param.requires_grad)
-    new.__dict__.update(param.__dict__)
-    return new
+    return full if shard is None else shard.partition.shard(full, shard.rank)
 
 
 def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,

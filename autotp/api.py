@@ -27,6 +27,7 @@ from .guards import DDPGuard, InputCheck, SwapGuard, refuse_adapters
 from .hf_compat import build_model
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from . import lora
+from .adapter_io import slice_adapters_on_load
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .plan import Plan
@@ -164,6 +165,7 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
             if plan.vocab is not None and plan.vocab.embedding is not None:
                 guarded.append(plan.vocab.embedding)
             SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
+            slice_adapters_on_load(model, state)
         broadcast_replicated(model, tp_group)  # last: it writes all of its tensors only once all arrived
     except BaseException:
         snapshot.restore()

@@ -8,7 +8,7 @@ not over every rank), gradients are clipped by the norm of the whole unsharded m
 loss is the mean over replicas, evaluation reads each replica's part of the eval set, bf16/fp16
 autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
 full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
-adapter, written with the weights gathered).
+adapter, with only the adapters gathered).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from transformers import Trainer
 
 from .comm import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
-from .gather import GatherReplacedLayerParams
 from .groups import group_size
 from .hf_compat import adapter_module
 from .io.errors import CheckpointError
@@ -236,14 +235,13 @@ class AutoTPTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """The full checkpoint `_save` wrote, read as this rank's rows into the wrapped model's own parameters; for
-        a model holding PEFT adapters, the adapter PEFT wrote, loaded by PEFT while the weights are gathered."""
+        a model holding PEFT adapters, the adapter PEFT wrote, loaded by PEFT."""
         if adapter_module(self.model) is not None:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
             weights = load_file(os.path.join(resume_from_checkpoint, _ADAPTER))
-            with GatherReplacedLayerParams(self.model):
-                set_peft_model_state_dict(self.model, weights)
+            set_peft_model_state_dict(self.model, weights)  # each rank keeps its slices (autotp.adapter_io)
             return
         param = next(self.model.parameters())
         load_params(self.model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
@@ -264,9 +262,8 @@ class AutoTPTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
         output_dir = output_dir or self.args.output_dir
-        if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (LoRA and PEFT in the README)
-            with GatherReplacedLayerParams(self.model):
-                self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (autotp.adapter_io)
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
         else:
             save_pretrained(self.model, output_dir, into_existing=True)
         if self.args.should_save:

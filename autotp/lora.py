@@ -20,7 +20,7 @@ adapter from its full values.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -98,7 +98,7 @@ class TPLora:
 
     def _adapt_column(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A replicated (same on every rank, gradient summed); lora_B split like the base weight's rows."""
-        rows = self.layer.partition.with_dim(0)
+        rows = adapter_partition(self.layer, "lora_B")
         for param in self.lora.lora_B[self._name_of(b)].parameters():  # lora_bias too
             self._split(param, rows, full)
         self._replicate(a, 1, self.layer.full_in)
@@ -108,9 +108,10 @@ class TPLora:
 
     def _adapt_row(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A split like the base weight's columns, drawn as PEFT draws it over the full width; lora_B replicated."""
-        cols = self.layer.partition.with_dim(1)
+        cols = adapter_partition(self.layer, "lora_A")
         self._split(a, cols, full)
-        if not full and not b.detach().any():  # PEFT's init at the shard's width: redraw A at full width (PEFT's scale)
+        loaded = self._name_of(b) in getattr(self.lora, "autotp_loaded", ())
+        if not full and not loaded and not b.detach().any():  # PEFT's init at the shard's width: redraw A at full width
             drawn = torch.empty(a.shape[0], cols.full_size, dtype=a.dtype, device=a.device)
             nn.init.kaiming_uniform_(drawn, a=math.sqrt(5))
             broadcast_tensors([drawn], self.layer.group)
@@ -170,6 +171,41 @@ class TPLora:
             partition_parameter_(param)
 
 
+def adapter_partition(layer: ParallelLinear, half: str) -> Partition | None:
+    """How `half` ("lora_A" or "lora_B", weight and bias) of a LoRA around `layer` is split; None: replicated."""
+    if isinstance(layer, LinearLayer):
+        return layer.partition.with_dim(0) if half == "lora_B" else None
+    return layer.partition.with_dim(1) if half == "lora_A" else None
+
+
+def sharded_loras(model: nn.Module) -> Iterator[tuple[str, nn.Module, ParallelLinear]]:
+    """(path, PEFT LoRA layer, the sharded layer it wraps) for every LoRA around a split autotp linear in `model`."""
+    for path, module in model.named_modules():
+        layer = getattr(module, "base_layer", None)
+        if is_lora_linear(module, layer) and isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1:
+            yield path, module, layer
+
+
+def adapt_all(model: nn.Module, state: TPState) -> None:
+    """Make every LoRA in `model` tensor-parallel now rather than at its block's next forward (collective over TP)."""
+    for path, lora, layer in list(sharded_loras(model)):
+        adapt(lora, layer, path, state)
+
+
+def trainable_copies(module: nn.Module) -> list[ParallelLinear]:
+    """The trainable copies PEFT's `modules_to_save` wrapper `module` holds of a sharded layer, when all are sharded
+    alike (same partition, same group), so they train like the layer itself; [] for anything else."""
+    kind = type(module)
+    if not (kind.__module__.startswith("peft") and kind.__name__ == "ModulesToSaveWrapper"):
+        return []
+    original = getattr(module, "original_module", None)
+    copies = list(getattr(module, "modules_to_save", {}).values())
+    if not isinstance(original, ParallelLinear) or original.tp_size == 1:
+        return []
+    alike = all(type(copy) is type(original) and copy.partition == original.partition for copy in copies)
+    return copies if alike else []
+
+
 def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TPState) -> bool:
     """Make PEFT's LoRA around `layer` (`current` holds its slot) tensor-parallel; False if `current` is something
     else. The layer itself back in its slot releases the LoRA that held it."""
@@ -177,7 +213,7 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
         if hasattr(layer, "autotp_lora"):
             layer.autotp_lora.release()
         return True
-    if _trainable_copies(current, layer):
+    if getattr(current, "original_module", None) is layer and trainable_copies(current):
         return True
     if not is_lora_linear(current, layer) or not isinstance(layer, (LinearLayer, LinearAllreduce)):
         return False
@@ -187,16 +223,6 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
     tp_lora.adapt_new()
     return True
 
-
-def _trainable_copies(current: nn.Module | None, layer: nn.Module) -> bool:
-    """Whether `current` is PEFT's `modules_to_save` wrapper around `layer`, holding trainable copies of it: copies
-    of a sharded layer are sharded alike (same partition, same group), so they train like the layer itself."""
-    kind = type(current)
-    if not (kind.__module__.startswith("peft") and kind.__name__ == "ModulesToSaveWrapper"):
-        return False
-    copies = list(getattr(current, "modules_to_save", {}).values())
-    return getattr(current, "original_module", None) is layer and all(
-        type(copy) is type(layer) and copy.partition == layer.partition for copy in copies)
 
 
 def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -207,6 +207,92 @@ def test_gathered_adapters_evaluate_and_save_in_peft_format(tmp_path) -> None:
     assert (logits - reports[0]["expected"]).abs().max().item() < 1e-5
 
 
+def file_shapes(directory) -> dict[str, tuple[int, ...]]:
+    from safetensors.torch import load_file
+
+    return {k: tuple(v.shape) for k, v in load_file(str(directory / "adapter_model.safetensors")).items()}
+
+
+SAVE_CASES = [("llama", LLAMA_ALL, {}), ("qwen2", ["q_proj", "v_proj"], {"modules_to_save": ["lm_head"]})]
+
+
+def save_everywhere(rank: int, world: int, path: str, family: str, targets: list[str], model_config: dict) -> dict:
+    """PEFT's save_pretrained called on every rank as a one-process script calls it: no gather, no is_main_process."""
+    reference, model, _ = paired(rank, world, family, targets, model_config)
+    ids = batch()
+    for m in (reference, model):
+        one_step(m, ids)
+    model.save_pretrained(path)
+    with torch.no_grad():
+        after = (model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max().item()
+        expected = reference(input_ids=ids).logits
+    return {"after": after, "expected": expected}
+
+
+@pytest.mark.parametrize("family,targets,model_config", SAVE_CASES)
+def test_peft_save_pretrained_on_every_rank_writes_the_full_adapter(tmp_path, family: str, targets: list[str],
+                                                                     model_config: dict) -> None:
+    """Split halves and the vocab-parallel head's trainable copy are written at full size, once; one process loads
+    them with PeftModel.from_pretrained and gets the logits of the one-process model trained alike."""
+    from peft import PeftModel
+
+    reports = run_ranks(save_everywhere, 2, str(tmp_path), family, targets, model_config)
+    assert max(r["after"] for r in reports) < 1e-5, reports  # the shards are back and unchanged after saving
+    options = {k: v for k, v in model_config.items() if k in LORA_OPTIONS}
+    get_peft_model(tiny_model(family), lora_config(targets, **options)).save_pretrained(str(tmp_path / "one"))
+    assert file_shapes(tmp_path) == file_shapes(tmp_path / "one")  # PEFT's own keys, at one process's shapes
+    torch.manual_seed(0)
+    loaded = PeftModel.from_pretrained(tiny_model(family), str(tmp_path))
+    with torch.no_grad():
+        logits = loaded(input_ids=batch()).logits
+    assert (logits - reports[0]["expected"]).abs().max().item() < 1e-5
+
+
+def save_before_any_forward(rank: int, world: int, path: str) -> None:
+    get_peft_model(autotp.wrap(tiny_model("llama"), world), LoraConfig(r=4, target_modules=LLAMA_ALL)).save_pretrained(
+        path)
+
+
+def test_an_adapter_saved_right_after_get_peft_model_is_full_size(tmp_path) -> None:
+    """The adapters PEFT just drew at shard shapes are made tensor-parallel before the save, not written as shards."""
+
+    run_ranks(save_before_any_forward, 2, str(tmp_path))
+    get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=LLAMA_ALL)).save_pretrained(str(tmp_path / "one"))
+    assert file_shapes(tmp_path) == file_shapes(tmp_path / "one")
+
+
+def load_into_wrapped(rank: int, world: int, path: str, low_cpu_mem_usage: bool) -> dict:
+    """PeftModel.from_pretrained on a wrapped model: each rank keeps its slices; then it trains like one process."""
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    reference = PeftModel.from_pretrained(tiny_model("llama"), path, is_trainable=True)
+    torch.manual_seed(0)
+    model = PeftModel.from_pretrained(autotp.wrap(tiny_model("llama"), world), path, is_trainable=True,
+                                      low_cpu_mem_usage=low_cpu_mem_usage)
+    ids = batch()
+    errors = []
+    for _ in range(2):
+        with torch.no_grad():
+            errors.append((model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max().item())
+        for m in (reference, model):
+            one_step(m, ids)
+    check_replicas(model.base_model.model)
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    return {"errors": errors, "rows": q.lora_B["default"].weight.shape[0], "full": q.base_layer.full_out}
+
+
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
+def test_an_adapter_loads_into_a_wrapped_model_as_slices(tmp_path, low_cpu_mem_usage: bool) -> None:
+    torch.manual_seed(0)
+    reference = get_peft_model(tiny_model("llama"), lora_config(LLAMA_ALL))
+    one_step(reference, batch())
+    reference.save_pretrained(str(tmp_path))
+    for report in run_ranks(load_into_wrapped, 2, str(tmp_path), low_cpu_mem_usage):
+        assert max(report["errors"]) < 1e-5, report  # loaded, and after a training step from it
+        assert report["rows"] * 2 == report["full"], report  # this rank's rows of q_proj's lora_B only
+
+
 def merge_under_tp(rank: int, world: int, path: str) -> dict:
     """PEFT's merge_and_unload after a training step: the base layers hold the merged shards and reduce again."""
     reference, model, _ = paired(rank, world, "llama", LLAMA_ALL)

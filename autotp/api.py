@@ -23,7 +23,7 @@ from .groups import (
     DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
     launched_by_torchrun, world_timeout,
 )
-from .guards import DDPGuard, InputCheck, SwapGuard, refuse_adapters
+from .guards import DDPGuard, InputCheck, SwapGuard, refuse_adapters, refuse_quantized
 from .hf_compat import build_model
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from . import lora
@@ -141,6 +141,7 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
 
     `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
     """
+    refuse_quantized(model)
     plan = build_plan(model, tp_size, policy, vocab_parallel)
     if sequence_parallel:
         sequence_layout(model, plan)  # refuses before anything changes

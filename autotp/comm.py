@@ -61,6 +61,51 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _all_reduce_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """`tensors` summed over `group`, out of place: one all-reduce per dtype, of that dtype's tensors packed flat."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(i)
+    out: list = [None] * len(tensors)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        all_reduce(flat, group)
+        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
+            out[i] = piece.view_as(tensors[i])
+    return out
+
+
+class _CopyToTPJoined(torch.autograd.Function):
+    """Column-parallel entry with replicated weights: identity forward; backward, one all-reduce of dL/dX packed
+    with the weights' partial gradients."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return tuple(t.view_as(t) for t in (x, *weights))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        wanted = [i for i, grad in enumerate(grads) if ctx.needs_input_grad[i + 1] and grad is not None]
+        result: list = [None] * len(grads)
+        for i, reduced in zip(wanted, _all_reduce_packed([grads[i] for i in wanted], ctx.group)):
+            result[i] = reduced
+        return (None, *result)
+
+
+class _ReduceFromTPJoined(torch.autograd.Function):
+    """Row-parallel exit of several partial results (a layer's and its LoRA's): one all-reduce forward packing
+    them, identity backward."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *partials: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(_all_reduce_packed(list(partials), group))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, *grads)
+
+
 class _GatherFromTP(torch.autograd.Function):
     """Leave a sharded region for replicated code (logits for a user): all-gather forward, keep own slice backward."""
 
@@ -227,6 +272,21 @@ def reduce_from_tp(y: torch.Tensor, group: Group) -> torch.Tensor:
     if group_size(group) == 1:
         return y
     return _ReduceFromTP.apply(y, group)
+
+
+def copy_to_tp_joined(x: torch.Tensor, weights: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
+    """`copy_to_tp` of `x`, and `weights` (replicated, each rank's gradient partial) entering with it: [x, *weights]
+    as used inside the region; their gradients are summed over the TP group in the same all-reduce as x's."""
+    if group_size(group) == 1:
+        return [x, *weights]
+    return list(_CopyToTPJoined.apply(group, x, *weights))
+
+
+def reduce_from_tp_joined(partials: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
+    """`reduce_from_tp` of several partial results in one all-reduce (one per dtype)."""
+    if group_size(group) == 1:
+        return partials
+    return list(_ReduceFromTPJoined.apply(group, *partials))
 
 
 def grad_allreduce_hook(group: Group, enabled: Callable[[], bool]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -133,6 +133,22 @@ def refuse_adapters(model: nn.Module) -> None:
         raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
 
 
+def refuse_quantized(model: nn.Module) -> None:
+    """Refuse a quantised model (bitsandbytes, GPTQ, AWQ, ...: QLoRA's base) before anything changes: its linears
+    hold packed integer blocks with per-block scales, which splitting rows or columns would tear apart."""
+    config = getattr(model, "config", None)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None and getattr(model, "hf_quantizer", None) is None:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None)) or type(getattr(model, "hf_quantizer", None)).__name__
+    method = getattr(method, "value", method)
+    raise NotImplementedError(
+        f"autotp: {type(model).__name__} is quantised ({method}, config.quantization_config). autotp shards "
+        f"unquantised weights only; a quantised base (QLoRA) is not supported yet. Load it unquantised (e.g. "
+        f"dtype=torch.bfloat16), wrap it, then add LoRA: each rank then holds 1/tp of the weights")
+
+
 class SwapGuard:
     """Forward pre-hook watching the slots of sharded modules: adapts PEFT's LoRA put around a sharded linear after
     wrap (`autotp.lora`), and refuses to run once one was replaced by anything else.

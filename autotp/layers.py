@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import all_gather_full, copy_to_tp, reduce_from_tp, reduce_scatter_seq_from_tp, seq_parallel_column_linear
+from .comm import (
+    all_gather_full, copy_to_tp, copy_to_tp_joined, reduce_from_tp, reduce_scatter_seq_from_tp, seq_parallel_column_linear,
+)
 from .groups import Group, group_rank, group_size
 from .hf_compat import is_conv1d
 from .sharding import Partition, Shard
@@ -37,18 +39,29 @@ class SharedInput:
     def __init__(self, group: Group):
         self.group = group
         self.sequence_parallel = False  # then the column layers save only their sequence chunk (autotp.sequence)
+        self.joining: list[nn.Parameter] = []  # replicated LoRA weights of the layers reading it (autotp.lora)
         self._source: torch.Tensor | None = None
         self._copy: torch.Tensor | None = None
+        self._joined: dict[int, torch.Tensor] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is self._copy:  # already inside (a LoRA wrapper entered for its base layer and adapter)
             return x
         if x is not self._source:
-            self._source, self._copy = x, copy_to_tp(x, self.group)
+            weights = [w for w in self.joining if w.requires_grad] if torch.is_grad_enabled() else []
+            self._source, self._copy, *joined = x, *copy_to_tp_joined(x, weights, self.group)
+            self._joined = {id(w): view for w, view in zip(weights, joined)}
         return self._copy
+
+    def weight(self, weight: nn.Parameter) -> torch.Tensor:
+        """A replicated weight as used inside the region entered last: its partial gradient is summed in the input
+        gradient's all-reduce, or alone if it did not enter with the input."""
+        joined = self._joined.get(id(weight))
+        return joined if joined is not None else copy_to_tp(weight, self.group)
 
     def clear(self, *_) -> None:
         self._source = self._copy = None
+        self._joined = {}
 
 
 def shard_parameter(param: nn.Parameter, partition: Partition, rank: int) -> nn.Parameter:

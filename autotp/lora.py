@@ -2,14 +2,18 @@
 
 Column layer (`LinearLayer`, weight split by output rows):
     lora_A replicated, lora_B split by the base weight's rows (fused and replicated-KV layouts included).
-    The input enters the TP region once, before both paths, so the block's single backward all-reduce
-    of dL/dX carries the adapter's share too. lora_A's gradient is partial (each rank sees only its
-    rows of lora_B) and is summed over TP.
+    The input enters the TP region once for the base layer and every adapter, and lora_A's weight
+    enters with it: its gradient (partial, as each rank sees only its rows of lora_B) is summed in the
+    same backward all-reduce as dL/dX, which the block's sibling layers share.
 Row layer (`LinearAllreduce`, weight split by input columns):
-    lora_A split by the base weight's columns, lora_B replicated. The base leaves its output partial;
-    base and adapter partial outputs are all-reduced once, then the bias is added. lora_B's gradient
-    (from this rank's partial lora_A output) is summed over TP.
+    lora_A split by the base weight's columns, lora_B replicated. The base output and lora_A's output
+    are both partial; one all-reduce sums them together, then the bias and lora_B apply on full
+    values, so lora_B's gradient is whole on every rank.
+A block thus keeps one all-reduce forward and one backward, as without LoRA (one per dtype: fp32
+adapters on a bf16 model, PEFT's default, add one of the adapter's small tensors).
 
+The LoRA layer runs autotp's forward (`TPLora.forward`, PEFT's computation for plain LoRA with the
+collectives placed as above); inside `GatherReplacedLayerParams` it runs PEFT's own on full weights.
 After `wrap`, adapters are adapted when the block first runs after `get_peft_model` (the guard on each
 block sees the swap), and again for adapters added later; anything else PEFT puts around a sharded
 layer is refused by that guard. Before `wrap`, `lift` takes the LoRA layers out so the model is planned
@@ -23,11 +27,13 @@ import math
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .comm import GradHook, grad_allreduce_hook, reduce_from_tp, replica_grad_hook
+from .comm import GradHook, reduce_from_tp_joined, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, gather_parameter_, partition_parameter_
 from .replicas import broadcast_tensors
+from .rng import shared_draws
 from .sharding import Partition, Shard
 from .state import TPState
 
@@ -47,8 +53,7 @@ class TPLora:
         self.column = isinstance(layer, LinearLayer)
         self.adapted: set[str] = set()
         self.hooks: list[GradHook] = []
-        self.handle = lora.register_forward_pre_hook(self._enter) if self.column else lora.register_forward_hook(
-            self._leave)
+        lora.forward = self.forward  # this instance's forward; PEFT's class keeps its own
         if not self.column:
             layer.reduce_output = False  # its partial output is reduced together with the adapter's
         layer.autotp_lora = self
@@ -56,13 +61,79 @@ class TPLora:
 
     def release(self) -> None:
         """The base layer is back in its slot (PEFT's merge_and_unload or unload): it reduces its own output again."""
-        self.handle.remove()
+        vars(self.lora).pop("forward", None)
         for hook in self.hooks:
             hook.remove()
-        if not self.column:
+        if self.column:
+            joining = self.layer._shared_input.joining
+            joining[:] = [w for w in joining if all(w is not m.weight for m in self.lora.lora_A.values())]
+        else:
             self.layer.reduce_output = True
         del self.layer.autotp_lora
         self.state.regions.remove(self)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """PEFT's `lora.Linear.forward` for plain LoRA, with one all-reduce for the layer and its adapters."""
+        lora = self.lora
+        if self.state.gathered:
+            return type(lora).forward(lora, x, *args, **kwargs)
+        lora._check_forward_args(x, *args, **kwargs)
+        if kwargs.get("adapter_names") is not None:
+            return self._mixed_batch(x, *args, **kwargs)
+        if lora.disable_adapters and lora.merged:
+            lora.unmerge()
+        active = [] if lora.disable_adapters or lora.merged else [n for n in lora.active_adapters if n in lora.lora_A]
+        return self._column(x, active, args, kwargs) if self.column else self._row(x, active, args, kwargs)
+
+    def _mixed_batch(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """PEFT's mixed-adapter batches (`adapter_names`, evaluation only): PEFT's forward on the replicated input of a
+        column layer; on a row layer every term is partial, so its sum is reduced once, then the bias added."""
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.lora.parameters()):
+            raise NotImplementedError(f"autotp: {self.path}: PEFT's mixed-adapter batches (adapter_names=...) run "
+                                      f"under torch.no_grad() only with tensor parallelism")
+        if self.column:
+            return type(self.lora).forward(self.lora, self.layer._shared_input(x), *args, **kwargs)
+        (result,) = reduce_from_tp_joined([type(self.lora).forward(self.lora, x, *args, **kwargs)], self.layer.group)
+        return result if self.layer.bias is None else result + self.layer.bias
+
+    def _column(self, x: torch.Tensor, active: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
+        """The input is replicated: its LoRA dropout draws from the shared stream, the masks one process draws."""
+        shared = self.layer._shared_input
+        x = shared(x)
+        result = self.layer(x, *args, **kwargs)
+        dtype = result.dtype
+        for name in active:
+            a = self.lora.lora_A[name]
+            with shared_draws(self.layer):
+                dropped = self.lora.lora_dropout[name](self.lora._cast_input_dtype(x, a.weight.dtype))
+            h = F.linear(dropped, shared.weight(a.weight), a.bias)
+            result = result + self.lora.lora_B[name](h) * self.lora.scaling[name]
+        return result.to(dtype)
+
+    def _row(self, x: torch.Tensor, active: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
+        partial = self.layer(x, *args, **kwargs)
+        dtype = partial.dtype
+        hs = []
+        for name in active:
+            a = self.lora.lora_A[name]
+            hs.append(a(self._dropout_columns(name, self.lora._cast_input_dtype(x, a.weight.dtype))))
+        result, *hs = reduce_from_tp_joined([partial, *hs], self.layer.group)
+        if self.layer.bias is not None:
+            result = result + self.layer.bias
+        for name, h in zip(active, hs):
+            result = result + self.lora.lora_B[name](h) * self.lora.scaling[name]
+        return result.to(dtype)
+
+    def _dropout_columns(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """LoRA dropout on this rank's input columns: its columns of the mask one process draws for the full input
+        (drawn whole from the shared stream), so the ranks' masks are one mask, not copies of one pattern."""
+        dropout = self.lora.lora_dropout[name]
+        if not (isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0):
+            return dropout(x)
+        cols = adapter_partition(self.layer, "lora_A")
+        with shared_draws(self.layer):
+            mask = dropout(x.new_ones(*x.shape[:-1], cols.full_size))
+        return x * cols.with_dim(x.ndim - 1).shard(mask, self.layer.tp_rank)
 
     def adapt_new(self, full: bool = False) -> None:
         """Shard and synchronise the adapters PEFT added since the last call (collective over TP).
@@ -102,6 +173,7 @@ class TPLora:
         for param in self.lora.lora_B[self._name_of(b)].parameters():  # lora_bias too
             self._split(param, rows, full)
         self._replicate(a, 1, self.layer.full_in)
+        self.layer._shared_input.joining.append(a)  # its gradient is summed with the input's (SharedInput.weight)
         if rows.replicas(self.layer.tp_rank):  # replicated KV rows: summed over their holders, as the base weight's
             self.hooks.append(GradHook(self.lora, b, replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups,
                                                                        self._active)))
@@ -130,32 +202,17 @@ class TPLora:
         param.autotp_shard = Shard(partition, rank)
 
     def _replicate(self, param: nn.Parameter, dim: int, size: int) -> None:
-        """`param` the same on every TP rank (TP rank 0's values) with its partial gradient summed over TP."""
+        """`param` the same on every TP rank (TP rank 0's values); the forward keeps its gradient whole on each."""
         if param.shape[dim] != size:
             raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
                                f"should be the layer's full {size}")
         broadcast_tensors([param], self.layer.group)
-        self.hooks.append(GradHook(self.lora, param, grad_allreduce_hook(self.layer.group, self._active)))
 
     def _active(self) -> bool:
         return not self.state.gathered
 
     def _name_of(self, b: nn.Parameter) -> str:
         return next(n for n, m in self.lora.lora_B.items() if m.weight is b)
-
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None):
-        """Column: the input enters the TP region once for base and adapter (the base's copy is shared)."""
-        if self.state.gathered or not args or not torch.is_tensor(args[0]):
-            return None
-        return (self.layer._shared_input(args[0]), *args[1:])
-
-    def _leave(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        """Row: base and adapter partial outputs all-reduced once; the base bias added after."""
-        if self.state.gathered:
-            return None
-        output = reduce_from_tp(output, self.layer.group)
-        bias = self.layer.bias
-        return output if bias is None else output + bias
 
     def _sharded(self) -> list[nn.Parameter]:
         return [p for m in (*self.lora.lora_A.values(), *self.lora.lora_B.values()) for p in m.parameters()

@@ -11,6 +11,9 @@ by `save_checkpoint` covers both.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -68,6 +71,28 @@ class ShardedStream:
             self._saved = None
         return output
 
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        """Draw from the shared stream inside the region (dropout on a replicated tensor there), advancing it."""
+        if self._saved is None:
+            yield
+            return
+        mine = capture()
+        restore(self._saved)
+        try:
+            yield
+        finally:
+            self._saved = capture()
+            restore(mine)
+
+
+@contextmanager
+def shared_draws(layer: nn.Module) -> Iterator[None]:
+    """Random draws made inside come from the TP group's shared stream, even inside `layer`'s sharded region."""
+    stream = getattr(layer, "autotp_stream", None)
+    with stream.shared() if stream is not None else nullcontext():
+        yield
+
 
 def _has_dropout(block: nn.Module) -> bool:
     """Any dropout module or dropout-probability attribute above zero inside `block`."""
@@ -94,6 +119,8 @@ def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[s
                 module.register_forward_pre_hook(stream.enter)
             elif isinstance(module, LinearAllreduce):
                 module.register_forward_hook(stream.leave)
+            if isinstance(module, (LinearLayer, LinearAllreduce)):
+                module.autotp_stream = stream  # LoRA's dropout on the replicated input draws from the shared one
         block.register_forward_hook(stream.leave)
     for path in regions:
         module = model.get_submodule(path)

@@ -73,3 +73,27 @@ def test_adapter_at_tp1_trains_as_without_autotp() -> None:
     wrapped = get_peft_model(autotp.wrap(tiny_model("llama"), 1), LoraConfig(**LORA, init_lora_weights=False))
     ids = batch()
     assert torch.allclose(wrapped(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)
+
+
+QLORA_BASE = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+
+
+def test_a_quantised_base_is_refused_naming_the_method_unchanged() -> None:
+    """QLoRA: a base loaded with BitsAndBytesConfig carries it as config.quantization_config (bitsandbytes itself is
+    not installed here, so this base holds full-precision weights, as the refusal must come before reading any)."""
+    inner = get_peft_model(tiny_model("llama"), LoraConfig(**LORA)).base_model.model
+    inner.config.quantization_config = dict(QLORA_BASE)
+    before = {name: type(module) for name, module in inner.named_modules()}
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM is quantised \(bitsandbytes.*QLoRA"):
+        autotp.wrap(inner, 1)
+    assert {name: type(module) for name, module in inner.named_modules()} == before
+
+
+def test_from_pretrained_refuses_a_quantised_checkpoint(tmp_path) -> None:
+    import json
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": QLORA_BASE}))
+    with pytest.raises(NotImplementedError, match=r"quantised \(bitsandbytes"):
+        autotp.from_pretrained(tmp_path, 1)

@@ -12,8 +12,9 @@ upward import or a cycle):
 2. building a plan: `derive`, `twin`, `probe`, `verify`, `planner`, `report`
 3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`, `apply`,
    `rollback`, `lora`
-4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`
-5. entry points: `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
+4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`,
+   `adapter_io`
+5. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
 6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`
 7. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
 """
@@ -23,6 +24,7 @@ from .data_parallel import (
     allreduce_gradients, clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_group, tp_rank,
     tp_size,
 )
+from .fsdp import dp_mesh, fully_shard
 from .gather import GatherReplacedLayerParams
 from .groups import finish
 from .guards import check_same_inputs
@@ -38,7 +40,7 @@ from .sharding import Partition, Shard
 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "data_parallel_sampler", "dp_group", "dp_rank",
-    "dp_size", "finish", "tp_group", "tp_rank", "tp_size",
+    "dp_mesh", "dp_size", "finish", "fully_shard", "tp_group", "tp_rank", "tp_size",
     "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
     "Shard", "build_plan", "check_replicas", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint",
     "save_pretrained", "wrap",

@@ -23,7 +23,7 @@ from .groups import (
     DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
     launched_by_torchrun, world_timeout,
 )
-from .guards import DDPGuard, InputCheck, SwapGuard, refuse_adapters, refuse_quantized
+from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
 from .hf_compat import build_model
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from . import lora
@@ -167,6 +167,7 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
                 guarded.append(plan.vocab.embedding)
             SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
             slice_adapters_on_load(model, state)
+            MeshGuard(model, state)
         broadcast_replicated(model, tp_group)  # last: it writes all of its tensors only once all arrived
     except BaseException:
         snapshot.restore()

@@ -103,7 +103,8 @@ def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
                 hooks.append(GradHook(module, param, replica_grad_hook(shard.partition, shard.rank, replicas, active)))
     for path in state.plan.head_norms:
         norm = model.get_submodule(path)
-        hooks += [GradHook(norm, param, grad_allreduce_hook(state.tp_group, active)) for param in norm.parameters()]
+        hooks += [GradHook(norm.get_submodule(name.rpartition(".")[0]), param, grad_allreduce_hook(state.tp_group, active))
+                  for name, param in norm.named_parameters()]
     return hooks
 
 

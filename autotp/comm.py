@@ -8,10 +8,12 @@ so tp=1 runs the same code with no communication.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+import weakref
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from torch import nn
 
 from .groups import Group, group_rank, group_size, named_failure
@@ -330,24 +332,52 @@ def replica_grad_hook(
 
 
 class GradHook:
-    """A gradient hook on `param`, registered now if it trains, else on the first forward of `owner` after
-    it is unfrozen: a frozen parameter takes no tensor hook, and must not lose its reduction later."""
+    """A gradient hook on parameter `param` of `owner`, put on whichever tensor holds that name when `owner` runs:
+    a frozen parameter takes no tensor hook until it is unfrozen, a parameter replaced by loading with
+    assign=True is a new tensor, and FSDP2 computes on an unsharded copy of it (its hook then runs
+    before FSDP reduces the gradient over data parallelism)."""
 
     def __init__(self, owner: nn.Module, param: nn.Parameter, hook: Callable[[torch.Tensor], torch.Tensor]):
-        self.param, self.hook = param, hook
-        self._handle = param.register_hook(hook) if param.requires_grad else None
-        self._waiting = None if self._handle else owner.register_forward_pre_hook(self._when_trainable)
+        self.owner, self.hook = owner, hook
+        self.name = next(name for name, p in owner._parameters.items() if p is param)
+        self._hooked: dict[int, tuple[weakref.ref, Any]] = {}  # id(tensor) -> (the tensor, its hook handle)
+        self._attach(param)
+        self._watch = owner.register_forward_pre_hook(self._current)
 
-    def _when_trainable(self, module: nn.Module, args) -> None:
-        if self.param.requires_grad:
-            self._handle = self.param.register_hook(self.hook)
-            self._waiting.remove()
-            self._waiting = None
+    def _attach(self, tensor: torch.Tensor) -> None:
+        if not tensor.requires_grad:
+            return
+        held = self._hooked.get(id(tensor))
+        if held is None or held[0]() is not tensor:
+            self._hooked = {key: (ref, handle) for key, (ref, handle) in self._hooked.items() if ref() is not None}
+            self._hooked[id(tensor)] = (weakref.ref(tensor), tensor.register_hook(self.hook))
+
+    def _current(self, module: nn.Module, args) -> None:
+        tensor = module._parameters.get(self.name)
+        if tensor is not None:
+            self._attach(tensor)
 
     def remove(self) -> None:
-        for handle in (self._handle, self._waiting):
-            if handle is not None:
-                handle.remove()
+        self._watch.remove()
+        for _, handle in self._hooked.values():
+            handle.remove()
+        self._hooked = {}
+
+
+def dp_full(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's whole TP shard of `tensor`: gathered over DP when FSDP holds it sharded (collective over DP)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of `tensor`, the index of the first in its TP shard): FSDP's dim-0 chunk of a DTensor."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0
+    if len(tensor.placements) != 1 or tensor.placements[0] != Shard(0):
+        raise NotImplementedError(f"autotp expects FSDP's 1-D Shard(0) placement, got {tensor.placements}")
+    mesh, rows = tensor.device_mesh, tensor.shape[0]
+    chunk = -(-rows // mesh.size())  # torch.chunk's split, which FSDP2 uses
+    return tensor.to_local(), min(mesh.get_local_rank() * chunk, rows)
 
 
 def all_gather_full(shard: torch.Tensor, partition: Partition, group: Group) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
-from .comm import buckets
+from .comm import buckets, local_rows
 from .groups import Group, group_rank, group_size
 from .state import state_of
 
@@ -50,11 +50,12 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     """Average (or sum) every gradient over the DP group, in ~25 MB buckets; call after the last micro-batch.
 
     With gradient accumulation, call it once per optimizer step: the gradients accumulated over the
-    micro-batches are synchronised together.
+    micro-batches are synchronised together. Under `autotp.fully_shard` it does nothing: FSDP has already
+    reduce-scattered them over DP.
     """
     group = dp_group(model)
     size = group_size(group)
-    if size == 1:
+    if size == 1 or state_of(model).fsdp:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     for bucket in buckets(grads, _BUCKET_BYTES):
@@ -75,7 +76,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
-    group = tp_group(model)
+    state = state_of(model)
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
@@ -83,22 +84,31 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        grad = p.grad.detach().double()
+        grad, first = local_rows(p.grad.detach())  # under FSDP, this rank's rows of its TP shard
+        grad = grad.double()
         shard = getattr(p, "autotp_shard", None)
         if shard is None:
             replicated = _combine(replicated, grad, norm_type)
             continue
-        spans = shard.partition.replicas(shard.rank)
         dim = shard.partition.dim
         if norm_type == 2.0:  # rows held by k ranks add 1/k of their square on each
             total = grad.pow(2).sum()
-            for offset, length, holders in spans:
+            for offset, length, holders in shard.partition.replicas(shard.rank):
+                if dim == 0:  # the part of the span among this rank's rows
+                    start, end = max(offset, first), min(offset + length, first + grad.shape[0])
+                    if end <= start:
+                        continue
+                    offset, length = start - first, end - start
                 total -= grad.narrow(dim, offset, length).pow(2).sum() * (1 - 1 / len(holders))
             sharded = sharded + total
         else:
             sharded = _combine(sharded, grad, norm_type)
-    if group_size(group) > 1:
-        dist.all_reduce(sharded, op=dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX, group=group)
+    op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+    if group_size(state.tp_group) > 1:
+        dist.all_reduce(sharded, op=op, group=state.tp_group)
+    if state.fsdp and group_size(state.dp_group) > 1:  # each DP rank holds its rows of every tensor
+        for part in (sharded, replicated):
+            dist.all_reduce(part, op=op, group=state.dp_group)
     norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1:

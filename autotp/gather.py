@@ -28,6 +28,10 @@ class GatherReplacedLayerParams:
         self.enabled = enabled
 
     def __enter__(self) -> nn.Module:
+        if self.enabled and self.state is not None and self.state.fsdp:
+            raise NotImplementedError(
+                "GatherReplacedLayerParams under autotp.fully_shard is not supported yet: the shards are split over "
+                "data parallelism too. Evaluate the sharded model as it is, and export with autotp.save_pretrained")
         if self.enabled and self.state is not None and not self.state.gathered:
             set_gathered(self.model, self.state, True)
             self._active = True

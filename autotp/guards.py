@@ -5,11 +5,13 @@
   different shards together (`DDPGuard`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
+- FSDP over a mesh that holds two ranks of one TP group, checked before the first optimizer step (`MeshGuard`).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 import zlib
 from typing import Any, Iterator
 
@@ -18,8 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .groups import group_size
+from .fsdp import check_mesh
 from .hf_compat import adapter_module
 from .lora import adapt
 from .replicas import check_replicas
@@ -131,6 +135,31 @@ def refuse_adapters(model: nn.Module) -> None:
                         f"autotp.wrap(peft_model.base_model.model, tp_size)")
     if found is not None:
         raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
+
+
+class MeshGuard:
+    """Before each optimizer step, the mesh FSDP shards the model over must not hold two ranks of one TP group.
+
+    `torch.distributed.fsdp.fully_shard` takes any mesh, and inside a forward its parameters are
+    plain tensors; before a step they are DTensors again, so one check there, once per parameter
+    object, catches the mistake before any weight changes. The hook holds the model weakly.
+    """
+
+    def __init__(self, model: nn.Module, state: TPState):
+        self.model, self.state = weakref.ref(model), state
+        self._checked: weakref.ref | None = None
+        self.handle = register_optimizer_step_pre_hook(self)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        model = self.model()
+        if model is None:
+            self.handle.remove()
+            return
+        first = next(model.parameters(), None)
+        if first is None or (self._checked is not None and self._checked() is first):
+            return
+        check_mesh(first, self.state.tp_group)
+        self._checked = weakref.ref(first)
 
 
 def refuse_quantized(model: nn.Module) -> None:

@@ -62,6 +62,11 @@ class AutoTPTrainer(Trainer):
     """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        given = kwargs.get("model", args[0] if args else None)
+        state = find_state(given) if isinstance(given, nn.Module) else None
+        if state is not None and state.fsdp:
+            raise NotImplementedError(f"{type(self).__name__} on a model under autotp.fully_shard is not supported yet; "
+                                      f"train it with your own loop (README: FSDP2 x TP)")
         super().__init__(*args, **kwargs)
         model = wrapped_model(self.model)
         fused = _fused_head(vars(model).get("forward")) if model is not None else None

@@ -175,8 +175,9 @@ class TPLora:
         self._replicate(a, 1, self.layer.full_in)
         self.layer._shared_input.joining.append(a)  # its gradient is summed with the input's (SharedInput.weight)
         if rows.replicas(self.layer.tp_rank):  # replicated KV rows: summed over their holders, as the base weight's
-            self.hooks.append(GradHook(self.lora, b, replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups,
-                                                                       self._active)))
+            owner = self.lora.lora_B[self._name_of(b)]
+            self.hooks.append(GradHook(owner, b, replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups,
+                                                                   self._active)))
 
     def _adapt_row(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A split like the base weight's columns, drawn as PEFT draws it over the full width; lora_B replicated."""

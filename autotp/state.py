@@ -11,7 +11,7 @@ import gc
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 from datetime import timedelta
 
 from torch import nn
@@ -39,6 +39,8 @@ class TPState:
     swap_guards: list = field(default_factory=list)  # autotp.guards.SwapGuard: the slots of sharded modules watched
     vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
+    dp_mesh: Any = None  # the DeviceMesh over dp_group (autotp.fsdp.dp_mesh), built when first asked for
+    fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
 
 
 def attach(model: nn.Module, state: TPState) -> None:

@@ -38,6 +38,13 @@ _META = "autotp_checkpoint.json"
 _FORMAT = "autotp-checkpoint/1"
 
 
+def _refuse_fsdp(model: nn.Module, what: str) -> None:
+    state = find_state(model)
+    if state is not None and state.fsdp:
+        raise NotImplementedError(f"autotp.{what} under autotp.fully_shard is not supported yet (FSDP holds each shard "
+                                  f"split over data parallelism); export with autotp.save_pretrained")
+
+
 def _rank_dir(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank:05d}"
 
@@ -55,6 +62,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     A non-empty `directory` is replaced only with `overwrite=True`, and only once the new one is complete.
     A failure on any rank (a full disk, say) is raised on every rank and leaves the previous one in place.
     """
+    _refuse_fsdp(model, "save_checkpoint")
     rank = global_rank()
     try:
         json.dumps(state)
@@ -89,6 +97,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     the outcome: if any rank's files are missing, truncated or do not fit the model, every rank
     raises `CheckpointError` and no rank's model, optimizer or RNG has changed.
     """
+    _refuse_fsdp(model, "load_checkpoint")
     directory = Path(directory)
     error = None
     try:

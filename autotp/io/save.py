@@ -19,7 +19,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..comm import gather_full_to
+from ..comm import dp_full, gather_full_to
 from ..groups import global_rank, is_global_rank0
 from ..hf_compat import adapter_module, checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
 from ..state import find_state
@@ -50,11 +50,12 @@ def save_pretrained(
                         f"with PEFT's save_pretrained inside autotp.GatherReplacedLayerParams")
     state = find_state(model)
     tp_group = None if state is None else state.tp_group
-    in_writer_group = global_rank() in ([0] if tp_group is None else dist.get_process_group_ranks(tp_group))
     params = model.state_dict(keep_vars=True)
+    fsdp = state is not None and state.fsdp  # then every rank gathers its DP group's rows: all take part
+    in_writer_group = fsdp or global_rank() in ([0] if tp_group is None else dist.get_process_group_ranks(tp_group))
 
     def fetch(name: str) -> torch.Tensor | None:
-        tensor = params[name].detach()
+        tensor = dp_full(params[name].detach())
         shard = getattr(params[name], "autotp_shard", None)
         return tensor if shard is None else gather_full_to(tensor, shard.partition, tp_group, dst=0)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..api import wrap
-from ..comm import all_gather_full
+from ..comm import all_gather_full, dp_full
 from ..groups import Group
 from ..probe import image_token, probe_inputs
 from ..state import state_of
@@ -27,9 +27,11 @@ GRAD_FLOOR = 1e-3
 
 
 def full_tensor(tensor: torch.Tensor, param: nn.Parameter, group: Group) -> torch.Tensor:
-    """The whole tensor behind a shard (a parameter or its gradient); replicated ones as they are."""
+    """The whole tensor behind a shard (a parameter or its gradient, FSDP's DTensors included); replicated ones as
+    they are."""
     shard = getattr(param, "autotp_shard", None)
-    return tensor.detach() if shard is None else all_gather_full(tensor.detach(), shard.partition, group)
+    tensor = dp_full(tensor.detach())
+    return tensor if shard is None else all_gather_full(tensor, shard.partition, group)
 
 
 def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:

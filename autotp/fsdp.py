@@ -1,0 +1,98 @@
+"""2-D parallelism on PyTorch's FSDP2: each TP shard is sharded again over the data-parallel group.
+
+`fully_shard` applies `torch.distributed.fsdp.fully_shard` over the DP mesh (`dp_mesh`) to each
+decoder layer, then to the root, exactly as a user would; nothing of FSDP is reimplemented. The
+parameters FSDP builds keep their partition metadata (`autotp_shard`), and autotp's gradient
+corrections (replicated KV rows, per-head and sequence-parallel norms) run on the unsharded
+parameters FSDP computes with, before FSDP reduce-scatters over DP (`autotp.comm.GradHook`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .groups import _new_group, group_size
+from .state import TPState, state_of, wrapped_model
+
+
+def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
+    """The 1-D device mesh over `model`'s data-parallel group, for `torch.distributed.fsdp.fully_shard(mesh=...)`.
+
+    Collective the first time when there is no DP group (dp size 1): each rank is then its own mesh.
+    """
+    state = state_of(model)
+    if state.dp_mesh is None:
+        group = state.dp_group
+        if group is None:
+            for rank in range(dist.get_world_size()):
+                single = _new_group([rank], state.timeout, "DP group")
+                if rank == dist.get_rank():
+                    group = single
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        state.dp_mesh = DeviceMesh.from_group(group, device)
+    return state.dp_mesh
+
+
+def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_policy: Any = None,
+                offload_policy: Any = None) -> nn.Module:
+    """FSDP2 over the data-parallel group on a wrapped model: each decoder layer, then the root; returns the model.
+
+    Parameters, gradients and optimizer state are then split over TP and DP. `reshard_after_forward=False`
+    keeps the gathered parameters from forward to backward (ZeRO-2). `mp_policy` and `offload_policy` are
+    FSDP's (`MixedPrecisionPolicy`, `CPUOffloadPolicy`). Build the optimizer after this call.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    root = wrapped_model(model)
+    state = state_of(root)
+    if state.fsdp:
+        raise RuntimeError(f"{type(root).__name__} is already sharded by autotp.fully_shard; call it once")
+    if state.gathered:
+        raise RuntimeError("autotp.fully_shard inside GatherReplacedLayerParams: call it on the sharded model")
+    mesh = dp_mesh(root)
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+               "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
+    shards = {name: p.autotp_shard for name, p in root.named_parameters(remove_duplicate=False)
+              if hasattr(p, "autotp_shard")}
+    for unit in decoder_layers(root, state):
+        torch_fully_shard(unit, **options)
+    torch_fully_shard(root, **options)
+    for name, param in root.named_parameters(remove_duplicate=False):
+        if name in shards:
+            param.autotp_shard = shards[name]
+    state.fsdp = True
+    return model
+
+
+def decoder_layers(model: nn.Module, state: TPState) -> list[nn.Module]:
+    """The modules FSDP wraps one by one: each list element (decoder layer) holding sharded layers, in model order."""
+    found: dict[str, nn.Module] = {}
+    for layer in state.plan.layers:
+        parts = layer.path.split(".")
+        for end in range(1, len(parts)):  # the outermost list: decoder layers, not the MoE experts inside one
+            if isinstance(model.get_submodule(".".join(parts[:end - 1])), nn.ModuleList):
+                path = ".".join(parts[:end])
+                found[path] = model.get_submodule(path)
+                break
+    order = {id(module): i for i, module in enumerate(model.modules())}
+    return sorted(found.values(), key=lambda module: order[id(module)])
+
+
+def check_mesh(param: torch.Tensor, tp_group: Any) -> None:
+    """Refuse an FSDP/DTensor mesh that holds two ranks of one TP group: it would average different shards."""
+    if not isinstance(param, DTensor) or group_size(tp_group) == 1:
+        return
+    members = set(param.device_mesh.mesh.flatten().tolist())
+    shared = sorted(members & set(dist.get_process_group_ranks(tp_group)))
+    if len(shared) > 1:
+        raise RuntimeError(
+            f"FSDP over ranks {sorted(members)} would shard and average different tensor-parallel shards together "
+            f"(ranks {shared} hold different shards of the same tensors). Use autotp.fully_shard(model), or "
+            f"torch's fully_shard(..., mesh=autotp.dp_mesh(model))")

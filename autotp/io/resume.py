@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..groups import global_rank, group_size
 from ..sharding import Partition
@@ -38,11 +39,9 @@ _META = "autotp_checkpoint.json"
 _FORMAT = "autotp-checkpoint/1"
 
 
-def _refuse_fsdp(model: nn.Module, what: str) -> None:
-    state = find_state(model)
-    if state is not None and state.fsdp:
-        raise NotImplementedError(f"autotp.{what} under autotp.fully_shard is not supported yet (FSDP holds each shard "
-                                  f"split over data parallelism); export with autotp.save_pretrained")
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own data of a tensor: under FSDP (`autotp.fully_shard`), its DP rows of its TP shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _rank_dir(directory: Path, rank: int) -> Path:
@@ -52,7 +51,8 @@ def _rank_dir(directory: Path, rank: int) -> Path:
 def _layout(model: nn.Module) -> dict[str, Any]:
     state = find_state(model)
     size = dist.get_world_size() if dist.is_initialized() else 1
-    return {"tp_size": group_size(None if state is None else state.tp_group), "world_size": size}
+    return {"tp_size": group_size(None if state is None else state.tp_group), "world_size": size,
+            "fsdp": state is not None and state.fsdp}
 
 
 def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -62,7 +62,6 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     A non-empty `directory` is replaced only with `overwrite=True`, and only once the new one is complete.
     A failure on any rank (a full disk, say) is raised on every rank and leaves the previous one in place.
     """
-    _refuse_fsdp(model, "save_checkpoint")
     rank = global_rank()
     try:
         json.dumps(state)
@@ -71,7 +70,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     with staged_directory(directory, overwrite, what="autotp.save_checkpoint") as tmp:
         mine = _rank_dir(tmp, rank)
         mine.mkdir()
-        write_tensors(model.state_dict(), mine / "model.safetensors")
+        write_tensors({name: _local(t) for name, t in model.state_dict().items()}, mine / "model.safetensors")
         tensors, rest = _split_optimizer(optimizer.state_dict())
         write_tensors(tensors, mine / "optimizer.safetensors")
         rng_tensors, rng_rest = _rng_state()
@@ -80,10 +79,12 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
                       "scheduler": None if scheduler is None else scheduler.state_dict()}
         (mine / "state.json").write_text(json.dumps(rank_state))
         if rank == 0:
-            partitions = {name: p.autotp_shard.partition.to_json()
-                          for name, p in model.state_dict(keep_vars=True).items() if hasattr(p, "autotp_shard")}
+            kept = model.state_dict(keep_vars=True)
+            partitions = {name: p.autotp_shard.partition.to_json() for name, p in kept.items()
+                          if hasattr(p, "autotp_shard")}
             meta = {"format": _FORMAT, **_layout(model), "model_class": type(model).__name__,
-                    "state": state, "partitions": partitions}
+                    "state": state, "partitions": partitions,
+                    "dp_rows": sorted(name for name, p in kept.items() if isinstance(p, DTensor))}
             (tmp / _META).write_text(json.dumps(meta, indent=1))
             if getattr(model, "config", None) is not None:
                 model.config.save_pretrained(tmp)
@@ -97,7 +98,6 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     the outcome: if any rank's files are missing, truncated or do not fit the model, every rank
     raises `CheckpointError` and no rank's model, optimizer or RNG has changed.
     """
-    _refuse_fsdp(model, "load_checkpoint")
     directory = Path(directory)
     error = None
     try:
@@ -120,6 +120,11 @@ def _read_rank(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Read and check this rank's files; returns what applies them, which can no longer fail on bad files."""
     meta = read_meta(directory)
     here = _layout(model)
+    if meta.get("fsdp", False) != here["fsdp"]:
+        saved, now = ("with", "without") if meta.get("fsdp", False) else ("without", "with")
+        raise CheckpointError(f"{directory} was saved {saved} autotp.fully_shard and this model is {now} it; per-rank "
+                              f"files hold different rows then. Apply the same sharding before loading, or run "
+                              f"`python -m autotp consolidate {directory} FULL_DIR` and load that")
     if (meta["tp_size"], meta["world_size"]) != (here["tp_size"], here["world_size"]):
         raise CheckpointError(
             f"{directory} was saved at tp={meta['tp_size']} on {meta['world_size']} ranks; this run has "
@@ -129,7 +134,7 @@ def _read_rank(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         )
     mine = _rank_dir(directory, global_rank())
     saved = read_tensors(mine / "model.safetensors")
-    current = model.state_dict()
+    current = {name: _local(t) for name, t in model.state_dict().items()}
     for name, tensor in current.items():
         if name not in saved:
             raise CheckpointError(f"{mine / 'model.safetensors'}: tensor {name} is missing")
@@ -154,7 +159,7 @@ def _read_rank(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             for name, tensor in current.items():
                 tensor.copy_(saved[name])
         if optimizer_state is not None:
-            optimizer.load_state_dict(optimizer_state)
+            optimizer.load_state_dict(_as_params(optimizer_state, optimizer))
         if scheduler is not None and rank_state["scheduler"] is not None:
             scheduler.load_state_dict(rank_state["scheduler"])
         _set_rng_state(rng, rank_state["rng"])
@@ -193,10 +198,23 @@ def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
         plain[str(index)] = {}
         for key, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"{index}.{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{index}.{key}"] = _local(value.detach()).contiguous().cpu()
             else:
                 plain[str(index)][key] = value
     return tensors, {"state": plain, "param_groups": state["param_groups"]}
+
+
+def _as_params(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """Saved per-parameter states held as their parameter is: FSDP's DTensors again, from this rank's rows."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in state["state"].items():
+        param = params[index]
+        if isinstance(param, DTensor):
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.shape == param.to_local().shape and value.dim() > 0:
+                    entry[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                                    run_check=False, shape=param.shape, stride=param.stride())
+    return state
 
 
 def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
@@ -258,27 +276,41 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
         model = AutoModelForCausalLM.from_config(config, dtype=NAMES[next(iter(headers[0].values()))["dtype"]])
     model.tie_weights()
     partitions = {name: Partition.from_json(p) for name, p in meta["partitions"].items()}
+    dp_rows, dp = set(meta.get("dp_rows", ())), world_size // tp  # FSDP: each rank saved its DP rows of its TP shard
     params = model.state_dict(keep_vars=True)
     for rank, (file, header) in enumerate(zip(files, headers)):
         for name, tensor in params.items():
             expected = list(tensor.shape)
             if name in partitions:
                 expected[partitions[name].dim] = partitions[name].local_size(rank % tp)
+            if name in dp_rows:
+                expected[0] = _chunk_rows(expected[0], dp, rank // tp)
             if name not in header:
                 raise CheckpointError(f"{file}: tensor {name} is missing")
             if header[name]["shape"] != expected:
                 raise CheckpointError(f"{file}: tensor {name} has shape {tuple(header[name]['shape'])}, rank {rank} "
                                       f"of this config holds {tuple(expected)}")
-    with ExitStack() as stack:  # one open file per TP rank; tensors are read one at a time
-        handles = [stack.enter_context(open_tensors(file)) for file in files[:tp]]
+    with ExitStack() as stack:  # one open file per rank that holds a part; tensors are read one at a time
+        handles = [stack.enter_context(open_tensors(file)) for file in files[:tp * dp if dp_rows else tp]]
+
+        def tp_shard(name: str, tp_rank: int) -> torch.Tensor:
+            if name in dp_rows:
+                return torch.cat([handles[d * tp + tp_rank].get_tensor(name) for d in range(dp)])
+            return handles[tp_rank].get_tensor(name)
 
         def fetch(name: str) -> torch.Tensor:
             if name in partitions:
-                return partitions[name].unshard([h.get_tensor(name) for h in handles])
-            return handles[0].get_tensor(name)
+                return partitions[name].unshard([tp_shard(name, t) for t in range(tp)])
+            return tp_shard(name, 0)
 
         with staged_directory(out, overwrite, what="autotp.consolidate") as tmp:
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
+
+
+def _chunk_rows(rows: int, parts: int, index: int) -> int:
+    """How many of `rows` part `index` of `parts` holds, split as torch.chunk splits (FSDP2's dim-0 shards)."""
+    size = -(-rows // parts)
+    return max(0, min(rows, (index + 1) * size) - index * size)
 
 
 def _model_header(file: Path) -> dict[str, dict]:

@@ -167,7 +167,7 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
                 guarded.append(plan.vocab.embedding)
             SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
             slice_adapters_on_load(model, state)
-            MeshGuard(model, state)
+            MeshGuard(model)
         broadcast_replicated(model, tp_group)  # last: it writes all of its tensors only once all arrived
     except BaseException:
         snapshot.restore()

@@ -85,7 +85,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     model = build(load_config(args.model), "meta", args.task)
     plan = explain(model, args.tp, policy=read_policy(args.policy))
-    info = summary(model, plan, args.batch, args.seq)
+    info = summary(model, plan, args.batch, args.seq, args.dp)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -96,6 +96,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for c in info["collectives"]:
         print(f"    {c['phase']:<8} {c['count']} x {mib(c['bytes'])}  {c['where']}")
     print(f"    total {mib(info['collective_bytes_per_step'])} per step")
+    if args.dp > 1 or args.zero is not None:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        print(f"  per rank at tp {args.tp} x dp {args.dp} (largest TP rank; parameters, gradients, Adam moments in the "
+              f"parameter dtype, no activations):")
+        stages = sorted({0, args.zero}) if args.zero is not None else [0, 1, 2, 3]
+        for stage in stages:
+            z = info["zero_bytes_per_rank"][stage]
+            print(f"    zero {stage}: params {gib(z['params'])} + grads {gib(z['grads'])} + optimizer "
+                  f"{gib(z['optimizer'])} = {gib(z['total'])}   ({z['runs']})")
     for item in info["replicated"]:
         print(f"  warning: {item['path']} stays replicated ({item['why']})")
     return 0
@@ -180,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     plan.add_argument("--batch", type=positive_int, default=4, help="batch size for the collective bytes")
     plan.add_argument("--seq", type=positive_int, default=128, help="sequence length for the collective bytes")
+    plan.add_argument("--dp", type=positive_int, default=1, help="data-parallel size, for the per-rank bytes by ZeRO stage")
+    plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage to price against DDP (default: all)")
     plan.add_argument("--policy", help="a policy TOML file")
     plan.add_argument("--task", choices=sorted(TASKS), help="model head to build (default: from config.architectures, "
                                                             "else causal-lm)")

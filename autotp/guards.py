@@ -145,8 +145,8 @@ class MeshGuard:
     object, catches the mistake before any weight changes. The hook holds the model weakly.
     """
 
-    def __init__(self, model: nn.Module, state: TPState):
-        self.model, self.state = weakref.ref(model), state
+    def __init__(self, model: nn.Module):
+        self.model = weakref.ref(model)  # the global hook must not keep the model (or its state) alive
         self._checked: weakref.ref | None = None
         self.handle = register_optimizer_step_pre_hook(self)
 
@@ -158,7 +158,7 @@ class MeshGuard:
         first = next(model.parameters(), None)
         if first is None or (self._checked is not None and self._checked() is first):
             return
-        check_mesh(first, self.state.tp_group)
+        check_mesh(first, state_of(model).tp_group)
         self._checked = weakref.ref(first)
 
 

@@ -62,7 +62,29 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     return out
 
 
-def summary(model: nn.Module, plan: Plan, batch: int, seq: int) -> dict:
+ZERO = {  # stage -> which of parameters, gradients, optimizer state are split over DP, and what runs it
+    0: ((False, False, False), "DDP over autotp.dp_group"),
+    1: ((False, False, True), "not offered by autotp (FSDP2 has no stage 1)"),
+    2: ((False, True, True), "autotp.fully_shard(model, reshard_after_forward=False)"),
+    3: ((True, True, True), "autotp.fully_shard(model)"),
+}
+
+
+def zero_bytes(param_bytes: int, dp: int) -> dict[int, dict]:
+    """Per-rank training-state bytes of one TP rank holding `param_bytes` of parameters, at each ZeRO stage over `dp`.
+
+    Gradients take the parameters' bytes and Adam's two moments twice that, all in the parameter dtype;
+    a stage-2 rank holds whole parameters from forward to backward. Activations are not counted.
+    """
+    out = {}
+    for stage, (split, runs) in ZERO.items():
+        parts = [param_bytes, param_bytes, 2 * param_bytes]
+        parts = [-(-b // dp) if cut else b for b, cut in zip(parts, split)]
+        out[stage] = {"params": parts[0], "grads": parts[1], "optimizer": parts[2], "total": sum(parts), "runs": runs}
+    return out
+
+
+def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> dict:
     """Everything `autotp plan` prints, as data."""
     per_rank = plan.param_bytes(model)
     collectives = step_collectives(model, plan, batch, seq)
@@ -82,6 +104,8 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int) -> dict:
         "param_bytes_per_rank": per_rank,
         # parameters, their gradients and Adam's two moments, all in the parameter dtype
         "train_state_bytes_per_rank": [4 * b for b in per_rank],
+        "dp_size": dp,
+        "zero_bytes_per_rank": zero_bytes(max(per_rank), dp),  # the largest TP rank's, by ZeRO stage over DP
         "unsharded_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "collectives": [{"where": c.where, "phase": c.phase, "count": c.count, "bytes": c.bytes_each}
                         for c in collectives],

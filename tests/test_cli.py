@@ -73,3 +73,23 @@ def test_plan_builds_the_task_the_model_type_has() -> None:
 def test_verify_seq2seq_task() -> None:
     done = cli("verify", "bart", "--tp", "2", "--task", "seq2seq", "--steps", "1")
     assert done.returncode == 0 and "OK:" in done.stdout, done.stdout + done.stderr
+
+
+def fsdp_bytes(rank: int, world: int, model_type: str) -> int:
+    torch.manual_seed(0)
+    model = autotp.fully_shard(autotp.wrap(build(load_config(model_type)), 2))
+    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+def test_plan_prices_zero_stages_and_zero_3_is_what_fully_shard_holds() -> None:
+    done = cli("plan", "llama", "--tp", "2", "--dp", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    zero = {int(k): v for k, v in info["zero_bytes_per_rank"].items()}
+    params = max(info["param_bytes_per_rank"])
+    assert zero[0]["total"] == 4 * params and zero[3]["total"] == 4 * params // 2
+    assert zero[2]["params"] == params and zero[2]["grads"] == params // 2
+    real = max(run_ranks(fsdp_bytes, 4, "llama"))  # FSDP splits each tensor by rows, so a rank may hold a few more
+    assert zero[3]["params"] <= real <= 1.05 * zero[3]["params"], (real, zero[3])
+    text = cli("plan", "llama", "--tp", "2", "--dp", "2", "--zero", "3")
+    assert text.returncode == 0 and "zero 0:" in text.stdout and "zero 3:" in text.stdout and "zero 2:" not in text.stdout

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .groups import _new_group, group_size
+from .hf_compat import adapter_module
 from .state import TPState, state_of, wrapped_model
 
 
@@ -56,6 +57,11 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
         raise RuntimeError(f"{type(root).__name__} is already sharded by autotp.fully_shard; call it once")
     if state.gathered:
         raise RuntimeError("autotp.fully_shard inside GatherReplacedLayerParams: call it on the sharded model")
+    found = adapter_module(root)
+    if found is not None:
+        raise NotImplementedError(f"autotp.fully_shard: {found[0]} is a {found[1]}; PEFT adapters under FSDP are not "
+                                  f"supported yet. An adapter's trainable state is small: train it with DDP over "
+                                  f"autotp.dp_group (AutoTPTrainer does)")
     mesh = dp_mesh(root)
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
@@ -67,7 +73,7 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
     for name, param in root.named_parameters(remove_duplicate=False):
         if name in shards:
             param.autotp_shard = shards[name]
-    state.fsdp = True
+    state.fsdp, state.fsdp_sharded = True, frozenset(shards)
     return model
 
 

@@ -27,10 +27,12 @@ from transformers import Trainer
 
 from .comm import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
+from .fsdp import fully_shard as autotp_fully_shard
 from .groups import group_size
 from .hf_compat import adapter_module
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
+from .io.resume import as_params, local_optimizer_state
 from .io.save import save_pretrained
 from .state import find_state, wrapped_model
 
@@ -61,12 +63,10 @@ class _TPOnly(nn.Module):
 class AutoTPTrainer(Trainer):
     """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        given = kwargs.get("model", args[0] if args else None)
-        state = find_state(given) if isinstance(given, nn.Module) else None
-        if state is not None and state.fsdp:
-            raise NotImplementedError(f"{type(self).__name__} on a model under autotp.fully_shard is not supported yet; "
-                                      f"train it with your own loop (README: FSDP2 x TP)")
+    def __init__(self, *args: Any, fully_shard: bool | dict[str, Any] = False, **kwargs: Any):
+        """`fully_shard=True` (or a dict of `autotp.fully_shard` options) shards the wrapped model with FSDP2 over
+        the DP group instead of replicating it under DDP: parameters, gradients and optimizer state are then
+        split over TP x DP."""
         super().__init__(*args, **kwargs)
         model = wrapped_model(self.model)
         fused = _fused_head(vars(model).get("forward")) if model is not None else None
@@ -75,6 +75,8 @@ class AutoTPTrainer(Trainer):
                              f"({fused}), which reads lm_head.weight directly; under vocab parallelism that holds "
                              f"only this rank's vocabulary rows, so its log-probabilities would be wrong. Wrap with "
                              f"vocab_parallel=False")
+        if fully_shard and not find_state(model).fsdp:
+            autotp_fully_shard(model, **({} if fully_shard is True else fully_shard))
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
@@ -87,7 +89,7 @@ class AutoTPTrainer(Trainer):
             return model
         if not any(m is model for m in self.accelerator._models):  # bf16 / fp16: autocast, as Trainer's prepare does
             self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-        if dp_size(model) > 1:
+        if dp_size(model) > 1 and not find_state(model).fsdp:  # FSDP reduces gradients over DP itself
             device = next(model.parameters()).device
             return DistributedDataParallel(model, process_group=dp_group(model),
                                            device_ids=[device] if device.type == "cuda" else None)
@@ -208,15 +210,20 @@ class AutoTPTrainer(Trainer):
         return loss
 
     def _optimizer_file(self) -> str:
-        return f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}.pt"
+        """One file per TP rank; under FSDP, per TP and DP rank, as each DP rank holds its own rows."""
+        name = f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}"
+        if find_state(self.model).fsdp:
+            name += f".dp{dp_rank(self.model)}-of-{dp_size(self.model)}"
+        return name + ".pt"
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0),
         in place of Trainer's single `optimizer.pt`, which would hold rank 0's shards only; the scheduler as
         Trainer writes it (the scaler Trainer saves apart)."""
         os.makedirs(output_dir, exist_ok=True)
-        if dp_rank(self.model) == 0:
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, self._optimizer_file()))
+        if dp_rank(self.model) == 0 or find_state(self.model).fsdp:
+            torch.save(local_optimizer_state(self.optimizer.state_dict()),
+                       os.path.join(output_dir, self._optimizer_file()))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
@@ -233,7 +240,8 @@ class AutoTPTrainer(Trainer):
                                   f"(autotp.from_pretrained); to carry optimizer state across tp sizes, train with "
                                   f"autotp.save_checkpoint and reshard with `python -m autotp consolidate`")
         device = next(self.model.parameters()).device
-        self.optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+        state = torch.load(path, map_location=device, weights_only=True)
+        self.optimizer.load_state_dict(as_params(state, self.optimizer))
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))

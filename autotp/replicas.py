@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .comm import all_gather, buckets
+from .comm import all_gather, buckets, local_rows
 from .groups import Group, group_size
-from .state import state_of
+from .state import find_state, state_of
 
 _BUCKET_BYTES = 64 << 20
 
@@ -24,9 +24,11 @@ def replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter and buffer no partition splits, each once."""
     seen: set[int] = set()
     out = []
+    state = find_state(model)
+    sharded = state.fsdp_sharded if state is not None else frozenset()  # inside an FSDP forward: untagged copies
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
-        if id(tensor) not in seen and not hasattr(tensor, "autotp_shard"):
+        if id(tensor) not in seen and not hasattr(tensor, "autotp_shard") and name not in sharded:
             seen.add(id(tensor))
             out.append((name, tensor))
     return out
@@ -81,6 +83,7 @@ def check_replicas(model: nn.Module, group: Group | None = None) -> None:
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1).double()
+    """Of this rank's own data: under FSDP, the DP rows, which the TP ranks of one DP position share."""
+    flat = local_rows(tensor.detach())[0].reshape(-1).double()
     weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
     return torch.stack([flat.sum(), flat.square().sum(), (flat * weights).sum()]).cpu()

@@ -41,6 +41,7 @@ class TPState:
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
     dp_mesh: Any = None  # the DeviceMesh over dp_group (autotp.fsdp.dp_mesh), built when first asked for
     fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
+    fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
 
 
 def attach(model: nn.Module, state: TPState) -> None:

@@ -72,6 +72,7 @@ def main() -> None:
                         help="evaluate and save every --save-steps, keep 1 checkpoint, load the best at the end")
     parser.add_argument("--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT, added before wrap) only")
+    parser.add_argument("--fsdp", action="store_true", help="AutoTPTrainer(fully_shard=True): FSDP2 over the DP group")
     parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
     args = parser.parse_args()
 
@@ -93,7 +94,8 @@ def main() -> None:
                                  report_to=[], disable_tqdm=False)
     dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
     held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None
-    trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out)
+    trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out,
+                               fully_shard=args.fsdp)
     dtypes = []  # the LM head's output dtype at each forward: shows whether bf16 autocast is on
     model.get_output_embeddings().register_forward_hook(lambda m, i, out: dtypes.append(str(out.dtype)))
     trainer.train(resume_from_checkpoint=args.resume)

@@ -177,3 +177,17 @@ def test_trl_fused_head_on_a_vocab_parallel_model_is_refused(tmp_path: Path) -> 
     assert done.returncode != 0 and "fused LM head" in done.stderr and "vocab_parallel=False" in done.stderr, (
         done.stderr[-3000:])
     assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_trainer_fully_sharded_equals_one_process_and_resumes(tmp_path: Path) -> None:
+    """AutoTPTrainer(fully_shard=True) at dp=2 x tp=2: FSDP2 over the DP group. Losses and eval loss as one process;
+    each TP x DP rank writes its own optimizer rows, and resuming from step 2 repeats steps 3 and 4."""
+    whole = run_trainer_example(tmp_path / "whole", "--fsdp", "--eval", "--save-steps", "2")
+    losses, eval_loss = one_process_trainer(tmp_path)
+    assert max(abs(a - b) for a, b in zip(whole["losses"], losses)) <= 1e-5, (whole["losses"], losses)
+    assert abs(whole["eval_loss"] - eval_loss) <= 1e-5, (whole["eval_loss"], eval_loss)
+    checkpoint = tmp_path / "whole" / "tp" / "checkpoint-2"
+    assert sorted(p.name for p in checkpoint.glob("optimizer*")) == [
+        f"optimizer.tp{t}-of-2.dp{d}-of-2.pt" for t in range(2) for d in range(2)]
+    resumed = run_trainer_example(tmp_path / "resumed", "--fsdp", "--resume", str(checkpoint))
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], whole["losses"][2:])) <= 1e-6, (resumed, whole)

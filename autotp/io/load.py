@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..comm import local_rows
 from ..hf_compat import ConvertedSource, checkpoint_sources, initialised_if_missing
 from ..sharding import Partition
 from ..state import find_state
@@ -99,9 +100,10 @@ def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devic
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and id(param) in loaded:
-                if in_place:
+                if in_place:  # under FSDP, this rank's rows of its TP shard
+                    target, first = local_rows(param.data)
                     with torch.no_grad():
-                        param.copy_(loaded[id(param)])
+                        target.copy_(loaded[id(param)].narrow(0, first, target.shape[0]))
                 else:
                     module._parameters[name] = loaded[id(param)]
     for module_path, name, tensor in buffers:  # replaced, not written: one built from a meta weight is on meta

@@ -159,7 +159,7 @@ def _read_rank(directory: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             for name, tensor in current.items():
                 tensor.copy_(saved[name])
         if optimizer_state is not None:
-            optimizer.load_state_dict(_as_params(optimizer_state, optimizer))
+            optimizer.load_state_dict(as_params(optimizer_state, optimizer))
         if scheduler is not None and rank_state["scheduler"] is not None:
             scheduler.load_state_dict(rank_state["scheduler"])
         _set_rng_state(rng, rank_state["rng"])
@@ -204,7 +204,13 @@ def _split_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {"state": plain, "param_groups": state["param_groups"]}
 
 
-def _as_params(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+def local_optimizer_state(state: dict) -> dict:
+    """An optimizer `state_dict()` with this rank's own data in place of DTensors (FSDP), for torch.save."""
+    return {**state, "state": {index: {key: _local(value) if torch.is_tensor(value) else value
+                                       for key, value in entry.items()} for index, entry in state["state"].items()}}
+
+
+def as_params(state: dict, optimizer: torch.optim.Optimizer) -> dict:
     """Saved per-parameter states held as their parameter is: FSDP's DTensors again, from this rank's rows."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, entry in state["state"].items():

@@ -219,31 +219,52 @@ class _ReduceScatterSeqFromTP(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
+class SavedChunk:
+    """This rank's sequence chunk of a gathered block input, saved once for all the column layers reading it
+    (q, k, v or gate, up), and gathered again in backward once for all of them."""
+
+    def __init__(self, full: torch.Tensor, group: dist.ProcessGroup, dim: int):
+        self.source = weakref.ref(full)  # which input it is, without keeping the gathered input alive
+        self.group, self.dim = group, dim
+        self.chunk = _own_chunk(full.detach(), group, dim).clone()
+        self.users = 0  # layers whose backward still needs the gathered input
+        self._full: torch.Tensor | None = None
+
+    def full(self) -> torch.Tensor:
+        """The gathered input, all-gathered by the first layer whose backward asks, dropped after the last."""
+        full = self._full if self._full is not None else _all_gather_seq(self.chunk, self.group, self.dim)
+        self.users -= 1
+        self._full = full if self.users > 0 else None
+        return full
+
+
 class _SeqParallelColumnLinear(torch.autograd.Function):
     """Column linear on a sequence-gathered input that keeps only its own chunk: re-all-gathered in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup,
-                dim: int) -> torch.Tensor:
-        ctx.save_for_backward(_own_chunk(x, group, dim).clone(), weight)
-        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, saved: SavedChunk
+                ) -> torch.Tensor:
+        ctx.save_for_backward(saved.chunk, weight)  # one tensor for every layer sharing `saved`
+        ctx.saved, ctx.has_bias = saved, bias is not None
+        saved.users += 1
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        local, weight = ctx.saved_tensors
-        full = _all_gather_seq(local, ctx.group, ctx.dim)
+        _, weight = ctx.saved_tensors
+        full = ctx.saved.full()
         flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1])
         grad_bias = flat_grad.sum(0) if ctx.has_bias else None
-        return grad @ weight, flat_grad.t() @ flat_x, grad_bias, None, None
+        return grad @ weight, flat_grad.t() @ flat_x, grad_bias, None
 
 
-def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group,
-                               dim: int = 1) -> torch.Tensor:
-    """`F.linear` whose saved input is this rank's sequence chunk only (the activation memory SP saves)."""
-    if group_size(group) == 1:
+def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               saved: SavedChunk | None) -> torch.Tensor:
+    """`F.linear` whose saved input is this rank's sequence chunk only (the activation memory SP saves), shared
+    with the other layers reading the same input (`saved`; None without tensor parallelism)."""
+    if saved is None:
         return torch.nn.functional.linear(x, weight, bias)
-    return _SeqParallelColumnLinear.apply(x, weight, bias, group, dim)
+    return _SeqParallelColumnLinear.apply(x, weight, bias, saved)
 
 
 def scatter_to_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import (
-    all_gather_full, copy_to_tp, copy_to_tp_joined, reduce_from_tp, reduce_scatter_seq_from_tp, seq_parallel_column_linear,
+    SavedChunk, all_gather_full, copy_to_tp, copy_to_tp_joined, reduce_from_tp, reduce_scatter_seq_from_tp,
+    seq_parallel_column_linear,
 )
 from .groups import Group, group_rank, group_size
 from .hf_compat import is_conv1d
@@ -43,6 +44,7 @@ class SharedInput:
         self._source: torch.Tensor | None = None
         self._copy: torch.Tensor | None = None
         self._joined: dict[int, torch.Tensor] = {}
+        self._saved: SavedChunk | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is self._copy:  # already inside (a LoRA wrapper entered for its base layer and adapter)
@@ -53,6 +55,14 @@ class SharedInput:
             self._joined = {id(w): view for w, view in zip(weights, joined)}
         return self._copy
 
+    def saved_chunk(self, x: torch.Tensor) -> SavedChunk | None:
+        """Under sequence parallelism, this rank's chunk of the gathered input `x`, one for every layer reading it."""
+        if group_size(self.group) == 1 or not torch.is_grad_enabled():
+            return None
+        if self._saved is None or self._saved.source() is not x:
+            self._saved = SavedChunk(x, self.group, 1)
+        return self._saved
+
     def weight(self, weight: nn.Parameter) -> torch.Tensor:
         """A replicated weight as used inside the region entered last: its partial gradient is summed in the input
         gradient's all-reduce, or alone if it did not enter with the input."""
@@ -60,7 +70,7 @@ class SharedInput:
         return joined if joined is not None else copy_to_tp(weight, self.group)
 
     def clear(self, *_) -> None:
-        self._source = self._copy = None
+        self._source = self._copy = self._saved = None
         self._joined = {}
 
 
@@ -193,7 +203,7 @@ class LinearLayer(ParallelLinear):
             return self._matmul(x, self.bias)
         if self._shared_input.sequence_parallel:
             weight = self.weight.t() if self.transposed else self.weight
-            return seq_parallel_column_linear(x, weight, self.bias, self.group)
+            return seq_parallel_column_linear(x, weight, self.bias, self._shared_input.saved_chunk(x))
         return self._matmul(self._shared_input(x), self.bias)
 
 

@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 VOCAB = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=65536)
 VOCAB_BATCH = (4, 512)
-SEQUENCE = dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=8, num_attention_heads=16,
-                num_key_value_heads=8, vocab_size=1024)
+SEQUENCE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=8, vocab_size=8000)  # issue 15's configuration
 SEQUENCE_BATCH = (8, 256)
 
 RUNS = [  # (label, config, batch, wrap options); RUNS[int(sys.argv[1]):] with an argument

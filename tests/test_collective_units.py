@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autotp.comm import (all_gather_full, all_gather_seq_to_tp, copy_to_tp, gather_from_seq, gather_from_tp,
+from autotp.comm import (SavedChunk, all_gather_full, all_gather_seq_to_tp, copy_to_tp, gather_from_seq, gather_from_tp,
                          gather_full_to, grad_allreduce_hook, reduce_from_tp, reduce_scatter_seq_from_tp,
                          replica_grad_hook, scatter_to_seq, seq_parallel_column_linear)
 from autotp.sharding import HeadLayout, Partition, layout_partition
@@ -85,7 +85,7 @@ def all_collectives(rank: int, world: int) -> dict:
 
     x = leaf(torch.cat([value(r, SEQ_CHUNK) for r in RANKS], dim=1))  # the sequence-gathered input
     weight, bias = leaf(value(rank, (2, 3))), leaf(value(rank, (2,)))
-    out = seq_parallel_column_linear(x, weight, bias, group, dim=1)
+    out = seq_parallel_column_linear(x, weight, bias, SavedChunk(x, group, dim=1))
     out.backward(upstream(rank, tuple(out.shape)))
     results["seq_parallel_column_linear"] = {"out": out.detach(), "grad": x.grad, "weight": weight.grad,
                                              "bias": bias.grad}

@@ -47,7 +47,7 @@ def save_pretrained(
     if found is not None:
         raise TypeError(f"autotp.save_pretrained: {found[0]} is a {found[1]}; a full checkpoint would store its adapter "
                         f"under names transformers does not load. Call merge_and_unload() first, or save the adapter "
-                        f"with PEFT's save_pretrained inside autotp.GatherReplacedLayerParams")
+                        f"alone with the PEFT model's save_pretrained, on every rank (it writes the full-size adapter)")
     state = find_state(model)
     tp_group = None if state is None else state.tp_group
     params = model.state_dict(keep_vars=True)

@@ -1,12 +1,14 @@
 """One training step, side by side: autotp, transformers TP, torch parallelize_module, DeepSpeed AutoTP, one process.
 
     pip install deepspeed            # optional: a peer that is not installed is skipped with a message
-    python benchmarks/peers.py [--steps 8] [--warmup 2]
+    python benchmarks/peers.py [--rounds 3] [--steps 16] [--warmup 2]
 
 Same Llama-style model (hidden 512, 4 layers, 8/4 heads, ffn 1408, vocab 8000), batch 4 x 128, fp32,
 SGD, 2 ranks x 1 thread on gloo (each peer in freshly spawned processes), and one process with one
-thread. Reported per peer: median step time, its ratio to autotp's, parameter MB per rank, peak RSS
-per rank. For autotp also: the collectives it ran per step and their bytes, against the minimum of
+thread. The peers run in interleaved rounds (every peer once per round, so a slow spell of a shared
+machine hits all of them alike); each run reports the median of its steps. Reported per peer: the
+median over rounds of those medians and their spread (min-max), the ratio to autotp's measured in
+each round (median and spread), parameter MB per rank, peak RSS per rank. For autotp also: the collectives it ran per step and their bytes, against the minimum of
 2 forward + 2 backward all-reduces of batch x seq x hidden per layer. Then save_pretrained throughput
 against a one-process transformers save of the same model.
 """
@@ -200,7 +202,8 @@ def plain_save(path: str, target: str, out) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -212,7 +215,7 @@ def main() -> None:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).save_pretrained(path)
     ctx = mp.get_context("spawn")
-    results = {}
+    runnable = []
     for name, (_, module) in PEERS.items():
         if module is not None:
             try:
@@ -220,33 +223,55 @@ def main() -> None:
             except ImportError:
                 print(f"skipping {name}: `{module}` is not installed (pip install {module})")
                 continue
+        runnable.append(name)
+    rounds: list[dict] = []
+    for round_index in range(args.rounds):
+        times: dict = {}
+        for name in runnable:
+            out = ctx.SimpleQueue()
+            try:
+                mp.start_processes(rank_main, args=(2, name, path, free_port(), args.steps, args.warmup, out),
+                                   nprocs=2, start_method="spawn")
+            except Exception as err:  # a peer that fails is reported, not fatal
+                print(f"{name} failed: {str(err).strip().splitlines()[-1][:200]}")
+                continue
+            times[name] = [r for _, r in sorted(out.get() for _ in range(2))]
         out = ctx.SimpleQueue()
-        try:
-            mp.start_processes(rank_main, args=(2, name, path, free_port(), args.steps, args.warmup, out),
-                               nprocs=2, start_method="spawn")
-        except Exception as err:  # a peer that fails is reported, not fatal
-            print(f"{name} failed: {str(err).strip().splitlines()[-1][:200]}")
-            continue
-        results[name] = [r for _, r in sorted(out.get() for _ in range(2))]
-    out = ctx.SimpleQueue()
-    process = ctx.Process(target=one_process, args=(path, args.steps, args.warmup, out))
-    process.start()
-    single = out.get()
-    process.join()
+        process = ctx.Process(target=one_process, args=(path, args.steps, args.warmup, out))
+        process.start()
+        times["one process, 1 thread"] = [out.get()]
+        process.join()
+        rounds.append(times)
+        print(f"round {round_index + 1}: " + ", ".join(f"{n} {max(r['median'] for r in rs):.3f} s"
+                                                      for n, rs in times.items()), flush=True)
 
-    base = results["autotp"][0]["median"]
+    def step_times(name: str) -> list[float]:
+        return [max(r["median"] for r in times[name]) for times in rounds if name in times]
+
+    def spread(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+    ours = step_times("autotp")
+    base = statistics.median(ours)
     print(f"\nLlama hidden 512, 4 layers, 8/4 heads, ffn 1408, vocab 8000; batch {BATCH[0]} x {BATCH[1]}, fp32, SGD; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
-    print("| run | s/step | ratio to autotp | param MB per rank | peak RSS MB per rank |")
+          f"{args.rounds} interleaved rounds, each the median of {args.steps} steps after {args.warmup} warm-up")
+    print("| run | s/step, median (min-max) over rounds | ratio to autotp, per round | param MB per rank | "
+          "peak RSS MB per rank |")
     print("|---|---|---|---|---|")
-    for name, ranks in results.items():
-        median = max(r["median"] for r in ranks)
-        print(f"| {name} (2 ranks x 1 thread) | {median:.3f} | {median / base:.2f} | "
-              f"{ranks[0]['param_mb']:.1f} | {max(r['rss_mb'] for r in ranks):.0f} |")
-    print(f"| one process, 1 thread | {single['median']:.3f} | {single['median'] / base:.2f} | "
-          f"{single['param_mb']:.1f} | {single['rss_mb']:.0f} |")
+    for name in rounds[0]:
+        mine = step_times(name)
+        ratios = [a / b for a, b in zip(mine, ours)]
+        last = rounds[-1][name]
+        label = name if name.startswith("one process") else f"{name} (2 ranks x 1 thread)"
+        print(f"| {label} | {spread(mine, 3)} | {spread(ratios, 2)} | {last[0]['param_mb']:.1f} | "
+              f"{max(r['rss_mb'] for r in last):.0f} |")
+    single = {"median": statistics.median(step_times("one process, 1 thread"))}
+    peers = [statistics.median([a / b for a, b in zip(ours, step_times(n))]) for n in rounds[0]
+             if n not in ("autotp", "one process, 1 thread")]
+    if peers:
+        print(f"\nautotp against the best peer: {min(peers):.2f}x its step time (median of per-round ratios)")
     efficiency = single["median"] / (2 * base)
-    ours = results["autotp"][0]
+    ours = rounds[-1]["autotp"][0]
     minimum = 4 * CONFIG["num_hidden_layers"]
     per = BATCH[0] * BATCH[1] * CONFIG["hidden_size"] * 4
     print(f"\nautotp parallel efficiency against one 1-thread process: {efficiency:.0%} "

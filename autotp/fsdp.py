@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .comm import local_rows
 from .groups import _new_group, group_size
 from .hf_compat import adapter_module
 from .state import TPState, state_of, wrapped_model
@@ -102,3 +103,73 @@ def check_mesh(param: torch.Tensor, tp_group: Any) -> None:
             f"FSDP over ranks {sorted(members)} would shard and average different tensor-parallel shards together "
             f"(ranks {shared} hold different shards of the same tensors). Use autotp.fully_shard(model), or "
             f"torch's fully_shard(..., mesh=autotp.dp_mesh(model))")
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+          "_load_state_dict_post_hooks")  # where FSDP2 hooks into a module
+
+
+def _from_fsdp(hook: Any) -> bool:
+    """Whether a module hook is one FSDP registered (bound method, closure or lambda defined by FSDP's code)."""
+    for _ in range(3):  # unwrap torch's _WrappedHook, functools.partial, bound methods
+        hook = getattr(hook, "hook", None) or getattr(hook, "func", None) or getattr(hook, "__func__", None) or hook
+    return (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp")
+
+
+class Unsharded:
+    """Inside, a model under `fully_shard` holds plain parameters, each rank's whole TP shard, and FSDP's module
+    hooks are paused, so the model runs and loads as without FSDP (`GatherReplacedLayerParams` then gathers over
+    TP as usual). On exit, values and gradients go back into this rank's DP rows of FSDP's parameters, and FSDP's
+    hooks return in their order. Collective over DP on entry; every rank enters together."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.swaps: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+        self.paused: list[tuple[dict, dict]] = []
+
+    def __enter__(self) -> None:
+        plain: dict[int, nn.Parameter] = {}
+        for module in self.model.modules():
+            for name, param in list(module._parameters.items()):
+                if not isinstance(param, DTensor):
+                    continue
+                if id(param) not in plain:  # a tied parameter is one tensor again
+                    with torch.no_grad():
+                        whole = nn.Parameter(param.full_tensor(), requires_grad=param.requires_grad)
+                    if hasattr(param, "autotp_shard"):
+                        whole.autotp_shard = param.autotp_shard
+                    plain[id(param)] = whole
+                module._parameters[name] = plain[id(param)]
+                self.swaps.append((module, name, param, plain[id(param)]))
+        for module in self.model.modules():
+            for attr in _HOOKS:
+                hooks = getattr(module, attr)
+                ours = [key for key, hook in hooks.items() if _from_fsdp(hook)]
+                if ours:
+                    self.paused.append((hooks, dict(hooks)))
+                    for key in ours:
+                        del hooks[key]
+
+    def __exit__(self, *exc: Any) -> None:
+        for hooks, before in self.paused:
+            added = {key: hook for key, hook in hooks.items() if key not in before}
+            hooks.clear()
+            hooks.update(before)
+            hooks.update(added)
+        done: set[int] = set()
+        for module, name, sharded, whole in self.swaps:
+            module._parameters[name] = sharded
+            if id(sharded) in done:
+                continue
+            done.add(id(sharded))
+            local, first = local_rows(sharded)
+            with torch.no_grad():
+                local.copy_(whole.detach().narrow(0, first, local.shape[0]))
+            if whole.grad is not None:
+                rows = whole.grad.narrow(0, first, local.shape[0])
+                if sharded.grad is None:
+                    sharded.grad = DTensor.from_local(rows.clone(), sharded.device_mesh, sharded.placements,
+                                                      run_check=False, shape=sharded.shape, stride=sharded.stride())
+                else:
+                    sharded.grad.to_local().add_(rows)
+        self.swaps, self.paused = [], []

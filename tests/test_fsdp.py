@@ -175,26 +175,75 @@ def test_fsdp_mixed_precision_computes_in_bf16_and_tracks_fp32() -> None:
         assert max(abs(a - b) for a, b in zip(report["losses"], expected)) <= 2e-2, (report["losses"], expected)
 
 
-def not_yet(rank: int, world: int) -> list[str]:
+def adapters_under_fsdp(rank: int, world: int) -> str:
     from peft import LoraConfig, get_peft_model
 
-    messages = []
-    model = autotp.fully_shard(autotp.wrap(tiny_model("llama"), 2))
     adapted = get_peft_model(autotp.wrap(tiny_model("llama"), 2), LoraConfig(r=4, target_modules=["q_proj"]))
-    for attempt in (lambda: autotp.GatherReplacedLayerParams(model).__enter__(),
-                    lambda: autotp.fully_shard(adapted.base_model.model)):
+    try:
+        autotp.fully_shard(adapted.base_model.model)
+    except NotImplementedError as err:
+        return str(err)
+    return "sharded"
+
+
+def test_peft_adapters_under_fsdp_are_refused_by_name() -> None:
+    for message in run_ranks(adapters_under_fsdp, 4):
+        assert "autotp.fully_shard" in message and "q_proj" in message and "DDP" in message, message
+
+
+def gathered_under_fsdp(rank: int, world: int, path: str) -> dict:
+    """GatherReplacedLayerParams on FSDP x TP after a training step: full weights inside (HF's own save_pretrained
+    works there), a weight written inside persists, and training goes on under FSDP like one process."""
+    model, opt = fsdp_model()
+    steps(model, opt, 1)
+    ids = GLOBAL[2 * autotp.dp_rank(model): 2 * autotp.dp_rank(model) + 2]
+    with torch.no_grad():
+        sharded = model(input_ids=ids).logits
+    with autotp.GatherReplacedLayerParams(model):
+        q = model.model.layers[0].self_attn.q_proj.weight
+        shape = tuple(q.shape)
+        with torch.no_grad():
+            inside = model(input_ids=ids).logits
+            type(model).save_pretrained(model, path, is_main_process=rank == 0)  # transformers' own method
+            model.model.layers[1].mlp.down_proj.weight.mul_(0.5)  # a weight changed inside
         try:
-            attempt()
-        except NotImplementedError as err:
-            messages.append(str(err))
-    return messages
+            opt.step()
+            stepped = "stepped"
+        except RuntimeError as err:
+            stepped = str(err)
+    after = steps(model, opt, 2)  # FSDP is back: its hooks and DP rows
+    return {"shape": shape, "inside": (inside - sharded).abs().max().item(), "stepped": stepped, "after": after,
+            "params": {n: full_tensor(p, p, autotp.tp_group(model)) for n, p in model.named_parameters()}}
 
 
-def test_what_fsdp_does_not_cover_yet_is_refused_by_name() -> None:
-    """GatherReplacedLayerParams would need FSDP's unsharded copies to hold full TP weights; PEFT adapters under
-    FSDP are not sharded by autotp yet."""
-    for messages in run_ranks(not_yet, 4):
-        assert len(messages) == 2 and all("autotp.fully_shard" in m for m in messages), messages
+def test_gather_under_fsdp_holds_full_weights_and_gives_them_back(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reports = run_ranks(gathered_under_fsdp, 4, str(tmp_path / "hf"))
+    torch.manual_seed(0)
+    one = tiny_model("llama", num_key_value_heads=1)
+    opt = torch.optim.AdamW(one.parameters(), lr=1e-3, eps=1e-6)
+    losses = []
+    for step in range(3):
+        loss = one(input_ids=GLOBAL, labels=GLOBAL).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(one.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step == 0:
+            saved = {n: p.detach().clone() for n, p in one.named_parameters()}
+            with torch.no_grad():
+                one.model.layers[1].mlp.down_proj.weight.mul_(0.5)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert max((loaded.state_dict()[n] - p).abs().max().item() for n, p in saved.items()) <= PARAM_ATOL
+    for report in reports:
+        assert report["shape"] == (64, 64) and report["inside"] < 1e-5, report
+        assert "inside GatherReplacedLayerParams" in report["stepped"], report["stepped"]
+        mean = [sum(r["after"][i] for r in reports) / len(reports) for i in range(2)]  # over DP replicas
+        assert max(abs(a - b) for a, b in zip(mean, losses[1:])) <= LOSS_ATOL, (mean, losses)
+        worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in one.named_parameters())
+        assert worst[0] <= PARAM_ATOL, worst
 
 
 def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, count: int) -> list[float]:

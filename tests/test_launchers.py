@@ -191,3 +191,13 @@ def test_trainer_fully_sharded_equals_one_process_and_resumes(tmp_path: Path) ->
         f"optimizer.tp{t}-of-2.dp{d}-of-2.pt" for t in range(2) for d in range(2)]
     resumed = run_trainer_example(tmp_path / "resumed", "--fsdp", "--resume", str(checkpoint))
     assert max(abs(a - b) for a, b in zip(resumed["losses"], whole["losses"][2:])) <= 1e-6, (resumed, whole)
+
+
+def test_trainer_fully_sharded_bf16_autocasts_from_the_first_step(tmp_path: Path) -> None:
+    """bf16=True under FSDP x TP: every forward of training and evaluation in bf16 (FSDP keeps fp32 parameters),
+    losses as a one-process bf16 Trainer's to bf16's few hundredths (see test_trainer_bf16_autocasts_from_the_first_step)."""
+    got = run_trainer_example(tmp_path, "--fsdp", "--eval", "--bf16")
+    assert got["train_dtypes"] == got["eval_dtypes"] == ["torch.bfloat16"], got
+    losses, eval_loss = one_process_trainer(tmp_path, bf16=True)
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) <= 5e-2, (got["losses"], losses)
+    assert abs(got["eval_loss"] - eval_loss) <= 5e-2, (got["eval_loss"], eval_loss)

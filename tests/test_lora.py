@@ -61,8 +61,12 @@ def paired(rank: int, world: int, family: str, targets: list[str], model_config:
 
 
 def lora_parity(rank: int, world: int, family: str, targets: list[str], model_config: dict | None = None,
-                before: bool = False) -> dict:
+                before: bool = False, checkpointing: bool = False) -> dict:
     reference, model, group = paired(rank, world, family, targets, model_config, before)
+    if checkpointing:  # each block's forward replayed in backward: LoRA's joined collectives and dropout masks too
+        for m in (reference, model):
+            m.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.base_model.model.enable_input_require_grads()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     ref_params = dict(reference.named_parameters())
     assert set(trainable) == {n for n, p in ref_params.items() if p.requires_grad}
@@ -149,6 +153,12 @@ def test_lora_dropout_on_a_column_layer_is_one_mask_on_every_rank() -> None:
     first, second = run_ranks(dropout_masks, 2)
     assert len(first) == 4 and all((a == 0).any() for a in first)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_lora_with_gradient_checkpointing_matches_one_process_peft(dropout: float) -> None:
+    for report in run_ranks(lora_parity, 2, "llama", LLAMA_ALL, {"lora_dropout": dropout}, False, True):
+        assert_close(report)
 
 
 def count_lora_step(rank: int, world: int) -> dict:

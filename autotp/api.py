@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
 from .apply import apply_plan, parallel_layers, register_grad_hooks
+from .layers import LinearLayer
 from .groups import (
     DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
     launched_by_torchrun, world_timeout,
@@ -50,6 +51,7 @@ def wrap(
     sequence_parallel: bool = False,
     check_inputs: bool = False,
     timeout: timedelta | float | None = None,
+    overlap: bool = True,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
@@ -62,7 +64,8 @@ def wrap(
     forward that all TP ranks of a replica got the same tensors, and every 100 training forwards
     that the replicated parameters are still equal on every TP rank (`autotp.check_replicas`).
     `timeout` (a timedelta or seconds) bounds how long autotp's collectives wait for a failed or hung
-    peer; by default the one given to `init_process_group`, else 5 minutes.
+    peer; by default the one given to `init_process_group`, else 5 minutes. `overlap=True` computes
+    the column layers' weight gradients while their input gradient's all-reduce runs.
     """
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
@@ -70,7 +73,8 @@ def wrap(
     lifted = lora.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
-        state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout)
+        state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout,
+                       overlap=overlap)
     except BaseException:
         lora.put_back(lifted)
         raise
@@ -92,6 +96,7 @@ def from_pretrained(
     sequence_parallel: bool = False,
     timeout: timedelta | float | None = None,
     task: str | None = None,
+    overlap: bool = True,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
@@ -122,7 +127,8 @@ def from_pretrained(
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
         model.to(target)  # buffers built at init
 
-    _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, materialize=load)
+    _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, materialize=load,
+           overlap=overlap)
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -136,7 +142,7 @@ def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_para
 
 def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, policy: PolicyArg,
            vocab_parallel: bool, sequence_parallel: bool, check_inputs: bool, timeout: timedelta | float | None,
-           materialize: Callable[[TPState], None] | None = None) -> TPState:
+           materialize: Callable[[TPState], None] | None = None, overlap: bool = True) -> TPState:
     """The one sharding pipeline, all or nothing: a failure at any step puts the model back as it was.
 
     `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
@@ -150,6 +156,9 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
     snapshot = Snapshot(model)
     try:
         state = apply_plan(model, plan, tp_group, dp_group, timeout)
+        for layer in parallel_layers(model):
+            if isinstance(layer, LinearLayer):
+                layer._shared_input.overlap = overlap
         if sequence_parallel:
             snapshot.track(apply_sequence_parallel(model, plan, tp_group, state))
         if materialize is not None:

@@ -63,36 +63,100 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _all_reduce_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """`tensors` summed over `group`, out of place: one all-reduce per dtype, of that dtype's tensors packed flat."""
+def _all_reduce_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup,
+                       meanwhile: Callable[[], Any] | None = None) -> list[torch.Tensor]:
+    """`tensors` summed over `group`, out of place: one all-reduce per dtype, of that dtype's tensors packed flat.
+
+    `meanwhile` runs while the all-reduces are in flight (started asynchronously, waited for after it).
+    """
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, tensor in enumerate(tensors):
         by_dtype.setdefault(tensor.dtype, []).append(i)
+    flats, works = [], []
+    with named_failure(group, "all-reduce"):
+        for indices in by_dtype.values():
+            flats.append(torch.cat([tensors[i].reshape(-1) for i in indices]))
+            works.append(dist.all_reduce(flats[-1], group=group, async_op=meanwhile is not None))
+        if meanwhile is not None:
+            meanwhile()
+            for work in works:
+                work.wait()
     out: list = [None] * len(tensors)
-    for indices in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        all_reduce(flat, group)
+    for indices, flat in zip(by_dtype.values(), flats):
         for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
             out[i] = piece.view_as(tensors[i])
     return out
 
 
-class _CopyToTPJoined(torch.autograd.Function):
-    """Column-parallel entry with replicated weights: identity forward; backward, one all-reduce of dL/dX packed
-    with the weights' partial gradients."""
+class DeferredWeights:
+    """The weight gradients of the column layers reading one entered input, left by each layer's backward to the
+    entry's backward, which computes them while the input gradient's all-reduce runs (Megatron's overlap)."""
+
+    def __init__(self, transposed: list[bool]):
+        self.transposed = transposed  # per weight: stored [in, out] (GPT-2's Conv1D)
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (weight index, dL/dY, X)
+
+    def grads(self) -> list[torch.Tensor | None]:
+        out: list = [None] * len(self.transposed)
+        for index, grad, x in self.pending:
+            flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+            weight = flat_x.t() @ flat_grad if self.transposed[index] else flat_grad.t() @ flat_x
+            out[index] = weight if out[index] is None else out[index] + weight
+        self.pending = []
+        return out
+
+
+class _DeferredColumnLinear(torch.autograd.Function):
+    """A column layer's matmul on the entered input: backward returns dL/dX now and leaves dL/dW to the entry."""
 
     @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, deferred: DeferredWeights,
+                index: int) -> torch.Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # autocast's cast, made here so backward sees the same dtypes
+            dtype = torch.get_autocast_dtype(device)
+            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.deferred, ctx.index, ctx.has_bias = deferred, index, bias is not None
+        matrix = weight.t() if deferred.transposed[index] else weight
+        with torch.autocast(device, enabled=False):
+            return torch.nn.functional.linear(x, matrix, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        matrix = weight.t() if ctx.deferred.transposed[ctx.index] else weight
+        ctx.deferred.pending.append((ctx.index, grad, x))
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad @ matrix, None, grad_bias, None, None
+
+
+class _CopyToTPJoined(torch.autograd.Function):
+    """Column-parallel entry with replicated weights: identity forward; backward, one all-reduce of dL/dX packed
+    with the weights' partial gradients, while the deferred weight gradients of the layers reading it compute."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, deferred: DeferredWeights | None, joined: int, x: torch.Tensor,
+                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.deferred, ctx.joined = group, deferred, joined
+        ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in (x, *weights))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        wanted = [i for i, grad in enumerate(grads) if ctx.needs_input_grad[i + 1] and grad is not None]
+        reduced = grads[:ctx.joined + 1]  # dL/dX and the replicated weights' partial gradients
+        wanted = [i for i, grad in enumerate(reduced) if ctx.needs_input_grad[i + 3] and grad is not None]
+        later: list = []
+        meanwhile = None if ctx.deferred is None else lambda: later.extend(ctx.deferred.grads())
         result: list = [None] * len(grads)
-        for i, reduced in zip(wanted, _all_reduce_packed([grads[i] for i in wanted], ctx.group)):
-            result[i] = reduced
-        return (None, *result)
+        if wanted:
+            for i, summed in zip(wanted, _all_reduce_packed([reduced[i] for i in wanted], ctx.group, meanwhile)):
+                result[i] = summed
+        elif meanwhile is not None:
+            meanwhile()
+        for offset, grad in enumerate(later):
+            result[ctx.joined + 1 + offset] = grad
+        return (None, None, None, *result)
 
 
 class _ReduceFromTPJoined(torch.autograd.Function):
@@ -297,12 +361,23 @@ def reduce_from_tp(y: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceFromTP.apply(y, group)
 
 
-def copy_to_tp_joined(x: torch.Tensor, weights: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
-    """`copy_to_tp` of `x`, and `weights` (replicated, each rank's gradient partial) entering with it: [x, *weights]
-    as used inside the region; their gradients are summed over the TP group in the same all-reduce as x's."""
+def copy_to_tp_joined(x: torch.Tensor, weights: list[torch.Tensor], group: Group,
+                      deferred: list[torch.Tensor] = (), transposed: list[bool] = ()
+                      ) -> tuple[list[torch.Tensor], DeferredWeights | None]:
+    """`copy_to_tp` of `x`, and `weights` (replicated, each rank's gradient partial) entering with it: ([x, *weights,
+    *deferred] as used inside the region, the DeferredWeights). The weights' gradients are summed over the TP group
+    in the same all-reduce as x's; the `deferred` weights' (the column layers', `transposed` when stored [in, out])
+    are computed while it runs, from what `deferred_column_linear` leaves."""
     if group_size(group) == 1:
-        return [x, *weights]
-    return list(_CopyToTPJoined.apply(group, x, *weights))
+        return [x, *weights, *deferred], None
+    pending = DeferredWeights(list(transposed)) if deferred else None
+    return list(_CopyToTPJoined.apply(group, pending, len(weights), x, *weights, *deferred)), pending
+
+
+def deferred_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           deferred: DeferredWeights, index: int) -> torch.Tensor:
+    """`F.linear` on an entered input whose weight gradient is computed during the entry's all-reduce."""
+    return _DeferredColumnLinear.apply(x, weight, bias, deferred, index)
 
 
 def reduce_from_tp_joined(partials: list[torch.Tensor], group: Group) -> list[torch.Tensor]:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm import (
-    SavedChunk, all_gather_full, copy_to_tp, copy_to_tp_joined, reduce_from_tp, reduce_scatter_seq_from_tp,
-    seq_parallel_column_linear,
+    DeferredWeights, SavedChunk, all_gather_full, copy_to_tp, copy_to_tp_joined, deferred_column_linear,
+    reduce_from_tp, reduce_scatter_seq_from_tp, seq_parallel_column_linear,
 )
 from .groups import Group, group_rank, group_size
 from .hf_compat import is_conv1d
@@ -35,25 +35,48 @@ class SharedInput:
     all-reducing once is what keeps a block at one backward all-reduce. Layers given a different
     tensor get their own copy, so sharing is an optimisation that can never change the result.
     The owning block clears it after each call so no activation outlives the forward.
+
+    With `overlap` (the default), the reading layers' weights enter with the input too: each layer's
+    backward returns dL/dX at once and leaves dL/dW to the entry, which computes it while the
+    all-reduce of dL/dX runs (`comm.DeferredWeights`), as Megatron-LM overlaps them.
     """
 
     def __init__(self, group: Group):
         self.group = group
         self.sequence_parallel = False  # then the column layers save only their sequence chunk (autotp.sequence)
+        self.overlap = True  # weight gradients computed during the input gradient's all-reduce (wrap(overlap=...))
         self.joining: list[nn.Parameter] = []  # replicated LoRA weights of the layers reading it (autotp.lora)
+        self.readers: list[LinearLayer] = []  # the column layers reading it, for overlap
         self._source: torch.Tensor | None = None
         self._copy: torch.Tensor | None = None
         self._joined: dict[int, torch.Tensor] = {}
+        self._deferred: dict[int, tuple[torch.Tensor, int]] = {}
+        self._pending: DeferredWeights | None = None
         self._saved: SavedChunk | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is self._copy:  # already inside (a LoRA wrapper entered for its base layer and adapter)
             return x
         if x is not self._source:
-            weights = [w for w in self.joining if w.requires_grad] if torch.is_grad_enabled() else []
-            self._source, self._copy, *joined = x, *copy_to_tp_joined(x, weights, self.group)
-            self._joined = {id(w): view for w, view in zip(weights, joined)}
+            grads = torch.is_grad_enabled()
+            weights = [w for w in self.joining if w.requires_grad] if grads else []
+            readers = [r for r in self.readers if r.weight.requires_grad and not r.gathered] if (
+                grads and self.overlap and not torch.compiler.is_compiling()) else []
+            entered, self._pending = copy_to_tp_joined(x, weights, self.group, [r.weight for r in readers],
+                                                       [r.transposed for r in readers])
+            self._source, self._copy = x, entered[0]
+            self._joined = {id(w): view for w, view in zip(weights, entered[1:])}
+            self._deferred = {} if self._pending is None else {  # tp 1: nothing to overlap
+                id(r.weight): (view, i) for i, (r, view) in enumerate(zip(readers, entered[1 + len(weights):]))}
         return self._copy
+
+    def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
+        """`layer`'s matmul on the input entered last (`x`), its weight gradient deferred to the entry if it entered."""
+        deferred = self._deferred.get(id(layer.weight)) if x is self._copy else None
+        if deferred is None:
+            return layer._matmul(x, layer.bias)
+        view, index = deferred
+        return deferred_column_linear(x, view, layer.bias, self._pending, index)
 
     def saved_chunk(self, x: torch.Tensor) -> SavedChunk | None:
         """Under sequence parallelism, this rank's chunk of the gathered input `x`, one for every layer reading it."""
@@ -70,8 +93,8 @@ class SharedInput:
         return joined if joined is not None else copy_to_tp(weight, self.group)
 
     def clear(self, *_) -> None:
-        self._source = self._copy = self._saved = None
-        self._joined = {}
+        self._source = self._copy = self._saved = self._pending = None
+        self._joined, self._deferred = {}, {}
 
 
 def shard_parameter(param: nn.Parameter, partition: Partition, rank: int) -> nn.Parameter:
@@ -144,6 +167,10 @@ class ParallelLinear(nn.Linear):
         memo[id(self.group)] = self.group
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
+        shared = vars(self).get("_shared_input")
+        if shared is not None:  # the copy reads its input alone: a fresh entry (not the siblings', nor their LoRA)
+            fresh = memo[id(shared)] = SharedInput(self.group)
+            fresh.sequence_parallel, fresh.overlap, fresh.readers = shared.sequence_parallel, shared.overlap, [new]
         new.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
         for name, param in self._parameters.items():  # Parameter's own deepcopy drops the shard metadata
             if param is not None and hasattr(param, "autotp_shard"):
@@ -194,6 +221,7 @@ class LinearLayer(ParallelLinear):
         if partition.dim != expected:
             raise ValueError(f"a column-parallel weight is split on its output dim ({expected})")
         self._shared_input = shared_input or SharedInput(group)
+        self._shared_input.readers.append(self)
 
     def _bias_partition(self) -> Partition:
         return self.partition.with_dim(0)
@@ -204,7 +232,7 @@ class LinearLayer(ParallelLinear):
         if self._shared_input.sequence_parallel:
             weight = self.weight.t() if self.transposed else self.weight
             return seq_parallel_column_linear(x, weight, self.bias, self._shared_input.saved_chunk(x))
-        return self._matmul(self._shared_input(x), self.bias)
+        return self._shared_input.linear(self._shared_input(x), self)
 
 
 class LinearAllreduce(ParallelLinear):

@@ -208,15 +208,28 @@ def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Ten
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """Every rank's chunk along `dim`, concatenated: one all-gather into a buffer of rank-major chunks."""
+    return _start_gather_seq(x, group, dim)()
+
+
+def _start_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
+                      async_op: bool = False) -> Callable[[], torch.Tensor]:
+    """Start `_all_gather_seq` (asynchronously with `async_op`); the returned call waits and gives its result."""
     size = group_size(group)
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after another along dim 0
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     with named_failure(group, "all-gather"):
-        gather(out, x, group=group)
+        work = gather(out, x, group=group, async_op=async_op)
     shape = list(x.shape)
     shape[dim] *= size
-    return out.view(size, *x.shape).movedim(0, dim).reshape(shape)  # one copy, not one per column layer
+
+    def finish() -> torch.Tensor:
+        if work is not None and async_op:
+            with named_failure(group, "all-gather"):
+                work.wait()
+        return out.view(size, *x.shape).movedim(0, dim).reshape(shape)  # one copy, not one per column layer
+
+    return finish
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -271,16 +284,21 @@ class _AllGatherSeqToTP(torch.autograd.Function):
 
 
 class _ReduceScatterSeqFromTP(torch.autograd.Function):
-    """Leave a row-parallel block under sequence parallelism: reduce-scatter forward, all-gather backward."""
+    """Leave a row-parallel block under sequence parallelism: reduce-scatter forward, all-gather backward (which
+    then starts the all-gather the block's column layers will need, to run during the block's backward)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, dim: int, prefetch: SavedChunk | None
+                ) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.prefetch = group, dim, prefetch
         return _reduce_scatter_seq(y, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather_seq(grad, ctx.group, ctx.dim), None, None
+        grad = _all_gather_seq(grad, ctx.group, ctx.dim)
+        if ctx.prefetch is not None:
+            ctx.prefetch.prefetch()
+        return grad, None, None, None
 
 
 class SavedChunk:
@@ -293,10 +311,20 @@ class SavedChunk:
         self.chunk = _own_chunk(full.detach(), group, dim).clone()
         self.users = 0  # layers whose backward still needs the gathered input
         self._full: torch.Tensor | None = None
+        self._started: Callable[[], torch.Tensor] | None = None
+
+    def prefetch(self) -> None:
+        """Start gathering the input again now, asynchronously, for the column layers' backward later."""
+        if self._full is None and self._started is None and self.users > 0:
+            self._started = _start_gather_seq(self.chunk, self.group, self.dim, async_op=True)
 
     def full(self) -> torch.Tensor:
-        """The gathered input, all-gathered by the first layer whose backward asks, dropped after the last."""
-        full = self._full if self._full is not None else _all_gather_seq(self.chunk, self.group, self.dim)
+        """The gathered input, all-gathered by the first layer whose backward asks (or prefetched), dropped after
+        the last."""
+        if self._full is None:
+            started, self._started = self._started, None
+            self._full = started() if started is not None else _all_gather_seq(self.chunk, self.group, self.dim)
+        full = self._full
         self.users -= 1
         self._full = full if self.users > 0 else None
         return full
@@ -343,8 +371,10 @@ def all_gather_seq_to_tp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.T
     return x if group_size(group) == 1 else _AllGatherSeqToTP.apply(x, group, dim)
 
 
-def reduce_scatter_seq_from_tp(y: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    return y if group_size(group) == 1 else _ReduceScatterSeqFromTP.apply(y, group, dim)
+def reduce_scatter_seq_from_tp(y: torch.Tensor, group: Group, dim: int = 1,
+                               prefetch: SavedChunk | None = None) -> torch.Tensor:
+    """Reduce-scatter along the sequence; `prefetch`: the block's saved input, gathered again early in backward."""
+    return y if group_size(group) == 1 else _ReduceScatterSeqFromTP.apply(y, group, dim, prefetch)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:

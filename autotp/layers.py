@@ -241,6 +241,7 @@ class LinearAllreduce(ParallelLinear):
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         super().__init__(linear, partition, group)
         self.sequence_parallel = False  # reduce-scatter the output along the sequence instead of all-reducing
+        self.block_input: SharedInput | None = None  # its block's column input, gathered again early (autotp.sequence)
         self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.lora)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
@@ -255,7 +256,11 @@ class LinearAllreduce(ParallelLinear):
         y = self._matmul(x, None)
         if not self.reduce_output:
             return y
-        y = reduce_scatter_seq_from_tp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        if self.sequence_parallel:
+            saved = self.block_input._saved if self.block_input is not None else None
+            y = reduce_scatter_seq_from_tp(y, self.group, prefetch=saved)
+        else:
+            y = reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
 

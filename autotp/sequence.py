@@ -46,9 +46,12 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
     for path in blocks:
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(lambda x: all_gather_seq_to_tp(x, group), state), with_kwargs=True)
+        inputs = {id(m._shared_input): m._shared_input for m in block.modules() if isinstance(m, LinearLayer)}
         for module in block.modules():
             if isinstance(module, LinearAllreduce):
                 module.sequence_parallel = True
+                if len(inputs) == 1:  # its backward starts re-gathering the block input the column layers saved
+                    module.block_input = next(iter(inputs.values()))
             if isinstance(module, LinearLayer):
                 module._shared_input.sequence_parallel = True
     active = lambda: not state.gathered  # noqa: E731

@@ -76,3 +76,32 @@ def test_overlap_under_bf16_autocast_matches_no_overlap() -> None:
     assert all(g.dtype == torch.float32 for g in on["grads"].values())
     worst = max((grad_error(on["grads"][n], g), n) for n, g in off["grads"].items())
     assert worst[0] <= 1e-2, worst  # bf16 sums in another order: a few bf16 ulps
+
+
+def sequence_gathers(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
+    ids = batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    started: list[bool] = []
+    original = comm._start_gather_seq
+
+    def recording(x, group, dim, async_op=False):
+        started.append(async_op)
+        return original(x, group, dim, async_op)
+
+    comm._start_gather_seq = recording
+    try:
+        loss.backward()
+    finally:
+        comm._start_gather_seq = original
+    return {"started": started, "layers": model.config.num_hidden_layers}
+
+
+def test_sequence_parallel_block_inputs_are_gathered_again_during_the_block_backward() -> None:
+    """Each block's row layer, first in its backward, starts the all-gather its column layers need last: 2 per
+    layer, asynchronous; the other backward gathers (the row outputs' gradients, the first layer's entry) are not."""
+    for report in run_ranks(sequence_gathers, 2):
+        layers = report["layers"]
+        assert report["started"].count(True) == 2 * layers, report
+        assert report["started"].count(False) == 2 * layers + 1, report

@@ -71,6 +71,9 @@ class ResizeTokenEmbeddings:
             return model.get_input_embeddings()
         if state.gathered:
             raise RuntimeError("resize_token_embeddings inside GatherReplacedLayerParams: call it outside the context")
+        if state.fsdp:
+            raise NotImplementedError("resize_token_embeddings under autotp.fully_shard is not supported: FSDP keeps "
+                                      "the embedding's parameters, which a resize replaces. Resize before fully_shard")
         vocab = state.plan.vocab
         if vocab is None:  # embedding and head are replicated: resize, then agree on the new rows
             embedding = resize(model, new_num_tokens, pad_to_multiple_of, mean_resizing)

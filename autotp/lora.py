@@ -271,6 +271,11 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
         if hasattr(layer, "autotp_lora"):
             layer.autotp_lora.release()
         return True
+    if state.fsdp and type(current).__module__.startswith("peft"):
+        raise NotImplementedError(f"autotp: {path} was wrapped by PEFT ({type(current).__name__}) after "
+                                  f"autotp.fully_shard; PEFT adapters under FSDP are not supported yet (FSDP would "
+                                  f"not reduce their gradients over data parallelism). Train adapters under DDP over "
+                                  f"autotp.dp_group, as AutoTPTrainer does")
     if getattr(current, "original_module", None) is layer and trainable_copies(current):
         return True
     if not is_lora_linear(current, layer) or not isinstance(layer, (LinearLayer, LinearAllreduce)):
@@ -280,7 +285,6 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
         tp_lora = current.autotp_lora = TPLora(current, layer, path, state)
     tp_lora.adapt_new()
     return True
-
 
 
 def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

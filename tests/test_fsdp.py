@@ -306,3 +306,32 @@ def test_fsdp_resume_is_bit_exact_and_consolidates(tmp_path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
     worst = max((loaded.state_dict()[n] - p).abs().max().item() for n, p in model.state_dict().items())
     assert worst <= PARAM_ATOL, worst
+
+
+def after_fully_shard(rank: int, world: int) -> dict:
+    """What a user may do to the model after fully_shard that FSDP would not follow: each stops, changing nothing."""
+    from peft import LoraConfig, get_peft_model
+
+    model = autotp.fully_shard(autotp.wrap(tiny_model("llama"), 2))
+    embedding = model.get_input_embeddings().weight
+    try:
+        model.resize_token_embeddings(300)
+        resized = "resized"
+    except NotImplementedError as err:
+        resized = str(err)
+    same = model.get_input_embeddings().weight is embedding
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    try:
+        adapted(input_ids=batch(), labels=batch()).loss.backward()
+        lora = "trained"
+    except NotImplementedError as err:
+        lora = str(err)
+    return {"resized": resized, "same embedding": same, "lora": lora}
+
+
+def test_a_resize_or_lora_after_fully_shard_is_refused() -> None:
+    """A resize would replace the parameters FSDP holds; LoRA added after fully_shard would train plain tensors that
+    FSDP never reduces over DP, so the replicas would drift apart without a word."""
+    for report in run_ranks(after_fully_shard, 4):
+        assert "Resize before fully_shard" in report["resized"] and report["same embedding"], report
+        assert "model.layers.0.self_attn.q_proj" in report["lora"] and "fully_shard" in report["lora"], report

@@ -19,7 +19,6 @@ from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
 from .apply import apply_plan, parallel_layers, register_grad_hooks
-from .layers import LinearLayer
 from .groups import (
     DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
     launched_by_torchrun, world_timeout,
@@ -27,6 +26,7 @@ from .groups import (
 from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
 from .hf_compat import build_model
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
+from .layers import LinearLayer
 from . import lora
 from .adapter_io import slice_adapters_on_load
 from .io.errors import CheckpointError

@@ -88,6 +88,11 @@ def _all_reduce_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup,
     return out
 
 
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dL/dW of `F.linear(x, W)` from dL/dY, summed over every token: [out, in]."""
+    return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
 class DeferredWeights:
     """The weight gradients of the column layers reading one entered input, left by each layer's backward to the
     entry's backward, which computes them while the input gradient's all-reduce runs (Megatron's overlap)."""
@@ -99,8 +104,7 @@ class DeferredWeights:
     def grads(self) -> list[torch.Tensor | None]:
         out: list = [None] * len(self.transposed)
         for index, grad, x in self.pending:
-            flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-            weight = flat_x.t() @ flat_grad if self.transposed[index] else flat_grad.t() @ flat_x
+            weight = _weight_grad(x, grad) if self.transposed[index] else _weight_grad(grad, x)  # Conv1D's [in, out]
             out[index] = weight if out[index] is None else out[index] + weight
         self.pending = []
         return out
@@ -344,10 +348,8 @@ class _SeqParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         _, weight = ctx.saved_tensors
-        full = ctx.saved.full()
-        flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1])
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
-        return grad @ weight, flat_grad.t() @ flat_x, grad_bias, None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad @ weight, _weight_grad(grad, ctx.saved.full()), grad_bias, None
 
 
 def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -495,15 +497,21 @@ def dp_full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def dp_chunk(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """(first row, row count) of part `index` of `parts`, split as torch.chunk splits (FSDP2's dim-0 shards)."""
+    size = -(-rows // parts)
+    first = min(index * size, rows)
+    return first, min(rows, first + size) - first
+
+
 def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(this rank's rows of `tensor`, the index of the first in its TP shard): FSDP's dim-0 chunk of a DTensor."""
     if not isinstance(tensor, DTensor):
         return tensor, 0
     if len(tensor.placements) != 1 or tensor.placements[0] != Shard(0):
         raise NotImplementedError(f"autotp expects FSDP's 1-D Shard(0) placement, got {tensor.placements}")
-    mesh, rows = tensor.device_mesh, tensor.shape[0]
-    chunk = -(-rows // mesh.size())  # torch.chunk's split, which FSDP2 uses
-    return tensor.to_local(), min(mesh.get_local_rank() * chunk, rows)
+    mesh = tensor.device_mesh
+    return tensor.to_local(), dp_chunk(tensor.shape[0], mesh.size(), mesh.get_local_rank())[0]
 
 
 def all_gather_full(shard: torch.Tensor, partition: Partition, group: Group) -> torch.Tensor:

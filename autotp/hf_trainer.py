@@ -217,9 +217,9 @@ class AutoTPTrainer(Trainer):
         return name + ".pt"
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0),
-        in place of Trainer's single `optimizer.pt`, which would hold rank 0's shards only; the scheduler as
-        Trainer writes it (the scaler Trainer saves apart)."""
+        """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0), or
+        under FSDP by every rank (each holds its own DP rows), in place of Trainer's single `optimizer.pt`, which
+        would hold rank 0's shards only; the scheduler as Trainer writes it (the scaler Trainer saves apart)."""
         os.makedirs(output_dir, exist_ok=True)
         if dp_rank(self.model) == 0 or find_state(self.model).fsdp:
             torch.save(local_optimizer_state(self.optimizer.state_dict()),

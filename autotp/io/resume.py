@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..comm import dp_chunk, local_rows
 from ..groups import global_rank, group_size
 from ..sharding import Partition
 from ..state import find_state
@@ -41,7 +42,7 @@ _FORMAT = "autotp-checkpoint/1"
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's own data of a tensor: under FSDP (`autotp.fully_shard`), its DP rows of its TP shard."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local_rows(tensor)[0]
 
 
 def _rank_dir(directory: Path, rank: int) -> Path:
@@ -290,7 +291,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
             if name in partitions:
                 expected[partitions[name].dim] = partitions[name].local_size(rank % tp)
             if name in dp_rows:
-                expected[0] = _chunk_rows(expected[0], dp, rank // tp)
+                expected[0] = dp_chunk(expected[0], dp, rank // tp)[1]
             if name not in header:
                 raise CheckpointError(f"{file}: tensor {name} is missing")
             if header[name]["shape"] != expected:
@@ -311,12 +312,6 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
 
         with staged_directory(out, overwrite, what="autotp.consolidate") as tmp:
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
-
-
-def _chunk_rows(rows: int, parts: int, index: int) -> int:
-    """How many of `rows` part `index` of `parts` holds, split as torch.chunk splits (FSDP2's dim-0 shards)."""
-    size = -(-rows // parts)
-    return max(0, min(rows, (index + 1) * size) - index * size)
 
 
 def _model_header(file: Path) -> dict[str, dict]:

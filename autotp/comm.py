@@ -196,22 +196,29 @@ def gather_from_tp(x: torch.Tensor, partition: Partition, group: Group) -> torch
     return _GatherFromTP.apply(x, partition, group)
 
 
-def _seq_chunks(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> int:
+def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[int]:
+    """The shape of one rank's chunk of `x`: `dim` (the sequence) divided by the group size."""
     size = group_size(group)
     if x.shape[dim] % size:
         raise ValueError(f"sequence_parallel needs the sequence length ({x.shape[dim]}) to be a multiple of "
                          f"tp_size={size}; pad the batch")
-    return x.shape[dim] // size
+    shape = list(x.shape)
+    shape[dim] //= size
+    return shape
 
 
 def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """This rank's equal chunk of `x` along `dim` (a view)."""
-    chunk = _seq_chunks(x, group, dim)
-    return x.narrow(dim, dist.get_rank(group) * chunk, chunk)
+    """This rank's chunk of `x`, a copy: its equal share of the tokens in memory order (batch-major), shaped as
+    `x` with the sequence `dim` divided. Token-major chunks make the collectives copy-free: the gathered tensor
+    is the ranks' chunks one after another. Every op between blocks is per token (norms, residual adds)."""
+    shape = _chunk_shape(x, group, dim)
+    flat = x.reshape(-1)
+    count = flat.numel() // group_size(group)
+    return flat.narrow(0, dist.get_rank(group) * count, count).view(shape).clone()
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Every rank's chunk along `dim`, concatenated: one all-gather into a buffer of rank-major chunks."""
+    """Every rank's chunk, joined into the whole tensor: one all-gather straight into it."""
     return _start_gather_seq(x, group, dim)()
 
 
@@ -220,7 +227,7 @@ def _start_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
     """Start `_all_gather_seq` (asynchronously with `async_op`); the returned call waits and gives its result."""
     size = group_size(group)
     x = x.contiguous()
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after another along dim 0
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' chunks one after another: the whole tensor
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     with named_failure(group, "all-gather"):
         work = gather(out, x, group=group, async_op=async_op)
@@ -231,20 +238,17 @@ def _start_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
         if work is not None and async_op:
             with named_failure(group, "all-gather"):
                 work.wait()
-        return out.view(size, *x.shape).movedim(0, dim).reshape(shape)  # one copy, not one per column layer
+        return out.view(shape)
 
     return finish
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Sum over the group and keep this rank's chunk along `dim`: one reduce-scatter, no full-size result."""
-    chunk = _seq_chunks(x, group, dim)  # refuse a length that does not divide before communicating
-    size = group_size(group)
-    split = x.unflatten(dim, (size, chunk)).movedim(dim, 0).contiguous()  # rank-major chunks along dim 0
-    out = x.new_empty(split.shape[1:])
+    """Sum over the group and keep this rank's chunk: one reduce-scatter, no full-size result and no copy."""
+    out = x.new_empty(_chunk_shape(x, group, dim))  # refuse a length that does not divide before communicating
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
     with named_failure(group, "reduce-scatter"):
-        scatter(out, split.flatten(0, 1), group=group)
+        scatter(out.view(-1), x.contiguous().view(-1), group=group)
     return out
 
 
@@ -254,7 +258,7 @@ class _ScatterToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return _own_chunk(x, group, dim).contiguous()
+        return _own_chunk(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -271,7 +275,7 @@ class _GatherFromSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _own_chunk(grad, ctx.group, ctx.dim).contiguous(), None, None
+        return _own_chunk(grad, ctx.group, ctx.dim), None, None
 
 
 class _AllGatherSeqToTP(torch.autograd.Function):
@@ -312,7 +316,7 @@ class SavedChunk:
     def __init__(self, full: torch.Tensor, group: dist.ProcessGroup, dim: int):
         self.source = weakref.ref(full)  # which input it is, without keeping the gathered input alive
         self.group, self.dim = group, dim
-        self.chunk = _own_chunk(full.detach(), group, dim).clone()
+        self.chunk = _own_chunk(full.detach(), group, dim)
         self.users = 0  # layers whose backward still needs the gathered input
         self._full: torch.Tensor | None = None
         self._started: Callable[[], torch.Tensor] | None = None

@@ -57,8 +57,8 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     if plan.vocab is not None:
         if plan.vocab.embedding:
             out.append(Collective(plan.vocab.embedding, "forward", 1, tokens * hidden * element))
-        out.append(Collective("vocab-parallel loss (max logit)", "forward", 1, tokens * 4))  # fp32
-        out.append(Collective("vocab-parallel loss (sum-exp, target logit, sum of logits)", "forward", 1, tokens * 3 * 4))
+        out.append(Collective("vocab-parallel loss (max log-sum-exp)", "forward", 1, tokens * 4))  # fp32
+        out.append(Collective("vocab-parallel loss (sum-exp, target logit)", "forward", 1, tokens * 2 * 4))
     return out
 
 

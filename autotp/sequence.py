@@ -6,7 +6,10 @@ reduce-scatters its output instead of all-reducing it. The decoder layers' own n
 a sequence chunk, so their weight gradients are summed over TP. The first decoder layer's input is
 split, and the last one's output gathered, so masks, positions and the LM head see the whole
 sequence: HF models need no extra arguments.
-"""
+
+A chunk is a rank's share of the tokens in memory order (Megatron splits its [seq, batch] layout the
+same way), shaped [batch, seq / tp, hidden], so no collective copies: that is correct because what runs
+between blocks (norms, residual adds, scaling) treats every token alike."""
 
 from __future__ import annotations
 

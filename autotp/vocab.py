@@ -78,28 +78,31 @@ class VocabParallelEmbedding:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy on vocab-sharded logits: max, then (sum-exp, target logit) all-reduced forward; local backward."""
+    """Cross-entropy on vocab-sharded logits: (max, then sum) of the local log-sum-exps all-reduced forward; local
+    backward. The one full-size temporary is the local softmax (a fused kernel), kept for backward: on CPU every
+    fresh full-size tensor also costs its page faults."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, full_vocab: int, ignore_index: int,
                 smoothing: float, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dtype = logits.dtype
         logits = logits.float()
-        top = logits.max(dim=-1).values
+        softmax = torch.softmax(logits, dim=-1)
+        local_lse = logits.max(dim=-1).values - softmax.max(dim=-1).values.log()  # the max's softmax is 1 / sum-exp
+        top = local_lse.clone()
         all_reduce(top, group, dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)
-        exp = shifted.exp()
         local = target - start
         valid = target != ignore_index
         mine = valid & (local >= 0) & (local < logits.shape[-1])
-        picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
-        sums = torch.stack([exp.sum(-1), picked, shifted.sum(-1)])
+        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+        sums = torch.stack([(local_lse - top).exp(), picked, *([logits.sum(-1)] if smoothing else [])])
         all_reduce(sums, group)
-        log_total = sums[0].log()
-        loss = log_total - sums[1]
+        lse = top + sums[0].log()  # log of the softmax denominator over the whole vocabulary
+        loss = lse - sums[1]
         if smoothing:
-            loss = (1 - smoothing) * loss + smoothing * (log_total - sums[2] / full_vocab)
-        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine, valid)
+            loss = (1 - smoothing) * loss + smoothing * (lse - sums[2] / full_vocab)
+        softmax.mul_((local_lse - lse).exp().unsqueeze(-1))  # normalised over the whole vocabulary
+        ctx.save_for_backward(softmax, local, mine, valid)
         ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
         return loss * valid
 

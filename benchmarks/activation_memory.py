@@ -5,12 +5,16 @@
 Each configuration runs in 2 freshly spawned CPU ranks (gloo, 1 thread). A rank wraps the model and
 runs one forward/backward. It reports the bytes autograd saves for the backward pass (every saved
 tensor's storage counted once, parameters excluded): the activation memory. It also reports how
-much its peak RSS (VmHWM) grew during the step, which adds gradients and temporaries. Rows are
-compared in pairs that differ in one option.
+far its RSS peaked above where the step began (the peak, VmHWM, is reset just before the step), which
+adds gradients and temporaries. That is measured twice: with glibc's default allocator, whose heap keeps
+freed blocks mapped (so it also measures fragmentation), and with `MALLOC_MMAP_THRESHOLD_=131072`, which
+maps every tensor on its own and unmaps it when freed, so the peak is the live bytes'. Rows are compared
+in pairs that differ in one option.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -35,16 +39,15 @@ RUNS = [  # (label, config, batch, wrap options); RUNS[int(sys.argv[1]):] with a
 ]
 
 
-def peak_rss() -> int:
+def rss(field: str) -> int:
+    """VmRSS or VmHWM (the peak since the last reset) in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
+    raise RuntimeError(f"no {field}")
 
 
 def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], options: dict, port: int, out) -> None:
-    import os
-
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -64,28 +67,42 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    baseline = peak_rss()
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    baseline = rss("VmRSS")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    out.put((rank, sum(saved.values()), peak_rss() - baseline))
+    out.put((rank, sum(saved.values()), rss("VmHWM") - baseline))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def main() -> None:
+def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]) -> list[tuple[int, int, int]]:
+    """(rank, saved bytes, peak RSS growth) of each rank, spawned with `malloc` added to the environment."""
     from autotp.testing.spawn import free_port
 
     ctx = mp.get_context("spawn")
-    print("| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth (rank 0 / 1) |")
-    print("|---|---|---|")
-    for label, config, shape, options in RUNS[int(sys.argv[1]) if len(sys.argv) > 1 else 0:]:
-        out = ctx.SimpleQueue()
+    out = ctx.SimpleQueue()
+    before = dict(os.environ)
+    os.environ.update(malloc)  # read by glibc when the spawned ranks start
+    try:
         mp.start_processes(rank_main, args=(2, config, shape, options, free_port(), out), nprocs=2,
                            start_method="spawn")
-        rows = sorted(out.get() for _ in range(2))
-        mib = lambda i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
-        print(f"| {label} | {mib(1)} | {mib(2)} |", flush=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    return sorted(out.get() for _ in range(2))
+
+
+def main() -> None:
+    print("| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth, glibc default "
+          "| peak RSS growth, `MALLOC_MMAP_THRESHOLD_=131072` |")
+    print("|---|---|---|---|")
+    mib = lambda rows, i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
+    for label, config, shape, options in RUNS[int(sys.argv[1]) if len(sys.argv) > 1 else 0:]:
+        default = run(config, shape, options, {})
+        mapped = run(config, shape, options, {"MALLOC_MMAP_THRESHOLD_": "131072"})
+        print(f"| {label} | {mib(default, 1)} | {mib(default, 2)} | {mib(mapped, 2)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ RANKS = range(WORLD)
 Make = Callable[[int, tuple[int, ...]], torch.Tensor]  # `value` or `upstream`
 UNEVEN = Partition.even(1, 5, WORLD)  # columns 0-2 on rank 0, 3-4 on rank 1
 FULL = (2, 5)
-SEQ_FULL, SEQ_CHUNK = (2, 4, 3), (2, 2, 3)  # (batch, sequence, hidden); sequence dim 1 split over 2 ranks
+SEQ_FULL, SEQ_CHUNK = (2, 4, 3), (2, 2, 3)  # (batch, sequence, hidden); the tokens split over 2 ranks
 
 
 def qkv_replicated() -> Partition:
@@ -48,8 +48,9 @@ def upstream(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def chunk(t: torch.Tensor, rank: int) -> torch.Tensor:
-    """`rank`'s equal share of the sequence dim 1."""
-    return t.chunk(WORLD, dim=1)[rank]
+    """`rank`'s equal share of the tokens in memory order (batch 0's first), shaped with the sequence dim 1 halved:
+    with batch 2 and 2 ranks, rank r holds sample r."""
+    return t.reshape(WORLD, -1)[rank].reshape(SEQ_CHUNK)
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,7 @@ def all_collectives(rank: int, world: int) -> dict:
     qkv = qkv_replicated()
     results["all_gather_full replicated"] = all_gather_full(qkv.shard(value(0, (4, 2)), rank), qkv, group)
 
-    x = leaf(torch.cat([value(r, SEQ_CHUNK) for r in RANKS], dim=1))  # the sequence-gathered input
+    x = leaf(gathered(value, SEQ_CHUNK))  # the sequence-gathered input
     weight, bias = leaf(value(rank, (2, 3))), leaf(value(rank, (2,)))
     out = seq_parallel_column_linear(x, weight, bias, SavedChunk(x, group, dim=1))
     out.backward(upstream(rank, tuple(out.shape)))
@@ -110,8 +111,8 @@ def total(fn: Make, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def gathered(fn: Make, shape: tuple[int, ...]) -> torch.Tensor:
-    """Every rank's `fn(rank, shape)` concatenated along the sequence dim 1."""
-    return torch.cat([fn(r, shape) for r in RANKS], dim=1)
+    """Every rank's chunk `fn(rank, shape)` joined in rank order: the whole tensor, the sequence dim 1 doubled."""
+    return torch.cat([fn(r, shape).reshape(-1) for r in RANKS]).reshape(SEQ_FULL)
 
 
 def check(ranks: list[dict], name: str, expected: dict[str, list[torch.Tensor]]) -> None:

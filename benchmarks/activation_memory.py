@@ -9,7 +9,9 @@ far its RSS peaked above where the step began (the peak, VmHWM, is reset just be
 adds gradients and temporaries. That is measured twice: with glibc's default allocator, whose heap keeps
 freed blocks mapped (so it also measures fragmentation), and with `MALLOC_MMAP_THRESHOLD_=131072`, which
 maps every tensor on its own and unmaps it when freed, so the peak is the live bytes'. Rows are compared
-in pairs that differ in one option.
+in pairs that differ in one option. Last, the bytes each rank sends in the step's collectives, as ring
+algorithms send them: an all-reduce of N bytes sends 2 (p-1)/p N, an all-gather into N bytes or a
+reduce-scatter of N bytes sends (p-1)/p N.
 """
 
 from __future__ import annotations
@@ -47,6 +49,32 @@ def rss(field: str) -> int:
     raise RuntimeError(f"no {field}")
 
 
+def sent_bytes(counter: dict) -> dict:
+    """Wrap torch.distributed's collectives so `counter["sent"]` adds what each sends (ring algorithms); returns the
+    originals to put back."""
+    originals = {}
+
+    def wrap(name: str, size) -> None:
+        real = getattr(dist, name, None)
+        if real is None:
+            return
+        originals[name] = real
+
+        def call(*args, **kwargs):
+            world = dist.get_world_size(kwargs.get("group"))
+            counter["sent"] += size(*args) * (world - 1) // world
+            return real(*args, **kwargs)
+
+        setattr(dist, name, call)
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    wrap("all_reduce", lambda tensor, *_: 2 * nbytes(tensor))
+    for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single"):
+        wrap(name, lambda out, inp, *_: max(nbytes(out), nbytes(inp)))
+    wrap("all_gather", lambda outs, tensor, *_: nbytes(tensor) * len(outs))
+    return originals
+
+
 def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], options: dict, port: int, out) -> None:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -72,7 +100,15 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    out.put((rank, sum(saved.values()), rss("VmHWM") - baseline))
+    peak = rss("VmHWM") - baseline
+    counter = {"sent": 0}
+    originals = sent_bytes(counter)
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        for name, real in originals.items():
+            setattr(dist, name, real)
+    out.put((rank, sum(saved.values()), peak, counter["sent"]))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -96,13 +132,14 @@ def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, s
 
 def main() -> None:
     print("| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth, glibc default "
-          "| peak RSS growth, `MALLOC_MMAP_THRESHOLD_=131072` |")
-    print("|---|---|---|---|")
+          "| peak RSS growth, `MALLOC_MMAP_THRESHOLD_=131072` | sent per rank per step |")
+    print("|---|---|---|---|---|")
     mib = lambda rows, i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
     for label, config, shape, options in RUNS[int(sys.argv[1]) if len(sys.argv) > 1 else 0:]:
         default = run(config, shape, options, {})
         mapped = run(config, shape, options, {"MALLOC_MMAP_THRESHOLD_": "131072"})
-        print(f"| {label} | {mib(default, 1)} | {mib(default, 2)} | {mib(mapped, 2)} |", flush=True)
+        print(f"| {label} | {mib(default, 1)} | {mib(default, 2)} | {mib(mapped, 2)} | {mib(default, 3)} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -87,23 +87,42 @@ def run_autotp(path: str, steps: int, warmup: int) -> dict:
     model = autotp.from_pretrained(path, 2)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    counts = {"n": 0, "bytes": 0}
+    counts = {"n": 0, "bytes": 0, "blocked": 0.0}
     real = dist.all_reduce
 
-    def counting(tensor, *args, **kwargs):
+    class Timed:
+        """An asynchronous collective's handle whose wait is timed as blocked."""
+
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self.work.wait(*args, **kwargs)
+            finally:
+                counts["blocked"] += time.perf_counter() - start
+
+    def counting(tensor, *args, async_op=False, **kwargs):
         counts["n"] += 1
         counts["bytes"] += tensor.numel() * tensor.element_size()
-        return real(tensor, *args, **kwargs)
+        start = time.perf_counter()
+        work = real(tensor, *args, async_op=async_op, **kwargs)
+        counts["blocked"] += time.perf_counter() - start
+        return Timed(work) if async_op else work
 
     ids = batch()
     median, loss = time_steps(sgd_step(model, opt, ids), steps, warmup)
     dist.all_reduce = counting
     try:
         sgd_step(model, opt, ids)()
+        collectives, moved = counts["n"], counts["bytes"]
+        counts["blocked"] = 0.0
+        timed, _ = time_steps(sgd_step(model, opt, ids), steps, 0)
     finally:
         dist.all_reduce = real
-    return {"median": median, "loss": loss, "param_mb": param_mb(model), "collectives": counts["n"],
-            "collective_bytes": counts["bytes"]}
+    return {"median": median, "loss": loss, "param_mb": param_mb(model), "collectives": collectives,
+            "collective_bytes": moved, "blocked": counts["blocked"] / steps, "timed": timed}
 
 
 def run_transformers(path: str, steps: int, warmup: int) -> dict:
@@ -280,6 +299,12 @@ def main() -> None:
           f"the minimum for 4 layers is {minimum} of {per / 2**20:.1f} MiB ({minimum * per / 2**20:.1f} MiB), "
           f"plus vocab parallelism's 4 (embedding, LM-head input gradient: {2 * per / 2**20:.1f} MiB; "
           f"the loss's two: {BATCH[0] * BATCH[1] * 12 / 2**20:.2f} MiB)")
+    slowest = max(rounds[-1]["autotp"], key=lambda r: r["timed"])
+    print(f"where autotp's step goes (last round, slower rank, {args.steps} more steps timed around its all-reduces): "
+          f"{slowest['timed']:.3f} s/step, of which {slowest['blocked']:.3f} s blocked in all-reduces (gloo's copies "
+          f"through loopback TCP, and waiting for the other rank); without that time the step would take "
+          f"{slowest['timed'] - slowest['blocked']:.3f} s, a parallel efficiency of "
+          f"{single['median'] / (2 * (slowest['timed'] - slowest['blocked'])):.0%}")
 
     out = ctx.SimpleQueue()
     mp.start_processes(save_rank, args=(2, path, free_port(), str(work / "saved-autotp"), out), nprocs=2,

@@ -23,7 +23,8 @@ from .plan import Plan
 
 
 def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[str]]:
-    """(decoder layer list path, block paths, layer-level norm parameter names) or a clear refusal."""
+    """(decoder layer list path, block paths, layer-level norm parameter names) or a clear refusal: every weight
+    between the sharded blocks must be per-channel (1-D), since that code sees one chunk of the sequence."""
     if plan.regions or plan.head_inputs:
         raise ValueError("sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
                          "or per-head inputs (ALiBi)")
@@ -35,13 +36,20 @@ def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[
                          f"found blocks under {sorted(lists)}")
     list_path = next(iter(lists))
     inside = {name for b in blocks for name, _ in model.get_submodule(b).named_parameters(prefix=b)}
-    norms = [name for name, _ in model.get_submodule(list_path).named_parameters(prefix=list_path)
-             if name not in inside]
-    return list_path, blocks, norms
+    outside = [(name, p) for name, p in model.get_submodule(list_path).named_parameters(prefix=list_path)
+               if name not in inside]
+    mixers = [f"{name} {list(p.shape)}" for name, p in outside if p.dim() > 1]
+    if mixers:  # a replicated attention, MLP, convolution or state-space mixer would see one chunk of the sequence
+        raise ValueError(
+            f"sequence_parallel runs what sits between the sharded blocks on a chunk of the sequence, which is right "
+            f"only for per-token code (norms, residual adds, scales); these weights there are not: "
+            f"{', '.join(mixers[:4])}{f' and {len(mixers) - 4} more' if len(mixers) > 4 else ''}. Their modules are "
+            f"left replicated by the plan (see `autotp plan`); use sequence_parallel=False")
+    return list_path, blocks, [name for name, _ in outside]
 
 
 def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -> list[GradHook]:
-    """Install the sequence split; returns the gradient hooks it put on the layers' own norms."""
+    """Install the sequence split; returns the gradient hooks it put on the layers' own norms and row biases."""
     list_path, blocks, norms = sequence_layout(model, plan)
     layers = model.get_submodule(list_path)
     layers[0].register_forward_pre_hook(_on_hidden(lambda x: scatter_to_seq(x, group), state), with_kwargs=True)
@@ -57,9 +65,13 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
                     module.block_input = next(iter(inputs.values()))
             if isinstance(module, LinearLayer):
                 module._shared_input.sequence_parallel = True
+    # The layers' norms, and the row layers' biases (added to a chunk after the reduce-scatter), see one chunk's
+    # tokens: their gradients are partial sums, completed over TP.
+    partial = [(model.get_submodule(name.rpartition(".")[0]), model.get_parameter(name)) for name in norms]
+    partial += [(m, m.bias) for path in blocks for m in model.get_submodule(path).modules()
+                if isinstance(m, LinearAllreduce) and m.bias is not None]
     active = lambda: not state.gathered  # noqa: E731
-    return [GradHook(model.get_submodule(name.rpartition(".")[0]), model.get_parameter(name),
-                     grad_allreduce_hook(group, active)) for name in norms]
+    return [GradHook(owner, param, grad_allreduce_hook(group, active)) for owner, param in partial]
 
 
 def _on_hidden(fn, state):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import autotp
+from autotp.layers import ParallelLinear
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from autotp.testing.tiny import tiny_config
+from models import CONFIGS, batch, tiny_model
 from test_parity import assert_parity
 from test_vocab import labels_with_ignored
 
@@ -20,7 +23,7 @@ def sp_parity(rank: int, world: int, family: str, vocab_parallel_labels: bool) -
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "gpt2", "gpt_neox"])  # the last two: row biases
 def test_sequence_parallel_parity(family: str, tp: int) -> None:
     for report in run_ranks(sp_parity, tp, family, True):
         assert_parity(report)
@@ -45,6 +48,22 @@ def test_moe_plans_are_refused_before_any_change() -> None:
     with pytest.raises(ValueError, match="sequence_parallel supports dense attention and MLP blocks"):
         autotp.wrap(model, 1, sequence_parallel=True)
     assert [type(m).__name__ for m in model.modules()] == before
+
+
+@pytest.mark.parametrize("family,weight", [
+    ("olmo2", "model.layers.0.self_attn.q_proj.weight"),  # attention left replicated (q/k norms over all heads)
+    ("falcon_h1", "model.layers.0.mamba."),  # a state-space mixer beside the attention
+])
+def test_replicated_mixers_between_blocks_are_refused_before_any_change(family: str, weight: str) -> None:
+    """Code between the sharded blocks sees one chunk of the sequence: a replicated attention would attend within
+    the chunk only, a convolution or state-space scan would miss the other ranks' tokens."""
+    model = tiny_model(family) if family in CONFIGS else AutoModelForCausalLM.from_config(tiny_config(family))
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match="sequence_parallel runs what sits between the sharded blocks") as err:
+        autotp.wrap(model, 1, sequence_parallel=True)
+    assert weight in str(err.value) and "use sequence_parallel=False" in str(err.value)
+    assert not any(isinstance(m, ParallelLinear) for m in model.modules())
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
 
 
 def load_with_sequence_parallel(rank: int, world: int, path: str) -> float:

@@ -75,16 +75,18 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
 
 
 def _on_hidden(fn, state):
-    """Forward pre-hook applying `fn` to the hidden states (first positional or `hidden_states=`)."""
+    """Forward pre-hook applying `fn` to the hidden states (first positional or `hidden_states=`), wherever the
+    same tensor is passed (CTRL's attention takes it as query, key and value)."""
 
     def hook(module, args, kwargs):
         if state.gathered:
             return None
-        if args and torch.is_tensor(args[0]):
-            return (fn(args[0]), *args[1:]), kwargs
-        if torch.is_tensor(kwargs.get("hidden_states")):
-            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-        return None
+        x = args[0] if args and torch.is_tensor(args[0]) else kwargs.get("hidden_states")
+        if not torch.is_tensor(x):
+            return None
+        y = fn(x)
+        swap = lambda value: y if value is x else value  # noqa: E731
+        return tuple(swap(a) for a in args), {key: swap(value) for key, value in kwargs.items()}
 
     return hook
 

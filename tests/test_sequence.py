@@ -29,6 +29,19 @@ def test_sequence_parallel_parity(family: str, tp: int) -> None:
         assert_parity(report)
 
 
+def ctrl_parity(rank: int, world: int) -> dict:
+    config = tiny_config("ctrl")
+    config.resid_pdrop = config.embd_pdrop = 0.0
+    torch.manual_seed(0)
+    return parity.compare_training(AutoModelForCausalLM.from_config(config), batch(), world, sequence_parallel=True)
+
+
+def test_a_block_taking_the_hidden_states_as_query_key_and_value_gets_them_gathered_in_each() -> None:
+    """CTRL calls its attention with the normed hidden states three times over (value, key, query)."""
+    for report in run_ranks(ctrl_parity, 2):
+        assert_parity(report)
+
+
 def odd_sequence(rank: int, world: int) -> str:
     model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
     ids = batch(size=(2, 15))

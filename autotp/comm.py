@@ -207,7 +207,7 @@ def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[in
     return shape
 
 
-def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+def own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """This rank's chunk of `x`, a copy: its equal share of the tokens in memory order (batch-major), shaped as
     `x` with the sequence `dim` divided. Token-major chunks make the collectives copy-free: the gathered tensor
     is the ranks' chunks one after another. Every op between blocks is per token (norms, residual adds)."""
@@ -258,7 +258,7 @@ class _ScatterToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return _own_chunk(x, group, dim)
+        return own_chunk(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -275,7 +275,7 @@ class _GatherFromSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _own_chunk(grad, ctx.group, ctx.dim), None, None
+        return own_chunk(grad, ctx.group, ctx.dim), None, None
 
 
 class _AllGatherSeqToTP(torch.autograd.Function):
@@ -316,7 +316,7 @@ class SavedChunk:
     def __init__(self, full: torch.Tensor, group: dist.ProcessGroup, dim: int):
         self.source = weakref.ref(full)  # which input it is, without keeping the gathered input alive
         self.group, self.dim = group, dim
-        self.chunk = _own_chunk(full.detach(), group, dim)
+        self.chunk = own_chunk(full.detach(), group, dim)
         self.users = 0  # layers whose backward still needs the gathered input
         self._full: torch.Tensor | None = None
         self._started: Callable[[], torch.Tensor] | None = None

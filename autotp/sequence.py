@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .comm import GradHook, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, scatter_to_seq
-from .groups import Group
+from .comm import GradHook, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, own_chunk, scatter_to_seq
+from .groups import Group, group_size
 from .layers import LinearAllreduce, LinearLayer
 from .plan import Plan
 
@@ -52,15 +52,24 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
     """Install the sequence split; returns the gradient hooks it put on the layers' own norms and row biases."""
     list_path, blocks, norms = sequence_layout(model, plan)
     layers = model.get_submodule(list_path)
+    chunked = Chunked(state)
     layers[0].register_forward_pre_hook(_on_hidden(lambda x: scatter_to_seq(x, group), state), with_kwargs=True)
+    for layer in layers:  # every layer's input is a chunk, also when a checkpointed layer is recomputed alone
+        layer.register_forward_pre_hook(chunked.hook(True))
     layers[-1].register_forward_hook(_on_output(lambda x: gather_from_seq(x, group), state))
+    layers[-1].register_forward_hook(chunked.hook(False))
+    for module in layers.modules():
+        if type(module) is nn.Dropout:
+            module.forward = ChunkDropout(module, chunked, group)
     for path in blocks:
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(lambda x: all_gather_seq_to_tp(x, group), state), with_kwargs=True)
+        block.register_forward_pre_hook(chunked.hook(False))
         inputs = {id(m._shared_input): m._shared_input for m in block.modules() if isinstance(m, LinearLayer)}
         for module in block.modules():
             if isinstance(module, LinearAllreduce):
                 module.sequence_parallel = True
+                module.register_forward_hook(chunked.hook(True))  # after the sharded stream's restore
                 if len(inputs) == 1:  # its backward starts re-gathering the block input the column layers saved
                     module.block_input = next(iter(inputs.values()))
             if isinstance(module, LinearLayer):
@@ -72,6 +81,38 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
                 if isinstance(m, LinearAllreduce) and m.bias is not None]
     active = lambda: not state.gathered  # noqa: E731
     return [GradHook(owner, param, grad_allreduce_hook(group, active)) for owner, param in partial]
+
+
+class Chunked:
+    """Whether the hidden states now flowing are this rank's chunk: set by hooks in forward order (on at each decoder
+    layer's start and after each row layer's reduce-scatter, off at each block's gather and after the last layer), so
+    a checkpointed layer's recomputation sets it the same way."""
+
+    def __init__(self, state):
+        self.state, self.on = state, False
+
+    def hook(self, on: bool):
+        def set_on(module: nn.Module, *_) -> None:
+            self.on = on and not self.state.gathered
+        return set_on
+
+
+class ChunkDropout:
+    """`nn.Dropout.forward` under sequence parallelism. On a chunk it draws the whole tensor's mask from the TP
+    group's shared stream, as torch's dropout does, and keeps its own tokens' part: a chunk-size draw would give every
+    rank the same mask. Elsewhere (the gathered block input, a sharded region) it is torch's dropout."""
+
+    def __init__(self, module: nn.Dropout, chunked: Chunked, group: Group):
+        self.module, self.chunked, self.group = module, chunked, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.module.p
+        if not (self.chunked.on and self.module.training and 0 < p < 1):
+            return torch.nn.functional.dropout(x, p, self.module.training, self.module.inplace)
+        whole = list(x.shape)
+        whole[1] *= group_size(self.group)
+        noise = x.new_empty(whole).bernoulli_(1 - p).div_(1 - p)
+        return x * own_chunk(noise, self.group, 1)
 
 
 def _on_hidden(fn, state):

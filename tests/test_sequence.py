@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -40,6 +42,31 @@ def test_a_block_taking_the_hidden_states_as_query_key_and_value_gets_them_gathe
     """CTRL calls its attention with the normed hidden states three times over (value, key, query)."""
     for report in run_ranks(ctrl_parity, 2):
         assert_parity(report)
+
+
+def dropout_with_and_without_sequence_parallel(rank: int, world: int) -> dict:
+    """GPT-2 with every dropout at 0.3, wrapped at tp=`world` with and without SP, one training forward/backward
+    from the same random state: (loss, gathered gradients) of each."""
+    reference = tiny_model("gpt2", resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3).train()
+    ids = batch()
+    runs = []
+    for sequence_parallel in (False, True):
+        model = autotp.wrap(copy.deepcopy(reference), world, sequence_parallel=sequence_parallel)
+        torch.manual_seed(5)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        group = model.autotp_state.tp_group
+        runs.append((loss.item(), {name: parity.full_tensor(p.grad, p, group) for name, p in model.named_parameters()}))
+    (loss, grads), (sp_loss, sp_grads) = runs
+    return {"loss": abs(loss - sp_loss), "grad": max(parity.grad_error(sp_grads[n], g) for n, g in grads.items())}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int) -> None:
+    """Resid dropout after a row layer sees a chunk under SP. Each rank keeps its part of the mask the TP-only run
+    draws for the whole tensor, so both runs agree (a chunk-size draw would repeat one mask on every rank)."""
+    for report in run_ranks(dropout_with_and_without_sequence_parallel, tp):
+        assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= parity.GRAD_RTOL, report
 
 
 def odd_sequence(rank: int, world: int) -> str:

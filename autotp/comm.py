@@ -299,39 +299,47 @@ class _ReduceScatterSeqFromTP(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, dim: int, prefetch: SavedChunk | None
                 ) -> torch.Tensor:
         ctx.group, ctx.dim, ctx.prefetch = group, dim, prefetch
+        if prefetch is not None:
+            ctx.save_for_backward(prefetch.chunk)
         return _reduce_scatter_seq(y, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = _all_gather_seq(grad, ctx.group, ctx.dim)
         if ctx.prefetch is not None:
-            ctx.prefetch.prefetch()
+            ctx.prefetch.prefetch(*ctx.saved_tensors)
         return grad, None, None, None
 
 
 class SavedChunk:
     """This rank's sequence chunk of a gathered block input, saved once for all the column layers reading it
-    (q, k, v or gate, up), and gathered again in backward once for all of them."""
+    (q, k, v or gate, up), and gathered again in backward once for all of them.
+
+    It holds the chunk only until the block's forward ends (`release`); from then on only the readers'
+    `save_for_backward` copies keep it, so activation checkpointing can drop it and recompute it."""
 
     def __init__(self, full: torch.Tensor, group: dist.ProcessGroup, dim: int):
         self.source = weakref.ref(full)  # which input it is, without keeping the gathered input alive
         self.group, self.dim = group, dim
-        self.chunk = own_chunk(full.detach(), group, dim)
+        self.chunk: torch.Tensor | None = own_chunk(full.detach(), group, dim)
         self.users = 0  # layers whose backward still needs the gathered input
         self._full: torch.Tensor | None = None
         self._started: Callable[[], torch.Tensor] | None = None
 
-    def prefetch(self) -> None:
-        """Start gathering the input again now, asynchronously, for the column layers' backward later."""
-        if self._full is None and self._started is None and self.users > 0:
-            self._started = _start_gather_seq(self.chunk, self.group, self.dim, async_op=True)
+    def release(self) -> None:
+        self.chunk = None
 
-    def full(self) -> torch.Tensor:
-        """The gathered input, all-gathered by the first layer whose backward asks (or prefetched), dropped after
-        the last."""
+    def prefetch(self, chunk: torch.Tensor) -> None:
+        """Start gathering the input again from `chunk` now, asynchronously, for the column layers' backward later."""
+        if self._full is None and self._started is None and self.users > 0:
+            self._started = _start_gather_seq(chunk, self.group, self.dim, async_op=True)
+
+    def full(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The gathered input, all-gathered from `chunk` by the first layer whose backward asks (or prefetched),
+        dropped after the last."""
         if self._full is None:
             started, self._started = self._started, None
-            self._full = started() if started is not None else _all_gather_seq(self.chunk, self.group, self.dim)
+            self._full = started() if started is not None else _all_gather_seq(chunk, self.group, self.dim)
         full = self._full
         self.users -= 1
         self._full = full if self.users > 0 else None
@@ -351,9 +359,9 @@ class _SeqParallelColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        _, weight = ctx.saved_tensors
+        chunk, weight = ctx.saved_tensors
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad @ weight, _weight_grad(grad, ctx.saved.full()), grad_bias, None
+        return grad @ weight, _weight_grad(grad, ctx.saved.full(chunk)), grad_bias, None
 
 
 def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -93,6 +93,8 @@ class SharedInput:
         return joined if joined is not None else copy_to_tp(weight, self.group)
 
     def clear(self, *_) -> None:
+        if self._saved is not None:
+            self._saved.release()  # the readers' saved copies remain
         self._source = self._copy = self._saved = self._pending = None
         self._joined, self._deferred = {}, {}
 

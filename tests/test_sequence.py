@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
+from autotp.comm import SavedChunk
 from autotp.layers import ParallelLinear
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
@@ -67,6 +69,30 @@ def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int) -> None:
     draws for the whole tensor, so both runs agree (a chunk-size draw would repeat one mask on every rank)."""
     for report in run_ranks(dropout_with_and_without_sequence_parallel, tp):
         assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= parity.GRAD_RTOL, report
+
+
+def checkpointed(rank: int, world: int) -> dict:
+    """SP with HF activation checkpointing: parity, and what a checkpointed forward leaves holding a chunk."""
+    reference = tiny_model("llama")
+    reference.gradient_checkpointing_enable()
+    report = parity.compare_training(reference, batch(), world, sequence_parallel=True,
+                                     edit=lambda model: model.gradient_checkpointing_enable())
+    model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
+    model.gradient_checkpointing_enable()
+    gc.collect()  # the parity run's graphs
+    loss = model(batch(), labels=batch()).loss
+    report["chunks_held"] = [list(o.chunk.shape) for o in gc.get_objects()
+                             if isinstance(o, SavedChunk) and o.chunk is not None]
+    loss.backward()
+    return report
+
+
+def test_activation_checkpointing_keeps_no_sequence_chunk_and_keeps_parity() -> None:
+    """Checkpointing keeps only each layer's input: the column layers' shared chunk must not outlive the block's
+    forward outside autograd's saved tensors, or SP would hold more than it saves."""
+    for report in run_ranks(checkpointed, 2):
+        assert report.pop("chunks_held") == []
+        assert_parity(report)
 
 
 def odd_sequence(rank: int, world: int) -> str:

@@ -9,7 +9,9 @@ far its RSS peaked above where the step began (the peak, VmHWM, is reset just be
 adds gradients and temporaries. That is measured twice: with glibc's default allocator, whose heap keeps
 freed blocks mapped (so it also measures fragmentation), and with `MALLOC_MMAP_THRESHOLD_=131072`, which
 maps every tensor on its own and unmaps it when freed, so the peak is the live bytes'. Rows are compared
-in pairs that differ in one option. Last, the bytes each rank sends in the step's collectives, as ring
+in pairs that differ in one option. "Held after forward" is how far RSS rose during the forward: what the
+backward will need (under activation checkpointing, where autograd's saved tensors inside the
+checkpointed layers are the checkpoint's, the layers' inputs). Last, the bytes each rank sends in the step's collectives, as ring
 algorithms send them: an all-reduce of N bytes sends 2 (p-1)/p N, an all-gather into N bytes or a
 reduce-scatter of N bytes sends (p-1)/p N.
 """
@@ -38,6 +40,10 @@ RUNS = [  # (label, config, batch, wrap options); RUNS[int(sys.argv[1]):] with a
      dict(sequence_parallel=False)),
     ("hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
      dict(sequence_parallel=True)),
+    ("same, activation checkpointing, sequence_parallel=False", SEQUENCE, SEQUENCE_BATCH,
+     dict(sequence_parallel=False, checkpointing=True)),
+    ("same, activation checkpointing, sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
+     dict(sequence_parallel=True, checkpointing=True)),
 ]
 
 
@@ -84,7 +90,12 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
+    options = dict(options)
+    checkpointing = options.pop("checkpointing", False)
     model = autotp.wrap(AutoModelForCausalLM.from_config(LlamaConfig(**config)), world, **options)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
     ids = torch.randint(0, config["vocab_size"], shape, generator=torch.Generator().manual_seed(1))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -99,6 +110,7 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     baseline = rss("VmRSS")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(input_ids=ids, labels=ids).loss
+    held = rss("VmRSS") - baseline
     loss.backward()
     peak = rss("VmHWM") - baseline
     counter = {"sent": 0}
@@ -108,13 +120,13 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     finally:
         for name, real in originals.items():
             setattr(dist, name, real)
-    out.put((rank, sum(saved.values()), peak, counter["sent"]))
+    out.put((rank, sum(saved.values()), peak, counter["sent"], held))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]) -> list[tuple[int, int, int]]:
-    """(rank, saved bytes, peak RSS growth) of each rank, spawned with `malloc` added to the environment."""
+    """(rank, saved bytes, peak RSS growth, bytes sent, RSS held after forward) of each rank, spawned with `malloc` added to the environment."""
     from autotp.testing.spawn import free_port
 
     ctx = mp.get_context("spawn")
@@ -132,14 +144,14 @@ def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, s
 
 def main() -> None:
     print("| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth, glibc default "
-          "| peak RSS growth, `MALLOC_MMAP_THRESHOLD_=131072` | sent per rank per step |")
-    print("|---|---|---|---|---|")
+          "| peak RSS growth, `MALLOC_MMAP_THRESHOLD_=131072` | held after forward, live bytes | sent per rank per step |")
+    print("|---|---|---|---|---|---|")
     mib = lambda rows, i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
     for label, config, shape, options in RUNS[int(sys.argv[1]) if len(sys.argv) > 1 else 0:]:
         default = run(config, shape, options, {})
         mapped = run(config, shape, options, {"MALLOC_MMAP_THRESHOLD_": "131072"})
-        print(f"| {label} | {mib(default, 1)} | {mib(default, 2)} | {mib(mapped, 2)} | {mib(default, 3)} |",
-              flush=True)
+        print(f"| {label} | {mib(default, 1)} | {mib(default, 2)} | {mib(mapped, 2)} | {mib(mapped, 4)} | "
+              f"{mib(default, 3)} |", flush=True)
 
 
 if __name__ == "__main__":

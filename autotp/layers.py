@@ -65,6 +65,8 @@ class SharedInput:
             entered, self._pending = copy_to_tp_joined(x, weights, self.group, [r.weight for r in readers],
                                                        [r.transposed for r in readers])
             self._source, self._copy = x, entered[0]
+            if grads and x.requires_grad:  # a checkpointed recomputation may stop before the forward hook clears
+                x.register_hook(self._backward_done)
             self._joined = {id(w): view for w, view in zip(weights, entered[1:])}
             self._deferred = {} if self._pending is None else {  # tp 1: nothing to overlap
                 id(r.weight): (view, i) for i, (r, view) in enumerate(zip(readers, entered[1 + len(weights):]))}
@@ -91,6 +93,10 @@ class SharedInput:
         gradient's all-reduce, or alone if it did not enter with the input."""
         joined = self._joined.get(id(weight))
         return joined if joined is not None else copy_to_tp(weight, self.group)
+
+    def _backward_done(self, grad: torch.Tensor) -> None:
+        """The input's gradient is complete, so this block's backward is done: drop what a recomputation left."""
+        self.clear()
 
     def clear(self, *_) -> None:
         if self._saved is not None:

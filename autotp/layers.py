@@ -65,7 +65,9 @@ class SharedInput:
             entered, self._pending = copy_to_tp_joined(x, weights, self.group, [r.weight for r in readers],
                                                        [r.transposed for r in readers])
             self._source, self._copy = x, entered[0]
-            if grads and x.requires_grad:  # a checkpointed recomputation may stop before the forward hook clears
+            # A checkpointed recomputation may stop before the block's forward hook clears this; not under compile,
+            # where a hook on an intermediate tensor breaks the graph.
+            if grads and x.requires_grad and not torch.compiler.is_compiling():
                 x.register_hook(self._backward_done)
             self._joined = {id(w): view for w, view in zip(weights, entered[1:])}
             self._deferred = {} if self._pending is None else {  # tp 1: nothing to overlap

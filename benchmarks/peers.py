@@ -8,8 +8,9 @@ SGD, 2 ranks x 1 thread on gloo (each peer in freshly spawned processes), and on
 thread. The peers run in interleaved rounds (every peer once per round, so a slow spell of a shared
 machine hits all of them alike); each run reports the median of its steps. Reported per peer: the
 median over rounds of those medians and their spread (min-max), the ratio to autotp's measured in
-each round (median and spread), parameter MB per rank, peak RSS per rank. For autotp also: the collectives it ran per step and their bytes, against the minimum of
-2 forward + 2 backward all-reduces of batch x seq x hidden per layer. Then save_pretrained throughput
+each round (median and spread), parameter MB per rank, peak RSS per rank. For autotp also: the
+collectives it ran per step and their bytes, against the minimum of 2 forward + 2 backward
+all-reduces of batch x seq x hidden per layer, and the time the slower rank spends blocked in them. Then save_pretrained throughput
 against a one-process transformers save of the same model.
 """
 

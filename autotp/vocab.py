@@ -88,13 +88,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.float()
         softmax = torch.softmax(logits, dim=-1)
-        local_lse = logits.max(dim=-1).values - softmax.max(dim=-1).values.log()  # the max's softmax is 1 / sum-exp
+        local_max = logits.max(dim=-1).values
+        masked = local_max == float("-inf")  # a row this rank's whole shard masks out: its softmax is NaN
+        softmax.masked_fill_(masked.unsqueeze(-1), 0.0)
+        # the max's softmax is 1 / sum-exp
+        local_lse = torch.where(masked, local_max, local_max - softmax.max(dim=-1).values.log())
         top = local_lse.clone()
         all_reduce(top, group, dist.ReduceOp.MAX)
         local = target - start
         valid = target != ignore_index
         mine = valid & (local >= 0) & (local < logits.shape[-1])
-        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: a masked logit is -inf
         sums = torch.stack([(local_lse - top).exp(), picked, *([logits.sum(-1)] if smoothing else [])])
         all_reduce(sums, group)
         lse = top + sums[0].log()  # log of the softmax denominator over the whole vocabulary

@@ -105,6 +105,30 @@ def test_label_smoothing_matches_torch() -> None:
         assert abs(ours - expected) <= 1e-5 and grad_error <= 1e-5
 
 
+def masked_vocabulary_loss(rank: int, world: int) -> tuple[float, float, float]:
+    """Logits at -inf over rank 1's whole vocabulary half for some rows (a masked vocabulary), and one more -inf
+    logit elsewhere: the loss and its gradient still equal torch's cross-entropy on the full logits."""
+    model = autotp.wrap(tiny_model("llama", vocab_size=250), world)
+    full = torch.randn(2, 16, 250, generator=torch.Generator().manual_seed(3))
+    full[0, :8, 125:] = float("-inf")
+    full[1, 3, 7] = float("-inf")
+    labels = torch.randint(0, 125, (2, 16), generator=torch.Generator().manual_seed(4))
+    ours_logits = full[..., 125 * rank:125 * (rank + 1)].clone().requires_grad_()
+    ours = model.loss_function(ours_logits, labels)
+    reference = full.clone().requires_grad_()
+    target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    expected = F.cross_entropy(reference.reshape(-1, 250), target, ignore_index=-100)
+    ours.backward()
+    expected.backward()
+    grad = reference.grad[..., 125 * rank:125 * (rank + 1)]
+    return ours.item(), expected.item(), (ours_logits.grad - grad).abs().max().item()
+
+
+def test_a_shard_masked_out_whole_keeps_the_loss_finite_and_exact() -> None:
+    for ours, expected, grad_error in run_ranks(masked_vocabulary_loss, 2):
+        assert abs(ours - expected) <= 1e-5 and grad_error <= 1e-6, (ours, expected, grad_error)
+
+
 def save_vocab_parallel(rank: int, world: int, path: str) -> torch.Tensor:
     model = autotp.wrap(tiny_model("llama", vocab_size=250, tie_word_embeddings=True), world)
     model.tie_weights()

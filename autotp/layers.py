@@ -65,10 +65,7 @@ class SharedInput:
             entered, self._pending = copy_to_tp_joined(x, weights, self.group, [r.weight for r in readers],
                                                        [r.transposed for r in readers])
             self._source, self._copy = x, entered[0]
-            # A checkpointed recomputation may stop before the block's forward hook clears this; not under compile,
-            # where a hook on an intermediate tensor breaks the graph.
-            if grads and x.requires_grad and not torch.compiler.is_compiling():
-                x.register_hook(self._backward_done)
+            self._clear_after_backward(x)
             self._joined = {id(w): view for w, view in zip(weights, entered[1:])}
             self._deferred = {} if self._pending is None else {  # tp 1: nothing to overlap
                 id(r.weight): (view, i) for i, (r, view) in enumerate(zip(readers, entered[1 + len(weights):]))}
@@ -88,6 +85,7 @@ class SharedInput:
             return None
         if self._saved is None or self._saved.source() is not x:
             self._saved = SavedChunk(x, self.group, 1)
+            self._clear_after_backward(x)
         return self._saved
 
     def weight(self, weight: nn.Parameter) -> torch.Tensor:
@@ -96,9 +94,12 @@ class SharedInput:
         joined = self._joined.get(id(weight))
         return joined if joined is not None else copy_to_tp(weight, self.group)
 
-    def _backward_done(self, grad: torch.Tensor) -> None:
-        """The input's gradient is complete, so this block's backward is done: drop what a recomputation left."""
-        self.clear()
+    def _clear_after_backward(self, x: torch.Tensor) -> None:
+        """Clear once `x`'s gradient is complete (the block's backward is done): a checkpointed recomputation may stop
+        before the block's forward hook clears, and would leave its input (and the graph behind it) held. Not under
+        compile, where a hook on an intermediate tensor breaks the graph."""
+        if torch.is_grad_enabled() and x.requires_grad and not torch.compiler.is_compiling():
+            x.register_hook(lambda grad: self.clear())
 
     def clear(self, *_) -> None:
         if self._saved is not None:

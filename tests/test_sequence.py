@@ -72,7 +72,8 @@ def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int) -> None:
 
 
 def checkpointed(rank: int, world: int) -> dict:
-    """SP with HF activation checkpointing: parity, and what a checkpointed forward leaves holding a chunk."""
+    """SP with HF activation checkpointing: parity, and what a checkpointed forward, then its backward (whose
+    recomputations stop early), leave holding a chunk."""
     reference = tiny_model("llama")
     reference.gradient_checkpointing_enable()
     report = parity.compare_training(reference, batch(), world, sequence_parallel=True,
@@ -80,10 +81,14 @@ def checkpointed(rank: int, world: int) -> dict:
     model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
     model.gradient_checkpointing_enable()
     gc.collect()  # the parity run's graphs
+
+    def held() -> list[list[int]]:
+        return [list(o.chunk.shape) for o in gc.get_objects() if isinstance(o, SavedChunk) and o.chunk is not None]
+
     loss = model(batch(), labels=batch()).loss
-    report["chunks_held"] = [list(o.chunk.shape) for o in gc.get_objects()
-                             if isinstance(o, SavedChunk) and o.chunk is not None]
+    report["chunks_held"] = held()
     loss.backward()
+    report["chunks_held_after_backward"] = held()
     return report
 
 
@@ -91,7 +96,7 @@ def test_activation_checkpointing_keeps_no_sequence_chunk_and_keeps_parity() -> 
     """Checkpointing keeps only each layer's input: the column layers' shared chunk must not outlive the block's
     forward outside autograd's saved tensors, or SP would hold more than it saves."""
     for report in run_ranks(checkpointed, 2):
-        assert report.pop("chunks_held") == []
+        assert report.pop("chunks_held") == [] and report.pop("chunks_held_after_backward") == []
         assert_parity(report)
 
 

@@ -207,14 +207,16 @@ def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[in
     return shape
 
 
-def own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """This rank's chunk of `x`, a copy: its equal share of the tokens in memory order (batch-major), shaped as
-    `x` with the sequence `dim` divided. Token-major chunks make the collectives copy-free: the gathered tensor
-    is the ranks' chunks one after another. Every op between blocks is per token (norms, residual adds)."""
+def own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int, copy: bool = True) -> torch.Tensor:
+    """This rank's chunk of `x`, a copy (a view of a contiguous `x` without `copy`): its equal share of the tokens in
+    memory order (batch-major), shaped as `x` with the sequence `dim` divided. Token-major chunks make the
+    collectives copy-free: the gathered tensor is the ranks' chunks one after another. Every op between blocks is
+    per token (norms, residual adds)."""
     shape = _chunk_shape(x, group, dim)
     flat = x.reshape(-1)
     count = flat.numel() // group_size(group)
-    return flat.narrow(0, dist.get_rank(group) * count, count).view(shape).clone()
+    chunk = flat.narrow(0, dist.get_rank(group) * count, count).view(shape)
+    return chunk.clone() if copy else chunk
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -327,6 +329,7 @@ class SavedChunk:
         self._started: Callable[[], torch.Tensor] | None = None
 
     def release(self) -> None:
+        """The block's forward is over: from here only the readers' saved copies hold the chunk."""
         self.chunk = None
 
     def prefetch(self, chunk: torch.Tensor) -> None:

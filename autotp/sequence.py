@@ -112,7 +112,7 @@ class ChunkDropout:
         whole = list(x.shape)
         whole[1] *= group_size(self.group)
         noise = x.new_empty(whole).bernoulli_(1 - p).div_(1 - p)
-        return x * own_chunk(noise, self.group, 1)
+        return x * own_chunk(noise, self.group, 1, copy=False)
 
 
 def _on_hidden(fn, state):

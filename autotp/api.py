@@ -52,6 +52,7 @@ def wrap(
     check_inputs: bool = False,
     timeout: timedelta | float | None = None,
     overlap: bool = True,
+    recompute_glu: bool = True,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
@@ -65,7 +66,8 @@ def wrap(
     that the replicated parameters are still equal on every TP rank (`autotp.check_replicas`).
     `timeout` (a timedelta or seconds) bounds how long autotp's collectives wait for a failed or hung
     peer; by default the one given to `init_process_group`, else 5 minutes. `overlap=True` computes
-    the column layers' weight gradients while their input gradient's all-reduce runs.
+    the column layers' weight gradients while their input gradient's all-reduce runs. `recompute_glu=True`
+    keeps a gated MLP's gate and up outputs for the backward, not act(gate) and the product (`autotp.glu`).
     """
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
@@ -74,7 +76,7 @@ def wrap(
     try:
         refuse_adapters(model)
         state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout,
-                       overlap=overlap)
+                       overlap=overlap, recompute_glu=recompute_glu)
     except BaseException:
         lora.put_back(lifted)
         raise
@@ -97,6 +99,7 @@ def from_pretrained(
     timeout: timedelta | float | None = None,
     task: str | None = None,
     overlap: bool = True,
+    recompute_glu: bool = True,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
@@ -128,7 +131,7 @@ def from_pretrained(
         model.to(target)  # buffers built at init
 
     _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, materialize=load,
-           overlap=overlap)
+           overlap=overlap, recompute_glu=recompute_glu)
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -142,7 +145,8 @@ def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_para
 
 def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, policy: PolicyArg,
            vocab_parallel: bool, sequence_parallel: bool, check_inputs: bool, timeout: timedelta | float | None,
-           materialize: Callable[[TPState], None] | None = None, overlap: bool = True) -> TPState:
+           materialize: Callable[[TPState], None] | None = None, overlap: bool = True,
+           recompute_glu: bool = True) -> TPState:
     """The one sharding pipeline, all or nothing: a failure at any step puts the model back as it was.
 
     `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
@@ -159,6 +163,8 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
         for layer in parallel_layers(model):
             if isinstance(layer, LinearLayer):
                 layer._shared_input.overlap = overlap
+            else:
+                layer.recompute_glu = recompute_glu
         if sequence_parallel:
             snapshot.track(apply_sequence_parallel(model, plan, tp_group, state))
         if materialize is not None:

@@ -44,6 +44,10 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, t
         else:
             new = LinearAllreduce(old, layer.partition, tp_group)
         setattr(parent, name, new)
+    for layer in plan.layers:  # a row layer reads what its block's column layers computed (autotp.glu)
+        parent_path, _, name = layer.path.rpartition(".")
+        if layer.style != "column" and parent_path in shared:
+            getattr(modules[parent_path], name).block_input = shared[parent_path]
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group))

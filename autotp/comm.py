@@ -88,7 +88,7 @@ def _all_reduce_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup,
     return out
 
 
-def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dL/dW of `F.linear(x, W)` from dL/dY, summed over every token: [out, in]."""
     return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
@@ -104,7 +104,7 @@ class DeferredWeights:
     def grads(self) -> list[torch.Tensor | None]:
         out: list = [None] * len(self.transposed)
         for index, grad, x in self.pending:
-            weight = _weight_grad(x, grad) if self.transposed[index] else _weight_grad(grad, x)  # Conv1D's [in, out]
+            weight = weight_grad(x, grad) if self.transposed[index] else weight_grad(grad, x)  # Conv1D's [in, out]
             out[index] = weight if out[index] is None else out[index] + weight
         self.pending = []
         return out
@@ -364,7 +364,7 @@ class _SeqParallelColumnLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         chunk, weight = ctx.saved_tensors
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad @ weight, _weight_grad(grad, ctx.saved.full(chunk)), grad_bias, None
+        return grad @ weight, weight_grad(grad, ctx.saved.full(chunk)), grad_bias, None
 
 
 def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -23,6 +23,7 @@ from .comm import (
     DeferredWeights, SavedChunk, all_gather_full, copy_to_tp, copy_to_tp_joined, deferred_column_linear,
     reduce_from_tp, reduce_scatter_seq_from_tp, seq_parallel_column_linear,
 )
+from .glu import glu_linear, match
 from .groups import Group, group_rank, group_size
 from .hf_compat import is_conv1d
 from .sharding import Partition, Shard
@@ -53,6 +54,7 @@ class SharedInput:
         self._deferred: dict[int, tuple[torch.Tensor, int]] = {}
         self._pending: DeferredWeights | None = None
         self._saved: SavedChunk | None = None
+        self._outputs: dict[int, torch.Tensor] = {}  # the readers' outputs in this call, by autograd node (autotp.glu)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is self._copy:  # already inside (a LoRA wrapper entered for its base layer and adapter)
@@ -78,6 +80,17 @@ class SharedInput:
             return layer._matmul(x, layer.bias)
         view, index = deferred
         return deferred_column_linear(x, view, layer.bias, self._pending, index)
+
+    def record(self, output: torch.Tensor) -> torch.Tensor:
+        """Remember a reader's output until the block's forward ends, for the row layer to recognise (`column_output`)."""
+        if not torch.compiler.is_compiling() and output.grad_fn is not None:
+            self._outputs[id(output.grad_fn)] = output
+        return output
+
+    def column_output(self, node, output_nr: int) -> torch.Tensor | None:
+        """The reader's output whose autograd edge is (`node`, `output_nr`), if one was recorded in this call."""
+        output = self._outputs.get(id(node))
+        return output if output is not None and output.grad_fn is node and output.output_nr == output_nr else None
 
     def saved_chunk(self, x: torch.Tensor) -> SavedChunk | None:
         """Under sequence parallelism, this rank's chunk of the gathered input `x`, one for every layer reading it."""
@@ -105,7 +118,7 @@ class SharedInput:
         if self._saved is not None:
             self._saved.release()  # the readers' saved copies remain
         self._source = self._copy = self._saved = self._pending = None
-        self._joined, self._deferred = {}, {}
+        self._joined, self._deferred, self._outputs = {}, {}, {}
 
 
 def shard_parameter(param: nn.Parameter, partition: Partition, rank: int) -> nn.Parameter:
@@ -182,6 +195,9 @@ class ParallelLinear(nn.Linear):
         if shared is not None:  # the copy reads its input alone: a fresh entry (not the siblings', nor their LoRA)
             fresh = memo[id(shared)] = SharedInput(self.group)
             fresh.sequence_parallel, fresh.overlap, fresh.readers = shared.sequence_parallel, shared.overlap, [new]
+        block = vars(self).get("block_input")
+        if block is not None:  # a copied row layer alone has no column outputs to recognise (autotp.glu)
+            memo.setdefault(id(block), None)
         new.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
         for name, param in self._parameters.items():  # Parameter's own deepcopy drops the shard metadata
             if param is not None and hasattr(param, "autotp_shard"):
@@ -240,10 +256,11 @@ class LinearLayer(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gathered:
             return self._matmul(x, self.bias)
-        if self._shared_input.sequence_parallel:
+        shared = self._shared_input
+        if shared.sequence_parallel:
             weight = self.weight.t() if self.transposed else self.weight
-            return seq_parallel_column_linear(x, weight, self.bias, self._shared_input.saved_chunk(x))
-        return self._shared_input.linear(self._shared_input(x), self)
+            return shared.record(seq_parallel_column_linear(x, weight, self.bias, shared.saved_chunk(x)))
+        return shared.record(shared.linear(shared(x), self))
 
 
 class LinearAllreduce(ParallelLinear):
@@ -252,7 +269,8 @@ class LinearAllreduce(ParallelLinear):
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         super().__init__(linear, partition, group)
         self.sequence_parallel = False  # reduce-scatter the output along the sequence instead of all-reducing
-        self.block_input: SharedInput | None = None  # its block's column input, gathered again early (autotp.sequence)
+        self.block_input: SharedInput | None = None  # its block's column input (autotp.glu; gathered again early, SP)
+        self.recompute_glu = True  # wrap(recompute_glu=...): keep act(gate) * up's inputs, not it (autotp.glu)
         self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.lora)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
@@ -264,7 +282,7 @@ class LinearAllreduce(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gathered:
             return self._matmul(x, self.bias)
-        y = self._matmul(x, None)
+        y = self._product_matmul(x)
         if not self.reduce_output:
             return y
         if self.sequence_parallel:
@@ -273,6 +291,14 @@ class LinearAllreduce(ParallelLinear):
         else:
             y = reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
+
+    def _product_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The matmul, recomputing a gated MLP's product `x` in backward rather than keeping it where it is one."""
+        if self.recompute_glu and self.block_input is not None and torch.is_grad_enabled() and x.requires_grad:
+            found = match(x, self.block_input.column_output)
+            if found is not None:
+                return glu_linear(x, self.weight, self.transposed, found)
+        return self._matmul(x, None)
 
 
 class ShardedRegion:

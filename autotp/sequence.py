@@ -65,13 +65,10 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(lambda x: all_gather_seq_to_tp(x, group), state), with_kwargs=True)
         block.register_forward_pre_hook(chunked.hook(False))
-        inputs = {id(m._shared_input): m._shared_input for m in block.modules() if isinstance(m, LinearLayer)}
         for module in block.modules():
-            if isinstance(module, LinearAllreduce):
+            if isinstance(module, LinearAllreduce):  # its backward starts re-gathering its `block_input` early
                 module.sequence_parallel = True
                 module.register_forward_hook(chunked.hook(True))  # after the sharded stream's restore
-                if len(inputs) == 1:  # its backward starts re-gathering the block input the column layers saved
-                    module.block_input = next(iter(inputs.values()))
             if isinstance(module, LinearLayer):
                 module._shared_input.sequence_parallel = True
     # The layers' norms, and the row layers' biases (added to a chunk after the reduce-scatter), see one chunk's

@@ -3,8 +3,9 @@
     python benchmarks/activation_memory.py
 
 Each configuration runs in 2 freshly spawned CPU ranks (gloo, 1 thread). A rank wraps the model and
-runs one forward/backward. It reports the bytes autograd saves for the backward pass (every saved
-tensor's storage counted once, parameters excluded): the activation memory. It also reports how
+runs one forward/backward. It reports the bytes autograd saved for the backward pass and still holds when the
+forward ends (every saved tensor's storage counted once, parameters excluded; `autotp.testing.memory`): the
+activation memory. It also reports how
 far its RSS peaked above where the step began (the peak, VmHWM, is reset just before the step), which
 adds gradients and temporaries. That is measured twice: with glibc's default allocator, whose heap keeps
 freed blocks mapped (so it also measures fragmentation), and with `MALLOC_MMAP_THRESHOLD_=131072`, which
@@ -40,6 +41,10 @@ RUNS = [  # (label, config, batch, wrap options); RUNS[int(sys.argv[1]):] with a
      dict(sequence_parallel=False)),
     ("hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
      dict(sequence_parallel=True)),
+    ("same, recompute_glu=False, sequence_parallel=False", SEQUENCE, SEQUENCE_BATCH,
+     dict(sequence_parallel=False, recompute_glu=False)),
+    ("same, recompute_glu=False, sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
+     dict(sequence_parallel=True, recompute_glu=False)),
     ("same, activation checkpointing, sequence_parallel=False", SEQUENCE, SEQUENCE_BATCH,
      dict(sequence_parallel=False, checkpointing=True)),
     ("same, activation checkpointing, sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
@@ -86,6 +91,7 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import autotp
+    from autotp.testing.memory import KeptForBackward
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -97,20 +103,13 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
         model.gradient_checkpointing_enable()
     model.train()
     ids = torch.randint(0, config["vocab_size"], shape, generator=torch.Generator().manual_seed(1))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
+    kept = KeptForBackward(model)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     baseline = rss("VmRSS")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with kept.hooks:
         loss = model(input_ids=ids, labels=ids).loss
     held = rss("VmRSS") - baseline
+    saved = kept.bytes()
     loss.backward()
     peak = rss("VmHWM") - baseline
     counter = {"sent": 0}
@@ -120,7 +119,7 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     finally:
         for name, real in originals.items():
             setattr(dist, name, real)
-    out.put((rank, sum(saved.values()), peak, counter["sent"], held))
+    out.put((rank, saved, peak, counter["sent"], held))
     dist.barrier()
     dist.destroy_process_group()
 

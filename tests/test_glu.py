@@ -1,0 +1,69 @@
+"""A gated MLP's `act(gate) * up` is recomputed in the row layer's backward (`autotp.glu`): the block keeps gate and
+up for the backward, not also act(gate) and the product. Loss and every gradient are those of `recompute_glu=False`
+bit for bit: the recomputation runs the same kernels on the same tensors, and backward applies autograd's own
+formulas in the same order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp.testing.memory import KeptForBackward
+from autotp.testing.parity import full_tensor
+from autotp.testing.spawn import run_ranks
+from models import batch, tiny_model
+
+IDS = (2, 16)
+
+
+def step(rank: int, world: int, family: str, recompute: bool, sequence_parallel: bool = False,
+         bf16: bool = False) -> dict:
+    model = autotp.wrap(tiny_model(family), world, recompute_glu=recompute, sequence_parallel=sequence_parallel)
+    ids = batch(size=IDS)
+    kept = KeptForBackward(model)
+    with kept.hooks, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(input_ids=ids, labels=ids).loss
+    held = kept.bytes()
+    loss.backward()
+    group = autotp.tp_group(model)
+    return {"loss": loss.detach(), "kept": held,
+            "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters()}}
+
+
+def product_bytes(family: str, world: int, itemsize: int) -> int:
+    """act(gate) and the product, [batch, seq, ffn / tp] each, in every layer."""
+    config = tiny_model(family).config
+    return config.num_hidden_layers * 2 * IDS[0] * IDS[1] * config.intermediate_size // world * itemsize
+
+
+@pytest.mark.parametrize("family, world, sequence_parallel", [
+    ("llama", 1, False), ("llama", 2, False), ("llama", 2, True), ("llama", 4, False),
+    ("gemma", 2, False),  # gelu (tanh) instead of silu
+])
+def test_the_product_is_recomputed_with_bit_equal_results(family: str, world: int, sequence_parallel: bool) -> None:
+    on = run_ranks(step, world, family, True, sequence_parallel)
+    off = run_ranks(step, world, family, False, sequence_parallel)
+    for a, b in zip(on, off):
+        assert a["kept"] == b["kept"] - product_bytes(family, world, 4), (a["kept"], b["kept"])
+        assert torch.equal(a["loss"], b["loss"])
+        unequal = [n for n, g in b["grads"].items() if not torch.equal(a["grads"][n], g)]
+        assert not unequal, unequal
+
+
+def test_under_bf16_autocast_the_product_is_recomputed_in_bf16() -> None:
+    """autocast's casts are made as autocast makes them: the same bf16 forward and backward, fp32 gradients."""
+    on, off = run_ranks(step, 2, "llama", True, False, True), run_ranks(step, 2, "llama", False, False, True)
+    for a, b in zip(on, off):
+        assert a["kept"] == b["kept"] - product_bytes("llama", 2, 2), (a["kept"], b["kept"])
+        assert torch.equal(a["loss"], b["loss"])
+        assert all(g.dtype == torch.float32 for g in a["grads"].values())
+        unequal = [n for n, g in b["grads"].items() if not torch.equal(a["grads"][n], g)]
+        assert not unequal, unequal
+
+
+def test_an_mlp_without_a_gate_is_left_alone() -> None:
+    """GPT-2's MLP (c_fc, gelu_new written out, c_proj) has no product to recompute: nothing changes."""
+    on, off = run_ranks(step, 2, "gpt2", True)[0], run_ranks(step, 2, "gpt2", False)[0]
+    assert on["kept"] == off["kept"] and torch.equal(on["loss"], off["loss"])
+    assert all(torch.equal(on["grads"][n], g) for n, g in off["grads"].items())

@@ -10,12 +10,12 @@ upward import or a cycle):
 1. data, no torch.distributed: `hf_compat` (every touch of transformers internals), `sharding`,
    `policy`, `linears`, `plan`, `components`
 2. building a plan: `derive`, `twin`, `probe`, `verify`, `planner`, `report`
-3. runtime: `groups`, `comm`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`, `apply`,
-   `rollback`, `lora`
+3. runtime: `groups`, `comm`, `glu`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`,
+   `apply`, `rollback`, `lora`
 4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`,
    `adapter_io`
 5. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
-6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`
+6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`
 7. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
 """
 

@@ -18,8 +18,10 @@ IDS = (2, 16)
 
 
 def step(rank: int, world: int, family: str, recompute: bool, sequence_parallel: bool = False,
-         bf16: bool = False) -> dict:
+         bf16: bool = False, frozen: str = "") -> dict:
     model = autotp.wrap(tiny_model(family), world, recompute_glu=recompute, sequence_parallel=sequence_parallel)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (frozen and frozen in name))
     ids = batch(size=IDS)
     kept = KeptForBackward(model)
     with kept.hooks, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -28,7 +30,7 @@ def step(rank: int, world: int, family: str, recompute: bool, sequence_parallel:
     loss.backward()
     group = autotp.tp_group(model)
     return {"loss": loss.detach(), "kept": held,
-            "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters()}}
+            "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters() if p.requires_grad}}
 
 
 def product_bytes(family: str, world: int, itemsize: int) -> int:
@@ -67,3 +69,16 @@ def test_an_mlp_without_a_gate_is_left_alone() -> None:
     on, off = run_ranks(step, 2, "gpt2", True)[0], run_ranks(step, 2, "gpt2", False)[0]
     assert on["kept"] == off["kept"] and torch.equal(on["loss"], off["loss"])
     assert all(torch.equal(on["grads"][n], g) for n, g in off["grads"].items())
+
+
+@pytest.mark.parametrize("frozen", ["down_proj", "mlp"])
+def test_a_frozen_mlp_still_recomputes_and_trains_the_rest_alike(frozen: str) -> None:
+    """A frozen row weight needs no product (autograd then keeps none either, so only act(gate) is saved on); a frozen
+    MLP still passes gradients through."""
+    on, off = run_ranks(step, 2, "llama", True, False, False, frozen), run_ranks(step, 2, "llama", False, False, False,
+                                                                              frozen)
+    for a, b in zip(on, off):
+        assert a["kept"] == b["kept"] - product_bytes("llama", 2, 4) // 2, (a["kept"], b["kept"])
+        assert torch.equal(a["loss"], b["loss"]) and not any(frozen in n for n in a["grads"])
+        unequal = [n for n, g in b["grads"].items() if not torch.equal(a["grads"][n], g)]
+        assert not unequal, unequal

@@ -8,7 +8,7 @@ product (elementwise, under 1% of the block's time) to give the same gradients, 
 model's own act and product nodes are then unreferenced and free what they saved.
 
 Only an exact match takes this path: the product of an activation below (applied out of place) of
-one column layer's output and another's, in the product's dtype. Anything else (LoRA, dropout, an
+one column layer's output and another's (or of the two halves of one, chunked), in the product's dtype. Anything else (LoRA, dropout, an
 upcast, `torch.compile`, where inductor plans recomputation itself) keeps the plain matmul.
 """
 
@@ -36,10 +36,24 @@ def _activation(node) -> Activation | None:
     return None
 
 
+def _operand(edge: tuple, column_output: Callable[[object, int], torch.Tensor | None]) -> torch.Tensor | None:
+    """The tensor behind autograd edge `edge` if it is a column layer's output, or an equal split of one (a fused
+    gate_up projection chunked in two, as Phi-3's); else None."""
+    node, index = edge
+    output = column_output(node, index)
+    if output is not None or type(node).__name__ != "SplitBackward0":
+        return output
+    whole = column_output(*node.next_functions[0])
+    if whole is None:
+        return None
+    dim = node._saved_dim if node._saved_dim < 2**63 else node._saved_dim - 2**64  # a negative dim reads unsigned
+    return whole.split(node._saved_split_size, dim)[index]
+
+
 def match(x: torch.Tensor, column_output: Callable[[object, int], torch.Tensor | None]
           ) -> tuple[Activation, torch.Tensor, torch.Tensor] | None:
-    """(activation, gate, up) if `x` is `act(gate) * up` (either order) of two column layers' outputs, found by
-    `column_output(node, output_nr)`; else None."""
+    """(activation, gate, up) if `x` is `act(gate) * up` (either order) of two column layers' outputs or two parts of
+    one, found by `column_output(node, output_nr)`; else None."""
     if torch.compiler.is_compiling():  # reading the graph would break dynamo's
         return None
     node = x.grad_fn
@@ -50,7 +64,7 @@ def match(x: torch.Tensor, column_output: Callable[[object, int], torch.Tensor |
         act = _activation(act_edge[0]) if act_edge[0] is not None else None
         if act is None or up_edge[0] is None:
             continue
-        gate, up = column_output(*act_edge[0].next_functions[0]), column_output(*up_edge)
+        gate, up = _operand(act_edge[0].next_functions[0], column_output), _operand(up_edge, column_output)
         if gate is not None and up is not None and gate.shape == up.shape == x.shape and (
                 gate.dtype == up.dtype == x.dtype):
             return act, gate, up

@@ -42,6 +42,7 @@ def product_bytes(family: str, world: int, itemsize: int) -> int:
 @pytest.mark.parametrize("family, world, sequence_parallel", [
     ("llama", 1, False), ("llama", 2, False), ("llama", 2, True), ("llama", 4, False),
     ("gemma", 2, False),  # gelu (tanh) instead of silu
+    ("phi3", 1, False), ("phi3", 2, False), ("phi3", 4, False),  # one gate_up_proj, chunked into gate and up
 ])
 def test_the_product_is_recomputed_with_bit_equal_results(family: str, world: int, sequence_parallel: bool) -> None:
     on = run_ranks(step, world, family, True, sequence_parallel)

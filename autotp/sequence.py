@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .comm import GradHook, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, own_chunk, scatter_to_seq
 from .groups import Group, group_size
@@ -58,9 +59,11 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
         layer.register_forward_pre_hook(chunked.hook(True))
     layers[-1].register_forward_hook(_on_output(lambda x: gather_from_seq(x, group), state))
     layers[-1].register_forward_hook(chunked.hook(False))
-    for module in layers.modules():
-        if type(module) is nn.Dropout:
-            module.forward = ChunkDropout(module, chunked, group)
+    dropout = ChunkDropout(chunked, group, _config_dropout(model.config),
+                           [m for m in layers.modules() if isinstance(m, nn.Dropout)])
+    for layer in layers:
+        layer.register_forward_pre_hook(dropout.enter)
+        layer.register_forward_hook(dropout.exit, always_call=True)
     for path in blocks:
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(lambda x: all_gather_seq_to_tp(x, group), state), with_kwargs=True)
@@ -94,22 +97,55 @@ class Chunked:
         return set_on
 
 
-class ChunkDropout:
-    """`nn.Dropout.forward` under sequence parallelism. On a chunk it draws the whole tensor's mask from the TP
-    group's shared stream, as torch's dropout does, and keeps its own tokens' part: a chunk-size draw would give every
-    rank the same mask. Elsewhere (the gathered block input, a sharded region) it is torch's dropout."""
+class ChunkDropout(TorchFunctionMode):
+    """Dropout under sequence parallelism, `nn.Dropout` or `nn.functional.dropout` alike (StarCoder2 and Falcon call
+    the function). On a chunk it draws the whole tensor's mask from the TP group's shared stream, as torch's dropout
+    does, and keeps its own tokens' part: a chunk-size draw would give every rank the same mask. Elsewhere (the
+    gathered block input, a sharded region) it is torch's dropout.
 
-    def __init__(self, module: nn.Dropout, chunked: Chunked, group: Group):
-        self.module, self.chunked, self.group = module, chunked, group
+    It is entered around each decoder layer's forward, in training and only where a dropout can be on (a dropout
+    setting above 0 in the config, or an `nn.Dropout` whose p is): it sees every torch call there, a few
+    microseconds each. Not under `torch.compile`."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.module.p
-        if not (self.chunked.on and self.module.training and 0 < p < 1):
-            return torch.nn.functional.dropout(x, p, self.module.training, self.module.inplace)
+    def __init__(self, chunked: Chunked, group: Group, config_dropout: bool, modules: list[nn.Dropout]):
+        super().__init__()
+        self.chunked, self.group, self.config_dropout, self.modules = chunked, group, config_dropout, modules
+        self.entered = False
+
+    def enter(self, layer: nn.Module, *_) -> None:
+        if layer.training and not self.entered and not torch.compiler.is_compiling() and (
+                self.config_dropout or any(m.p > 0 for m in self.modules)):
+            self.__enter__()
+            self.entered = True
+
+    def exit(self, *_) -> None:
+        if self.entered:
+            self.entered = False
+            self.__exit__(None, None, None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout and self.chunked.on:
+            return self._on_chunk(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _on_chunk(self, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not (training and 0 < p < 1):
+            return torch.nn.functional.dropout(x, p, training, inplace)
         whole = list(x.shape)
         whole[1] *= group_size(self.group)
         noise = x.new_empty(whole).bernoulli_(1 - p).div_(1 - p)
         return x * own_chunk(noise, self.group, 1, copy=False)
+
+
+def _config_dropout(config) -> bool:
+    """Whether any dropout probability in the config (its sub-configs included) is above 0."""
+    def nonzero(values: dict) -> bool:
+        return any(nonzero(v) if isinstance(v, dict) else (
+            isinstance(k, str) and ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float))
+            and not isinstance(v, bool) and v > 0)
+            for k, v in values.items())
+    return nonzero(config.to_dict())
 
 
 def _on_hidden(fn, state):

@@ -46,10 +46,14 @@ def test_a_block_taking_the_hidden_states_as_query_key_and_value_gets_them_gathe
         assert_parity(report)
 
 
-def dropout_with_and_without_sequence_parallel(rank: int, world: int) -> dict:
-    """GPT-2 with every dropout at 0.3, wrapped at tp=`world` with and without SP, one training forward/backward
+DROPOUTS = {"gpt2": dict(resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3),  # nn.Dropout modules
+            "starcoder2": dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3)}  # functional
+
+
+def dropout_with_and_without_sequence_parallel(rank: int, world: int, family: str) -> dict:
+    """`family` with every dropout at 0.3, wrapped at tp=`world` with and without SP, one training forward/backward
     from the same random state: (loss, gathered gradients) of each."""
-    reference = tiny_model("gpt2", resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3).train()
+    reference = tiny_model(family, **DROPOUTS[family]).train()
     ids = batch()
     runs = []
     for sequence_parallel in (False, True):
@@ -63,11 +67,13 @@ def dropout_with_and_without_sequence_parallel(rank: int, world: int) -> dict:
     return {"loss": abs(loss - sp_loss), "grad": max(parity.grad_error(sp_grads[n], g) for n, g in grads.items())}
 
 
+@pytest.mark.parametrize("family", ["gpt2", "starcoder2"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int) -> None:
-    """Resid dropout after a row layer sees a chunk under SP. Each rank keeps its part of the mask the TP-only run
-    draws for the whole tensor, so both runs agree (a chunk-size draw would repeat one mask on every rank)."""
-    for report in run_ranks(dropout_with_and_without_sequence_parallel, tp):
+def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int, family: str) -> None:
+    """Resid dropout after a row layer sees a chunk under SP, as an `nn.Dropout` (GPT-2) or a call of
+    `nn.functional.dropout` (StarCoder2). Each rank keeps its part of the mask the TP-only run draws for the whole
+    tensor, so both runs agree (a chunk-size draw would repeat one mask on every rank)."""
+    for report in run_ranks(dropout_with_and_without_sequence_parallel, tp, family):
         assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= parity.GRAD_RTOL, report
 
 

@@ -105,7 +105,7 @@ class ChunkDropout(TorchFunctionMode):
 
     It is entered around each decoder layer's forward, in training and only where a dropout can be on (a dropout
     setting above 0 in the config, or an `nn.Dropout` whose p is): it sees every torch call there, a few
-    microseconds each. Not under `torch.compile`."""
+    microseconds each."""
 
     def __init__(self, chunked: Chunked, group: Group, config_dropout: bool, modules: list[nn.Dropout]):
         super().__init__()
@@ -113,7 +113,7 @@ class ChunkDropout(TorchFunctionMode):
         self.entered = False
 
     def enter(self, layer: nn.Module, *_) -> None:
-        if layer.training and not self.entered and not torch.compiler.is_compiling() and (
+        if layer.training and not self.entered and (
                 self.config_dropout or any(m.p > 0 for m in self.modules)):
             self.__enter__()
             self.entered = True

@@ -50,16 +50,18 @@ DROPOUTS = {"gpt2": dict(resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3),  # nn
             "starcoder2": dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3)}  # functional
 
 
-def dropout_with_and_without_sequence_parallel(rank: int, world: int, family: str) -> dict:
-    """`family` with every dropout at 0.3, wrapped at tp=`world` with and without SP, one training forward/backward
-    from the same random state: (loss, gathered gradients) of each."""
+def dropout_with_and_without_sequence_parallel(rank: int, world: int, family: str, compiled: bool = False) -> dict:
+    """`family` with every dropout at 0.3, wrapped at tp=`world` with and without SP (`compiled`: SP's step under
+    torch.compile, aot_eager), one training forward/backward from the same random state: (loss, gathered gradients)
+    of each."""
     reference = tiny_model(family, **DROPOUTS[family]).train()
     ids = batch()
     runs = []
     for sequence_parallel in (False, True):
         model = autotp.wrap(copy.deepcopy(reference), world, sequence_parallel=sequence_parallel)
+        step = lambda m, ids: m(ids, labels=ids).loss  # noqa: E731
         torch.manual_seed(5)
-        loss = model(ids, labels=ids).loss
+        loss = (torch.compile(step, backend="aot_eager") if compiled and sequence_parallel else step)(model, ids)
         loss.backward()
         group = model.autotp_state.tp_group
         runs.append((loss.item(), {name: parity.full_tensor(p.grad, p, group) for name, p in model.named_parameters()}))
@@ -77,26 +79,8 @@ def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int, family: str) -
         assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= parity.GRAD_RTOL, report
 
 
-def compiled_dropout(rank: int, world: int) -> dict:
-    """StarCoder2 with every dropout at 0.3: eager without SP against SP under torch.compile (aot_eager), one
-    training forward/backward from the same random state."""
-    reference = tiny_model("starcoder2", **DROPOUTS["starcoder2"]).train()
-    ids = batch()
-    runs = []
-    for sequence_parallel in (False, True):
-        model = autotp.wrap(copy.deepcopy(reference), world, sequence_parallel=sequence_parallel)
-        step = lambda m, ids: m(ids, labels=ids).loss  # noqa: E731
-        torch.manual_seed(5)
-        loss = (torch.compile(step, backend="aot_eager") if sequence_parallel else step)(model, ids)
-        loss.backward()
-        group = model.autotp_state.tp_group
-        runs.append((loss.item(), {name: parity.full_tensor(p.grad, p, group) for name, p in model.named_parameters()}))
-    (loss, grads), (sp_loss, sp_grads) = runs
-    return {"loss": abs(loss - sp_loss), "grad": max(parity.grad_error(sp_grads[n], g) for n, g in grads.items())}
-
-
 def test_functional_dropout_on_a_chunk_keeps_its_masks_under_compile() -> None:
-    for report in run_ranks(compiled_dropout, 2):
+    for report in run_ranks(dropout_with_and_without_sequence_parallel, 2, "starcoder2", True):
         assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= parity.GRAD_RTOL, report
 
 

@@ -9,7 +9,8 @@ model's own act and product nodes are then unreferenced and free what they saved
 
 Only an exact match takes this path: the product of an activation below (applied out of place) of
 one column layer's output and another's (or of the two halves of one, chunked), in the product's dtype. Anything else (LoRA, dropout, an
-upcast, `torch.compile`, where inductor plans recomputation itself) keeps the plain matmul.
+upcast, a tensor hook on the product, `torch.compile`, where inductor plans recomputation itself) keeps the plain
+matmul. A tensor hook on act(gate) does not fire: its node is bypassed.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def match(x: torch.Tensor, column_output: Callable[[object, int], torch.Tensor |
     if torch.compiler.is_compiling():  # reading the graph would break dynamo's
         return None
     node = x.grad_fn
-    if type(node).__name__ != "MulBackward0":
+    if type(node).__name__ != "MulBackward0" or x._backward_hooks:  # a hook on the product must see its gradient
         return None
     edges = node.next_functions
     for act_edge, up_edge in ((edges[0], edges[1]), (edges[1], edges[0])):

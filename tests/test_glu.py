@@ -83,3 +83,25 @@ def test_a_frozen_mlp_still_recomputes_and_trains_the_rest_alike(frozen: str) ->
         assert torch.equal(a["loss"], b["loss"]) and not any(frozen in n for n in a["grads"])
         unequal = [n for n, g in b["grads"].items() if not torch.equal(a["grads"][n], g)]
         assert not unequal, unequal
+
+
+def hooked(rank: int, world: int) -> dict:
+    """A gradient hook on every down_proj's input (the product), put there by a forward pre-hook as inspection tools
+    do: it must fire, with the product's gradient."""
+    model = autotp.wrap(tiny_model("llama"), world)
+    seen: list[torch.Tensor] = []
+
+    def watch(module: torch.nn.Module, args: tuple) -> None:
+        args[0].register_hook(seen.append)
+
+    for name, module in model.named_modules():
+        if name.endswith("down_proj"):
+            module.register_forward_pre_hook(watch)
+    ids = batch(size=IDS)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {"grads": len(seen), "layers": model.config.num_hidden_layers}
+
+
+def test_a_hook_on_the_product_keeps_the_plain_path_and_fires() -> None:
+    for report in run_ranks(hooked, 2):
+        assert report["grads"] == report["layers"], report

@@ -54,16 +54,15 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
     list_path, blocks, norms = sequence_layout(model, plan)
     layers = model.get_submodule(list_path)
     chunked = Chunked(state)
+    dropout = ChunkDropout(chunked, group, _config_dropout(model.config),
+                           [m for m in layers.modules() if isinstance(m, nn.Dropout)])
     layers[0].register_forward_pre_hook(_on_hidden(lambda x: scatter_to_seq(x, group), state), with_kwargs=True)
     for layer in layers:  # every layer's input is a chunk, also when a checkpointed layer is recomputed alone
         layer.register_forward_pre_hook(chunked.hook(True))
-    layers[-1].register_forward_hook(_on_output(lambda x: gather_from_seq(x, group), state))
-    layers[-1].register_forward_hook(chunked.hook(False))
-    dropout = ChunkDropout(chunked, group, _config_dropout(model.config),
-                           [m for m in layers.modules() if isinstance(m, nn.Dropout)])
-    for layer in layers:
         layer.register_forward_pre_hook(dropout.enter)
         layer.register_forward_hook(dropout.exit, always_call=True)
+    layers[-1].register_forward_hook(_on_output(lambda x: gather_from_seq(x, group), state))
+    layers[-1].register_forward_hook(chunked.hook(False))
     for path in blocks:
         block = model.get_submodule(path)
         block.register_forward_pre_hook(_on_hidden(lambda x: all_gather_seq_to_tp(x, group), state), with_kwargs=True)

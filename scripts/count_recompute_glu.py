@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 from pathlib import Path
 
+import sweep_architectures as sweep
 import transformers as tf
 
 import autotp
 from autotp import layers
-
-sys.path.insert(0, str(Path(__file__).parent))
-import sweep_architectures as sweep  # noqa: E402
 
 
 def main() -> None:

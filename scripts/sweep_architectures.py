@@ -108,6 +108,14 @@ def decisions(plan: autotp.Plan) -> autotp.Plan:
     return dataclasses.replace(plan, replicated=tuple(path for path, _ in plan.replicated))
 
 
+def within_tolerance(report: dict) -> tuple[bool, float, float]:
+    """(parity holds at the fp32 tolerances, worst gradient error, worst parameter difference) of a
+    `compare_training` report."""
+    worst_grad = max(report["grad"].values(), default=0.0)
+    worst_param = max(report["param"].values(), default=0.0)
+    return report["loss"] <= LOSS_ATOL and worst_grad <= GRAD_RTOL and worst_param <= PARAM_ATOL, worst_grad, worst_param
+
+
 def classify(model_type: str, task: str) -> dict:
     recipe, why = buildable(model_type, task)
     if recipe is None:
@@ -129,9 +137,7 @@ def classify(model_type: str, task: str) -> dict:
         return {"result": "run-time error", "plan": kind, "note": str(err).strip().splitlines()[-1][:160]}
     if "refused" in report:
         return {"result": "refused", "plan": kind, "note": report["refused"].splitlines()[0][:160]}
-    worst_grad = max(report["grad"].values(), default=0.0)
-    worst_param = max(report["param"].values(), default=0.0)
-    ok = report["loss"] <= LOSS_ATOL and worst_grad <= GRAD_RTOL and worst_param <= PARAM_ATOL
+    ok, worst_grad, worst_param = within_tolerance(report)
     note = f"{report['sharded']} sharded tensors"
     parts = components(model)
     if parts:

@@ -19,9 +19,8 @@ import time
 import torch
 
 from autotp.testing import parity
-from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 from autotp.testing.spawn import run_ranks
-from sweep_architectures import auto, batch, build, buildable
+from sweep_architectures import auto, batch, build, buildable, within_tolerance
 
 TASK = "causal-lm"
 
@@ -48,9 +47,7 @@ def classify(model_type: str) -> tuple[str, str]:
         return "run-time error", str(err).strip().splitlines()[-1][:160]
     if "refused" in report:
         return "refused", report["refused"][:160]
-    grad = max(report["grad"].values(), default=0.0)
-    param = max(report["param"].values(), default=0.0)
-    ok = report["loss"] <= LOSS_ATOL and grad <= GRAD_RTOL and param <= PARAM_ATOL
+    ok, grad, param = within_tolerance(report)
     return ("matched" if ok else "MISMATCH"), f"loss {report['loss']:.1e}, grad {grad:.1e}, param {param:.1e}"
 
 

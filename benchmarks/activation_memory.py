@@ -124,7 +124,8 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     dist.destroy_process_group()
 
 
-def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]) -> list[tuple[int, int, int]]:
+def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]
+        ) -> list[tuple[int, int, int, int, int]]:
     """(rank, saved bytes, peak RSS growth, bytes sent, RSS held after forward) of each rank, spawned with `malloc` added to the environment."""
     from autotp.testing.spawn import free_port
 

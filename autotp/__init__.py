@@ -5,18 +5,21 @@
 
 Layers, bottom to top; a module imports only from its own layer or the layers below it
 (tests/test_layering.py parses every import, those inside functions included, and fails on an
-upward import or a cycle):
+upward import or a cycle). Each folder is one tier; its `__init__` says what it is for.
 
-1. data, no torch.distributed: `hf_compat` (every touch of transformers internals), `sharding`,
-   `policy`, `linears`, `plan`, `components`
-2. building a plan: `derive`, `twin`, `probe`, `verify`, `planner`, `report`
-3. runtime: `groups`, `comm`, `glu`, `layers`, `vocab`, `sequence`, `rng`, `state`, `replicas`,
-   `apply`, `rollback`, `lora`
-4. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`,
-   `adapter_io`
-5. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
-6. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`
-7. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
+1. dependency boundaries: `compat`, `compat.hf`
+2. plan data, no torch.distributed: `planning`, `planning.sharding`, `planning.policy`,
+   `planning.linears`, `planning.plan`, `planning.components`
+3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
+   `planning.planner`, `planning.report`
+4. the parallel runtime: `parallel`, `parallel.groups`, `parallel.comm`, `parallel.glu`,
+   `parallel.layers`, `parallel.vocab`, `parallel.sequence`, `parallel.rng`, `parallel.state`,
+   `parallel.replicas`, `parallel.apply`, `parallel.rollback`, `parallel.lora`
+5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`,
+   `io.adapters`
+6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
+7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`
+8. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
 """
 
 from .api import explain, from_pretrained, wrap
@@ -26,17 +29,17 @@ from .data_parallel import (
 )
 from .fsdp import dp_mesh, fully_shard
 from .gather import GatherReplacedLayerParams
-from .groups import finish
+from .parallel.groups import finish
 from .guards import check_same_inputs
 from .io.errors import CheckpointError
 from .io.resume import consolidate, load_checkpoint, save_checkpoint
 from .io.save import save_pretrained
-from .layers import LinearAllreduce, LinearLayer
-from .plan import Plan
-from .replicas import check_replicas
-from .planner import build_plan
-from .policy import Origin
-from .sharding import Partition, Shard
+from .parallel.layers import LinearAllreduce, LinearLayer
+from .planning.plan import Plan
+from .parallel.replicas import check_replicas
+from .planning.planner import build_plan
+from .planning.policy import Origin
+from .planning.sharding import Partition, Shard
 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "data_parallel_sampler", "dp_group", "dp_rank",

@@ -18,25 +18,25 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
-from .apply import apply_plan, parallel_layers, register_grad_hooks
-from .groups import (
+from .parallel.apply import apply_plan, parallel_layers, register_grad_hooks
+from .parallel.groups import (
     DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
     launched_by_torchrun, world_timeout,
 )
 from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
-from .hf_compat import build_model
+from .compat.hf import build_model
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
-from .layers import LinearLayer
-from . import lora
-from .adapter_io import slice_adapters_on_load
+from .parallel.layers import LinearLayer
+from .parallel import lora
+from .io.adapters import slice_adapters_on_load
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
-from .plan import Plan
-from .planner import PolicyArg, build_plan
-from .sequence import apply_sequence_parallel, sequence_layout
-from .replicas import broadcast_replicated
-from .rollback import Snapshot
-from .state import TPState, detach, find_state
+from .planning.plan import Plan
+from .planning.planner import PolicyArg, build_plan
+from .parallel.sequence import apply_sequence_parallel, sequence_layout
+from .parallel.replicas import broadcast_replicated
+from .parallel.rollback import Snapshot
+from .parallel.state import TPState, detach, find_state
 
 log = logging.getLogger("autotp")
 
@@ -67,7 +67,7 @@ def wrap(
     `timeout` (a timedelta or seconds) bounds how long autotp's collectives wait for a failed or hung
     peer; by default the one given to `init_process_group`, else 5 minutes. `overlap=True` computes
     the column layers' weight gradients while their input gradient's all-reduce runs. `recompute_glu=True`
-    keeps a gated MLP's gate and up outputs for the backward, not act(gate) and the product (`autotp.glu`).
+    keeps a gated MLP's gate and up outputs for the backward, not act(gate) and the product (`autotp.parallel.glu`).
     """
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
@@ -106,7 +106,7 @@ def from_pretrained(
 
     The model is built on the meta device, planned like `wrap` plans it, and each rank reads only
     its rows of every sharded tensor (including its parts of fused ones). Only safetensors load.
-    `task` is a key of `autotp.hf_compat.TASKS` ("causal-lm", "seq2seq", "image-text", ...); by
+    `task` is a key of `autotp.compat.hf.TASKS` ("causal-lm", "seq2seq", "image-text", ...); by
     default the one of the class named in the checkpoint's `config.architectures`.
     """
     _validate_tp_size(tp_size)

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .hf_compat import TASKS, build_model, model_class
+from .compat.hf import TASKS, build_model, model_class
 from .io.errors import CheckpointError
 from .testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from .policy import Policy
+    from .planning.policy import Policy
 
 # What bad input raises (JSONDecodeError, TOMLDecodeError and CheckpointError are ValueErrors, FileExistsError
 # an OSError); main reports these in one line. A rank's failure in verify arrives as an AssertionError and
@@ -60,7 +60,7 @@ def read_policy(path: str | None) -> Policy | None:
     """The policy TOML file at `path` (None: autotp's own choice), with parse errors that name the file."""
     import tomllib
 
-    from .policy import load_policy
+    from .planning.policy import load_policy
 
     if path is None:
         return None
@@ -81,7 +81,7 @@ def build(config: PretrainedConfig, device: str | None = None, task: str | None 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON summary) for `args.model` at `args.tp`."""
     from .api import explain
-    from .report import summary
+    from .planning.report import summary
 
     model = build(load_config(args.model), "meta", args.task)
     plan = explain(model, args.tp, policy=read_policy(args.policy))

@@ -4,7 +4,7 @@
 decoder layer, then to the root, exactly as a user would; nothing of FSDP is reimplemented. The
 parameters FSDP builds keep their partition metadata (`autotp_shard`), and autotp's gradient
 corrections (replicated KV rows, per-head and sequence-parallel norms) run on the unsharded
-parameters FSDP computes with, before FSDP reduce-scatters over DP (`autotp.comm.GradHook`).
+parameters FSDP computes with, before FSDP reduce-scatters over DP (`autotp.parallel.comm.GradHook`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .comm import local_rows
-from .groups import _new_group, group_size
-from .hf_compat import adapter_module
-from .state import TPState, state_of, wrapped_model
+from .parallel.comm import local_rows
+from .parallel.groups import _new_group, group_size
+from .compat.hf import adapter_module
+from .parallel.state import TPState, state_of, wrapped_model
 
 
 def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .apply import set_gathered
+from .parallel.apply import set_gathered
 from .fsdp import Unsharded
-from .state import find_state, wrapped_model
+from .parallel.state import find_state, wrapped_model
 
 
 class GatherReplacedLayerParams:

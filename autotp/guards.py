@@ -3,7 +3,7 @@
 - TP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
 - DistributedDataParallel over a group that holds two ranks of one TP group, which would average
   different shards together (`DDPGuard`).
-- A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.lora`
+- A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.parallel.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
 - FSDP over a mesh that holds two ranks of one TP group, checked before the first optimizer step (`MeshGuard`).
 """
@@ -22,12 +22,12 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .groups import group_size
+from .parallel.groups import group_size
 from .fsdp import check_mesh
-from .hf_compat import adapter_module
-from .lora import adapt
-from .replicas import check_replicas
-from .state import TPState, state_of
+from .compat.hf import adapter_module
+from .parallel.lora import adapt
+from .parallel.replicas import check_replicas
+from .parallel.state import TPState, state_of
 
 REPLICA_CHECK_EVERY = 100
 
@@ -180,7 +180,7 @@ def refuse_quantized(model: nn.Module) -> None:
 
 class SwapGuard:
     """Forward pre-hook watching the slots of sharded modules: adapts PEFT's LoRA put around a sharded linear after
-    wrap (`autotp.lora`), and refuses to run once one was replaced by anything else.
+    wrap (`autotp.parallel.lora`), and refuses to run once one was replaced by anything else.
 
     Hooks sit on the parent blocks, not on the model: PEFT calls the model's `forward` directly, which skips
     the model's own hooks, while blocks are still called as modules. Slots of the model itself (the LM head)

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .apply import apply_vocab
+from .parallel.apply import apply_vocab
 from .guards import SwapGuard
 from .io.save import save_pretrained
-from .layers import ParallelLinear, forget_shard
-from .planner import with_vocab
-from .replicas import broadcast_tensors
-from .state import TPState
+from .parallel.layers import ParallelLinear, forget_shard
+from .planning.planner import with_vocab
+from .parallel.replicas import broadcast_tensors
+from .parallel.state import TPState
 
 
 class SavePretrained:

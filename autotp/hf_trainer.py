@@ -25,16 +25,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from .comm import all_gather
+from .parallel.comm import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
 from .fsdp import fully_shard as autotp_fully_shard
-from .groups import group_size
-from .hf_compat import adapter_module
+from .parallel.groups import group_size
+from .compat.hf import adapter_module
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .io.resume import as_params, local_optimizer_state
 from .io.save import save_pretrained
-from .state import find_state, wrapped_model
+from .parallel.state import find_state, wrapped_model
 
 
 _SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
@@ -254,7 +254,7 @@ class AutoTPTrainer(Trainer):
             from safetensors.torch import load_file
 
             weights = load_file(os.path.join(resume_from_checkpoint, _ADAPTER))
-            set_peft_model_state_dict(self.model, weights)  # each rank keeps its slices (autotp.adapter_io)
+            set_peft_model_state_dict(self.model, weights)  # each rank keeps its slices (autotp.io.adapters)
             return
         param = next(self.model.parameters())
         load_params(self.model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
@@ -275,7 +275,7 @@ class AutoTPTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
         output_dir = output_dir or self.args.output_dir
-        if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (autotp.adapter_io)
+        if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (autotp.io.adapters)
             self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
         else:
             save_pretrained(self.model, output_dir, into_existing=True)

@@ -17,7 +17,7 @@ import sweep_architectures as sweep
 import transformers as tf
 
 import autotp
-from autotp import layers
+from autotp.parallel import layers
 
 
 def main() -> None:

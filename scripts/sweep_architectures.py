@@ -3,7 +3,7 @@
     python scripts/sweep_architectures.py [--task causal-lm|image-text|seq2seq|masked-lm] [--only TYPE ...] [--no-readme]
 
 Each architecture is built tiny from its config defaults (dims shrunk, sub-configs too, dropout
-off), then trained 3 AdamW steps single-process and at tp=2 on CPU ranks, on `autotp.probe`
+off), then trained 3 AdamW steps single-process and at tp=2 on CPU ranks, on `autotp.planning.probe`
 inputs (an image with its tokens for vision-language models, decoder labels for seq2seq). Results:
   matched           parity holds and something is sharded
   replicated-only   parity holds, nothing could be sharded safely
@@ -31,8 +31,8 @@ import transformers as tf
 
 import autotp
 from autotp import Origin
-from autotp.hf_compat import TASKS, model_class
-from autotp.components import components
+from autotp.compat.hf import TASKS, model_class
+from autotp.planning.components import components
 from autotp.testing import parity
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 from autotp.testing.spawn import run_ranks

@@ -1,4 +1,4 @@
-"""Unit tests of the autograd collectives in `autotp.comm`, forward and backward, on 2 forked CPU ranks (gloo).
+"""Unit tests of the autograd collectives in `autotp.parallel.comm`, forward and backward, on 2 forked CPU ranks (gloo).
 
 Every rank's inputs and upstream gradients are float64 integers built from its rank number (`value`,
 `upstream`), so each test recomputes the expected sums by hand for every rank; the upstream gradient
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autotp.comm import (SavedChunk, all_gather_full, all_gather_seq_to_tp, copy_to_tp, gather_from_seq, gather_from_tp,
+from autotp.parallel.comm import (SavedChunk, all_gather_full, all_gather_seq_to_tp, copy_to_tp, gather_from_seq, gather_from_tp,
                          gather_full_to, grad_allreduce_hook, reduce_from_tp, reduce_scatter_seq_from_tp,
                          replica_grad_hook, scatter_to_seq, seq_parallel_column_linear)
-from autotp.sharding import HeadLayout, Partition, layout_partition
+from autotp.planning.sharding import HeadLayout, Partition, layout_partition
 from autotp.testing import run_ranks
 
 WORLD = 2

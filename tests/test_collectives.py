@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import autotp
-from autotp.report import summary
+from autotp.planning.report import summary
 from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
 

@@ -210,7 +210,7 @@ def test_frozen_per_head_norms_wrap_and_keep_their_reduction_when_unfrozen(unfre
         assert ("model.layers.0.self_attn.q_norm.weight" in report["grad"]) == unfreeze_after_wrap
 
 
-STAGES = ["autotp.apply.LinearAllreduce.__init__", "autotp.api.apply_sequence_parallel",
+STAGES = ["autotp.parallel.apply.LinearAllreduce.__init__", "autotp.api.apply_sequence_parallel",
           "autotp.api.register_grad_hooks", "autotp.api.DDPGuard", "autotp.api.broadcast_replicated"]
 
 
@@ -236,7 +236,7 @@ def failing_wrap(rank: int, world: int, stage: str) -> dict:
     module_name, _, attr = stage.rpartition(".")
     owner = importlib.import_module(module_name) if not attr.startswith("__") else None
     if owner is None:  # a method: fail on the second row layer, after the first was swapped in
-        import autotp.apply as target
+        import autotp.parallel.apply as target
         cls = target.LinearAllreduce
         calls = {"n": 0}
         original = cls.__init__

@@ -13,7 +13,7 @@ from safetensors import safe_open
 import transformers
 from transformers import AutoModelForCausalLM
 
-from autotp.hf_compat import TASKS
+from autotp.compat.hf import TASKS
 from autotp.io.errors import CheckpointError
 from autotp.testing import tiny_config
 from autotp.testing.spawn import run_ranks

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 import autotp
-from autotp.probe import probe_inputs
+from autotp.planning.probe import probe_inputs
 from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 
 # (model type, sub-model path of the vision tower, of the language model)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp import comm
+from autotp.parallel import comm
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor, grad_error
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import autotp
-from autotp.layers import LinearLayer
+from autotp.parallel.layers import LinearLayer
 from autotp.testing import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, assert_parity, parity, run_ranks
 from models import FAMILIES, batch, tiny_model
 

@@ -75,7 +75,7 @@ def test_explain_bytes_equal_real_bytes_after_wrap(family: str) -> None:
 
 
 def test_shipped_policies_load_and_claim_each_model_type_once() -> None:
-    from autotp.policy import builtin_policies
+    from autotp.planning.policy import builtin_policies
     policies = builtin_policies()
     assert len(policies) >= 14
     claimed = [t for p in policies for t in p.model_types]
@@ -110,7 +110,7 @@ def test_a_custom_block_the_twin_cannot_show_stays_replicated_on_meta() -> None:
 def test_the_twin_keeps_quarter_rotary_heads_in_whole_frequency_pairs() -> None:
     """NeoMME rotates a quarter of each full-attention head, interleaving row and column frequencies: a head
     narrowed to 8 dims would rotate 2, one pair that cannot split, and the twin's forward failed on meta."""
-    from autotp.twin import shrink_factor
+    from autotp.planning.twin import shrink_factor
     from autotp.testing import tiny_config
 
     neomme, llama = tiny_config("neomme"), tiny_config("llama")

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.comm import SavedChunk
-from autotp.layers import ParallelLinear
+from autotp.parallel.comm import SavedChunk
+from autotp.parallel.layers import ParallelLinear
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config

@@ -1,4 +1,4 @@
-"""Unit tests of `autotp.sharding`, single process, no process group.
+"""Unit tests of `autotp.planning.sharding`, single process, no process group.
 
 Checked: `Partition.shard` / `unshard` round trips (even, uneven, dims 0-2, replicated KV runs, fused
 layouts), the exact rows each rank holds for hand-worked fused layouts, replica bookkeeping, the JSON
@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from autotp.sharding import HeadLayout, Partition, layout_partition, split_ranges, split_sizes
+from autotp.planning.sharding import HeadLayout, Partition, layout_partition, split_ranges, split_sizes
 
 
 def attention(layout: str, heads: int, kv_heads: int, head_dim: int, tp: int, dim: int = 0) -> Partition:

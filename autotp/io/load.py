@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..comm import local_rows
-from ..hf_compat import ConvertedSource, checkpoint_sources, initialised_if_missing
-from ..sharding import Partition
-from ..state import find_state
+from ..parallel.comm import local_rows
+from ..compat.hf import ConvertedSource, checkpoint_sources, initialised_if_missing
+from ..planning.sharding import Partition
+from ..parallel.state import find_state
 from .errors import CheckpointError, describe, failures
 from .safetensors import read_header, read_rows
 

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..comm import dp_chunk, local_rows
-from ..groups import global_rank, group_size
-from ..sharding import Partition
-from ..state import find_state
+from ..parallel.comm import dp_chunk, local_rows
+from ..parallel.groups import global_rank, group_size
+from ..planning.sharding import Partition
+from ..parallel.state import find_state
 from .errors import CheckpointError, describe, failures, world
 from .safetensors import NAMES, open_tensors, read_header, read_tensors, write_tensors
 from .save import write_hf_checkpoint

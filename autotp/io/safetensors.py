@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..sharding import Partition
+from ..planning.sharding import Partition
 from .errors import CheckpointError, FormatError
 
 DTYPES = {

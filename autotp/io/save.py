@@ -19,10 +19,10 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..comm import dp_full, gather_full_to
-from ..groups import global_rank, is_global_rank0
-from ..hf_compat import adapter_module, checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
-from ..state import find_state
+from ..parallel.comm import dp_full, gather_full_to
+from ..parallel.groups import global_rank, is_global_rank0
+from ..compat.hf import adapter_module, checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
+from ..parallel.state import find_state
 from .safetensors import SafetensorsWriter
 from .staging import staged_directory
 

@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..groups import is_global_rank0, world_timeout
+from ..parallel.groups import is_global_rank0, world_timeout
 from .errors import describe, failures, world
 
 # How long a save waits for every rank to call it before failing (gloo; NCCL waits for the group's

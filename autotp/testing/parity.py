@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..api import wrap
-from ..comm import all_gather_full, dp_full
-from ..groups import Group
-from ..probe import image_token, probe_inputs
-from ..state import state_of
+from ..parallel.comm import all_gather_full, dp_full
+from ..parallel.groups import Group
+from ..planning.probe import image_token, probe_inputs
+from ..parallel.state import state_of
 
 # fp32 tolerances: tensor parallelism changes only the order of sums. Loss: absolute. Gradients: relative to
 # the tensor's largest reference entry (see grad_error). Parameters after a few AdamW steps at lr 1e-3: absolute.
@@ -45,7 +45,7 @@ def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def training_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 1
                     ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
-    """(input_ids, labels, other inputs) for one training batch of any task, from `autotp.probe`.
+    """(input_ids, labels, other inputs) for one training batch of any task, from `autotp.planning.probe`.
 
     Seq2seq: the decoder ids are the labels (the model shifts them right). Vision-language: no loss on
     image positions, as processors do. Classification: a class per sequence or per token.
@@ -82,7 +82,7 @@ def compare_training(
 
     `edit`, if given, is applied to the reference and, after `wrap`, to the wrapped model, each time
     from the same random state: what a user does to a loaded model (resize its vocabulary, unfreeze).
-    `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.probe`); `ids` may
+    `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.planning.probe`); `ids` may
     be None when they hold the model's main input (Whisper's `input_features`), and then `labels` is needed.
     """
     model = wrap(copy.deepcopy(reference), tp_size, policy=policy, sequence_parallel=sequence_parallel,
@@ -128,7 +128,7 @@ def compare_loading(rank: int, world: int, path: str, task: str | None = None) -
     from transformers import AutoConfig
 
     from ..api import from_pretrained
-    from ..hf_compat import model_class
+    from ..compat.hf import model_class
 
     direct = from_pretrained(path, world, task=task)
     reference = wrap(model_class(AutoConfig.from_pretrained(path), task).from_pretrained(path), world)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
-from ..probe import IMAGE_TOKEN_KEYS
+from ..planning.probe import IMAGE_TOKEN_KEYS
 
 SHRINK = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -3,7 +3,7 @@
 `build_plan` reads a model (meta device is fine) and returns a `Plan`. Every inconsistency is
 reported here, before the model is changed. Where the policy comes from, in order: the user's, a
 shipped one, the model config's `base_model_tp_plan` (translated), structural detection (see
-`autotp.derive`); derived plans keep only the blocks `autotp.verify` proves exact.
+`autotp.planning.derive`); derived plans keep only the blocks `autotp.planning.verify` proves exact.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
-from .hf_compat import is_causal_lm
+from ..compat.hf import is_causal_lm
 from .linears import features, is_linear, weight_dim
 from .plan import AttrPlan, HeadInputPlan, LayerPlan, Plan, RegionPlan, VocabPlan
 from .policy import Policy, Rule, as_policy, find_policy
@@ -93,7 +93,7 @@ def _verified(model: nn.Module, plan: Plan, only_custom: bool, make_twin: Callab
 def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
     """A vision-language (or other composite) model: each sub-model planned from its own config and policy,
     then verified inside the whole model (or its structural twin, built once, on the meta device), whose
-    forward on `autotp.probe` inputs reaches every block."""
+    forward on `autotp.planning.probe` inputs reaches every block."""
     twin = functools.cache(lambda: structural_twin(model))
     planned = []
     for path, component in parts:

@@ -34,7 +34,7 @@ from .comm import GradHook, reduce_from_tp_joined, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, gather_parameter_, partition_parameter_
 from .replicas import broadcast_tensors
 from .rng import shared_draws
-from .sharding import Partition, Shard
+from ..planning.sharding import Partition, Shard
 from .state import TPState
 
 

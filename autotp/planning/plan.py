@@ -3,7 +3,7 @@
 A `Plan` says, for one tp size, every linear's style and partition, the expert tensors sharded in
 place, the attention attributes to adjust, and the parameters whose gradients need a TP sum. It
 touches no process group, so it can be printed and tested anywhere. `Plan.origin` records where
-its decisions came from, and is what later decisions read (`autotp.planner` builds plans).
+its decisions came from, and is what later decisions read (`autotp.planning.planner` builds plans).
 """
 
 from __future__ import annotations

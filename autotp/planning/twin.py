@@ -1,7 +1,7 @@
 """A structural twin: the same model classes and layers, narrower, with random weights, to verify plans on.
 
 Plans derived from HF's `base_model_tp_plan` or from detection are verified by running the model
-(`autotp.verify`). A model on the meta device cannot run, and a 70B one should not have to: the
+(`autotp.planning.verify`). A model on the meta device cannot run, and a 70B one should not have to: the
 twin can. It is built from the same config with every width divided by one factor, so head and
 key/value head counts, layer counts and layer kinds are exactly those of the model, and every
 width that was a multiple of another stays one (q = heads x head_dim, gate|up = 2 x width). The

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from .comm import GradHook, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, own_chunk, scatter_to_seq
 from .groups import Group, group_size
 from .layers import LinearAllreduce, LinearLayer
-from .plan import Plan
+from ..planning.plan import Plan
 
 
 def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[str]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .hf_compat import is_conv1d
+from ..compat.hf import is_conv1d
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -25,8 +25,8 @@ from .comm import (
 )
 from .glu import glu_linear, match
 from .groups import Group, group_rank, group_size
-from .hf_compat import is_conv1d
-from .sharding import Partition, Shard
+from ..compat.hf import is_conv1d
+from ..planning.sharding import Partition, Shard
 
 
 class SharedInput:
@@ -44,9 +44,9 @@ class SharedInput:
 
     def __init__(self, group: Group):
         self.group = group
-        self.sequence_parallel = False  # then the column layers save only their sequence chunk (autotp.sequence)
+        self.sequence_parallel = False  # then the column layers save only their sequence chunk (autotp.parallel.sequence)
         self.overlap = True  # weight gradients computed during the input gradient's all-reduce (wrap(overlap=...))
-        self.joining: list[nn.Parameter] = []  # replicated LoRA weights of the layers reading it (autotp.lora)
+        self.joining: list[nn.Parameter] = []  # replicated LoRA weights of the layers reading it (autotp.parallel.lora)
         self.readers: list[LinearLayer] = []  # the column layers reading it, for overlap
         self._source: torch.Tensor | None = None
         self._copy: torch.Tensor | None = None
@@ -54,7 +54,7 @@ class SharedInput:
         self._deferred: dict[int, tuple[torch.Tensor, int]] = {}
         self._pending: DeferredWeights | None = None
         self._saved: SavedChunk | None = None
-        self._outputs: dict[int, torch.Tensor] = {}  # the readers' outputs in this call, by autograd node (autotp.glu)
+        self._outputs: dict[int, torch.Tensor] = {}  # the readers' outputs in this call, by autograd node (autotp.parallel.glu)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is self._copy:  # already inside (a LoRA wrapper entered for its base layer and adapter)
@@ -196,7 +196,7 @@ class ParallelLinear(nn.Linear):
             fresh = memo[id(shared)] = SharedInput(self.group)
             fresh.sequence_parallel, fresh.overlap, fresh.readers = shared.sequence_parallel, shared.overlap, [new]
         block = vars(self).get("block_input")
-        if block is not None:  # a copied row layer alone has no column outputs to recognise (autotp.glu)
+        if block is not None:  # a copied row layer alone has no column outputs to recognise (autotp.parallel.glu)
             memo.setdefault(id(block), None)
         new.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
         for name, param in self._parameters.items():  # Parameter's own deepcopy drops the shard metadata
@@ -269,9 +269,9 @@ class LinearAllreduce(ParallelLinear):
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         super().__init__(linear, partition, group)
         self.sequence_parallel = False  # reduce-scatter the output along the sequence instead of all-reducing
-        self.block_input: SharedInput | None = None  # its block's column input (autotp.glu; gathered again early, SP)
-        self.recompute_glu = True  # wrap(recompute_glu=...): keep act(gate) * up's inputs, not it (autotp.glu)
-        self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.lora)
+        self.block_input: SharedInput | None = None  # its block's column input (autotp.parallel.glu; gathered again early, SP)
+        self.recompute_glu = True  # wrap(recompute_glu=...): keep act(gate) * up's inputs, not it (autotp.parallel.glu)
+        self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.parallel.lora)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
             raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")

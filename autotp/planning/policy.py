@@ -1,8 +1,8 @@
 """Declarative per-family sharding policies (the TOML files in `policies/`).
 
 A policy names, per block pattern, which child linears are column- or row-parallel and the row
-layout of each (see `autotp.sharding` for layout strings), and which expert tensors shard inside
-each expert. It is data only: `autotp.plan` turns it into partitions for one model and tp size.
+layout of each (see `autotp.planning.sharding` for layout strings), and which expert tensors shard inside
+each expert. It is data only: `autotp.planning.plan` turns it into partitions for one model and tp size.
 Rules may carry `when = {config_field = value}` so one family file can cover its variants; a
 block no rule covers stays replicated, which is always correct.
 """
@@ -61,8 +61,8 @@ class Policy:
 
 
 def _policy_dir() -> Path:
-    installed = Path(__file__).parent / "policies"  # where the wheel puts them
-    return installed if installed.is_dir() else Path(__file__).parent.parent / "policies"
+    installed = Path(__file__).parent.parent / "policies"  # where the wheel puts them (autotp/policies)
+    return installed if installed.is_dir() else Path(__file__).parents[2] / "policies"
 
 
 _RULE_KEYS = {"match", "column", "row", "params", "heads", "kv_heads", "when", "head_norms", "head_inputs",

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch import nn
 
 from .groups import Group, group_rank, group_size, named_failure
-from .sharding import Partition
+from ..planning.sharding import Partition
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:

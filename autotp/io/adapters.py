@@ -19,10 +19,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .groups import is_global_rank0
-from .io.errors import describe, failures, world
-from .lora import adapt_all, adapter_partition, sharded_loras, trainable_copies
-from .state import TPState, find_state, wrapped_model
+from ..parallel.groups import is_global_rank0
+from .errors import describe, failures, world
+from ..parallel.lora import adapt_all, adapter_partition, sharded_loras, trainable_copies
+from ..parallel.state import TPState, find_state, wrapped_model
 
 
 @contextmanager

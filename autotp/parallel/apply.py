@@ -14,7 +14,7 @@ from torch import nn
 from .comm import GradHook, grad_allreduce_hook, replica_grad_hook
 from .groups import Group, build_subgroups, group_rank
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion, SharedInput
-from .plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
+from ..planning.plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
 from .rng import install_sharded_streams, sync_replicated_stream
 from .state import TPState, attach
 from .vocab import LogitsGate, VocabParallelEmbedding, VocabParallelLoss
@@ -44,7 +44,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, t
         else:
             new = LinearAllreduce(old, layer.partition, tp_group)
         setattr(parent, name, new)
-    for layer in plan.layers:  # a row layer reads what its block's column layers computed (autotp.glu)
+    for layer in plan.layers:  # a row layer reads what its block's column layers computed (autotp.parallel.glu)
         parent_path, _, name = layer.path.rpartition(".")
         if layer.style != "column" and parent_path in shared:
             getattr(modules[parent_path], name).block_input = shared[parent_path]

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .groups import Group
-from .plan import Plan
+from ..planning.plan import Plan
 
 _ATTR = "autotp_state"
 _live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapped model -> the pid that wrapped it

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .hf_compat import is_conv1d
+from ..compat.hf import is_conv1d
 from .plan import Plan
 from .probe import probe_inputs
 

@@ -13,7 +13,9 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
-from .parallel.comm import buckets, local_rows
+from .parallel.collectives import buckets
+
+from .parallel.dtensor_rows import local_rows
 from .parallel.groups import Group, group_rank, group_size
 from .parallel.state import state_of
 

@@ -4,7 +4,7 @@
 decoder layer, then to the root, exactly as a user would; nothing of FSDP is reimplemented. The
 parameters FSDP builds keep their partition metadata (`autotp_shard`), and autotp's gradient
 corrections (replicated KV rows, per-head and sequence-parallel norms) run on the unsharded
-parameters FSDP computes with, before FSDP reduce-scatters over DP (`autotp.parallel.comm.GradHook`).
+parameters FSDP computes with, before FSDP reduce-scatters over DP (`autotp.parallel.grad_hooks.GradHook`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .parallel.comm import local_rows
+from .parallel.dtensor_rows import local_rows
 from .parallel.groups import _new_group, group_size
 from .compat.hf import adapter_module
 from .parallel.state import TPState, state_of, wrapped_model

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from .parallel.comm import all_gather
+from .parallel.collectives import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
 from .fsdp import fully_shard as autotp_fully_shard
 from .parallel.groups import group_size

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autotp.parallel import comm
+from autotp.parallel.overlap import DeferredWeights
 from autotp.testing.spawn import run_ranks
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -51,7 +51,7 @@ def rank_main(rank: int, world: int, overlap: bool) -> list[float]:
     model = autotp.wrap(AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)), world, overlap=overlap)
     ids = torch.randint(0, CONFIG["vocab_size"], (4, 128), generator=torch.Generator().manual_seed(1))
     log: list = []
-    reduce, grads = dist.all_reduce, comm.DeferredWeights.grads
+    reduce, grads = dist.all_reduce, DeferredWeights.grads
 
     def timed_reduce(tensor, *args, async_op=False, **kwargs):
         if async_op:
@@ -67,7 +67,7 @@ def rank_main(rank: int, world: int, overlap: bool) -> list[float]:
         log.append(("matmuls", time.perf_counter() - start))
         return out
 
-    dist.all_reduce, comm.DeferredWeights.grads = timed_reduce, timed_grads
+    dist.all_reduce, DeferredWeights.grads = timed_reduce, timed_grads
     steps = []
     try:
         for step in range(8):
@@ -80,7 +80,7 @@ def rank_main(rank: int, world: int, overlap: bool) -> list[float]:
             if step >= 2:
                 steps.append([backward] + [sum(t for kind, t in log if kind == k) for k in ("matmuls", "wait", "blocked")])
     finally:
-        dist.all_reduce, comm.DeferredWeights.grads = reduce, grads
+        dist.all_reduce, DeferredWeights.grads = reduce, grads
     return [statistics.median(column) for column in zip(*steps)]
 
 

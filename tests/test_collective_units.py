@@ -16,9 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autotp.parallel.comm import (SavedChunk, all_gather_full, all_gather_seq_to_tp, copy_to_tp, gather_from_seq, gather_from_tp,
-                         gather_full_to, grad_allreduce_hook, reduce_from_tp, reduce_scatter_seq_from_tp,
-                         replica_grad_hook, scatter_to_seq, seq_parallel_column_linear)
+from autotp.parallel.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
+
+from autotp.parallel.grad_hooks import grad_allreduce_hook, replica_grad_hook
+
+from autotp.parallel.seq_collectives import (
+
+    SavedChunk, all_gather_seq_to_tp, gather_from_seq, reduce_scatter_seq_from_tp, scatter_to_seq, seq_parallel_column_linear,
+
+)
 from autotp.planning.sharding import HeadLayout, Partition, layout_partition
 from autotp.testing import run_ranks
 

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.parallel import comm
+from autotp.parallel import seq_collectives
+from autotp.parallel.overlap import DeferredWeights
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor, grad_error
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
@@ -33,7 +34,7 @@ def backward_events(rank: int, world: int, family: str, overlap: bool, bf16: boo
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         loss = model(input_ids=ids, labels=ids).loss
     events: list = []
-    original_reduce, original_grads = dist.all_reduce, comm.DeferredWeights.grads
+    original_reduce, original_grads = dist.all_reduce, DeferredWeights.grads
 
     def reduce(tensor, *args, async_op=False, **kwargs):
         events.append("all_reduce async" if async_op else "all_reduce")
@@ -44,11 +45,11 @@ def backward_events(rank: int, world: int, family: str, overlap: bool, bf16: boo
         events.append("weight gradients")
         return original_grads(self)
 
-    dist.all_reduce, comm.DeferredWeights.grads = reduce, grads
+    dist.all_reduce, DeferredWeights.grads = reduce, grads
     try:
         loss.backward()
     finally:
-        dist.all_reduce, comm.DeferredWeights.grads = original_reduce, original_grads
+        dist.all_reduce, DeferredWeights.grads = original_reduce, original_grads
     group = autotp.tp_group(model)
     return {"events": events, "loss": loss.item(),
             "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters()}}
@@ -84,17 +85,17 @@ def sequence_gathers(rank: int, world: int) -> dict:
     ids = batch()
     loss = model(input_ids=ids, labels=ids).loss
     started: list[bool] = []
-    original = comm._start_gather_seq
+    original = seq_collectives.start_gather_seq
 
     def recording(x, group, dim, async_op=False):
         started.append(async_op)
         return original(x, group, dim, async_op)
 
-    comm._start_gather_seq = recording
+    seq_collectives.start_gather_seq = recording
     try:
         loss.backward()
     finally:
-        comm._start_gather_seq = original
+        seq_collectives.start_gather_seq = original
     return {"started": started, "layers": model.config.num_hidden_layers}
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.parallel.comm import SavedChunk
+from autotp.parallel.seq_collectives import SavedChunk
 from autotp.parallel.layers import ParallelLinear
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks

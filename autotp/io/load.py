@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..parallel.comm import local_rows
+from ..parallel.dtensor_rows import local_rows
 from ..compat.hf import ConvertedSource, checkpoint_sources, initialised_if_missing
 from ..planning.sharding import Partition
 from ..parallel.state import find_state

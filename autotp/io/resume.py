@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel.comm import dp_chunk, local_rows
+from ..parallel.dtensor_rows import dp_chunk, local_rows
 from ..parallel.groups import global_rank, group_size
 from ..planning.sharding import Partition
 from ..parallel.state import find_state

@@ -19,7 +19,9 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..parallel.comm import dp_full, gather_full_to
+from ..parallel.collectives import gather_full_to
+
+from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import global_rank, is_global_rank0
 from ..compat.hf import adapter_module, checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
 from ..parallel.state import find_state

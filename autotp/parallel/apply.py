@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from .comm import GradHook, grad_allreduce_hook, replica_grad_hook
+from .grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from .groups import Group, build_subgroups, group_rank
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion, SharedInput
 from ..planning.plan import AttrPlan, HeadInputPlan, Plan, VocabPlan

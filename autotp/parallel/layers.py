@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import (
-    DeferredWeights, SavedChunk, all_gather_full, copy_to_tp, copy_to_tp_joined, deferred_column_linear,
-    reduce_from_tp, reduce_scatter_seq_from_tp, seq_parallel_column_linear,
-)
+from .collectives import all_gather_full, copy_to_tp, reduce_from_tp
+
+from .overlap import DeferredWeights, copy_to_tp_joined, deferred_column_linear
+
+from .seq_collectives import SavedChunk, reduce_scatter_seq_from_tp, seq_parallel_column_linear
 from .glu import glu_linear, match
 from .groups import Group, group_rank, group_size
 from ..compat.hf import is_conv1d
@@ -39,7 +40,7 @@ class SharedInput:
 
     With `overlap` (the default), the reading layers' weights enter with the input too: each layer's
     backward returns dL/dX at once and leaves dL/dW to the entry, which computes it while the
-    all-reduce of dL/dX runs (`comm.DeferredWeights`), as Megatron-LM overlaps them.
+    all-reduce of dL/dX runs (`overlap.DeferredWeights`), as Megatron-LM overlaps them.
     """
 
     def __init__(self, group: Group):

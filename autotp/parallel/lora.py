@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import GradHook, reduce_from_tp_joined, replica_grad_hook
+from .collectives import reduce_from_tp_joined
+
+from .grad_hooks import GradHook, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, gather_parameter_, partition_parameter_
 from .replicas import broadcast_tensors
 from .rng import shared_draws

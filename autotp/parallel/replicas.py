@@ -13,7 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .comm import all_gather, buckets, local_rows
+from .collectives import all_gather, buckets
+
+from .dtensor_rows import local_rows
 from .groups import Group, group_size
 from .state import find_state, state_of
 

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .comm import GradHook, all_gather_seq_to_tp, gather_from_seq, grad_allreduce_hook, own_chunk, scatter_to_seq
+from .grad_hooks import GradHook, grad_allreduce_hook
+
+from .seq_collectives import all_gather_seq_to_tp, gather_from_seq, own_chunk, scatter_to_seq
 from .groups import Group, group_size
 from .layers import LinearAllreduce, LinearLayer
 from ..planning.plan import Plan

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import all_reduce, gather_from_tp, reduce_from_tp
+from .collectives import all_reduce, gather_from_tp, reduce_from_tp
 from .groups import Group, group_rank, group_size
 from .layers import gather_parameter_, partition_parameter_, shard_parameter
 from ..planning.sharding import Partition

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..api import wrap
-from ..parallel.comm import all_gather_full, dp_full
+from ..parallel.collectives import all_gather_full
+from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import Group
 from ..planning.probe import image_token, probe_inputs
 from ..parallel.state import state_of

@@ -1,0 +1,215 @@
+"""The sequence-parallel collectives: the all-gather / reduce-scatter duality along the sequence.
+
+An all-gather of the sequence-sharded input in forward has a reduce-scatter as its backward, and
+vice versa. `SavedChunk` lets the column layers reading one gathered input keep only this rank's
+chunk, gathered again once in backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .collectives import weight_grad
+from .groups import Group, group_size, named_failure
+
+
+def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[int]:
+    """The shape of one rank's chunk of `x`: `dim` (the sequence) divided by the group size."""
+    size = group_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"sequence_parallel needs the sequence length ({x.shape[dim]}) to be a multiple of "
+                         f"tp_size={size}; pad the batch")
+    shape = list(x.shape)
+    shape[dim] //= size
+    return shape
+
+
+def own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int, copy: bool = True) -> torch.Tensor:
+    """This rank's chunk of `x`, a copy (a view of a contiguous `x` without `copy`): its equal share of the tokens in
+    memory order (batch-major), shaped as `x` with the sequence `dim` divided. Token-major chunks make the
+    collectives copy-free: the gathered tensor is the ranks' chunks one after another. Every op between blocks is
+    per token (norms, residual adds)."""
+    shape = _chunk_shape(x, group, dim)
+    flat = x.reshape(-1)
+    count = flat.numel() // group_size(group)
+    chunk = flat.narrow(0, dist.get_rank(group) * count, count).view(shape)
+    return chunk.clone() if copy else chunk
+
+
+def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Every rank's chunk, joined into the whole tensor: one all-gather straight into it."""
+    return start_gather_seq(x, group, dim)()
+
+
+def start_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
+                      async_op: bool = False) -> Callable[[], torch.Tensor]:
+    """Start `all_gather_seq` (asynchronously with `async_op`); the returned call waits and gives its result."""
+    size = group_size(group)
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' chunks one after another: the whole tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    with named_failure(group, "all-gather"):
+        work = gather(out, x, group=group, async_op=async_op)
+    shape = list(x.shape)
+    shape[dim] *= size
+
+    def finish() -> torch.Tensor:
+        if work is not None and async_op:
+            with named_failure(group, "all-gather"):
+                work.wait()
+        return out.view(shape)
+
+    return finish
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Sum over the group and keep this rank's chunk: one reduce-scatter, no full-size result and no copy."""
+    out = x.new_empty(_chunk_shape(x, group, dim))  # refuse a length that does not divide before communicating
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    with named_failure(group, "reduce-scatter"):
+        scatter(out.view(-1), x.contiguous().view(-1), group=group)
+    return out
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    """Enter the sequence-sharded residual stream: keep this rank's chunk forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return own_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_seq(grad, ctx.group, ctx.dim), None, None
+
+
+def scatter_to_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _ScatterToSeq.apply(x, group, dim)
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    """Leave the sequence-sharded stream for replicated code: all-gather forward, keep own chunk backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return own_chunk(grad, ctx.group, ctx.dim), None, None
+
+
+def gather_from_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _GatherFromSeq.apply(x, group, dim)
+
+
+class _AllGatherSeqToTP(torch.autograd.Function):
+    """Enter a column-parallel block under sequence parallelism: all-gather forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_seq(grad, ctx.group, ctx.dim), None, None
+
+
+def all_gather_seq_to_tp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _AllGatherSeqToTP.apply(x, group, dim)
+
+
+class _ReduceScatterSeqFromTP(torch.autograd.Function):
+    """Leave a row-parallel block under sequence parallelism: reduce-scatter forward, all-gather backward (which
+    then starts the all-gather the block's column layers will need, to run during the block's backward)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, dim: int, prefetch: SavedChunk | None
+                ) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.prefetch = group, dim, prefetch
+        if prefetch is not None:
+            ctx.save_for_backward(prefetch.chunk)
+        return reduce_scatter_seq(y, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = all_gather_seq(grad, ctx.group, ctx.dim)
+        if ctx.prefetch is not None:
+            ctx.prefetch.prefetch(*ctx.saved_tensors)
+        return grad, None, None, None
+
+
+def reduce_scatter_seq_from_tp(y: torch.Tensor, group: Group, dim: int = 1,
+                               prefetch: SavedChunk | None = None) -> torch.Tensor:
+    """Reduce-scatter along the sequence; `prefetch`: the block's saved input, gathered again early in backward."""
+    return y if group_size(group) == 1 else _ReduceScatterSeqFromTP.apply(y, group, dim, prefetch)
+
+
+class SavedChunk:
+    """This rank's sequence chunk of a gathered block input, saved once for all the column layers reading it
+    (q, k, v or gate, up), and gathered again in backward once for all of them.
+
+    It holds the chunk only until the block's forward ends (`release`); from then on only the readers'
+    `save_for_backward` copies keep it, so activation checkpointing can drop it and recompute it."""
+
+    def __init__(self, full: torch.Tensor, group: dist.ProcessGroup, dim: int):
+        self.source = weakref.ref(full)  # which input it is, without keeping the gathered input alive
+        self.group, self.dim = group, dim
+        self.chunk: torch.Tensor | None = own_chunk(full.detach(), group, dim)
+        self.users = 0  # layers whose backward still needs the gathered input
+        self._full: torch.Tensor | None = None
+        self._started: Callable[[], torch.Tensor] | None = None
+
+    def release(self) -> None:
+        """The block's forward is over: from here only the readers' saved copies hold the chunk."""
+        self.chunk = None
+
+    def prefetch(self, chunk: torch.Tensor) -> None:
+        """Start gathering the input again from `chunk` now, asynchronously, for the column layers' backward later."""
+        if self._full is None and self._started is None and self.users > 0:
+            self._started = start_gather_seq(chunk, self.group, self.dim, async_op=True)
+
+    def full(self, chunk: torch.Tensor) -> torch.Tensor:
+        """The gathered input, all-gathered from `chunk` by the first layer whose backward asks (or prefetched),
+        dropped after the last."""
+        if self._full is None:
+            started, self._started = self._started, None
+            self._full = started() if started is not None else all_gather_seq(chunk, self.group, self.dim)
+        full = self._full
+        self.users -= 1
+        self._full = full if self.users > 0 else None
+        return full
+
+
+class _SeqParallelColumnLinear(torch.autograd.Function):
+    """Column linear on a sequence-gathered input that keeps only its own chunk: re-all-gathered in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, saved: SavedChunk
+                ) -> torch.Tensor:
+        ctx.save_for_backward(saved.chunk, weight)  # one tensor for every layer sharing `saved`
+        ctx.saved, ctx.has_bias = saved, bias is not None
+        saved.users += 1
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        chunk, weight = ctx.saved_tensors
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad @ weight, weight_grad(grad, ctx.saved.full(chunk)), grad_bias, None
+
+
+def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               saved: SavedChunk | None) -> torch.Tensor:
+    """`F.linear` whose saved input is this rank's sequence chunk only (the activation memory SP saves), shared
+    with the other layers reading the same input (`saved`; None without tensor parallelism)."""
+    if saved is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _SeqParallelColumnLinear.apply(x, weight, bias, saved)

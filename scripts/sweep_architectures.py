@@ -1,6 +1,6 @@
 """Run the tp=2 parity check over every architecture of one task of the installed transformers.
 
-    python scripts/sweep_architectures.py [--task causal-lm|image-text|seq2seq|masked-lm] [--only TYPE ...] [--no-readme]
+    python scripts/sweep_architectures.py [--task causal-lm|image-text|seq2seq|masked-lm] [--only TYPE ...] [--no-docs]
 
 Each architecture is built tiny from its config defaults (dims shrunk, sub-configs too, dropout
 off), then trained 3 AdamW steps single-process and at tp=2 on CPU ranks, on `autotp.planning.probe`
@@ -12,8 +12,8 @@ inputs (an image with its tokens for vision-language models, decoder labels for 
   run-time error    the wrapped model raised during training
 Each matched type is also planned on the meta device (as from_pretrained and `autotp plan` see it);
 that plan must equal the one wrap made. Architectures that cannot be built tiny from defaults are
-listed apart. Each task's table is written into README.md between its sweep markers, and the
-details to scripts/sweep_results[_TASK].json.
+listed apart. The details go to scripts/sweep_results[_TASK][_tpN].json, from which
+scripts/supported_models.py regenerates docs/supported-models.md and the README's support summary.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
+import supported_models
 import torch
 import transformers as tf
 
@@ -44,7 +44,7 @@ LOADS = "from_pretrained of transformers' save"
 MAX_PARAMS = 20_000_000
 
 
-# task (as `autotp plan --task` names it) -> (README marker suffix, what the table calls it)
+# task (as `autotp plan --task` names it) -> (results file suffix, what the table calls it)
 TABLES = {"causal-lm": ("", "causal-LM"), "image-text": ("-image-text", "vision-language (image-text-to-text)"),
           "seq2seq": ("-seq2seq", "sequence-to-sequence"), "masked-lm": ("-masked-lm", "masked-LM")}
 
@@ -193,44 +193,13 @@ def transformers_reload_loses(model, path: str, task: str) -> str:
     return f"transformers' own load of it differs from the saved model ({len(differ)} tensors)" if differ else ""
 
 
-def write_readme(results: dict[str, dict], task: str) -> None:
-    counts: dict[str, int] = {}
-    for r in results.values():
-        counts[r["result"]] = counts.get(r["result"], 0) + 1
-    order = ["matched", "replicated-only", "refused", "run-time error", "MISMATCH", "not built"]
-    summary = ", ".join(f"{counts.get(k, 0)} {k}" for k in order)
-    marker, title = TABLES[task]
-    lines = [
-        f"<!-- sweep{marker}:start -->",
-        f"Swept {len(results)} {title} types of transformers {tf.__version__} at tp={TP}: "
-        f"{summary}. Reproduce with `python scripts/sweep_architectures.py --task {task}`.",
-        "",
-        "| model type | result | plan from | from_pretrained plan = wrap plan | from_pretrained of transformers' "
-        "save = wrap | note |",
-        "|---|---|---|---|---|---|",
-    ]
-    for model_type, r in sorted(results.items()):
-        note = r.get("note", "").replace("|", "/")
-        lines.append(f"| {model_type} | {r['result']} | {r.get('plan', '')} | {r.get('meta plan = wrap plan', '')} "
-                     f"| {r.get(LOADS, '')} | {note} |")
-    lines.append(f"<!-- sweep{marker}:end -->")
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    block = "\n".join(lines)
-    if f"<!-- sweep{marker}:start -->" in text:
-        text = re.sub(rf"<!-- sweep{marker}:start -->.*<!-- sweep{marker}:end -->", lambda _: block, text, flags=re.S)
-    else:
-        text += "\n" + block + "\n"
-    readme.write_text(text)
-
-
 def main() -> None:
     global TP
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=sorted(TABLES), default="causal-lm")
-    parser.add_argument("--tp", type=int, default=TP, help="tensor-parallel size (the README tables are at 2)")
+    parser.add_argument("--tp", type=int, default=TP, help="tensor-parallel size (the docs tables are at 2, with a tp=4 column)")
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
-    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README table")
+    parser.add_argument("--no-docs", action="store_true", help="do not regenerate docs/supported-models.md")
     args = parser.parse_args()
     TP = args.tp
     torch.set_num_threads(1)  # ranks are forked from this process
@@ -246,8 +215,8 @@ def main() -> None:
     if args.only and out.exists():  # a partial run updates the stored full sweep
         results = {**json.loads(out.read_text()), **results}
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    if not args.no_readme and TP == 2:
-        write_readme(results, args.task)
+    if not args.no_docs:
+        supported_models.write()
     bad = [t for t, r in results.items() if r["result"] == "MISMATCH" or r.get("meta plan = wrap plan") == "NO"
            or r.get(LOADS, "").startswith(("NO", "error"))]
     sys.exit(1 if bad else 0)

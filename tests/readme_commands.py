@@ -1,4 +1,4 @@
-"""Run the README's launch commands exactly as written, with launchers from the environment under test."""
+"""Run the README's and the guides' launch commands exactly as written, with launchers from the environment under test."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def readme_command(pattern: str) -> list[str]:
-    """The README's command matching `pattern`, with its launcher taken from the environment under test."""
-    found = re.search(pattern, (ROOT / "README.md").read_text())
-    assert found, f"README lost the command {pattern!r}"
+    """The command matching `pattern` in the README or a guide under docs/, with its launcher taken from the
+    environment under test (the guides hold the commands the short README no longer shows)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = next((m for page in pages if (m := re.search(pattern, page.read_text()))), None)
+    assert found, f"README.md and docs/ lost the command {pattern!r}"
     argv = found.group(0).split()
     argv[0] = str(Path(sys.executable).with_name(argv[0]))
     return argv

@@ -8,6 +8,7 @@ between applying the plan and registering the gradient hooks.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -26,11 +27,11 @@ from .parallel.groups import (
 from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
 from .compat.hf import build_model
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
-from .parallel.layers import LinearLayer
 from .parallel import lora
 from .io.adapters import slice_adapters_on_load
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
+from .planning.options import WrapOptions
 from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
 from .parallel.sequence import apply_sequence_parallel, sequence_layout
@@ -75,8 +76,8 @@ def wrap(
     lifted = lora.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
-        state = _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, check_inputs, timeout,
-                       overlap=overlap, recompute_glu=recompute_glu)
+        state = _shard(model, tp_size, WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, check_inputs,
+                                                   timeout, overlap, recompute_glu))
     except BaseException:
         lora.put_back(lifted)
         raise
@@ -130,8 +131,8 @@ def from_pretrained(
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
         model.to(target)  # buffers built at init
 
-    _shard(model, tp_size, tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, materialize=load,
-           overlap=overlap, recompute_glu=recompute_glu)
+    options = WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, overlap, recompute_glu)
+    _shard(model, tp_size, options, materialize=load)
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()  # as transformers' from_pretrained leaves it
@@ -143,29 +144,21 @@ def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_para
     return build_plan(model, tp_size, policy, vocab_parallel)
 
 
-def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, policy: PolicyArg,
-           vocab_parallel: bool, sequence_parallel: bool, check_inputs: bool, timeout: timedelta | float | None,
-           materialize: Callable[[TPState], None] | None = None, overlap: bool = True,
-           recompute_glu: bool = True) -> TPState:
+def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
+           materialize: Callable[[TPState], None] | None = None) -> TPState:
     """The one sharding pipeline, all or nothing: a failure at any step puts the model back as it was.
 
     `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
     """
     refuse_quantized(model)
-    plan = build_plan(model, tp_size, policy, vocab_parallel)
-    if sequence_parallel:
+    plan = build_plan(model, tp_size, options.policy, options.vocab_parallel)
+    if options.sequence_parallel:
         sequence_layout(model, plan)  # refuses before anything changes
-    timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-    tp_group, dp_group, timeout = _groups(tp_size, tp_group, timeout)
+    tp_group, dp_group, timeout = _groups(tp_size, options.tp_group, options.timeout)
     snapshot = Snapshot(model)
     try:
-        state = apply_plan(model, plan, tp_group, dp_group, timeout)
-        for layer in parallel_layers(model):
-            if isinstance(layer, LinearLayer):
-                layer._shared_input.overlap = overlap
-            else:
-                layer.recompute_glu = recompute_glu
-        if sequence_parallel:
+        state = apply_plan(model, plan, tp_group, dp_group, replace(options, timeout=timeout))
+        if options.sequence_parallel:
             snapshot.track(apply_sequence_parallel(model, plan, tp_group, state))
         if materialize is not None:
             materialize(state)
@@ -174,7 +167,7 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
         model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
         ignored = tuple(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
         model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
-        if check_inputs:
+        if options.check_inputs:
             model.register_forward_pre_hook(InputCheck(), with_kwargs=True)
         if state.tp_group is not None:  # at tp 1 nothing is sharded, so an adapter sees whole weights
             guarded = [layer.path for layer in plan.layers]
@@ -190,7 +183,7 @@ def _shard(model: nn.Module, tp_size: int, tp_group: dist.ProcessGroup | None, p
         raise
     if is_global_rank0():
         log.info(plan.summary())
-        for warning in plan.warnings(vocab_requested=vocab_parallel):
+        for warning in plan.warnings(vocab_requested=options.vocab_parallel):
             log.warning(warning)
     return state
 

@@ -33,7 +33,7 @@ class GatherReplacedLayerParams:
         self.enabled = enabled
 
     def __enter__(self) -> nn.Module:
-        if self.enabled and self.state is not None and not self.state.gathered:
+        if self.enabled and self.state is not None and not self.state.is_gathered():
             self._stepped_on = {id(p) for p in self.model.parameters() if hasattr(p, "autotp_shard") or self.state.fsdp}
             if self.state.fsdp:  # FSDP's DP rows first become each rank's TP shard (autotp.fsdp.Unsharded)
                 self._unsharded = Unsharded(wrapped_model(self.model))

@@ -38,7 +38,7 @@ class SavePretrained:
 
     def __call__(self, save_directory: str | os.PathLike, *args: Any, max_shard_size: int | str = "5GB",
                  **kwargs: Any) -> None:
-        if self.state.gathered:
+        if self.state.is_gathered():
             return type(self.model).save_pretrained(self.model, save_directory, *args, max_shard_size=max_shard_size,
                                                     **kwargs)
         if args:
@@ -69,7 +69,7 @@ class ResizeTokenEmbeddings:
         resize = type(model).resize_token_embeddings
         if new_num_tokens is None and pad_to_multiple_of is None:
             return model.get_input_embeddings()
-        if state.gathered:
+        if state.is_gathered():
             raise RuntimeError("resize_token_embeddings inside GatherReplacedLayerParams: call it outside the context")
         if state.fsdp:
             raise NotImplementedError("resize_token_embeddings under autotp.fully_shard is not supported: FSDP keeps "

@@ -6,51 +6,52 @@ The plan has already checked everything, so this step cannot fail halfway on bad
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 
 import torch
 from torch import nn
 
 from .grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from .groups import Group, build_subgroups, group_rank
-from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion, SharedInput
+from .block_entry import BlockEntry
+from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
+from ..planning.options import WrapOptions
 from ..planning.plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
 from .rng import install_sharded_streams, sync_replicated_stream
 from .state import TPState, attach
 from .vocab import LogitsGate, VocabParallelEmbedding, VocabParallelLoss
 
 
-def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, timeout: timedelta) -> TPState:
-    """Rewrite `model` in place to follow `plan` on this rank (on the meta device too).
+def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, options: WrapOptions) -> TPState:
+    """Rewrite `model` in place to follow `plan` on this rank (on the meta device too), with `options` fixed in every
+    layer and block entry it builds (`options.timeout` is the resolved one).
 
     The gradient hooks come later (`register_grad_hooks`), once loading has replaced any meta
     parameters: a hook belongs to one Parameter object.
     """
     rank = group_rank(tp_group)
-    state = TPState(plan, tp_group, dp_group, rank, timeout)
+    state = TPState(plan, tp_group, dp_group, rank, options.timeout, options)
     modules = dict(model.named_modules())
-    shared: dict[str, SharedInput] = {}
+    entries: dict[str, BlockEntry] = {}
+    head = plan.vocab.head if plan.vocab is not None else None
+    for layer in plan.layers:  # column layers first: a row layer reads its block's entry (autotp.parallel.glu)
+        if layer.style == "column" and layer.path != head:  # the head: apply_vocab
+            parent_path, _, name = layer.path.rpartition(".")
+            parent = modules[parent_path]
+            if parent_path not in entries:
+                entries[parent_path] = BlockEntry(tp_group, overlap=options.overlap,
+                                                  sequence_parallel=_sequence_parallel(options, layer.block))
+                parent.register_forward_hook(entries[parent_path].clear)
+            setattr(parent, name, LinearLayer(getattr(parent, name), layer.partition, tp_group, entries[parent_path]))
     for layer in plan.layers:
-        if plan.vocab is not None and layer.path == plan.vocab.head:
-            continue  # apply_vocab
-        parent_path, _, name = layer.path.rpartition(".")
-        parent = modules[parent_path]
-        old = getattr(parent, name)
-        if layer.style == "column":
-            if parent_path not in shared:
-                shared[parent_path] = SharedInput(tp_group)
-                parent.register_forward_hook(shared[parent_path].clear)
-            new = LinearLayer(old, layer.partition, tp_group, shared[parent_path])
-        else:
-            new = LinearAllreduce(old, layer.partition, tp_group)
-        setattr(parent, name, new)
-    for layer in plan.layers:  # a row layer reads what its block's column layers computed (autotp.parallel.glu)
-        parent_path, _, name = layer.path.rpartition(".")
-        if layer.style != "column" and parent_path in shared:
-            getattr(modules[parent_path], name).block_input = shared[parent_path]
+        if layer.style != "column":
+            parent_path, _, name = layer.path.rpartition(".")
+            parent = modules[parent_path]
+            setattr(parent, name, LinearAllreduce(
+                getattr(parent, name), layer.partition, tp_group, block_entry=entries.get(parent_path),
+                sequence_parallel=_sequence_parallel(options, layer.block), recompute_glu=options.recompute_glu))
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
-        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group))
+        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
     if plan.vocab is not None:
         state.full_loss = model.loss_function
         apply_vocab(model, plan.vocab, tp_group, state)
@@ -58,12 +59,19 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, t
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
     for head_input in plan.head_inputs:
-        modules[head_input.path].register_forward_pre_hook(_head_slicer(head_input, state), with_kwargs=True)
+        modules[head_input.path].register_forward_pre_hook(state.sharded_only(_head_slicer(head_input, state)),
+                                                           with_kwargs=True)
     sync_replicated_stream(tp_group)
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
     attach(model, state)
     return state
+
+
+def _sequence_parallel(options: WrapOptions, block: str) -> bool:
+    """Whether a layer of `block` runs sequence-parallel: every layer of a sharded block does under the option (the
+    LM head, in no block, does not); `autotp.parallel.sequence` installs the split around them."""
+    return options.sequence_parallel and bool(block)
 
 
 def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPState) -> None:
@@ -74,20 +82,20 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     """
     head_parent, _, head_name = vocab.head.rpartition(".")
     parent = model.get_submodule(head_parent)
-    shared = SharedInput(tp_group)  # the head is the only column layer reading its input
-    head = LinearLayer(getattr(parent, head_name), vocab.partition, tp_group, shared)
+    entry = BlockEntry(tp_group, overlap=state.options.overlap)  # the head is the only reader of its input
+    head = LinearLayer(getattr(parent, head_name), vocab.partition, tp_group, entry)
     setattr(parent, head_name, head)
-    state.vocab_hooks.append(head.register_forward_hook(shared.clear))
+    state.vocab_hooks.append(head.register_forward_hook(head.entry.clear))
     if vocab.embedding is not None:
         embedding = model.get_submodule(vocab.embedding)
-        state.regions.append(VocabParallelEmbedding(embedding, vocab.partition, tp_group))
+        state.regions.append(VocabParallelEmbedding(embedding, vocab.partition, tp_group, state))
         if vocab.tied:  # one shard serves both, as one parameter served both
             head.weight = embedding.weight
     loss = VocabParallelLoss(vocab.partition, tp_group, state.full_loss)
     model.loss_function = loss
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
     state.vocab_hooks += [model.register_forward_pre_hook(gate.before, with_kwargs=True),
-                          model.register_forward_hook(gate.after, with_kwargs=True)]
+                          model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True)]
 
 
 def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
@@ -97,17 +105,18 @@ def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
     parameters are final. Frozen parameters get their hook when they are unfrozen.
     """
     replicas = state.replica_groups = build_subgroups(state.plan.replica_groups(), state.tp_group, state.timeout)
-    active = lambda: not state.gathered  # noqa: E731
     hooks, seen = [], set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
             shard = getattr(param, "autotp_shard", None)
             if shard is not None and shard.partition.replicas(shard.rank) and id(param) not in seen:
                 seen.add(id(param))
-                hooks.append(GradHook(module, param, replica_grad_hook(shard.partition, shard.rank, replicas, active)))
+                hooks.append(GradHook(module, param,
+                                      state.sharded_only(replica_grad_hook(shard.partition, shard.rank, replicas))))
     for path in state.plan.head_norms:
         norm = model.get_submodule(path)
-        hooks += [GradHook(norm.get_submodule(name.rpartition(".")[0]), param, grad_allreduce_hook(state.tp_group, active))
+        hooks += [GradHook(norm.get_submodule(name.rpartition(".")[0]), param,
+                           state.sharded_only(grad_allreduce_hook(state.tp_group)))
                   for name, param in norm.named_parameters()]
     return hooks
 
@@ -123,7 +132,7 @@ def _head_slicer(plan: HeadInputPlan, state: TPState):
 
     def hook(module, args, kwargs):
         tensor = kwargs.get(plan.name)
-        if state.gathered or not torch.is_tensor(tensor):
+        if not torch.is_tensor(tensor):
             return None
         by_head = tensor.reshape(-1, plan.heads, *tensor.shape[1:])
         kwargs[plan.name] = by_head[:, first:first + count].reshape(-1, *tensor.shape[1:])

@@ -17,15 +17,15 @@ from .groups import Group, group_size
 from ..planning.sharding import Partition
 
 
-def grad_allreduce_hook(group: Group, enabled: Callable[[], bool]) -> Callable[[torch.Tensor], torch.Tensor]:
+def grad_allreduce_hook(group: Group) -> Callable[[torch.Tensor], torch.Tensor]:
     """Gradient hook for a replicated parameter that only sees this rank's heads (per-head norms).
 
-    Its true gradient is the sum of every rank's partial one; `enabled()` turns the sum off while
-    the layers hold full weights and every rank already computes the whole gradient.
+    Its true gradient is the sum of every rank's partial one. Registered through `TPState.sharded_only`: gathered,
+    every rank already computes the whole gradient.
     """
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        if group_size(group) == 1 or not enabled():
+        if group_size(group) == 1:
             return grad
         grad = grad.clone(memory_format=torch.contiguous_format)
         all_reduce(grad, group)
@@ -35,17 +35,16 @@ def grad_allreduce_hook(group: Group, enabled: Callable[[], bool]) -> Callable[[
 
 
 def replica_grad_hook(
-    partition: Partition, rank: int, groups: Mapping[tuple[int, ...], Group], enabled: Callable[[], bool]
+    partition: Partition, rank: int, groups: Mapping[tuple[int, ...], Group]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Gradient hook for rows several ranks hold (a replicated KV head): sum each over its holders.
 
-    Each holder computes only its own query heads' share of that head's gradient.
+    Each holder computes only its own query heads' share of that head's gradient. Registered through
+    `TPState.sharded_only`, as `grad_allreduce_hook`.
     """
     spans = partition.replicas(rank)
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        if not enabled():
-            return grad
         grad = grad.clone(memory_format=torch.contiguous_format)
         for offset, length, holders in spans:
             piece = grad.narrow(partition.dim, offset, length)

@@ -54,12 +54,12 @@ class ShardedStream:
     resid_dropout) still draws from the shared stream, as replicated code must.
     """
 
-    def __init__(self, rank: int, state):
-        self.rank, self.state = rank, state
+    def __init__(self, rank: int):
+        self.rank = rank
         self._saved: list | None = None
 
     def enter(self, module: nn.Module, *_) -> None:
-        if self._saved is not None or not module.training or self.state.gathered:
+        if self._saved is not None or not module.training:
             return
         seed = int(torch.randint(0, 2**62, (1,)).item())  # the same draw on every TP rank
         self._saved = capture()
@@ -113,10 +113,10 @@ def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[s
         block = model.get_submodule(path)
         if not _has_dropout(block):
             continue
-        stream = ShardedStream(rank, state)
+        stream = ShardedStream(rank)
         for module in block.modules():
             if isinstance(module, LinearLayer):
-                module.register_forward_pre_hook(stream.enter)
+                module.register_forward_pre_hook(state.sharded_only(stream.enter))
             elif isinstance(module, LinearAllreduce):
                 module.register_forward_hook(stream.leave)
             if isinstance(module, (LinearLayer, LinearAllreduce)):
@@ -125,6 +125,6 @@ def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[s
     for path in regions:
         module = model.get_submodule(path)
         if _has_dropout(module):
-            stream = ShardedStream(rank, state)
-            module.register_forward_pre_hook(stream.enter)
+            stream = ShardedStream(rank)
+            module.register_forward_pre_hook(state.sharded_only(stream.enter))
             module.register_forward_hook(stream.leave)

@@ -21,7 +21,7 @@ from .grad_hooks import GradHook, grad_allreduce_hook
 
 from .seq_collectives import all_gather_seq_to_tp, gather_from_seq, own_chunk, scatter_to_seq
 from .groups import Group, group_size
-from .layers import LinearAllreduce, LinearLayer
+from .layers import LinearAllreduce
 from ..planning.plan import Plan
 
 
@@ -55,33 +55,30 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
     """Install the sequence split; returns the gradient hooks it put on the layers' own norms and row biases."""
     list_path, blocks, norms = sequence_layout(model, plan)
     layers = model.get_submodule(list_path)
-    chunked = Chunked(state)
+    chunked = Chunked()
     dropout = ChunkDropout(chunked, group, _config_dropout(model.config),
                            [m for m in layers.modules() if isinstance(m, nn.Dropout)])
-    layers[0].register_forward_pre_hook(_on_hidden(lambda x: scatter_to_seq(x, group), state), with_kwargs=True)
+    only = state.sharded_only  # gathered, the model computes as the original: none of these hooks acts
+    layers[0].register_forward_pre_hook(only(_on_hidden(lambda x: scatter_to_seq(x, group))), with_kwargs=True)
     for layer in layers:  # every layer's input is a chunk, also when a checkpointed layer is recomputed alone
-        layer.register_forward_pre_hook(chunked.hook(True))
-        layer.register_forward_pre_hook(dropout.enter)
+        layer.register_forward_pre_hook(only(chunked.hook(True)))
+        layer.register_forward_pre_hook(only(dropout.enter))
         layer.register_forward_hook(dropout.exit, always_call=True)
-    layers[-1].register_forward_hook(_on_output(lambda x: gather_from_seq(x, group), state))
-    layers[-1].register_forward_hook(chunked.hook(False))
-    for path in blocks:
+    layers[-1].register_forward_hook(only(_on_output(lambda x: gather_from_seq(x, group))))
+    layers[-1].register_forward_hook(only(chunked.hook(False)))
+    for path in blocks:  # its layers were built sequence-parallel (apply_plan)
         block = model.get_submodule(path)
-        block.register_forward_pre_hook(_on_hidden(lambda x: all_gather_seq_to_tp(x, group), state), with_kwargs=True)
-        block.register_forward_pre_hook(chunked.hook(False))
+        block.register_forward_pre_hook(only(_on_hidden(lambda x: all_gather_seq_to_tp(x, group))), with_kwargs=True)
+        block.register_forward_pre_hook(only(chunked.hook(False)))
         for module in block.modules():
-            if isinstance(module, LinearAllreduce):  # its backward starts re-gathering its `block_input` early
-                module.sequence_parallel = True
-                module.register_forward_hook(chunked.hook(True))  # after the sharded stream's restore
-            if isinstance(module, LinearLayer):
-                module._shared_input.sequence_parallel = True
+            if isinstance(module, LinearAllreduce):
+                module.register_forward_hook(only(chunked.hook(True)))  # after the sharded stream's restore
     # The layers' norms, and the row layers' biases (added to a chunk after the reduce-scatter), see one chunk's
     # tokens: their gradients are partial sums, completed over TP.
     partial = [(model.get_submodule(name.rpartition(".")[0]), model.get_parameter(name)) for name in norms]
     partial += [(m, m.bias) for path in blocks for m in model.get_submodule(path).modules()
                 if isinstance(m, LinearAllreduce) and m.bias is not None]
-    active = lambda: not state.gathered  # noqa: E731
-    return [GradHook(owner, param, grad_allreduce_hook(group, active)) for owner, param in partial]
+    return [GradHook(owner, param, only(grad_allreduce_hook(group))) for owner, param in partial]
 
 
 class Chunked:
@@ -89,12 +86,12 @@ class Chunked:
     layer's start and after each row layer's reduce-scatter, off at each block's gather and after the last layer), so
     a checkpointed layer's recomputation sets it the same way."""
 
-    def __init__(self, state):
-        self.state, self.on = state, False
+    def __init__(self):
+        self.on = False
 
     def hook(self, on: bool):
         def set_on(module: nn.Module, *_) -> None:
-            self.on = on and not self.state.gathered
+            self.on = on
         return set_on
 
 
@@ -149,13 +146,11 @@ def _config_dropout(config) -> bool:
     return nonzero(config.to_dict())
 
 
-def _on_hidden(fn, state):
+def _on_hidden(fn):
     """Forward pre-hook applying `fn` to the hidden states (first positional or `hidden_states=`), wherever the
     same tensor is passed (CTRL's attention takes it as query, key and value)."""
 
     def hook(module, args, kwargs):
-        if state.gathered:
-            return None
         x = args[0] if args and torch.is_tensor(args[0]) else kwargs.get("hidden_states")
         if not torch.is_tensor(x):
             return None
@@ -166,12 +161,10 @@ def _on_hidden(fn, state):
     return hook
 
 
-def _on_output(fn, state):
+def _on_output(fn):
     """Forward hook applying `fn` to a layer's hidden-state output (a tensor or a tuple's first item)."""
 
     def hook(module, args, output):
-        if state.gathered:
-            return output
         if torch.is_tensor(output):
             return fn(output)
         return (fn(output[0]), *output[1:])

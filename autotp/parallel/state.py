@@ -7,20 +7,23 @@ several (a policy model and a reference model in one RL script), rather than gue
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 from datetime import timedelta
 
 from torch import nn
 from transformers import PreTrainedModel
 
 from .groups import Group
+from ..planning.options import WrapOptions
 from ..planning.plan import Plan
 
 _ATTR = "autotp_state"
+Hook = TypeVar("Hook", bound=Callable)
 _live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapped model -> the pid that wrapped it
 
 
@@ -33,6 +36,7 @@ class TPState:
     dp_group: Group
     tp_rank: int
     timeout: timedelta  # what every group autotp creates for this model waits for a peer
+    options: WrapOptions = field(default_factory=WrapOptions)  # what wrap was asked for (the layers built by it)
     gathered: bool = False
     regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
     replica_groups: dict = field(default_factory=dict)  # TP ranks holding one replicated KV row -> their group
@@ -42,6 +46,30 @@ class TPState:
     dp_mesh: Any = None  # the DeviceMesh over dp_group (autotp.fsdp.dp_mesh), built when first asked for
     fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
+
+    # Gathered mode (GatherReplacedLayerParams): `gathered` is switched by `autotp.parallel.apply.set_gathered` and
+    # read only here, so no hook has to remember it.
+
+    def sharded_only(self, hook: Hook) -> Hook:
+        """`hook` (a module forward or pre-hook, or a tensor gradient hook) doing nothing while the model is gathered:
+        it returns None then, which every kind of hook reads as "leave it as it is". Every autotp hook goes through
+        this, since a gathered model computes as the original one, with no collective."""
+
+        @functools.wraps(hook)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return None if self.gathered else hook(*args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    def is_gathered(self) -> bool:
+        """Whether the model holds full weights now, for the entry points that act differently inside the context."""
+        return self.gathered
+
+    def refuse_gathered(self, action: str) -> None:
+        """Stop `action`, which needs the sharded model, inside GatherReplacedLayerParams."""
+        if self.gathered:
+            raise RuntimeError(f"{action} inside GatherReplacedLayerParams: call it outside the context, on the "
+                               f"sharded model")
 
 
 def attach(model: nn.Module, state: TPState) -> None:

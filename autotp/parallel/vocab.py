@@ -22,29 +22,31 @@ from ..planning.sharding import Partition
 
 
 class VocabParallelEmbedding:
-    """Hooks that make an `nn.Embedding` (or subclass) look up only this rank's vocabulary rows."""
+    """Hooks that make an `nn.Embedding` (or subclass) look up only this rank's vocabulary rows; they do nothing while
+    the model is gathered (`state.sharded_only`)."""
 
-    def __init__(self, module: nn.Embedding, partition: Partition, group: Group):
-        self.module, self.group, self.gathered = module, group, False
+    def __init__(self, module: nn.Embedding, partition: Partition, group: Group, state):
+        self.module, self.group = module, group
         rank = group_rank(group)
         (self.start, self.count), = partition.runs[rank]
         self.full_rows, self.full_padding = module.num_embeddings, module.padding_idx
         module.weight = shard_parameter(module.weight, partition, rank)
-        self._set_rows()
+        self._set_rows(full=False)
         self._mask: torch.Tensor | None = None
-        self._hooks = [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._leave)]
+        self._hooks = [module.register_forward_pre_hook(state.sharded_only(self._enter)),
+                       module.register_forward_hook(state.sharded_only(self._leave))]
         module.autotp_region = self
 
     def release(self) -> None:
         """Leave the module a plain full embedding again (it must be gathered): before a vocabulary resize."""
-        if not self.gathered:
+        if self.module.num_embeddings != self.full_rows:
             raise RuntimeError("gather the embedding before releasing it")
         for hook in self._hooks:
             hook.remove()
         del self.module.autotp_region
 
-    def _set_rows(self) -> None:
-        if self.gathered:
+    def _set_rows(self, full: bool) -> None:
+        if full:
             self.module.num_embeddings, self.module.padding_idx = self.full_rows, self.full_padding
             return
         self.module.num_embeddings = self.count
@@ -53,28 +55,22 @@ class VocabParallelEmbedding:
             else None
 
     def _enter(self, module, args):
-        if self.gathered:
-            return None
         ids = args[0]
         self._mask = (ids < self.start) | (ids >= self.start + self.count)
         return ((ids - self.start).masked_fill(self._mask, 0), *args[1:])
 
     def _leave(self, module, args, output):
-        if self.gathered:
-            return output
         output = output.masked_fill(self._mask.unsqueeze(-1), 0)
         self._mask = None
         return reduce_from_tp(output, self.group)
 
     def gather_(self) -> None:
         gather_parameter_(self.module.weight, self.group)
-        self.gathered = True
-        self._set_rows()
+        self._set_rows(full=True)
 
     def partition_(self) -> None:
         partition_parameter_(self.module.weight)
-        self.gathered = False
-        self._set_rows()
+        self._set_rows(full=False)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -175,7 +171,7 @@ class LogitsGate:
     def after(self, module: nn.Module, args, kwargs, output):
         logits = getattr(output, "logits", None)
         full = self.partition.full_size
-        if self.state.gathered or logits is None or logits.shape[-1] == full or group_size(self.group) == 1:
+        if logits is None or logits.shape[-1] == full or group_size(self.group) == 1:
             return output
         has_loss = getattr(output, "loss", None) is not None
         if has_loss and self.loss.calls == self._calls_before:

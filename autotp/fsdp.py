@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from .parallel.dtensor_rows import local_rows
 from .parallel.groups import _new_group, group_size
 from .compat.hf import adapter_module
+from .compat.torch import is_fsdp_hook
 from .parallel.state import TPState, state_of, wrapped_model
 
 
@@ -109,13 +110,6 @@ _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_loa
           "_load_state_dict_post_hooks")  # where FSDP2 hooks into a module
 
 
-def _from_fsdp(hook: Any) -> bool:
-    """Whether a module hook is one FSDP registered (bound method, closure or lambda defined by FSDP's code)."""
-    for _ in range(3):  # unwrap torch's _WrappedHook, functools.partial, bound methods
-        hook = getattr(hook, "hook", None) or getattr(hook, "func", None) or getattr(hook, "__func__", None) or hook
-    return (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp")
-
-
 class Unsharded:
     """Inside, a model under `fully_shard` holds plain parameters, each rank's whole TP shard, and FSDP's module
     hooks are paused, so the model runs and loads as without FSDP (`GatherReplacedLayerParams` then gathers over
@@ -144,7 +138,7 @@ class Unsharded:
         for module in self.model.modules():
             for attr in _HOOKS:
                 hooks = getattr(module, attr)
-                ours = [key for key, hook in hooks.items() if _from_fsdp(hook)]
+                ours = [key for key, hook in hooks.items() if is_fsdp_hook(hook)]
                 if ours:
                     self.paused.append((hooks, dict(hooks)))
                     for key in ours:

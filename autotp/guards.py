@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import sys
 import weakref
 import zlib
 from typing import Any, Iterator
@@ -25,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .parallel.groups import group_size
 from .fsdp import check_mesh
 from .compat.hf import adapter_module
+from .compat.torch import ddp_under_construction
 from .parallel.lora import adapt
 from .parallel.replicas import check_replicas
 from .parallel.state import TPState, state_of
@@ -117,9 +117,7 @@ class DDPGuard:
 
 def _ddp_under_construction() -> DistributedDataParallel | None:
     """The DDP whose constructor is reading the ignore list (two frames up), if it can be seen."""
-    frame = sys._getframe(2)
-    ddp = frame.f_locals.get("self") if frame is not None else None
-    return ddp if isinstance(ddp, DistributedDataParallel) and hasattr(ddp, "process_group") else None
+    return ddp_under_construction(2)
 
 
 PEFT_UNSUPPORTED = ("Of PEFT's methods autotp shards only LoRA on linear layers (get_peft_model before or after "

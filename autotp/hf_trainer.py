@@ -29,7 +29,9 @@ from .parallel.collectives import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
 from .fsdp import fully_shard as autotp_fully_shard
 from .parallel.groups import group_size
+from .compat import trainer as trainer_compat
 from .compat.hf import adapter_module
+from .compat.versions import check_versions
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .io.resume import as_params, local_optimizer_state
@@ -60,13 +62,18 @@ class _TPOnly(nn.Module):
         return self.module(*args, **kwargs)
 
 
+@trainer_compat.replace_privates
 class AutoTPTrainer(Trainer):
-    """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`."""
+    """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`.
+
+    The methods named in `autotp.compat.trainer.REPLACED` stand in for Trainer's private ones of the same purpose.
+    """
 
     def __init__(self, *args: Any, fully_shard: bool | dict[str, Any] = False, **kwargs: Any):
         """`fully_shard=True` (or a dict of `autotp.fully_shard` options) shards the wrapped model with FSDP2 over
         the DP group instead of replicating it under DDP: parameters, gradients and optimizer state are then
         split over TP x DP."""
+        check_versions()
         super().__init__(*args, **kwargs)
         model = wrapped_model(self.model)
         fused = _fused_head(vars(model).get("forward")) if model is not None else None
@@ -84,10 +91,12 @@ class AutoTPTrainer(Trainer):
         self.accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm_(
             self.model, max_norm, float(norm_type))
 
-    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
+    def wrap_for_training(self, model: nn.Module, training: bool = True,
+                          dataloader: DataLoader | None = None) -> nn.Module:
+        """For training, DDP over the DP group only (or nothing when FSDP or one replica), never over the world."""
         if not training or isinstance(model, (DistributedDataParallel, _TPOnly)):
             return model
-        if not any(m is model for m in self.accelerator._models):  # bf16 / fp16: autocast, as Trainer's prepare does
+        if not trainer_compat.is_prepared(self, model):  # bf16 / fp16: autocast, as Trainer's prepare does
             self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         if dp_size(model) > 1 and not find_state(model).fsdp:  # FSDP reduces gradients over DP itself
             device = next(model.parameters()).device
@@ -95,17 +104,19 @@ class AutoTPTrainer(Trainer):
                                            device_ids=[device] if device.type == "cuda" else None)
         return _TPOnly(model)
 
-    def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
+    def train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
+        """Each DP replica its own part of the data; the TP ranks of a replica the same."""
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         return data_parallel_sampler(dataset, self.model, shuffle=True, seed=self.args.seed)
 
     def get_train_dataloader(self) -> DataLoader:
         """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again."""
         dataset = self.train_dataset
-        collator = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        return _EpochLoader(dataset, batch_size=self._train_batch_size, sampler=self._get_train_sampler(dataset),
-                            collate_fn=collator, num_workers=self.args.dataloader_num_workers,
-                            pin_memory=self.args.dataloader_pin_memory, drop_last=self.args.dataloader_drop_last)
+        collator = trainer_compat.collator(self, "training")
+        return _EpochLoader(dataset, batch_size=trainer_compat.train_batch_size(self),
+                            sampler=self.train_sampler(dataset), collate_fn=collator,
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+                            drop_last=self.args.dataloader_drop_last)
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """Each DP replica evaluates its own part; the TP ranks of a replica read the same batches."""
@@ -130,7 +141,7 @@ class AutoTPTrainer(Trainer):
             raise ValueError(f"autotp: the {description} dataset has {len(dataset)} samples, which do not split "
                              f"evenly over {replicas} data-parallel replicas; the padded duplicates would skew the "
                              f"{description} loss. Use a multiple of {replicas} samples")
-        collator = self._get_collator_with_removed_columns(self.data_collator, description=description)
+        collator = trainer_compat.collator(self, description)
         return DataLoader(dataset, batch_size=self.args.eval_batch_size,
                           sampler=data_parallel_sampler(dataset, self.model, shuffle=False), collate_fn=collator,
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
@@ -164,7 +175,7 @@ class AutoTPTrainer(Trainer):
         return tp_size(self.model)
 
     def get_total_train_batch_size(self, args) -> int:
-        return self._train_batch_size * args.gradient_accumulation_steps * dp_size(self.model)
+        return trainer_compat.train_batch_size(self) * args.gradient_accumulation_steps * dp_size(self.model)
 
     @contextmanager
     def _no_world_token_average(self) -> Iterator[bool]:
@@ -176,10 +187,10 @@ class AutoTPTrainer(Trainer):
         finally:
             self.args.average_tokens_across_devices = average
 
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+    def count_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """This replica's label tokens, summed over the DP group when averaging tokens across devices."""
         with self._no_world_token_average() as average:
-            count = super()._get_num_items_in_batch(batch_samples, device)
+            count = trainer_compat.replaced(self, AutoTPTrainer, "count_items_in_batch")(batch_samples, device)
         if not torch.is_tensor(count):
             return count
         count = count * self.get_tp_size()  # Trainer divided by the ranks sharing a batch; this count is ours alone
@@ -216,7 +227,7 @@ class AutoTPTrainer(Trainer):
             name += f".dp{dp_rank(self.model)}-of-{dp_size(self.model)}"
         return name + ".pt"
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    def save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0), or
         under FSDP by every rank (each holds its own DP rows), in place of Trainer's single `optimizer.pt`, which
         would hold rank 0's shards only; the scheduler as Trainer writes it (the scaler Trainer saves apart)."""
@@ -227,7 +238,7 @@ class AutoTPTrainer(Trainer):
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """This TP rank's optimizer state, then Trainer's scheduler."""
         if checkpoint is None:
             return
@@ -246,8 +257,8 @@ class AutoTPTrainer(Trainer):
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """The full checkpoint `_save` wrote, read as this rank's rows into the wrapped model's own parameters; for
+    def load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The full checkpoint `save_to` wrote, read as this rank's rows into the wrapped model's own parameters; for
         a model holding PEFT adapters, the adapter PEFT wrote, loaded by PEFT."""
         if adapter_module(self.model) is not None:
             from peft import set_peft_model_state_dict
@@ -260,19 +271,19 @@ class AutoTPTrainer(Trainer):
         load_params(self.model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
                     show=self.args.should_save, in_place=True)
 
-    def _load_best_model(self) -> None:
+    def load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's full model, read as this rank's rows, in place."""
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
+        self.load_from_checkpoint(self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Every rank takes part (`autotp.save_pretrained` is collective); Trainer itself calls `_save` on the
+        """Every rank takes part (`autotp.save_pretrained` is collective); Trainer itself saves on the
         main process only (transformers 5.19 under accelerate's multi-process state), which would leave it
         waiting for the others."""
-        self._save(output_dir or self.args.output_dir)
+        self.save_to(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+    def save_to(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
         output_dir = output_dir or self.args.output_dir
         if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (autotp.io.adapters)

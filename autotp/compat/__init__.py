@@ -1,5 +1,23 @@
-"""Dependency boundaries: every touch of transformers', PEFT's and torch's internals, one module per dependency.
+"""Dependency boundaries: the private or undocumented pieces of autotp's dependencies, one module per dependency.
 
-Each module keeps a version table and fails with the missing piece named when a dependency moves.
+- `hf`: transformers' model internals (weight conversion on load, auto-class mappings, init of missing keys).
+- `trainer`: transformers' Trainer private methods AutoTPTrainer replaces or calls, and accelerate's one.
+- `peft`: PEFT's classes (recognised by isinstance, PEFT imported lazily) and its LoRA layers' private methods.
+- `torch`: torch.distributed's group timeout, DDP's constructor frame and ignore list, FSDP2's hooks, and the
+  collectives renamed across versions.
+- `versions`: the tested versions, the error naming a piece a dependency moved, and `check_versions`, a
+  once-per-process warning for an untested major version of torch, transformers or PEFT.
+
+Each module opens with a table of its pieces and the versions they were checked on. Outside this package
+autotp still touches nn.Module's own dicts (`_modules`, `_parameters`, its hook dicts), which torch keeps
+stable; tests/test_compat.py fails on any of the private names in those tables used elsewhere. Not yet
+routed through here: `autotp.api` sets DDP's ignore list directly and `autotp.parallel.seq_collectives`
+picks the renamed collectives itself (`compat.torch` has `set_ddp_ignored`, `all_gather_single` and
+`reduce_scatter_single` for them).
+
 It imports nothing from autotp, so any tier may import it.
 """
+
+from .versions import check_versions
+
+__all__ = ["check_versions"]

@@ -17,6 +17,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
+from .peft import is_peft_module
+
 
 def _internal(module: str, name: str) -> Callable[..., Any]:
     """`module.name` from transformers, or an error saying which transformers internal autotp lost."""
@@ -39,7 +41,7 @@ def is_conv1d(module: nn.Module) -> bool:
 def adapter_module(model: nn.Module) -> tuple[str, str] | None:
     """The first module (path, class) that a parameter-efficient tuning library (PEFT) put into `model`."""
     for path, module in model.named_modules():
-        if type(module).__module__.split(".")[0] == "peft":
+        if is_peft_module(module):
             return path or "the model itself", f"{type(module).__module__}.{type(module).__qualname__}"
     return None
 

@@ -2,8 +2,9 @@
 
 A saved adapter must load in one process (`PeftModel.from_pretrained`), so its split halves are
 written at full size; only the adapters are gathered for that, never the base weights, so saving
-costs the adapter's own size. `PeftModel.save_pretrained` is wrapped once for that (models autotp
-did not wrap save as before). Loading needs no collective: a pre-hook on the wrapped model cuts
+costs the adapter's own size. `PeftModel.save_pretrained` is wrapped for that while a wrapped model
+lives, and restored once the last is collected (models autotp did not wrap save as before in the
+meantime). Loading needs no collective: a pre-hook on the wrapped model cuts
 every full-size adapter tensor to this rank's part before PyTorch copies it, whichever PEFT entry
 point loads (`PeftModel.from_pretrained`, `load_adapter`, `set_peft_model_state_dict`).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -71,18 +73,43 @@ def _save_pretrained(original: Any) -> Any:
         if failed:
             raise RuntimeError(f"PeftModel.save_pretrained failed on {describe(failed)}")
 
-    save_pretrained.autotp_wrapped = True
     return save_pretrained
 
 
-def watch_peft() -> None:
-    """Wrap `PeftModel.save_pretrained` once, if PEFT is installed (imported here so no later import misses it)."""
-    if importlib.util.find_spec("peft") is None:
-        return
-    from peft import PeftModel
+class _SavePatch:
+    """`PeftModel.save_pretrained` wrapped while any model that autotp wrapped lives (a PEFT model holds the one it
+    adapts), PEFT's own again once the last of them is garbage-collected."""
 
-    if not getattr(PeftModel.save_pretrained, "autotp_wrapped", False):
-        PeftModel.save_pretrained = _save_pretrained(PeftModel.save_pretrained)
+    def __init__(self) -> None:
+        self.models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.live = 0  # counted apart: the set may drop a model before its finalizer runs
+        self.original: Any = None
+
+    def watch(self, model: nn.Module) -> None:
+        """Wrap PEFT's method while `model` lives, if PEFT is installed (imported here so no later import misses it)."""
+        if importlib.util.find_spec("peft") is None or model in self.models:
+            return
+        from peft import PeftModel
+
+        if self.live == 0:
+            self.original = PeftModel.save_pretrained
+            PeftModel.save_pretrained = _save_pretrained(self.original)
+        self.models.add(model)
+        self.live += 1
+        weakref.finalize(model, self.release).atexit = False
+
+    def release(self) -> None:
+        self.live -= 1
+        if self.live:
+            return
+        from peft import PeftModel
+
+        if getattr(PeftModel.save_pretrained, "__wrapped__", None) is self.original:  # not replaced since by others
+            PeftModel.save_pretrained = self.original
+        self.original = None
+
+
+watch_peft = _SavePatch()
 
 
 class AdapterSlices:
@@ -131,7 +158,7 @@ class AdapterSlices:
 
 
 def slice_adapters_on_load(model: nn.Module, state: TPState) -> AdapterSlices:
-    """Install the load pre-hook on a wrapped model, and the save wrapper on PEFT."""
-    watch_peft()
+    """Install the load pre-hook on a wrapped model, and the save wrapper on PEFT while the model lives."""
+    watch_peft.watch(model)
     return AdapterSlices(model, state)
 

@@ -14,6 +14,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..compat.torch import backend_timeout
+
 Group = dist.ProcessGroup | None
 
 # How long a collective may wait for a peer before failing, when neither the user's
@@ -42,16 +44,9 @@ def is_global_rank0() -> bool:
 
 
 def world_timeout() -> timedelta:
-    """The timeout the default process group was created with, or `DEFAULT_TIMEOUT` if it cannot be read.
-
-    torch offers no public getter: this reads the backend's options (checked on torch 2.13).
-    """
-    try:
-        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-        timeout = dist.group.WORLD._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError, ValueError):
-        return DEFAULT_TIMEOUT
-    return timeout if isinstance(timeout, timedelta) else DEFAULT_TIMEOUT
+    """The timeout the default process group was created with, or `DEFAULT_TIMEOUT` without one (torch has no
+    public getter: `autotp.compat.torch.backend_timeout` reads it)."""
+    return backend_timeout() or DEFAULT_TIMEOUT
 
 
 def _new_group(ranks: list[int], timeout: timedelta, what: str) -> dist.ProcessGroup:

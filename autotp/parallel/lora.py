@@ -36,15 +36,14 @@ from .grad_hooks import GradHook, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, gather_parameter_, partition_parameter_
 from .replicas import broadcast_tensors
 from .rng import shared_draws
+from ..compat import peft as peft_compat
 from ..planning.sharding import Partition, Shard
 from .state import TPState
 
 
 def is_lora_linear(module: nn.Module | None, layer: nn.Module) -> bool:
     """Whether `module` is PEFT's LoRA `Linear` wrapped directly around the autotp `layer`."""
-    kind = type(module)
-    return kind.__module__.startswith("peft.tuners.lora") and kind.__name__ == "Linear" and getattr(
-        module, "base_layer", None) is layer
+    return peft_compat.is_lora_linear(module) and getattr(module, "base_layer", None) is layer
 
 
 class TPLora:
@@ -79,7 +78,7 @@ class TPLora:
         lora = self.lora
         if self.state.gathered:
             return type(lora).forward(lora, x, *args, **kwargs)
-        lora._check_forward_args(x, *args, **kwargs)
+        peft_compat.check_forward_args(lora, x, *args, **kwargs)
         if kwargs.get("adapter_names") is not None:
             return self._mixed_batch(x, *args, **kwargs)
         if lora.disable_adapters and lora.merged:
@@ -107,7 +106,7 @@ class TPLora:
         for name in active:
             a = self.lora.lora_A[name]
             with shared_draws(self.layer):
-                dropped = self.lora.lora_dropout[name](self.lora._cast_input_dtype(x, a.weight.dtype))
+                dropped = self.lora.lora_dropout[name](peft_compat.cast_input_dtype(self.lora, x, a.weight.dtype))
             h = F.linear(dropped, shared.weight(a.weight), a.bias)
             result = result + self.lora.lora_B[name](h) * self.lora.scaling[name]
         return result.to(dtype)
@@ -118,7 +117,7 @@ class TPLora:
         hs = []
         for name in active:
             a = self.lora.lora_A[name]
-            hs.append(a(self._dropout_columns(name, self.lora._cast_input_dtype(x, a.weight.dtype))))
+            hs.append(a(self._dropout_columns(name, peft_compat.cast_input_dtype(self.lora, x, a.weight.dtype))))
         result, *hs = reduce_from_tp_joined([partial, *hs], self.layer.group)
         if self.layer.bias is not None:
             result = result + self.layer.bias
@@ -255,8 +254,7 @@ def adapt_all(model: nn.Module, state: TPState) -> None:
 def trainable_copies(module: nn.Module) -> list[ParallelLinear]:
     """The trainable copies PEFT's `modules_to_save` wrapper `module` holds of a sharded layer, when all are sharded
     alike (same partition, same group), so they train like the layer itself; [] for anything else."""
-    kind = type(module)
-    if not (kind.__module__.startswith("peft") and kind.__name__ == "ModulesToSaveWrapper"):
+    if not peft_compat.is_modules_to_save(module):
         return []
     original = getattr(module, "original_module", None)
     copies = list(getattr(module, "modules_to_save", {}).values())
@@ -273,7 +271,7 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
         if hasattr(layer, "autotp_lora"):
             layer.autotp_lora.release()
         return True
-    if state.fsdp and type(current).__module__.startswith("peft"):
+    if state.fsdp and peft_compat.is_peft_module(current):
         raise NotImplementedError(f"autotp: {path} was wrapped by PEFT ({type(current).__name__}) after "
                                   f"autotp.fully_shard; PEFT adapters under FSDP are not supported yet (FSDP would "
                                   f"not reduce their gradients over data parallelism). Train adapters under DDP over "

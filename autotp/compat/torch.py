@@ -1,0 +1,84 @@
+"""Every place autotp relies on PyTorch beyond its documented API, in one module.
+
+| piece                                                    | used for                                 | checked on |
+|----------------------------------------------------------|------------------------------------------|------------|
+| `ProcessGroup._get_backend(device).options._timeout`     | the world's timeout, for autotp's groups | 2.13       |
+| `sys._getframe`: DDP's `__init__` frame, its `self`      | DDP's group while DDP is being built     | 2.13       |
+| `Module._ddp_params_and_buffers_to_ignore`               | DDP reads it during `__init__`           | 2.13       |
+| FSDP2's module hooks defined in `torch.distributed.fsdp` | pausing FSDP's hooks (no public marker)  | 2.13       |
+| `dist.all_gather_single` / `all_gather_into_tensor`      | the one-tensor all-gather (renamed)      | 2.13       |
+| `dist.reduce_scatter_single` / `reduce_scatter_tensor`   | the one-tensor reduce-scatter (renamed)  | 2.13       |
+
+torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
+frame read returns None instead, as `autotp.guards.DDPGuard` then checks the group at DDP's first forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .versions import require
+
+_DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
+
+
+def backend_timeout(group: Any = None) -> timedelta | None:
+    """The timeout `group` (the world by default) was created with, read from its backend for the world's device
+    type; None without torch.distributed or without a backend for that device."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = group or dist.group.WORLD
+    get_backend = require(group, "_get_backend", "torch.distributed.ProcessGroup._get_backend")
+    try:
+        backend = get_backend(torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    except RuntimeError:  # no backend for that device type
+        return None
+    timeout = require(getattr(backend, "options", None), "_timeout", "torch.distributed.Backend.Options._timeout")
+    return timeout if isinstance(timeout, timedelta) else None
+
+
+def ddp_under_construction(frames_up: int) -> DistributedDataParallel | None:
+    """The DDP whose `__init__` runs `frames_up` frames above the caller, once it holds its process group; None if
+    that frame is not such a constructor or this Python cannot read frames."""
+    try:
+        frame = sys._getframe(frames_up + 1)
+    except (AttributeError, ValueError):  # not CPython, or a shallower stack
+        return None
+    ddp = frame.f_locals.get("self")
+    return ddp if isinstance(ddp, DistributedDataParallel) and hasattr(ddp, "process_group") else None
+
+
+def ddp_ignored(model: nn.Module) -> tuple[str, ...]:
+    """The parameter and buffer names DDP is told to leave out of `model` (DDP's private attribute)."""
+    return tuple(getattr(model, _DDP_IGNORE, ()) or ())
+
+
+def set_ddp_ignored(model: nn.Module, names: Iterable[str]) -> None:
+    """What DDP will iterate as the names to leave out of `model` while it is built (any iterable of str)."""
+    setattr(model, _DDP_IGNORE, names)
+
+
+def is_fsdp_hook(hook: Any) -> bool:
+    """Whether a module hook is one FSDP2 registered (a bound method, closure or lambda of FSDP's code)."""
+    for _ in range(3):  # unwrap torch's _WrappedHook, functools.partial, bound methods
+        hook = getattr(hook, "hook", None) or getattr(hook, "func", None) or getattr(hook, "__func__", None) or hook
+    return (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp")
+
+
+def all_gather_single() -> Callable[..., Any]:
+    """torch's all-gather of one tensor into one output tensor, `(out, x, group=, async_op=)`, under either name."""
+    return getattr(dist, "all_gather_single", None) or require(
+        dist, "all_gather_into_tensor", "torch.distributed.all_gather_single")
+
+
+def reduce_scatter_single() -> Callable[..., Any]:
+    """torch's reduce-scatter of one tensor into one output tensor, `(out, x, group=)`, under either name."""
+    return getattr(dist, "reduce_scatter_single", None) or require(
+        dist, "reduce_scatter_tensor", "torch.distributed.reduce_scatter_single")

@@ -1,0 +1,75 @@
+"""Every place autotp relies on transformers' Trainer (and its accelerate Accelerator) beyond their documented API,
+in one module: `autotp.hf_trainer.AutoTPTrainer` replaces some of Trainer's private methods and reads a few
+private attributes. Versions are transformers' (accelerate's for its row).
+
+| piece                                        | used for                                        | checked on |
+|----------------------------------------------|-------------------------------------------------|------------|
+| `Trainer._wrap_model`                        | replaced: DDP over the DP group, not the world  | 5.19, 5.23 |
+| `Trainer._get_num_items_in_batch`            | replaced (and called): tokens summed over DP    | 5.19, 5.23 |
+| `Trainer._get_train_sampler`                 | replaced: the DP-aware sampler                  | 5.19, 5.23 |
+| `Trainer._save`                              | replaced: every rank takes part in the gather   | 5.19, 5.23 |
+| `Trainer._save_optimizer_and_scheduler`      | replaced: one optimizer file per TP (DP) rank   | 5.19, 5.23 |
+| `Trainer._load_optimizer_and_scheduler`      | replaced: this rank's optimizer file            | 5.19, 5.23 |
+| `Trainer._load_from_checkpoint`              | replaced: this rank's rows of a full checkpoint | 5.19, 5.23 |
+| `Trainer._load_best_model`                   | replaced: the same, at load_best_model_at_end   | 5.19, 5.23 |
+| `Trainer._get_collator_with_removed_columns` | called: Trainer's collator for autotp's loaders | 5.19, 5.23 |
+| `Trainer._train_batch_size`                  | read: the per-device batch size                 | 5.19, 5.23 |
+| `Accelerator._models` (accelerate)           | read: whether a model was prepared (autocast)   | 1.15       |
+
+A replaced method that Trainer no longer has would silently never run, so `replace_privates` refuses it when
+`autotp.hf_trainer` is imported; every piece raises `versions.missing`'s error naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+from transformers import Trainer
+
+from .versions import require
+
+# AutoTPTrainer's method -> the private method of Trainer that it replaces
+REPLACED = {
+    "wrap_for_training": "_wrap_model",
+    "count_items_in_batch": "_get_num_items_in_batch",
+    "train_sampler": "_get_train_sampler",
+    "save_to": "_save",
+    "save_optimizer_and_scheduler": "_save_optimizer_and_scheduler",
+    "load_optimizer_and_scheduler": "_load_optimizer_and_scheduler",
+    "load_from_checkpoint": "_load_from_checkpoint",
+    "load_best_model": "_load_best_model",
+}
+
+
+def replace_privates(cls: type) -> type:
+    """Class decorator: each method of `cls` named in `REPLACED` installed under the private name Trainer calls,
+    after checking that Trainer still has it."""
+    for method, private in REPLACED.items():
+        require(Trainer, private, f"transformers.Trainer.{private}")
+        setattr(cls, private, vars(cls)[method])
+    return cls
+
+
+def replaced(trainer: Trainer, cls: type, method: str) -> Callable[..., Any]:
+    """The implementation that `cls`'s `method` (a key of `REPLACED`) replaces, as the classes after `cls` in
+    `trainer`'s method order have it (Trainer's own, or a subclass's such as TRL's), bound to `trainer`."""
+    private = REPLACED[method]
+    return require(super(cls, trainer), private, f"transformers.Trainer.{private}")
+
+
+def collator(trainer: Trainer, description: str) -> Callable[..., Any]:
+    """Trainer's data collator, without the columns the model's forward does not take (as Trainer's own loaders)."""
+    remove = require(trainer, "_get_collator_with_removed_columns",
+                     "transformers.Trainer._get_collator_with_removed_columns")
+    return remove(trainer.data_collator, description=description)
+
+
+def train_batch_size(trainer: Trainer) -> int:
+    """The per-device training batch size Trainer uses (it may differ from the arguments' after auto-find)."""
+    return require(trainer, "_train_batch_size", "transformers.Trainer._train_batch_size")
+
+
+def is_prepared(trainer: Trainer, model: nn.Module) -> bool:
+    """Whether the trainer's accelerator has prepared `model` (its mixed-precision autocast applied)."""
+    return any(m is model for m in require(trainer.accelerator, "_models", "accelerate.Accelerator._models"))

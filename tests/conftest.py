@@ -1,3 +1,11 @@
+"""Fixtures every test module may use. Shared non-fixture helpers live in tests/models.py (a helper module); test
+modules never import each other (tests/test_suite_hygiene.py checks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
 import torch
 
 # Ranks are forked from this process: keep it single-threaded so no OpenMP pool is forked mid-use.
@@ -5,3 +13,44 @@ torch.set_num_threads(1)
 
 # wrap imports PEFT when it is installed (autotp.io.adapters); importing it here once spares every forked rank the ~2 s.
 import peft  # noqa: E402,F401
+
+
+@dataclass
+class CliResult:
+    """What one `autotp ...` command gave: its exit code and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def autotp_cli(capsys: pytest.CaptureFixture[str]):
+    """`autotp_cli("plan", "llama", "--tp", "2")` runs `autotp.cli.main` in this process and returns a `CliResult`.
+
+    argparse's usage errors exit (SystemExit); a test expecting one wraps the call in `pytest.raises(SystemExit)` and
+    reads the message with `capsys`. tests/test_cli_errors.py runs `python -m autotp` itself once.
+    """
+    from autotp.cli import main
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()  # only this command's output
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return run
+
+
+@pytest.fixture
+def gloo_group_of_one():
+    """A one-rank gloo process group in this process (no port: an in-memory store), destroyed after the test so that
+    ranks forked later start without one."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "a process group was left initialised"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -1,12 +1,19 @@
-"""Tiny configs of every tested family (hidden <= 128, dropout off so runs are deterministic)."""
+"""Helpers the test modules share (a helper module, not a test module: test modules import it, never each other).
+
+Tiny configs of every tested family (hidden <= 128, dropout off so runs are deterministic), the models and
+batches built from them, and the per-rank parity run of a family.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import transformers as tf
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from autotp.testing import tiny_config
+import autotp
+from autotp.testing import parity, tiny_config
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
@@ -15,13 +22,13 @@ GPT = dict(n_embd=64, n_layer=2, n_head=8, vocab_size=256, n_positions=64, resid
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
 CONFIGS = {
-    # issue 2: the Llama family
+    # the Llama family: separate q/k/v and gate/up projections
     "llama": lambda: tf.LlamaConfig(**COMMON),
     "mistral": lambda: tf.MistralConfig(**COMMON, sliding_window=None),
     "qwen2": lambda: tf.Qwen2Config(**COMMON),  # q/k/v biases
     "qwen3": lambda: tf.Qwen3Config(**COMMON, head_dim=16),  # per-head q_norm / k_norm
     "gemma": lambda: tf.GemmaConfig(**COMMON, head_dim=16),  # tied embeddings
-    # issue 3: fused projections, MQA/GQA, MoE, encoders
+    # fused projections, MQA/GQA, MoE, encoders
     "gpt2": lambda: tf.GPT2Config(**GPT),  # Conv1D, c_attn = [q | k | v]
     "gpt_neox": lambda: tf.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                          intermediate_size=96, vocab_size=256, max_position_embeddings=64,
@@ -70,8 +77,8 @@ DERIVED = {
 }
 CONFIGS.update(DERIVED)
 LLAMA_FAMILY = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
-FAMILIES = LLAMA_FAMILY  # kept for the issue-2 tests
-ISSUE3_FAMILIES = [f for f in CONFIGS if f not in LLAMA_FAMILY and f not in DERIVED]
+# Every other family a shipped policy covers: fused projections, MQA/GQA, MoE, encoders.
+OTHER_POLICY_FAMILIES = [f for f in CONFIGS if f not in LLAMA_FAMILY and f not in DERIVED]
 
 
 def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -87,3 +94,52 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
 def batch(vocab: int = 256, size: tuple[int, int] = (2, 16), seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, size, generator=generator)
+
+
+def labels_with_ignored(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` as labels with -100 over a prompt (row 0's first 5) and padding (row 1's last 3)."""
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt not to learn from
+    labels[1, -3:] = -100  # padding
+    return labels
+
+
+def family_parity(rank: int, world: int, family: str, steps: int = 3, policy=None, config: dict | None = None) -> dict:
+    """Runs on each rank: a tiny `family` model (its config edited by `config`), single process vs wrapped at
+    tp=world; the `autotp.testing.compare_training` report."""
+    return parity.compare_training(tiny_model(family, **(config or {})), batch(), world, steps, policy)
+
+
+GPT2_DROPOUT = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+
+
+def replicated_streams(rank: int, world: int, device: str = "cpu") -> list[bool]:
+    """Runs on each rank: whether each block's output (the residual stream) is bit-identical on every TP rank, with
+    GPT-2's dropout on `device` (tests/test_dropout.py on CPU, tests/test_gpu.py on CUDA)."""
+    torch.manual_seed(1000 + rank)  # ranks seeded differently on purpose: wrap must align the shared stream
+    model = autotp.wrap(tiny_model("gpt2", **GPT2_DROPOUT).to(device), world)
+    model.train()
+    captured = []
+    for block in model.transformer.h:  # each block's output is the residual stream: replicated
+        block.register_forward_hook(lambda m, a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    ids = batch().to(device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    same = []
+    for tensor in captured:
+        everyone = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(everyone, tensor.detach().contiguous())
+        same.append(all(torch.equal(everyone[0], t) for t in everyone))
+    return same
+
+
+class SoftmaxMLP(nn.Module):
+    """Same child names as a Llama MLP, but a softmax across the width: sharding the width would be wrong."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.softmax(self.gate_proj(x), dim=-1) * self.up_proj(x))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
@@ -34,7 +33,8 @@ def train_and_save(rank: int, world: int, family: str, target: str, max_shard_si
 
 
 @pytest.mark.parametrize("max_shard_size", ["5GB", "60KB"])
-@pytest.mark.parametrize("family,tp", [("llama", 2), ("gemma", 4), ("qwen3", 4)])
+@pytest.mark.parametrize("family,tp", [("llama", 2), pytest.param("gemma", 4, marks=pytest.mark.slow),
+                                       pytest.param("qwen3", 4, marks=pytest.mark.slow)])
 def test_save_loads_in_plain_transformers(tmp_path: Path, family: str, tp: int, max_shard_size: str) -> None:
     target = tmp_path / "out"
     gathered = run_ranks(train_and_save, tp, family, str(target), max_shard_size)[0]
@@ -118,3 +118,24 @@ def test_into_existing_keeps_other_files_and_replaces_model_files(tmp_path: Path
     loaded = AutoModelForCausalLM.from_pretrained(target)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "staging directory left behind"
+
+
+# Transformers' own method on a wrapped model.
+
+def hf_save(rank: int, world: int, target: str) -> dict | None:
+    model = autotp.wrap(tiny_model("gemma"), world)
+    with pytest.raises(ValueError) as err:
+        model.save_pretrained(target, safe_serialization=False)
+    refused_before_writing = not Path(target).exists()
+    model.save_pretrained(target)  # transformers' method, as a user would call it, on every rank
+    with autotp.GatherReplacedLayerParams(model):
+        full = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"full": full, "error": str(err.value), "clean": refused_before_writing} if rank == 0 else None
+
+
+def test_plain_save_pretrained_writes_the_full_checkpoint(tmp_path: Path) -> None:
+    report = run_ranks(hf_save, 2, str(tmp_path / "out"))[0]
+    assert report["clean"] and "safe_serialization" in report["error"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in report["full"].items())

@@ -1,19 +1,24 @@
-"""Bad input to `autotp plan|verify|consolidate`: one line on stderr, exit code 2, never a traceback."""
+"""Bad input to `autotp plan|verify|consolidate`: one line on stderr, exit code 2, never a traceback.
+
+The commands run in this process (`autotp.cli.main`, through conftest's `autotp_cli`); one test runs
+`python -m autotp` itself, for the exit code the shell sees.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from autotp.cli import build_parser
-from test_cli import cli
+from autotp.cli import build_parser, main
 
 
 def one_line_error(done, command: str) -> str:
-    """The single stderr line of a command refused with exit code 2."""
+    """The single stderr line of a command refused with exit code 2 (a `CliResult` or a finished subprocess)."""
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
@@ -27,65 +32,67 @@ def one_line_error(done, command: str) -> str:
     (json.dumps({"hidden_size": 64}), "no model_type"),
     (json.dumps({"model_type": "no_such_type"}), "unknown model_type 'no_such_type'"),
 ])
-def test_plan_refuses_a_file_that_is_not_a_config(tmp_path: Path, content: str, expected: str) -> None:
+def test_plan_refuses_a_file_that_is_not_a_config(autotp_cli, tmp_path: Path, content: str, expected: str) -> None:
     config = tmp_path / "config.json"
     config.write_text(content)
-    line = one_line_error(cli("plan", str(config), "--tp", "2"), "plan")
+    line = one_line_error(autotp_cli("plan", str(config), "--tp", "2"), "plan")
     assert str(config) in line and expected in line
 
 
-def test_plan_refuses_an_unknown_model_type() -> None:
-    line = one_line_error(cli("plan", "no_such_type", "--tp", "2"), "plan")
+def test_plan_refuses_an_unknown_model_type(autotp_cli) -> None:
+    line = one_line_error(autotp_cli("plan", "no_such_type", "--tp", "2"), "plan")
     assert "no_such_type" in line and "not a transformers model type" in line
 
 
-def test_plan_refuses_a_directory_without_config(tmp_path: Path) -> None:
-    line = one_line_error(cli("plan", str(tmp_path), "--tp", "2"), "plan")
+def test_plan_refuses_a_directory_without_config(autotp_cli, tmp_path: Path) -> None:
+    line = one_line_error(autotp_cli("plan", str(tmp_path), "--tp", "2"), "plan")
     assert "without config.json" in line
 
 
 @pytest.mark.parametrize("command", ["plan", "verify"])
-def test_a_model_without_a_text_head_is_refused(command: str) -> None:
-    line = one_line_error(cli(command, "vit", "--tp", "2"), command)
+def test_a_model_without_a_text_head_is_refused(autotp_cli, command: str) -> None:
+    line = one_line_error(autotp_cli(command, "vit", "--tp", "2"), command)
     assert "'vit' has no AutoModelForCausalLM class" in line and "--task" in line
 
 
-def test_a_task_the_model_lacks_is_refused() -> None:
-    line = one_line_error(cli("plan", "llama", "--tp", "2", "--task", "seq2seq"), "plan")
+def test_a_task_the_model_lacks_is_refused(autotp_cli) -> None:
+    line = one_line_error(autotp_cli("plan", "llama", "--tp", "2", "--task", "seq2seq"), "plan")
     assert "'llama' has no AutoModelForSeq2SeqLM class" in line
 
 
-def test_plan_names_a_policy_file_that_is_not_toml(tmp_path: Path) -> None:
+def test_plan_names_a_policy_file_that_is_not_toml(autotp_cli, tmp_path: Path) -> None:
     policy = tmp_path / "broken.toml"
     policy.write_text("model_types = [")
-    line = one_line_error(cli("plan", "llama", "--tp", "2", "--policy", str(policy)), "plan")
+    line = one_line_error(autotp_cli("plan", "llama", "--tp", "2", "--policy", str(policy)), "plan")
     assert str(policy) in line and "not valid TOML" in line
 
 
 @pytest.mark.parametrize("command, tp", [("plan", "0"), ("plan", "-1"), ("verify", "0"), ("verify", "-1")])
-def test_tp_below_one_is_a_usage_error(command: str, tp: str) -> None:
-    done = cli(command, "llama", "--tp", tp)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    last = done.stderr.strip().splitlines()[-1]
+def test_tp_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str], command: str, tp: str) -> None:
+    with pytest.raises(SystemExit) as stopped:  # argparse's usage error
+        main([command, "llama", "--tp", tp])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
     assert last == f"autotp {command}: error: argument --tp: must be at least 1, got {tp}"
 
 
-def test_consolidate_names_the_missing_metadata_key(tmp_path: Path) -> None:
+def test_consolidate_names_the_missing_metadata_key(autotp_cli, tmp_path: Path) -> None:
     (tmp_path / "autotp_checkpoint.json").write_text(json.dumps({"format": "autotp-checkpoint/1"}))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    line = one_line_error(cli("consolidate", str(tmp_path), str(tmp_path / "out")), "consolidate")
+    line = one_line_error(autotp_cli("consolidate", str(tmp_path), str(tmp_path / "out")), "consolidate")
     assert str(tmp_path / "autotp_checkpoint.json") in line and "'tp_size'" in line
 
 
-def test_consolidate_refuses_a_checkpoint_without_config(tmp_path: Path) -> None:
+def test_consolidate_refuses_a_checkpoint_without_config(autotp_cli, tmp_path: Path) -> None:
     meta = {"format": "autotp-checkpoint/1", "tp_size": 2, "world_size": 2, "partitions": {}}
     (tmp_path / "autotp_checkpoint.json").write_text(json.dumps(meta))
-    line = one_line_error(cli("consolidate", str(tmp_path), str(tmp_path / "out")), "consolidate")
+    line = one_line_error(autotp_cli("consolidate", str(tmp_path), str(tmp_path / "out")), "consolidate")
     assert "no config.json" in line
 
 
-def test_consolidate_refuses_a_missing_directory(tmp_path: Path) -> None:
-    line = one_line_error(cli("consolidate", str(tmp_path / "absent"), str(tmp_path / "out")), "consolidate")
+def test_consolidate_refuses_a_missing_directory(autotp_cli, tmp_path: Path) -> None:
+    line = one_line_error(autotp_cli("consolidate", str(tmp_path / "absent"), str(tmp_path / "out")), "consolidate")
     assert f"{tmp_path / 'absent'}: no such directory" in line
 
 
@@ -99,9 +106,17 @@ def test_every_option_and_positional_has_help() -> None:
                 assert action.help, f"{name}: {action.dest} has no help text"
 
 
-def test_verify_says_so_when_nothing_is_sharded() -> None:
+def test_verify_says_so_when_nothing_is_sharded(autotp_cli) -> None:
     # MPT's MLP output is not the row projection's output, so detection leaves every block replicated.
-    done = cli("verify", "mpt", "--tp", "2", "--steps", "1")
+    done = autotp_cli("verify", "mpt", "--tp", "2", "--steps", "1")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "NOTHING SHARDED: every layer of mpt stays replicated at tp=2" in done.stdout
     assert "OK:" not in done.stdout
+
+
+def test_python_m_autotp_reports_bad_input_in_one_line_with_exit_code_2() -> None:
+    """The module entry point itself (`python -m autotp`): main's exit code reaches the shell, no traceback."""
+    done = subprocess.run([sys.executable, "-m", "autotp", "plan", "no_such_type", "--tp", "2"], capture_output=True,
+                          text=True, timeout=240)
+    line = one_line_error(done, "plan")
+    assert "no_such_type" in line and "not a transformers model type" in line

@@ -8,8 +8,6 @@ real collective.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch.distributed as dist
 
@@ -50,7 +48,7 @@ def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict
 
 
 @pytest.mark.parametrize("vocab_parallel", [False, True])
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family,per_head_norms", [("llama", 0), ("qwen3", 2), ("gemma", 0)])
 def test_collectives_per_layer(family: str, per_head_norms: int, tp: int, vocab_parallel: bool) -> None:
     for report in run_ranks(count_step, tp, family, vocab_parallel):

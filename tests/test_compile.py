@@ -12,6 +12,8 @@ from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
 
+pytestmark = pytest.mark.slow  # dynamo tracing; the eager step's parity is test_parity.py's
+
 
 def compiled_against_eager(rank: int, world: int, family: str, vocab_parallel: bool) -> dict:
     models = []

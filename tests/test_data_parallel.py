@@ -14,10 +14,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import autotp
-from autotp.testing.parity import full_tensor
+from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL, full_tensor
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
-from test_parity import LOSS_ATOL, PARAM_ATOL
 
 GLOBAL = batch(size=(4, 16))
 CLIP = 0.5

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
 
 import autotp
-from models import tiny_model
+from autotp.testing import tiny_config
 from autotp.testing.spawn import run_ranks
+from models import tiny_model
 
 
 def snapshot(model: torch.nn.Module) -> dict:
@@ -82,3 +85,23 @@ def world_not_divisible(rank: int, world: int) -> str:
 def test_world_not_divisible_by_tp() -> None:
     for message in run_ranks(world_not_divisible, 2):
         assert "tp_size=4 must divide the world size 2" in message
+
+
+def test_widths_and_vocabularies_below_tp_are_refused_naming_the_module() -> None:
+    config = tiny_config("llama")
+    config.intermediate_size = 3
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp: MLP width 3 is smaller than tp_size=4"):
+        autotp.explain(model, 4)
+    config = tiny_config("llama")
+    config.vocab_size = 3
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = autotp.explain(model, 4)
+    assert plan.vocab is None and "vocabulary (3) is smaller than tp_size=4" in plan.vocab_reason
+
+
+def test_a_model_that_is_not_from_transformers_gets_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="transformers PreTrainedModel.*got Sequential"):
+        autotp.wrap(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), 1)

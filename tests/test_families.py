@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from models import DERIVED, ISSUE3_FAMILIES
+from autotp.testing import assert_parity
 from autotp.testing.spawn import run_ranks
-from test_parity import assert_parity, compare_training
+from models import DERIVED, OTHER_POLICY_FAMILIES, family_parity
+
+pytestmark = pytest.mark.slow  # the all-family sweep; test_parity.py keeps the Llama family in the quick tier
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", ISSUE3_FAMILIES)
+@pytest.mark.parametrize("family", OTHER_POLICY_FAMILIES)
 def test_family_parity(family: str, tp: int) -> None:
-    for report in run_ranks(compare_training, tp, family):
+    for report in run_ranks(family_parity, tp, family):
         assert_parity(report)
         assert report["sharded"] > 0, "nothing was sharded"
 
@@ -25,7 +27,7 @@ def test_family_parity(family: str, tp: int) -> None:
 ])
 def test_head_layouts_parity(family: str, heads: int, kv: int, tp: int) -> None:
     config = {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 8}
-    for report in run_ranks(compare_training, tp, family, 3, None, config):
+    for report in run_ranks(family_parity, tp, family, 3, None, config):
         assert_parity(report)
 
 
@@ -33,6 +35,6 @@ def test_head_layouts_parity(family: str, heads: int, kv: int, tp: int) -> None:
 @pytest.mark.parametrize("family", sorted(DERIVED))
 def test_derived_plan_parity(family: str, tp: int) -> None:
     """No shipped policy: HF's plan or detection, verified by emulation, must still match exactly."""
-    for report in run_ranks(compare_training, tp, family):
+    for report in run_ranks(family_parity, tp, family):
         assert_parity(report)
         assert report["sharded"] > 0, "nothing was sharded"

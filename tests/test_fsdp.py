@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.testing.parity import full_tensor
+from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL, full_tensor
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
-from test_parity import LOSS_ATOL, PARAM_ATOL
 
 GLOBAL = batch(size=(4, 16))
 CLIP = 0.5

@@ -11,8 +11,7 @@ import autotp
 from autotp.parallel.layers import LinearAllreduce, LinearLayer
 from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
-from autotp.testing.parity import full_tensor as full, grad_error
-from test_parity import GRAD_RTOL, LOSS_ATOL
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor as full, grad_error
 
 
 def gather_cycle(rank: int, world: int, family: str) -> dict:
@@ -55,7 +54,7 @@ def gather_cycle(rank: int, world: int, family: str) -> dict:
     return report
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gather_replaced_layer_params(family: str, tp: int) -> None:
     for report in run_ranks(gather_cycle, tp, family):
@@ -66,3 +65,21 @@ def test_gather_replaced_layer_params(family: str, tp: int) -> None:
         assert report["shards_back"], "shards changed across an enter/exit with no edits"
         assert report["loaded_kept"], "weights loaded inside the context were lost"
         assert report["loss_after"] <= LOSS_ATOL and report["grad_after"] <= GRAD_RTOL, report
+
+
+def step_inside_gather(rank: int, world: int) -> str:
+    model = autotp.wrap(tiny_model("llama"), world)
+    opt = torch.optim.AdamW(model.parameters())
+    with autotp.GatherReplacedLayerParams(model):
+        model(batch(), labels=batch()).loss.backward()
+        with pytest.raises(RuntimeError) as err:
+            opt.step()
+    opt.step()  # outside, with the gradients computed inside: fine
+    model(batch(), labels=batch()).loss.backward()
+    opt.step()
+    return str(err.value)
+
+
+def test_optimizer_step_inside_gather_is_refused() -> None:
+    for message in run_ranks(step_inside_gather, 2):
+        assert "inside GatherReplacedLayerParams" in message and "Leave the context first" in message

@@ -5,10 +5,14 @@ formulas in the same order."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autotp
+from autotp.parallel.glu import match
 from autotp.testing.memory import KeptForBackward
 from autotp.testing.parity import full_tensor
 from autotp.testing.spawn import run_ranks
@@ -40,9 +44,10 @@ def product_bytes(family: str, world: int, itemsize: int) -> int:
 
 
 @pytest.mark.parametrize("family, world, sequence_parallel", [
-    ("llama", 1, False), ("llama", 2, False), ("llama", 2, True), ("llama", 4, False),
+    ("llama", 1, False), ("llama", 2, False), ("llama", 2, True), pytest.param("llama", 4, False, marks=pytest.mark.slow),
     ("gemma", 2, False),  # gelu (tanh) instead of silu
-    ("phi3", 1, False), ("phi3", 2, False), ("phi3", 4, False),  # one gate_up_proj, chunked into gate and up
+    # one gate_up_proj, chunked into gate and up (tp=1 is llama's: a group of one computes alike for both)
+    ("phi3", 2, False), pytest.param("phi3", 4, False, marks=pytest.mark.slow),
 ])
 def test_the_product_is_recomputed_with_bit_equal_results(family: str, world: int, sequence_parallel: bool) -> None:
     on = run_ranks(step, world, family, True, sequence_parallel)
@@ -105,3 +110,111 @@ def hooked(rank: int, world: int) -> dict:
 def test_a_hook_on_the_product_keeps_the_plain_path_and_fires() -> None:
     for report in run_ranks(hooked, 2):
         assert report["grads"] == report["layers"], report
+
+
+# --- glu.match on hand-built autograd graphs (no process group) ------------------------------------------------
+
+def recorded(*outputs: torch.Tensor):
+    """A `column_output` for `match` that knows `outputs` as the column layers' outputs, as a block's entry records
+    them: the tensor whose autograd edge is (node, output_nr)."""
+    by_node = {id(t.grad_fn): t for t in outputs}
+
+    def column_output(node, output_nr: int) -> torch.Tensor | None:
+        found = by_node.get(id(node))
+        return found if found is not None and found.grad_fn is node and found.output_nr == output_nr else None
+
+    return column_output
+
+
+def columns(width: int = 16, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two column layers' outputs (gate, up) on one [2, 3, 8] input, [2, 3, width] each."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, generator=generator, dtype=dtype)
+    gate_w, up_w = (torch.randn(width, 8, generator=generator, dtype=dtype).requires_grad_() for _ in range(2))
+    return F.linear(x, gate_w), F.linear(x, up_w)
+
+
+def silu_grad(z: torch.Tensor) -> torch.Tensor:
+    """d silu(z) / dz = sigmoid(z) (1 + z (1 - sigmoid(z)))."""
+    s = 1 / (1 + torch.exp(-z))
+    return s * (1 + z * (1 - s))
+
+
+def gelu_tanh(z: torch.Tensor) -> torch.Tensor:
+    """0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3)))."""
+    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+
+
+def gelu_tanh_grad(z: torch.Tensor) -> torch.Tensor:
+    inner = math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)
+    t = torch.tanh(inner)
+    return 0.5 * (1 + t) + 0.5 * z * (1 - t ** 2) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * z ** 2)
+
+
+@pytest.mark.parametrize("order", ["act(gate) * up", "up * act(gate)"])
+def test_match_finds_silu_of_gate_times_up_in_either_order(order: str) -> None:
+    gate, up = columns()
+    product = F.silu(gate) * up if order == "act(gate) * up" else up * F.silu(gate)
+    found = match(product, recorded(gate, up))
+    assert found is not None
+    (forward, backward), got_gate, got_up = found
+    assert got_gate is gate and got_up is up  # the recorded tensors themselves, not copies
+    z = gate.detach()
+    torch.testing.assert_close(forward(z), z / (1 + torch.exp(-z)))
+    grad = torch.full_like(z, 0.5)
+    torch.testing.assert_close(backward(grad, z), 0.5 * silu_grad(z))
+
+
+def test_match_finds_tanh_gelu_and_keeps_its_approximation() -> None:
+    gate, up = columns()
+    found = match(F.gelu(gate, approximate="tanh") * up, recorded(gate, up))
+    assert found is not None
+    (forward, backward), got_gate, got_up = found
+    assert got_gate is gate and got_up is up
+    z = gate.detach()
+    torch.testing.assert_close(forward(z), gelu_tanh(z))
+    assert not torch.allclose(forward(z), F.gelu(z))  # not the exact (erf) gelu
+    torch.testing.assert_close(backward(torch.ones_like(z), z), gelu_tanh_grad(z))
+
+
+@pytest.mark.parametrize("dim", [-1, 2])
+def test_match_splits_a_fused_gate_up_projection_chunked_in_halves(dim: int) -> None:
+    """Phi-3's gate_up_proj: one column output [.., 2 * width], chunked; a negative dim (saved unsigned) as well."""
+    fused, _ = columns(width=32)
+    gate, up = fused.chunk(2, dim=dim)
+    found = match(F.silu(gate) * up, recorded(fused))
+    assert found is not None
+    _, got_gate, got_up = found
+    assert torch.equal(got_gate, fused[..., :16]) and torch.equal(got_up, fused[..., 16:])
+
+
+def test_match_refuses_operands_of_different_shapes() -> None:
+    gate, _ = columns(width=16)
+    _, narrow = columns(width=1)  # [2, 3, 1], broadcast over the width
+    product = F.silu(gate) * narrow
+    assert product.shape == gate.shape
+    assert match(product, recorded(gate, narrow)) is None
+
+
+def test_match_refuses_a_product_not_of_recorded_outputs() -> None:
+    gate, up = columns()
+    assert match(F.silu(gate) * up, recorded(gate)) is None  # up unknown
+    assert match(F.silu(gate) * up, recorded(up)) is None  # gate unknown
+    assert match(F.silu(gate + 1) * up, recorded(gate, up)) is None  # the activation's input is not gate itself
+    assert match(F.relu(gate) * up, recorded(gate, up)) is None  # an activation without a recompute rule
+    assert match(gate * up, recorded(gate, up)) is None  # no activation at all
+    assert match(F.silu(gate) + up, recorded(gate, up)) is None  # not a product
+
+
+def test_match_refuses_an_upcast_in_between() -> None:
+    gate, up = columns(dtype=torch.bfloat16)
+    assert match(F.silu(gate) * up, recorded(gate, up)) is not None  # the same graph without the casts matches
+    assert match(F.silu(gate.float()) * up.float(), recorded(gate, up)) is None
+    assert match(F.silu(gate) * up.float(), recorded(gate, up)) is None
+
+
+def test_match_leaves_a_product_with_a_gradient_hook_alone() -> None:
+    gate, up = columns()
+    product = F.silu(gate) * up
+    product.register_hook(lambda grad: grad)
+    assert match(product, recorded(gate, up)) is None

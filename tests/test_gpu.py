@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import copy
-import os
-
 
 import pytest
 import torch
@@ -21,8 +19,7 @@ import torch.distributed as dist
 import autotp
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
-from test_dropout import replicated_streams
+from models import batch, replicated_streams, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 CUDA = torch.device("cuda", 0)
@@ -95,6 +92,7 @@ def compiled_step(rank: int, world: int) -> dict:
     return {"loss": abs(losses[0] - losses[1]), "grad": worst}
 
 
+@pytest.mark.slow  # torch.compile
 def test_inductor_compiles_a_wrapped_model() -> None:
     (report,) = run_ranks(compiled_step, 1)
     assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= 1e-4, report

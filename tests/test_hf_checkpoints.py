@@ -5,19 +5,22 @@ saved whole, projections saved apart, offset layer indices); and models of every
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 import transformers
-from transformers import AutoModelForCausalLM
 
-from autotp.compat.hf import TASKS
+from autotp.compat.hf import TASKS, ConvertedSource, checkpoint_sources
 from autotp.io.errors import CheckpointError
+from autotp.io.load import checkpoint_files
 from autotp.testing import tiny_config
 from autotp.testing.spawn import run_ranks
 from autotp.testing.parity import compare_loading
+from models import tiny_model
 
 MOE = ["granitemoe", "minimax", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
 
@@ -31,7 +34,7 @@ def save_moe(model_type: str, path: Path, task: str = "causal-lm") -> set[str]:
         return set(f.keys()) - set(model.state_dict())
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model_type", MOE)
 def test_per_expert_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str, tp: int) -> None:
     assert save_moe(model_type, tmp_path), "transformers saves this model under its own names: nothing to convert"
@@ -115,3 +118,63 @@ def test_a_bad_fused_tensor_is_named(tmp_path: Path) -> None:
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     for message in run_ranks(load_alone, 2, str(tmp_path)):
         assert "model.H_module.layers.0.self_attn." in message and "the config implies" in message, message
+
+
+# --- checkpoint_sources on hand-written checkpoints (no process group) --------------------------------------------
+
+def write_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]], files: int = 1) -> None:
+    """A safetensors checkpoint of zero tensors of `shapes`: model.safetensors, or `files` shards and an index."""
+    names = list(shapes)
+    if files == 1:
+        save_file({n: torch.zeros(shapes[n]) for n in names}, str(path / "model.safetensors"))
+        return
+    weight_map = {}
+    for i in range(files):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        part = names[i::files]
+        save_file({n: torch.zeros(shapes[n]) for n in part}, str(path / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("files", [1, 3])
+def test_checkpoint_sources_of_a_checkpoint_under_the_models_own_names(tmp_path: Path, files: int) -> None:
+    """Every tensor is read from the key of its own name: from model.safetensors, or from the shard the index
+    names."""
+    model = tiny_model("llama")
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    write_checkpoint(tmp_path, shapes, files)
+    found = checkpoint_files(tmp_path)
+    if files == 1:
+        assert found == dict.fromkeys(shapes, tmp_path / "model.safetensors")
+    else:
+        names = list(shapes)
+        assert found == {n: tmp_path / f"model-{names.index(n) % 3 + 1:05d}-of-00003.safetensors" for n in names}
+    assert checkpoint_sources(model, found) == {name: name for name in shapes}
+
+
+def test_checkpoint_sources_of_per_expert_moe_keys(tmp_path: Path) -> None:
+    """Mixtral as the hub stores it: `block_sparse_moe` (renamed `mlp` on load) and one w1/w2/w3 tensor per expert.
+    The router maps to its old name; each layer's fused experts to their per-expert keys in expert order (2 before
+    10), w1 (gate) then w3 (up), stacked over the experts and concatenated along dim 1."""
+    model = tiny_model("mixtral", num_local_experts=12)
+    hidden, width = model.config.hidden_size, model.config.intermediate_size
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items() if ".mlp." not in name}
+    expert = "model.layers.{}.block_sparse_moe.experts.{}.{}.weight"
+    for layer in range(2):
+        shapes[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = (12, hidden)
+        for e in range(12):
+            shapes.update({expert.format(layer, e, "w1"): (width, hidden), expert.format(layer, e, "w3"): (width, hidden),
+                           expert.format(layer, e, "w2"): (hidden, width)})
+    write_checkpoint(tmp_path, shapes, files=2)
+    sources = checkpoint_sources(model, checkpoint_files(tmp_path))
+    assert set(sources) == set(model.state_dict())
+    for layer in range(2):
+        per_expert = lambda w: tuple(expert.format(layer, e, w) for e in range(12))  # noqa: E731
+        assert sources[f"model.layers.{layer}.mlp.gate.weight"] == f"model.layers.{layer}.block_sparse_moe.gate.weight"
+        assert sources[f"model.layers.{layer}.mlp.experts.gate_up_proj"] == ConvertedSource(
+            (per_expert("w1"), per_expert("w3")), (".experts.*.w1.weight", ".experts.*.w3.weight"), None,
+            "MergeModulelist(dim=0), Concatenate(dim=1)")
+        assert sources[f"model.layers.{layer}.mlp.experts.down_proj"] == ConvertedSource(
+            (per_expert("w2"),), (".experts.*.w2.weight",), None, "MergeModulelist(dim=0)")
+    assert sources["model.layers.1.self_attn.q_proj.weight"] == "model.layers.1.self_attn.q_proj.weight"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DistributedSampler
 from transformers import Trainer, TrainingArguments
@@ -17,6 +18,8 @@ from readme_commands import ROOT, readme_command, run
 
 sys.path.insert(0, str(ROOT / "examples"))
 from train_trainer import LossRecorder  # noqa: E402  (examples/ is on the path from here on)
+
+pytestmark = pytest.mark.slow  # torchrun / accelerate subprocesses and Trainer runs
 
 
 def test_readme_accelerate_command_matches_one_process() -> None:

@@ -11,7 +11,7 @@ from autotp.testing.spawn import run_ranks
 from models import tiny_model
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
 def test_from_pretrained_equals_wrap_after_load(tmp_path: Path, family: str, layout: str, tp: int) -> None:

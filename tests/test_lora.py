@@ -104,7 +104,7 @@ def assert_close(report: dict) -> None:
     assert worst[1] <= PARAM_ATOL, worst
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family,targets,model_config", [
     ("llama", LLAMA_ALL, {}),
     ("llama", LLAMA_ALL, {"num_key_value_heads": 2}),  # at tp 4, k/v rows (and lora_B's) are replicated on 2 ranks
@@ -122,7 +122,7 @@ def test_lora_after_wrap_matches_one_process_peft(family: str, targets: list[str
         assert report["sharded_copies"] == len(model_config.get("modules_to_save", [])), report
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family,targets", [("llama", LLAMA_ALL), ("gpt2", ["c_attn", "c_proj", "c_fc"]),
                                             ("qwen2", ["q_proj", "v_proj", "lm_head"])])
 def test_lora_before_wrap_matches_one_process_peft(family: str, targets: list[str], tp: int) -> None:

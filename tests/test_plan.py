@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
-from models import CONFIGS, DERIVED, tiny_model
+from autotp.planning.plan import Replicated
+from autotp.testing import assert_parity, tiny_config
 from autotp.testing.spawn import run_ranks
-from test_parity import assert_parity, compare_training
+from models import CONFIGS, DERIVED, SoftmaxMLP, family_parity, tiny_model
 
 
 def test_explain_on_meta_device_without_process_group() -> None:
@@ -25,8 +28,9 @@ def test_explain_on_meta_device_without_process_group() -> None:
     assert plan.head_norms == ("model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm",
                                "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm")
     assert plan.replicated == ()
-    assert autotp.explain(model, 4, vocab_parallel=False).replicated == (
-        ("lm_head", "not covered by the plan; replicated, which is always correct"),)
+    ((path, why),) = autotp.explain(model, 4, vocab_parallel=False).replicated
+    assert (path, why.reason, str(why)) == (
+        "lm_head", Replicated.NOT_COVERED, "not covered by the plan; replicated, which is always correct")
     text = plan.describe()
     assert "model.layers.1.mlp.down_proj" in text and "lm_head" in text
 
@@ -47,7 +51,7 @@ MLP_ONLY = {
 
 
 def test_user_policy_dict_shards_only_what_it_names() -> None:
-    for report in run_ranks(compare_training, 2, "llama", 3, MLP_ONLY):
+    for report in run_ranks(family_parity, 2, "llama", 3, MLP_ONLY):
         assert report["sharded"] == 2 * 3 + 2  # gate/up/down in 2 layers, and the vocab-split embedding and head
         assert_parity(report)
 
@@ -91,18 +95,16 @@ def test_a_meta_model_gets_the_plan_wrap_makes_on_the_loaded_one(family: str, tp
         meta = AutoModelForCausalLM.from_config(CONFIGS[family]())
         plan = autotp.explain(meta, tp)
     assert plan == autotp.explain(real, tp)
-    assert plan.layers and not any("meta device" in why for _, why in plan.replicated)
+    assert plan.layers and not any("meta device" in str(why) for _, why in plan.replicated)
 
 
 def test_a_custom_block_the_twin_cannot_show_stays_replicated_on_meta() -> None:
-    from test_unknown_blocks import SoftmaxMLP
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
         model.model.layers[1].mlp = SoftmaxMLP(64, 96)
     model.config.model_type = "my_custom_lm"  # detection, so every block needs a verdict
     plan = autotp.explain(model, 2)
-    why = dict(plan.replicated)["model.layers.1.mlp.down_proj"]
+    why = str(dict(plan.replicated)["model.layers.1.mlp.down_proj"])
     assert "not in the structural twin" in why
     assert "model.layers.0.mlp.down_proj" in {layer.path for layer in plan.layers}
 
@@ -111,7 +113,6 @@ def test_the_twin_keeps_quarter_rotary_heads_in_whole_frequency_pairs() -> None:
     """NeoMME rotates a quarter of each full-attention head, interleaving row and column frequencies: a head
     narrowed to 8 dims would rotate 2, one pair that cannot split, and the twin's forward failed on meta."""
     from autotp.planning.twin import shrink_factor
-    from autotp.testing import tiny_config
 
     neomme, llama = tiny_config("neomme"), tiny_config("llama")
     assert neomme.head_dim == llama.head_dim == 16
@@ -119,3 +120,33 @@ def test_the_twin_keeps_quarter_rotary_heads_in_whole_frequency_pairs() -> None:
     with torch.device("meta"):
         planned = autotp.explain(AutoModelForMaskedLM.from_config(neomme), 2)
     assert planned == autotp.explain(AutoModelForMaskedLM.from_config(neomme), 2)  # the same on the real model
+
+
+def test_derived_plans_are_verified_with_dropout_off_and_the_mode_restored() -> None:
+    config = tiny_config("seed_oss")
+    config.residual_dropout = 0.1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.train()
+    plan = autotp.explain(model, 2)
+    assert plan.layers, plan.describe()
+    assert all(m.training for m in model.modules())
+
+
+def logged(rank: int, world: int) -> list[tuple[str, str]]:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("autotp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    autotp.wrap(tiny_model("olmo"), world)  # an HF-derived plan: vocab parallelism stays off
+    return [(r.levelname, r.getMessage()) for r in records]
+
+
+def test_wrap_logs_a_summary_and_warns_on_rank0_only() -> None:
+    first, second = run_ranks(logged, 2)
+    assert second == []
+    assert first[0][0] == "INFO" and "tp_size=2" in first[0][1] and "sharded" in first[0][1]
+    assert ("WARNING", "autotp: vocab parallelism is off: only models covered by a policy (the loss and logits "
+                       "path of others is unchecked)") in first

@@ -70,7 +70,7 @@ def second_half(rank: int, world: int, tp: int, directory: str) -> dict:
     return {"user": state, "losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-@pytest.mark.parametrize("tp,world", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("tp,world", [(2, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_resume_is_bit_identical(tmp_path: Path, tp: int, world: int) -> None:
     whole = run_ranks(straight, world, tp)
     halves = run_ranks(first_half, world, tp, str(tmp_path / "ckpt"))

@@ -5,19 +5,23 @@ from __future__ import annotations
 import copy
 import gc
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.parallel.seq_collectives import SavedChunk
 from autotp.parallel.layers import ParallelLinear
+from autotp.parallel.sequence import ChunkDropout
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config
-from models import CONFIGS, batch, tiny_model
-from test_parity import assert_parity
-from test_vocab import labels_with_ignored
+from autotp.testing import assert_parity
+from models import CONFIGS, batch, labels_with_ignored, tiny_model
 
 
 def sp_parity(rank: int, world: int, family: str, vocab_parallel_labels: bool) -> dict:
@@ -26,7 +30,7 @@ def sp_parity(rank: int, world: int, family: str, vocab_parallel_labels: bool) -
     return parity.compare_training(tiny_model(family), ids, world, labels=labels, sequence_parallel=True)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "gpt2", "gpt_neox"])  # the last two: row biases
 def test_sequence_parallel_parity(family: str, tp: int) -> None:
     for report in run_ranks(sp_parity, tp, family, True):
@@ -70,7 +74,7 @@ def dropout_with_and_without_sequence_parallel(rank: int, world: int, family: st
 
 
 @pytest.mark.parametrize("family", ["gpt2", "starcoder2"])
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int, family: str) -> None:
     """Resid dropout after a row layer sees a chunk under SP, as an `nn.Dropout` (GPT-2) or a call of
     `nn.functional.dropout` (StarCoder2). Each rank keeps its part of the mask the TP-only run draws for the whole
@@ -79,9 +83,57 @@ def test_dropout_on_a_chunk_draws_the_whole_tensors_mask(tp: int, family: str) -
         assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= parity.GRAD_RTOL, report
 
 
+@pytest.mark.slow  # torch.compile
 def test_functional_dropout_on_a_chunk_keeps_its_masks_under_compile() -> None:
     for report in run_ranks(dropout_with_and_without_sequence_parallel, 2, "starcoder2", True):
         assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= parity.GRAD_RTOL, report
+
+
+@pytest.fixture
+def two_rank_group(monkeypatch: pytest.MonkeyPatch):
+    """A stand-in TP group of 2 for code that only asks torch.distributed for its size and this rank's place in it
+    (`.rank` picks the rank); no process group, nothing is communicated."""
+    group = SimpleNamespace(rank=0)
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2 if g is group else pytest.fail("another group"))
+    monkeypatch.setattr(dist, "get_rank", lambda g=None: group.rank if g is group else pytest.fail("another group"))
+    return group
+
+
+@pytest.mark.parametrize("how", ["F.dropout", "nn.Dropout"])
+def test_chunk_dropout_keeps_this_ranks_part_of_the_whole_tensors_mask(two_rank_group, how: str) -> None:
+    """Under the same generator state, the mask ChunkDropout applies to a rank's chunk [2, 4, 3] is that rank's share
+    of the mask torch's dropout draws for the whole [2, 8, 3] tensor: chunks are the tokens in memory order, so rank 0
+    holds sequence 0 and rank 1 sequence 1, each viewed as [2, 4, 3]."""
+    p, seed = 0.3, 11
+    torch.manual_seed(seed)
+    whole_mask = F.dropout(torch.ones(2, 8, 3), p, training=True)
+    assert torch.equal(whole_mask.unique(), torch.tensor([0, 1 / (1 - p)]))  # dropped, or kept and scaled
+    x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(0))
+    drop = (lambda t: F.dropout(t, p, training=True)) if how == "F.dropout" else torch.nn.Dropout(p).train()
+    masks = []
+    for rank in (0, 1):
+        two_rank_group.rank = rank
+        chunk = x[rank].reshape(2, 4, 3)
+        torch.manual_seed(seed)
+        with ChunkDropout(SimpleNamespace(on=True), two_rank_group, True, []):
+            out = drop(chunk)
+        expected = whole_mask[rank].reshape(2, 4, 3)
+        assert torch.equal(out, chunk * expected)
+        masks.append(expected)
+    assert not torch.equal(masks[0], masks[1])  # a chunk-size draw would give both ranks one mask
+
+
+def test_chunk_dropout_off_a_chunk_is_torchs_dropout(two_rank_group) -> None:
+    """Not on a chunk (a gathered block input), not training, or p = 0: torch's own dropout, the same draw."""
+    x = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(3)
+    expected = F.dropout(x, 0.5, training=True)
+    torch.manual_seed(3)
+    with ChunkDropout(SimpleNamespace(on=False), two_rank_group, True, []):
+        assert torch.equal(F.dropout(x, 0.5, training=True), expected)
+    with ChunkDropout(SimpleNamespace(on=True), two_rank_group, True, []):
+        assert torch.equal(F.dropout(x, 0.5, training=False), x)
+        assert torch.equal(F.dropout(x, 0.0, training=True), x)
 
 
 def checkpointed(rank: int, world: int) -> dict:

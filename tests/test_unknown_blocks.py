@@ -7,23 +7,10 @@ import torch
 from torch import nn
 
 import autotp
-from autotp.testing import parity
+from autotp.planning.plan import Replicated
+from autotp.testing import assert_parity, parity
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
-from test_parity import assert_parity
-
-
-class SoftmaxMLP(nn.Module):
-    """Same child names as a Llama MLP, but a softmax across the width: sharding the width would be wrong."""
-
-    def __init__(self, hidden: int, width: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.softmax(self.gate_proj(x), dim=-1) * self.up_proj(x))
+from models import SoftmaxMLP, batch, tiny_model
 
 
 def custom_model(model_type: str) -> nn.Module:
@@ -38,7 +25,7 @@ def custom_parity(rank: int, world: int, model_type: str) -> dict:
     model = custom_model(model_type)
     report = parity.compare_training(model, batch(), world)
     plan = autotp.explain(custom_model(model_type), world)
-    report["replicated"] = [path for path, why in plan.replicated if "not verified" in why]
+    report["replicated"] = [path for path, why in plan.replicated if why.reason is Replicated.NOT_VERIFIED]
     report["sharded_paths"] = [layer.path for layer in plan.layers]
     return report
 

@@ -17,15 +17,10 @@ from transformers import AutoModelForCausalLM
 import autotp
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
-from test_parity import assert_parity
-
-
-def labels_with_ignored(ids: torch.Tensor) -> torch.Tensor:
-    labels = ids.clone()
-    labels[0, :5] = -100  # a prompt not to learn from
-    labels[1, -3:] = -100  # padding
-    return labels
+from autotp.parallel.vocab import VocabParallelLoss, _VocabParallelCrossEntropy
+from autotp.planning.sharding import Partition
+from autotp.testing import assert_parity
+from models import batch, labels_with_ignored, tiny_model
 
 
 def vocab_parity(rank: int, world: int, tied: bool, vocab: int) -> dict:
@@ -39,7 +34,7 @@ def vocab_parity(rank: int, world: int, tied: bool, vocab: int) -> dict:
     return report
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("vocab", [256, 250])  # 250 = 63/63/62/62 rows at tp=4
 @pytest.mark.parametrize("tied", [False, True])
 def test_vocab_parallel_parity(tied: bool, vocab: int, tp: int) -> None:
@@ -175,3 +170,56 @@ def test_a_model_computing_its_own_loss_is_stopped_before_training_on_sharded_lo
         assert "computed its loss without self.loss_function" in out["error"]
         assert "vocab_parallel=False" in out["error"]
         assert_parity(out["report"])
+
+
+# --- the cross-entropy maths in one process (a one-rank group: its all-reduces change nothing) --------------------
+
+def logits_and_targets(rows: int = 12, vocab: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random logits with some -inf entries (a masked vocabulary) and targets with ignored (-100) rows."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=generator)
+    logits[3, 2] = logits[4, :3] = float("-inf")
+    targets = torch.randint(3, vocab, (rows,), generator=generator)  # never a -inf logit
+    targets[1] = targets[7] = -100
+    return logits, targets
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_sharded_cross_entropy_of_the_whole_vocabulary_is_torchs(gloo_group_of_one, smoothing: float) -> None:
+    """Per-row losses (0 on ignored rows) and the logits' gradient equal `F.cross_entropy`'s, label smoothing
+    included; rows 3 and 4 hold -inf logits."""
+    logits, targets = logits_and_targets()
+    ours_in, torch_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ours = _VocabParallelCrossEntropy.apply(ours_in, targets, 0, 7, -100, smoothing, gloo_group_of_one)
+    expected = F.cross_entropy(torch_in, targets, ignore_index=-100, label_smoothing=smoothing, reduction="none")
+    if not smoothing:  # smoothing averages over every logit: a -inf one makes the row infinite in torch too
+        assert torch.isfinite(expected).all()
+    assert ours[1] == ours[7] == 0
+    torch.testing.assert_close(ours, expected)
+    weights = torch.linspace(0.5, 2, len(targets))  # a different upstream gradient on each row
+    (ours * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert ours_in.grad[1].abs().max() == 0  # an ignored row
+    if not smoothing:
+        assert ours_in.grad[3, 2] == 0  # a -inf logit has probability 0
+    torch.testing.assert_close(ours_in.grad, torch_in.grad)
+
+
+@pytest.mark.parametrize("num_items_in_batch", [None, 7, torch.tensor(9)])
+def test_the_loss_shifts_labels_and_divides_as_transformers_does(gloo_group_of_one, num_items_in_batch) -> None:
+    """`VocabParallelLoss` on this rank's 6 logits of a vocabulary of 8, the other rank's 2 at -inf (they add
+    nothing to any sum): labels shifted left with -100 appended, the sum over the targets divided by
+    `num_items_in_batch`, else by the count of targets that are not -100."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 6, generator=generator)
+    labels = torch.randint(0, 6, (2, 5), generator=generator)
+    labels[0, 2] = -100
+    loss = VocabParallelLoss(Partition(-1, 8, (((0, 6),), ((6, 2),))), gloo_group_of_one, full_loss=None)
+    ours = loss(logits, labels, num_items_in_batch=num_items_in_batch)
+    assert loss.calls == 1  # the sharded path, not the model's own loss
+    whole = torch.cat([logits, torch.full((2, 5, 2), float("-inf"))], dim=-1)
+    shifted = torch.tensor([[labels[0, 1], -100, labels[0, 3], labels[0, 4], -100],
+                            [labels[1, 1], labels[1, 2], labels[1, 3], labels[1, 4], -100]])
+    total = F.cross_entropy(whole.reshape(-1, 8), shifted.reshape(-1), ignore_index=-100, reduction="sum")
+    divisor = 7 if num_items_in_batch is None else int(num_items_in_batch)  # 10 positions, 3 of them -100
+    torch.testing.assert_close(ours, total / divisor)

@@ -28,6 +28,7 @@ def measure(model_type: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import autotp
+    from autotp.planning.plan import Replicated
 
     config = AutoConfig.for_model(model_type, **WIDTHS)
     start = time.monotonic()
@@ -37,7 +38,7 @@ def measure(model_type: str) -> dict:
     start = time.monotonic()
     plan = autotp.explain(model, 8)
     seconds = time.monotonic() - start
-    unverified = sum("not verified" in why for _, why in plan.replicated)
+    unverified = sum(why.reason is Replicated.NOT_VERIFIED for _, why in plan.replicated)
     return {"model_type": model_type, "build_meta_s": round(built, 2), "plan_s": round(seconds, 2),
             "baseline_rss_gb": round(baseline / 2**30, 2), "peak_rss_gb": round(peak_rss() / 2**30, 2),
             "sharded_linears": len(plan.layers), "unverified_linears": unverified, "origin": plan.origin.name}

@@ -33,6 +33,7 @@ import autotp
 from autotp import Origin
 from autotp.compat.hf import TASKS, model_class
 from autotp.planning.components import components
+from autotp.planning.plan import Replicated
 from autotp.testing import parity
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 from autotp.testing.spawn import run_ranks
@@ -154,7 +155,7 @@ def classify(model_type: str, task: str) -> dict:
     result = ("matched" if report["sharded"] else "replicated-only") if ok else "MISMATCH"
     loads = loads_like_wrap(model, task)
     if result == "replicated-only":
-        reasons = {why for _, why in plan.replicated if "verified" in why}
+        reasons = {str(why) for _, why in plan.replicated if why.reason is Replicated.NOT_VERIFIED}
         note = next(iter(reasons), "no block the plan could shard")[:160]
     return {"result": result, "plan": kind, "source": source, "meta plan = wrap plan": same_plan,
             LOADS: loads, "note": note}

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .linears import is_linear
-from .plan import Plan
+from .plan import Plan, Replicated, Why
 
 
 def components(model: nn.Module) -> list[tuple[str, PreTrainedModel]]:
@@ -86,7 +86,7 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
     vocabulary decisions read. `source` names every component's origin.
     """
     planned = {l.path for _, p in parts for l in p.layers} | {path for _, p in parts for path, _ in p.replicated}
-    outside = tuple((name, "outside the sub-models planned (a projector or head); replicated")
+    outside = tuple((name, Why(Replicated.OUTSIDE_COMPONENTS))
                     for name, m in model.named_modules() if is_linear(m) and name not in planned)
     return Plan(
         tp_size, _text_origin(model, parts), "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),

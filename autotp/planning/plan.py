@@ -8,12 +8,32 @@ its decisions came from, and is what later decisions read (`autotp.planning.plan
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from torch import nn
 
 from .policy import Origin
 from .sharding import Partition
+
+
+class Replicated(enum.Enum):
+    """Why a linear stays replicated; the value is the display text (with the detail where it has one)."""
+
+    NOT_COVERED = "not covered by the plan; replicated, which is always correct"
+    NOT_VERIFIED = "not verified: {detail}; replicated"
+    OUTSIDE_COMPONENTS = "outside the sub-models planned (a projector or head); replicated"
+
+
+@dataclass(frozen=True)
+class Why:
+    """A replicated linear's reason: the kind, which decisions read, and the detail people read (`str`)."""
+
+    reason: Replicated
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return self.reason.value.format(detail=self.detail)
 
 
 @dataclass(frozen=True)
@@ -86,7 +106,7 @@ class Plan:
     attrs: tuple[AttrPlan, ...] = ()
     head_norms: tuple[str, ...] = ()
     head_inputs: tuple[HeadInputPlan, ...] = ()
-    replicated: tuple[tuple[str, str], ...] = ()
+    replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
 
@@ -134,9 +154,9 @@ class Plan:
         out = []
         if self.tp_size > 1 and not self.layers and not self.regions:
             out.append(f"autotp: nothing is sharded at tp_size={self.tp_size}; every rank holds the whole model")
-        rejected: dict[str, str] = {}
+        rejected: dict[str, Why] = {}
         for path, why in self.replicated:
-            if why.startswith("not verified"):
+            if why.reason is Replicated.NOT_VERIFIED:
                 rejected.setdefault(path.rpartition(".")[0], why)
         if rejected:
             shown = "; ".join(f"{block} ({why})" for block, why in list(rejected.items())[:3])

@@ -22,7 +22,7 @@ from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
 from ..compat.hf import is_causal_lm
 from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, LayerPlan, Plan, RegionPlan, VocabPlan
+from .plan import AttrPlan, HeadInputPlan, LayerPlan, Plan, RegionPlan, Replicated, VocabPlan, Why
 from .policy import Policy, Rule, as_policy, find_policy
 from .sharding import HeadLayout, Partition, layout_partition, split_ranges
 from .twin import structural_twin
@@ -140,7 +140,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
     acc.layers.sort(key=lambda layer: order[layer.path])
     sharded = {layer.path for layer in acc.layers}
     replicated = tuple(
-        (name, "not covered by the plan; replicated, which is always correct")
+        (name, Why(Replicated.NOT_COVERED))
         for name, m in modules.items() if is_linear(m) and name not in sharded
     )
     source = repr(policy.name) + (f" ({policy.description})" if policy.description else "")

@@ -99,7 +99,7 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
         "experts": [{"path": f"{r.path}.{name}", "shape": list(shape),
                      "local_rows": [p.local_size(k) for k in range(plan.tp_size)]}
                     for r in plan.regions for name, shape, p in r.partitions],
-        "replicated": [{"path": path, "why": why} for path, why in plan.replicated],
+        "replicated": [{"path": path, "why": str(why)} for path, why in plan.replicated],
         "vocab_parallel": plan.vocab is not None,
         "vocab_reason": plan.vocab_reason,
         "param_bytes_per_rank": per_rank,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..compat.hf import is_conv1d
-from .plan import Plan
+from .plan import Plan, Replicated, Why
 from .probe import probe_inputs
 
 
@@ -69,7 +69,7 @@ def apply_verdicts(model: nn.Module, plan: Plan, found: Verdicts, only_custom: b
         return plan
     rejected = set(reasons)
     kept = tuple(layer for layer in plan.layers if layer.block not in rejected)
-    replicated = plan.replicated + tuple((layer.path, f"not verified: {reasons[layer.block]}; replicated")
+    replicated = plan.replicated + tuple((layer.path, Why(Replicated.NOT_VERIFIED, reasons[layer.block]))
                                          for layer in plan.layers if layer.block in rejected)
     all_blocks = sorted({layer.block for layer in plan.layers}, key=len, reverse=True)
 

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .parallel.dtensor_rows import local_rows
-from .parallel.groups import _new_group, group_size
+from .parallel.groups import new_group, group_size
 from .compat.hf import adapter_module
 from .compat.torch import is_fsdp_hook
 from .parallel.state import TPState, state_of, wrapped_model
@@ -34,7 +34,7 @@ def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
         group = state.dp_group
         if group is None:
             for rank in range(dist.get_world_size()):
-                single = _new_group([rank], state.timeout, "DP group")
+                single = new_group([rank], state.timeout, "DP group")
                 if rank == dist.get_rank():
                     group = single
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
@@ -57,7 +57,7 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
     state = state_of(root)
     if state.fsdp:
         raise RuntimeError(f"{type(root).__name__} is already sharded by autotp.fully_shard; call it once")
-    if state.gathered:
+    if state.is_gathered():
         raise RuntimeError("autotp.fully_shard inside GatherReplacedLayerParams: call it on the sharded model")
     found = adapter_module(root)
     if found is not None:

@@ -49,7 +49,7 @@ def world_timeout() -> timedelta:
     return backend_timeout() or DEFAULT_TIMEOUT
 
 
-def _new_group(ranks: list[int], timeout: timedelta, what: str) -> dist.ProcessGroup:
+def new_group(ranks: list[int], timeout: timedelta, what: str) -> dist.ProcessGroup:
     return dist.new_group(ranks, timeout=timeout, group_desc=f"autotp {what} {ranks}")
 
 
@@ -78,7 +78,7 @@ def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group,
     out = {}
     for subset in rank_sets:
         for tp_ranks in tp_groups:
-            group = _new_group([tp_ranks[i] for i in subset], timeout, "replica group")
+            group = new_group([tp_ranks[i] for i in subset], timeout, "replica group")
             if tp_ranks == mine:
                 out[subset] = group
     return out
@@ -122,12 +122,12 @@ def build_groups(tp_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Gr
     tp_group = dp_group = None
     for start in range(0, world, tp_size):
         ranks = list(range(start, start + tp_size))
-        group = _new_group(ranks, timeout, "TP group") if tp_size > 1 else None
+        group = new_group(ranks, timeout, "TP group") if tp_size > 1 else None
         if rank in ranks:
             tp_group = group
     for offset in range(tp_size):
         ranks = list(range(offset, world, tp_size))
-        group = _new_group(ranks, timeout, "DP group") if dp_size > 1 else None
+        group = new_group(ranks, timeout, "DP group") if dp_size > 1 else None
         if rank in ranks:
             dp_group = group
     return tp_group, dp_group
@@ -149,7 +149,7 @@ def dp_group_for(tp_group: dist.ProcessGroup, timeout: timedelta = DEFAULT_TIMEO
     position = mine.index(dist.get_rank())
     out = None
     for index in range(len(mine)):
-        group = _new_group([g[index] for g in tp_groups], timeout, "DP group")
+        group = new_group([g[index] for g in tp_groups], timeout, "DP group")
         if index == position:
             out = group
     return out

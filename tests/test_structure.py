@@ -1,0 +1,82 @@
+"""The package stays small-moduled and encapsulated: lasting checks on the source, not on behaviour.
+
+- No module of `autotp/` exceeds 400 lines: split a module when it grows past the cap.
+- No autotp module reads another autotp module's private attribute (`obj._x` where `_x` is set or defined in
+  another module) or imports its private names; the `autotp/compat/` boundaries are exempt, since touching
+  privates is what they are for (of the dependencies, not of autotp).
+- Gathered mode has one mechanism: `.gathered` is read only in `parallel/state.py` (which owns it) and
+  `parallel/apply.py` (which switches it); hooks go through `TPState.sharded_only`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from torch import nn
+
+import autotp
+
+PACKAGE = Path(autotp.__file__).parent
+MAX_LINES = 400
+TORCH_MODULE = set(vars(nn.Module())) | set(dir(nn.Module))  # torch's `_modules`, `_parameters`, ...: not ours
+
+
+def sources() -> dict[str, ast.Module]:
+    return {str(f.relative_to(PACKAGE)): ast.parse(f.read_text()) for f in sorted(PACKAGE.rglob("*.py"))}
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def defined_privates(tree: ast.Module) -> set[str]:
+    """Private names a module owns: attributes it assigns on `self`, methods, classes, functions and globals."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and private(node.name):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and private(node.attr):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and private(node.id):
+            names.add(node.id)
+    return names
+
+
+def test_no_module_exceeds_the_line_cap() -> None:
+    long = {name: n for name, n in ((str(f.relative_to(PACKAGE)), len(f.read_text().splitlines()))
+                                    for f in PACKAGE.rglob("*.py")) if n > MAX_LINES}
+    assert long == {}, f"split these modules (cap {MAX_LINES} lines): {long}"
+
+
+def test_no_module_reads_another_modules_private_attributes() -> None:
+    trees = sources()
+    owners: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        for name in defined_privates(tree):
+            owners.setdefault(name, set()).add(module)
+    found = []
+    for module, tree in trees.items():
+        if module.startswith("compat/"):
+            continue
+        own = defined_privates(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own | TORCH_MODULE:
+                base = node.value
+                if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                    continue
+                others = owners.get(node.attr, set()) - {module}
+                if others:
+                    found.append(f"{module}:{node.lineno} reads .{node.attr}, owned by {sorted(others)}")
+            elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("autotp")):
+                found += [f"{module}:{node.lineno} imports {alias.name} from {node.module}"
+                          for alias in node.names if private(alias.name)]
+    assert found == []
+
+
+def test_gathered_mode_is_read_only_where_it_is_owned_and_switched() -> None:
+    allowed = {"parallel/state.py", "parallel/apply.py"}
+    reads = [f"{module}:{node.lineno}" for module, tree in sources().items() if module not in allowed
+             for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr == "gathered" and isinstance(node.ctx, ast.Load)]
+    assert reads == [], "use TPState.sharded_only for a hook, or TPState.is_gathered for a decision"

@@ -60,15 +60,8 @@ def wrap(
     TP groups are consecutive ranks; the rest of the world is data parallel. Under torchrun or
     accelerate, torch.distributed is initialised here if the script has not done it (NCCL on GPUs,
     gloo otherwise). `tp_size=1` needs no process group. Every check runs before the model is
-    touched, so a refused call leaves it unchanged. `vocab_parallel` splits the embedding and LM head
-    by vocabulary where the model allows (the plan says). `sequence_parallel=True` also splits the
-    residual stream between blocks along the sequence. `check_inputs=True` verifies on every
-    forward that all TP ranks of a replica got the same tensors, and every 100 training forwards
-    that the replicated parameters are still equal on every TP rank (`autotp.check_replicas`).
-    `timeout` (a timedelta or seconds) bounds how long autotp's collectives wait for a failed or hung
-    peer; by default the one given to `init_process_group`, else 5 minutes. `overlap=True` computes
-    the column layers' weight gradients while their input gradient's all-reduce runs. `recompute_glu=True`
-    keeps a gated MLP's gate and up outputs for the backward, not act(gate) and the product (`autotp.parallel.glu`).
+    touched, so a refused call leaves it unchanged. The keyword options are documented once, on
+    `autotp.planning.options.WrapOptions`.
     """
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
@@ -108,7 +101,8 @@ def from_pretrained(
     The model is built on the meta device, planned like `wrap` plans it, and each rank reads only
     its rows of every sharded tensor (including its parts of fused ones). Only safetensors load.
     `task` is a key of `autotp.compat.hf.TASKS` ("causal-lm", "seq2seq", "image-text", ...); by
-    default the one of the class named in the checkpoint's `config.architectures`.
+    default the one of the class named in the checkpoint's `config.architectures`. `dtype` and `device`
+    place the shards; the other options are `wrap`'s (`autotp.planning.options.WrapOptions`).
     """
     _validate_tp_size(tp_size)
     path = Path(path)

@@ -29,9 +29,8 @@ from .parallel.collectives import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
 from .fsdp import fully_shard as autotp_fully_shard
 from .parallel.groups import group_size
-from .compat import trainer as trainer_compat
+from .compat import check_versions, trainer as trainer_compat
 from .compat.hf import adapter_module
-from .compat.versions import check_versions
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .io.resume import as_params, local_optimizer_state
@@ -64,10 +63,8 @@ class _TPOnly(nn.Module):
 
 @trainer_compat.replace_privates
 class AutoTPTrainer(Trainer):
-    """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`.
-
-    The methods named in `autotp.compat.trainer.REPLACED` stand in for Trainer's private ones of the same purpose.
-    """
+    """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`. The
+    methods named in `autotp.compat.trainer.REPLACED` stand in for Trainer's private ones."""
 
     def __init__(self, *args: Any, fully_shard: bool | dict[str, Any] = False, **kwargs: Any):
         """`fully_shard=True` (or a dict of `autotp.fully_shard` options) shards the wrapped model with FSDP2 over

@@ -9,14 +9,14 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
 
 1. dependency boundaries: `compat`, `compat.versions`, `compat.peft`, `compat.torch`, `compat.trainer`,
    `compat.hf`
-2. plan data, no torch.distributed: `planning`, `planning.sharding`, `planning.policy`,
+2. plan data, no torch.distributed: `planning`, `planning.options`, `planning.sharding`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
    `planning.planner`, `planning.report`
 4. the parallel runtime: `parallel`, `parallel.dtensor_rows`, `parallel.groups`,
    `parallel.collectives`, `parallel.seq_collectives`, `parallel.overlap`, `parallel.grad_hooks`,
-   `parallel.glu`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`, `parallel.rng`,
-   `parallel.state`, `parallel.replicas`, `parallel.apply`, `parallel.rollback`, `parallel.lora`
+   `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`,
+   `parallel.rng`, `parallel.state`, `parallel.replicas`, `parallel.apply`, `parallel.rollback`, `parallel.lora`
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`,
    `io.adapters`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`

@@ -25,7 +25,9 @@ from .parallel.groups import (
     launched_by_torchrun, world_timeout,
 )
 from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
+from .compat import check_versions
 from .compat.hf import build_model
+from .compat.torch import ddp_ignored, set_ddp_ignored
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .parallel import lora
 from .io.adapters import slice_adapters_on_load
@@ -63,6 +65,7 @@ def wrap(
     touched, so a refused call leaves it unchanged. The keyword options are documented once, on
     `autotp.planning.options.WrapOptions`.
     """
+    check_versions()
     _validate_tp_size(tp_size)
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
@@ -104,6 +107,7 @@ def from_pretrained(
     default the one of the class named in the checkpoint's `config.architectures`. `dtype` and `device`
     place the shards; the other options are `wrap`'s (`autotp.planning.options.WrapOptions`).
     """
+    check_versions()
     _validate_tp_size(tp_size)
     path = Path(path)
     if not path.is_dir():
@@ -159,8 +163,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         snapshot.track(register_grad_hooks(model, state))  # after the parameters are final
         model.save_pretrained = SavePretrained(model, state)
         model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
-        ignored = tuple(getattr(model, "_ddp_params_and_buffers_to_ignore", ()) or ())
-        model._ddp_params_and_buffers_to_ignore = DDPGuard(model, ignored)
+        set_ddp_ignored(model, DDPGuard(model, ddp_ignored(model)))
         if options.check_inputs:
             model.register_forward_pre_hook(InputCheck(), with_kwargs=True)
         if state.tp_group is not None:  # at tp 1 nothing is sharded, so an adapter sees whole weights

@@ -9,6 +9,7 @@ checked in process.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Callable
 
 import pytest
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from autotp.parallel.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
 
 from autotp.parallel.grad_hooks import grad_allreduce_hook, replica_grad_hook
+from autotp.parallel.state import TPState
 
 from autotp.parallel.seq_collectives import (
 
@@ -98,10 +100,12 @@ def all_collectives(rank: int, world: int) -> dict:
                                              "bias": bias.grad}
 
     grad = upstream(rank, (3, 2))
-    results["grad_allreduce_hook"] = grad_allreduce_hook(group, lambda: True)(grad)
-    results["grad_allreduce_hook off"] = grad_allreduce_hook(group, lambda: False)(grad) is grad
-    results["replica_grad_hook"] = replica_grad_hook(qkv, rank, {(0, 1): group}, lambda: True)(grad)
-    results["replica_grad_hook off"] = replica_grad_hook(qkv, rank, {(0, 1): group}, lambda: False)(grad) is grad
+    gathered_state = TPState(None, group, None, rank, timedelta(seconds=60), gathered=True)  # hooks registered
+    results["grad_allreduce_hook"] = grad_allreduce_hook(group)(grad)                    # through sharded_only
+    results["grad_allreduce_hook off"] = gathered_state.sharded_only(grad_allreduce_hook(group))(grad) is None
+    results["replica_grad_hook"] = replica_grad_hook(qkv, rank, {(0, 1): group})(grad)
+    results["replica_grad_hook off"] = gathered_state.sharded_only(
+        replica_grad_hook(qkv, rank, {(0, 1): group}))(grad) is None
     results["hook input untouched"] = torch.equal(grad, upstream(rank, (3, 2)))
     return results
 
@@ -187,7 +191,7 @@ def test_grad_allreduce_hook(ranks: list[dict]) -> None:
     for rank, result in enumerate(ranks):
         assert torch.equal(result["grad_allreduce_hook"], total(upstream, (3, 2))), \
             f"grad_allreduce_hook on rank {rank}"
-        assert result["grad_allreduce_hook off"], f"disabled grad_allreduce_hook must return its input on rank {rank}"
+        assert result["grad_allreduce_hook off"], f"gathered, grad_allreduce_hook must leave the gradient as it is (None) on rank {rank}"
 
 
 def test_replica_grad_hook(ranks: list[dict]) -> None:
@@ -197,7 +201,7 @@ def test_replica_grad_hook(ranks: list[dict]) -> None:
         own = upstream(rank, (3, 2))
         assert torch.equal(result["replica_grad_hook"], torch.cat([own[:1], summed[1:]])), \
             f"replica_grad_hook on rank {rank}"
-        assert result["replica_grad_hook off"], f"disabled replica_grad_hook must return its input on rank {rank}"
+        assert result["replica_grad_hook off"], f"gathered, replica_grad_hook must leave the gradient as it is (None) on rank {rank}"
         assert result["hook input untouched"], f"a grad hook changed its input in place on rank {rank}"
 
 
@@ -213,5 +217,5 @@ def test_group_of_one_is_identity() -> None:
         assert fn(x, None) is x, name
     weight, bias = value(1, (2, 3)), value(1, (2,))
     assert torch.equal(seq_parallel_column_linear(x, weight, bias, None), F.linear(x, weight, bias))
-    assert grad_allreduce_hook(None, lambda: True)(x) is x
-    assert torch.equal(replica_grad_hook(Partition.even(0, 2, 1), 0, {}, lambda: True)(x), x)
+    assert grad_allreduce_hook(None)(x) is x
+    assert torch.equal(replica_grad_hook(Partition.even(0, 2, 1), 0, {})(x), x)

@@ -36,7 +36,7 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout
 DEPENDENCY_PRIVATES = {
     "_wrap_model", "_get_num_items_in_batch", "_get_train_sampler", "_save", "_save_optimizer_and_scheduler",
     "_get_collator_with_removed_columns", "_train_batch_size", "_models", "_check_forward_args",
-    "_cast_input_dtype", "_timeout", "_getframe", "_get_backend",
+    "_cast_input_dtype", "_timeout", "_getframe", "_get_backend", "_ddp_params_and_buffers_to_ignore",
 }
 NN_MODULE_OWN = {name for name in dir(nn.Module) if name.startswith("_")}  # _modules, _load_from_state_dict, ...
 

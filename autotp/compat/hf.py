@@ -46,6 +46,11 @@ def adapter_module(model: nn.Module) -> tuple[str, str] | None:
     return None
 
 
+def is_transformers_class(module: nn.Module) -> bool:
+    """Whether `module`'s class is one transformers ships (its own code), not a user's or a remote-code model's."""
+    return type(module).__module__.startswith("transformers.")
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """Whether transformers classifies the model's loss as causal-LM cross-entropy (`PreTrainedModel.loss_type`).
 

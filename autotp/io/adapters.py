@@ -35,7 +35,7 @@ def gathered_adapters(model: nn.Module) -> Iterator[None]:
     `get_peft_model` writes what training would start from.
     """
     state, root = find_state(model), wrapped_model(model)
-    if state is None or state.tp_group is None or state.gathered:
+    if state is None or state.tp_group is None or state.is_gathered():
         yield
         return
     adapt_all(root, state)
@@ -124,7 +124,7 @@ class AdapterSlices:
 
     def __call__(self, model: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict,
                  *_: Any) -> None:
-        if self.state.gathered or not any("lora_" in key or "modules_to_save" in key for key in state_dict):
+        if self.state.is_gathered() or not any("lora_" in key or "modules_to_save" in key for key in state_dict):
             return
         assign = local_metadata.get("assign_to_params_buffers", False)
         rank = self.state.tp_rank

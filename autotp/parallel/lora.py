@@ -66,8 +66,7 @@ class TPLora:
         for hook in self.hooks:
             hook.remove()
         if self.column:
-            joining = self.layer._shared_input.joining
-            joining[:] = [w for w in joining if all(w is not m.weight for m in self.lora.lora_A.values())]
+            self.layer.entry.unjoin([m.weight for m in self.lora.lora_A.values()])
         else:
             self.layer.reduce_output = True
         del self.layer.autotp_lora
@@ -76,8 +75,6 @@ class TPLora:
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """PEFT's `lora.Linear.forward` for plain LoRA, with one all-reduce for the layer and its adapters."""
         lora = self.lora
-        if self.state.gathered:
-            return type(lora).forward(lora, x, *args, **kwargs)
         peft_compat.check_forward_args(lora, x, *args, **kwargs)
         if kwargs.get("adapter_names") is not None:
             return self._mixed_batch(x, *args, **kwargs)
@@ -93,21 +90,21 @@ class TPLora:
             raise NotImplementedError(f"autotp: {self.path}: PEFT's mixed-adapter batches (adapter_names=...) run "
                                       f"under torch.no_grad() only with tensor parallelism")
         if self.column:
-            return type(self.lora).forward(self.lora, self.layer._shared_input(x), *args, **kwargs)
+            return type(self.lora).forward(self.lora, self.layer.entry(x), *args, **kwargs)
         (result,) = reduce_from_tp_joined([type(self.lora).forward(self.lora, x, *args, **kwargs)], self.layer.group)
         return result if self.layer.bias is None else result + self.layer.bias
 
     def _column(self, x: torch.Tensor, active: list[str], args: tuple, kwargs: dict) -> torch.Tensor:
         """The input is replicated: its LoRA dropout draws from the shared stream, the masks one process draws."""
-        shared = self.layer._shared_input
-        x = shared(x)
+        entry = self.layer.entry
+        x = entry(x)
         result = self.layer(x, *args, **kwargs)
         dtype = result.dtype
         for name in active:
             a = self.lora.lora_A[name]
             with shared_draws(self.layer):
                 dropped = self.lora.lora_dropout[name](peft_compat.cast_input_dtype(self.lora, x, a.weight.dtype))
-            h = F.linear(dropped, shared.weight(a.weight), a.bias)
+            h = F.linear(dropped, entry.weight(a.weight), a.bias)
             result = result + self.lora.lora_B[name](h) * self.lora.scaling[name]
         return result.to(dtype)
 
@@ -157,11 +154,9 @@ class TPLora:
             variant = type(self.lora.lora_variant[name]).__name__
             raise NotImplementedError(f"{where} uses {variant} (DoRA or another LoRA variant), which autotp does not "
                                       f"shard yet; use plain LoRA")
-        if self.state.gathered:
+        if self.state.is_gathered():
             raise RuntimeError(f"{where} was added inside GatherReplacedLayerParams; add adapters outside it")
-        sequence_parallel = getattr(self.layer, "sequence_parallel", False) or getattr(
-            getattr(self.layer, "_shared_input", None), "sequence_parallel", False)
-        if sequence_parallel:
+        if self.layer.sequence_parallel:
             raise NotImplementedError(f"{where}: LoRA with sequence parallelism is not supported yet; wrap with "
                                       f"sequence_parallel=False")
         if not self.column and self.lora.lora_B[name].bias is not None:
@@ -174,11 +169,11 @@ class TPLora:
         for param in self.lora.lora_B[self._name_of(b)].parameters():  # lora_bias too
             self._split(param, rows, full)
         self._replicate(a, 1, self.layer.full_in)
-        self.layer._shared_input.joining.append(a)  # its gradient is summed with the input's (SharedInput.weight)
+        self.layer.entry.join(a)  # its gradient is summed with the input's (BlockEntry.weight)
         if rows.replicas(self.layer.tp_rank):  # replicated KV rows: summed over their holders, as the base weight's
             owner = self.lora.lora_B[self._name_of(b)]
-            self.hooks.append(GradHook(owner, b, replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups,
-                                                                   self._active)))
+            self.hooks.append(GradHook(owner, b, self.state.sharded_only(
+                replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups))))
 
     def _adapt_row(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A split like the base weight's columns, drawn as PEFT draws it over the full width; lora_B replicated."""
@@ -210,9 +205,6 @@ class TPLora:
                                f"should be the layer's full {size}")
         broadcast_tensors([param], self.layer.group)
 
-    def _active(self) -> bool:
-        return not self.state.gathered
-
     def _name_of(self, b: nn.Parameter) -> str:
         return next(n for n, m in self.lora.lora_B.items() if m.weight is b)
 
@@ -221,13 +213,15 @@ class TPLora:
                 if hasattr(p, "autotp_shard")]
 
     def gather_(self) -> None:
-        """Full adapter weights, as for the base layer (GatherReplacedLayerParams, saving)."""
+        """Full adapter weights, as for the base layer (GatherReplacedLayerParams, saving); PEFT's own forward runs."""
         for param in self._sharded():
             gather_parameter_(param, self.layer.group)
+        vars(self.lora).pop("forward", None)
 
     def partition_(self) -> None:
         for param in self._sharded():
             partition_parameter_(param)
+        self.lora.forward = self.forward
 
 
 def adapter_partition(layer: ParallelLinear, half: str) -> Partition | None:

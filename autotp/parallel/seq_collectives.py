@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..compat import torch as torch_compat
 from .collectives import weight_grad
 from .groups import Group, group_size, named_failure
 
@@ -51,7 +52,7 @@ def start_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
     size = group_size(group)
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' chunks one after another: the whole tensor
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather = torch_compat.all_gather_single()
     with named_failure(group, "all-gather"):
         work = gather(out, x, group=group, async_op=async_op)
     shape = list(x.shape)
@@ -69,7 +70,7 @@ def start_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
 def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """Sum over the group and keep this rank's chunk: one reduce-scatter, no full-size result and no copy."""
     out = x.new_empty(_chunk_shape(x, group, dim))  # refuse a length that does not divide before communicating
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    scatter = torch_compat.reduce_scatter_single()
     with named_failure(group, "reduce-scatter"):
         scatter(out.view(-1), x.contiguous().view(-1), group=group)
     return out

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..compat.hf import is_conv1d
+from ..compat.hf import is_conv1d, is_transformers_class
 from .plan import Plan, Replicated, Why
 from .probe import probe_inputs
 
@@ -87,7 +87,7 @@ def apply_verdicts(model: nn.Module, plan: Plan, found: Verdicts, only_custom: b
 def _checked_blocks(modules: dict[str, nn.Module], plan: Plan, only_custom: bool) -> list[str]:
     blocks = sorted({layer.block for layer in plan.layers if layer.block})
     if only_custom:
-        blocks = [b for b in blocks if not type(modules[b]).__module__.startswith("transformers.")]
+        blocks = [b for b in blocks if not is_transformers_class(modules[b])]
     return blocks
 
 

@@ -114,6 +114,7 @@ def test_verify_says_so_when_nothing_is_sharded(autotp_cli) -> None:
     assert "OK:" not in done.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers; the same messages are checked in-process above
 def test_python_m_autotp_reports_bad_input_in_one_line_with_exit_code_2() -> None:
     """The module entry point itself (`python -m autotp`): main's exit code reaches the shell, no traceback."""
     done = subprocess.run([sys.executable, "-m", "autotp", "plan", "no_such_type", "--tp", "2"], capture_output=True,

@@ -67,16 +67,21 @@ def test_bart_decoder_alone_keeps_its_vocabulary_whole() -> None:
         assert_parity(report)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("model_type", SEQ2SEQ)
+def sweep(model_types, quick: str) -> list:
+    """(model type, tp) at tp 2 and 4, all in the slow tier but `quick` at tp=2 (T5 for its relative attention bias,
+    BERT for a classification head)."""
+    return [pytest.param(m, tp, marks=[] if (m, tp) == (quick, 2) else [pytest.mark.slow])
+            for m in model_types for tp in (2, 4)]
+
+
+@pytest.mark.parametrize("model_type,tp", sweep(SEQ2SEQ, "t5"))
 def test_seq2seq_training_parity(model_type: str, tp: int) -> None:
     for report in run_ranks(task_parity, tp, model_type):
         assert_parity(report)
         assert report["sharded"] > 0, "nothing was sharded"
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("model_type", sorted(ENCODERS))
+@pytest.mark.parametrize("model_type,tp", sweep(sorted(ENCODERS), "bert"))
 def test_encoder_task_head_parity(model_type: str, tp: int) -> None:
     for report in run_ranks(task_parity, tp, model_type):
         assert_parity(report)

@@ -245,10 +245,9 @@ def test_consolidate_refuses_a_checkpoint_without_a_replica_rank(tmp_path: Path)
     assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
 
 
-def test_consolidate_command_exits_2_on_a_missing_tensor(checkpoint: Path, tmp_path: Path) -> None:
+def test_consolidate_command_exits_2_on_a_missing_tensor(autotp_cli, checkpoint: Path, tmp_path: Path) -> None:
     drop_tensor(checkpoint / "rank-00001" / "model.safetensors", "model.norm.weight")
-    done = subprocess.run([sys.executable, "-m", "autotp", "consolidate", str(checkpoint), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=60)
+    done = autotp_cli("consolidate", str(checkpoint), str(tmp_path / "out"))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "rank-00001" in done.stderr and "model.norm.weight" in done.stderr
     assert not (tmp_path / "out").exists()

@@ -90,10 +90,9 @@ def save_both(rank: int, world: int, ckpt: str, full: str) -> None:
     autotp.save_pretrained(model, full)
 
 
-def test_consolidate_equals_save_pretrained(tmp_path: Path) -> None:
+def test_consolidate_equals_save_pretrained(autotp_cli, tmp_path: Path) -> None:
     run_ranks(save_both, 4, str(tmp_path / "ckpt"), str(tmp_path / "full"))
-    done = subprocess.run([sys.executable, "-m", "autotp", "consolidate", str(tmp_path / "ckpt"),
-                           str(tmp_path / "consolidated")], capture_output=True, text=True, timeout=120)
+    done = autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "consolidated"))
     assert done.returncode == 0, done.stderr
     from safetensors.torch import load_file
     for name in ("model.safetensors",):
@@ -219,12 +218,11 @@ def test_killed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     assert autotp.load_checkpoint(target, model) == {"step": 7}
 
 
-def test_existing_targets_need_overwrite(tmp_path: Path) -> None:
+def test_existing_targets_need_overwrite(autotp_cli, tmp_path: Path) -> None:
     run_ranks(save_both, 2, str(tmp_path / "ckpt"), str(tmp_path / "full"))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("keep me")
-    done = subprocess.run([sys.executable, "-m", "autotp", "consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
+    done = autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert done.returncode == 2 and "exists and is not empty; pass overwrite=True" in done.stderr
     assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
     model, optimizer, _ = make(1)

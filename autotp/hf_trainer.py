@@ -5,7 +5,8 @@ averaged by DDP over `autotp.dp_group` (never over the world), each DP replica r
 of the data while the TP ranks of a replica read the same batches, the reported batch size counts
 DP replicas only, the loss is normalised by the tokens of the whole global batch (summed over DP,
 not over every rank), gradients are clipped by the norm of the whole unsharded model, the logged
-loss is the mean over replicas, evaluation reads each replica's part of the eval set, bf16/fp16
+loss is the mean over replicas, evaluation reads each replica's part of the eval set (its loss weighting each
+batch by its samples, as Trainer's does), bf16/fp16
 autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
 full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
 adapter, with only the adapters gathered).
@@ -24,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer
+from transformers.trainer_pt_utils import find_batch_size
 
 from .parallel.collectives import all_gather
 from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
@@ -145,8 +147,25 @@ class AutoTPTrainer(Trainer):
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's loop, with what each replica evaluated gathered over the DP group (Trainer resets it after)."""
-        self.gather_function = self._gather_over_replicas
+        self.gather_function = self._gather_for_metrics
+        self._loss_samples = None
         return super().evaluation_loop(*args, **kwargs)
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        """Trainer's step; remembers how many samples the batch held, for the loss Trainer gathers next."""
+        outputs = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        self._loss_samples = find_batch_size(inputs) if outputs[0] is not None else None
+        return outputs
+
+    def _gather_for_metrics(self, value: Any) -> Any:
+        """The DP gather; the first value after a step with a loss is that loss, which Trainer repeated
+        `eval_batch_size` times: repeated as many times as the batch had samples instead, so that a smaller last
+        batch weighs what it holds (accelerate's `gather_for_metrics` drops the surplus in one-process Trainer)."""
+        samples, self._loss_samples = self._loss_samples, None
+        if samples is not None and torch.is_tensor(value) and value.dim() == 1 and len(value):
+            value = value[:1].repeat(samples)
+        return self._gather_over_replicas(value)
 
     def _gather_over_replicas(self, value: Any) -> Any:
         """Losses, logits or labels of every DP replica, concatenated in replica order; TP ranks of a replica

@@ -1,4 +1,5 @@
-"""Unit tests of the autograd collectives in `autotp.parallel.comm`, forward and backward, on 2 forked CPU ranks (gloo).
+"""Unit tests of the autograd collectives and gradient hooks (`autotp.parallel.collectives`, `.seq_collectives`,
+`.grad_hooks`), forward and backward, on 2 forked CPU ranks (gloo).
 
 Every rank's inputs and upstream gradients are float64 integers built from its rank number (`value`,
 `upstream`), so each test recomputes the expected sums by hand for every rank; the upstream gradient

@@ -48,7 +48,7 @@ def dead_pid() -> int:
     return child.pid
 
 
-# --- A: a failure on one rank is raised on every rank ----------------------------------------------------------
+# --- a failure on one rank is raised on every rank ----------------------------------------------------------
 
 def save_and_catch(rank: int, world: int, target: str) -> tuple[int | None, str]:
     model = autotp.wrap(tiny_model("llama"), world)
@@ -159,7 +159,7 @@ def test_read_error_on_one_rank_of_from_pretrained_raises_on_every_rank(tmp_path
     assert kind0 == "CheckpointError" and "rank 1" in first and os.strerror(errno.EIO) in first, first
 
 
-# --- B: a half-written per-rank checkpoint changes nothing, on any rank ----------------------------------------
+# --- a half-written per-rank checkpoint changes nothing, on any rank ----------------------------------------
 
 def save_tp2(rank: int, world: int, directory: str) -> None:
     model = autotp.wrap(tiny_model("llama"), 2)
@@ -253,7 +253,7 @@ def test_consolidate_command_exits_2_on_a_missing_tensor(autotp_cli, checkpoint:
     assert not (tmp_path / "out").exists()
 
 
-# --- C: staging directories ----------------------------------------------------------------------------------
+# --- staging directories ----------------------------------------------------------------------------------
 
 def save_tiny(target: Path, seed: int = 0, **kwargs) -> None:
     autotp.save_pretrained(autotp.wrap(tiny_model("llama", seed=seed), 1), target, **kwargs)
@@ -342,7 +342,7 @@ def test_swap_killed_between_renames_without_exchange_is_undone_by_the_next_save
     assert hidden(tmp_path) == []
 
 
-# --- D: malformed safetensors files and indexes --------------------------------------------------------------
+# --- malformed safetensors files and indexes --------------------------------------------------------------
 
 def write_safetensors(file: Path, header: object, data: bytes = b"") -> None:
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()

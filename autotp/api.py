@@ -173,7 +173,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
             SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
             slice_adapters_on_load(model, state)
             MeshGuard(model)
-        broadcast_replicated(model, tp_group)  # last: it writes all of its tensors only once all arrived
+        broadcast_replicated(model, tp_group, dp_group if tp_group is not None else None)  # last: writes once all arrived
     except BaseException:
         snapshot.restore()
         detach(model)

@@ -1,0 +1,43 @@
+"""Ranks that must agree, and state that must not cross ranks: DP replicas broadcast at wrap and checked; configs,
+options and plans compared before the model is touched; plain state dicts tagged with their layout; explicit
+plans applied with the user's example inputs; MoE experts at widths grouped_mm refuses.
+
+Parity tolerances are autotp.testing's (fp32, only the order of sums differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autotp
+from autotp.testing import run_ranks
+from models import tiny_model
+
+
+def dp_replicas(rank: int, world: int) -> dict:
+    model = autotp.wrap(tiny_model("llama", seed=rank), 2)  # no common seed: every rank starts apart
+    tensors = [t.detach() for t in [*model.parameters(), *model.buffers()]]
+    theirs: list = [None] * autotp.dp_size()
+    dist.all_gather_object(theirs, tensors, group=autotp.dp_group())
+    equal = all(torch.equal(a, b) for a, b in zip(theirs[0], theirs[1]))
+    autotp.check_replicas(model)  # passes: wrap made them equal
+    if rank == 3:
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.add_(1e-3)  # a shard drifts on one DP replica
+    try:
+        autotp.check_replicas(model)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    return {"equal": equal, "error": error}
+
+
+@pytest.mark.slow
+def test_dp_replicas_are_broadcast_at_wrap_and_their_drift_is_named() -> None:
+    reports = run_ranks(dp_replicas, 4)
+    assert all(report["equal"] for report in reports), reports
+    assert reports[0]["error"] is None and reports[2]["error"] is None  # DP group {0, 2} still agrees
+    for report in reports[1], reports[3]:
+        assert "model.layers.0.self_attn.q_proj.weight (32, 64) differs between DP ranks 1 and 3" in report["error"]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..compat.hf import build_model
 from ..parallel.dtensor_rows import dp_chunk, local_rows
 from ..parallel.groups import global_rank, group_size
 from ..planning.sharding import Partition
@@ -271,16 +272,18 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
     rank's shape), so that a damaged checkpoint raises `CheckpointError` before anything is written.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     checkpoint = Path(checkpoint)
     meta = read_meta(checkpoint)
     tp, world_size = meta["tp_size"], meta["world_size"]
     config = AutoConfig.from_pretrained(checkpoint)
+    if not getattr(config, "architectures", None) and meta.get("model_class"):
+        config.architectures = [meta["model_class"]]  # a model built from a config: the class save_checkpoint saw
     files = [_rank_dir(checkpoint, r) / "model.safetensors" for r in range(world_size)]
     headers = [_model_header(file) for file in files]
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=NAMES[next(iter(headers[0].values()))["dtype"]])
+    with init_empty_weights():  # the checkpoint's own class (config.architectures), as autotp.from_pretrained builds
+        model = build_model(config, dtype=NAMES[next(iter(headers[0].values()))["dtype"]])
     model.tie_weights()
     partitions = {name: Partition.from_json(p) for name, p in meta["partitions"].items()}
     dp_rows, dp = set(meta.get("dp_rows", ())), world_size // tp  # FSDP: each rank saved its DP rows of its TP shard

@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from transformers import AutoModelForCausalLM
+
 import autotp
-from autotp.testing import run_ranks
-from models import tiny_model
+from autotp.testing import assert_parity, compare_training, run_ranks, tiny_config
+from models import batch, tiny_model
 
 
 def dp_replicas(rank: int, world: int) -> dict:
@@ -41,3 +43,18 @@ def test_dp_replicas_are_broadcast_at_wrap_and_their_drift_is_named() -> None:
     assert reports[0]["error"] is None and reports[2]["error"] is None  # DP group {0, 2} still agrees
     for report in reports[1], reports[3]:
         assert "model.layers.0.self_attn.q_proj.weight (32, 64) differs between DP ranks 1 and 3" in report["error"]
+
+
+def moe_parity(rank: int, world: int, model_type: str) -> dict:
+    config = tiny_config(model_type)
+    config.moe_intermediate_size = 12  # 6 fp32 per rank: 24 bytes, not a multiple of 16 (grouped_mm's stride)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config)
+    return compare_training(reference, batch(config.vocab_size), world)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+def test_moe_experts_whose_shard_width_grouped_mm_refuses_train_with_parity(model_type: str) -> None:
+    for report in run_ranks(moe_parity, 2, model_type):
+        assert_parity(report)
+        assert report["sharded"]

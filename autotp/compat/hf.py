@@ -7,6 +7,7 @@ message that names the missing piece, rather than somewhere inside a training st
 
 from __future__ import annotations
 
+import copy
 import importlib
 import re
 from dataclasses import dataclass
@@ -220,3 +221,18 @@ def build_model(config: PretrainedConfig, task: str | None = None, **kwargs: Any
     """`config`'s model for `task` (see `model_class`) with random weights; `kwargs` go to `from_config`."""
     cls = model_class(config, task)
     return cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
+
+
+def avoid_grouped_mm(module: nn.Module, widths: Iterable[int], dtype: torch.dtype) -> bool:
+    """Give a transformers experts module (`@use_experts_implementation`) its own config asking for `batched_mm` when
+    `grouped_mm`, the default, cannot run its shards: it needs every row stride a multiple of 16 bytes, and a shard
+    `widths` wide (6 fp32 of a 12-wide expert at tp 2) is not. Padding would change the state dict's shapes; the batched
+    path computes the same sums. Returns whether it switched."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != "grouped_mm":
+        return False
+    if all(width * dtype.itemsize % 16 == 0 for width in widths):
+        return False
+    module.config = copy.copy(config)
+    module.config._experts_implementation_internal = "batched_mm"  # not the setter: it also writes shared sub-configs
+    return True

@@ -6,15 +6,18 @@ The plan has already checked everything, so this step cannot fail halfway on bad
 from __future__ import annotations
 
 import copy
+from typing import Iterable
 
 import torch
 from torch import nn
 
+from ..compat.hf import avoid_grouped_mm
 from .grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from .groups import Group, build_subgroups, group_rank
 from .block_entry import BlockEntry
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
 from ..planning.options import WrapOptions
+from ..planning.sharding import Partition
 from ..planning.plan import AttrPlan, HeadInputPlan, Plan, VocabPlan
 from .rng import install_sharded_streams, sync_replicated_stream
 from .state import TPState, attach
@@ -52,6 +55,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, o
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
+        _experts_path(modules[region.path], partitions.values())
     if plan.vocab is not None:
         state.full_loss = model.loss_function
         apply_vocab(model, plan.vocab, tp_group, state)
@@ -66,6 +70,13 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, o
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
     attach(model, state)
     return state
+
+
+def _experts_path(module: nn.Module, partitions: Iterable[Partition]) -> None:
+    """An experts forward that runs on every rank's shard widths (transformers' grouped_mm needs 16-byte strides)."""
+    widths = {p.local_size(rank) for p in partitions for rank in range(p.tp_size)}
+    dtype = next(module.parameters()).dtype
+    avoid_grouped_mm(module, widths, dtype)
 
 
 def _sequence_parallel(options: WrapOptions, block: str) -> bool:

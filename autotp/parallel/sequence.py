@@ -13,6 +13,9 @@ between blocks (norms, residual adds, scaling) treats every token alike."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -51,8 +54,9 @@ def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[
     return list_path, blocks, [name for name, _ in outside]
 
 
-def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -> list[GradHook]:
-    """Install the sequence split; returns the gradient hooks it put on the layers' own norms and row biases."""
+def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -> list[GradHook | LayerScope]:
+    """Install the sequence split; returns what `remove()` undoes it on the layers (their scopes) and on the tensors
+    (the gradient hooks on the layers' own norms and row biases)."""
     list_path, blocks, norms = sequence_layout(model, plan)
     layers = model.get_submodule(list_path)
     chunked = Chunked()
@@ -60,10 +64,7 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
                            [m for m in layers.modules() if isinstance(m, nn.Dropout)])
     only = state.sharded_only  # gathered, the model computes as the original: none of these hooks acts
     layers[0].register_forward_pre_hook(only(_on_hidden(lambda x: scatter_to_seq(x, group))), with_kwargs=True)
-    for layer in layers:  # every layer's input is a chunk, also when a checkpointed layer is recomputed alone
-        layer.register_forward_pre_hook(only(chunked.hook(True)))
-        layer.register_forward_pre_hook(only(dropout.enter))
-        layer.register_forward_hook(dropout.exit, always_call=True)
+    scopes = [LayerScope(layer, chunked, dropout, state) for layer in layers]
     layers[-1].register_forward_hook(only(_on_output(lambda x: gather_from_seq(x, group))))
     layers[-1].register_forward_hook(only(chunked.hook(False)))
     for path in blocks:  # its layers were built sequence-parallel (apply_plan)
@@ -78,13 +79,13 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
     partial = [(model.get_submodule(name.rpartition(".")[0]), model.get_parameter(name)) for name in norms]
     partial += [(m, m.bias) for path in blocks for m in model.get_submodule(path).modules()
                 if isinstance(m, LinearAllreduce) and m.bias is not None]
-    return [GradHook(owner, param, only(grad_allreduce_hook(group))) for owner, param in partial]
+    return [*scopes, *(GradHook(owner, param, only(grad_allreduce_hook(group))) for owner, param in partial)]
 
 
 class Chunked:
-    """Whether the hidden states now flowing are this rank's chunk: set by hooks in forward order (on at each decoder
-    layer's start and after each row layer's reduce-scatter, off at each block's gather and after the last layer), so
-    a checkpointed layer's recomputation sets it the same way."""
+    """Whether the hidden states now flowing are this rank's chunk: on at each decoder layer's start (`LayerScope`) and
+    after each row layer's reduce-scatter, off at each block's gather and after the last layer, so a checkpointed
+    layer's recomputation sets it the same way."""
 
     def __init__(self):
         self.on = False
@@ -95,31 +96,65 @@ class Chunked:
         return set_on
 
 
+class LayerScope:
+    """Runs a decoder layer's own `forward` with its input marked a chunk and, in training, under `ChunkDropout`.
+
+    HF checkpoints a layer's `forward`, not its `__call__` (`GradientCheckpointingLayer`), so forward hooks on the
+    layer do not run when backward recomputes it: a recomputation without the dropout mode draws chunk-size masks,
+    unlike the forward, and the gradients are wrong. The layer is given a subclass of its class whose `forward` opens
+    this scope, which HF's checkpointing then wraps like the original's (only the outermost `forward` checkpoints, as
+    for FSDP2's subclass); `remove()` gives the layer its class back."""
+
+    def __init__(self, layer: nn.Module, chunked: Chunked, dropout: ChunkDropout, state):
+        self.layer, self.chunked, self.dropout, self.state = layer, chunked, dropout, state
+        self.original = type(layer)
+        layer.autotp_sequence_scope = self
+        layer.__class__ = _scoped_class(self.original)
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.state.is_gathered():  # the model computes as the original
+            yield
+            return
+        self.chunked.on = True
+        with self.dropout if self.layer.training and self.dropout.can_drop() else nullcontext():
+            yield
+
+    def remove(self) -> None:
+        self.layer.__class__ = self.original
+        del self.layer.autotp_sequence_scope
+
+
+_SCOPED: dict[type, type] = {}
+
+
+def _scoped_class(cls: type) -> type:
+    """`cls` with a `forward` that runs the original inside the instance's `LayerScope` (one subclass per class)."""
+    if cls not in _SCOPED:
+        def forward(self, *args, **kwargs):
+            with self.autotp_sequence_scope():
+                return cls.forward(self, *args, **kwargs)
+        _SCOPED[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                   "__qualname__": cls.__qualname__})
+    return _SCOPED[cls]
+
+
 class ChunkDropout(TorchFunctionMode):
     """Dropout under sequence parallelism, `nn.Dropout` or `nn.functional.dropout` alike (StarCoder2 and Falcon call
     the function). On a chunk it draws the whole tensor's mask from the TP group's shared stream, as torch's dropout
     does, and keeps its own tokens' part: a chunk-size draw would give every rank the same mask. Elsewhere (the
     gathered block input, a sharded region) it is torch's dropout.
 
-    It is entered around each decoder layer's forward, in training and only where a dropout can be on (a dropout
-    setting above 0 in the config, or an `nn.Dropout` whose p is): it sees every torch call there, a few
-    microseconds each."""
+    `LayerScope` enters it around each decoder layer's forward (recomputations included), in training and only where
+    a dropout can be on (a dropout setting above 0 in the config, or an `nn.Dropout` whose p is): it sees every torch
+    call there, a few microseconds each."""
 
     def __init__(self, chunked: Chunked, group: Group, config_dropout: bool, modules: list[nn.Dropout]):
         super().__init__()
         self.chunked, self.group, self.config_dropout, self.modules = chunked, group, config_dropout, modules
-        self.entered = False
 
-    def enter(self, layer: nn.Module, *_) -> None:
-        if layer.training and not self.entered and (
-                self.config_dropout or any(m.p > 0 for m in self.modules)):
-            self.__enter__()
-            self.entered = True
-
-    def exit(self, *_) -> None:
-        if self.entered:
-            self.entered = False
-            self.__exit__(None, None, None)
+    def can_drop(self) -> bool:
+        return self.config_dropout or any(m.p > 0 for m in self.modules)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -58,3 +58,31 @@ def test_moe_experts_whose_shard_width_grouped_mm_refuses_train_with_parity(mode
     for report in run_ranks(moe_parity, 2, model_type):
         assert_parity(report)
         assert report["sharded"]
+
+
+DISAGREEMENTS = {  # rank 1's difference -> what the error names
+    "intermediate_size": ({"config": {"intermediate_size": 128}}, "config key intermediate_size is 96 on rank 0 but 128"),
+    "num_hidden_layers": ({"config": {"num_hidden_layers": 3}}, "config key num_hidden_layers is 2 on rank 0 but 3"),
+    "vocab_parallel": ({"options": {"vocab_parallel": False}}, "option vocab_parallel is True on rank 0 but False"),
+    "sequence_parallel": ({"options": {"sequence_parallel": True}},
+                          "option sequence_parallel is False on rank 0 but True"),
+}
+
+
+def disagreeing(rank: int, world: int, case: str) -> str:
+    change = DISAGREEMENTS[case][0] if rank == 1 else {}
+    model = tiny_model("llama", **change.get("config", {}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError) as err:
+        autotp.wrap(model, world, timeout=20, **change.get("options", {}))
+    assert not autotp.parallel.apply.parallel_layers(model)  # refused before anything changed
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return str(err.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_ranks_that_built_or_wrapped_differently_are_named_before_anything_changes(case: str) -> None:
+    for message in run_ranks(disagreeing, 2, case):
+        assert DISAGREEMENTS[case][1] + " on rank 1" in message, message
+        assert "ranks disagree before sharding" in message

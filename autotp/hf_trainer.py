@@ -15,6 +15,7 @@ adapter, with only the adapters gathered).
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -261,11 +262,9 @@ class AutoTPTrainer(Trainer):
         path = os.path.join(checkpoint, self._optimizer_file())
         if not os.path.isfile(path):
             found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
-            raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored (the "
-                                  f"checkpoint holds {found or 'no optimizer files'}). Resume at the tp size it was "
-                                  f"saved with. Its model is a full checkpoint that loads at any tp "
-                                  f"(autotp.from_pretrained); to carry optimizer state across tp sizes, train with "
-                                  f"autotp.save_checkpoint and reshard with `python -m autotp consolidate`")
+            fsdp = find_state(self.model).fsdp
+            raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored: "
+                                  + _layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None))
         device = next(self.model.parameters()).device
         state = torch.load(path, map_location=device, weights_only=True)
         self.optimizer.load_state_dict(as_params(state, self.optimizer))
@@ -310,6 +309,36 @@ class AutoTPTrainer(Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+_OPTIMIZER_FILE = re.compile(r"optimizer\.tp\d+-of-(\d+)(?:\.dp\d+-of-(\d+))?\.pt")
+_ANY_TP = ("Its model is a full checkpoint that loads at any tp and either way (autotp.from_pretrained); to carry "
+           "optimizer state across sizes, train with autotp.save_checkpoint and reshard with `python -m autotp "
+           "consolidate`")
+
+
+def _layout_difference(found: list[str], tp: int, dp: int | None) -> str:
+    """How the optimizer files `found` in a checkpoint were laid out, against this run's: `tp` size and, under FSDP,
+    `dp` size (None: DDP, whole TP shards). Trainer checkpoints keep per-rank optimizer state, which fits only the
+    layout it was saved with."""
+    layouts = {(int(m[1]), None if m[2] is None else int(m[2])) for m in map(_OPTIMIZER_FILE.fullmatch, found) if m}
+    if len(layouts) != 1:
+        return f"the checkpoint holds {found or 'no optimizer files'}. {_ANY_TP}"
+    (saved_tp, saved_dp), = layouts
+    now = "with AutoTPTrainer(fully_shard=True)" if dp is not None else "without fully_shard (DDP)"
+    if saved_tp != tp:
+        return (f"the checkpoint was saved at tp={saved_tp} ({', '.join(found)}), this run has tp={tp}. Resume at "
+                f"the tp size it was saved with. {_ANY_TP}")
+    if (saved_dp is None) != (dp is None):
+        saved = ("with AutoTPTrainer(fully_shard=True): each rank's FSDP rows of its TP shard, one file per TP x DP "
+                 "rank" if saved_dp is not None else "without fully_shard (DDP): whole TP shards, one file per TP rank")
+        return (f"the tp size ({tp}) is the same, but the optimizer state was saved {saved} ({', '.join(found)}), and "
+                f"this run is {now}. Resume with fully_shard={saved_dp is not None}. {_ANY_TP}")
+    if saved_dp != dp:
+        return (f"the optimizer state was saved with fully_shard at dp={saved_dp} ({', '.join(found)}), this run has "
+                f"dp={dp}; FSDP rows are per DP rank. Resume at dp={saved_dp}. {_ANY_TP}")
+    return (f"the checkpoint holds {', '.join(found)} of this same layout but not this rank's file (a save that did "
+            f"not finish, or a file removed since): resume from another checkpoint")
 
 
 def _fused_head(forward: Any) -> str | None:

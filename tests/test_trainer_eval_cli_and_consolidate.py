@@ -99,3 +99,63 @@ def test_consolidate_builds_the_checkpoints_own_class(tmp_path: Path, model_type
     # the shards are the one-process tensors cut and joined again: bit-equal, and so are the outputs
     assert unequal == [] and loaded.state_dict().keys() == expected.keys(), unequal
     assert torch.equal(task_outputs(loaded), task_outputs(reference))
+
+
+# --- errors of Trainer resume and of consolidate inside a job ------------------------------------------------------
+
+def resume_in_other_layout(rank: int, world: int, path: str, saved_fsdp: bool) -> str:
+    """One step and an optimizer save under one layout (DDP or FSDP), then the optimizer load under the other."""
+    from autotp.hf_trainer import AutoTPTrainer
+
+    def trainer(fsdp: bool) -> AutoTPTrainer:
+        args = TrainingArguments(output_dir=path, per_device_train_batch_size=2, max_steps=1, report_to=[],
+                                 use_cpu=True, save_strategy="no", disable_tqdm=True)
+        return AutoTPTrainer(model=autotp.wrap(tiny_model("llama"), tp_size=world), args=args,
+                             train_dataset=Sequences(4), fully_shard=fsdp)
+
+    saved = trainer(saved_fsdp)
+    saved.train()
+    saved.save_optimizer_and_scheduler(path)  # what Trainer calls at each checkpoint
+    resumed = trainer(not saved_fsdp)
+    resumed.create_optimizer_and_scheduler(num_training_steps=1)
+    try:
+        resumed.load_optimizer_and_scheduler(path)  # what train(resume_from_checkpoint=path) calls
+    except autotp.CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_fsdp", [True, False])
+def test_trainer_resume_across_ddp_and_fsdp_names_the_layouts(tmp_path: Path, saved_fsdp: bool) -> None:
+    """The tp size is the same (2): the message must say the optimizer layout differs, not ask for another tp."""
+    for message in run_ranks(resume_in_other_layout, 2, str(tmp_path), saved_fsdp):
+        saved = "optimizer.tp0-of-2.dp0-of-1.pt" if saved_fsdp else "optimizer.tp0-of-2.pt"
+        expected = "optimizer.tp{}-of-2.pt" if saved_fsdp else "optimizer.tp{}-of-2.dp0-of-1.pt"
+        assert "tp size (2) is the same" in message and saved in message, message
+        assert any(expected.format(r) + ": missing" in message for r in (0, 1)), message
+        assert f"Resume with fully_shard={saved_fsdp}" in message and "Resume at the tp size" not in message, message
+
+
+def consolidate_on_rank0(rank: int, world: int, path: str) -> tuple[str, float]:
+    """A checkpoint saved by every rank, then consolidated by rank 0 alone, as `if rank == 0:` scripts do."""
+    import time
+
+    model = autotp.wrap(tiny_model("llama"), tp_size=world)
+    autotp.save_checkpoint(f"{path}/ckpt", model, torch.optim.AdamW(model.parameters()))
+    if rank != 0:
+        return "", 0.0
+    start = time.monotonic()
+    try:
+        autotp.consolidate(f"{path}/ckpt", f"{path}/full")
+        return "consolidated", time.monotonic() - start
+    except RuntimeError as err:
+        return str(err), time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_consolidate_inside_a_job_refuses_at_once(tmp_path: Path) -> None:
+    """It used to wait for the other ranks for the whole process-group timeout (60 s here) before failing."""
+    message, seconds = run_ranks(consolidate_on_rank0, 2, str(tmp_path))[0]
+    assert "runs in one process" in message and "on 2 ranks" in message and "python -m autotp consolidate" in message
+    assert seconds < 5 and not (tmp_path / "full").exists(), (message, seconds)

@@ -270,7 +270,13 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
 
     Every rank's model file is checked first (present, complete, and holding every tensor with its
     rank's shape), so that a damaged checkpoint raises `CheckpointError` before anything is written.
+
+    It is not collective, and it refuses to run inside a distributed job (torch.distributed initialised on
+    more than one rank), at once: there the write would wait for every rank, so a call from rank 0 alone
+    would block until the process group's timeout. Run it after the job (`python -m autotp consolidate`),
+    or save a full checkpoint from inside the job with `autotp.save_pretrained` on every rank.
     """
+    _refuse_inside_a_job(checkpoint, out)
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
@@ -315,6 +321,16 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
 
         with staged_directory(out, overwrite, what="autotp.consolidate") as tmp:
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
+
+
+def _refuse_inside_a_job(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
+    """`consolidate` runs in one process: raise before anything is read when torch.distributed runs on several ranks."""
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if ranks > 1:
+        raise RuntimeError(f"autotp.consolidate runs in one process, and torch.distributed is running here on {ranks} "
+                           f"ranks (rank {global_rank()}), where writing {out} would wait for every rank. Run "
+                           f"`python -m autotp consolidate {checkpoint} {out}` after the job, or call "
+                           f"autotp.save_pretrained(model, {str(out)!r}) on every rank inside it")
 
 
 def _model_header(file: Path) -> dict[str, dict]:

@@ -87,7 +87,7 @@ SAVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a subprocess killed mid-save; test_resume.py's killed save and test_io_faults.py's swaps stay quick
+@pytest.mark.slow  # a subprocess killed mid-save; test_io_faults.py's killed swaps stay quick
 def test_crash_midway_leaves_no_checkpoint(tmp_path: Path) -> None:
     target = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

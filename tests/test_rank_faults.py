@@ -54,6 +54,7 @@ def peer_fails(rank: int, world: int) -> dict:
     return {"seconds": time.monotonic() - start, "error": str(err.value), "default": default.total_seconds()}
 
 
+@pytest.mark.slow  # waits out the timeout; test_io_faults.py's bounded failures stay quick
 @pytest.mark.timeout(120)
 def test_a_failed_peer_stops_the_others_within_the_timeout() -> None:
     report = run_ranks(peer_fails, 2)[0]

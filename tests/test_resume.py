@@ -199,6 +199,7 @@ SAVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess killed mid-save; test_io_faults.py's killed swaps stay quick
 def test_killed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

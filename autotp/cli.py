@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 # an OSError); main reports these in one line. A rank's failure in verify arrives as an AssertionError and
 # keeps its traceback.
 INPUT_ERRORS = (ValueError, OSError)
+# The library's keyword arguments in messages raised by the functions the commands call -> the command line's flags
+FLAG_WORDING = ((re.compile(r"\boverwrite=True\b"), "--overwrite"), (re.compile(r"\btp_size=(\d+)"), r"--tp \1"),
+                (re.compile(r"(?<!['\"])\btp_size\b(?!['\"])"), "--tp"))  # not a quoted key name
 
 
 def load_config(spec: str) -> PretrainedConfig:
@@ -208,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     cons = sub.add_parser("consolidate", help="turn a per-rank training checkpoint into a full HF checkpoint")
     cons.add_argument("checkpoint", help="directory written by autotp.save_checkpoint")
     cons.add_argument("out", help="where to write the HF checkpoint (config, safetensors, index)")
-    cons.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, such as 5GB or 500MB")
+    cons.add_argument("--max-shard-size", type=shard_size, default="5GB", help="largest safetensors file, such as 5GB or 500MB")
     cons.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     cons.set_defaults(run=cmd_consolidate)
     return parser
@@ -221,5 +225,19 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except INPUT_ERRORS as err:
         lines = str(err).strip().splitlines() or [type(err).__name__]
-        print(f"autotp {args.command}: {lines[0]}", file=sys.stderr)
+        print(f"autotp {args.command}: {cli_wording(lines[0])}", file=sys.stderr)
         return 2
+
+
+def cli_wording(message: str) -> str:
+    """`message` with the library's keyword arguments named as this command line's flags (`--overwrite`, `--tp`)."""
+    for pattern, flag in FLAG_WORDING:
+        message = pattern.sub(flag, message)
+    return message
+
+
+def shard_size(text: str) -> str:
+    """argparse type: a size such as 5GB or 500MB (transformers' units), or a number of bytes."""
+    if not re.fullmatch(r"\d+|\d+(\.\d+)?\s*[KMGT]B", text.strip(), re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"a size such as 5GB or 500MB (units KB, MB, GB, TB), got {text!r}")
+    return int(text) if text.strip().isdigit() else text

@@ -13,19 +13,35 @@ combination otherwise).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 
-import torch
-from datasets import Dataset
-from tokenizers import Tokenizer, models
-from transformers import PreTrainedTokenizerFast
-from trl import SFTConfig, SFTTrainer
 
-import autotp
-from autotp.hf_trainer import tp_trainer
-from data import PatternDataset
-from train_trainer import LossRecorder, tiny_llama, with_lora
+def require_sft_extra() -> None:
+    """Exit with the install command (printed once, by rank 0) when the `sft` extra is missing, before any import
+    of it fails with a traceback on every rank."""
+    missing = [name for name in ("datasets", "peft", "trl") if importlib.util.find_spec(name) is None]
+    if missing:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"examples/sft_lora.py needs the sft extra ({', '.join(missing)} not installed): "
+                  f"pip install -e '.[sft]'", file=sys.stderr)
+        sys.exit(1)
+
+
+require_sft_extra()
+
+import torch  # noqa: E402  (after the check above)
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+import autotp  # noqa: E402
+from autotp.hf_trainer import tp_trainer  # noqa: E402
+from data import PatternDataset  # noqa: E402
+from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 
 
 def tokenizer(vocab: int) -> PreTrainedTokenizerFast:

@@ -3,6 +3,7 @@ errors of Trainer resume and consolidate, and the `autotp` command line's messag
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,22 @@ def test_cli_max_shard_size_is_checked_by_the_parser(capsys, tmp_path: Path) -> 
         main(["consolidate", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "5 gigs"])
     err = capsys.readouterr().err
     assert "argument --max-shard-size: a size such as 5GB" in err and "'5 gigs'" in err, err
+
+
+# --- examples -------------------------------------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_sft_example_without_the_extra_names_it_once(monkeypatch, capsys, rank: str) -> None:
+    """Without `datasets` every rank exits with code 1; only rank 0 prints the install command, no traceback."""
+    import runpy
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: find_spec answers None
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(EXAMPLES / "sft_lora.py"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1
+    assert err.count("pip install -e '.[sft]'") == (rank == "0") and ("datasets not installed" in err) == (rank == "0")

@@ -12,7 +12,7 @@ import logging
 from dataclasses import fields, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,7 @@ def wrap(
     timeout: timedelta | float | None = None,
     overlap: bool = True,
     recompute_glu: bool = True,
+    example_inputs: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
@@ -74,7 +75,7 @@ def wrap(
     try:
         refuse_adapters(model)
         state = _shard(model, tp_size, WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, check_inputs,
-                                                   timeout, overlap, recompute_glu))
+                                                   timeout, overlap, recompute_glu, example_inputs))
     except BaseException:
         lora.put_back(lifted)
         raise
@@ -98,6 +99,7 @@ def from_pretrained(
     task: str | None = None,
     overlap: bool = True,
     recompute_glu: bool = True,
+    example_inputs: Mapping[str, Any] | None = None,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
@@ -130,7 +132,8 @@ def from_pretrained(
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
         model.to(target)  # buffers built at init
 
-    options = WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, overlap, recompute_glu)
+    options = WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, overlap, recompute_glu,
+                          example_inputs)
     _shard(model, tp_size, options, materialize=load, call="from_pretrained")
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -138,9 +141,10 @@ def from_pretrained(
     return model
 
 
-def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True) -> Plan:
+def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True,
+            example_inputs: Mapping[str, Any] | None = None) -> Plan:
     """The plan `wrap` would apply, without a process group; works on a meta-device model."""
-    return build_plan(model, tp_size, policy, vocab_parallel)
+    return build_plan(model, tp_size, policy, vocab_parallel, example_inputs)
 
 
 def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
@@ -150,7 +154,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
     """
     refuse_quantized(model)
-    plan = build_plan(model, tp_size, options.policy, options.vocab_parallel)
+    plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     if options.sequence_parallel:
         sequence_layout(model, plan)  # refuses before anything changes
     tp_group, dp_group, timeout = _groups(tp_size, options.tp_group, options.timeout)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Mapping
 
 PolicyArg = Any  # a TOML path, a dict, or None (autotp.planning.planner.PolicyArg)
 
@@ -32,6 +32,9 @@ class WrapOptions:
       all-reduce runs (Megatron's overlap).
     - `recompute_glu`: keep a gated MLP's gate and up outputs for the backward, not act(gate) and
       the product (`autotp.parallel.glu`).
+    - `example_inputs`: forward keyword arguments for a small batch (`{"pixel_values": tensor}`), on which the plan
+      is verified by running the model once, for a model whose forward takes no `input_ids`. Without them, an
+      explicit plan (`policy=`, or transformers' `base_model_tp_plan`) that cannot be verified is refused.
     """
 
     tp_group: Any = None  # torch.distributed.ProcessGroup; not imported here: planning has no torch.distributed
@@ -42,6 +45,7 @@ class WrapOptions:
     timeout: timedelta | float | None = None
     overlap: bool = True
     recompute_glu: bool = True
+    example_inputs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):

@@ -38,35 +38,37 @@ _HEAD_ATTRS = {
 _WIDTH_ATTRS = {"split_size": "q", "embed_dim": "q", "all_head_size": "q", "hidden_size": "q", "kv_dim": "kv"}
 
 
-def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True) -> Plan:
+def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True,
+               example_inputs: Mapping[str, Any] | None = None) -> Plan:
     """The plan for `model` at `tp_size`: from `policy`, else a shipped policy, HF's plan or detection.
 
     `vocab_parallel` shards the embedding and LM head by vocabulary where the model allows it
-    (policy-covered causal LMs whose loss goes through `self.loss_function`).
+    (policy-covered causal LMs whose loss goes through `self.loss_function`). `example_inputs` are forward
+    keyword arguments verification runs the model on, for a model that takes no token ids.
     """
     if not isinstance(getattr(model, "config", None), PretrainedConfig):
         raise TypeError(f"autotp shards Hugging Face models (a transformers PreTrainedModel with a .config); got "
                         f"{type(model).__name__}. Wrap the PreTrainedModel itself, not a module around it")
-    plan = _build_plan(model, tp_size, policy)
+    plan = _build_plan(model, tp_size, policy, example_inputs)
     if not vocab_parallel:
         return replace(plan, vocab_reason="vocab_parallel=False")
     return with_vocab(model, plan)
 
 
-def _build_plan(model: nn.Module, tp_size: int, policy) -> Plan:
+def _build_plan(model: nn.Module, tp_size: int, policy, example: Mapping[str, Any] | None) -> Plan:
     parts = components(model) if policy is None else []
     if parts:
-        return _composite_plan(model, tp_size, parts)
+        return _composite_plan(model, tp_size, parts, example)
     model_type = getattr(model.config, "model_type", type(model).__name__)
     chosen = as_policy(policy) if policy is not None else find_policy(model_type)
     derived = chosen is None
     policy = derive_policy(model) if derived else chosen
     return _verified(model, plan_from_policy(model, tp_size, policy), not derived, lambda: structural_twin(model),
-                     lambda twin: plan_from_policy(twin, tp_size, policy))
+                     lambda twin: plan_from_policy(twin, tp_size, policy), example)
 
 
 def _verified(model: nn.Module, plan: Plan, only_custom: bool, make_twin: Callable[[], nn.Module | None],
-              twin_plan: Callable[[nn.Module], Plan]) -> Plan:
+              twin_plan: Callable[[nn.Module], Plan], example: Mapping[str, Any] | None) -> Plan:
     """`plan` with the blocks verification could not prove exact moved to replicated (`only_custom`: a shipped
     policy, whose transformers classes need no check).
 
@@ -74,7 +76,7 @@ def _verified(model: nn.Module, plan: Plan, only_custom: bool, make_twin: Callab
     `make_twin`, planned by `twin_plan` as the model was); blocks the twin lacks stay replicated.
     """
     if not any(p.device.type == "meta" for p in model.parameters()):
-        return verify_by_emulation(model, plan, only_custom)
+        return verify_by_emulation(model, plan, only_custom, example)
     if not any(layer.block for layer in plan.layers):
         return plan
     with torch.device("cpu"):  # the caller may have made meta the default device
@@ -86,11 +88,11 @@ def _verified(model: nn.Module, plan: Plan, only_custom: bool, make_twin: Callab
             planned = twin_plan(twin)
         except ValueError as err:
             return apply_verdicts(model, plan, {}, only_custom, f"its structural twin plans differently ({err})")
-        return apply_verdicts(model, plan, verdicts(twin, planned, only_custom), only_custom,
+        return apply_verdicts(model, plan, verdicts(twin, planned, only_custom, example), only_custom,
                               "its block is not in the structural twin built from the config")
 
 
-def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
+def _composite_plan(model: nn.Module, tp_size: int, parts, example: Mapping[str, Any] | None) -> Plan:
     """A vision-language (or other composite) model: each sub-model planned from its own config and policy,
     then verified inside the whole model (or its structural twin, built once, on the meta device), whose
     forward on `autotp.planning.probe` inputs reaches every block."""
@@ -102,7 +104,7 @@ def _composite_plan(model: nn.Module, tp_size: int, parts) -> Plan:
         plan = _component_plan(component, path, tp_size, policy)
         planned.append((path, _verified(model, plan, chosen is not None, twin,
                                         lambda t, path=path, policy=policy: _component_plan(
-                                            _component_at(t, path), path, tp_size, policy))))
+                                            _component_at(t, path), path, tp_size, policy), example)))
     return joined(model, planned, tp_size)
 
 

@@ -3,26 +3,31 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from dataclasses import replace
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from ..compat.hf import is_conv1d, is_transformers_class
 from .plan import Plan, Replicated, Why
+from .policy import Origin
 from .probe import probe_inputs
 
 
 Verdicts = dict[tuple[str, type], str | None]  # (block pattern, class) -> None if exact, else why not
 
 
-def verify_by_emulation(model: nn.Module, plan: Plan, only_custom: bool = False) -> Plan:
+def verify_by_emulation(model: nn.Module, plan: Plan, only_custom: bool = False,
+                        example: Mapping[str, Any] | None = None) -> Plan:
     """Keep only the blocks whose sharded computation provably reproduces the original (see `verdicts`)."""
-    return apply_verdicts(model, plan, verdicts(model, plan, only_custom), only_custom, "")
+    return apply_verdicts(model, plan, verdicts(model, plan, only_custom, example), only_custom, "")
 
 
-def verdicts(model: nn.Module, plan: Plan, only_custom: bool = False) -> Verdicts:
+def verdicts(model: nn.Module, plan: Plan, only_custom: bool = False,
+             example: Mapping[str, Any] | None = None) -> Verdicts:
     """For each (block pattern, class) the plan shards: None if its sharding is exact, else why not.
 
     The model runs once on a short random input while hooks record each block's inputs and output.
@@ -33,6 +38,10 @@ def verdicts(model: nn.Module, plan: Plan, only_custom: bool = False) -> Verdict
     (pattern, class) is checked, the first the probe reached: instances of one class run the same code. `only_custom` checks
     just blocks whose class is not transformers' own (a shipped policy is tested on those).
     Dropout is off while it runs; every module's mode is restored afterwards.
+
+    The forward runs on `example` (the user's `example_inputs=`), else on `autotp.planning.probe` inputs. When it
+    fails, a derived plan keeps every block replicated; an explicit one (the user's policy, a shipped one or
+    transformers' `base_model_tp_plan`) is the user's decision, so that is refused with what to pass instead.
     """
     modules = dict(model.named_modules())
     blocks = _checked_blocks(modules, plan, only_custom)
@@ -44,7 +53,7 @@ def verdicts(model: nn.Module, plan: Plan, only_custom: bool = False) -> Verdict
     modes = {m: m.training for m in model.modules()}
     model.eval()  # dropout would make the replays differ from the recording
     try:
-        records, problem = _record(model, set(blocks), plan)
+        records, problem = _record(model, set(blocks), plan, example)
         found = {}
         for key, members in instances.items():
             # the first instance the probe reached: a router may send no token to some experts
@@ -108,7 +117,8 @@ def _first_tensor(value):
     return getattr(value, "last_hidden_state", None)
 
 
-def _record(model: nn.Module, blocks: set[str], plan: Plan) -> tuple[dict, str | None]:
+def _record(model: nn.Module, blocks: set[str], plan: Plan,
+            example: Mapping[str, Any] | None) -> tuple[dict, str | None]:
     """Each block's (args, kwargs, output, its row projection's output) from one forward on probe inputs."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return {}, "the model is on the meta device, so nothing could be run"
@@ -127,17 +137,37 @@ def _record(model: nn.Module, blocks: set[str], plan: Plan) -> tuple[dict, str |
             handles.append(modules[rows[block]].register_forward_hook(on_row))
     try:
         with torch.no_grad():
-            inputs = probe_inputs(model)
+            inputs = probe_inputs(model) if example is None else _on_device(example, model)
             try:
                 model(**inputs, use_cache=False)  # a cache would be mutated by the replays
             except TypeError:
                 model(**inputs)
     except Exception as err:  # any failure means we cannot verify, so nothing derived is sharded
+        if plan.origin.checked_by_hand or plan.origin is Origin.HF_PLAN or example is not None:
+            raise ValueError(_unverifiable(model, plan, example, err)) from err
         return {}, f"a probe forward failed ({_what(err, 120)})"
     finally:
         for handle in handles:
             handle.remove()
     return records, None
+
+
+def _on_device(example: Mapping[str, Any], model: nn.Module) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in example.items()}
+
+
+def _unverifiable(model: nn.Module, plan: Plan, example: Mapping[str, Any] | None, err: Exception) -> str:
+    """Why an explicit plan cannot be applied: the forward that verifies it failed, and what to pass instead."""
+    try:
+        signature = str(inspect.signature(model.forward))
+    except (TypeError, ValueError):
+        signature = "(...)"
+    tried = "autotp's probe inputs (token ids)" if example is None else "your example_inputs"
+    return (f"{type(model).__name__}: the plan from the {plan.origin.value} shards blocks that autotp must verify by "
+            f"running the model once, and that forward on {tried} failed ({_what(err, 160)}). "
+            f"{type(model).__name__}.forward takes {signature}: pass example_inputs={{name: tensor, ...}} (forward "
+            f"keyword arguments for a small batch) to autotp.wrap or autotp.from_pretrained. Nothing was changed.")
 
 
 def _what(err: Exception, width: int) -> str:

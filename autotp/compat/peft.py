@@ -9,6 +9,11 @@ every test here answers False.
 | `BaseTunerLayer`, `AuxiliaryTrainingWrapper`   |                                               |             |
 | `lora.Linear._check_forward_args`              | PEFT's argument checks, in autotp's forward   | 0.17, 0.21  |
 | `BaseTunerLayer._cast_input_dtype`             | the adapter's input dtype, as PEFT casts it   | 0.17, 0.21  |
+| `lora.Linear.update_layer` (wrapped), its      | drawing an adapter around a sharded layer at  | 0.21        |
+| arguments, `LoraLayer.in_features` /           | the layer's full size, as one process draws   |             |
+| `out_features` (read there)                    | it, then splitting it at once                 |             |
+| `LoraLayer.resolve_lora_variant`               | whether an adapter is DoRA (or another        | 0.21        |
+|                                                | variant) before PEFT builds it                |             |
 
 A class or method that moved raises `versions.missing`'s error naming it.
 """
@@ -17,7 +22,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -74,3 +81,67 @@ def check_forward_args(lora: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
 def cast_input_dtype(lora: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` in `dtype` as PEFT casts an adapter's input (unless the layer was told to keep its dtype)."""
     return require(lora, "_cast_input_dtype", "peft.tuners.tuners_utils.BaseTunerLayer._cast_input_dtype")(x, dtype)
+
+
+@dataclass
+class AdapterRequest:
+    """One call of PEFT's `lora.Linear.update_layer`: the LoRA layer and what it is asked to build."""
+
+    lora: nn.Module
+    name: str
+    init: Any  # init_lora_weights: True, False, "gaussian", or an init that reads the base weight ("pissa", ...)
+    bias: bool  # lora_bias
+    arguments: dict[str, Any]  # every argument by name, LoraConfig's fields included
+
+    def uses_variant(self) -> bool:
+        """Whether PEFT will build DoRA or another LoRA variant rather than plain LoRA."""
+        resolve = require(self.lora, "resolve_lora_variant", "peft.tuners.lora.LoraLayer.resolve_lora_variant")
+        return resolve(**self.arguments) is not None
+
+
+def _request(lora: nn.Module, signature: inspect.Signature, args: tuple, kwargs: dict) -> AdapterRequest | None:
+    """`update_layer`'s arguments by name (PEFT 0.18+ passes a LoraConfig, earlier ones its fields); None if they do
+    not bind, so PEFT raises its own error."""
+    try:
+        bound = signature.bind(lora, *args, **kwargs)
+    except TypeError:
+        return None
+    arguments = {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs")}
+    arguments.update(bound.arguments.get("kwargs", {}))
+    config = arguments.get("config")
+
+    def setting(key: str, default: Any) -> Any:
+        return arguments[key] if key in arguments else getattr(config, key, default)
+
+    return AdapterRequest(lora, arguments["adapter_name"], setting("init_lora_weights", True),
+                          bool(setting("lora_bias", False)), arguments)
+
+
+def patch_update_layer(around: Callable[[AdapterRequest, Callable[[], None]], None]) -> Callable[[], None]:
+    """PEFT's `lora.Linear.update_layer` (which builds one adapter) replaced by `around(request, build)`, `build`
+    running PEFT's own; returns what puts PEFT's back (unless someone replaced it since). Without PEFT, nothing."""
+    classes = _classes()
+    if classes is None:
+        return lambda: None
+    linear = classes["lora"][0]
+    original = require(linear, "update_layer", "peft.tuners.lora.Linear.update_layer")
+    own = "update_layer" in vars(linear)  # PEFT 0.21's Linear inherits LoraLayer's
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def update_layer(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        request = _request(self, signature, args, kwargs)
+        if request is None:
+            return original(self, *args, **kwargs)
+        return around(request, lambda: original(self, *args, **kwargs))
+
+    linear.update_layer = update_layer
+
+    def restore() -> None:
+        if vars(linear).get("update_layer") is update_layer:
+            if own:
+                linear.update_layer = original
+            else:
+                del linear.update_layer
+
+    return restore

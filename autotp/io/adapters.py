@@ -4,7 +4,8 @@ A saved adapter must load in one process (`PeftModel.from_pretrained`), so its s
 written at full size; only the adapters are gathered for that, never the base weights, so saving
 costs the adapter's own size. `PeftModel.save_pretrained` is wrapped for that while a wrapped model
 lives, and restored once the last is collected (models autotp did not wrap save as before in the
-meantime). Loading needs no collective: a pre-hook on the wrapped model cuts
+meantime); so is PEFT's `update_layer`, so that an adapter added after wrap is drawn at full size as
+in one process and split at once. Loading needs no collective: a pre-hook on the wrapped model cuts
 every full-size adapter tensor to this rank's part before PyTorch copies it, whichever PEFT entry
 point loads (`PeftModel.from_pretrained`, `load_adapter`, `set_peft_model_state_dict`).
 """
@@ -16,14 +17,15 @@ import importlib.util
 import inspect
 import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from ..compat.peft import AdapterRequest, patch_update_layer
 from ..parallel.groups import is_global_rank0
 from .errors import describe, failures, world
-from ..parallel.lora import adapt_all, adapter_partition, sharded_loras, trainable_copies
+from ..parallel.lora import adapt_all, adapter_partition, build_adapter, sharded_loras, trainable_copies
 from ..parallel.state import TPState, find_state, wrapped_model
 
 
@@ -76,17 +78,19 @@ def _save_pretrained(original: Any) -> Any:
     return save_pretrained
 
 
-class _SavePatch:
-    """`PeftModel.save_pretrained` wrapped while any model that autotp wrapped lives (a PEFT model holds the one it
-    adapts), PEFT's own again once the last of them is garbage-collected."""
+class _PeftPatch:
+    """While any model that autotp wrapped lives (a PEFT model holds the one it adapts): `PeftModel.save_pretrained`
+    wrapped, and PEFT's `update_layer` building adapters around sharded layers at full size, then splitting them
+    (`autotp.parallel.lora.build_adapter`); PEFT's own again once the last of them is garbage-collected."""
 
     def __init__(self) -> None:
         self.models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.live = 0  # counted apart: the set may drop a model before its finalizer runs
         self.original: Any = None
+        self.restore_update_layer: Callable[[], None] | None = None
 
     def watch(self, model: nn.Module) -> None:
-        """Wrap PEFT's method while `model` lives, if PEFT is installed (imported here so no later import misses it)."""
+        """Wrap PEFT's methods while `model` lives, if PEFT is installed (imported here so no later import misses it)."""
         if importlib.util.find_spec("peft") is None or model in self.models:
             return
         from peft import PeftModel
@@ -94,9 +98,13 @@ class _SavePatch:
         if self.live == 0:
             self.original = PeftModel.save_pretrained
             PeftModel.save_pretrained = _save_pretrained(self.original)
+            self.restore_update_layer = patch_update_layer(self.build)
         self.models.add(model)
         self.live += 1
         weakref.finalize(model, self.release).atexit = False
+
+    def build(self, request: AdapterRequest, build: Callable[[], None]) -> None:
+        build_adapter(request, build, list(self.models))
 
     def release(self) -> None:
         self.live -= 1
@@ -107,9 +115,11 @@ class _SavePatch:
         if getattr(PeftModel.save_pretrained, "__wrapped__", None) is self.original:  # not replaced since by others
             PeftModel.save_pretrained = self.original
         self.original = None
+        self.restore_update_layer()
+        self.restore_update_layer = None
 
 
-watch_peft = _SavePatch()
+watch_peft = _PeftPatch()
 
 
 class AdapterSlices:

@@ -14,17 +14,20 @@ adapters on a bf16 model, PEFT's default, add one of the adapter's small tensors
 
 The LoRA layer runs autotp's forward (`TPLora.forward`, PEFT's computation for plain LoRA with the
 collectives placed as above); inside `GatherReplacedLayerParams` it runs PEFT's own on full weights.
-After `wrap`, adapters are adapted when the block first runs after `get_peft_model` (the guard on each
-block sees the swap), and again for adapters added later; anything else PEFT puts around a sharded
-layer is refused by that guard. Before `wrap`, `lift` takes the LoRA layers out so the model is planned
-and sharded as without them, and `attach` puts them back around the new layers, splitting each
-adapter from its full values.
+After `wrap`, PEFT builds each adapter around a sharded layer at the layer's full size, as one process
+does (`build_adapter`, around PEFT's `update_layer` while a wrapped model lives): the same shapes draw the
+same values and leave the random stream where one process leaves it. The adapter is split at once, so
+no one sees it at the shard's size. What PEFT builds otherwise (a variant, or inside
+GatherReplacedLayerParams) is adapted or refused when its block next runs (the guard on each block sees
+the swap); anything else PEFT puts around a sharded layer is refused by that guard. Before `wrap`,
+`lift` takes the LoRA layers out so the model is planned and sharded as without them, and `attach` puts
+them back around the new layers, splitting each adapter from its full values.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +41,7 @@ from .replicas import broadcast_tensors
 from .rng import shared_draws
 from ..compat import peft as peft_compat
 from ..planning.sharding import Partition, Shard
-from .state import TPState
+from .state import TPState, find_state
 
 
 def is_lora_linear(module: nn.Module | None, layer: nn.Module) -> bool:
@@ -57,7 +60,7 @@ class TPLora:
         lora.forward = self.forward  # this instance's forward; PEFT's class keeps its own
         if not self.column:
             layer.reduce_output = False  # its partial output is reduced together with the adapter's
-        layer.autotp_lora = self
+        layer.autotp_lora = lora.autotp_lora = self
         state.regions.append(self)
 
     def release(self) -> None:
@@ -136,10 +139,13 @@ class TPLora:
     def adapt_new(self, full: bool = False) -> None:
         """Shard and synchronise the adapters PEFT added since the last call (collective over TP).
 
-        `full`: the adapters were made for the whole layer (PEFT before wrap) and are split, not redrawn.
+        `full`: the adapters hold the whole layer's values (PEFT before wrap, or `build_adapter`'s full-size draw):
+        TP rank 0's are split, not redrawn.
         """
         for name in [n for n in self.lora.lora_A if n not in self.adapted]:
             self._refuse(name)
+            if full:
+                self._share(name)
             a, b = self.lora.lora_A[name].weight, self.lora.lora_B[name].weight
             if self.column:
                 self._adapt_column(a, b, full)
@@ -147,6 +153,19 @@ class TPLora:
                 self._adapt_row(a, b, full)
             self.adapted.add(name)
         self.lora.in_features, self.lora.out_features = self.layer.in_features, self.layer.out_features
+
+    def _share(self, name: str) -> None:
+        """TP rank 0's full adapter on every rank, so that the parts the ranks keep are parts of one adapter (the one
+        a process seeded as TP rank 0 draws), whatever each rank drew."""
+        params = []
+        for half in ("lora_A", "lora_B"):
+            partition = adapter_partition(self.layer, half)
+            for param in getattr(self.lora, half)[name].parameters():
+                if partition is not None and param.shape[partition.dim] != partition.full_size:
+                    raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim "
+                                       f"{partition.dim} should be the layer's full {partition.full_size}")
+                params.append(param)
+        broadcast_tensors(params, self.layer.group)
 
     def _refuse(self, name: str) -> None:
         where = f"autotp: LoRA adapter {name!r} on {self.path}"
@@ -168,7 +187,7 @@ class TPLora:
         rows = adapter_partition(self.layer, "lora_B")
         for param in self.lora.lora_B[self._name_of(b)].parameters():  # lora_bias too
             self._split(param, rows, full)
-        self._replicate(a, 1, self.layer.full_in)
+        self._replicate(a, 1, self.layer.full_in, shared=full)
         self.layer.entry.join(a)  # its gradient is summed with the input's (BlockEntry.weight)
         if rows.replicas(self.layer.tp_rank):  # replicated KV rows: summed over their holders, as the base weight's
             owner = self.lora.lora_B[self._name_of(b)]
@@ -186,24 +205,26 @@ class TPLora:
             broadcast_tensors([drawn], self.layer.group)
             with torch.no_grad():
                 a.copy_(cols.shard(drawn, self.layer.tp_rank))
-        self._replicate(b, 0, self.layer.full_out)
+        self._replicate(b, 0, self.layer.full_out, shared=full)
 
     def _split(self, param: nn.Parameter, partition: Partition, full: bool) -> None:
         """`param` held as this rank's part along `partition.dim` (cut from its full values when `full`), tagged."""
         rank, dim = self.layer.tp_rank, partition.dim
-        if full and param.shape[dim] == partition.full_size:
+        if full:
             param.data = partition.shard(param.detach(), rank)
         if param.shape[dim] != partition.local_size(rank):
             raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
                                f"should be this rank's {partition.local_size(rank)} of {partition.full_size}")
         param.autotp_shard = Shard(partition, rank)
 
-    def _replicate(self, param: nn.Parameter, dim: int, size: int) -> None:
-        """`param` the same on every TP rank (TP rank 0's values); the forward keeps its gradient whole on each."""
+    def _replicate(self, param: nn.Parameter, dim: int, size: int, shared: bool) -> None:
+        """`param` the same on every TP rank (TP rank 0's values, broadcast unless `shared` already); the forward
+        keeps its gradient whole on each."""
         if param.shape[dim] != size:
             raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
                                f"should be the layer's full {size}")
-        broadcast_tensors([param], self.layer.group)
+        if not shared:
+            broadcast_tensors([param], self.layer.group)
 
     def _name_of(self, b: nn.Parameter) -> str:
         return next(n for n, m in self.lora.lora_B.items() if m.weight is b)
@@ -274,9 +295,7 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
         return True
     if not is_lora_linear(current, layer) or not isinstance(layer, (LinearLayer, LinearAllreduce)):
         return False
-    tp_lora = getattr(current, "autotp_lora", None)
-    if tp_lora is None:
-        tp_lora = current.autotp_lora = TPLora(current, layer, path, state)
+    tp_lora = getattr(current, "autotp_lora", None) or TPLora(current, layer, path, state)
     tp_lora.adapt_new()
     return True
 
@@ -316,5 +335,57 @@ def attach(model: nn.Module, lifted: list[tuple[nn.Module, str, nn.Module]], sta
         lora.base_layer = layer
         parent._modules[name] = lora
         if isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1:
-            lora.autotp_lora = TPLora(lora, layer, path, state)
-            lora.autotp_lora.adapt_new(full=True)
+            TPLora(lora, layer, path, state).adapt_new(full=True)
+
+
+RANDOM_INITS = (True, False, "gaussian")  # init_lora_weights that draw without reading the base weight
+
+
+def build_adapter(request: peft_compat.AdapterRequest, build: Callable[[], None], models: Iterable[nn.Module]) -> None:
+    """PEFT's `update_layer` (`build`) for an adapter around a sharded layer of one of `models`: drawn at the layer's
+    full size, then split at once (collective over TP). Adapters that `adapt` refuses at the block's next forward
+    are built as PEFT builds them; one computed from the layer's weight or inputs (PiSSA, EVA...), a shard here,
+    is refused before PEFT builds it."""
+    lora, layer = request.lora, getattr(request.lora, "base_layer", None)
+    split = is_lora_linear(lora, layer) and isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1
+    found = _locate(layer, models) if split else None
+    if found is None or _refused_later(request, layer, found[1]):
+        return build()
+    path, state = found
+    if request.init not in RANDOM_INITS:
+        raise NotImplementedError(f"autotp: LoRA adapter {request.name!r} on {path}: init_lora_weights="
+                                  f"{request.init!r} computes the adapter from the layer's weight or inputs, which "
+                                  f"are this rank's shard after wrap; call get_peft_model (and the init) before "
+                                  f"autotp.wrap, or use init_lora_weights=True or 'gaussian'")
+    lora.in_features, lora.out_features = layer.full_in, layer.full_out  # what PEFT sizes the adapter by
+    try:
+        build()
+    finally:
+        lora.in_features, lora.out_features = layer.in_features, layer.out_features
+    if any(p.is_meta for half in (lora.lora_A, lora.lora_B) for p in half[request.name].parameters()):
+        _shrink(lora, layer, request.name)  # low_cpu_mem_usage: no values yet; adapted once loaded, at the forward
+        return
+    (getattr(lora, "autotp_lora", None) or TPLora(lora, layer, path, state)).adapt_new(full=True)
+
+
+def _refused_later(request: peft_compat.AdapterRequest, layer: ParallelLinear, state: TPState) -> bool:
+    """An adapter `TPLora._refuse` (or `adapt`, under FSDP) refuses at the block's next forward: built as before."""
+    row_bias = request.bias and isinstance(layer, LinearAllreduce)
+    return state.is_gathered() or state.fsdp or layer.sequence_parallel or row_bias or request.uses_variant()
+
+
+def _locate(layer: nn.Module, models: Iterable[nn.Module]) -> tuple[str, TPState] | None:
+    """The path of `layer` (its slot, when LoRA already wraps it) in one of the wrapped `models`, and its state."""
+    for model in models:
+        for path, module in model.named_modules():
+            if module is layer:
+                return path.removesuffix(".base_layer"), find_state(model)
+    return None
+
+
+def _shrink(lora: nn.Module, layer: ParallelLinear, name: str) -> None:
+    """The split halves of an empty (meta) adapter at this rank's size, so loading cuts full tensors to fit."""
+    for half in ("lora_A", "lora_B"):
+        partition = adapter_partition(layer, half)
+        for param in getattr(lora, half)[name].parameters() if partition is not None else ():
+            param.data = partition.shard(param.detach(), layer.tp_rank)

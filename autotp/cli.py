@@ -1,7 +1,8 @@
 """Command line: `autotp plan`, `autotp verify`, `autotp consolidate` (also `python -m autotp ...`).
 
 Bad input (a file that is not a config, an unknown model type, a model that is not a causal LM, an
-incomplete checkpoint) is reported as one line, `autotp <command>: <message>`, with exit code 2.
+incomplete checkpoint) is reported as one line, `autotp <command>: <message>`, with exit code 2; messages
+name this command line's flags. On a terminal, `plan` and `verify` say on stderr what they are doing.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ import argparse
 import json
 import re
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
@@ -74,12 +77,40 @@ def read_policy(path: str | None) -> Policy | None:
         raise ValueError(f"{path}: not valid TOML ({err})") from None
 
 
-def build(config: PretrainedConfig, device: str | None = None, task: str | None = None) -> nn.Module:
-    """The model of `config` for `task` (see `model_class`), random weights in fp32 (or on the meta device)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def progress(command: str, text: str) -> None:
+    """One line on stderr as a slow step starts (building, planning, training), when stderr is a terminal (as git
+    and tqdm do): stdout keeps only the result, and a script reading stderr still gets one line per error."""
+    if sys.stderr.isatty():
+        print(f"autotp {command}: {text}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' log and warnings off while the commands build and plan models: its notes (BERT's is_decoder,
+    once per build of the model and its twins) are about models the user never asked to build."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def build(config: PretrainedConfig, device: str | None = None, task: str | None = None,
+          dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of `config` for `task` (see `model_class`), random weights in `dtype` (or on the meta device), not
+    in the config's own `torch_dtype`, so that the sizes printed are those of the dtype the command names."""
     if device == "meta":
         with torch.device("meta"):
-            return build_model(config, task)
-    return build_model(config, task, dtype=torch.float32)
+            return build_model(config, task, dtype=dtype)
+    return build_model(config, task, dtype=dtype)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -87,14 +118,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .api import explain
     from .planning.report import summary
 
-    model = build(load_config(args.model), "meta", args.task)
-    plan = explain(model, args.tp, policy=read_policy(args.policy))
-    info = summary(model, plan, args.batch, args.seq, args.dp)
+    config, policy = load_config(args.model), read_policy(args.policy)
+    with quiet_transformers():
+        progress("plan", f"building {config.model_type} on the meta device in {args.dtype}")
+        model = build(config, "meta", args.task, DTYPES[args.dtype])
+        progress("plan", f"planning at tp {args.tp}, verifying each block on a small structural twin")
+        plan = explain(model, args.tp, policy=policy)
+    info = {"dtype": args.dtype, **summary(model, plan, args.batch, args.seq, args.dp)}
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     print(plan.describe(model))
+    print(f"  sizes in {args.dtype} (--dtype)")
     print(f"  with gradients and Adam moments: {' / '.join(mib(b) for b in info['train_state_bytes_per_rank'])}")
     print(f"  collectives per training step at batch {args.batch} x seq {args.seq}:")
     for c in info["collectives"]:
@@ -120,12 +156,13 @@ def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | Non
     torch.manual_seed(0)
     path = Path(spec)
     config = load_config(spec)
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        model = model_class(config, task).from_pretrained(path, dtype=torch.float32)
-    else:
-        model = build(config, task=task)
-    ids, labels, inputs = training_inputs(model)
-    return compare_training(model, ids, world, steps=steps, policy=policy, labels=labels, inputs=inputs)
+    with quiet_transformers():
+        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            model = model_class(config, task).from_pretrained(path, dtype=torch.float32)
+        else:
+            model = build(config, task=task)
+        ids, labels, inputs = training_inputs(model)
+        return compare_training(model, ids, world, steps=steps, policy=policy, labels=labels, inputs=inputs)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -134,7 +171,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .testing.spawn import run_ranks
 
     # Bad input fails here, in one line, rather than as a traceback from every rank.
-    explain(build(load_config(args.model), "meta", args.task), args.tp, policy=read_policy(args.policy))
+    config, policy = load_config(args.model), read_policy(args.policy)
+    with quiet_transformers():
+        progress("verify", f"building {config.model_type} on the meta device and planning at tp {args.tp}, "
+                           f"verifying each block on a small structural twin")
+        explain(build(config, "meta", args.task), args.tp, policy=policy)
+    progress("verify", f"training {args.steps} steps on {args.tp} CPU ranks and in one process, fp32")
     torch.set_num_threads(1)  # the ranks are forked from this process
     report = run_ranks(_verify_rank, args.tp, args.model, args.steps, args.policy, args.task)[0]
     if report["sharded"] == 0:
@@ -195,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=positive_int, default=128, help="sequence length for the collective bytes")
     plan.add_argument("--dp", type=positive_int, default=1, help="data-parallel size, for the per-rank bytes by ZeRO stage")
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage to price against DDP (default: all)")
+    plan.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                      help="parameter dtype for the sizes (default float32; a config's torch_dtype is not used)")
     plan.add_argument("--policy", help="a policy TOML file")
     plan.add_argument("--task", choices=sorted(TASKS), help="model head to build (default: from config.architectures, "
                                                             "else causal-lm)")

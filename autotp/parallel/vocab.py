@@ -155,30 +155,99 @@ class VocabParallelLoss:
 
 
 class LogitsGate:
-    """Forward hooks on the model: gather sharded logits unless a training step only needs its loss.
+    """Forward hooks on the model: logits the user sees are whole-vocabulary, and gathered only when someone reads them.
 
-    A loss that did not go through the `VocabParallelLoss` was computed on this rank's logit shard
-    alone, so it is refused before anything trains on it.
+    A training forward whose loss went through `VocabParallelLoss` returns its output with the logits gathered lazily
+    (`lazy_logits`): a step that reads only the loss never gathers batch x seq x vocab; code that reads `logits`
+    (token accuracy, entropy, per-token log-probabilities) gets the full tensor, differentiably. Reading them is a
+    collective: every TP rank reads them, or none. A tuple output (`return_dict=False`) has its logits gathered at
+    once. A loss that did not go through the `VocabParallelLoss` was computed on this rank's logit shard alone, so it
+    is refused before anything trains on it.
     """
 
     def __init__(self, partition: Partition, group: Group, state, loss: VocabParallelLoss):
         self.partition, self.group, self.state, self.loss = partition, group, state, loss
         self._calls_before = 0
+        self.gathers = 0  # how many times logits were gathered (a training step reading only its loss: none)
+        (_, self.local), = partition.runs[group_rank(group)]
 
     def before(self, module: nn.Module, args, kwargs) -> None:
         self._calls_before = self.loss.calls
 
     def after(self, module: nn.Module, args, kwargs, output):
+        if group_size(self.group) == 1 or self.local == self.partition.full_size:
+            return output
+        if isinstance(output, tuple):
+            return self._gather_tuple(output)
         logits = getattr(output, "logits", None)
-        full = self.partition.full_size
-        if logits is None or logits.shape[-1] == full or group_size(self.group) == 1:
+        if logits is None or logits.shape[-1] != self.local:
             return output
         has_loss = getattr(output, "loss", None) is not None
         if has_loss and self.loss.calls == self._calls_before:
             raise RuntimeError(
                 f"{type(module).__name__} computed its loss without self.loss_function, on this rank's "
-                f"{logits.shape[-1]} of {full} vocabulary logits; wrap it with vocab_parallel=False")
-        if module.training and has_loss:
-            return output  # the loss was computed on the shards; gathering batch x seq x vocab would waste memory
-        output.logits = gather_from_tp(logits, self.partition.with_dim(logits.ndim - 1), self.group)
+                f"{logits.shape[-1]} of {self.partition.full_size} vocabulary logits; wrap it with vocab_parallel=False")
+        if module.training and has_loss:  # gathering batch x seq x vocab for a loss computed on shards wastes memory
+            return lazy_logits(output, lambda: self._gather(logits))
+        output.logits = self._gather(logits)
         return output
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
+        return gather_from_tp(logits, self.partition.with_dim(logits.ndim - 1), self.group)
+
+    def _gather_tuple(self, output: tuple) -> tuple:
+        """HF's tuple is (loss?, logits, ...): the first tensor of two or more dimensions is the logits."""
+        at = next((i for i, x in enumerate(output) if torch.is_tensor(x) and x.ndim >= 2), None)
+        if at is None or output[at].shape[-1] != self.local:
+            return output
+        return type(output)((*output[:at], self._gather(output[at]), *output[at + 1:]))
+
+
+class _LazyLogits:
+    """Mixed into a ModelOutput's class: `logits` (as attribute, key, index, or in `values()` / `items()` /
+    `to_tuple()`) is gathered on first read and kept; assigning it replaces it."""
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        self.autotp_resolve()
+        return self.__dict__.get("logits")
+
+    @logits.setter
+    def logits(self, value: torch.Tensor | None) -> None:
+        self.__dict__["autotp_pending"] = None
+        self.__dict__["logits"] = value
+
+    def autotp_resolve(self) -> None:
+        pending = self.__dict__.get("autotp_pending")
+        if pending is not None:
+            self["logits"] = pending()  # ModelOutput keeps it as both item and attribute
+
+    def __getitem__(self, key):
+        if not isinstance(key, str) or key == "logits":
+            self.autotp_resolve()
+        return super().__getitem__(key)
+
+    def values(self):
+        self.autotp_resolve()
+        return super().values()
+
+    def items(self):
+        self.autotp_resolve()
+        return super().items()
+
+
+_LAZY: dict[type, type] = {}
+
+
+def lazy_logits(output, gather: Callable[[], torch.Tensor]):
+    """`output` (a ModelOutput holding a logit shard) made to gather its logits with `gather` when first read."""
+    cls = type(output)
+    if isinstance(output, _LazyLogits):  # a model whose forward called another wrapped forward
+        cls = cls.__mro__[2]
+    if cls not in _LAZY:
+        _LAZY[cls] = type(cls.__name__, (_LazyLogits, cls), {"__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__})
+    output.__class__ = _LAZY[cls]
+    output.__dict__["autotp_pending"] = gather
+    return output

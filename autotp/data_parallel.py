@@ -17,7 +17,7 @@ from .parallel.collectives import buckets
 
 from .parallel.dtensor_rows import local_rows
 from .parallel.groups import Group, group_rank, group_size
-from .parallel.state import state_of
+from .parallel.state import refuse_torch_fsdp, state_of, wrapped_model
 
 _BUCKET_BYTES = 25 << 20
 
@@ -28,7 +28,9 @@ def tp_group(model: nn.Module | None = None) -> Group:
 
 
 def dp_group(model: nn.Module | None = None) -> Group:
-    """The data-parallel group: the ranks holding the same shards. None when there is one replica."""
+    """The data-parallel group: the ranks holding the same shards; this rank alone when there is one replica, so
+    `dist.all_reduce(x, group=dp_group(model))` and `DistributedDataParallel(model, process_group=dp_group(model))`
+    work at every size. None only for a tp_size=1 wrap in a one-process job."""
     return state_of(model).dp_group
 
 
@@ -79,6 +81,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
     state = state_of(model)
+    refuse_torch_fsdp(wrapped_model(model), state, deep=True)
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.tensor(0.0)

@@ -18,25 +18,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .parallel.dtensor_rows import local_rows
-from .parallel.groups import new_group, group_size
+from .parallel.groups import group_size
 from .compat.hf import adapter_module
 from .compat.torch import is_fsdp_hook
 from .parallel.state import TPState, state_of, wrapped_model
 
 
 def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
-    """The 1-D device mesh over `model`'s data-parallel group, for `torch.distributed.fsdp.fully_shard(mesh=...)`.
-
-    Collective the first time when there is no DP group (dp size 1): each rank is then its own mesh.
-    """
+    """The 1-D device mesh over `model`'s data-parallel group, which `autotp.fully_shard` shards over (DTensor work
+    over DP can use it too). torch's own `fully_shard` on a wrapped model is refused: use `autotp.fully_shard`."""
     state = state_of(model)
     if state.dp_mesh is None:
         group = state.dp_group
-        if group is None:
-            for rank in range(dist.get_world_size()):
-                single = new_group([rank], state.timeout, "DP group")
-                if rank == dist.get_rank():
-                    group = single
         device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         state.dp_mesh = DeviceMesh.from_group(group, device)
     return state.dp_mesh
@@ -54,6 +47,9 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     root = wrapped_model(model)
+    if root is None:
+        raise RuntimeError(f"autotp.fully_shard: {type(model).__name__} is not wrapped by autotp. Call "
+                           f"autotp.wrap(model, tp_size) first, then autotp.fully_shard(model)")
     state = state_of(root)
     if state.fsdp:
         raise RuntimeError(f"{type(root).__name__} is already sharded by autotp.fully_shard; call it once")
@@ -102,8 +98,8 @@ def check_mesh(param: torch.Tensor, tp_group: Any) -> None:
     if len(shared) > 1:
         raise RuntimeError(
             f"FSDP over ranks {sorted(members)} would shard and average different tensor-parallel shards together "
-            f"(ranks {shared} hold different shards of the same tensors). Use autotp.fully_shard(model), or "
-            f"torch's fully_shard(..., mesh=autotp.dp_mesh(model))")
+            f"(ranks {shared} hold different shards of the same tensors). Wrap the model again and shard it with "
+            f"autotp.fully_shard(model), which uses the data-parallel group and keeps autotp's partition metadata")
 
 
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",

@@ -5,11 +5,13 @@
   different shards together (`DDPGuard`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.parallel.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
-- FSDP over a mesh that holds two ranks of one TP group, checked before the first optimizer step (`MeshGuard`).
+- torch's own `fully_shard` on a wrapped model (use `autotp.fully_shard`), and FSDP over a mesh that holds two ranks
+  of one TP group, checked at the first forward or optimizer step (`MeshGuard`).
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
 import zlib
 from typing import Any, Iterator
@@ -27,7 +29,7 @@ from .compat.hf import adapter_module
 from .compat.torch import ddp_under_construction
 from .parallel.lora import adapt
 from .parallel.replicas import check_replicas
-from .parallel.state import TPState, state_of
+from .parallel.state import TPState, refuse_torch_fsdp, state_of
 
 REPLICA_CHECK_EVERY = 100
 
@@ -136,28 +138,56 @@ def refuse_adapters(model: nn.Module) -> None:
 
 
 class MeshGuard:
-    """Before each optimizer step, the mesh FSDP shards the model over must not hold two ranks of one TP group.
+    """Stops a model sharded by torch's own `fully_shard` (not `autotp.fully_shard`) at its first forward or
+    optimizer step, and FSDP over a mesh that holds two ranks of one TP group before any step.
 
-    `torch.distributed.fsdp.fully_shard` takes any mesh, and inside a forward its parameters are
-    plain tensors; before a step they are DTensors again, so one check there, once per parameter
-    object, catches the mistake before any weight changes. The hook holds the model weakly.
+    Inside a forward FSDP's parameters are plain tensors; before a step they are DTensors again, so the mesh is
+    checked there, once per parameter object, before any weight changes. The model's state keeps its guard alive;
+    one process-wide step hook, registered once and never removed, visits the live guards (`_GUARDS`, held weakly):
+    removing a hook while torch iterates them would break every optimizer step of the process.
     """
 
     def __init__(self, model: nn.Module):
-        self.model = weakref.ref(model)  # the global hook must not keep the model (or its state) alive
+        self.model, self.state = model, state_of(model)
         self._checked: weakref.ref | None = None
-        self.handle = register_optimizer_step_pre_hook(self)
+        model.register_forward_pre_hook(self.on_forward)
+        self.state.mesh_guard = self
+        _watch(self)
 
-    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        model = self.model()
-        if model is None:
-            self.handle.remove()
-            return
-        first = next(model.parameters(), None)
+    def __deepcopy__(self, memo: dict) -> MeshGuard:
+        """The guard of a deep-copied model (its forward hook is this guard's bound method, copied with it)."""
+        new = MeshGuard.__new__(MeshGuard)
+        memo[id(self)] = new
+        new.model, new.state, new._checked = copy.deepcopy(self.model, memo), copy.deepcopy(self.state, memo), None
+        _watch(new)
+        return new
+
+    def on_forward(self, module: nn.Module, args: tuple) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse FSDP over a mesh mixing TP ranks, then torch's own FSDP; one lookup while nothing changed."""
+        first = next(self.model.parameters(), None)
         if first is None or (self._checked is not None and self._checked() is first):
             return
-        check_mesh(first, state_of(model).tp_group)
-        self._checked = weakref.ref(first)
+        check_mesh(first, self.state.tp_group)
+        refuse_torch_fsdp(self.model, self.state, deep=True)
+        self._checked = weakref.ref(first)  # FSDP swaps the parameter objects, so any change is seen again
+
+
+_GUARDS: weakref.WeakSet[MeshGuard] = weakref.WeakSet()
+_STEP_HOOK = []  # the one optimizer-step pre-hook handle, once registered
+
+
+def _watch(guard: MeshGuard) -> None:
+    _GUARDS.add(guard)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for guard in list(_GUARDS):
+        guard.check()
 
 
 def refuse_quantized(model: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """Process groups: TP groups of consecutive ranks, DP groups strided across them, and subgroups of TP ranks.
 
 `new_group` is collective over the world, so every function here that creates groups must be
-called by every rank, in the same order. A group of `None` means no tensor parallelism (size 1).
+called by every rank, in the same order. A TP group of `None` means no tensor parallelism (size 1); a DP group is
+a real group at every size (one rank when there is one replica), so a collective over it never reaches the world.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def group_size(group: Group) -> int:
-    """Size of a TP group; `None` means no tensor parallelism (size 1), never the world group."""
+    """Size of a group; `None` (no tensor parallelism, or no torch.distributed) is size 1, never the world group."""
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -115,10 +116,10 @@ def finish() -> None:
 def build_groups(tp_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Group, Group]:
     """TP groups of consecutive ranks and DP groups strided across them; returns this rank's pair.
 
-    Every rank must call this, in the same order, because `new_group` is collective.
+    Every rank must call this, in the same order, because `new_group` is collective. The DP group exists at
+    dp size 1 too (this rank alone), so `dist.all_reduce(x, group=dp_group)` never falls back to the world.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp_size = world // tp_size
     tp_group = dp_group = None
     for start in range(0, world, tp_size):
         ranks = list(range(start, start + tp_size))
@@ -127,7 +128,7 @@ def build_groups(tp_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Gr
             tp_group = group
     for offset in range(tp_size):
         ranks = list(range(offset, world, tp_size))
-        group = new_group(ranks, timeout, "DP group") if dp_size > 1 else None
+        group = new_group(ranks, timeout, "DP group")
         if rank in ranks:
             dp_group = group
     return tp_group, dp_group
@@ -142,10 +143,9 @@ def _all_tp_groups(tp_group: dist.ProcessGroup) -> tuple[tuple[int, ...], list[t
 
 
 def dp_group_for(tp_group: dist.ProcessGroup, timeout: timedelta = DEFAULT_TIMEOUT) -> Group:
-    """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group."""
+    """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group (this rank
+    alone when there is one TP group)."""
     mine, tp_groups = _all_tp_groups(tp_group)
-    if len(tp_groups) == 1:
-        return None
     position = mine.index(dist.get_rank())
     out = None
     for index in range(len(mine)):

@@ -7,7 +7,7 @@ several (a policy model and a reference model in one RL script), rather than gue
 
 from __future__ import annotations
 
-import functools
+import copy
 import gc
 import os
 import weakref
@@ -45,7 +45,9 @@ class TPState:
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
     dp_mesh: Any = None  # the DeviceMesh over dp_group (autotp.fsdp.dp_mesh), built when first asked for
     fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
+    root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
+    mesh_guard: Any = None  # autotp.guards.MeshGuard, kept alive by the model it watches
 
     # Gathered mode (GatherReplacedLayerParams): `gathered` is switched by `autotp.parallel.apply.set_gathered` and
     # read only here, so no hook has to remember it.
@@ -54,12 +56,27 @@ class TPState:
         """`hook` (a module forward or pre-hook, or a tensor gradient hook) doing nothing while the model is gathered:
         it returns None then, which every kind of hook reads as "leave it as it is". Every autotp hook goes through
         this, since a gathered model computes as the original one, with no collective."""
+        return ShardedOnly(self, hook)  # type: ignore[return-value]
 
-        @functools.wraps(hook)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            return None if self.gathered else hook(*args, **kwargs)
-
-        return run  # type: ignore[return-value]
+    def __deepcopy__(self, memo: dict) -> TPState:
+        """`copy.deepcopy(model)` (an EMA or reference model): the copy gets its own state, sharing the process groups
+        (handles, not data), and counts as a wrapped model of its own. A part of the model copied alone (PEFT's
+        modules_to_save) keeps this state: it still lives in this model."""
+        root = None if self.root is None else self.root()
+        if root is None or id(root) not in memo:
+            return self
+        self.refuse_gathered("copy.deepcopy of a wrapped model")
+        for shared in (self.tp_group, self.dp_group, self.dp_mesh, *self.replica_groups.values()):
+            memo[id(shared)] = shared
+        new = copy.copy(self)
+        memo[id(self)] = new
+        _copy_parameter_tags(root, memo)
+        for name, value in vars(self).items():
+            if name != "root":
+                setattr(new, name, copy.deepcopy(value, memo))
+        new.root = weakref.ref(memo[id(root)])
+        _live[memo[id(root)]] = os.getpid()
+        return new
 
     def is_gathered(self) -> bool:
         """Whether the model holds full weights now, for the entry points that act differently inside the context."""
@@ -72,9 +89,31 @@ class TPState:
                                f"sharded model")
 
 
+class ShardedOnly:
+    """A hook that does nothing while the model is gathered (`TPState.sharded_only`). An object, not a closure, so
+    that `copy.deepcopy(model)` binds the copy's hooks to the copy's state and objects (functions are not copied)."""
+
+    def __init__(self, state: TPState, hook: Callable):
+        self.state, self.hook = state, hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return None if self.state.gathered else self.hook(*args, **kwargs)
+
+
+def _copy_parameter_tags(model: nn.Module, memo: dict) -> None:
+    """Give each parameter's deep copy the original's autotp attributes (`Parameter.__deepcopy__` drops them)."""
+    for param in model.parameters():
+        if vars(param):
+            twin = copy.deepcopy(param, memo)
+            for key, value in vars(param).items():
+                if key not in vars(twin):
+                    setattr(twin, key, copy.deepcopy(value, memo))
+
+
 def attach(model: nn.Module, state: TPState) -> None:
     """Record `state` on `model` and count the model among the live wrapped ones."""
     setattr(model, _ATTR, state)
+    state.root = weakref.ref(model)
     _live[model] = os.getpid()
 
 
@@ -88,7 +127,36 @@ def find_state(model: nn.Module) -> TPState | None:
     """The model's state, or None for a model autotp has not wrapped; seen through the wrappers that hold a wrapped
     model (DDP's and Trainer's `.module`, PEFT's `PeftModel.base_model.model`)."""
     holder = wrapped_model(model)
-    return None if holder is None else vars(holder)[_ATTR]
+    if holder is None:
+        return None
+    state = vars(holder)[_ATTR]
+    refuse_torch_fsdp(holder, state)
+    return state
+
+
+def refuse_torch_fsdp(model: nn.Module, state: TPState, deep: bool = False) -> None:
+    """Refuse a wrapped model that torch's own `fully_shard` sharded rather than `autotp.fully_shard`.
+
+    FSDP's parameters lose `autotp_shard`, so the gradient norm, a saved checkpoint and the TP gradient
+    corrections would be silently wrong. FSDP2 turns each module it shards into an `FSDPModule`: the
+    root is checked by every helper taking the model, each submodule (`deep`) at a forward, clip or step.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if state.fsdp:
+        return
+    modules = model.named_modules() if deep else [("", model)]
+    path = next((name for name, module in modules if isinstance(module, FSDPModule)), None)
+    if path is None:
+        return
+    name = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__
+    where = "the model" if path == "" else f"its submodule {path}"
+    raise RuntimeError(
+        f"autotp: torch.distributed.fsdp.fully_shard was applied directly to {where} ({name}, wrapped by autotp). "
+        f"That drops autotp's partition metadata (autotp_shard) from the parameters, so clip_grad_norm_, "
+        f"save_pretrained and the tensor-parallel gradient corrections would be silently wrong. Wrap the model "
+        f"again and call autotp.fully_shard(model) instead: it applies torch's fully_shard over the data-parallel "
+        f"group and keeps the metadata")
 
 
 def wrapped_model(model: nn.Module) -> nn.Module | None:

@@ -11,8 +11,10 @@ PEFT's adapter, full size).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import warnings
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
@@ -29,7 +31,9 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
     """PEFT's LoRA on all seven projections (r=8), its default initialisation (lora_B zero)."""
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0))
+    with warnings.catch_warnings():  # PEFT 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0))
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -55,7 +59,7 @@ class RecordingTrainer(LossRecorder, AutoTPTrainer):
     pass
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local HF model directory (default: a tiny Llama built from a config)")
     parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
@@ -67,15 +71,37 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bf16 autocast")
     parser.add_argument("--save-steps", type=int, help="write a resumable Trainer checkpoint every N steps")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
-    parser.add_argument("--grad-ckpt", action="store_true", help="gradient_checkpointing=True")
+    parser.add_argument("--grad-ckpt", action="store_true", help="activation (gradient) checkpointing")
     parser.add_argument("--best-at-end", action="store_true",
                         help="evaluate and save every --save-steps, keep 1 checkpoint, load the best at the end")
     parser.add_argument("--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT, added before wrap) only")
     parser.add_argument("--fsdp", action="store_true", help="AutoTPTrainer(fully_shard=True): FSDP2 over the DP group")
     parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def checkpointing_argument() -> str:
+    """TrainingArguments' name for activation checkpointing: `gradient_checkpointing` is its deprecated alias in the
+    transformers releases that have `activation_checkpointing` (5.23), and the only name before them."""
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def training_arguments(args: argparse.Namespace) -> TrainingArguments:
+    return TrainingArguments(output_dir=args.output, per_device_train_batch_size=args.batch,
+                             max_steps=args.steps, learning_rate=1e-3, adam_epsilon=args.adam_epsilon,
+                             logging_steps=1, seed=0, bf16=args.bf16, per_device_eval_batch_size=args.batch,
+                             use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
+                             save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+                             gradient_accumulation_steps=args.grad_accum, **{checkpointing_argument(): args.grad_ckpt},
+                             load_best_model_at_end=args.best_at_end, save_total_limit=1 if args.best_at_end else None,
+                             eval_strategy="steps" if args.best_at_end else "no", eval_steps=args.save_steps,
+                             report_to=[], disable_tqdm=False)
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny_llama()
     if args.lora:  # PEFT first, then wrap the transformers model inside: each adapter is split like its layer
@@ -83,15 +109,7 @@ def main() -> None:
         autotp.wrap(model.base_model.model, tp_size=args.tp)
     else:
         model = autotp.wrap(model, tp_size=args.tp)
-    training = TrainingArguments(output_dir=args.output, per_device_train_batch_size=args.batch,
-                                 max_steps=args.steps, learning_rate=1e-3, adam_epsilon=args.adam_epsilon,
-                                 logging_steps=1, seed=0, bf16=args.bf16, per_device_eval_batch_size=args.batch,
-                                 use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
-                                 save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-                                 gradient_accumulation_steps=args.grad_accum, gradient_checkpointing=args.grad_ckpt,
-                                 load_best_model_at_end=args.best_at_end, save_total_limit=1 if args.best_at_end else None,
-                                 eval_strategy="steps" if args.best_at_end else "no", eval_steps=args.save_steps,
-                                 report_to=[], disable_tqdm=False)
+    training = training_arguments(args)
     dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
     held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None
     trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out,

@@ -276,3 +276,24 @@ def test_verify_shows_progress_and_relays_no_transformers_warnings(capsys, monke
     code, out, err, relayed = run_cli(capsys, monkeypatch, "verify", "bert", "--tp", "2", "--steps", "1")
     assert code == 0 and "OK:" in out and relayed == [], (out, relayed)
     assert "autotp verify: building bert" in err and "training 1 steps on 2 CPU ranks" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_trainer_example_checkpoints_activations_without_deprecation_warnings(monkeypatch, tmp_path: Path) -> None:
+    """`--grad-ckpt --lora` used the deprecated `gradient_checkpointing=` (and PEFT reads the deprecated
+    `is_gradient_checkpointing`): each printed a FutureWarning on every rank. One step at tp 1 (no process group)."""
+    from autotp.hf_trainer import AutoTPTrainer
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from data import PatternDataset
+    from train_trainer import parse_args, tiny_llama, training_arguments, with_lora
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = parse_args(["--grad-ckpt", "--lora", "--steps", "1", "--output", str(tmp_path)])
+        model = with_lora(tiny_llama())
+        autotp.wrap(model.base_model.model, tp_size=1)
+        training = training_arguments(args)
+        AutoTPTrainer(model=model, args=training, train_dataset=PatternDataset(2, 8, 256)).train()
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    assert training.activation_checkpointing and model.base_model.model.is_activation_checkpointing

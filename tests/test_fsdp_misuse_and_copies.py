@@ -120,6 +120,8 @@ def one_process_copy_step() -> dict:
 
 def deep_copied(rank: int, world: int, path: str) -> dict:
     model = autotp.wrap(tiny_model("llama", num_key_value_heads=1), 2)  # replicated KV rows: gradient hooks copied
+    with autotp.GatherReplacedLayerParams(model), pytest.raises(RuntimeError, match="deepcopy of a wrapped model"):
+        copy.deepcopy(model)  # the copy would hold full weights with nothing to split them again
     twin = copy.deepcopy(model)
     assert autotp.tp_group(twin) is autotp.tp_group(model) and autotp.tp_size(twin) == 2
     with torch.no_grad():

@@ -11,13 +11,15 @@ by `save_checkpoint` covers both.
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import all_reduce
 from .groups import Group, group_rank, group_size
 from .layers import LinearAllreduce, LinearLayer
 
@@ -44,6 +46,38 @@ def sync_replicated_stream(group: Group) -> None:
     box = [[s.tolist() for s in capture(cuda=True)]]  # CUDA too, initialised or not: ranks seeded apart diverge
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     restore([torch.tensor(s, dtype=torch.uint8) for s in box[0]])
+
+
+class StreamCheck:
+    """Model forward pre-hook: stops, before anything changes, when the TP ranks' shared generators have drifted apart
+    (`torch.manual_seed(rank)` after `wrap`, common in data-parallel scripts): replicated dropout masks, and the
+    tokens `generate` samples, would differ between ranks, so replicated weights drift and ranks decode apart.
+
+    One all-reduce of two integers on the first forward in each mode (training, eval), then every `every` forwards:
+    a few tens of microseconds, amortised to under one per step."""
+
+    def __init__(self, group: Group, every: int = 64):
+        self.group, self.every = group, every
+        self.calls = 0
+        self.modes: set[bool] = set()
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.calls += 1
+        if module.training in self.modes and self.calls % self.every:
+            return
+        self.modes.add(module.training)
+        device = next((x.device for x in (*args, *kwargs.values()) if torch.is_tensor(x)), torch.device("cpu"))
+        digest = int.from_bytes(hashlib.blake2b(b"".join(s.numpy().tobytes() for s in capture()),
+                                                digest_size=7).digest(), "little")
+        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+        all_reduce(extremes, self.group, dist.ReduceOp.MAX)
+        if extremes[0].item() != -extremes[1].item():
+            raise RuntimeError(
+                f"the random generators of the {group_size(self.group)} ranks of this TP group differ at "
+                f"{type(module).__name__}'s forward: their dropout masks and sampled tokens would differ, so the "
+                f"replicated weights drift and generation diverges. Something reseeded them apart after autotp.wrap "
+                f"(torch.manual_seed(rank)?): seed before wrap, or seed the same on every TP rank: "
+                f"torch.manual_seed(seed + autotp.dp_rank(model))")
 
 
 class ShardedStream:
@@ -105,9 +139,11 @@ def _has_dropout(block: nn.Module) -> bool:
 
 
 def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[str], group: Group, state) -> None:
-    """Per-rank streams for the sharded regions that draw random numbers at all (dropout)."""
+    """Per-rank streams for the sharded regions that draw random numbers at all (dropout), and the check that the
+    shared stream stays shared (`StreamCheck`)."""
     if group_size(group) == 1:
         return
+    model.register_forward_pre_hook(state.sharded_only(StreamCheck(group)), with_kwargs=True)
     rank = group_rank(group)
     for path in blocks:
         block = model.get_submodule(path)

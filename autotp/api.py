@@ -41,6 +41,7 @@ from .parallel.sequence import apply_sequence_parallel, sequence_layout
 from .parallel.replicas import broadcast_replicated, check_agreement
 from .parallel.rollback import Snapshot
 from .parallel.state import TPState, detach, find_state
+from .parallel.state_dict import guard_state_dicts
 
 log = logging.getLogger("autotp")
 
@@ -179,6 +180,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
                 guarded.append(plan.vocab.embedding)
             SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
             slice_adapters_on_load(model, state)
+            guard_state_dicts(model, state)
             MeshGuard(model)
         broadcast_replicated(model, tp_group, dp_group if tp_group is not None else None)  # last: writes once all arrived
     except BaseException:

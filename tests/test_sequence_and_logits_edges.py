@@ -136,3 +136,50 @@ def test_ranks_reseeded_apart_after_wrap_stop_at_the_first_forward_with_the_fix(
     for report in run_ranks(reseeded_after_wrap, 2):
         assert "seed before wrap, or seed the same on every TP rank" in report["error"]
         assert report["untouched"] and report["replicas"] == 0.0
+
+
+def hidden_states_under_sp(rank: int, world: int, return_dict: bool) -> dict:
+    """`output_hidden_states=True` under SP against one process's model (same seed, same calls): every hidden state
+    whole, a mean-pooled embedding equal, and its gradient flowing back to the weights as one process's."""
+    reference = tiny_model("llama")
+    model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
+    ids = batch()
+    report = {}
+    for name, m in (("one", reference), ("tp", model)):
+        out = m(ids, output_hidden_states=True, return_dict=return_dict)
+        states = out.hidden_states if return_dict else next(item for item in out if isinstance(item, tuple))
+        pooled = states[len(states) // 2].mean(1)  # a middle layer's output: a chunk before the fix
+        pooled.sum().backward()
+        report[name] = (states, pooled)
+    group = model.autotp_state.tp_group
+    (one_states, one_pooled), (tp_states, tp_pooled) = report["one"], report["tp"]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    return {"shapes": [tuple(s.shape) for s in tp_states] == [tuple(s.shape) for s in one_states],
+            "states": max((a - b).abs().max().item() for a, b in zip(one_states, tp_states)),
+            "pooled": (one_pooled - tp_pooled).abs().max().item(),
+            "grad": parity.grad_error(parity.full_tensor(model.get_parameter(q).grad, model.get_parameter(q), group),
+                                      reference.get_parameter(q).grad)}
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_hidden_states_under_sequence_parallelism_are_whole_sequences(return_dict: bool) -> None:
+    """Before the fix the layers' hidden states were each rank's token-major chunk (a mean-pooled embedding off by
+    3.5e-2); now they are gathered, differentiably, into what one process returns (fp32 reduction order)."""
+    for report in run_ranks(hidden_states_under_sp, 2, return_dict):
+        assert report["shapes"], report
+        assert report["states"] <= FP32 and report["pooled"] <= FP32 and report["grad"] <= FP32, report
+
+
+def hook_on_a_layer(rank: int, world: int) -> list[str]:
+    model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.model.layers[0].register_forward_hook(lambda module, args, output: None)
+        model(batch(), output_hidden_states=True)  # transformers' own recorders: no warning
+    return [str(w.message) for w in caught if "autotp" in str(w.message)]
+
+
+def test_a_users_hook_on_a_decoder_layer_under_sequence_parallelism_is_warned_about() -> None:
+    for messages in run_ranks(hook_on_a_layer, 2):
+        assert len(messages) == 1 and "sees this rank's chunk of the sequence" in messages[0], messages

@@ -13,6 +13,7 @@ between blocks (norms, residual adds, scaling) treats every token alike."""
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
@@ -63,7 +64,10 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
     dropout = ChunkDropout(chunked, group, _config_dropout(model.config),
                            [m for m in layers.modules() if isinstance(m, nn.Dropout)])
     only = state.sharded_only  # gathered, the model computes as the original: none of these hooks acts
-    layers[0].register_forward_pre_hook(only(_on_hidden(lambda x: scatter_to_seq(x, group))), with_kwargs=True)
+    whole = WholeHiddenStates(group)
+    layers[0].register_forward_pre_hook(only(_on_hidden(whole.scatter)), with_kwargs=True)
+    base = model.get_submodule(list_path.rpartition(".")[0])  # the model holding the layer list returns hidden_states
+    base.register_forward_hook(only(whole.gather_outputs))
     scopes = [LayerScope(layer, chunked, dropout, state) for layer in layers]
     layers[-1].register_forward_hook(only(_on_output(lambda x: gather_from_seq(x, group))))
     layers[-1].register_forward_hook(only(chunked.hook(False)))
@@ -80,6 +84,37 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
     partial += [(m, m.bias) for path in blocks for m in model.get_submodule(path).modules()
                 if isinstance(m, LinearAllreduce) and m.bias is not None]
     return [*scopes, *(GradHook(owner, param, only(grad_allreduce_hook(group))) for owner, param in partial)]
+
+
+class WholeHiddenStates:
+    """The hidden states HF collects for `output_hidden_states=True` are the decoder layers' inputs and outputs, which
+    under sequence parallelism are this rank's chunks (token-major, so not even a batch of samples): they are
+    gathered back into whole sequences, differentiably, before the user sees them. The whole input's shape is
+    recorded as the first layer splits it, so a chunk is told by its shape."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.chunk_shape: torch.Size | None = None
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        chunk = scatter_to_seq(x, self.group)
+        self.chunk_shape = chunk.shape
+        return chunk
+
+    def gather_outputs(self, module: nn.Module, args, output):
+        if isinstance(output, dict):  # a ModelOutput: its hidden-state tuples (hidden_states, decoder_hidden_states...)
+            for key in [k for k in output.keys() if k.endswith("hidden_states") and k != "last_hidden_state"]:
+                output[key] = self._whole(output[key])
+            return output
+        if isinstance(output, tuple):  # return_dict=False: the hidden-state tuples are tuples of tensors
+            return tuple(self._whole(item) if isinstance(item, tuple) else item for item in output)
+        return None
+
+    def _whole(self, states):
+        if not isinstance(states, tuple) or self.chunk_shape is None:
+            return states
+        return tuple(gather_from_seq(h, self.group) if torch.is_tensor(h) and h.shape == self.chunk_shape else h
+                     for h in states)
 
 
 class Chunked:
@@ -129,14 +164,36 @@ _SCOPED: dict[type, type] = {}
 
 
 def _scoped_class(cls: type) -> type:
-    """`cls` with a `forward` that runs the original inside the instance's `LayerScope` (one subclass per class)."""
+    """`cls` with a `forward` that runs the original inside the instance's `LayerScope` (one subclass per class), and
+    hook registration that warns when a user's hook would see a chunk."""
     if cls not in _SCOPED:
         def forward(self, *args, **kwargs):
             with self.autotp_sequence_scope():
                 return cls.forward(self, *args, **kwargs)
-        _SCOPED[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                                   "__qualname__": cls.__qualname__})
+
+        def register_forward_hook(self, hook, *args, **kwargs):
+            _warn_chunk_hook(cls, hook)
+            return cls.register_forward_hook(self, hook, *args, **kwargs)
+
+        def register_forward_pre_hook(self, hook, *args, **kwargs):
+            _warn_chunk_hook(cls, hook)
+            return cls.register_forward_pre_hook(self, hook, *args, **kwargs)
+
+        _SCOPED[cls] = type(cls.__name__, (cls,), {
+            "forward": forward, "register_forward_hook": register_forward_hook,
+            "register_forward_pre_hook": register_forward_pre_hook, "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
     return _SCOPED[cls]
+
+
+def _warn_chunk_hook(cls: type, hook) -> None:
+    """A hook of the user's on a decoder layer sees this rank's chunk of the sequence: say so (transformers' own output
+    recorders, torch's and autotp's hooks are fine: their outputs are gathered or are chunks by design)."""
+    owner = getattr(hook, "__module__", None) or type(hook).__module__ or ""
+    if owner.split(".")[0] not in ("transformers", "torch", "autotp", "accelerate", "peft"):
+        warnings.warn(f"autotp: a hook on a {cls.__name__} under sequence_parallel sees this rank's chunk of the "
+                      f"sequence (token-major: its batch axis is not samples). Read output_hidden_states=True "
+                      f"(gathered into whole sequences) instead, or wrap with sequence_parallel=False", stacklevel=3)
 
 
 class ChunkDropout(TorchFunctionMode):

@@ -224,7 +224,7 @@ def test_existing_targets_need_overwrite(autotp_cli, tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("keep me")
     done = autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    assert done.returncode == 2 and "exists and is not empty; pass overwrite=True" in done.stderr
+    assert done.returncode == 2 and "exists and is not empty; pass --overwrite" in done.stderr  # the CLI names its flag
     assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
     model, optimizer, _ = make(1)
     with pytest.raises(FileExistsError, match="pass overwrite=True"):

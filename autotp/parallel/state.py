@@ -93,11 +93,14 @@ class ShardedOnly:
     """A hook that does nothing while the model is gathered (`TPState.sharded_only`). An object, not a closure, so
     that `copy.deepcopy(model)` binds the copy's hooks to the copy's state and objects (functions are not copied)."""
 
+    # `wrapped`, not `hook`: torch's _WrappedHook (load pre-hooks) copies this object's attributes onto itself, and a
+    # `hook` attribute would replace its own, so the hook would run unwrapped while the model is gathered.
+
     def __init__(self, state: TPState, hook: Callable):
-        self.state, self.hook = state, hook
+        self.state, self.wrapped = state, hook
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return None if self.state.gathered else self.hook(*args, **kwargs)
+        return None if self.state.gathered else self.wrapped(*args, **kwargs)
 
 
 def _copy_parameter_tags(model: nn.Module, memo: dict) -> None:

@@ -259,7 +259,7 @@ def _groups(tp_size: int, tp_group: dist.ProcessGroup | None,
     timeout = timeout or world_timeout()
     world = dist.get_world_size()
     if tp_size == 1 and tp_group is None:  # no group and no collective, so a subset of the ranks may call it
-        return None, (dist.group.WORLD if world > 1 else None), timeout
+        return None, dist.group.WORLD, timeout  # a group at every size, as dp_group promises
     if tp_group is not None:
         if group_size(tp_group) != tp_size:
             raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")

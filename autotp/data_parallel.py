@@ -30,7 +30,7 @@ def tp_group(model: nn.Module | None = None) -> Group:
 def dp_group(model: nn.Module | None = None) -> Group:
     """The data-parallel group: the ranks holding the same shards; this rank alone when there is one replica, so
     `dist.all_reduce(x, group=dp_group(model))` and `DistributedDataParallel(model, process_group=dp_group(model))`
-    work at every size. None only for a tp_size=1 wrap in a one-process job."""
+    work at every size. None only for a tp_size=1 wrap without torch.distributed initialised."""
     return state_of(model).dp_group
 
 

@@ -3,7 +3,9 @@
 Vocab parallelism adds, per step, 3 forward all-reduces (the embedding's partial lookups; the
 cross-entropy's max, then its sum-exp and target logit together) and 1 backward (the LM head's
 input gradient). Each torch.distributed entry point is wrapped by a counter that still runs the
-real collective.
+real collective. The first training forward also checks once that the TP ranks' random generators agree (one
+all-reduce of two int64s, `autotp.parallel.rng.StreamCheck`, repeated every 64 forwards): the counts are of a
+steady-state step, after a first one whose extra all-reduce is asserted on its own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict
         setattr(dist, name, counting(name))
     try:
         ids = batch()
+        model(ids, labels=ids).loss.backward()  # the first step: the random-stream check runs once
+        first = dict(counts)
+        counts.clear()
         loss = model(ids, labels=ids).loss
         forward = dict(counts)
         counts.clear()
@@ -44,7 +49,7 @@ def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    return {"forward": forward, "backward": backward, "layers": model.config.num_hidden_layers}
+    return {"first": first, "forward": forward, "backward": backward, "layers": model.config.num_hidden_layers}
 
 
 @pytest.mark.parametrize("vocab_parallel", [False, True])
@@ -54,11 +59,13 @@ def test_collectives_per_layer(family: str, per_head_norms: int, tp: int, vocab_
     for report in run_ranks(count_step, tp, family, vocab_parallel):
         layers = report["layers"]
         if tp == 1:
-            assert report["forward"] == {} and report["backward"] == {}, report
+            assert report["first"] == {} and report["forward"] == {} and report["backward"] == {}, report
             continue
         vocab_forward, vocab_backward = (3, 1) if vocab_parallel else (0, 0)
         assert report["forward"] == {"all_reduce": 2 * layers + vocab_forward}, report
         assert report["backward"] == {"all_reduce": (2 + per_head_norms) * layers + vocab_backward}, report
+        assert report["first"] == {"all_reduce": (4 + per_head_norms) * layers + vocab_forward + vocab_backward + 1}, \
+            report  # the first step's one extra: the random-stream check
 
 
 def bytes_of_step(rank: int, world: int, family: str, config: dict) -> dict:
@@ -73,6 +80,7 @@ def bytes_of_step(rank: int, world: int, family: str, config: dict) -> dict:
         moved["bytes"] += tensor.numel() * tensor.element_size()
         return original(tensor, *args, **kwargs)
 
+    model(ids, labels=ids).loss.backward()  # the first step also checks the random streams once (16 bytes)
     dist.all_reduce = counting
     try:
         model(ids, labels=ids).loss.backward()

@@ -15,18 +15,6 @@ torch.set_num_threads(1)
 import peft  # noqa: E402,F401
 
 
-# Slow-tier modules marked here because this suite's other maintainers own them: test_example.py launches torchrun
-# like test_launchers.py does. (A `pytestmark = pytest.mark.slow` line in the module would replace this.)
-SLOW_MODULES = {"test_example.py"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
-
-
 @dataclass
 class CliResult:
     """What one `autotp ...` command gave: its exit code and what it printed."""

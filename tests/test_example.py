@@ -6,6 +6,8 @@ import pytest
 
 from readme_commands import readme_command, run
 
+pytestmark = pytest.mark.slow  # launches torchrun, as test_launchers.py does
+
 
 @pytest.mark.parametrize("line", [
     r"torchrun --nproc-per-node 2 examples/train\.py(?=\s)",  # the demo: tp=2

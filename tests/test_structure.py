@@ -4,6 +4,7 @@
 - No autotp module reads another autotp module's private attribute (`obj._x` where `_x` is set or defined in
   another module) or imports its private names; the `autotp/compat/` boundaries are exempt, since touching
   privates is what they are for (of the dependencies, not of autotp).
+- docs/architecture.md names every module, so the map a newcomer reads cannot fall behind the package.
 - Gathered mode has one mechanism: `.gathered` is read only in `parallel/state.py` (which owns it) and
   `parallel/apply.py` (which switches it); hooks go through `TPState.sharded_only`.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from torch import nn
@@ -80,3 +82,11 @@ def test_gathered_mode_is_read_only_where_it_is_owned_and_switched() -> None:
              for node in ast.walk(tree)
              if isinstance(node, ast.Attribute) and node.attr == "gathered" and isinstance(node.ctx, ast.Load)]
     assert reads == [], "use TPState.sharded_only for a hook, or TPState.is_gathered for a decision"
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`([\w.]+)`", page))
+    missing = sorted(str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
+                     if f.stem not in ("__init__",) and f.stem not in named)
+    assert missing == [], f"docs/architecture.md's module table lacks {missing}"

@@ -54,7 +54,8 @@ class StreamCheck:
     tokens `generate` samples, would differ between ranks, so replicated weights drift and ranks decode apart.
 
     One all-reduce of two integers on the first forward in each mode (training, eval), then every `every` forwards:
-    a few tens of microseconds, amortised to under one per step."""
+    a few tens of microseconds, amortised to under one per step. Left out of a `torch.compile`d forward, whose graph
+    it would break (a host-side hash and `.item()`): there only eager forwards (evaluation, generate) are checked."""
 
     def __init__(self, group: Group, every: int = 64):
         self.group, self.every = group, every
@@ -62,6 +63,8 @@ class StreamCheck:
         self.modes: set[bool] = set()
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return
         self.calls += 1
         if module.training in self.modes and self.calls % self.every:
             return

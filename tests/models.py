@@ -96,6 +96,18 @@ def batch(vocab: int = 256, size: tuple[int, int] = (2, 16), seed: int = 1) -> t
     return torch.randint(0, vocab, size, generator=generator)
 
 
+def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, **inputs) -> list[float]:
+    """`steps` optimizer steps on one batch (forward with `inputs`, backward, step, zero_grad): the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def labels_with_ignored(ids: torch.Tensor) -> torch.Tensor:
     """`ids` as labels with -100 over a prompt (row 0's first 5) and padding (row 1's last 3)."""
     labels = ids.clone()

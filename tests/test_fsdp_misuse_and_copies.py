@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 import autotp
 from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL, full_tensor
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from models import batch, tiny_model, train_steps
 
 IDS = batch()
 GLOBAL = batch(size=(4, 16))
@@ -159,13 +159,7 @@ def test_deepcopy_of_a_wrapped_model_is_a_wrapped_model_of_its_own(tmp_path) -> 
 def one_process_adamw() -> dict:
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=GLOBAL, labels=GLOBAL).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, opt, 3, input_ids=GLOBAL, labels=GLOBAL)
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -175,13 +169,7 @@ def ddp_at_dp1(rank: int, world: int) -> dict:
     dist.all_reduce(mine, group=autotp.dp_group(model))  # over this rank alone, never the world
     runner = DistributedDataParallel(model, process_group=autotp.dp_group())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    losses = []
-    for _ in range(3):
-        loss = runner(input_ids=GLOBAL, labels=GLOBAL).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(runner, opt, 3, input_ids=GLOBAL, labels=GLOBAL)
     group = autotp.tp_group(model)
     return {"reduced": mine.item(), "dp_size": autotp.dp_size(model), "losses": losses,
             "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()}}

@@ -15,7 +15,7 @@ import autotp
 from autotp.parallel.replicas import check_replicas
 from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL, full_tensor
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from models import batch, tiny_model, train_steps
 
 LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -81,13 +81,8 @@ def two_steps(rank: int, world: int) -> dict:
         model.set_adapter("default")
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-2, eps=1e-6)
-        ids, losses = batch(), []
-        for _ in range(2):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        ids = batch()
+        losses = train_steps(model, optimizer, 2, input_ids=ids, labels=ids)
         group = autotp.tp_group(model.base_model.model) if size > 1 else None
         runs[size] = (losses, {n: full_tensor(p.detach(), p, group) if group else p.detach()
                                for n, p in model.named_parameters() if "lora_" in n})

@@ -155,10 +155,14 @@ class MeshGuard:
         _watch(self)
 
     def __deepcopy__(self, memo: dict) -> MeshGuard:
-        """The guard of a deep-copied model (its forward hook is this guard's bound method, copied with it)."""
+        """The guard of a deep-copied model (its forward hook is this guard's bound method, copied with it); a part of
+        the model copied alone (PEFT's modules_to_save) keeps this guard, as it keeps the state."""
+        state = copy.deepcopy(self.state, memo)
+        if state is self.state:
+            return self
         new = MeshGuard.__new__(MeshGuard)
         memo[id(self)] = new
-        new.model, new.state, new._checked = copy.deepcopy(self.model, memo), copy.deepcopy(self.state, memo), None
+        new.model, new.state, new._checked = copy.deepcopy(self.model, memo), state, None
         _watch(new)
         return new
 

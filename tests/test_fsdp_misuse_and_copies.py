@@ -196,3 +196,22 @@ def test_fully_shard_of_an_unwrapped_model_says_to_wrap_it_first() -> None:
         assert "Qwen3ForCausalLM is not wrapped by autotp" in str(err.value), err.value
         assert "autotp.wrap(model, tp_size) first" in str(err.value), err.value
         others.append(autotp.wrap(tiny_model("llama"), 1))
+
+
+def copy_one_layer(rank: int, world: int) -> dict:
+    model = autotp.wrap(tiny_model("qwen2"), world)
+    out = {}
+    for path in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        memo: dict = {}
+        layer = copy.deepcopy(model.get_submodule(path), memo)
+        out[path] = {"model copied": id(model) in memo, "shard kept": hasattr(layer.weight, "autotp_shard"),
+                     "forward": layer(torch.ones(2, layer.in_features)).shape[0] == 2}
+    return out
+
+
+def test_deepcopy_of_one_sharded_layer_copies_the_layer_not_the_model() -> None:
+    """PEFT's modules_to_save deep-copies one layer: the copy shares the model's state and never reaches the model
+    itself (before, the state-dict hooks' module set and the mesh guard dragged the whole model into the copy, and a
+    row layer's copy could fail with `instance must not be None`)."""
+    for report in run_ranks(copy_one_layer, 2):
+        assert all(not r["model copied"] and r["shard kept"] and r["forward"] for r in report.values()), report

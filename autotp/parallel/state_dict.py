@@ -21,7 +21,7 @@ and autotp's own checkpoints copy tensors without `load_state_dict`.
 
 from __future__ import annotations
 
-import weakref
+import copy
 from typing import Any, Iterator
 
 import torch
@@ -51,14 +51,18 @@ class _Layout:
 
     def __init__(self, state: TPState):
         self.state = state
-        self.hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def __deepcopy__(self, memo: dict) -> _Layout:
+        """A deep-copied model's hooks check against the copy's state; a part copied alone keeps this model's."""
+        state = copy.deepcopy(self.state, memo)
+        return self if state is self.state else _Layout(state)
 
     def ensure(self, model: nn.Module) -> None:
         for _, module in _owners(model, ""):
-            if module not in self.hooked:
+            if not getattr(module, "autotp_state_dict_hooks", False):  # copied with the module and its hooks
                 module.register_state_dict_post_hook(self.state.sharded_only(self.record))
                 module.register_load_state_dict_pre_hook(self.load)
-                self.hooked.add(module)
+                module.autotp_state_dict_hooks = True
 
     def _idle(self) -> bool:
         """Gathered (full weights load as they are) or under FSDP (DTensors carry their layout). The load hooks ask

@@ -17,7 +17,7 @@ from autotp.testing.spawn import free_port
 from readme_commands import ROOT, readme_command, run
 
 sys.path.insert(0, str(ROOT / "examples"))
-from train_trainer import LossRecorder  # noqa: E402  (examples/ is on the path from here on)
+from train_trainer import LossRecorder, checkpointing_argument  # noqa: E402  (examples/ is on the path from here on)
 
 pytestmark = pytest.mark.slow  # torchrun / accelerate subprocesses and Trainer runs
 
@@ -114,7 +114,7 @@ def test_trainer_resumes_bit_for_bit(tmp_path: Path) -> None:
 def test_trainer_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None:
     """gradient_accumulation_steps=2 and gradient_checkpointing=True at dp=2 x tp=2 against one process (fp32)."""
     got = run_trainer_example(tmp_path, "--grad-accum", "2", "--grad-ckpt")
-    losses, _ = one_process_trainer(tmp_path, gradient_accumulation_steps=2, gradient_checkpointing=True)
+    losses, _ = one_process_trainer(tmp_path, gradient_accumulation_steps=2, **{checkpointing_argument(): True})
     assert len(got["losses"]) == len(losses) == 8  # Trainer records each micro-batch's loss
     assert max(abs(a - b) for a, b in zip(got["losses"], losses)) <= 1e-5, (got["losses"], losses)
 

@@ -10,7 +10,6 @@ checked in process.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Callable
 
 import pytest
@@ -101,7 +100,7 @@ def all_collectives(rank: int, world: int) -> dict:
                                              "bias": bias.grad}
 
     grad = upstream(rank, (3, 2))
-    gathered_state = TPState(None, group, None, rank, timedelta(seconds=60), gathered=True)  # hooks registered
+    gathered_state = TPState(None, group, None, rank, gathered=True)  # hooks registered
     results["grad_allreduce_hook"] = grad_allreduce_hook(group)(grad)                    # through sharded_only
     results["grad_allreduce_hook off"] = gathered_state.sharded_only(grad_allreduce_hook(group))(grad) is None
     results["replica_grad_hook"] = replica_grad_hook(qkv, rank, {(0, 1): group})(grad)

@@ -32,7 +32,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, o
     parameters: a hook belongs to one Parameter object.
     """
     rank = group_rank(tp_group)
-    state = TPState(plan, tp_group, dp_group, rank, options.timeout, options)
+    state = TPState(plan, tp_group, dp_group, rank, options)
     modules = dict(model.named_modules())
     entries: dict[str, BlockEntry] = {}
     head = plan.vocab.head if plan.vocab is not None else None

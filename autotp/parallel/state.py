@@ -35,8 +35,7 @@ class TPState:
     tp_group: Group
     dp_group: Group
     tp_rank: int
-    timeout: timedelta  # what every group autotp creates for this model waits for a peer
-    options: WrapOptions = field(default_factory=WrapOptions)  # what wrap was asked for (the layers built by it)
+    options: WrapOptions = field(default_factory=WrapOptions)  # what wrap was asked for, its timeout resolved
     gathered: bool = False
     regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
     replica_groups: dict = field(default_factory=dict)  # TP ranks holding one replicated KV row -> their group
@@ -48,6 +47,11 @@ class TPState:
     root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
     mesh_guard: Any = None  # autotp.guards.MeshGuard, kept alive by the model it watches
+
+    @property
+    def timeout(self) -> timedelta:
+        """What every group autotp creates for this model waits for a peer (resolved by `wrap`)."""
+        return self.options.timeout
 
     # Gathered mode (GatherReplacedLayerParams): `gathered` is switched by `autotp.parallel.apply.set_gathered` and
     # read only here, so no hook has to remember it.

@@ -16,8 +16,8 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
 4. the parallel runtime: `parallel`, `parallel.dtensor_rows`, `parallel.groups`,
    `parallel.collectives`, `parallel.seq_collectives`, `parallel.overlap`, `parallel.grad_hooks`,
    `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`,
-   `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.apply`,
-   `parallel.rollback`, `parallel.lora`
+   `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.agreement`,
+   `parallel.apply`, `parallel.rollback`, `parallel.lora`
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`,
    `io.adapters`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`

@@ -7,9 +7,8 @@ between applying the plan and registering the gradient hooks.
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import fields, replace
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -38,7 +37,8 @@ from .planning.options import WrapOptions
 from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
 from .parallel.sequence import apply_sequence_parallel, sequence_layout
-from .parallel.replicas import broadcast_replicated, check_agreement
+from .parallel.agreement import check_agreement
+from .parallel.replicas import broadcast_replicated
 from .parallel.rollback import Snapshot
 from .parallel.state import TPState, detach, find_state
 from .parallel.state_dict import guard_state_dicts
@@ -160,7 +160,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         sequence_layout(model, plan)  # refuses before anything changes
     tp_group, dp_group, timeout = _groups(tp_size, options.tp_group, options.timeout)
     if tp_group is not None:  # at tp 1 no collective: some ranks only may wrap
-        check_agreement(_fingerprint(model, tp_size, options, plan), [("TP", tp_group), ("DP", dp_group)], call)
+        check_agreement(model, tp_size, options, plan, [("TP", tp_group), ("DP", dp_group)], call)
     snapshot = Snapshot(model)
     try:
         state = apply_plan(model, plan, tp_group, dp_group, replace(options, timeout=timeout))
@@ -192,47 +192,6 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         for warning in plan.warnings(vocab_requested=options.vocab_parallel):
             log.warning(warning)
     return state
-
-
-_AGREED_OPTIONS = ("vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu")  # the plan
-# holds the policy's effect (a policy path may differ between ranks); groups and timeouts are per-rank objects
-
-
-def _fingerprint(model: nn.Module, tp_size: int, options: WrapOptions, plan: Plan) -> dict[str, dict[str, str]]:
-    """What every rank of a group must share: the config, the options and the plan, as named strings."""
-    config = getattr(model, "config", None)
-    flat = _flatten(config.to_dict()) if hasattr(config, "to_dict") else {}
-    flat.pop("_name_or_path", None)  # each rank may load its own copy of the files
-    agreed = {"tp_size": str(tp_size), **{f.name: str(getattr(options, f.name)) for f in fields(options)
-                                          if f.name in _AGREED_OPTIONS}}
-    return {"config key": flat, "option": agreed, "plan entry": _plan_entries(plan)}
-
-
-def _flatten(values: dict, prefix: str = "") -> dict[str, str]:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = json.dumps(value, sort_keys=True, default=str)
-    return out
-
-
-def _plan_entries(plan: Plan) -> dict[str, str]:
-    """The plan's decisions by module; not its reasons, whose details (verification errors) depend on the weights."""
-    entries = {f"{layer.path}": f"{layer.style} {layer.shape} dim {layer.partition.dim} {layer.partition.runs}"
-               for layer in plan.layers}
-    for region in plan.regions:
-        entries[region.path] = f"experts {[(name, shape, p.dim, p.runs) for name, shape, p in region.partitions]}"
-    for attr in plan.attrs:
-        entries[f"{attr.path}.{attr.name}"] = f"{attr.full} {attr.local}"
-    for head_input in plan.head_inputs:
-        entries[f"{head_input.path}.{head_input.name}"] = f"heads {head_input.heads} {head_input.local}"
-    entries.update({path: "replicated" for path, _ in plan.replicated})
-    entries["per-head norms"] = str(plan.head_norms)
-    vocab = plan.vocab
-    entries["vocab"] = "none" if vocab is None else f"{vocab.head} {vocab.embedding} {vocab.tied} {vocab.partition.runs}"
-    return entries
 
 
 def _validate_tp_size(tp_size: int) -> None:

@@ -10,8 +10,6 @@ included) from DP rank 0 of the same TP rank, as DDP does within its group.
 
 from __future__ import annotations
 
-import hashlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -19,9 +17,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .collectives import all_gather, buckets
-
 from .dtensor_rows import local_rows
-from .groups import Group, group_size, named_failure
+from .groups import Group, group_size
 from .state import find_state, state_of
 
 _BUCKET_BYTES = 64 << 20
@@ -136,41 +133,3 @@ def _checksum(tensor: torch.Tensor) -> torch.Tensor:
     flat = local_rows(tensor.detach())[0].reshape(-1).double()
     weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
     return torch.stack([flat.sum(), flat.square().sum(), (flat * weights).sum()]).cpu()
-
-
-def check_agreement(fingerprint: dict[str, dict[str, str]], groups: list[tuple[str, Group]], call: str) -> None:
-    """Raise on every rank, naming the first difference, unless every rank of each group has the same `fingerprint`
-    (sections of named values: the config, the options, the plan).
-
-    Run before the model is touched: ranks that built different models would otherwise train silently apart, or
-    die in a collective whose sizes differ. One all-gather of a hash per group; the fingerprints travel only when the
-    hashes differ.
-    """
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
-    for kind, group in groups:
-        if group_size(group) == 1:
-            continue
-        ranks = dist.get_process_group_ranks(group)
-        with named_failure(group, f"comparing the ranks' configs, options and plans in {call}"):
-            digests: list = [None] * len(ranks)
-            dist.all_gather_object(digests, digest, group=group)
-            if len(set(digests)) == 1:
-                continue
-            everyone: list = [None] * len(ranks)
-            dist.all_gather_object(everyone, fingerprint, group=group)
-        raise RuntimeError(_difference(everyone, ranks, kind, call))
-
-
-def _difference(everyone: list[dict[str, dict[str, str]]], ranks: list[int], kind: str, call: str) -> str:
-    """The first entry in which a rank's fingerprint differs from the group's first rank's, as a sentence."""
-    first = everyone[0]
-    for section in first:
-        for rank, theirs in zip(ranks[1:], everyone[1:]):
-            ours, other = first[section], theirs[section]
-            for key in [*ours, *(k for k in other if k not in ours)]:
-                if ours.get(key) != other.get(key):
-                    return (f"ranks disagree before sharding: {section} {key} is {ours.get(key, '(absent)')} on rank "
-                            f"{ranks[0]} but {other.get(key, '(absent)')} on rank {rank} ({kind} group {ranks}). Every "
-                            f"rank must build the same model and call {call} with the same options; nothing was "
-                            f"changed.")
-    return f"ranks {ranks} of a {kind} group disagree before sharding; nothing was changed"

@@ -14,7 +14,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
 from .parallel.collectives import buckets
-
 from .parallel.dtensor_rows import local_rows
 from .parallel.groups import Group, group_rank, group_size
 from .parallel.state import refuse_torch_fsdp, state_of, wrapped_model

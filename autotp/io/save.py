@@ -20,7 +20,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..parallel.collectives import gather_full_to
-
 from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import global_rank, is_global_rank0
 from ..compat.hf import adapter_module, checkpoint_names, keys_to_ignore_on_save, remove_tied_weights

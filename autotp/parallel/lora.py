@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import reduce_from_tp_joined
-
 from .grad_hooks import GradHook, replica_grad_hook
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, gather_parameter_, partition_parameter_
 from .replicas import broadcast_tensors

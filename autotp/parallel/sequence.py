@@ -22,7 +22,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .grad_hooks import GradHook, grad_allreduce_hook
-
 from .seq_collectives import all_gather_seq_to_tp, gather_from_seq, own_chunk, scatter_to_seq
 from .groups import Group, group_size
 from .layers import LinearAllreduce

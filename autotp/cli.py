@@ -12,7 +12,7 @@ import json
 import re
 import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -107,10 +107,8 @@ def build(config: PretrainedConfig, device: str | None = None, task: str | None 
           dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model of `config` for `task` (see `model_class`), random weights in `dtype` (or on the meta device), not
     in the config's own `torch_dtype`, so that the sizes printed are those of the dtype the command names."""
-    if device == "meta":
-        with torch.device("meta"):
-            return build_model(config, task, dtype=dtype)
-    return build_model(config, task, dtype=dtype)
+    with torch.device(device) if device else nullcontext():
+        return build_model(config, task, dtype=dtype)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

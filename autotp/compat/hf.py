@@ -19,19 +19,15 @@ from transformers import PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
 from .peft import is_peft_module
+from .versions import missing
 
 
 def _internal(module: str, name: str) -> Callable[..., Any]:
     """`module.name` from transformers, or an error saying which transformers internal autotp lost."""
     try:
         return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        import transformers
-
-        raise RuntimeError(
-            f"autotp needs {module}.{name}, which transformers {transformers.__version__} lacks ({err}); "
-            f"install a transformers version that autotp supports (see the README)"
-        ) from None
+    except (ImportError, AttributeError):
+        raise missing(f"{module}.{name}") from None
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -18,8 +18,8 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`,
    `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.agreement`,
    `parallel.apply`, `parallel.rollback`, `parallel.lora`
-5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.resume`,
-   `io.adapters`
+5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
+   `io.chunks`, `io.checkpoint`, `io.legacy`, `io.restore`, `io.consolidate`, `io.adapters`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
 7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`
 8. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
@@ -35,7 +35,9 @@ from .gather import GatherReplacedLayerParams
 from .parallel.groups import finish
 from .guards import check_same_inputs
 from .io.errors import CheckpointError
-from .io.resume import consolidate, load_checkpoint, save_checkpoint
+from .io.checkpoint import save_checkpoint
+from .io.consolidate import consolidate
+from .io.restore import load_checkpoint
 from .io.save import save_pretrained
 from .parallel.layers import LinearAllreduce, LinearLayer
 from .planning.plan import Plan

@@ -36,7 +36,7 @@ from .compat import check_versions, trainer as trainer_compat
 from .compat.hf import adapter_module
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
-from .io.resume import as_params, local_optimizer_state
+from .io.legacy import as_params, local_optimizer_state
 from .io.save import save_pretrained
 from .parallel.state import find_state, wrapped_model
 

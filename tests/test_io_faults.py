@@ -2,7 +2,7 @@
 
 - Collective saves and loads raise on every rank when one rank fails, instead of leaving the others
   blocked in a collective or believing the save or load happened.
-- `load_checkpoint` and `consolidate` check every file before anything changes or is written.
+- Training checkpoints' faults are in test_checkpoint_faults.py.
 - Staging directories of killed saves are cleaned up, and a save killed during the final swap
   leaves the old or the new checkpoint at the target.
 - Safetensors headers and indexes are validated at least as strictly as the `safetensors` library.
@@ -95,26 +95,6 @@ def test_write_error_on_the_writer_raises_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
 
 
-def full_disk_on_rank1(rank: int, world: int, target: str) -> tuple[int | None, str]:
-    if rank == 1:
-        def failing(tensors, file):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
-
-        autotp.io.resume.write_tensors = failing
-    model = autotp.wrap(tiny_model("llama"), world)
-    optimizer = torch.optim.AdamW(model.parameters())
-    with pytest.raises(OSError) as err:
-        autotp.save_checkpoint(target, model, optimizer, step=1)
-    return err.value.errno, str(err.value)
-
-
-def test_write_error_on_another_rank_of_save_checkpoint_raises_on_every_rank(tmp_path: Path) -> None:
-    (code, first), (_, second) = run_ranks(full_disk_on_rank1, 2, str(tmp_path / "ckpt"))
-    assert code == errno.ENOSPC and "failed on rank 1" in first and "model.safetensors" in first
-    assert os.strerror(errno.ENOSPC) in second
-    assert not (tmp_path / "ckpt").exists() and hidden(tmp_path) == []
-
-
 def save_on_one_rank(rank: int, world: int, caller: int, target: str, flag: str) -> tuple[float, str] | None:
     model = autotp.wrap(tiny_model("llama"), world)
     if rank != caller:  # busy elsewhere until the caller has its error, so that it cannot come from our exit
@@ -157,100 +137,6 @@ def test_read_error_on_one_rank_of_from_pretrained_raises_on_every_rank(tmp_path
     (kind0, _, first), (kind1, code, second) = run_ranks(unreadable_on_rank1, 2, str(tmp_path / "ck"))
     assert kind1 == "OSError" and code == errno.EIO, second
     assert kind0 == "CheckpointError" and "rank 1" in first and os.strerror(errno.EIO) in first, first
-
-
-# --- a half-written per-rank checkpoint changes nothing, on any rank ----------------------------------------
-
-def save_tp2(rank: int, world: int, directory: str) -> None:
-    model = autotp.wrap(tiny_model("llama"), 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids).loss.backward()
-    optimizer.step()
-    autotp.save_checkpoint(directory, model, optimizer, step=1)
-
-
-@pytest.fixture(scope="module")
-def saved_tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("saved") / "ckpt"
-    run_ranks(save_tp2, 2, str(directory))
-    return directory
-
-
-@pytest.fixture
-def checkpoint(saved_tp2: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(saved_tp2, tmp_path / "ckpt"))
-
-
-def damage(file: Path, how: str) -> None:
-    if how == "delete":
-        file.unlink()
-    elif how == "truncate":
-        file.write_bytes(file.read_bytes()[:-100])
-    else:
-        file.write_text("{not json")
-
-
-def load_and_compare(rank: int, world: int, directory: str) -> tuple[str, bool, bool, bool]:
-    model = autotp.wrap(tiny_model("llama", seed=42), world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    rng = torch.get_rng_state()
-    with pytest.raises(autotp.CheckpointError) as err:
-        autotp.load_checkpoint(directory, model, optimizer)
-    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    return str(err.value), same, not optimizer.state, torch.equal(rng, torch.get_rng_state())
-
-
-@pytest.mark.parametrize("file,how", [("model.safetensors", "delete"), ("model.safetensors", "truncate"),
-                                      ("optimizer.safetensors", "truncate"), ("state.json", "corrupt")])
-def test_load_checkpoint_with_a_damaged_rank_changes_no_rank(checkpoint: Path, file: str, how: str) -> None:
-    damage(checkpoint / "rank-00001" / file, how)
-    (first, *unchanged0), (second, *unchanged1) = run_ranks(load_and_compare, 2, str(checkpoint))
-    assert str(checkpoint / "rank-00001" / file) in second
-    assert "rank 1" in first and str(checkpoint / "rank-00001" / file) in first
-    assert unchanged0 == [True, True, True], "rank 0 changed its model, optimizer or RNG"
-    assert unchanged1 == [True, True, True], "rank 1 changed its model, optimizer or RNG"
-
-
-def drop_tensor(file: Path, name: str) -> None:
-    tensors = load_file(file)
-    del tensors[name]
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
-@pytest.mark.parametrize("how", ["rank-directory-missing", "truncated", "tensor-missing"])
-def test_consolidate_refuses_a_half_written_checkpoint(checkpoint: Path, tmp_path: Path, how: str) -> None:
-    victim = checkpoint / "rank-00001" / "model.safetensors"
-    expected = [str(victim)]
-    if how == "rank-directory-missing":
-        shutil.rmtree(victim.parent)
-    elif how == "truncated":
-        damage(victim, "truncate")
-    else:
-        drop_tensor(victim, "model.layers.1.mlp.down_proj.weight")
-        expected.append("model.layers.1.mlp.down_proj.weight")
-    with pytest.raises(autotp.CheckpointError) as err:
-        autotp.consolidate(checkpoint, tmp_path / "out")
-    assert all(text in str(err.value) for text in expected), str(err.value)
-    assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
-
-
-def test_consolidate_refuses_a_checkpoint_without_a_replica_rank(tmp_path: Path) -> None:
-    """Ranks 2 and 3 (the second data-parallel replica) are not read, but their absence means a broken save."""
-    run_ranks(save_tp2, 4, str(tmp_path / "ckpt"))
-    shutil.rmtree(tmp_path / "ckpt" / "rank-00003")
-    with pytest.raises(autotp.CheckpointError, match="rank-00003/model.safetensors: missing"):
-        autotp.consolidate(tmp_path / "ckpt", tmp_path / "out")
-    assert not (tmp_path / "out").exists() and hidden(tmp_path) == []
-
-
-def test_consolidate_command_exits_2_on_a_missing_tensor(autotp_cli, checkpoint: Path, tmp_path: Path) -> None:
-    drop_tensor(checkpoint / "rank-00001" / "model.safetensors", "model.norm.weight")
-    done = autotp_cli("consolidate", str(checkpoint), str(tmp_path / "out"))
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "rank-00001" in done.stderr and "model.norm.weight" in done.stderr
-    assert not (tmp_path / "out").exists()
 
 
 # --- staging directories ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 | FSDP2's module hooks defined in `torch.distributed.fsdp` | pausing FSDP's hooks (no public marker)  | 2.13       |
 | `dist.all_gather_single` / `all_gather_into_tensor`      | the one-tensor all-gather (renamed)      | 2.13       |
 | `dist.reduce_scatter_single` / `reduce_scatter_tensor`   | the one-tensor reduce-scatter (renamed)  | 2.13       |
+| `Tensor._make_wrapper_subclass`, `_disabled_torch_function_impl` | a tensor DCP sees, holding no data (as DTensor) | 2.13 |
 
 torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
 frame read returns None instead, as `autotp.guards.DDPGuard` then checks the group at DDP's first forward.
@@ -82,3 +83,15 @@ def reduce_scatter_single() -> Callable[..., Any]:
     """torch's reduce-scatter of one tensor into one output tensor, `(out, x, group=)`, under either name."""
     return getattr(dist, "reduce_scatter_single", None) or require(
         dist, "reduce_scatter_tensor", "torch.distributed.reduce_scatter_single")
+
+
+def storageless_tensor(cls: type, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An instance of the tensor subclass `cls` with a shape and no storage, as DTensor is built: DCP looks up the
+    pieces of a tensor in a state dict only for `torch.Tensor` instances."""
+    make = require(torch.Tensor, "_make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass")
+    return make(cls, shape, dtype=dtype, device=device, requires_grad=False)
+
+
+def no_torch_function() -> Callable[..., Any]:
+    """The `__torch_function__` of a subclass that opts out of torch-function handling (what DTensor sets)."""
+    return require(torch._C, "_disabled_torch_function_impl", "torch._C._disabled_torch_function_impl")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,8 @@ Group = dist.ProcessGroup | None
 # How long a collective may wait for a peer before failing, when neither the user's
 # init_process_group nor wrap(..., timeout=) says otherwise (torch's own default is 30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+_AT_FINISH: list[Callable[[], None]] = []  # work in the background that `finish` must wait for (async saves)
 
 
 def group_size(group: Group) -> int:
@@ -50,8 +52,8 @@ def world_timeout() -> timedelta:
     return backend_timeout() or DEFAULT_TIMEOUT
 
 
-def new_group(ranks: list[int], timeout: timedelta, what: str) -> dist.ProcessGroup:
-    return dist.new_group(ranks, timeout=timeout, group_desc=f"autotp {what} {ranks}")
+def new_group(ranks: list[int], timeout: timedelta, what: str, backend: str | None = None) -> dist.ProcessGroup:
+    return dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=f"autotp {what} {ranks}")
 
 
 @contextmanager
@@ -99,8 +101,14 @@ def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         dist.init_process_group("gloo", timeout=timeout)
 
 
+def at_finish(wait: Callable[[], None]) -> None:
+    """Have `finish` call `wait` first (a higher tier's background work, such as an async checkpoint save)."""
+    _AT_FINISH.append(wait)
+
+
 def finish() -> None:
-    """End a distributed script: a barrier over the world, then `destroy_process_group`. Call it on every rank.
+    """End a distributed script: wait for background saves, a barrier over the world, then `destroy_process_group`.
+    Call it on every rank.
 
     A gloo worker thread drops its reference to a collective's tensors just after the caller's wait
     returns. If that rank's interpreter is already shutting down, the thread cannot take the GIL and the
@@ -108,6 +116,8 @@ def finish() -> None:
     about 1 of 6 four-rank runs that exit straight after a collective). The barrier holds no tensors
     and leaves the workers time to let go before anyone exits.
     """
+    for wait in _AT_FINISH:
+        wait()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -176,15 +176,19 @@ SAVER = textwrap.dedent("""
     autotp.save_checkpoint(sys.argv[1], model, optimizer, step=int(sys.argv[2]))
     print("saved", flush=True)
     if sys.argv[3] == "again":
-        autotp.save_checkpoint(sys.argv[1], model, optimizer, overwrite=True, step=int(sys.argv[2]) + 1)
+        autotp.save_checkpoint(sys.argv[1], model, optimizer, overwrite=True, step=int(sys.argv[2]) + 1,
+                               async_save=sys.argv[4] == "async")
+        autotp.finish()
 """)
 
 
 @pytest.mark.slow  # a subprocess killed mid-save; test_io_faults.py's killed swaps stay quick
-def test_killed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["sync", "async"])
+def test_killed_save_keeps_the_previous_checkpoint(tmp_path: Path, how: str) -> None:
     target = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(target), "7", "again"], stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(target), "7", "again", how], stdout=subprocess.PIPE,
+                            env=env)
     assert proc.stdout.readline().strip() == b"saved"
     deadline = time.monotonic() + 60
     started = False

@@ -185,22 +185,32 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     `async_save=True` returns once this rank's tensors are copied to CPU memory and writes in the background;
     the next save, load, or `autotp.finish()` waits for it (and raises its failure, on every rank).
     """
-    wait_for_pending()
     try:
         json.dumps(state)
     except TypeError as err:
         raise TypeError(f"save_checkpoint: the user state must be JSON-serialisable ({err})") from None
+    write(directory, model, optimizer, scheduler, state, overwrite=overwrite, async_save=async_save)
+
+
+def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+          state: dict[str, Any], *, overwrite: bool, async_save: bool = False, weights: bool = True,
+          rng: bool = True, what: str = "autotp.save_checkpoint") -> None:
+    """`save_checkpoint`, of which a caller that saves the weights and random state apart (AutoTPTrainer, beside
+    Trainer's own files) may leave those out (`weights=False`, `rng=False`)."""
+    wait_for_pending()
     tp_state = find_state(model)
     if tp_state is not None:
-        tp_state.refuse_gathered("autotp.save_checkpoint")
-    entries = {**model_entries(model), **_optimizer_entries(model, optimizer),
-               f"rng/{global_rank()}": pickle.dumps(rng_state.capture())}
+        tp_state.refuse_gathered(what)
+    entries = {**(model_entries(model) if weights else {}), **_optimizer_entries(model, optimizer)}
+    if rng:
+        entries[f"rng/{global_rank()}"] = pickle.dumps(rng_state.capture())
     if scheduler is not None:
         entries["scheduler"] = pickle.dumps(scheduler.state_dict())
     meta = {"format": FORMAT, **layout(model), "model_class": type(model).__name__, "state": state,
-            "optimizer_params": optimizer_names(model, optimizer), "scheduler": scheduler is not None}
+            "optimizer_params": optimizer_names(model, optimizer), "scheduler": scheduler is not None,
+            "weights": weights, "rng": rng}
     staging = ExitStack()
-    tmp = staging.enter_context(staged_directory(directory, overwrite, what="autotp.save_checkpoint"))
+    tmp = staging.enter_context(staged_directory(directory, overwrite, what=what))
     try:
         if global_rank() == 0:
             (tmp / META).write_text(json.dumps(meta, indent=1))

@@ -39,13 +39,20 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     Random generators are restored exactly at the layout saved at, and re-seeded deterministically at
     another (`autotp.io.rng_state`).
     """
+    return read(directory, model, optimizer, scheduler)
+
+
+def read(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+         *, weights: bool = True) -> dict[str, Any]:
+    """`load_checkpoint`, of which a caller that loads the weights apart (AutoTPTrainer, from the full checkpoint
+    beside) may leave them out (`weights=False`); the random state is restored when the checkpoint holds it."""
     wait_for_pending()
     directory = Path(directory)
     error, plan = None, None
     try:
         meta = read_meta(directory)
         plan = legacy.Reader(directory, meta, model, optimizer, scheduler) if meta["format"] != FORMAT else \
-            _Reader(directory, meta, model, optimizer, scheduler)
+            _Reader(directory, meta, model, optimizer, scheduler, weights)
     except CheckpointError as err:  # every rank must still reach the agreement below
         error = err
     except Exception as err:
@@ -63,18 +70,23 @@ class _Reader:
     """What this rank reads from a DCP checkpoint, checked before anything is read, and how it is applied."""
 
     def __init__(self, directory: Path, meta: dict[str, Any], model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None, scheduler: Any):
+                 optimizer: torch.optim.Optimizer | None, scheduler: Any, weights: bool):
         self.directory, self.meta, self.model, self.optimizer, self.scheduler = \
             directory, meta, model, optimizer, scheduler
         state = find_state(model)
         if state is not None:
             state.refuse_gathered("autotp.load_checkpoint")
+        if weights and not meta.get("weights", True):
+            raise CheckpointError(f"{directory}: holds the optimizer state alone (an AutoTPTrainer checkpoint's "
+                                  f"optimizer/); load the model from the full checkpoint beside it")
         index = read_index(directory)
-        self.entries: dict[str, Any] = model_entries(model)
-        self._check_model(index)
+        self.entries: dict[str, Any] = model_entries(model) if weights else {}
+        if weights:
+            self._check_model(index)
         self.same_layout = all(meta.get(k) == v for k, v in layout(model).items() if k in _LAYOUT)
-        self.rng_key = f"rng/{global_rank() if self.same_layout else 0}"
-        self.entries[self.rng_key] = b""
+        self.rng_key = f"rng/{global_rank() if self.same_layout else 0}" if meta.get("rng", True) else None
+        if self.rng_key is not None:
+            self.entries[self.rng_key] = b""
         self.dp_rank = global_rank() if state is None else group_rank(state.dp_group)
         self.optimizer_state: dict[str, dict[str, str]] = {}  # parameter name -> state key -> DCP key
         self.fresh: dict[str, torch.Tensor] = {}  # DCP key -> the new optimizer state tensor it is read into
@@ -130,11 +142,12 @@ class _Reader:
             self.optimizer.load_state_dict(self._optimizer_state_dict())
         if "scheduler" in self.entries:
             self.scheduler.load_state_dict(pickle.loads(self.entries["scheduler"]))
-        saved_rng = pickle.loads(self.entries[self.rng_key])
-        if self.same_layout:
-            rng_state.restore(saved_rng)
-        else:
-            rng_state.reseed(saved_rng, self.dp_rank)
+        if self.rng_key is not None:
+            saved_rng = pickle.loads(self.entries[self.rng_key])
+            if self.same_layout:
+                rng_state.restore(saved_rng)
+            else:
+                rng_state.reseed(saved_rng, self.dp_rank)
         return self.meta["state"]
 
     def _optimizer_state_dict(self) -> dict[str, Any]:

@@ -7,6 +7,8 @@ averaged over the DP group only; TP ranks of one replica must read the same batc
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -126,7 +128,39 @@ def _combine(acc: torch.Tensor, grad: torch.Tensor, norm_type: float) -> torch.T
 
 
 def data_parallel_sampler(dataset: Dataset, model: nn.Module | None = None, *, shuffle: bool = True, seed: int = 0,
-                          drop_last: bool = False) -> DistributedSampler:
-    """A sampler giving each DP replica its own part of `dataset`, and all TP ranks of a replica the same part."""
-    return DistributedSampler(dataset, num_replicas=dp_size(model), rank=dp_rank(model), shuffle=shuffle,
-                              seed=seed, drop_last=drop_last)
+                          drop_last: bool = False, consumed_samples: int = 0) -> DistributedSampler:
+    """A sampler giving each DP replica its own part of `dataset`, and all TP ranks of a replica the same part.
+
+    Replica r reads positions r, r + dp, r + 2 dp, ... of the epoch's order (shuffled by `seed` and the
+    epoch), so a global batch of G samples is always positions [k G, (k + 1) G) whatever the DP size.
+    `consumed_samples`, the global samples of this epoch already trained on (keep it in
+    `save_checkpoint`'s state), makes the next pass start after them: a resume at another DP size with the
+    same global batch reads the same samples in each step as the run that saved (only the padding that
+    evens out the epoch's last batch differs). It must be a multiple of this run's DP size.
+    """
+    replicas = dp_size(model)
+    if consumed_samples % replicas:
+        raise ValueError(f"data_parallel_sampler: consumed_samples={consumed_samples} is not a multiple of the "
+                         f"{replicas} data-parallel replicas, so the replicas cannot start at one global position; "
+                         f"keep the global batch a multiple of the DP size")
+    return _ResumingSampler(dataset, num_replicas=replicas, rank=dp_rank(model), shuffle=shuffle, seed=seed,
+                            drop_last=drop_last, skip=consumed_samples // replicas)
+
+
+class _ResumingSampler(DistributedSampler):
+    """`DistributedSampler` whose next pass leaves out this replica's first `skip` samples (those a checkpoint's run
+    consumed); the passes after it are whole."""
+
+    def __init__(self, *args, skip: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        if skip > self.num_samples:
+            raise ValueError(f"data_parallel_sampler: consumed_samples={skip * self.num_replicas} is more than one "
+                             f"epoch of {self.total_size} samples over {self.num_replicas} replicas")
+        self.skip = skip
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip

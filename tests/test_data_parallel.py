@@ -124,6 +124,38 @@ def test_sampler_splits_over_data_parallel_ranks_only() -> None:
     assert sorted(parts[0] + parts[2]) == list(range(8))  # the replicas split the data
 
 
+def global_batches(rank: int, world: int, tp: int, per_replica: int, consumed: int, steps: int) -> list[list[int]]:
+    """The samples of each global batch this replica reads, from `consumed` global samples on (shuffled order)."""
+    model = autotp.wrap(tiny_model("llama"), tp)
+    sampler = autotp.data_parallel_sampler(list(range(50)), model, seed=3, consumed_samples=consumed)
+    mine = list(sampler)
+    batches = [mine[i * per_replica:(i + 1) * per_replica] for i in range(steps)]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, batches)
+    return [sorted(sum((everyone[r][step] for r in range(0, world, tp)), [])) for step in range(steps)]
+
+
+def test_sampler_resumes_at_another_dp_size_on_the_same_global_samples() -> None:
+    """dp=2 x tp=2 reads 3 global batches of 4 (2 per replica); resumed at tp=2 x dp=1 (4 per replica) and at
+    tp=1 x dp=2 after 12 consumed samples, every later global batch holds the samples of the uninterrupted run."""
+    whole = run_ranks(global_batches, 4, 2, 2, 0, 6)[0]
+    assert all(len(set(b)) == 4 for b in whole) and len({s for b in whole for s in b}) == 24
+    assert run_ranks(global_batches, 2, 2, 4, 12, 3)[0] == whole[3:]
+    assert run_ranks(global_batches, 2, 1, 2, 12, 3)[0] == whole[3:]
+
+
+def uneven_resume(rank: int, world: int) -> str:
+    model = autotp.wrap(tiny_model("llama"), 1)
+    with pytest.raises(ValueError) as err:
+        autotp.data_parallel_sampler(list(range(50)), model, consumed_samples=7)
+    return str(err.value)
+
+
+def test_sampler_refuses_a_position_the_replicas_cannot_share() -> None:
+    for message in run_ranks(uneven_resume, 2):
+        assert "consumed_samples=7 is not a multiple of the 2 data-parallel replicas" in message, message
+
+
 def norm_with_replicated_kv(rank: int, world: int) -> tuple[float, float]:
     reference = tiny_model("llama", num_key_value_heads=1)
     model = autotp.wrap(copy.deepcopy(reference), world)  # the one KV head is held by every rank

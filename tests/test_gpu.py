@@ -96,3 +96,16 @@ def compiled_step(rank: int, world: int) -> dict:
 def test_inductor_compiles_a_wrapped_model() -> None:
     (report,) = run_ranks(compiled_step, 1)
     assert report["loss"] <= parity.LOSS_ATOL and report["grad"] <= 1e-4, report
+
+
+def test_a_checkpoint_saved_on_the_gpu_at_tp2_resumes_at_dp2_and_in_one_process(tmp_path) -> None:
+    """tests/test_reshard_resume.py's fast case with the model on CUDA: DCP writes the pieces from GPU memory and
+    reads them back into it, at another layout."""
+    from models import check_resume, first_half, second_half, straight_run
+
+    path = str(tmp_path / "ckpt")
+    expected = straight_run("llama", device="cuda")
+    run_ranks(first_half, 2, "llama", 2, False, path, "cuda")
+    check_resume(second_half(0, 1, "llama", 0, False, path, "cuda"), expected, "one process")
+    for report in run_ranks(second_half, 2, "llama", 1, False, path, "cuda"):
+        check_resume(report, expected, "tp=1 x dp=2")

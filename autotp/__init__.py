@@ -17,7 +17,7 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `parallel.collectives`, `parallel.seq_collectives`, `parallel.overlap`, `parallel.grad_hooks`,
    `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`,
    `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.agreement`,
-   `parallel.apply`, `parallel.rollback`, `parallel.lora`
+   `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.context_attention`, `parallel.context`
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
    `io.chunks`, `io.checkpoint`, `io.legacy`, `io.restore`, `io.consolidate`, `io.adapters`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
@@ -27,8 +27,8 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
 
 from .api import explain, from_pretrained, wrap
 from .data_parallel import (
-    allreduce_gradients, clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_group, tp_rank,
-    tp_size,
+    allreduce_gradients, clip_grad_norm_, cp_group, cp_rank, cp_size, data_parallel_sampler, dp_cp_group, dp_group,
+    dp_rank, dp_size, tp_group, tp_rank, tp_size,
 )
 from .fsdp import dp_mesh, fully_shard
 from .gather import GatherReplacedLayerParams
@@ -47,7 +47,8 @@ from .planning.policy import Origin
 from .planning.sharding import Partition, Shard
 
 __all__ = [
-    "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "data_parallel_sampler", "dp_group", "dp_rank",
+    "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "cp_group", "cp_rank", "cp_size",
+    "data_parallel_sampler", "dp_cp_group", "dp_group", "dp_rank",
     "dp_mesh", "dp_size", "finish", "fully_shard", "tp_group", "tp_rank", "tp_size",
     "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
     "Shard", "build_plan", "check_replicas", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint",

@@ -21,7 +21,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from .parallel.apply import apply_plan, parallel_layers, register_grad_hooks
 from .parallel.groups import (
-    DEFAULT_TIMEOUT, Group, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
+    DEFAULT_TIMEOUT, Group, build_cp_groups, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
     launched_by_torchrun, world_timeout,
 )
 from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
@@ -29,7 +29,7 @@ from .compat import check_versions
 from .compat.hf import build_model
 from .compat.torch import ddp_ignored, set_ddp_ignored
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
-from .parallel import lora
+from .parallel import context, lora
 from .io.adapters import slice_adapters_on_load
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
@@ -59,6 +59,7 @@ def wrap(
     overlap: bool = True,
     recompute_glu: bool = True,
     example_inputs: Mapping[str, Any] | None = None,
+    cp_size: int = 1,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
@@ -70,13 +71,17 @@ def wrap(
     """
     check_versions()
     _validate_tp_size(tp_size)
+    _validate_tp_size(cp_size, "cp_size")
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
     lifted = lora.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
+        if lifted and cp_size > 1:
+            raise NotImplementedError(f"cp_size={cp_size}: PEFT's LoRA under context parallelism is not tested yet; "
+                                      f"use cp_size=1")
         state = _shard(model, tp_size, WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, check_inputs,
-                                                   timeout, overlap, recompute_glu, example_inputs))
+                                                   timeout, overlap, recompute_glu, example_inputs, cp_size))
     except BaseException:
         lora.put_back(lifted)
         raise
@@ -101,6 +106,7 @@ def from_pretrained(
     overlap: bool = True,
     recompute_glu: bool = True,
     example_inputs: Mapping[str, Any] | None = None,
+    cp_size: int = 1,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
@@ -113,6 +119,7 @@ def from_pretrained(
     """
     check_versions()
     _validate_tp_size(tp_size)
+    _validate_tp_size(cp_size, "cp_size")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -134,7 +141,7 @@ def from_pretrained(
         model.to(target)  # buffers built at init
 
     options = WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, overlap, recompute_glu,
-                          example_inputs)
+                          example_inputs, cp_size)
     _shard(model, tp_size, options, materialize=load, call="from_pretrained")
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -158,17 +165,28 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     if options.sequence_parallel:
         sequence_layout(model, plan)  # refuses before anything changes
-    tp_group, dp_group, timeout = _groups(tp_size, options.tp_group, options.timeout)
-    if tp_group is not None:  # at tp 1 no collective: some ranks only may wrap
-        check_agreement(model, tp_size, options, plan, [("TP", tp_group), ("DP", dp_group)], call)
+    cp = options.cp_size
+    if cp > 1:  # refused before anything changes
+        context.refuse_unsupported(model, cp)
+        if options.sequence_parallel or options.tp_group is not None:
+            raise NotImplementedError(f"cp_size={cp} with " + ("sequence_parallel: both split the sequence, and their "
+                                      "composition is not built yet; use one" if options.sequence_parallel else
+                                      "tp_group=: context parallelism builds its own groups; leave tp_group out"))
+    tp_group, dp_group, timeout, cp_group, data_group = _groups(tp_size, options.tp_group, options.timeout, cp)
+    if tp_group is not None or cp_group is not None:  # at tp 1 no collective: some ranks only may wrap
+        check_agreement(model, tp_size, options, plan, [("TP", tp_group), ("CP", cp_group), ("DP", dp_group)], call)
     snapshot = Snapshot(model)
     try:
         state = apply_plan(model, plan, tp_group, dp_group, replace(options, timeout=timeout))
+        state.cp_group, state.data_group = cp_group, data_group
         if options.sequence_parallel:
             snapshot.track(apply_sequence_parallel(model, plan, tp_group, state))
         if materialize is not None:
             materialize(state)
         snapshot.track(register_grad_hooks(model, state))  # after the parameters are final
+        state.context = context.install(model, cp_group, state, cp)  # after vocab parallelism's loss
+        if state.context is not None:
+            snapshot.track([state.context])
         model.save_pretrained = SavePretrained(model, state)
         model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
         set_ddp_ignored(model, DDPGuard(model, ddp_ignored(model)))
@@ -194,15 +212,31 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     return state
 
 
-def _validate_tp_size(tp_size: int) -> None:
+def _validate_tp_size(tp_size: int, name: str = "tp_size") -> None:
     if isinstance(tp_size, bool) or not isinstance(tp_size, int):
-        raise TypeError(f"tp_size must be an int, got {type(tp_size).__name__} {tp_size!r}")
+        raise TypeError(f"{name} must be an int, got {type(tp_size).__name__} {tp_size!r}")
     if tp_size < 1:
-        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
+        raise ValueError(f"{name} must be at least 1, got {tp_size}")
 
 
-def _groups(tp_size: int, tp_group: dist.ProcessGroup | None,
-            timeout: timedelta | None) -> tuple[Group, Group, timedelta]:
+def _groups(tp_size: int, tp_group: dist.ProcessGroup | None, timeout: timedelta | None,
+            cp_size: int = 1) -> tuple[Group, Group, timedelta, Group, Group]:
+    """This rank's (TP, DP x CP) groups, their timeout and the (CP, DP) groups (None without CP), initialising
+    torch.distributed from launcher variables if needed."""
+    if cp_size > 1:
+        if not dist.is_initialized() and launched_by_torchrun():
+            init_from_env(timeout or DEFAULT_TIMEOUT)
+        if not dist.is_initialized():
+            raise RuntimeError(f"cp_size={cp_size} needs torch.distributed: launch with torchrun or accelerate, or "
+                               f"call torch.distributed.init_process_group first")
+        timeout = timeout or world_timeout()
+        tp, cp, dp_cp, dp = build_cp_groups(tp_size, cp_size, timeout)
+        return tp, dp_cp, timeout, cp, dp
+    return (*_tp_groups(tp_size, tp_group, timeout), None, None)
+
+
+def _tp_groups(tp_size: int, tp_group: dist.ProcessGroup | None,
+               timeout: timedelta | None) -> tuple[Group, Group, timedelta]:
     """This rank's (TP, DP) groups and their timeout, initialising torch.distributed from launcher variables if needed."""
     if not dist.is_initialized() and (tp_size > 1 or tp_group is not None) and launched_by_torchrun():
         init_from_env(timeout or DEFAULT_TIMEOUT)

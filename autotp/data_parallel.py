@@ -1,8 +1,10 @@
-"""Data parallel x tensor parallel: groups, gradient sync over DP only, clipping, sampling.
+"""Data parallel x context parallel x tensor parallel: groups, gradient sync, clipping, sampling.
 
-A world of N ranks with tp_size T holds N/T replicas of the T-way sharded model. TP groups are
-consecutive ranks, DP groups strided: rank r is TP rank r % T of DP replica r // T. Gradients are
-averaged over the DP group only; TP ranks of one replica must read the same batch.
+A world of N ranks with tp_size T and cp_size C holds N/(C T) replicas (DP), each splitting its sequences over C
+ranks (CP) and its weights over T (TP). TP groups are consecutive ranks, CP groups next: rank r is TP rank r % T,
+CP rank (r // T) % C of replica r // (C T). The TP and CP ranks of one replica read the same batch. Gradients are
+summed over CP and averaged over DP: each CP rank's gradient is C times its tokens' share
+(`autotp.parallel.context`), so one average over DP x CP (`dp_cp_group`) does both. Without CP, DP x CP is DP.
 """
 
 from __future__ import annotations
@@ -29,10 +31,31 @@ def tp_group(model: nn.Module | None = None) -> Group:
 
 
 def dp_group(model: nn.Module | None = None) -> Group:
-    """The data-parallel group: the ranks holding the same shards; this rank alone when there is one replica, so
-    `dist.all_reduce(x, group=dp_group(model))` and `DistributedDataParallel(model, process_group=dp_group(model))`
-    work at every size. None only for a tp_size=1 wrap without torch.distributed initialised."""
+    """The data-parallel group: the replicas reading different batches (same TP and CP rank); this rank alone when
+    there is one replica, so `dist.all_reduce(x, group=dp_group(model))` works at every size. Without context
+    parallelism it is also the group holding the same shards, for `DistributedDataParallel(model,
+    process_group=dp_group(model))`; with it, use `dp_cp_group`. None only for a tp_size=1 wrap without
+    torch.distributed initialised."""
+    return state_of(model).batch_group
+
+
+def dp_cp_group(model: nn.Module | None = None) -> Group:
+    """The ranks holding the same shards, DP x CP: gradients are averaged over it (`allreduce_gradients`, DDP's
+    `process_group`), and `autotp.fully_shard` shards over it. Equals `dp_group` at cp_size 1."""
     return state_of(model).dp_group
+
+
+def cp_group(model: nn.Module | None = None) -> Group:
+    """The context-parallel group: the ranks splitting one sequence; None at cp_size 1."""
+    return state_of(model).cp_group
+
+
+def cp_rank(model: nn.Module | None = None) -> int:
+    return group_rank(cp_group(model))
+
+
+def cp_size(model: nn.Module | None = None) -> int:
+    return group_size(cp_group(model))
 
 
 def tp_rank(model: nn.Module | None = None) -> int:
@@ -52,13 +75,14 @@ def dp_size(model: nn.Module | None = None) -> int:
 
 
 def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
-    """Average (or sum) every gradient over the DP group, in ~25 MB buckets; call after the last micro-batch.
+    """Average (or sum) every gradient over the DP x CP group, in ~25 MB buckets; call after the last micro-batch.
 
-    With gradient accumulation, call it once per optimizer step: the gradients accumulated over the
-    micro-batches are synchronised together. Under `autotp.fully_shard` it does nothing: FSDP has already
-    reduce-scattered them over DP.
+    Under context parallelism this sums over CP and averages over DP (see the module doc); it must be called even
+    with one replica. With gradient accumulation, call it once per optimizer step: the gradients accumulated over
+    the micro-batches are synchronised together. Under `autotp.fully_shard` it does nothing: FSDP has already
+    reduce-scattered them over DP x CP.
     """
-    group = dp_group(model)
+    group = dp_cp_group(model)
     size = group_size(group)
     if size == 1 or state_of(model).fsdp:
         return
@@ -76,7 +100,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip gradients by the norm of the whole, unsharded model; returns that norm (before clipping).
 
     Sharded parameters contribute their shard from every TP rank, rows replicated on several ranks
-    (shared KV heads) count once, replicated parameters count once. Call it after the DP gradient
+    (shared KV heads) count once, replicated parameters count once. Call it after the DP (x CP) gradient
     sync, so every replica computes the same norm. Equals the single-process norm.
     """
     if norm_type not in (2.0, float("inf")):
@@ -129,7 +153,7 @@ def _combine(acc: torch.Tensor, grad: torch.Tensor, norm_type: float) -> torch.T
 
 def data_parallel_sampler(dataset: Dataset, model: nn.Module | None = None, *, shuffle: bool = True, seed: int = 0,
                           drop_last: bool = False, consumed_samples: int = 0) -> DistributedSampler:
-    """A sampler giving each DP replica its own part of `dataset`, and all TP ranks of a replica the same part.
+    """A sampler giving each DP replica its own part of `dataset`, and all TP and CP ranks of a replica the same part.
 
     Replica r reads positions r, r + dp, r + 2 dp, ... of the epoch's order (shuffled by `seed` and the
     epoch), so a global batch of G samples is always positions [k G, (k + 1) G) whatever the DP size.

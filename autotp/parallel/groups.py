@@ -163,3 +163,35 @@ def dp_group_for(tp_group: dist.ProcessGroup, timeout: timedelta = DEFAULT_TIMEO
         if index == position:
             out = group
     return out
+
+
+def build_cp_groups(tp_size: int, cp_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Group, Group, Group,
+                                                                                                Group]:
+    """(TP, CP, DP x CP, DP) groups of this rank for a world of dp x cp x tp: TP innermost, CP next.
+
+    Rank `(d * cp + c) * tp + t` is TP rank t, CP rank c of replica d. The DP x CP group (every rank holding the
+    same TP shard, strided by tp) is what `build_groups` calls the DP group: gradients are averaged over it and FSDP
+    shards over it. The DP group (the same CP and TP rank in every replica) is what reads different batches.
+    Collective over the world, like `build_groups`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % (tp_size * cp_size):
+        raise ValueError(f"tp_size={tp_size} x cp_size={cp_size} must divide the world size {world} "
+                         f"(world = data parallel x context parallel x tensor parallel)")
+    tp_group, dp_cp_group = build_groups(tp_size, timeout)
+    if cp_size == 1:
+        return tp_group, None, dp_cp_group, dp_cp_group
+    dp = world // (tp_size * cp_size)
+    cp_group = dp_group = None
+    for d in range(dp):
+        for t in range(tp_size):
+            ranks = [(d * cp_size + c) * tp_size + t for c in range(cp_size)]
+            group = new_group(ranks, timeout, "CP group")
+            if rank in ranks:
+                cp_group = group
+    for c in range(cp_size):
+        for t in range(tp_size):
+            ranks = [(d * cp_size + c) * tp_size + t for d in range(dp)]
+            group = new_group(ranks, timeout, "DP group")
+            if rank in ranks:
+                dp_group = group
+    return tp_group, cp_group, dp_cp_group, dp_group

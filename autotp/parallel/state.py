@@ -33,7 +33,7 @@ class TPState:
 
     plan: Plan
     tp_group: Group
-    dp_group: Group
+    dp_group: Group  # the ranks holding the same shards: data parallel x context parallel (gradients average here)
     tp_rank: int
     options: WrapOptions = field(default_factory=WrapOptions)  # what wrap was asked for, its timeout resolved
     gathered: bool = False
@@ -47,6 +47,14 @@ class TPState:
     root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
     mesh_guard: Any = None  # autotp.guards.MeshGuard, kept alive by the model it watches
+    cp_group: Group = None  # context parallelism: the ranks splitting one sequence (None: cp_size 1)
+    data_group: Group = None  # the DP replicas alone, which read different batches (None: dp_group, no CP)
+    context: Any = None  # autotp.parallel.context.ContextParallel, at cp_size > 1
+
+    @property
+    def batch_group(self) -> Group:
+        """The data-parallel replicas (different batches): `dp_group` without the CP ranks."""
+        return self.dp_group if self.data_group is None else self.data_group
 
     @property
     def timeout(self) -> timedelta:
@@ -70,7 +78,8 @@ class TPState:
         if root is None or id(root) not in memo:
             return self
         self.refuse_gathered("copy.deepcopy of a wrapped model")
-        for shared in (self.tp_group, self.dp_group, self.dp_mesh, *self.replica_groups.values()):
+        for shared in (self.tp_group, self.dp_group, self.cp_group, self.data_group, self.dp_mesh,
+                       *self.replica_groups.values()):
             memo[id(shared)] = shared
         new = copy.copy(self)
         memo[id(self)] = new

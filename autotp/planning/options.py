@@ -35,6 +35,9 @@ class WrapOptions:
     - `example_inputs`: forward keyword arguments for a small batch (`{"pixel_values": tensor}`), on which the plan
       is verified by running the model once, for a model whose forward takes no `input_ids`. Without them, an
       explicit plan (`policy=`, or transformers' `base_model_tp_plan`) that cannot be verified is refused.
+    - `cp_size`: context parallelism, the sequence split over that many ranks (TP groups innermost, CP groups next:
+      world = dp x cp x tp). Every rank of a CP group is given the same whole batch; the loss and gradients are
+      those of one process (`autotp.parallel.context`, docs/long-context.md).
     """
 
     tp_group: Any = None  # torch.distributed.ProcessGroup; not imported here: planning has no torch.distributed
@@ -46,6 +49,7 @@ class WrapOptions:
     overlap: bool = True
     recompute_glu: bool = True
     example_inputs: Mapping[str, Any] | None = None
+    cp_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):

@@ -1,0 +1,258 @@
+"""Context parallelism (CP): the sequence split over the CP group, the script unchanged.
+
+Every rank of a CP group is given the same whole batch. A forward pre-hook on the model keeps this rank's
+tokens (`context_attention.Layout`: two zigzag chunks, positions those of the whole sequence), so the
+embedding, norms, MLPs and LM head all run on S/C tokens; attention gathers K/V over CP. The loss
+(`CPLoss`) shifts the whole batch's labels before taking this rank's targets, sums its tokens' losses, adds
+the sums over CP (one all-reduce) and divides by the whole batch's target count: every rank returns the loss
+one process computes. Its backward multiplies by C, so each CP rank's gradient is C times its tokens' share, and
+averaging over DP x CP (`allreduce_gradients`, FSDP's reduce-scatter, DDP over `dp_cp_group`) gives the sum over
+CP, averaged over DP. Logits a caller reads are gathered back into the whole sequence.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .collectives import all_reduce
+from .context_attention import CPAttention, Layout, build_layout, pad_positions
+from .groups import Group, group_size
+from .vocab import lazy_logits
+
+_SUPPORTED = ("sdpa", "eager")
+_ACTIVE: list[int] = []  # depth of CP forwards running now: transformers' mask functions return None inside one
+
+
+def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
+    """The model's attention implementation, or a refusal naming what context parallelism cannot do with parity."""
+    config = model.config
+    implementation = config._attn_implementation  # transformers' own field; read-only here
+    if implementation not in _SUPPORTED:
+        raise NotImplementedError(f"cp_size={cp_size}: attention '{implementation}' is not supported under context "
+                                  f"parallelism; load the model with attn_implementation='sdpa' or 'eager'")
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if kinds - {"full_attention"}:
+        raise NotImplementedError(f"cp_size={cp_size}: layers of type {sorted(kinds - {'full_attention'})} "
+                                  f"(sliding-window, chunked, Mamba or linear-attention mixers) are not supported "
+                                  f"under context parallelism; only full attention is")
+    if not kinds and getattr(config, "sliding_window", None) is not None:
+        raise NotImplementedError(f"cp_size={cp_size}: sliding-window attention (sliding_window="
+                                  f"{config.sliding_window}) is not supported under context parallelism")
+    if getattr(config, "attention_chunk_size", None):
+        raise NotImplementedError(f"cp_size={cp_size}: chunked attention is not supported under context parallelism")
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
+            what = "attention-probability dropout (one process's masks cannot be matched without an [S, S] mask)" \
+                if "att" in key else "dropout (masks as one process draws them are not implemented under CP)"
+            raise NotImplementedError(f"cp_size={cp_size}: {key}={value}: {what}; set it to 0 or use cp_size=1")
+    if getattr(config, "output_router_logits", False):
+        raise NotImplementedError(f"cp_size={cp_size}: output_router_logits (the MoE auxiliary loss over every token) "
+                                  f"is not supported under context parallelism; set it to False")
+    if not attention_modules(model):
+        raise NotImplementedError(f"cp_size={cp_size}: no attention module of {type(model).__name__} calls "
+                                  f"transformers' attention interface, which context parallelism goes through")
+    return implementation
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules calling transformers' attention interface (they define an eager function beside them)."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")
+            and callable(getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None))]
+
+
+class _SumOverCP(torch.autograd.Function):
+    """The loss's sum over CP: all-reduce forward; backward passes C times the gradient on (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.size = group_size(group)
+        x = x.clone()
+        all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.size, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """A [B, S/C, ...] tensor back into the whole sequence: all-gather forward, this rank's tokens (times C, as the
+    loss's backward) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layout: Layout, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.layout = layout
+        parts = [torch.empty_like(x) for _ in range(layout.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        joined = torch.cat(parts, dim=1)
+        whole = torch.empty_like(joined).index_copy_(1, layout.keys.to(x.device), joined)
+        return whole[:, :layout.length]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        layout = ctx.layout
+        return layout.split(grad) * layout.size, None, None
+
+
+class CPLoss:
+    """Stands in for the model's `loss_function` (ForCausalLM semantics) on this rank's chunk of the logits."""
+
+    def __init__(self, context: ContextParallel, inner: Callable[..., torch.Tensor]):
+        self.context, self.inner = context, inner
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
+                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        layout = self.context.layout
+        if layout is None or logits.shape[1] != layout.local.numel():  # the whole sequence (gathered, generation)
+            return self.inner(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
+                              ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        if shift_labels is None:  # shifted before the split: no target is lost at a chunk border
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shift_labels.to(logits.device)
+        local = layout.split(shift_labels, pad=ignore_index)
+        total = self.inner(logits, None, vocab_size=vocab_size, num_items_in_batch=1, ignore_index=ignore_index,
+                           shift_labels=local, **kwargs)  # a sum over this rank's tokens
+        total = _SumOverCP.apply(total.float(), self.context.group)
+        if num_items_in_batch is None:
+            num_items_in_batch = (shift_labels != ignore_index).sum()
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+
+
+class ContextParallel:
+    """What `wrap(..., cp_size=C)` installs: the registered attention and mask functions, the model's hooks and loss.
+
+    `layout` is the split of the latest CP forward; it is kept until the next forward, so a checkpointed layer
+    recomputed in backward splits and masks as its forward did."""
+
+    def __init__(self, model: nn.Module, group: Group, state, original: str):
+        self.model, self.group, self.state, self.original = model, group, state, original
+        self.layout: Layout | None = None
+        self.calls = 0
+        self.name = f"autotp_cp_{original}"
+        AttentionInterface.register(self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, _mask_function(ALL_MASK_ATTENTION_FUNCTIONS[original]))
+        self.modules = attention_modules(model)
+        for module in self.modules:
+            module.autotp_context = self
+            module.autotp_eager = sys.modules[type(module).__module__].eager_attention_forward
+        self.inner_loss = model.loss_function
+        model.loss_function = CPLoss(self, self.inner_loss)
+        only = state.sharded_only
+        self.hooks = [model.register_forward_pre_hook(only(self.enter), with_kwargs=True),
+                      model.register_forward_hook(self.leave, with_kwargs=True, always_call=True)]
+        model.set_attn_implementation(self.name)
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        for module in self.modules:
+            del module.autotp_context, module.autotp_eager
+        self.model.loss_function = self.inner_loss
+        self.model.set_attn_implementation(self.original)
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Keep this rank's tokens of the whole batch; a forward with a cache (generation) runs whole."""
+        if args:
+            if len(args) > 1 or not torch.is_tensor(args[0]):
+                raise TypeError("autotp context parallelism: pass the model's inputs as keywords (input_ids=...)")
+            kwargs = {**kwargs, "input_ids": args[0]}
+        self.layout = None
+        if kwargs.get("past_key_values") is not None:
+            return (), kwargs
+        self._refuse(module, kwargs)
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        x = ids if ids is not None else embeds
+        if x is None or x.dim() < 2:
+            raise ValueError("autotp context parallelism needs input_ids or inputs_embeds of shape [batch, seq, ...]")
+        length, device = x.shape[1], x.device
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=device)[None]
+        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device)
+        if ids is not None:
+            kwargs["input_ids"] = layout.split(ids)
+        if embeds is not None:
+            kwargs["inputs_embeds"] = layout.split(embeds)
+        kwargs["position_ids"] = pad_positions(positions.expand(x.shape[0], -1), layout.padded).index_select(
+            1, layout.local)
+        kwargs["attention_mask"], kwargs["use_cache"] = None, False
+        self.layout, self.calls = layout, 0
+        _ACTIVE.append(1)
+        return (), kwargs
+
+    def leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        layout, self.layout = self.layout, None
+        if layout is None:
+            return output
+        _ACTIVE.pop()
+        if output is None:  # the forward raised
+            return output
+        if self.calls == 0:
+            raise NotImplementedError(f"{type(module).__name__}: its attention never called transformers' attention "
+                                      f"interface, so context parallelism cannot gather its keys and values; use "
+                                      f"cp_size=1")
+        return self._whole_outputs(module, output, layout)
+
+    def gather(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """A [B, S/C, ...] tensor of a forward (split as `layout`) as the whole sequence (differentiable)."""
+        return _GatherSequence.apply(x, layout, self.group)
+
+    def _whole_outputs(self, module: nn.Module, output: Any, layout: Layout) -> Any:
+        if isinstance(output, tuple):
+            return type(output)(self.gather(x, layout) if torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] ==
+                                layout.local.numel() else x for x in output)
+        for key in [k for k in output.keys() if k.endswith("hidden_states") or k == "attentions"]:
+            value = output[key]
+            if isinstance(value, tuple):
+                output[key] = tuple(self.gather(h, layout) for h in value)
+        pending = vars(output).get("autotp_pending")  # vocab parallelism's lazy gather over TP
+        logits = output["logits"] if pending is None and "logits" in output.keys() else None
+        if pending is None and logits is None:
+            return output
+        read = pending if pending is not None else (lambda: logits)
+        if module.training and output.get("loss") is not None:  # a step that reads only its loss gathers nothing
+            return lazy_logits(output, lambda: self.gather(read(), layout))
+        output.logits = self.gather(read(), layout)
+        return output
+
+    def _refuse(self, module: nn.Module, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("torch.compile of a model under context parallelism is not supported yet; "
+                                      "compile with cp_size=1")
+        if getattr(module, "is_activation_checkpointing", False) and module.training:
+            raise NotImplementedError("activation checkpointing under context parallelism is not tested yet; "
+                                      "use cp_size=1 or turn gradient checkpointing off")
+        if kwargs.get("output_router_logits"):
+            raise NotImplementedError("output_router_logits (the MoE auxiliary loss) under context parallelism")
+        for name, sub in module.named_modules():
+            if type(sub).__module__.startswith("peft."):
+                raise NotImplementedError(f"{name}: PEFT adapters under context parallelism are not tested yet; "
+                                          f"use cp_size=1")
+
+
+def _mask_function(original: Callable) -> Callable:
+    """transformers' mask function for the registered name: none inside a CP forward (the attention masks per chunk),
+    the original's outside."""
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        return None if _ACTIVE else original(*args, **kwargs)
+
+    return mask
+
+
+def install(model: nn.Module, group: Group, state, cp_size: int) -> ContextParallel | None:
+    """Context parallelism over `group` on a wrapped model; None at cp_size 1 (the same code runs, unsplit)."""
+    if group_size(group) == 1:
+        return None
+    return ContextParallel(model, group, state, refuse_unsupported(model, cp_size))

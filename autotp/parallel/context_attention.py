@@ -1,0 +1,168 @@
+"""Context parallelism's attention: the zigzag split of the sequence, the K/V all-gather, masks per query chunk.
+
+Each CP rank holds two of 2C equal chunks of the sequence, r and 2C-1-r ("zigzag"), so under a causal mask
+every rank attends over the same number of (query, key) pairs. Attention all-gathers K and V over the CP group
+(Llama 3's way: K/V are small under GQA, and one collective per layer needs no ring schedule) and runs the
+model's own attention function (sdpa or eager, through transformers' attention interface) on this rank's
+queries against every key, with a mask of [S/C, S] built from the global positions: causal, packed documents
+(position ids restarting, as TRL packs) and padding. A whole [S, S] mask is never built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..compat import torch as torch_compat
+from .groups import Group, group_rank, group_size, named_failure
+
+
+def zigzag(length: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The sequence indices CP rank `rank` of `size` holds: chunks rank and 2 size - 1 - rank of 2 size."""
+    step = length // (2 * size)
+    first = torch.arange(rank * step, (rank + 1) * step, device=device)
+    return torch.cat([first, torch.arange((2 * size - 1 - rank) * step, (2 * size - rank) * step, device=device)])
+
+
+def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    with named_failure(group, "context-parallel all-gather"):
+        torch_compat.all_gather_single()(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
+    with named_failure(group, "context-parallel reduce-scatter"):
+        torch_compat.reduce_scatter_single()(out, x, group=group)
+    return out
+
+
+class _GatherKV(torch.autograd.Function):
+    """Every CP rank's keys and values: all-gather forward, reduce-scatter backward (each rank's key gradient sums
+    the contributions of every rank's queries)."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = group_size(group)
+        out = _all_gather_dim0(kv, group).unflatten(0, (size, kv.shape[0]))  # [C, 2, B, H, s, D]
+        return out.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, H, C s, D]: ranks' chunks one after another
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size = group_size(ctx.group)
+        parts = grad.unflatten(3, (size, grad.shape[3] // size)).permute(3, 0, 1, 2, 4, 5)  # [C, 2, B, H, s, D]
+        return _reduce_scatter_dim0(parts.flatten(0, 1), ctx.group), None
+
+
+def gather_kv(key: torch.Tensor, value: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [B, H, S/C, D] of every CP rank, joined in rank order [B, H, S, D]; one collective."""
+    if group_size(group) == 1:
+        return key, value
+    both = _GatherKV.apply(torch.stack([key, value]), group)
+    return both[0], both[1]
+
+
+@dataclass
+class Layout:
+    """How this forward's batch is split over the CP group, and its attention mask per query chunk.
+
+    `length` is the sequence the script passed, `padded` that length rounded up to a multiple of 2 C (the padding
+    goes at the end, where a causal mask hides it from every real token). `local` holds this rank's sequence
+    indices, `keys` the sequence index of each gathered key (ranks' chunks in rank order)."""
+
+    length: int
+    padded: int
+    size: int
+    rank: int
+    local: torch.Tensor
+    keys: torch.Tensor
+    allowed: torch.Tensor  # [B or 1, 1, S/C, S] bool: which gathered keys each local query sees
+    masks: dict = field(default_factory=dict)  # dtype -> the additive float mask eager attention takes
+
+    def split(self, x: torch.Tensor, pad: Any = 0) -> torch.Tensor:
+        """This rank's tokens of a [B, S, ...] tensor (the script's whole sequence), padded first if needed."""
+        if self.padded > self.length:
+            extra = x.new_full((x.shape[0], self.padded - self.length, *x.shape[2:]), pad)
+            x = torch.cat([x, extra], dim=1)
+        return x.index_select(1, self.local.to(x.device))
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as eager attention adds it: 0 where allowed, the dtype's minimum elsewhere (as transformers)."""
+        if dtype not in self.masks:
+            zero = torch.zeros((), dtype=dtype, device=self.allowed.device)
+            self.masks[dtype] = zero.masked_fill(~self.allowed, torch.finfo(dtype).min) if dtype.is_floating_point \
+                else self.allowed
+        return self.masks[dtype]
+
+
+def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document index of each token where position ids restart (transformers' packed-sequence rule: a step other
+    than +1 starts a document); None for one document per row."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    docs = (step != 1).cumsum(-1)
+    return None if bool((docs[:, -1] == 0).all()) else docs
+
+
+def build_layout(length: int, group: Group, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 device: torch.device) -> Layout:
+    """The split and mask of one forward. `position_ids` [B or 1, S] and `attention_mask` [B, S] (1: a token, 0:
+    padding) are the whole sequence's; the mask is this rank's [S/C, S] block, never the whole [S, S]."""
+    size, rank = group_size(group), group_rank(group)
+    padded = -(-length // (2 * size)) * 2 * size
+    local = zigzag(padded, size, rank, device)
+    keys = torch.cat([zigzag(padded, size, r, device) for r in range(size)])
+    allowed = (keys[None, :] <= local[:, None])[None]  # causal, on sequence indices
+    if position_ids is not None:
+        docs = documents(pad_positions(position_ids.to(device), padded))
+        if docs is not None:
+            allowed = allowed & (docs[:, local, None] == docs[:, None, keys])
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"context parallelism takes a 2-D attention mask [batch, seq] (1: token, 0: padding), got "
+                             f"shape {tuple(attention_mask.shape)}; a 4-D mask would be [S, S], which CP never builds")
+        kept = nn.functional.pad(attention_mask.to(device, torch.bool), (0, padded - length), value=False)
+        allowed = allowed & kept[:, None, keys]
+    allowed = allowed | ~allowed.any(-1, keepdim=True)  # a query that sees nothing (left padding) sees all, as
+    return Layout(length, padded, size, rank, local, keys, allowed.unsqueeze(1))  # sdpa_mask does: no NaN
+
+
+def pad_positions(position_ids: torch.Tensor, padded: int) -> torch.Tensor:
+    """[B, S] positions extended to `padded`, continuing the last document over the padding."""
+    extra = padded - position_ids.shape[-1]
+    if not extra:
+        return position_ids
+    last = position_ids[:, -1:]
+    return torch.cat([position_ids, last + torch.arange(1, extra + 1, device=position_ids.device)], dim=-1)
+
+
+class CPAttention:
+    """The attention function registered with transformers under `name`: while a CP layout is set on the module's
+    `autotp_context` it gathers K/V and masks; otherwise (generation with a cache, a gathered model) it is the
+    model's own function (`original`, or the module's eager function) with transformers' mask."""
+
+    def __init__(self, original: str, functions: dict[str, Callable]):
+        self.original, self.functions = original, functions
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        inner = module.autotp_eager if self.original == "eager" else self.functions[self.original]
+        context = module.autotp_context
+        layout = context.layout
+        if layout is None:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        context.calls += 1
+        if kwargs.get("sliding_window") is not None:
+            raise NotImplementedError(f"{type(module).__name__}: sliding-window attention under context "
+                                      f"parallelism is not supported (its band would be masked per chunk); use cp_size=1")
+        key, value = gather_kv(key, value, context.group)
+        mask = layout.allowed if self.original != "eager" else layout.additive(query.dtype)
+        kwargs["is_causal"] = False
+        return inner(module, query, key, value, mask, **kwargs)

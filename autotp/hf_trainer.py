@@ -9,7 +9,8 @@ loss is the mean over replicas, evaluation reads each replica's part of the eval
 batch by its samples, as Trainer's does), bf16/fp16
 autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
 full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
-adapter, with only the adapters gathered).
+adapter, with only the adapters gathered). Trainer's checkpoints hold that model and the optimizer state as an
+`autotp.io.checkpoint` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard.
 """
 
 from __future__ import annotations
@@ -29,19 +30,24 @@ from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
 from .parallel.collectives import all_gather
-from .data_parallel import clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_rank, tp_size
+from .data_parallel import (clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_group, tp_rank,
+                            tp_size)
 from .fsdp import fully_shard as autotp_fully_shard
 from .parallel.groups import group_size
+from .parallel.rng import sync_replicated_stream
 from .compat import check_versions, trainer as trainer_compat
 from .compat.hf import adapter_module
 from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
-from .io.legacy import as_params, local_optimizer_state
+from .io.checkpoint import write
+from .io.legacy import as_params
+from .io.restore import read
 from .io.save import save_pretrained
 from .parallel.state import find_state, wrapped_model
 
 
 _SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
+_OPTIMIZER = "optimizer"  # the optimizer state's checkpoint directory, inside Trainer's checkpoint-N/
 _ADAPTER = "adapter_model.safetensors"  # PEFT's name
 
 
@@ -237,40 +243,49 @@ class AutoTPTrainer(Trainer):
             loss /= group_size(group)
         return loss
 
-    def _optimizer_file(self) -> str:
-        """One file per TP rank; under FSDP, per TP and DP rank, as each DP rank holds its own rows."""
-        name = f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}"
-        if find_state(self.model).fsdp:
-            name += f".dp{dp_rank(self.model)}-of-{dp_size(self.model)}"
-        return name + ".pt"
-
     def save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Each TP rank's optimizer state (its shards' moments), written once per TP rank (by DP replica 0), or
-        under FSDP by every rank (each holds its own DP rows), in place of Trainer's single `optimizer.pt`, which
-        would hold rank 0's shards only; the scheduler as Trainer writes it (the scaler Trainer saves apart)."""
+        """The optimizer state as one checkpoint directory, `optimizer/` (`autotp.io.checkpoint`: every state tensor at
+        its full shape under its parameter's name, each rank writing its own rows), which resumes at any tp, dp and
+        fully_shard, in place of Trainer's single `optimizer.pt`, which would hold rank 0's shards only. Collective:
+        Trainer calls it on every rank. The scheduler as Trainer writes it (the scaler Trainer saves apart)."""
         os.makedirs(output_dir, exist_ok=True)
-        if dp_rank(self.model) == 0 or find_state(self.model).fsdp:
-            torch.save(local_optimizer_state(self.optimizer.state_dict()),
-                       os.path.join(output_dir, self._optimizer_file()))
+        write(os.path.join(output_dir, _OPTIMIZER), self.model, self.optimizer, None, {}, overwrite=True,
+              weights=False, rng=False, what="AutoTPTrainer's optimizer save")
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
     def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """This TP rank's optimizer state, then Trainer's scheduler."""
+        """This rank's part of the optimizer state, at this run's layout whatever the saved one (a checkpoint of
+        autotp before `optimizer/`: this rank's own file, at the layout it was saved at only); then the scheduler."""
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, self._optimizer_file())
-        if not os.path.isfile(path):
-            found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
-            fsdp = find_state(self.model).fsdp
-            raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored: "
-                                  + _layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None))
-        device = next(self.model.parameters()).device
-        state = torch.load(path, map_location=device, weights_only=True)
-        self.optimizer.load_state_dict(as_params(state, self.optimizer))
+        if os.path.isdir(os.path.join(checkpoint, _OPTIMIZER)):
+            read(os.path.join(checkpoint, _OPTIMIZER), self.model, self.optimizer, None, weights=False)
+        else:
+            self._read_per_rank_optimizer(checkpoint)
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+
+    def _read_per_rank_optimizer(self, checkpoint: str) -> None:
+        """The older format: one file per TP rank (under FSDP, per TP and DP rank), named by this run's layout."""
+        fsdp = find_state(self.model).fsdp
+        name = f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}"
+        name += f".dp{dp_rank(self.model)}-of-{dp_size(self.model)}.pt" if fsdp else ".pt"
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
+            raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored: "
+                                  + _layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None))
+        state = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
+        self.optimizer.load_state_dict(as_params(state, self.optimizer))
+
+    def load_rng_state(self, checkpoint: str | None) -> None:
+        """Trainer's: each process its own `rng_state_{i}.pth`. At another layout a TP group may mix ranks that read
+        different replicas' files, or none (more ranks than saved): each TP group then takes its rank 0's
+        generators, as `wrap` does, since its ranks must draw alike."""
+        trainer_compat.replaced(self, AutoTPTrainer, "load_rng_state")(checkpoint)
+        sync_replicated_stream(tp_group(self.model))
 
     def load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """The full checkpoint `save_to` wrote, read as this rank's rows into the wrapped model's own parameters; for
@@ -312,33 +327,23 @@ class AutoTPTrainer(Trainer):
 
 
 _OPTIMIZER_FILE = re.compile(r"optimizer\.tp\d+-of-(\d+)(?:\.dp\d+-of-(\d+))?\.pt")
-_ANY_TP = ("Its model is a full checkpoint that loads at any tp and either way (autotp.from_pretrained); to carry "
-           "optimizer state across sizes, train with autotp.save_checkpoint and reshard with `python -m autotp "
-           "consolidate`")
+_OLD_FORMAT = ("These per-rank files are autotp's format before `optimizer/`, and fit only the layout they were saved "
+               "at: resume there once, and the checkpoints that run writes resume at any tp, dp and fully_shard")
 
 
 def _layout_difference(found: list[str], tp: int, dp: int | None) -> str:
-    """How the optimizer files `found` in a checkpoint were laid out, against this run's: `tp` size and, under FSDP,
-    `dp` size (None: DDP, whole TP shards). Trainer checkpoints keep per-rank optimizer state, which fits only the
-    layout it was saved with."""
+    """How the older per-rank optimizer files `found` in a checkpoint were laid out, against this run's `tp` size and,
+    under FSDP, `dp` size (None: DDP, whole TP shards)."""
     layouts = {(int(m[1]), None if m[2] is None else int(m[2])) for m in map(_OPTIMIZER_FILE.fullmatch, found) if m}
     if len(layouts) != 1:
-        return f"the checkpoint holds {found or 'no optimizer files'}. {_ANY_TP}"
+        return f"the checkpoint holds {found or 'no optimizer state'}"
     (saved_tp, saved_dp), = layouts
-    now = "with AutoTPTrainer(fully_shard=True)" if dp is not None else "without fully_shard (DDP)"
-    if saved_tp != tp:
-        return (f"the checkpoint was saved at tp={saved_tp} ({', '.join(found)}), this run has tp={tp}. Resume at "
-                f"the tp size it was saved with. {_ANY_TP}")
-    if (saved_dp is None) != (dp is None):
-        saved = ("with AutoTPTrainer(fully_shard=True): each rank's FSDP rows of its TP shard, one file per TP x DP "
-                 "rank" if saved_dp is not None else "without fully_shard (DDP): whole TP shards, one file per TP rank")
-        return (f"the tp size ({tp}) is the same, but the optimizer state was saved {saved} ({', '.join(found)}), and "
-                f"this run is {now}. Resume with fully_shard={saved_dp is not None}. {_ANY_TP}")
-    if saved_dp != dp:
-        return (f"the optimizer state was saved with fully_shard at dp={saved_dp} ({', '.join(found)}), this run has "
-                f"dp={dp}; FSDP rows are per DP rank. Resume at dp={saved_dp}. {_ANY_TP}")
-    return (f"the checkpoint holds {', '.join(found)} of this same layout but not this rank's file (a save that did "
-            f"not finish, or a file removed since): resume from another checkpoint")
+    saved = f"tp={saved_tp}" + (f", fully_shard at dp={saved_dp}" if saved_dp is not None else " without fully_shard")
+    now = f"tp={tp}" + (f", fully_shard at dp={dp}" if dp is not None else " without fully_shard")
+    if (saved_tp, saved_dp) == (tp, dp):
+        return (f"the checkpoint holds {', '.join(found)} of this same layout but not this rank's file (a save that "
+                f"did not finish, or a file removed since): resume from another checkpoint")
+    return f"the checkpoint was saved at {saved} ({', '.join(found)}), this run has {now}. {_OLD_FORMAT}"
 
 
 def _fused_head(forward: Any) -> str | None:

@@ -8,8 +8,9 @@ private attributes. Versions are transformers' (accelerate's for its row).
 | `Trainer._get_num_items_in_batch`            | replaced (and called): tokens summed over DP    | 5.19, 5.23 |
 | `Trainer._get_train_sampler`                 | replaced: the DP-aware sampler                  | 5.19, 5.23 |
 | `Trainer._save`                              | replaced: every rank takes part in the gather   | 5.19, 5.23 |
-| `Trainer._save_optimizer_and_scheduler`      | replaced: one optimizer file per TP (DP) rank   | 5.19, 5.23 |
-| `Trainer._load_optimizer_and_scheduler`      | replaced: this rank's optimizer file            | 5.19, 5.23 |
+| `Trainer._save_optimizer_and_scheduler`      | replaced: optimizer state as a DCP directory    | 5.19, 5.23 |
+| `Trainer._load_optimizer_and_scheduler`      | replaced: this rank's part of it, at any layout | 5.19, 5.23 |
+| `Trainer._load_rng_state`                    | replaced (and called): TP ranks then draw alike | 5.23       |
 | `Trainer._load_from_checkpoint`              | replaced: this rank's rows of a full checkpoint | 5.19, 5.23 |
 | `Trainer._load_best_model`                   | replaced: the same, at load_best_model_at_end   | 5.19, 5.23 |
 | `Trainer._get_collator_with_removed_columns` | called: Trainer's collator for autotp's loaders | 5.19, 5.23 |
@@ -37,6 +38,7 @@ REPLACED = {
     "save_to": "_save",
     "save_optimizer_and_scheduler": "_save_optimizer_and_scheduler",
     "load_optimizer_and_scheduler": "_load_optimizer_and_scheduler",
+    "load_rng_state": "_load_rng_state",
     "load_from_checkpoint": "_load_from_checkpoint",
     "load_best_model": "_load_best_model",
 }

@@ -260,3 +260,88 @@ def check_resume(report: dict, expected: dict, label: str) -> None:
     assert worst_loss <= parity.LOSS_ATOL, (label, report["losses"], expected["losses"][3:])
     worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
     assert worst[0] <= parity.PARAM_ATOL, (label, worst)
+
+
+# --- context parallelism (tests/test_context_parallel.py, benchmarks/long_context.py) ---
+
+CP_FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen3": {}, "mixtral": {}}  # llama: 2 KV heads
+
+
+def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
+    """(inputs of the CP model, inputs of the one-process reference) for one batch.
+
+    - "plain": causal, every token a target;
+    - "packed": documents packed as TRL packs them (position_ids restarting at each); the reference runs with
+      use_cache=False and no attention mask, so transformers detects the packing;
+    - "padding": right padding on row 1 and left padding on row 0 (attention_mask 0, labels -100), at a length
+      that is not a multiple of 2 cp (autotp pads it).
+    """
+    ids = batch(size=(rows, seq))
+    labels = ids.clone()
+    if mode == "plain":
+        return {"input_ids": ids, "labels": labels}, {"input_ids": ids, "labels": labels}
+    if mode == "packed":
+        lengths = [[5, 7, seq - 12], [9, seq - 9]]
+        positions = torch.stack([torch.cat([torch.arange(n) for n in lengths[r % 2]]) for r in range(rows)])
+        inputs = {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
+        return inputs, dict(inputs)
+    ids, labels = ids[:, :seq - 2], labels[:, :seq - 2]
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    mask[0, :2] = 0
+    labels[mask == 0] = -100
+    inputs = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return inputs, dict(inputs)
+
+
+def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = "plain", fsdp: bool = False,
+              attn: str = "sdpa", steps: int = 3) -> dict:
+    """Runs on each rank: a tiny `family` model in one process against a copy wrapped at tp x cp (x dp, under
+    `autotp.fully_shard` if asked), `steps` AdamW steps on one global batch (DP replica d its rows d::dp). Returns
+    the worst loss difference, gradient error (step 0) and parameter difference, as `autotp.testing.parity`."""
+    import copy
+
+    reference = tiny_model(family, **CP_FAMILIES.get(family, {}))
+    reference.set_attn_implementation(attn)
+    model = autotp.wrap(copy.deepcopy(reference), tp, cp_size=cp)
+    if fsdp:
+        model = autotp.fully_shard(model)
+    dp, replica = autotp.dp_size(model), autotp.dp_rank(model)
+    inputs, ref_inputs = cp_inputs(mode, rows=2 * dp)
+    mine = {k: v[replica::dp] if torch.is_tensor(v) else v for k, v in inputs.items()}
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (reference, model)]
+    ref_params = dict(reference.named_parameters())
+    group = autotp.tp_group(model)
+    report = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(steps):
+        ref_loss = reference(**ref_inputs).loss
+        ref_loss.backward()
+        loss = model(**mine).loss
+        loss.backward()
+        autotp.allreduce_gradients(model)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=autotp.dp_group(model))
+        report["loss"] = max(report["loss"], abs(total.item() / dp - ref_loss.item()))
+        if step == 0:
+            for name, p in model.named_parameters():
+                got = parity.full_tensor(p.grad, p, group)
+                report["grad"] = max(report["grad"], parity.grad_error(got, ref_params[name].grad))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, p in model.named_parameters():
+        diff = (parity.full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
+        report["param"] = max(report["param"], diff)
+    return report
+
+
+def cp_parity_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    """`cp_parity` for each (family, tp, cp, mode, fsdp, attn) in one set of ranks (one start-up for several)."""
+    return [cp_parity(rank, world, *case) for case in cases]
+
+
+def assert_cp_parity(reports: list[dict], label: str) -> None:
+    for report in reports:
+        assert report["loss"] <= parity.LOSS_ATOL, (label, report)
+        assert report["grad"] <= parity.GRAD_RTOL, (label, report)
+        assert report["param"] <= parity.PARAM_ATOL, (label, report)

@@ -98,8 +98,10 @@ class Layout:
         """The mask as eager attention adds it: 0 where allowed, the dtype's minimum elsewhere (as transformers)."""
         if dtype not in self.masks:
             zero = torch.zeros((), dtype=dtype, device=self.allowed.device)
-            self.masks[dtype] = zero.masked_fill(~self.allowed, torch.finfo(dtype).min) if dtype.is_floating_point \
-                else self.allowed
+            mask = zero.masked_fill(~self.allowed, torch.finfo(dtype).min)
+            # the padding autotp added weighs nothing even in a row that sees nothing (one process averages such a
+            # row uniformly over the real keys alone)
+            self.masks[dtype] = mask.masked_fill((self.keys >= self.length).view(1, 1, 1, -1), float("-inf"))
         return self.masks[dtype]
 
 
@@ -130,8 +132,9 @@ def build_layout(length: int, group: Group, position_ids: torch.Tensor, attentio
                              f"shape {tuple(attention_mask.shape)}; a 4-D mask would be [S, S], which CP never builds")
         kept = nn.functional.pad(attention_mask.to(device, torch.bool), (0, padded - length), value=False)
         allowed = allowed & kept[:, None, keys]
-    allowed = allowed | ~allowed.any(-1, keepdim=True)  # a query that sees nothing (left padding) sees all, as
-    return Layout(length, padded, size, rank, local, keys, allowed.unsqueeze(1))  # sdpa_mask does: no NaN
+    # a query that sees nothing (left padding) stays so: sdpa then gives it zeros, eager's all-minimum row a uniform
+    # average, each as on one process
+    return Layout(length, padded, size, rank, local, keys, allowed.unsqueeze(1))
 
 
 def pad_positions(position_ids: torch.Tensor, padded: int) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Context parallelism (wrap(..., cp_size=C)): parity with one process, packed documents and padding, the groups,
+FSDP over DP x CP, saving, and the refusals.
+
+Parity as the other parity tests: fp32, loss within 1e-5, gradients and parameters after 3 AdamW steps within
+`autotp.testing.parity`'s tolerances. The fast tier runs at tp=1 x cp=2; 4 ranks (tp=2 x cp=2, dp=2 x cp=2 under
+`fully_shard`) are slow.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers as tf
+
+import autotp
+from autotp.parallel.context_attention import build_layout, documents, zigzag
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
+from models import CP_FAMILIES, assert_cp_parity, batch, cp_parity_cases, tiny_model
+
+
+def test_zigzag_gives_each_rank_two_opposite_chunks() -> None:
+    assert zigzag(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    every = torch.cat([zigzag(24, 3, r) for r in range(3)])
+    assert sorted(every.tolist()) == list(range(24))
+
+
+def test_documents_follow_transformers_packing_rule() -> None:
+    assert documents(torch.arange(6)[None]) is None
+    assert documents(torch.tensor([[0, 1, 0, 1, 2, 0]])).tolist() == [[0, 0, 1, 1, 1, 2]]
+
+
+def test_mask_is_one_query_chunk_against_every_key() -> None:
+    """At cp=1 the layout is the whole sequence: the mask is causal, within documents, without padded keys."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
+    layout = build_layout(8, None, positions, mask, torch.device("cpu"))
+    allowed = layout.allowed[0, 0]
+    assert allowed.shape == (8, 8)
+    assert allowed[4].tolist() == [False, False, False, True, True, False, False, False]
+    assert not allowed[:, 7].any()  # the padding is no one's key
+
+
+@pytest.mark.timeout(120)
+def test_parity_at_cp2_llama_plain_packed_padding() -> None:
+    """Llama (2 KV heads), sdpa and eager: causal, packed documents, left and right padding at a length autotp pads."""
+    cases = [("llama", 1, 2, "plain", False, "sdpa"), ("llama", 1, 2, "packed", False, "eager"),
+             ("llama", 1, 2, "padding", False, "sdpa"), ("llama", 1, 2, "padding", False, "eager")]
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
+        assert_cp_parity(list(rank_reports), "llama cp=2")
+
+
+@pytest.mark.timeout(120)
+def test_parity_at_cp2_qwen3_and_mixtral() -> None:
+    """Per-head q/k norms (Qwen3) and an MoE family (Mixtral), packed and padded."""
+    cases = [("qwen3", 1, 2, "packed", False, "sdpa"), ("mixtral", 1, 2, "padding", False, "sdpa")]
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
+        assert_cp_parity(list(rank_reports), "qwen3 / mixtral cp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(CP_FAMILIES))
+def test_parity_at_tp2_cp2(family: str) -> None:
+    """4 ranks, TP innermost: vocab parallelism and the K/V gather over each TP rank's heads (Llama: 1 KV head each)."""
+    cases = [(family, 2, 2, mode, False, "sdpa") for mode in ("plain", "packed", "padding")]
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
+        assert_cp_parity(list(rank_reports), f"{family} tp=2 x cp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(CP_FAMILIES))
+def test_parity_at_dp2_cp2_under_fully_shard(family: str) -> None:
+    """FSDP2 shards over DP x CP (as torchtitan does); each replica reads its own rows of the global batch."""
+    reports = run_ranks(cp_parity_cases, 4, [(family, 1, 2, "plain", True, "sdpa")])
+    assert_cp_parity([r[0] for r in reports], f"{family} dp=2 x cp=2 fully_shard")
+
+
+def _groups(rank: int, world: int) -> dict:
+    model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 2, cp_size=2)
+    ranks = dist.get_process_group_ranks
+    return {"tp": ranks(autotp.tp_group(model)), "cp": ranks(autotp.cp_group(model)),
+            "dp": ranks(autotp.dp_group(model)), "dp_cp": ranks(autotp.dp_cp_group(model)),
+            "sizes": (autotp.tp_size(model), autotp.cp_size(model), autotp.dp_size(model)),
+            "cp_rank": autotp.cp_rank(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_groups_tp_innermost_then_cp() -> None:
+    """World 8 = dp 2 x cp 2 x tp 2: rank r is TP rank r % 2, CP rank (r // 2) % 2, replica r // 4."""
+    got = run_ranks(_groups, 8)
+    assert got[5] == {"tp": [4, 5], "cp": [5, 7], "dp": [1, 5], "dp_cp": [1, 3, 5, 7], "sizes": (2, 2, 2),
+                      "cp_rank": 0}
+
+
+def _save_and_resume(rank: int, world: int, out: str) -> dict:
+    """3 steps at cp=2, save_pretrained and save_checkpoint; a fresh model loads the checkpoint; logits gathered."""
+    torch.manual_seed(0)
+    model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = batch()
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        autotp.allreduce_gradients(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    autotp.save_pretrained(model, f"{out}/hf")
+    autotp.save_checkpoint(f"{out}/ckpt", model, optimizer, step=3)
+    fresh = autotp.wrap(tiny_model("llama", seed=5, **CP_FAMILIES["llama"]), 1, cp_size=2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    state = autotp.load_checkpoint(f"{out}/ckpt", fresh, fresh_opt)
+    same = max((a - b).abs().max().item() for a, b in zip(model.parameters(), fresh.parameters()))
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return {"state": state, "same": same, "logits": logits,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.timeout(120)
+def test_save_pretrained_checkpoint_and_logits_at_cp2(tmp_path) -> None:
+    reports = run_ranks(_save_and_resume, 2, str(tmp_path))
+    for report in reports:
+        assert report["state"] == {"step": 3} and report["same"] == 0.0
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, reports[0]["params"][name]), name
+    with torch.no_grad():
+        expected = loaded(input_ids=batch()).logits
+    assert reports[0]["logits"].shape == expected.shape
+    assert (reports[0]["logits"] - expected).abs().max() <= parity.LOSS_ATOL
+
+
+@pytest.mark.parametrize("family,config,what", [
+    ("mistral", dict(sliding_window=8), "sliding-window"),
+    ("gemma2", {}, "sliding-window"),
+    ("llama", dict(attention_dropout=0.1), "attention-probability dropout"),
+    ("gpt2", dict(resid_pdrop=0.1, attn_pdrop=0.0, embd_pdrop=0.0), "dropout"),
+])
+def test_refused_by_name_before_anything_changes(family: str, config: dict, what: str) -> None:
+    model = tiny_model(family, **config)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NotImplementedError, match=what):
+        autotp.wrap(model, 1, cp_size=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_cp_needs_torch_distributed() -> None:
+    with pytest.raises(RuntimeError, match="cp_size=2 needs torch.distributed"):
+        autotp.wrap(tiny_model("llama"), 1, cp_size=2)
+    with pytest.raises(ValueError, match="cp_size must be at least 1"):
+        autotp.wrap(tiny_model("llama"), 1, cp_size=0)

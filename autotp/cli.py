@@ -114,7 +114,7 @@ def build(config: PretrainedConfig, device: str | None = None, task: str | None 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON summary) for `args.model` at `args.tp`."""
     from .api import explain
-    from .planning.report import summary
+    from .planning.report import context_cost, summary
 
     config, policy = load_config(args.model), read_policy(args.policy)
     with quiet_transformers():
@@ -123,6 +123,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         progress("plan", f"planning at tp {args.tp}, verifying each block on a small structural twin")
         plan = explain(model, args.tp, policy=policy)
     info = {"dtype": args.dtype, **summary(model, plan, args.batch, args.seq, args.dp)}
+    if args.cp > 1:
+        info["context"] = [context_cost(model, plan, args.batch, args.seq, cp) for cp in sorted({1, args.cp})]
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -143,6 +145,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             z = info["zero_bytes_per_rank"][stage]
             print(f"    zero {stage}: params {gib(z['params'])} + grads {gib(z['grads'])} + optimizer "
                   f"{gib(z['optimizer'])} = {gib(z['total'])}   ({z['runs']})")
+    for c in info.get("context", []):
+        print(f"  at tp {args.tp} x cp {c['cp_size']}, batch {args.batch} x seq {c['seq']}: activations ~"
+              f"{mib(c['activation_bytes_per_rank'])} per rank (estimate); attention moves "
+              f"{mib(c['attention_bytes_per_step'])} per rank per step in {c['attention_collectives_per_step']} "
+              f"collectives (K/V all-gather forward, reduce-scatter backward)")
     for item in info["replicated"]:
         print(f"  warning: {item['path']} stays replicated ({item['why']})")
     return 0
@@ -231,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=positive_int, default=4, help="batch size for the collective bytes")
     plan.add_argument("--seq", type=positive_int, default=128, help="sequence length for the collective bytes")
     plan.add_argument("--dp", type=positive_int, default=1, help="data-parallel size, for the per-rank bytes by ZeRO stage")
+    plan.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: activation memory per rank and "
+                      "the attention's bytes per step at --seq")
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage to price against DDP (default: all)")
     plan.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                       help="parameter dtype for the sizes (default float32; a config's torch_dtype is not used)")

@@ -9,6 +9,7 @@ Parity as the other parity tests: fp32, loss within 1e-5, gradients and paramete
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -156,3 +157,13 @@ def test_cp_needs_torch_distributed() -> None:
         autotp.wrap(tiny_model("llama"), 1, cp_size=2)
     with pytest.raises(ValueError, match="cp_size must be at least 1"):
         autotp.wrap(tiny_model("llama"), 1, cp_size=0)
+
+
+def test_plan_prints_activation_memory_and_attention_bytes_at_cp(autotp_cli) -> None:
+    result = autotp_cli("plan", "llama", "--tp", "2", "--cp", "2", "--seq", "4096", "--batch", "1", "--json")
+    one, two = json.loads(result.stdout)["context"]
+    assert (one["cp_size"], two["cp_size"]) == (1, 2)
+    assert two["activation_bytes_per_rank"] < 0.6 * one["activation_bytes_per_rank"]
+    assert one["attention_bytes_per_step"] == 0 < two["attention_bytes_per_step"]
+    text = autotp_cli("plan", "llama", "--tp", "2", "--cp", "2", "--seq", "4096").stdout
+    assert "at tp 2 x cp 2, batch 4 x seq 4096: activations ~" in text

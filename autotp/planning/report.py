@@ -112,3 +112,32 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
                         for c in collectives],
         "collective_bytes_per_step": sum(c.count * c.bytes_each for c in collectives),
     }
+
+
+def context_cost(model: nn.Module, plan: Plan, batch: int, seq: int, cp: int) -> dict:
+    """Activation memory per rank, and the bytes context parallelism's attention moves per step, at tp x cp.
+
+    An estimate from the config, counting what autograd keeps per decoder layer for each of this rank's batch x
+    seq / cp tokens (norm inputs, residual, q and attention output on this TP rank's heads, gate / up / product on
+    its MLP rows), the gathered K/V of the whole sequence each layer keeps for its backward, the [S / cp, S] mask
+    and the fp32 logits of the loss. The attention moves, per layer, one K/V all-gather forward and its
+    reduce-scatter backward: each rank sends (cp - 1) / cp of the gathered bytes each way (a ring's share).
+    """
+    config = model.config
+    element = next(model.parameters()).element_size()
+    tp = plan.tp_size
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_local = max(1, -(-kv_heads // tp))  # replicated KV heads: at least one per rank
+    inner = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 4 * hidden)
+    vocab = config.vocab_size // (tp if plan.vocab is not None else 1)
+    tokens = batch * -(-seq // cp)
+    per_token = 3 * hidden + 2 * (heads // tp) * head_dim + 3 * -(-inner // tp)
+    kv_gathered = batch * seq * 2 * kv_local * head_dim * element
+    activations = layers * (tokens * per_token * element + kv_gathered) + tokens * seq \
+        + tokens * vocab * 4
+    moved = layers * 2 * kv_gathered * (cp - 1) // cp
+    return {"cp_size": cp, "seq": seq, "activation_bytes_per_rank": activations,
+            "attention_bytes_per_step": moved, "attention_collectives_per_step": 2 * layers if cp > 1 else 0}

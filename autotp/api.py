@@ -189,7 +189,8 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
             snapshot.track([state.context])
         model.save_pretrained = SavePretrained(model, state)
         model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
-        set_ddp_ignored(model, DDPGuard(model, ddp_ignored(model)))
+        guard = DDPGuard if cp_group is None else _ContextDDPGuard
+        set_ddp_ignored(model, guard(model, ddp_ignored(model)))
         if options.check_inputs:
             model.register_forward_pre_hook(InputCheck(), with_kwargs=True)
         if state.tp_group is not None:  # at tp 1 nothing is sharded, so an adapter sees whole weights
@@ -210,6 +211,22 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         for warning in plan.warnings(vocab_requested=options.vocab_parallel):
             log.warning(warning)
     return state
+
+
+class _ContextDDPGuard(DDPGuard):
+    """Under context parallelism, DDP must average over DP x CP: over the DP group alone it would leave each CP
+    rank with its own tokens' share of the gradient, and the replicas would train apart."""
+
+    def check(self, group: dist.ProcessGroup | None) -> None:
+        super().check(group)
+        state = find_state(self.model)
+        if group is None or state is None or state.cp_group is None:
+            return
+        members, cp = set(dist.get_process_group_ranks(group)), dist.get_process_group_ranks(state.cp_group)
+        if not members >= set(cp):
+            raise RuntimeError(f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
+                               f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
+                               f"autotp.allreduce_gradients(model)")
 
 
 def _validate_tp_size(tp_size: int, name: str = "tp_size") -> None:

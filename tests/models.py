@@ -345,3 +345,19 @@ def assert_cp_parity(reports: list[dict], label: str) -> None:
         assert report["loss"] <= parity.LOSS_ATOL, (label, report)
         assert report["grad"] <= parity.GRAD_RTOL, (label, report)
         assert report["param"] <= parity.PARAM_ATOL, (label, report)
+
+
+def cp_ddp(rank: int, world: int, group: str) -> float:
+    """Runs on each rank: DDP over `dp_cp_group` (or `dp_group`, refused) on a model at cp=2; the embedding's
+    gradient error against one process."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    reference = tiny_model("llama", **CP_FAMILIES["llama"])
+    model = autotp.wrap(copy.deepcopy(reference), 1, cp_size=2)
+    ddp = DistributedDataParallel(model, process_group=getattr(autotp, group)(model))
+    ids = batch()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    ddp(input_ids=ids, labels=ids).loss.backward()
+    return parity.grad_error(model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad)

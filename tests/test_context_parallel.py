@@ -20,7 +20,7 @@ import autotp
 from autotp.parallel.context_attention import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import CP_FAMILIES, assert_cp_parity, batch, cp_parity_cases, tiny_model
+from models import CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_parity_cases, tiny_model
 
 
 def test_zigzag_gives_each_rank_two_opposite_chunks() -> None:
@@ -167,3 +167,10 @@ def test_plan_prints_activation_memory_and_attention_bytes_at_cp(autotp_cli) -> 
     assert one["attention_bytes_per_step"] == 0 < two["attention_bytes_per_step"]
     text = autotp_cli("plan", "llama", "--tp", "2", "--cp", "2", "--seq", "4096").stdout
     assert "at tp 2 x cp 2, batch 4 x seq 4096: activations ~" in text
+
+
+@pytest.mark.timeout(120)
+def test_ddp_averages_over_dp_cp_and_refuses_dp_alone() -> None:
+    assert max(run_ranks(cp_ddp, 2, "dp_cp_group")) <= parity.GRAD_RTOL
+    with pytest.raises(AssertionError, match="pass process_group=autotp.dp_cp_group"):
+        run_ranks(cp_ddp, 2, "dp_group")

@@ -132,8 +132,8 @@ class CPLoss:
 class ContextParallel:
     """What `wrap(..., cp_size=C)` installs: the registered attention and mask functions, the model's hooks and loss.
 
-    `layout` is the split of the latest CP forward; it is kept until the next forward, so a checkpointed layer
-    recomputed in backward splits and masks as its forward did."""
+    `layout` is the split of the CP forward running now (None outside one: generation, a gathered model); each
+    layer's attention keeps it for its recomputation in backward."""
 
     def __init__(self, model: nn.Module, group: Group, state, original: str):
         self.model, self.group, self.state, self.original = model, group, state, original

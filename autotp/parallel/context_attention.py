@@ -10,12 +10,13 @@ queries against every key, with a mask of [S/C, S] built from the global positio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..compat import torch as torch_compat
 from .groups import Group, group_rank, group_size, named_failure
@@ -72,11 +73,13 @@ def gather_kv(key: torch.Tensor, value: torch.Tensor, group: Group) -> tuple[tor
 
 @dataclass
 class Layout:
-    """How this forward's batch is split over the CP group, and its attention mask per query chunk.
+    """How this forward's batch is split over the CP group, and what its attention masks are built from.
 
     `length` is the sequence the script passed, `padded` that length rounded up to a multiple of 2 C (the padding
     goes at the end, where a causal mask hides it from every real token). `local` holds this rank's sequence
-    indices, `keys` the sequence index of each gathered key (ranks' chunks in rank order)."""
+    indices, `keys` the sequence index of each gathered key (ranks' chunks in rank order), `docs` each token's
+    document (packed sequences) and `kept` which tokens are not padding: O(S) state. The [S/C, S] mask is built
+    from them inside each layer's attention and never kept for the backward (`CPAttention`)."""
 
     length: int
     padded: int
@@ -84,8 +87,8 @@ class Layout:
     rank: int
     local: torch.Tensor
     keys: torch.Tensor
-    allowed: torch.Tensor  # [B or 1, 1, S/C, S] bool: which gathered keys each local query sees
-    masks: dict = field(default_factory=dict)  # dtype -> the additive float mask eager attention takes
+    docs: torch.Tensor | None = None  # [B or 1, padded]
+    kept: torch.Tensor | None = None  # [B, padded] bool
 
     def split(self, x: torch.Tensor, pad: Any = 0) -> torch.Tensor:
         """This rank's tokens of a [B, S, ...] tensor (the script's whole sequence), padded first if needed."""
@@ -94,15 +97,25 @@ class Layout:
             x = torch.cat([x, extra], dim=1)
         return x.index_select(1, self.local.to(x.device))
 
-    def additive(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as eager attention adds it: 0 where allowed, the dtype's minimum elsewhere (as transformers)."""
-        if dtype not in self.masks:
-            zero = torch.zeros((), dtype=dtype, device=self.allowed.device)
-            mask = zero.masked_fill(~self.allowed, torch.finfo(dtype).min)
-            # the padding autotp added weighs nothing even in a row that sees nothing (one process averages such a
-            # row uniformly over the real keys alone)
-            self.masks[dtype] = mask.masked_fill((self.keys >= self.length).view(1, 1, 1, -1), float("-inf"))
-        return self.masks[dtype]
+    def allowed(self) -> torch.Tensor:
+        """[B or 1, 1, S/C, S] bool: which gathered keys each local query sees (causal, same document, not padding).
+        A query that sees nothing (left padding) stays so: sdpa then gives it zeros, eager's all-minimum row a
+        uniform average, each as on one process."""
+        local, keys = self.local, self.keys
+        allowed = (keys[None, :] <= local[:, None])[None]  # causal, on sequence indices
+        if self.docs is not None:
+            allowed = allowed & (self.docs[:, local, None] == self.docs[:, None, keys])
+        if self.kept is not None:
+            allowed = allowed & self.kept[:, None, keys]
+        return allowed.unsqueeze(1)
+
+    def additive(self, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+        """The mask as a float added to the scores. sdpa: -inf where masked, as torch reads a bool mask (which it
+        would convert anyway). Eager: the dtype's minimum, as transformers builds it; the padding autotp added
+        weighs nothing even in a row that sees nothing."""
+        zero = torch.zeros((), dtype=dtype, device=self.local.device)
+        mask = zero.masked_fill(~self.allowed(), torch.finfo(dtype).min if eager else float("-inf"))
+        return mask.masked_fill((self.keys >= self.length).view(1, 1, 1, -1), float("-inf"))
 
 
 def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -115,26 +128,21 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 def build_layout(length: int, group: Group, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  device: torch.device) -> Layout:
-    """The split and mask of one forward. `position_ids` [B or 1, S] and `attention_mask` [B, S] (1: a token, 0:
-    padding) are the whole sequence's; the mask is this rank's [S/C, S] block, never the whole [S, S]."""
+    """The split of one forward. `position_ids` [B or 1, S] and `attention_mask` [B, S] (1: a token, 0: padding)
+    are the whole sequence's."""
     size, rank = group_size(group), group_rank(group)
     padded = -(-length // (2 * size)) * 2 * size
     local = zigzag(padded, size, rank, device)
     keys = torch.cat([zigzag(padded, size, r, device) for r in range(size)])
-    allowed = (keys[None, :] <= local[:, None])[None]  # causal, on sequence indices
+    docs = kept = None
     if position_ids is not None:
         docs = documents(pad_positions(position_ids.to(device), padded))
-        if docs is not None:
-            allowed = allowed & (docs[:, local, None] == docs[:, None, keys])
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(f"context parallelism takes a 2-D attention mask [batch, seq] (1: token, 0: padding), got "
                              f"shape {tuple(attention_mask.shape)}; a 4-D mask would be [S, S], which CP never builds")
         kept = nn.functional.pad(attention_mask.to(device, torch.bool), (0, padded - length), value=False)
-        allowed = allowed & kept[:, None, keys]
-    # a query that sees nothing (left padding) stays so: sdpa then gives it zeros, eager's all-minimum row a uniform
-    # average, each as on one process
-    return Layout(length, padded, size, rank, local, keys, allowed.unsqueeze(1))
+    return Layout(length, padded, size, rank, local, keys, docs, kept)
 
 
 def pad_positions(position_ids: torch.Tensor, padded: int) -> torch.Tensor:
@@ -165,7 +173,15 @@ class CPAttention:
         if kwargs.get("sliding_window") is not None:
             raise NotImplementedError(f"{type(module).__name__}: sliding-window attention under context "
                                       f"parallelism is not supported (its band would be masked per chunk); use cp_size=1")
-        key, value = gather_kv(key, value, context.group)
-        mask = layout.allowed if self.original != "eager" else layout.additive(query.dtype)
         kwargs["is_causal"] = False
-        return inner(module, query, key, value, mask, **kwargs)
+        eager = self.original == "eager"
+
+        def core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            key, value = gather_kv(key, value, context.group)
+            return inner(module, query, key, value, layout.additive(query.dtype, eager), **kwargs)
+
+        if not torch.is_grad_enabled():
+            return core(query, key, value)
+        # Recomputed in backward: autograd keeps this rank's q, k, v, not the gathered K/V nor the [S/C, S] mask, so
+        # what a rank holds per layer falls as 1/C (the K/V all-gather runs again in backward, in layer order)
+        return checkpoint(core, query, key, value, use_reentrant=False)

@@ -295,7 +295,7 @@ def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
 
 
 def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = "plain", fsdp: bool = False,
-              attn: str = "sdpa", steps: int = 3) -> dict:
+              attn: str = "sdpa", checkpointing: bool = False, steps: int = 3) -> dict:
     """Runs on each rank: a tiny `family` model in one process against a copy wrapped at tp x cp (x dp, under
     `autotp.fully_shard` if asked), `steps` AdamW steps on one global batch (DP replica d its rows d::dp). Returns
     the worst loss difference, gradient error (step 0) and parameter difference, as `autotp.testing.parity`."""
@@ -304,6 +304,8 @@ def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = 
     reference = tiny_model(family, **CP_FAMILIES.get(family, {}))
     reference.set_attn_implementation(attn)
     model = autotp.wrap(copy.deepcopy(reference), tp, cp_size=cp)
+    if checkpointing:  # transformers' activation checkpointing of each decoder layer
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
         model = autotp.fully_shard(model)
     dp, replica = autotp.dp_size(model), autotp.dp_rank(model)
@@ -336,7 +338,8 @@ def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = 
 
 
 def cp_parity_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
-    """`cp_parity` for each (family, tp, cp, mode, fsdp, attn) in one set of ranks (one start-up for several)."""
+    """`cp_parity` for each (family, tp, cp, mode, fsdp, attn[, checkpointing]) in one set of ranks (one start-up for
+    several)."""
     return [cp_parity(rank, world, *case) for case in cases]
 
 

@@ -63,6 +63,15 @@ def test_parity_at_cp2_qwen3_and_mixtral() -> None:
         assert_cp_parity(list(rank_reports), "qwen3 / mixtral cp=2")
 
 
+@pytest.mark.timeout(120)
+def test_parity_at_cp2_with_activation_checkpointing() -> None:
+    """A checkpointed decoder layer recomputed in backward finds its forward's split and masks (they come down with
+    transformers' keyword arguments)."""
+    cases = [("llama", 1, 2, "packed", False, "sdpa", True), ("qwen3", 1, 2, "padding", False, "eager", True)]
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
+        assert_cp_parity(list(rank_reports), "activation checkpointing cp=2")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", list(CP_FAMILIES))

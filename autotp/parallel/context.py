@@ -23,7 +23,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .collectives import all_reduce
-from .context_attention import CPAttention, Layout, build_layout, pad_positions
+from .context_attention import LAYOUT_KWARG, CPAttention, Layout, build_layout, pad_positions
 from .groups import Group, group_size
 from .vocab import lazy_logits
 
@@ -111,7 +111,7 @@ class CPLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
                  num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
                  **kwargs: Any) -> torch.Tensor:
-        layout = self.context.layout
+        layout = kwargs.pop(LAYOUT_KWARG, None) or self.context.layout
         if layout is None or logits.shape[1] != layout.local.numel():  # the whole sequence (gathered, generation)
             return self.inner(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -186,7 +186,7 @@ class ContextParallel:
             kwargs["inputs_embeds"] = layout.split(embeds)
         kwargs["position_ids"] = pad_positions(positions.expand(x.shape[0], -1), layout.padded).index_select(
             1, layout.local)
-        kwargs["attention_mask"], kwargs["use_cache"] = None, False
+        kwargs["attention_mask"], kwargs["use_cache"], kwargs[LAYOUT_KWARG] = None, False, layout
         self.layout, self.calls = layout, 0
         _ACTIVE.append(1)
         return (), kwargs
@@ -230,9 +230,6 @@ class ContextParallel:
         if torch.compiler.is_compiling():
             raise NotImplementedError("torch.compile of a model under context parallelism is not supported yet; "
                                       "compile with cp_size=1")
-        if getattr(module, "is_activation_checkpointing", False) and module.training:
-            raise NotImplementedError("activation checkpointing under context parallelism is not tested yet; "
-                                      "use cp_size=1 or turn gradient checkpointing off")
         if kwargs.get("output_router_logits"):
             raise NotImplementedError("output_router_logits (the MoE auxiliary loss) under context parallelism")
         for name, sub in module.named_modules():

@@ -22,6 +22,9 @@ from ..compat import torch as torch_compat
 from .groups import Group, group_rank, group_size, named_failure
 
 
+LAYOUT_KWARG = "autotp_cp_layout"  # the forward keyword argument carrying a CP forward's `Layout` down to attention
+
+
 def zigzag(length: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
     """The sequence indices CP rank `rank` of `size` holds: chunks rank and 2 size - 1 - rank of 2 size."""
     step = length // (2 * size)
@@ -166,7 +169,9 @@ class CPAttention:
                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         inner = module.autotp_eager if self.original == "eager" else self.functions[self.original]
         context = module.autotp_context
-        layout = context.layout
+        # the forward's layout comes down with transformers' keyword arguments, so a checkpointed decoder layer's
+        # recomputation in backward finds it too; a model that does not pass them on has it from the context
+        layout = kwargs.pop(LAYOUT_KWARG, None) or context.layout
         if layout is None:
             return inner(module, query, key, value, attention_mask, **kwargs)
         context.calls += 1

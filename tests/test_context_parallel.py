@@ -40,7 +40,7 @@ def test_mask_is_one_query_chunk_against_every_key() -> None:
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
     layout = build_layout(8, None, positions, mask, torch.device("cpu"))
-    allowed = layout.allowed()[0, 0]
+    allowed = layout.allowed(layout.local, layout.keys)[0, 0]
     assert allowed.shape == (8, 8)
     assert allowed[4].tolist() == [False, False, False, True, True, False, False, False]
     assert not allowed[:, 7].any()  # the padding is no one's key

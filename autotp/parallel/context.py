@@ -212,7 +212,7 @@ class ContextParallel:
         if isinstance(output, tuple):
             return type(output)(self.gather(x, layout) if torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] ==
                                 layout.local.numel() else x for x in output)
-        for key in [k for k in output.keys() if k.endswith("hidden_states") or k == "attentions"]:
+        for key in [k for k in output.keys() if k.endswith("hidden_states")]:
             value = output[key]
             if isinstance(value, tuple):
                 output[key] = tuple(self.gather(h, layout) for h in value)
@@ -230,6 +230,9 @@ class ContextParallel:
         if torch.compiler.is_compiling():
             raise NotImplementedError("torch.compile of a model under context parallelism is not supported yet; "
                                       "compile with cp_size=1")
+        if kwargs.get("output_attentions"):
+            raise NotImplementedError("output_attentions under context parallelism: each rank holds its queries' rows "
+                                      "against every key, never the whole [S, S] probabilities; use cp_size=1")
         if kwargs.get("output_router_logits"):
             raise NotImplementedError("output_router_logits (the MoE auxiliary loss) under context parallelism")
         for name, sub in module.named_modules():

@@ -100,25 +100,33 @@ class Layout:
             x = torch.cat([x, extra], dim=1)
         return x.index_select(1, self.local.to(x.device))
 
-    def allowed(self) -> torch.Tensor:
-        """[B or 1, 1, S/C, S] bool: which gathered keys each local query sees (causal, same document, not padding).
-        A query that sees nothing (left padding) stays so: sdpa then gives it zeros, eager's all-minimum row a
-        uniform average, each as on one process."""
-        local, keys = self.local, self.keys
-        allowed = (keys[None, :] <= local[:, None])[None]  # causal, on sequence indices
+    def allowed(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[B or 1, 1, len(queries), len(keys)] bool: which keys (sequence indices) each query sees (causal, same
+        document, not padding). A query that sees nothing (left padding) stays so: sdpa then gives it zeros,
+        eager's all-minimum row a uniform average, each as on one process."""
+        allowed = (keys[None, :] <= queries[:, None])[None]  # causal, on sequence indices
         if self.docs is not None:
-            allowed = allowed & (self.docs[:, local, None] == self.docs[:, None, keys])
+            allowed = allowed & (self.docs[:, queries, None] == self.docs[:, None, keys])
         if self.kept is not None:
             allowed = allowed & self.kept[:, None, keys]
         return allowed.unsqueeze(1)
 
-    def additive(self, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+    def additive(self, dtype: torch.dtype, eager: bool, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """The mask as a float added to the scores. sdpa: -inf where masked, as torch reads a bool mask (which it
         would convert anyway). Eager: the dtype's minimum, as transformers builds it; the padding autotp added
         weighs nothing even in a row that sees nothing."""
         zero = torch.zeros((), dtype=dtype, device=self.local.device)
-        mask = zero.masked_fill(~self.allowed(), torch.finfo(dtype).min if eager else float("-inf"))
-        return mask.masked_fill((self.keys >= self.length).view(1, 1, 1, -1), float("-inf"))
+        mask = zero.masked_fill(~self.allowed(queries, keys), torch.finfo(dtype).min if eager else float("-inf"))
+        return mask.masked_fill((keys >= self.length).view(1, 1, 1, -1), float("-inf"))
+
+    def natural(self) -> torch.Tensor:
+        """Where each sequence index sits among the gathered keys (which come in rank order)."""
+        return torch.argsort(self.keys)
+
+    def key_ends(self) -> tuple[int, int]:
+        """How many leading keys each of this rank's two chunks can see under the causal mask."""
+        step = self.padded // (2 * self.size)
+        return (self.rank + 1) * step, (2 * self.size - self.rank) * step
 
 
 def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -183,10 +191,29 @@ class CPAttention:
 
         def core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
             key, value = gather_kv(key, value, context.group)
-            return inner(module, query, key, value, layout.additive(query.dtype, eager), **kwargs)
+            if eager:  # every key: a row that sees nothing averages over all of them, as one process's does
+                return inner(module, query, key, value, layout.additive(query.dtype, True, layout.local, layout.keys),
+                             **kwargs)
+            return _two_chunks(inner, module, query, key, value, layout, kwargs)
 
         if not torch.is_grad_enabled():
             return core(query, key, value)
         # Recomputed in backward: autograd keeps this rank's q, k, v, not the gathered K/V nor the [S/C, S] mask, so
         # what a rank holds per layer falls as 1/C (the K/V all-gather runs again in backward, in layer order)
         return checkpoint(core, query, key, value, use_reentrant=False)
+
+
+def _two_chunks(inner: Callable, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                layout: Layout, kwargs: dict) -> tuple[torch.Tensor, None]:
+    """sdpa on each of this rank's two chunks against only the keys a causal mask lets it see: (2 C + 1) / 4 C of
+    the whole [S/C, S] block (5/8 at cp 2), the same on every rank. Keys are put in sequence order first."""
+    order = layout.natural()
+    key, value = key.index_select(2, order), value.index_select(2, order)
+    half = query.shape[2] // 2
+    outputs = []
+    for rows, end in zip((slice(0, half), slice(half, None)), layout.key_ends()):
+        queries, keys = layout.local[rows], torch.arange(end, device=layout.local.device)
+        mask = layout.additive(query.dtype, False, queries, keys)
+        out, _ = inner(module, query[:, :, rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None  # [B, S/C, H, D], as transformers' attention functions return

@@ -110,7 +110,8 @@ def test_groups_tp_innermost_then_cp() -> None:
 
 
 def _save_and_resume(rank: int, world: int, out: str) -> dict:
-    """3 steps at cp=2, save_pretrained and save_checkpoint; a fresh model loads the checkpoint; logits gathered."""
+    """3 steps at cp=2, save_pretrained and save_checkpoint; fresh models load the checkpoint at cp=2 and at tp=2;
+    logits gathered."""
     torch.manual_seed(0)
     model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -126,6 +127,11 @@ def _save_and_resume(rank: int, world: int, out: str) -> dict:
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     state = autotp.load_checkpoint(f"{out}/ckpt", fresh, fresh_opt)
     same = max((a - b).abs().max().item() for a, b in zip(model.parameters(), fresh.parameters()))
+    other = autotp.wrap(tiny_model("llama", seed=5, **CP_FAMILIES["llama"]), 2)  # another layout: tp=2, no CP
+    autotp.load_checkpoint(f"{out}/ckpt", other, torch.optim.AdamW(other.parameters(), lr=1e-3))
+    group = autotp.tp_group(other)
+    same = max(same, max((a - parity.full_tensor(b, b, group)).abs().max().item()
+                         for a, b in zip(model.parameters(), other.parameters())))
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -138,6 +144,8 @@ def test_save_pretrained_checkpoint_and_logits_at_cp2(tmp_path) -> None:
     reports = run_ranks(_save_and_resume, 2, str(tmp_path))
     for report in reports:
         assert report["state"] == {"step": 3} and report["same"] == 0.0
+    meta = json.loads((tmp_path / "ckpt" / "autotp_checkpoint.json").read_text())
+    assert (meta["tp_size"], meta["cp_size"], meta["dp_size"]) == (1, 2, 1)
     loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     for name, p in loaded.named_parameters():
         assert torch.equal(p, reports[0]["params"][name]), name

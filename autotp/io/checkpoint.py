@@ -50,7 +50,8 @@ def layout(model: nn.Module) -> dict[str, Any]:
     state = find_state(model)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
-    return {"tp_size": tp, "world_size": world_size, "dp_size": world_size // tp,
+    cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
+    return {"tp_size": tp, "cp_size": cp, "world_size": world_size, "dp_size": world_size // (tp * cp),
             "fsdp": state is not None and state.fsdp}
 
 

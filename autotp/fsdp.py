@@ -1,7 +1,9 @@
 """2-D parallelism on PyTorch's FSDP2: each TP shard is sharded again over the data-parallel group.
 
 `fully_shard` applies `torch.distributed.fsdp.fully_shard` over the DP mesh (`dp_mesh`) to each
-decoder layer, then to the root, exactly as a user would; nothing of FSDP is reimplemented. The
+decoder layer, then to the root, exactly as a user would; nothing of FSDP is reimplemented. Under context
+parallelism the mesh is DP x CP (the ranks holding the same TP shard), as torchtitan shards: FSDP's average over
+it sums each CP rank's gradient share (`autotp.parallel.context`) and averages over DP. The
 parameters FSDP builds keep their partition metadata (`autotp_shard`), and autotp's gradient
 corrections (replicated KV rows, per-head and sequence-parallel norms) run on the unsharded
 parameters FSDP computes with, before FSDP reduce-scatters over DP (`autotp.parallel.grad_hooks.GradHook`).
@@ -25,8 +27,9 @@ from .parallel.state import TPState, state_of, wrapped_model
 
 
 def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
-    """The 1-D device mesh over `model`'s data-parallel group, which `autotp.fully_shard` shards over (DTensor work
-    over DP can use it too). torch's own `fully_shard` on a wrapped model is refused: use `autotp.fully_shard`."""
+    """The 1-D device mesh over the ranks holding `model`'s shards, which `autotp.fully_shard` shards over (DTensor
+    work over DP can use it too): the data-parallel group, or DP x CP (`autotp.dp_cp_group`) under context
+    parallelism. torch's own `fully_shard` on a wrapped model is refused: use `autotp.fully_shard`."""
     state = state_of(model)
     if state.dp_mesh is None:
         group = state.dp_group
@@ -37,7 +40,8 @@ def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
 
 def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_policy: Any = None,
                 offload_policy: Any = None) -> nn.Module:
-    """FSDP2 over the data-parallel group on a wrapped model: each decoder layer, then the root; returns the model.
+    """FSDP2 over the data-parallel group (DP x CP under context parallelism) on a wrapped model: each decoder layer,
+    then the root; returns the model.
 
     Parameters, gradients and optimizer state are then split over TP and DP. `reshard_after_forward=False`
     keeps the gathered parameters from forward to backward (ZeRO-2). `mp_policy` and `offload_policy` are

@@ -364,3 +364,18 @@ def cp_ddp(rank: int, world: int, group: str) -> float:
     reference(input_ids=ids, labels=ids).loss.backward()
     ddp(input_ids=ids, labels=ids).loss.backward()
     return parity.grad_error(model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad)
+
+
+def cp_held_bytes(rank: int, world: int, seq: int) -> int:
+    """Runs on each rank: the activation bytes autograd holds after one forward of a tiny Llama over one sequence of
+    `seq` tokens at cp=world (`autotp.testing.memory`)."""
+    from autotp.testing.memory import KeptForBackward
+
+    model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"], max_position_embeddings=seq), 1, cp_size=world)
+    ids = batch(size=(1, seq))
+    kept = KeptForBackward(model)
+    with kept.hooks:
+        loss = model(input_ids=ids, labels=ids).loss
+    held = kept.bytes()
+    loss.backward()
+    return held

@@ -20,7 +20,7 @@ import autotp
 from autotp.parallel.context_attention import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_parity_cases, tiny_model
+from models import CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_held_bytes, cp_parity_cases, tiny_model
 
 
 def test_zigzag_gives_each_rank_two_opposite_chunks() -> None:
@@ -191,3 +191,11 @@ def test_ddp_averages_over_dp_cp_and_refuses_dp_alone() -> None:
     assert max(run_ranks(cp_ddp, 2, "dp_cp_group")) <= parity.GRAD_RTOL
     with pytest.raises(AssertionError, match="pass process_group=autotp.dp_cp_group"):
         run_ranks(cp_ddp, 2, "dp_group")
+
+
+@pytest.mark.timeout(120)
+def test_activations_held_per_rank_fall_with_cp() -> None:
+    """At 2048 tokens a cp=2 rank holds at most 0.6x the activations of one process (the issue's acceptance)."""
+    one = run_ranks(cp_held_bytes, 1, 2048)[0]
+    two = max(run_ranks(cp_held_bytes, 2, 2048))
+    assert two <= 0.6 * one, (two, one)

@@ -77,9 +77,6 @@ def wrap(
     lifted = lora.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
-        if lifted and cp_size > 1:
-            raise NotImplementedError(f"cp_size={cp_size}: PEFT's LoRA under context parallelism is not tested yet; "
-                                      f"use cp_size=1")
         state = _shard(model, tp_size, WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, check_inputs,
                                                    timeout, overlap, recompute_glu, example_inputs, cp_size))
     except BaseException:

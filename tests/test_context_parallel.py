@@ -20,7 +20,9 @@ import autotp
 from autotp.parallel.context_attention import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_held_bytes, cp_parity_cases, tiny_model
+from models import (
+    CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_held_bytes, cp_lora_parity, cp_parity_cases, tiny_model,
+)
 
 
 def test_zigzag_gives_each_rank_two_opposite_chunks() -> None:
@@ -199,3 +201,15 @@ def test_activations_held_per_rank_fall_with_cp() -> None:
     one = run_ranks(cp_held_bytes, 1, 2048)[0]
     two = max(run_ranks(cp_held_bytes, 2, 2048))
     assert two <= 0.6 * one, (two, one)
+
+
+@pytest.mark.timeout(120)
+def test_lora_at_cp2() -> None:
+    """PEFT's LoRA (every linear of the block) on packed documents: adapters' gradients summed over CP."""
+    assert_cp_parity(run_ranks(cp_lora_parity, 2, 1), "LoRA cp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lora_at_tp2_cp2() -> None:
+    assert_cp_parity(run_ranks(cp_lora_parity, 4, 2), "LoRA tp=2 x cp=2")

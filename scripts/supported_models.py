@@ -19,6 +19,7 @@ README = ROOT / "README.md"
 # The JSON files do not record the transformers they ran on; a sweep on another version updates this.
 TRANSFORMERS = "5.23.0"
 LOADS = "from_pretrained of transformers' save"
+SAVES = "autotp.save_pretrained = transformers' save"
 VERDICTS = ["matched", "replicated-only", "refused", "run-time error", "MISMATCH", "not built"]
 # task -> (results file at tp=2, what the page calls the task, the sweep's --task)
 TASKS = {
@@ -52,7 +53,11 @@ built type is also saved with transformers' own `save_pretrained` and read back 
 `autotp.from_pretrained` at tp=2, which must equal `wrap` after transformers' own load bit for bit
 (tensors, buffers, logits, loss, gradients): the column "from_pretrained of transformers' save =
 wrap". The one exception, shieldgemma2, is a model transformers cannot reload either (it loses 16
-tensors); autotp stops on it naming the tensor.
+tensors); autotp stops on it naming the tensor. Every type that wraps is also saved with
+`autotp.save_pretrained` at tp=2 and compared with transformers' own `save_pretrained` of the
+one-process model: the same files, tensor names, shapes, dtypes and values, the same index (column
+"autotp.save_pretrained = transformers' save", where that sweep has run; MoE experts that
+transformers holds fused and saves one tensor per expert are gathered one expert at a time).
 
 `--task image-text` builds every `AutoModelForImageTextToText` type (sub-configs shrunk too) and
 trains on an image plus text; `--task seq2seq` every `AutoModelForSeq2SeqLM` type with decoder
@@ -78,7 +83,19 @@ def reloads(results: dict[str, dict]) -> str:
     """How many built types `from_pretrained` reads back from transformers' own save exactly as `wrap` has them."""
     built = [r for r in results.values() if LOADS in r]
     same = sum(r[LOADS] == "yes" for r in built)
-    return f"from_pretrained of transformers' save = wrap for {same} of {len(built)} built types."
+    line = f"from_pretrained of transformers' save = wrap for {same} of {len(built)} built types."
+    return f"{line} {saves(results)}" if saves(results) else line
+
+
+def saves(results: dict[str, dict]) -> str:
+    """How many wrapped types `autotp.save_pretrained` saves exactly as transformers does ("" before that sweep)."""
+    wrapped = [r for r in results.values() if SAVES in r]
+    if not wrapped:
+        return ""
+    same = sum(r[SAVES] == "yes" for r in wrapped)
+    refused = sum(r[SAVES].startswith("refused") for r in wrapped)
+    return (f"autotp.save_pretrained = transformers' save for {same} of {len(wrapped)} wrapped types"
+            + (f" ({refused} refused, naming the tensor)." if refused else "."))
 
 
 def summary() -> list[str]:
@@ -87,15 +104,16 @@ def summary() -> list[str]:
     for task, (name, title, _) in TASKS.items():
         results = load(name)
         matched = sum(r["result"] == "matched" for r in results.values())
-        lines.append(f"- {title}: {matched} of {len(results)} types matched at tp=2 ({counts(results)}).")
+        lines.append(f"- {title}: {matched} of {len(results)} types matched at tp=2 ({counts(results)})."
+                     + (f" {saves(results)}" if saves(results) else ""))
     tp4 = load(TP4)
     lines.append(f"- causal-LM at tp=4: {counts(tp4)}.")
     return lines
 
 
 def table(results: dict[str, dict], tp4: dict[str, dict] | None = None) -> list[str]:
-    head = "| model type | result | plan from | from_pretrained plan = wrap plan | " + LOADS + " = wrap | note |"
-    rule = "|---|---|---|---|---|---|"
+    head = f"| model type | result | plan from | from_pretrained plan = wrap plan | {LOADS} = wrap | {SAVES} | note |"
+    rule = "|---|---|---|---|---|---|---|"
     if tp4 is not None:
         head = head.replace("| result |", "| result | at tp=4 |")
         rule += "---|"
@@ -105,7 +123,7 @@ def table(results: dict[str, dict], tp4: dict[str, dict] | None = None) -> list[
         if tp4 is not None:
             cells.append(tp4[model_type]["result"] if model_type in tp4 else "")
         cells += [r.get("plan", ""), r.get("meta plan = wrap plan", ""), r.get(LOADS, ""),
-                  r.get("note", "").replace("|", "/")]
+                  r.get(SAVES, "").replace("|", "/"), r.get("note", "").replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -11,8 +11,10 @@ inputs (an image with its tokens for vision-language models, decoder labels for 
   MISMATCH          parity failed: a silent wrong result (must never happen)
   run-time error    the wrapped model raised during training
 Each matched type is also planned on the meta device (as from_pretrained and `autotp plan` see it);
-that plan must equal the one wrap made. Architectures that cannot be built tiny from defaults are
-listed apart. The details go to scripts/sweep_results[_TASK][_tpN].json, from which
+that plan must equal the one wrap made. Each type that wraps is also saved with
+autotp.save_pretrained and compared, file by file and tensor by tensor, with transformers' own save
+of the one-process model. Architectures that cannot be built tiny from defaults are listed apart.
+The details go to scripts/sweep_results[_TASK][_tpN].json, from which
 scripts/supported_models.py regenerates docs/supported-models.md and the README's support summary.
 """
 
@@ -42,6 +44,7 @@ from autotp.testing.tiny import RECIPES, tiny_config
 ROOT = Path(__file__).resolve().parents[1]
 TP = 2
 LOADS = "from_pretrained of transformers' save"
+SAVES = "autotp.save_pretrained = transformers' save"
 MAX_PARAMS = 20_000_000
 
 
@@ -154,11 +157,64 @@ def classify(model_type: str, task: str) -> dict:
                 if ok else f"loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}; fp64 {fp64:.2g}")
     result = ("matched" if report["sharded"] else "replicated-only") if ok else "MISMATCH"
     loads = loads_like_wrap(model, task)
+    saves = saves_like_transformers(model, model_type, recipe, task)
     if result == "replicated-only":
         reasons = {str(why) for _, why in plan.replicated if why.reason is Replicated.NOT_VERIFIED}
         note = next(iter(reasons), "no block the plan could shard")[:160]
     return {"result": result, "plan": kind, "source": source, "meta plan = wrap plan": same_plan,
-            LOADS: loads, "note": note}
+            LOADS: loads, SAVES: saves, "note": note}
+
+
+def save_job(rank: int, world: int, model_type: str, recipe: str, task: str, path: str) -> str:
+    """Runs on each rank: the tiny model wrapped and saved with autotp.save_pretrained; "" or why autotp refused."""
+    try:
+        autotp.save_pretrained(autotp.wrap(build(model_type, recipe, task=task), world), path)
+    except NotImplementedError as err:
+        return f"refused: {str(err).split(' when saving')[0].split('; ')[0][:140]}"
+    return ""
+
+
+def saves_like_transformers(model, model_type: str, recipe: str, task: str) -> str:
+    """Whether autotp.save_pretrained at tp=TP writes what transformers' save_pretrained writes for the same
+    one-process model (`model`, built from the same seed): the same files, names, shapes, dtypes, values and index."""
+    import tempfile
+
+    from safetensors import safe_open
+
+    def files(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+        out = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                out[file.name] = {name: f.get_tensor(name) for name in f.keys()}
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = Path(tmp) / "ours", Path(tmp) / "theirs"
+        try:
+            model.save_pretrained(theirs)
+        except Exception as err:
+            return f"not saved by transformers ({type(err).__name__})"
+        try:
+            refused = run_ranks(save_job, TP, model_type, recipe, task, str(ours))[0]
+        except AssertionError as err:
+            return f"error: {str(err).strip().splitlines()[-1][:120]}"
+        if refused:
+            return refused
+        mine, expected = files(ours), files(theirs)
+        if list(mine) != list(expected):
+            return f"NO: files {list(mine)} against {list(expected)}"
+        for file, tensors in expected.items():
+            if set(mine[file]) != set(tensors):
+                return f"NO: {len(set(mine[file]) ^ set(tensors))} names differ in {file}"
+            differ = [n for n, t in tensors.items() if mine[file][n].dtype != t.dtype or mine[file][n].shape != t.shape
+                      or not torch.equal(mine[file][n], t)]
+            if differ:
+                return f"NO: {len(differ)} tensors differ, first {differ[0]}"
+        index = "model.safetensors.index.json"
+        if (theirs / index).exists() and (not (ours / index).exists() or json.loads(
+                (ours / index).read_text()) != json.loads((theirs / index).read_text())):
+            return "NO: the index differs"
+    return "yes"
 
 
 def loads_like_wrap(model, task: str) -> str:
@@ -219,7 +275,7 @@ def main() -> None:
     if not args.no_docs:
         supported_models.write()
     bad = [t for t, r in results.items() if r["result"] == "MISMATCH" or r.get("meta plan = wrap plan") == "NO"
-           or r.get(LOADS, "").startswith(("NO", "error"))]
+           or r.get(LOADS, "").startswith(("NO", "error")) or r.get(SAVES, "").startswith(("NO", "error"))]
     sys.exit(1 if bad else 0)
 
 

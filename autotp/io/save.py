@@ -2,7 +2,9 @@
 
 Every file's header is known before any weight is gathered (full shapes come from the partition
 metadata), so rank 0 writes each safetensors file as a header followed by one tensor after
-another: no rank ever holds more than its shards plus one full tensor. Everything is staged (see
+another: no rank ever holds more than its shards plus one full checkpoint tensor. A checkpoint
+tensor that transformers cuts out of a model tensor (one expert of a fused experts tensor) is
+gathered alone: each rank cuts its rows of it first. Everything is staged (see
 `autotp.io.staging`), so a crash never leaves a directory that loads as an incomplete checkpoint.
 """
 
@@ -10,20 +12,25 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from ..compat.hf import (
+    SavedPart, SavedTensor, adapter_module, checkpoint_layout, keys_to_ignore_on_save, remove_tied_weights,
+)
 from ..parallel.collectives import gather_full_to
-from ..parallel.dtensor_rows import dp_full
+from ..parallel.dtensor_rows import dp_chunk, dp_full, local_rows
 from ..parallel.groups import global_rank, is_global_rank0
-from ..compat.hf import adapter_module, checkpoint_names, keys_to_ignore_on_save, remove_tied_weights
 from ..parallel.state import find_state
+from ..planning.sharding import Partition
 from .safetensors import SafetensorsWriter
 from .staging import staged_directory
 
@@ -60,36 +67,44 @@ def save_pretrained(
         shard = getattr(params[name], "autotp_shard", None)
         return tensor if shard is None else gather_full_to(tensor, shard.partition, tp_group, dst=0)
 
+    def fetch_part(part: SavedPart) -> torch.Tensor | None:
+        return _gather_part(params[part.source], part, tp_group)
+
     with staged_directory(save_directory, overwrite, into_existing=into_existing) as tmp:
         if in_writer_group:
-            write_hf_checkpoint(model, params, fetch, tmp, max_shard_size)
+            write_hf_checkpoint(model, params, fetch, tmp, max_shard_size, fetch_part)
 
 
 def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fetch: Callable[[str], torch.Tensor | None],
-                        directory: Path, max_shard_size: int | str) -> None:
+                        directory: Path, max_shard_size: int | str,
+                        fetch_part: Callable[[SavedPart], torch.Tensor | None] | None = None) -> None:
     """Stream a transformers-layout checkpoint of `model` into `directory`.
 
     `params` maps model keys to tensors whose shapes (or `autotp_shard`) give the full shapes;
     `fetch(key)` returns the full tensor where it is written and None elsewhere (it may be collective).
+    `fetch_part(part)` does the same for a cut of one (one expert); without it, parts are cut from `fetch`.
     """
     names = list(remove_tied_weights({k: v.detach() for k, v in params.items()}, model))
     ignored = keys_to_ignore_on_save(model)
-    full = _checkpoint_layout(model, {
+    layout = checkpoint_layout(model, {
         n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names if n not in ignored})
-    split = split_torch_state_dict_into_shards(full, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
-    total = sum(t.numel() * t.element_size() for t in full.values())
+    # as transformers splits its converted state dict: the views of one tensor (its experts) sized and placed together
+    split = split_state_dict_into_shards_factory(
+        layout, get_storage_size=lambda t: t.storage[1], get_storage_id=lambda t: t.storage[0],
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    fetch_part = fetch_part or _cutting(fetch)
+    total = sum(t.nbytes for t in layout.values())
     writing = is_global_rank0()
     writes = _UntilFirstFailure()
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="autotp save", disable=not writing)
     for filename, tensor_names in split.filename_to_tensors.items():
-        entries = [(n, full[n].dtype, tuple(full[n].shape)) for n in tensor_names]
+        entries = [(n, layout[n].dtype, layout[n].shape) for n in tensor_names]
         writer = writes.run(SafetensorsWriter, directory / filename, entries, {"format": "pt"}) if writing else None
         for name in tensor_names:
-            tensor = fetch(full[name].source)
+            tensor = _assemble(layout[name], fetch, fetch_part)
             if writer is not None:
                 writes.run(writer.write, name, tensor)
-                bar.update(full[name].numel() * full[name].element_size())
+                bar.update(layout[name].nbytes)
         if writer is not None:
             writes.run(writer.close)
     bar.close()
@@ -120,22 +135,101 @@ class _UntilFirstFailure:
             return None
 
 
-def _checkpoint_layout(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint key -> full meta tensor, in the order and under the names transformers would save.
+def _assemble(saved: SavedTensor, fetch: Callable[[str], torch.Tensor | None],
+              fetch_part: Callable[[SavedPart], torch.Tensor | None]) -> torch.Tensor | None:
+    """One checkpoint tensor where it is written (None elsewhere): a whole model tensor, or its parts joined."""
+    if len(saved.parts) == 1 and saved.parts[0].whole:
+        return fetch(saved.parts[0].source)
+    parts = [fetch_part(part) for part in saved.parts]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=saved.dim)
 
-    transformers may rename keys on save (its weight conversions) and then sorts them; we follow it.
-    Each meta tensor keeps a `source` attribute naming the model key its data comes from.
+
+def _cutting(fetch: Callable[[str], torch.Tensor | None]) -> Callable[[SavedPart], torch.Tensor | None]:
+    """Parts cut from whole tensors `fetch` returns (one process: consolidation), keeping the last two, since
+    transformers writes a layer's experts one by one, alternating between its fused tensors."""
+    recent: OrderedDict[str, torch.Tensor | None] = OrderedDict()
+
+    def fetch_part(part: SavedPart) -> torch.Tensor | None:
+        if part.source not in recent:
+            recent[part.source] = fetch(part.source)
+            while len(recent) > 2:
+                recent.popitem(last=False)
+        recent.move_to_end(part.source)
+        full = recent[part.source]
+        return None if full is None else part.cut(full)
+
+    return fetch_part
+
+
+def _gather_part(param: torch.Tensor, part: SavedPart, tp_group) -> torch.Tensor | None:
+    """`part` of a model tensor on TP rank 0 (None on the other TP ranks), gathering nothing else.
+
+    Each rank first cuts its own rows of the part out of its shard (under FSDP, fetched from the DP rank holding
+    them), so a fused experts tensor is never gathered whole: rank 0 holds one expert's tensor at a time.
     """
-    for key, tensor in full.items():
-        tensor.source = key
-    converted = checkpoint_names(model, full)
-    for key, tensor in converted.items():
-        if getattr(tensor, "source", None) is None:
-            raise NotImplementedError(
-                f"transformers rebuilds {key!r} from several tensors when saving {type(model).__name__}; "
-                f"autotp.save_pretrained cannot stream that yet"
-            )
-    return converted
+    shard = getattr(param, "autotp_shard", None)
+    partition = None if shard is None else shard.partition
+    local, index = _dp_rows(param.detach(), part.index, partition)
+    for dim, i in enumerate(index):  # an int keeps its dim (a run of one row) until after the gather
+        run = (i, 1) if isinstance(i, int) else i
+        if run is None:
+            continue
+        if partition is not None and dim == partition.dim:
+            partition, pieces = _restricted(partition, *run)
+            mine = [local.narrow(dim, offset, length) for offset, length in pieces[shard.rank]]
+            local = torch.cat(mine, dim=dim) if mine else local.narrow(dim, 0, 0)
+        else:
+            local = local.narrow(dim, *run)
+    full = local if partition is None else gather_full_to(local.contiguous(), partition, tp_group, dst=0)
+    if full is None:
+        return None
+    for dim in reversed(range(len(index))):
+        if isinstance(index[dim], int):
+            full = full.select(dim, 0)
+    kept = sorted(part.order)
+    return full.permute([kept.index(d) for d in part.order]).contiguous()
+
+
+def _restricted(partition: Partition, start: int, length: int) -> tuple[Partition, list[list[tuple[int, int]]]]:
+    """The partition of rows [start, start + length) of `partition`'s dim, and where each rank's share of them lies in
+    its shard ((offset, length) pieces); a replicated run stays replicated."""
+    runs, pieces = [], []
+    for rank_runs in partition.runs:
+        mine, where, offset = [], [], 0
+        for first, count in rank_runs:
+            lo, hi = max(first, start), min(first + count, start + length)
+            if lo < hi:
+                mine.append((lo - start, hi - lo))
+                where.append((offset + lo - first, hi - lo))
+            offset += count
+        runs.append(tuple(mine))
+        pieces.append(where)
+    return Partition(partition.dim, length, tuple(runs)), pieces
+
+
+def _dp_rows(tensor: torch.Tensor, index: tuple, partition: Partition | None) -> tuple[torch.Tensor, tuple]:
+    """This rank's TP shard of `tensor` and `index` into it. Under FSDP (a DTensor sharded on dim 0 over DP), when
+    `index` reads rows of dim 0 that one DP rank holds (one expert), only those rows, broadcast from that rank, with
+    `index` counted from them; otherwise the whole TP shard (`dp_full`)."""
+    rows = index[0] if index else None
+    if not isinstance(tensor, DTensor) or rows is None or (partition is not None and partition.dim == 0):
+        return dp_full(tensor), index
+    start, count = (rows, 1) if isinstance(rows, int) else rows
+    mesh, total = tensor.device_mesh, tensor.shape[0]
+    chunks = [dp_chunk(total, mesh.size(), r) for r in range(mesh.size())]
+    owners = [r for r, (first, n) in enumerate(chunks) if first <= start and start + count <= first + n]
+    if not owners:
+        return dp_full(tensor), index
+    owner, group = owners[0], mesh.get_group()
+    mine, first = local_rows(tensor)
+    if mesh.get_local_rank() == owner:
+        buffer = mine.narrow(0, start - first, count).contiguous()
+    else:
+        buffer = mine.new_empty((count, *mine.shape[1:]))
+    dist.broadcast(buffer, src=dist.get_global_rank(group, owner), group=group)
+    return buffer, (0 if isinstance(rows, int) else (0, count), *index[1:])
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -146,7 +240,9 @@ def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 def _write_metadata(model: nn.Module, params: Mapping[str, torch.Tensor], split, tmp: Path) -> None:
     config = getattr(model, "config", None)
     if config is not None:
-        config.architectures = [type(model).__name__]
+        from torch.distributed.fsdp import FSDPModule  # its class under fully_shard is FSDP<class>, not a model's name
+
+        config.architectures = [next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__]
         config.dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
     generation_config = getattr(model, "generation_config", None)

@@ -328,6 +328,9 @@ def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = 
             for name, p in model.named_parameters():
                 got = parity.full_tensor(p.grad, p, group)
                 report["grad"] = max(report["grad"], parity.grad_error(got, ref_params[name].grad))
+            norm = autotp.clip_grad_norm_(model, 1e9)  # the whole model's, as one process's (nothing clipped)
+            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+            report["grad"] = max(report["grad"], abs(norm.item() / expected.item() - 1))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()

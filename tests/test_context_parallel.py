@@ -99,7 +99,8 @@ def _groups(rank: int, world: int) -> dict:
     return {"tp": ranks(autotp.tp_group(model)), "cp": ranks(autotp.cp_group(model)),
             "dp": ranks(autotp.dp_group(model)), "dp_cp": ranks(autotp.dp_cp_group(model)),
             "sizes": (autotp.tp_size(model), autotp.cp_size(model), autotp.dp_size(model)),
-            "cp_rank": autotp.cp_rank(model)}
+            "cp_rank": autotp.cp_rank(model),
+            "samples": list(autotp.data_parallel_sampler(range(8), model, shuffle=False))}
 
 
 @pytest.mark.slow
@@ -108,7 +109,8 @@ def test_groups_tp_innermost_then_cp() -> None:
     """World 8 = dp 2 x cp 2 x tp 2: rank r is TP rank r % 2, CP rank (r // 2) % 2, replica r // 4."""
     got = run_ranks(_groups, 8)
     assert got[5] == {"tp": [4, 5], "cp": [5, 7], "dp": [1, 5], "dp_cp": [1, 3, 5, 7], "sizes": (2, 2, 2),
-                      "cp_rank": 0}
+                      "cp_rank": 0, "samples": [1, 3, 5, 7]}
+    assert [g["samples"] for g in got] == [[0, 2, 4, 6]] * 4 + [[1, 3, 5, 7]] * 4  # a replica's TP and CP ranks alike
 
 
 def _save_and_resume(rank: int, world: int, out: str) -> dict:
@@ -137,12 +139,14 @@ def _save_and_resume(rank: int, world: int, out: str) -> dict:
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    return {"state": state, "same": same, "logits": logits,
+        with autotp.GatherReplacedLayerParams(model):  # the whole model computes as one process, unsplit
+            gathered = model(input_ids=ids).logits
+    return {"state": state, "same": same, "logits": logits, "gathered": gathered,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 @pytest.mark.timeout(120)
-def test_save_pretrained_checkpoint_and_logits_at_cp2(tmp_path) -> None:
+def test_save_pretrained_checkpoint_gathered_params_and_logits_at_cp2(tmp_path) -> None:
     reports = run_ranks(_save_and_resume, 2, str(tmp_path))
     for report in reports:
         assert report["state"] == {"step": 3} and report["same"] == 0.0
@@ -154,7 +158,8 @@ def test_save_pretrained_checkpoint_and_logits_at_cp2(tmp_path) -> None:
     with torch.no_grad():
         expected = loaded(input_ids=batch()).logits
     assert reports[0]["logits"].shape == expected.shape
-    assert (reports[0]["logits"] - expected).abs().max() <= parity.LOSS_ATOL
+    for key in ("logits", "gathered"):
+        assert (reports[0][key] - expected).abs().max() <= parity.LOSS_ATOL, key
 
 
 @pytest.mark.parametrize("family,config,what", [

@@ -17,7 +17,8 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `parallel.collectives`, `parallel.seq_collectives`, `parallel.overlap`, `parallel.grad_hooks`,
    `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`,
    `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.agreement`,
-   `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.context_attention`, `parallel.context`
+   `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.context_attention`,
+   `parallel.context_kernels`, `parallel.context`
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
    `io.chunks`, `io.checkpoint`, `io.legacy`, `io.restore`, `io.consolidate`, `io.adapters`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`

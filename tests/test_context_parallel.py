@@ -66,6 +66,25 @@ def test_parity_at_cp2_qwen3_and_mixtral() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_parity_at_cp2_through_the_flash_branch() -> None:
+    """The variable-length (flash) branch, through a reference function with flash's signature registered with
+    transformers (`models.varlen_reference`), against one process's sdpa: packed segments per (row, document,
+    chunk), padding queries zero."""
+    cases = [("llama", 1, 2, mode, False, "varlen_reference") for mode in ("plain", "packed", "padding")]
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
+        assert_cp_parity(list(rank_reports), "flash branch cp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_flash_branch_at_tp2_cp2() -> None:
+    cases = [("qwen3", 2, 2, "packed", False, "varlen_reference"), ("mixtral", 2, 2, "padding", False,
+                                                                     "varlen_reference")]
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
+        assert_cp_parity(list(rank_reports), "flash branch tp=2 x cp=2")
+
+
+@pytest.mark.timeout(120)
 def test_parity_at_cp2_with_activation_checkpointing() -> None:
     """A checkpointed decoder layer recomputed in backward finds its forward's split and masks (they come down with
     transformers' keyword arguments)."""

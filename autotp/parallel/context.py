@@ -23,7 +23,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .collectives import all_reduce
-from .context_attention import LAYOUT_KWARG, CPAttention, Layout, build_layout, pad_positions
+from .context_attention import LAYOUT_KWARG, Layout, build_layout, pad_positions
+from .context_kernels import CPAttention, is_varlen
 from .groups import Group, group_size
 from .vocab import lazy_logits
 
@@ -35,9 +36,10 @@ def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
     """The model's attention implementation, or a refusal naming what context parallelism cannot do with parity."""
     config = model.config
     implementation = config._attn_implementation  # transformers' own field; read-only here
-    if implementation not in _SUPPORTED:
+    if implementation not in _SUPPORTED and not is_varlen(implementation):
         raise NotImplementedError(f"cp_size={cp_size}: attention '{implementation}' is not supported under context "
-                                  f"parallelism; load the model with attn_implementation='sdpa' or 'eager'")
+                                  f"parallelism; load the model with attn_implementation='sdpa', 'eager' or a "
+                                  f"flash-attention one")
     kinds = set(getattr(config, "layer_types", None) or [])
     if kinds - {"full_attention"}:
         raise NotImplementedError(f"cp_size={cp_size}: layers of type {sorted(kinds - {'full_attention'})} "
@@ -141,7 +143,8 @@ class ContextParallel:
         self.calls = 0
         self.name = f"autotp_cp_{original}"
         AttentionInterface.register(self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS))
-        ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, _mask_function(ALL_MASK_ATTENTION_FUNCTIONS[original]))
+        masks = ALL_MASK_ATTENTION_FUNCTIONS
+        ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, _mask_function(masks[original] if original in masks else None))
         self.modules = attention_modules(model)
         for module in self.modules:
             module.autotp_context = self
@@ -179,7 +182,7 @@ class ContextParallel:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=device)[None]
-        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device)
+        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0])
         if ids is not None:
             kwargs["input_ids"] = layout.split(ids)
         if embeds is not None:
@@ -237,12 +240,12 @@ class ContextParallel:
             raise NotImplementedError("output_router_logits (the MoE auxiliary loss) under context parallelism")
 
 
-def _mask_function(original: Callable) -> Callable:
+def _mask_function(original: Callable | None) -> Callable:
     """transformers' mask function for the registered name: none inside a CP forward (the attention masks per chunk),
-    the original's outside."""
+    the original's outside (none for an implementation that registered none)."""
 
     def mask(*args: Any, **kwargs: Any) -> Any:
-        return None if _ACTIVE else original(*args, **kwargs)
+        return None if _ACTIVE or original is None else original(*args, **kwargs)
 
     return mask
 

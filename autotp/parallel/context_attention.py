@@ -1,4 +1,4 @@
-"""Context parallelism's attention: the zigzag split of the sequence, the K/V all-gather, masks per query chunk.
+"""Context parallelism's attention data: the zigzag split of the sequence, the K/V all-gather, masks per query chunk.
 
 Each CP rank holds two of 2C equal chunks of the sequence, r and 2C-1-r ("zigzag"), so under a causal mask
 every rank attends over the same number of (query, key) pairs. Attention all-gathers K and V over the CP group
@@ -10,13 +10,12 @@ queries against every key, with a mask of [S/C, S] built from the global positio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..compat import torch as torch_compat
 from .groups import Group, group_rank, group_size, named_failure
@@ -92,6 +91,8 @@ class Layout:
     keys: torch.Tensor
     docs: torch.Tensor | None = None  # [B or 1, padded]
     kept: torch.Tensor | None = None  # [B, padded] bool
+    batch: int = 1
+    packed: tuple | None = field(default=None, repr=False)  # `segments`, built on first use
 
     def split(self, x: torch.Tensor, pad: Any = 0) -> torch.Tensor:
         """This rank's tokens of a [B, S, ...] tensor (the script's whole sequence), padded first if needed."""
@@ -123,6 +124,14 @@ class Layout:
         """Where each sequence index sits among the gathered keys (which come in rank order)."""
         return torch.argsort(self.keys)
 
+    def segments(self) -> tuple:
+        """(query rows, key rows, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k) of flash's packed
+        segments: one per (row, document, chunk), its queries the chunk's real tokens of the document and its keys
+        from the document's first token to the last query; rows index [B * S/C] queries and [B * S] keys."""
+        if self.packed is None:
+            self.packed = _segments(self)
+        return self.packed
+
     def key_ends(self) -> tuple[int, int]:
         """How many leading keys each of this rank's two chunks can see under the causal mask."""
         step = self.padded // (2 * self.size)
@@ -138,7 +147,7 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def build_layout(length: int, group: Group, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 device: torch.device) -> Layout:
+                 device: torch.device, batch: int = 1) -> Layout:
     """The split of one forward. `position_ids` [B or 1, S] and `attention_mask` [B, S] (1: a token, 0: padding)
     are the whole sequence's."""
     size, rank = group_size(group), group_rank(group)
@@ -153,7 +162,7 @@ def build_layout(length: int, group: Group, position_ids: torch.Tensor, attentio
             raise ValueError(f"context parallelism takes a 2-D attention mask [batch, seq] (1: token, 0: padding), got "
                              f"shape {tuple(attention_mask.shape)}; a 4-D mask would be [S, S], which CP never builds")
         kept = nn.functional.pad(attention_mask.to(device, torch.bool), (0, padded - length), value=False)
-    return Layout(length, padded, size, rank, local, keys, docs, kept)
+    return Layout(length, padded, size, rank, local, keys, docs, kept, batch)
 
 
 def pad_positions(position_ids: torch.Tensor, padded: int) -> torch.Tensor:
@@ -165,55 +174,39 @@ def pad_positions(position_ids: torch.Tensor, padded: int) -> torch.Tensor:
     return torch.cat([position_ids, last + torch.arange(1, extra + 1, device=position_ids.device)], dim=-1)
 
 
-class CPAttention:
-    """The attention function registered with transformers under `name`: while a CP layout is set on the module's
-    `autotp_context` it gathers K/V and masks; otherwise (generation with a cache, a gathered model) it is the
-    model's own function (`original`, or the module's eager function) with transformers' mask."""
-
-    def __init__(self, original: str, functions: dict[str, Callable]):
-        self.original, self.functions = original, functions
-
-    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        inner = module.autotp_eager if self.original == "eager" else self.functions[self.original]
-        context = module.autotp_context
-        # the forward's layout comes down with transformers' keyword arguments, so a checkpointed decoder layer's
-        # recomputation in backward finds it too; a model that does not pass them on has it from the context
-        layout = kwargs.pop(LAYOUT_KWARG, None) or context.layout
-        if layout is None:
-            return inner(module, query, key, value, attention_mask, **kwargs)
-        context.calls += 1
-        if kwargs.get("sliding_window") is not None:
-            raise NotImplementedError(f"{type(module).__name__}: sliding-window attention under context "
-                                      f"parallelism is not supported (its band would be masked per chunk); use cp_size=1")
-        kwargs["is_causal"] = False
-        eager = self.original == "eager"
-
-        def core(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            key, value = gather_kv(key, value, context.group)
-            if eager:  # every key: a row that sees nothing averages over all of them, as one process's does
-                return inner(module, query, key, value, layout.additive(query.dtype, True, layout.local, layout.keys),
-                             **kwargs)
-            return _two_chunks(inner, module, query, key, value, layout, kwargs)
-
-        if not torch.is_grad_enabled():
-            return core(query, key, value)
-        # Recomputed in backward: autograd keeps this rank's q, k, v, not the gathered K/V nor the [S/C, S] mask, so
-        # what a rank holds per layer falls as 1/C (the K/V all-gather runs again in backward, in layer order)
-        return checkpoint(core, query, key, value, use_reentrant=False)
-
-
-def _two_chunks(inner: Callable, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                layout: Layout, kwargs: dict) -> tuple[torch.Tensor, None]:
-    """sdpa on each of this rank's two chunks against only the keys a causal mask lets it see: (2 C + 1) / 4 C of
-    the whole [S/C, S] block (5/8 at cp 2), the same on every rank. Keys are put in sequence order first."""
-    order = layout.natural()
-    key, value = key.index_select(2, order), value.index_select(2, order)
-    half = query.shape[2] // 2
-    outputs = []
-    for rows, end in zip((slice(0, half), slice(half, None)), layout.key_ends()):
-        queries, keys = layout.local[rows], torch.arange(end, device=layout.local.device)
-        mask = layout.additive(query.dtype, False, queries, keys)
-        out, _ = inner(module, query[:, :, rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
-        outputs.append(out)
-    return torch.cat(outputs, dim=1), None  # [B, S/C, H, D], as transformers' attention functions return
+def _segments(layout: Layout) -> tuple:
+    """`Layout.segments`, built on the host (one pass over the tokens)."""
+    step, whole, device = layout.padded // (2 * layout.size), layout.padded, layout.local.device
+    starts = [int(layout.local[0]), int(layout.local[step])]
+    q_rows: list[int] = []
+    k_rows: list[int] = []
+    lengths: list[tuple[int, int]] = []
+    for b in range(layout.batch):
+        docs = layout.docs[b % layout.docs.shape[0]].tolist() if layout.docs is not None else [0] * whole
+        kept = layout.kept[b].tolist() if layout.kept is not None else [True] * whole
+        kept = [k and p < layout.length for p, k in enumerate(kept)]
+        first: dict[int, int] = {}
+        for p in range(whole):
+            if kept[p]:
+                first.setdefault(docs[p], p)
+        for chunk, start in enumerate(starts):
+            p = start
+            while p < start + step:
+                end = p
+                while end < start + step and docs[end] == docs[p]:
+                    end += 1
+                real = [t for t in range(p, end) if kept[t]]
+                if real:
+                    begin = first[docs[p]]
+                    if not all(kept[begin:real[-1] + 1]):
+                        raise NotImplementedError("flash attention under context parallelism takes padding only "
+                                                  "around documents, not inside one; use sdpa")
+                    q_rows += [b * 2 * step + chunk * step + t - start for t in real]
+                    k_rows += [b * whole + t for t in range(begin, real[-1] + 1)]
+                    lengths.append((len(real), real[-1] + 1 - begin))
+                p = end
+    cu = [torch.tensor([0, *lens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+          for lens in zip(*lengths)] if lengths else [torch.zeros(1, dtype=torch.int32, device=device)] * 2
+    longest = [max(lens) for lens in zip(*lengths)] if lengths else [0, 0]
+    rows = [torch.tensor(r, dtype=torch.long, device=device) for r in (q_rows, k_rows)]
+    return rows[0], rows[1], cu[0], cu[1], longest[0], longest[1]

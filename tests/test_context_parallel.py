@@ -134,7 +134,7 @@ def test_groups_tp_innermost_then_cp() -> None:
 
 def _save_and_resume(rank: int, world: int, out: str) -> dict:
     """3 steps at cp=2, save_pretrained and save_checkpoint; fresh models load the checkpoint at cp=2 and at tp=2;
-    logits gathered."""
+    logits gathered; generate; from_pretrained at cp=2."""
     torch.manual_seed(0)
     model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -160,7 +160,12 @@ def _save_and_resume(rank: int, world: int, out: str) -> dict:
         logits = model(input_ids=ids).logits
         with autotp.GatherReplacedLayerParams(model):  # the whole model computes as one process, unsplit
             gathered = model(input_ids=ids).logits
-    return {"state": state, "same": same, "logits": logits, "gathered": gathered,
+        generated = model.generate(ids[:, :5], max_new_tokens=4, do_sample=False)  # with a cache: unsplit
+        dist.barrier()
+        loaded = autotp.from_pretrained(f"{out}/hf", 1, cp_size=2)
+        loss = loaded(input_ids=ids, labels=ids).loss
+    return {"state": state, "same": same, "logits": logits, "gathered": gathered, "generated": generated,
+            "loaded_loss": loss.item(),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -176,9 +181,15 @@ def test_save_pretrained_checkpoint_gathered_params_and_logits_at_cp2(tmp_path) 
         assert torch.equal(p, reports[0]["params"][name]), name
     with torch.no_grad():
         expected = loaded(input_ids=batch()).logits
+        ids = batch()
+        expected_loss = loaded(input_ids=ids, labels=ids).loss.item()
+        generated = loaded.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
     assert reports[0]["logits"].shape == expected.shape
     for key in ("logits", "gathered"):
         assert (reports[0][key] - expected).abs().max() <= parity.LOSS_ATOL, key
+    for report in reports:  # from_pretrained(cp_size=2) and generate at cp=2
+        assert abs(report["loaded_loss"] - expected_loss) <= parity.LOSS_ATOL
+        assert torch.equal(report["generated"], generated)
 
 
 @pytest.mark.parametrize("family,config,what", [

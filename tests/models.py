@@ -442,3 +442,44 @@ def varlen_reference(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         outputs.append(nn.functional.scaled_dot_product_attention(
             query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling, enable_gqa=True))
     return torch.cat(outputs, dim=2).transpose(1, 2), None
+
+
+def cp_dropout_parity(rank: int, world: int, tp: int) -> dict:
+    """Runs on each rank: Phi-3 with hidden-state and embedding dropout 0.1, one process against tp x cp=world/tp,
+    each forward from the same seed (ranks seeded apart first: wrap aligns the CP ranks' streams); 2 AdamW steps."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = tiny_model("phi3", resid_pdrop=0.1, embd_pdrop=0.1)
+    torch.manual_seed(100 + rank)
+    model = autotp.wrap(copy.deepcopy(reference), tp, cp_size=world // tp)
+    reference.train()
+    model.train()
+    inputs, ref_inputs = cp_inputs("packed")
+    ref_params = dict(reference.named_parameters())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (reference, model)]
+    report = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(2):
+        seed = torch.randint(0, 1 << 30, ()).item()  # the same on every rank: the streams are aligned
+        torch.manual_seed(seed)
+        ref_loss = reference(**ref_inputs).loss
+        ref_loss.backward()
+        torch.manual_seed(seed)
+        loss = model(**inputs).loss
+        loss.backward()
+        autotp.allreduce_gradients(model)
+        report["loss"] = max(report["loss"], abs(loss.item() - ref_loss.item()))
+        if step == 0:
+            with torch.no_grad():  # the masks are on: the loss differs from evaluation's
+                report["dropped"] = abs(reference.eval()(**ref_inputs).loss.item() - ref_loss.item())
+                reference.train()
+            for name, p in model.named_parameters():
+                got = parity.full_tensor(p.grad, p, autotp.tp_group(model))
+                report["grad"] = max(report["grad"], parity.grad_error(got, ref_params[name].grad))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, p in model.named_parameters():
+        diff = (parity.full_tensor(p, p, autotp.tp_group(model)) - ref_params[name].detach()).abs().max().item()
+        report["param"] = max(report["param"], diff)
+    return report

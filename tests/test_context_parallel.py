@@ -21,7 +21,8 @@ from autotp.parallel.context_attention import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
-    CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_held_bytes, cp_lora_parity, cp_parity_cases, tiny_model,
+    CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_dropout_parity, cp_held_bytes, cp_lora_parity, cp_parity_cases,
+    tiny_model,
 )
 
 
@@ -82,6 +83,23 @@ def test_flash_branch_at_tp2_cp2() -> None:
                                                                      "varlen_reference")]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
         assert_cp_parity(list(rank_reports), "flash branch tp=2 x cp=2")
+
+
+@pytest.mark.timeout(120)
+def test_hidden_dropout_draws_one_process_masks_at_cp2() -> None:
+    """Phi-3's residual and embedding dropout: each rank keeps its tokens of the whole sequence's mask."""
+    reports = run_ranks(cp_dropout_parity, 2, 1)
+    assert_cp_parity(reports, "dropout cp=2")
+    assert all(r["dropped"] > 1e-3 for r in reports)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_phi3_and_dropout_at_tp2_cp2() -> None:
+    """Phi-3's attention modules hold a config copy of their own at tp=2: they too run CP's attention."""
+    assert_cp_parity(run_ranks(cp_dropout_parity, 4, 2), "dropout tp=2 x cp=2")
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 4, [("phi3", 2, 2, "packed", False, "sdpa")])):
+        assert_cp_parity(list(rank_reports), "phi3 tp=2 x cp=2")
 
 
 @pytest.mark.timeout(120)
@@ -196,7 +214,7 @@ def test_save_pretrained_checkpoint_gathered_params_and_logits_at_cp2(tmp_path) 
     ("mistral", dict(sliding_window=8), "sliding-window"),
     ("gemma2", {}, "sliding-window"),
     ("llama", dict(attention_dropout=0.1), "attention-probability dropout"),
-    ("gpt2", dict(resid_pdrop=0.1, attn_pdrop=0.0, embd_pdrop=0.0), "dropout"),
+    ("bloom", {}, "attention interface"),  # ALiBi computed in its own attention
 ])
 def test_refused_by_name_before_anything_changes(family: str, config: dict, what: str) -> None:
     model = tiny_model(family, **config)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -26,6 +27,7 @@ from .collectives import all_reduce
 from .context_attention import LAYOUT_KWARG, Layout, build_layout, pad_positions
 from .context_kernels import CPAttention, is_varlen
 from .groups import Group, group_size
+from .rng import sync_replicated_stream
 from .vocab import lazy_logits
 
 _SUPPORTED = ("sdpa", "eager")
@@ -51,10 +53,10 @@ def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
     if getattr(config, "attention_chunk_size", None):
         raise NotImplementedError(f"cp_size={cp_size}: chunked attention is not supported under context parallelism")
     for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
-            what = "attention-probability dropout (one process's masks cannot be matched without an [S, S] mask)" \
-                if "att" in key else "dropout (masks as one process draws them are not implemented under CP)"
-            raise NotImplementedError(f"cp_size={cp_size}: {key}={value}: {what}; set it to 0 or use cp_size=1")
+        if ("dropout" in key or "pdrop" in key) and "att" in key and isinstance(value, (int, float)) and value > 0:
+            raise NotImplementedError(f"cp_size={cp_size}: {key}={value}: attention-probability dropout under context "
+                                      f"parallelism (one process's masks cannot be matched without an [S, S] mask); "
+                                      f"set it to 0 or use cp_size=1")
     if getattr(config, "output_router_logits", False):
         raise NotImplementedError(f"cp_size={cp_size}: output_router_logits (the MoE auxiliary loss over every token) "
                                   f"is not supported under context parallelism; set it to False")
@@ -140,6 +142,7 @@ class ContextParallel:
     def __init__(self, model: nn.Module, group: Group, state, original: str):
         self.model, self.group, self.state, self.original = model, group, state, original
         self.layout: Layout | None = None
+        self.dropout: _WholeSequenceDropout | None = None
         self.calls = 0
         self.name = f"autotp_cp_{original}"
         AttentionInterface.register(self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS))
@@ -155,6 +158,14 @@ class ContextParallel:
         self.hooks = [model.register_forward_pre_hook(only(self.enter), with_kwargs=True),
                       model.register_forward_hook(self.leave, with_kwargs=True, always_call=True)]
         model.set_attn_implementation(self.name)
+        self._per_module_configs(self.name)
+
+    def _per_module_configs(self, name: str) -> None:
+        """Attention modules given a config copy of their own (their rank's head counts, `apply_plan`) read the
+        implementation from it, which `set_attn_implementation` does not reach: set there too (transformers' field)."""
+        for module in self.modules:
+            if module.config is not self.model.config:
+                module.config._attn_implementation = name
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -163,6 +174,7 @@ class ContextParallel:
             del module.autotp_context, module.autotp_eager
         self.model.loss_function = self.inner_loss
         self.model.set_attn_implementation(self.original)
+        self._per_module_configs(self.original)
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Keep this rank's tokens of the whole batch; a forward with a cache (generation) runs whole."""
@@ -191,6 +203,9 @@ class ContextParallel:
             1, layout.local)
         kwargs["attention_mask"], kwargs["use_cache"], kwargs[LAYOUT_KWARG] = None, False, layout
         self.layout, self.calls = layout, 0
+        self.dropout = _WholeSequenceDropout(layout) if module.training else None
+        if self.dropout is not None:
+            self.dropout.__enter__()
         _ACTIVE.append(1)
         return (), kwargs
 
@@ -199,6 +214,9 @@ class ContextParallel:
         if layout is None:
             return output
         _ACTIVE.pop()
+        if self.dropout is not None:
+            self.dropout.__exit__(None, None, None)
+            self.dropout = None
         if output is None:  # the forward raised
             return output
         if self.calls == 0:
@@ -233,11 +251,42 @@ class ContextParallel:
         if torch.compiler.is_compiling():
             raise NotImplementedError("torch.compile of a model under context parallelism is not supported yet; "
                                       "compile with cp_size=1")
+        if module.training and getattr(module, "is_activation_checkpointing", False) and _dropout_on(module):
+            raise NotImplementedError("dropout with activation checkpointing under context parallelism: a layer "
+                                      "recomputed in backward would draw other masks; turn one of them off")
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions under context parallelism: each rank holds its queries' rows "
                                       "against every key, never the whole [S, S] probabilities; use cp_size=1")
         if kwargs.get("output_router_logits"):
             raise NotImplementedError("output_router_logits (the MoE auxiliary loss) under context parallelism")
+
+
+class _WholeSequenceDropout(TorchFunctionMode):
+    """Dropout on this rank's tokens with the masks one process draws: the whole sequence's mask is drawn (every CP
+    rank's generator is the same, `install`) and this rank's tokens of it kept, as sequence parallelism's
+    `ChunkDropout` does. Entered for a training forward's duration."""
+
+    def __init__(self, layout: Layout):
+        super().__init__()
+        self.layout = layout
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.dropout:
+            return self._dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _dropout(self, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        layout = self.layout
+        if not (training and 0 < p < 1) or x.dim() < 2 or x.shape[1] != layout.local.numel():
+            return nn.functional.dropout(x, p, training, inplace)
+        noise = x.new_empty((x.shape[0], layout.length, *x.shape[2:])).bernoulli_(1 - p).div_(1 - p)
+        return x * layout.split(noise)
+
+
+def _dropout_on(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
+        ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in model.config.to_dict().items())
 
 
 def _mask_function(original: Callable | None) -> Callable:
@@ -254,4 +303,6 @@ def install(model: nn.Module, group: Group, state, cp_size: int) -> ContextParal
     """Context parallelism over `group` on a wrapped model; None at cp_size 1 (the same code runs, unsplit)."""
     if group_size(group) == 1:
         return None
-    return ContextParallel(model, group, state, refuse_unsupported(model, cp_size))
+    original = refuse_unsupported(model, cp_size)
+    sync_replicated_stream(group)  # dropout: every CP rank draws the whole sequence's masks alike
+    return ContextParallel(model, group, state, original)

@@ -17,10 +17,11 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `parallel.collectives`, `parallel.seq_collectives`, `parallel.overlap`, `parallel.grad_hooks`,
    `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`,
    `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.agreement`,
-   `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.context_attention`,
+   `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.row_gather`, `parallel.context_attention`,
    `parallel.context_kernels`, `parallel.context`
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
-   `io.chunks`, `io.checkpoint`, `io.legacy`, `io.restore`, `io.consolidate`, `io.adapters`
+   `io.chunks`, `io.checkpoint`, `io.legacy`, `io.restore`, `io.consolidate`, `io.adapters`, `io.parts`,
+   `io.export`, `io.sync`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
 7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`
 8. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
@@ -39,7 +40,9 @@ from .io.errors import CheckpointError
 from .io.checkpoint import save_checkpoint
 from .io.consolidate import consolidate
 from .io.restore import load_checkpoint
+from .io.export import EngineLayout, export_adapters, export_weights
 from .io.save import save_pretrained
+from .io.sync import receive_weights, sync_weights
 from .parallel.layers import LinearAllreduce, LinearLayer
 from .planning.plan import Plan
 from .parallel.replicas import check_replicas
@@ -51,8 +54,8 @@ __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "cp_group", "cp_rank", "cp_size",
     "data_parallel_sampler", "dp_cp_group", "dp_group", "dp_rank",
     "dp_mesh", "dp_size", "finish", "fully_shard", "tp_group", "tp_rank", "tp_size",
-    "CheckpointError", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
-    "Shard", "build_plan", "check_replicas", "consolidate", "explain", "from_pretrained", "load_checkpoint", "save_checkpoint",
-    "save_pretrained", "wrap",
+    "CheckpointError", "EngineLayout", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
+    "Shard", "build_plan", "check_replicas", "consolidate", "explain", "export_adapters", "export_weights", "from_pretrained", "load_checkpoint", "receive_weights", "save_checkpoint",
+    "save_pretrained", "sync_weights", "wrap",
 ]
 __version__ = "0.1.0"

@@ -145,3 +145,70 @@ def patch_update_layer(around: Callable[[AdapterRequest, Callable[[], None]], No
                 del linear.update_layer
 
     return restore
+
+
+# --- PEFT's names and merge, for exporting weights (autotp.io.export) ------------------------------------------------
+
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def peft_inner(model: nn.Module) -> nn.Module:
+    """The transformers model a `PeftModel` adapts (`peft_model.base_model.model`), else `model` itself."""
+    classes = _classes()
+    if classes is not None and isinstance(model, classes["peft"][:2]):
+        return model.base_model.model
+    return model
+
+
+def base_keys(root: nn.Module, keys: list[str], copies: bool) -> dict[str, tuple[str, str | None]]:
+    """Name as transformers saves it after PEFT's `merge_and_unload` -> (state-dict key of `root`, path of the LoRA
+    layer whose base weight it is, or None), for every key that is not an adapter. `copies`: a `modules_to_save`
+    module goes out as its active trainable copy (what merge_and_unload keeps), else as the original module."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for key in keys:
+        if any(part in f".{key}" for part in _ADAPTER_PARTS):
+            continue
+        if ".base_layer." in f".{key}":
+            path, _, leaf = key.partition(".base_layer.")
+            out[f"{path}.{leaf}"] = (key, path if leaf == "weight" and is_lora_linear(root.get_submodule(path)) else None)
+        elif ".original_module." in key:
+            if not copies:
+                out[key.replace(".original_module.", ".", 1)] = (key, None)
+        elif ".modules_to_save." in key:
+            path, _, rest = key.partition(".modules_to_save.")
+            name, _, leaf = rest.partition(".")
+            if copies and name in root.get_submodule(path).active_adapters:
+                out[f"{path}.{leaf}"] = (key, None)
+        else:
+            out[key] = (key, None)
+    return out
+
+
+def merged_weight(lora: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (the base layer's, or this rank's rows or columns of it) with every active adapter of PEFT's LoRA
+    `lora` added, in fp32, as `merge_and_unload` adds it: W + scaling * B @ A (transposed for Conv1D). Holding the
+    halves that match `weight`'s rows (lora_B of a column layer) or columns (lora_A of a row layer), the product is
+    this rank's part of the delta."""
+    if not is_lora_linear(lora):
+        raise NotImplementedError(f"autotp: merging {type(lora).__name__} is not supported; use merge_lora=False")
+    out = weight.detach().float()
+    if lora.merged:  # merged in place already: the weight holds the delta
+        return out
+    for name in lora.active_adapters:
+        if name not in lora.lora_A:
+            continue
+        if getattr(lora, "lora_variant", {}).get(name) is not None or lora.lora_B[name].bias is not None:
+            raise NotImplementedError(f"autotp: merging adapter {name!r} (a LoRA variant or lora_bias) is not "
+                                      f"supported; use merge_lora=False")
+        delta = lora.lora_B[name].weight.detach().float() @ lora.lora_A[name].weight.detach().float()
+        out = out + (delta.t() if lora.fan_in_fan_out else delta) * lora.scaling[name]
+    return out
+
+
+def adapter_state_dict(peft_model: nn.Module, state_dict: dict[str, torch.Tensor],
+                       adapter_name: str) -> dict[str, torch.Tensor]:
+    """PEFT's saved names of `adapter_name`'s tensors (`get_peft_model_state_dict`, what `save_pretrained` writes):
+    saved name -> the very tensor of `state_dict` (the PEFT model's keys)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(peft_model, state_dict=state_dict, adapter_name=adapter_name)

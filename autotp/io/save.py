@@ -20,17 +20,14 @@ import torch
 import torch.distributed as dist
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from torch import nn
-from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from ..compat.hf import (
-    SavedPart, SavedTensor, adapter_module, checkpoint_layout, keys_to_ignore_on_save, remove_tied_weights,
-)
+from ..compat.hf import SavedPart, SavedTensor, adapter_module
 from ..parallel.collectives import gather_full_to
-from ..parallel.dtensor_rows import dp_chunk, dp_full, local_rows
+from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import global_rank, is_global_rank0
 from ..parallel.state import find_state
-from ..planning.sharding import Partition
+from .parts import full_shape, gather_part, saved_layout
 from .safetensors import SafetensorsWriter
 from .staging import staged_directory
 
@@ -68,7 +65,7 @@ def save_pretrained(
         return tensor if shard is None else gather_full_to(tensor, shard.partition, tp_group, dst=0)
 
     def fetch_part(part: SavedPart) -> torch.Tensor | None:
-        return _gather_part(params[part.source], part, tp_group)
+        return gather_part(params[part.source], part, tp_group)
 
     with staged_directory(save_directory, overwrite, into_existing=into_existing) as tmp:
         if in_writer_group:
@@ -84,10 +81,7 @@ def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fe
     `fetch(key)` returns the full tensor where it is written and None elsewhere (it may be collective).
     `fetch_part(part)` does the same for a cut of one (one expert); without it, parts are cut from `fetch`.
     """
-    names = list(remove_tied_weights({k: v.detach() for k, v in params.items()}, model))
-    ignored = keys_to_ignore_on_save(model)
-    layout = checkpoint_layout(model, {
-        n: torch.empty(_full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names if n not in ignored})
+    layout = saved_layout(model, params)
     # as transformers splits its converted state dict: the views of one tensor (its experts) sized and placed together
     split = split_state_dict_into_shards_factory(
         layout, get_storage_size=lambda t: t.storage[1], get_storage_id=lambda t: t.storage[0],
@@ -163,80 +157,6 @@ def _cutting(fetch: Callable[[str], torch.Tensor | None]) -> Callable[[SavedPart
     return fetch_part
 
 
-def _gather_part(param: torch.Tensor, part: SavedPart, tp_group) -> torch.Tensor | None:
-    """`part` of a model tensor on TP rank 0 (None on the other TP ranks), gathering nothing else.
-
-    Each rank first cuts its own rows of the part out of its shard (under FSDP, fetched from the DP rank holding
-    them), so a fused experts tensor is never gathered whole: rank 0 holds one expert's tensor at a time.
-    """
-    shard = getattr(param, "autotp_shard", None)
-    partition = None if shard is None else shard.partition
-    local, index = _dp_rows(param.detach(), part.index, partition)
-    for dim, i in enumerate(index):  # an int keeps its dim (a run of one row) until after the gather
-        run = (i, 1) if isinstance(i, int) else i
-        if run is None:
-            continue
-        if partition is not None and dim == partition.dim:
-            partition, pieces = _restricted(partition, *run)
-            mine = [local.narrow(dim, offset, length) for offset, length in pieces[shard.rank]]
-            local = torch.cat(mine, dim=dim) if mine else local.narrow(dim, 0, 0)
-        else:
-            local = local.narrow(dim, *run)
-    full = local if partition is None else gather_full_to(local.contiguous(), partition, tp_group, dst=0)
-    if full is None:
-        return None
-    for dim in reversed(range(len(index))):
-        if isinstance(index[dim], int):
-            full = full.select(dim, 0)
-    kept = sorted(part.order)
-    return full.permute([kept.index(d) for d in part.order]).contiguous()
-
-
-def _restricted(partition: Partition, start: int, length: int) -> tuple[Partition, list[list[tuple[int, int]]]]:
-    """The partition of rows [start, start + length) of `partition`'s dim, and where each rank's share of them lies in
-    its shard ((offset, length) pieces); a replicated run stays replicated."""
-    runs, pieces = [], []
-    for rank_runs in partition.runs:
-        mine, where, offset = [], [], 0
-        for first, count in rank_runs:
-            lo, hi = max(first, start), min(first + count, start + length)
-            if lo < hi:
-                mine.append((lo - start, hi - lo))
-                where.append((offset + lo - first, hi - lo))
-            offset += count
-        runs.append(tuple(mine))
-        pieces.append(where)
-    return Partition(partition.dim, length, tuple(runs)), pieces
-
-
-def _dp_rows(tensor: torch.Tensor, index: tuple, partition: Partition | None) -> tuple[torch.Tensor, tuple]:
-    """This rank's TP shard of `tensor` and `index` into it. Under FSDP (a DTensor sharded on dim 0 over DP), when
-    `index` reads rows of dim 0 that one DP rank holds (one expert), only those rows, broadcast from that rank, with
-    `index` counted from them; otherwise the whole TP shard (`dp_full`)."""
-    rows = index[0] if index else None
-    if not isinstance(tensor, DTensor) or rows is None or (partition is not None and partition.dim == 0):
-        return dp_full(tensor), index
-    start, count = (rows, 1) if isinstance(rows, int) else rows
-    mesh, total = tensor.device_mesh, tensor.shape[0]
-    chunks = [dp_chunk(total, mesh.size(), r) for r in range(mesh.size())]
-    owners = [r for r, (first, n) in enumerate(chunks) if first <= start and start + count <= first + n]
-    if not owners:
-        return dp_full(tensor), index
-    owner, group = owners[0], mesh.get_group()
-    mine, first = local_rows(tensor)
-    if mesh.get_local_rank() == owner:
-        buffer = mine.narrow(0, start - first, count).contiguous()
-    else:
-        buffer = mine.new_empty((count, *mine.shape[1:]))
-    dist.broadcast(buffer, src=dist.get_global_rank(group, owner), group=group)
-    return buffer, (0 if isinstance(rows, int) else (0, count), *index[1:])
-
-
-def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    shard = getattr(tensor, "autotp_shard", None)
-    return tuple(tensor.shape) if shard is None else shard.full_shape(tensor.shape)
-
-
 def _write_metadata(model: nn.Module, params: Mapping[str, torch.Tensor], split, tmp: Path) -> None:
     config = getattr(model, "config", None)
     if config is not None:
@@ -250,6 +170,6 @@ def _write_metadata(model: nn.Module, params: Mapping[str, torch.Tensor], split,
         generation_config.save_pretrained(tmp)
     if split.is_sharded:
         unique = {id(p): p for p in params.values() if isinstance(p, nn.Parameter)}
-        count = sum(torch.Size(_full_shape(p)).numel() for p in unique.values())
+        count = sum(torch.Size(full_shape(p)).numel() for p in unique.values())
         index = {"metadata": {"total_parameters": count, **split.metadata}, "weight_map": split.tensor_to_filename}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

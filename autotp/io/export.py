@@ -1,0 +1,209 @@
+"""Weights out to a rollout engine (vLLM, SGLang, TRL): a sharded model's weights as transformers' checkpoint names,
+gathered bucket by bucket, LoRA merged on the fly, optionally cut to the engine's own tensor-parallel rows.
+
+Why: an RL trainer sends its weights to the engine after every step. Saving and reloading from disk is slow, and
+gathering one parameter at a time is thousands of collectives. `export_weights` reuses `save_pretrained`'s layout
+(`autotp.io.parts`: names, MoE experts one per expert, tied weights left out) and gathers each bucket of tensors in
+one message per rank (`autotp.parallel.row_gather`). Every bucket opens with a one-int agreement over the ranks
+taking part, so a rank that stops iterating early (a `break`, `close()`) makes the others raise, not hang.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..compat.hf import SavedTensor
+from ..compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
+from ..parallel.lora import adapt_all
+from ..parallel.row_gather import RowRequest, gather_rows_to
+from ..parallel.state import find_state
+from ..planning.options import WrapOptions
+from ..planning.planner import build_plan
+from ..planning.sharding import Partition
+from .parts import finish_part, full_shape, local_part, restricted, saved_layout
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The rollout engine's tensor parallelism: `tp_size` ranks, each holding the rows `autotp.wrap(model, tp_size)`
+    would hold (the same plan, computed for `tp_size` on a meta copy of the model)."""
+
+    tp_size: int
+
+    def partitions(self, model: nn.Module) -> dict[str, Partition]:
+        """Model tensor name -> its partition over the engine's ranks (absent: whole on every engine rank)."""
+        if self.tp_size == 1:
+            return {}
+        state = find_state(model)
+        options = state.options if state is not None else WrapOptions()
+        with torch.device("meta"):
+            twin = type(model)(copy.deepcopy(model.config))
+        plan = build_plan(twin, self.tp_size, options.policy, options.vocab_parallel, options.example_inputs)
+        return plan.sharded_params(twin)
+
+
+def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dtype | None = None,
+                   bucket_bytes: int = 256 << 20, target: EngineLayout | None = None) -> Iterator[tuple]:
+    """The model's weights as transformers' `save_pretrained` of the same one-process model writes them.
+
+    Iterate it on every rank of the TP group (under `autotp.fully_shard`, on every rank): TP rank 0 of each group
+    gets `(name, tensor)`, the other ranks take part in the gathers and get nothing. Every rank must exhaust the
+    iterator; one that stops early (`break`, `close()`) makes the others raise at their next bucket. Tensors are
+    gathered `bucket_bytes` at a time (one message per rank per bucket): a rank holds at most one bucket plus one
+    tensor more than its shards. Each yielded tensor is a new one (the model is left as it was); `dtype` casts it.
+
+    `merge_lora`: PEFT's active LoRA adapters (added before or after `wrap`) merged in fp32 into the base weights as
+    `merge_and_unload()` would, `modules_to_save` copies under the base names; the model keeps its adapters.
+    False: the base weights alone (the adapters come from `export_adapters`).
+    `target`: an `EngineLayout`; TP rank 0 then gets `(name, engine_rank, rows)` for every engine rank, the rows
+    `autotp.wrap(model, target.tp_size)` holds on that rank, assembled from the trainer ranks' rows; no full tensor
+    is built (replicated tensors go whole to every engine rank).
+    """
+    root = peft_inner(model)
+    state = find_state(root)
+    if state is not None and state.tp_group is not None:
+        adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
+    raw = root.state_dict(keep_vars=True)
+    keys = base_keys(root, list(raw), copies=merge_lora)
+    params = {name: raw[key] for name, (key, _) in keys.items()}
+    loras = {name: root.get_submodule(path) for name, (_, path) in keys.items() if path is not None and merge_lora}
+    layout = saved_layout(root, params)
+    engine = None if target is None else target.partitions(root)
+    items = [(name, saved) for name, saved in layout.items()]
+
+    def local(name: str) -> torch.Tensor:
+        tensor = params[name]
+        if name in loras:
+            merged = merged_weight(loras[name], tensor)
+            merged.autotp_shard = getattr(tensor, "autotp_shard", None)
+            return merged
+        return tensor
+
+    def requests(name: str, saved: SavedTensor) -> list[RowRequest]:
+        out_dtype = dtype or saved.dtype
+        reqs = []
+        for part in saved.parts:
+            tensor = local(part.source)
+            rows, partition = local_part(tensor, getattr(tensor, "autotp_shard", None), part)
+            if engine is None:
+                reqs.append(RowRequest(rows, partition, None, out_dtype))
+                continue
+            if len(saved.parts) > 1:
+                raise NotImplementedError(f"autotp.export_weights(target=...): {name} is several model tensors joined; "
+                                          f"slicing it for an engine is not supported")
+            for rank in range(target.tp_size):
+                reqs.append(_engine_request(rows, partition, engine.get(part.source), part.index, rank, out_dtype,
+                                            name))
+        return reqs
+
+    def results(name: str, saved: SavedTensor, assembled: Iterator[torch.Tensor]) -> Iterator[tuple]:
+        if engine is not None:
+            for rank in range(target.tp_size):
+                yield name, rank, finish_part(next(assembled), saved.parts[0])
+            return
+        parts = [finish_part(next(assembled), part) for part in saved.parts]
+        yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=saved.dim)
+
+    def size(saved: SavedTensor) -> int:
+        nbytes = torch.Size(saved.shape).numel() * (dtype or saved.dtype).itemsize
+        replicated = engine is not None and saved.parts[0].source not in engine
+        return nbytes * (target.tp_size if replicated else 1)
+
+    tp_group = None if state is None else state.tp_group
+    agree_group = (dist.group.WORLD if state.fsdp else tp_group) if state is not None else None
+    return _exported(items, size, requests, results, bucket_bytes, tp_group, agree_group)
+
+
+def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group, agree_group) -> Iterator[tuple]:
+    """The buckets, each opened by an agreement that every rank is still iterating."""
+    done = False
+    try:
+        for bucket in _buckets(items, size, bucket_bytes):
+            _agree(agree_group, stopping=False)
+            reqs = [r for name, saved in bucket for r in requests(name, saved)]
+            assembled = gather_rows_to(reqs, tp_group, dst=0)
+            del reqs
+            if assembled is not None:
+                for name, saved in bucket:
+                    yield from results(name, saved, assembled)
+        _agree(agree_group, stopping=False)
+        done = True
+    except GeneratorExit:
+        if not done:
+            _agree(agree_group, stopping=True)  # the other ranks wait in the next agreement: tell them
+        raise
+
+
+def _buckets(items: list, size, bucket_bytes: int) -> Iterator[list]:
+    bucket, used = [], 0
+    for item in items:
+        n = size(item[1])
+        if bucket and used + n > bucket_bytes:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(item)
+        used += n
+    if bucket:
+        yield bucket
+
+
+def _agree(group, stopping: bool) -> None:
+    """Every rank of `group` says whether it goes on; raises on the others when one stopped iterating."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
+    flags[dist.get_rank(group)] = int(stopping)
+    dist.all_reduce(flags, group=group)
+    stopped = [dist.get_global_rank(group, r) for r, f in enumerate(flags.tolist()) if f]
+    if stopped and not stopping:
+        raise RuntimeError(f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every rank "
+                           f"taking part must exhaust the iterator (the others would wait for it forever)")
+
+
+def _engine_request(rows: torch.Tensor, partition: Partition | None, engine: Partition | None, index: tuple,
+                    rank: int, dtype: torch.dtype, name: str) -> RowRequest:
+    """Engine rank `rank`'s rows of a part (`rows` this trainer rank's, cut by `local_part`)."""
+    if engine is None:
+        return RowRequest(rows, partition, None, dtype)
+    run = index[engine.dim] if engine.dim < len(index) else None
+    if run is not None:
+        engine = restricted(engine, *((run, 1) if isinstance(run, int) else run))[0]
+    if partition is not None and partition.dim != engine.dim:
+        raise NotImplementedError(f"autotp.export_weights(target=...): {name} is split on dim {partition.dim} here and "
+                                  f"on dim {engine.dim} at the engine's tp_size; not supported")
+    return RowRequest(rows, partition, engine.runs[rank], dtype, dim=engine.dim)
+
+
+def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: torch.dtype | None = None,
+                    bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    """PEFT adapter `adapter_name` of the `PeftModel` `model` as `(name, tensor)` under PEFT's saved names (what its
+    `save_pretrained` writes, full size), for engines that take LoRA adapters beside `export_weights(merge_lora=False)`.
+    Iterated like `export_weights`: on every TP rank, to the end; TP rank 0 gets the tensors."""
+    root = peft_inner(model)
+    state = find_state(root)
+    if state is not None and state.tp_group is not None:
+        adapt_all(root, state)
+    tensors = adapter_state_dict(model, model.state_dict(keep_vars=True), adapter_name)
+    items = [(name, SavedTensor((), 0, full_shape(t), t.dtype, (0, 0))) for name, t in tensors.items()]
+
+    def requests(name: str, _: SavedTensor) -> list[RowRequest]:
+        tensor = tensors[name].detach()
+        shard = getattr(tensors[name], "autotp_shard", None)
+        return [RowRequest(tensor, None if shard is None else shard.partition, None, dtype or tensor.dtype)]
+
+    def results(name: str, _: SavedTensor, assembled: Iterator[torch.Tensor]) -> Iterator[tuple]:
+        yield name, next(assembled)
+
+    def size(entry: SavedTensor) -> int:
+        return torch.Size(entry.shape).numel() * (dtype or entry.dtype).itemsize
+
+    tp_group = None if state is None else state.tp_group
+    return _exported(items, size, requests, results, bucket_bytes, tp_group, tp_group)
+

@@ -1,0 +1,111 @@
+"""Weights broadcast from the trainer to a rollout engine's ranks, bucket by bucket, and received there.
+
+Why: verl and OpenRLHF each hand-write this loop (gather, broadcast, `load_weights`); here it is written once over
+`export_weights`. The engine's ranks are not in the training world, so the caller builds `engine_group` itself: a
+process group holding the sending trainer rank (TP rank 0 of one replica) and every engine rank, for example
+`torch.distributed.ProcessGroupGloo` / `ProcessGroupNCCL` over its own `TCPStore`, or `dist.new_group` when the
+engine ranks are extra ranks of one world. With vLLM: build the group in a worker extension on every worker (the
+pattern of vLLM's RLHF examples), call `receive_weights` there and pass what it yields to
+`model_runner.model.load_weights(...)`; SGLang's `update_weights_from_distributed` reads the same group.
+
+Each bucket travels as three broadcasts: its header's length, the header (names, dtypes, shapes; JSON), and the
+tensors' bytes in one flat buffer. A header length of 0 ends the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .export import export_weights
+
+_ALIGN = 16
+
+
+def sync_weights(model: nn.Module, engine_group: dist.ProcessGroup | None, *, src: int = 0, merge_lora: bool = True,
+                 dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
+                 device: torch.device | str | None = None) -> None:
+    """Send the model's weights (`export_weights`' names and values) to every rank of `engine_group`.
+
+    Call it on every rank that `export_weights` runs on. `engine_group` is the group on the one trainer rank that
+    sends (a TP rank 0, as rank `src` of the group) and None on the others, which only take part in the gathers.
+    Buckets of about `bucket_bytes` are broadcast from `device` (default: where the weights are; a CUDA device for
+    NCCL). The engine's ranks call `receive_weights` meanwhile.
+    """
+    exported = export_weights(model, merge_lora=merge_lora, dtype=dtype, bucket_bytes=bucket_bytes)
+    if engine_group is None:
+        for _ in exported:
+            raise RuntimeError("autotp.sync_weights: this rank holds exported tensors (a TP rank 0) but was given no "
+                               "engine_group")
+        return
+    bucket, used, where = [], 0, device or "cpu"
+    for name, tensor in exported:
+        bucket.append((name, tensor if device is None else tensor.to(device)))
+        where = bucket[-1][1].device
+        used += tensor.nbytes
+        if used >= bucket_bytes:
+            _send(bucket, engine_group, src)
+            bucket, used = [], 0
+    if bucket:
+        _send(bucket, engine_group, src)
+    _broadcast(engine_group, torch.zeros(1, dtype=torch.int64, device=where), src)
+
+
+def receive_weights(engine_group: dist.ProcessGroup, *, src: int = 0,
+                    device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """On an engine rank: `(name, tensor)` as `sync_weights` sends them, to pass to the engine's `load_weights`.
+
+    Each tensor is a view into its bucket's buffer on `device` (CUDA for NCCL), valid until the next is asked for
+    from the following bucket: copy what you keep (`load_weights` copies). Iterate it to the end.
+    """
+    while True:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        _broadcast(engine_group, length, src)
+        if not length.item():
+            return
+        header = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        _broadcast(engine_group, header, src)
+        entries = json.loads(bytes(header.cpu().tolist()).decode())
+        payload = torch.empty(sum(_aligned(_nbytes(e)) for e in entries), dtype=torch.uint8, device=device)
+        _broadcast(engine_group, payload, src)
+        at = 0
+        for entry in entries:
+            n = _nbytes(entry)
+            yield entry["name"], payload[at:at + n].view(getattr(torch, entry["dtype"])).view(entry["shape"])
+            at += _aligned(n)
+
+
+def _send(bucket: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, src: int) -> None:
+    entries = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in bucket]
+    device = bucket[0][1].device
+    header = torch.tensor(list(json.dumps(entries).encode()), dtype=torch.uint8, device=device)
+    payload = torch.empty(sum(_aligned(_nbytes(e)) for e in entries), dtype=torch.uint8, device=device)
+    at = 0
+    for (_, tensor), entry in zip(bucket, entries):
+        n = _nbytes(entry)
+        payload[at:at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        at += _aligned(n)
+    _broadcast(group, torch.tensor([header.numel()], dtype=torch.int64, device=device), src)
+    _broadcast(group, header, src)
+    _broadcast(group, payload, src)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None:
+    """A broadcast on the group object itself, with `src` its own rank: works for groups outside the world too."""
+    options = dist.BroadcastOptions()
+    options.rootRank = src
+    group.broadcast([tensor], options).wait()
+
+
+def _nbytes(entry: dict) -> int:
+    return math.prod(entry["shape"]) * getattr(torch, entry["dtype"]).itemsize
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+

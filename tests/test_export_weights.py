@@ -1,0 +1,247 @@
+"""`autotp.export_weights` yields what transformers' `save_pretrained` of the same one-process model writes (names,
+shapes, values), LoRA merged on the fly, cut to an engine's TP rows with `target=`, and broadcast to stand-in engine
+processes by `sync_weights`; a rank that stops early makes the others raise; memory stays within a bucket + a tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import autotp
+from autotp.testing import tiny_config
+from autotp.testing.parity import PARAM_ATOL
+from autotp.testing.spawn import free_port, run_ranks
+from models import batch, tiny_model, train_steps
+
+SMALL_BUCKET = 8 << 10  # many buckets even for a tiny model
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"], lora_dropout=0.0, init_lora_weights=False)
+
+
+def build(family: str, seed: int = 0, **config) -> torch.nn.Module:
+    if family == "qwen3_moe":
+        tiny = tiny_config("qwen3_moe")
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(tiny, dtype=torch.float32)
+    return tiny_model(family, seed=seed, **config)
+
+
+def saved(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What transformers' own save_pretrained writes for `model`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        out = {}
+        for file in sorted(Path(tmp).glob("*.safetensors")):
+            out.update(load_file(file))
+        return out
+
+
+def differences(got: dict, expected: dict, atol: float) -> list[str]:
+    if sorted(got) != sorted(expected):
+        return [f"names: {sorted(set(got) ^ set(expected))}"]
+    return [n for n, t in expected.items() if got[n].shape != t.shape or got[n].dtype != t.dtype
+            or not torch.allclose(got[n], t, atol=atol, rtol=0)]
+
+
+def export_family(rank: int, world: int, family: str, steps: int) -> dict:
+    """Trains `steps` steps wrapped and in one process; exports; one more step each; compares."""
+    ids = batch()
+    plain = build(family)
+    model = autotp.wrap(build(family), world)
+    if steps:
+        for m in (plain, model):
+            train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), steps, input_ids=ids, labels=ids)
+    exported = list(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+    report = {"yielded": len(exported)}
+    if rank == 0:
+        report["differ"] = differences(dict(exported), saved(plain), PARAM_ATOL)
+        report["order"] = [n for n, _ in exported] == list(dict(exported))  # no name twice
+    bf16 = dict(autotp.export_weights(model, dtype=torch.bfloat16, bucket_bytes=SMALL_BUCKET))
+    if rank == 0:
+        report["bf16"] = differences(bf16, {n: t.bfloat16() for n, t in saved(plain).items()}, 1e-2)
+    # the model is left as it was: one more step still matches one process
+    losses = [train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, input_ids=ids, labels=ids)[0]
+              for m in (plain, model)]
+    report["loss"] = abs(losses[0] - losses[1])
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family,steps", [("llama", 2), ("qwen3_moe", 0), ("gemma", 1), ("phi3", 1)])
+def test_export_equals_transformers_save(family: str, steps: int) -> None:
+    """Llama after training, Qwen3-MoE (experts one tensor each), Gemma (tied), Phi-3 (fused qkv, gate_up); in fp32
+    and bf16; then one more training step matches one process."""
+    reports = run_ranks(export_family, 2, family, steps)
+    assert reports[1]["yielded"] == 0
+    assert reports[0]["yielded"] and reports[0]["order"]
+    assert reports[0]["differ"] == [] and reports[0]["bf16"] == [], reports[0]
+    assert all(r["loss"] <= 1e-5 for r in reports), reports
+
+
+def lora_model(world: int, before_wrap: bool, **config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    if world > 1 and before_wrap:
+        peft_model = get_peft_model(model, LoraConfig(**LORA, **config))
+        autotp.wrap(peft_model.base_model.model, world)
+        return peft_model
+    if world > 1:
+        autotp.wrap(model, world)
+    return get_peft_model(model, LoraConfig(**LORA, **config))
+
+
+def export_lora(rank: int, world: int, before_wrap: bool) -> dict:
+    ids = batch()
+    config = {} if before_wrap else dict(modules_to_save=["lm_head"])  # wrap refuses a modules_to_save wrapper
+    plain, model = lora_model(1, before_wrap, **config), lora_model(world, before_wrap, **config)
+    for m in (plain, model):
+        train_steps(m, torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1), 1,
+                    input_ids=ids, labels=ids)
+    merged = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+    base = dict(autotp.export_weights(model, merge_lora=False, bucket_bytes=SMALL_BUCKET))
+    adapters = dict(autotp.export_adapters(model, bucket_bytes=SMALL_BUCKET))
+    with torch.no_grad():  # the model still trains with its adapters: same forward as one process
+        loss = abs(model(input_ids=ids, labels=ids).loss.item() - plain(input_ids=ids, labels=ids).loss.item())
+    report = {"loss": loss, "merged_left": any("lora_A" in n for n, _ in model.named_parameters())}
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            plain.save_pretrained(tmp)
+            expected_adapters = load_file(Path(tmp) / "adapter_model.safetensors")
+        unmerged = {n: t for n, t in saved(plain.get_base_model()).items()}
+        report["base"] = differences(base, {n.replace(".base_layer", "").replace(".original_module", ""): t
+                                            for n, t in unmerged.items()
+                                            if "lora_" not in n and "modules_to_save" not in n}, 1e-5)
+        report["adapters"] = differences(adapters, expected_adapters, 1e-5)
+        report["merged"] = differences(merged, saved(plain.merge_and_unload()), 1e-5)
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("before_wrap", [True, False], ids=["before-wrap", "after-wrap"])
+def test_lora_merged_equals_merge_and_unload(before_wrap: bool) -> None:
+    """merge_lora=True: merge_and_unload()'s save within 1e-5 (modules_to_save's copy under the base name);
+    merge_lora=False: the base weights, and export_adapters PEFT's own adapter file; the model keeps training.
+    (modules_to_save after wrap only: wrap refuses PEFT's wrapper already in the model.)"""
+    reports = run_ranks(export_lora, 2, before_wrap)
+    assert reports[0]["merged"] == [] and reports[0]["base"] == [] and reports[0]["adapters"] == [], reports[0]
+    assert all(r["merged_left"] and r["loss"] <= 1e-5 for r in reports), reports
+
+
+def stop_early(rank: int, world: int, how: str) -> str:
+    model = autotp.wrap(tiny_model("llama"), world)
+    exported = autotp.export_weights(model, bucket_bytes=SMALL_BUCKET)
+    try:
+        if rank == 0:
+            if how == "break":
+                for _ in exported:
+                    break
+                del exported
+            else:
+                next(exported)
+                exported.close()
+            return "stopped"
+        for _ in exported:
+            pass
+    except RuntimeError as err:
+        return str(err)
+    return "finished"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["break", "close"])
+def test_a_rank_stopping_early_makes_the_others_raise(how: str) -> None:
+    reports = run_ranks(stop_early, 2, how)
+    assert reports[0] == "stopped"
+    assert "rank(s) [0] stopped iterating before the end" in reports[1], reports[1]
+
+
+def engine_slices(rank: int, world: int, engine_tps: list[int]) -> dict:
+    """The trainer (tp=world): `target=` slices for each engine tp, from TP rank 0."""
+    model = autotp.wrap(tiny_model("llama", num_key_value_heads=2), world)
+    out = {}
+    for tp in engine_tps:
+        out[tp] = [(n, r, t) for n, r, t in autotp.export_weights(
+            model, target=autotp.EngineLayout(tp), bucket_bytes=SMALL_BUCKET)]
+    return out
+
+
+def engine_loads(rank: int, world: int, slices: list) -> list[str]:
+    """A stand-in engine rank: a model wrapped at the engine's tp with other weights loads its slices; they must
+    equal `wrap(model, engine_tp)`'s shards."""
+    engine = autotp.wrap(tiny_model("llama", seed=5, num_key_value_heads=2), world)
+    expected = autotp.wrap(tiny_model("llama", num_key_value_heads=2), world).state_dict()
+    params = dict(engine.named_parameters())
+    loaded = set()
+    for name, engine_rank, rows in slices:
+        if engine_rank == rank:
+            with torch.no_grad():
+                params[name].copy_(rows)
+            loaded.add(name)
+    bad = [n for n, p in params.items() if not torch.equal(p.detach(), expected[n])]
+    return bad + [f"not sent: {n}" for n in sorted(set(params) - loaded)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine_tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_target_slices_equal_wrap_at_the_engine_tp(engine_tp: int) -> None:
+    """Trainer tp=2; engine tp 1, 2, 4 (KV heads replicated at 4): each engine rank's slices load into a model
+    wrapped at that tp and equal its shards; no full tensor is built for a sharded one."""
+    slices = run_ranks(engine_slices, 2, [engine_tp])[0][engine_tp]
+    names = {n for n, _, _ in slices}
+    assert {r for _, r, _ in slices} == set(range(engine_tp))
+    if engine_tp == 1:
+        expected = tiny_model("llama", num_key_value_heads=2).state_dict()
+        assert all(torch.equal(t, expected[n]) for n, _, t in slices) and names == set(expected)
+        return
+    for bad in run_ranks(engine_loads, engine_tp, slices):
+        assert bad == [], bad
+
+
+def trainer_syncs(rank: int, world: int, port: int, engines: int) -> int:
+    model = autotp.wrap(tiny_model("llama"), world)
+    group = None
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", port, engines + 1, True, timeout=datetime.timedelta(seconds=60))
+        group = dist.ProcessGroupGloo(dist.PrefixStore("engine", store), 0, engines + 1, datetime.timedelta(seconds=60))
+    autotp.sync_weights(model, group, bucket_bytes=SMALL_BUCKET)
+    return rank
+
+
+def engine_receives(rank: int, engines: int, port: int, out: str) -> None:
+    store = dist.TCPStore("127.0.0.1", port, engines + 1, False, timeout=datetime.timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("engine", store), rank, engines + 1, datetime.timedelta(seconds=60))
+    received = {name: tensor.clone() for name, tensor in autotp.receive_weights(group)}
+    torch.save(received, Path(out) / f"{rank}.pt")
+
+
+@pytest.mark.timeout(120)
+def test_sync_weights_reaches_stand_in_engines(tmp_path: Path) -> None:
+    """Trainer tp=2; 2 engine processes outside its world share a gloo group (own TCPStore) with TP rank 0 and
+    receive transformers' save of the model."""
+    port, engines = free_port(), 2
+    context = mp.get_context("fork")
+    procs = [context.Process(target=engine_receives, args=(r, engines, port, str(tmp_path))) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        run_ranks(trainer_syncs, 2, port, engines)
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    expected = saved(tiny_model("llama"))
+    for r in (1, 2):
+        got = torch.load(tmp_path / f"{r}.pt")
+        assert differences(got, expected, 0) == []

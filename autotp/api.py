@@ -165,10 +165,13 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     cp = options.cp_size
     if cp > 1:  # refused before anything changes
         context.refuse_unsupported(model, cp)
-        if options.sequence_parallel or options.tp_group is not None:
-            raise NotImplementedError(f"cp_size={cp} with " + ("sequence_parallel: both split the sequence, and their "
-                                      "composition is not built yet; use one" if options.sequence_parallel else
-                                      "tp_group=: context parallelism builds its own groups; leave tp_group out"))
+        if options.tp_group is not None:
+            raise NotImplementedError(f"cp_size={cp} with tp_group=: context parallelism builds its own groups; leave "
+                                      f"tp_group out")
+        if options.sequence_parallel and context.dropout_on(model):
+            raise NotImplementedError(f"cp_size={cp} with sequence_parallel and dropout: sequence parallelism's masks "
+                                      f"would be drawn for this rank's chunk, not as one process draws them; set the "
+                                      f"dropout to 0 or leave sequence_parallel off")
     tp_group, dp_group, timeout, cp_group, data_group = _groups(tp_size, options.tp_group, options.timeout, cp)
     if tp_group is not None or cp_group is not None:  # at tp 1 no collective: some ranks only may wrap
         check_agreement(model, tp_size, options, plan, [("TP", tp_group), ("CP", cp_group), ("DP", dp_group)], call)

@@ -295,7 +295,7 @@ def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
 
 
 def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = "plain", fsdp: bool = False,
-              attn: str = "sdpa", checkpointing: bool = False, steps: int = 3) -> dict:
+              attn: str = "sdpa", checkpointing: bool = False, sequence_parallel: bool = False, steps: int = 3) -> dict:
     """Runs on each rank: a tiny `family` model in one process against a copy wrapped at tp x cp (x dp, under
     `autotp.fully_shard` if asked), `steps` AdamW steps on one global batch (DP replica d its rows d::dp). Returns
     the worst loss difference, gradient error (step 0) and parameter difference, as `autotp.testing.parity`."""
@@ -307,7 +307,7 @@ def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = 
     if attn == "varlen_reference":  # the flash branch, against one process's sdpa
         tf.AttentionInterface.register(attn, varlen_reference)
         model.set_attn_implementation(attn)
-    model = autotp.wrap(model, tp, cp_size=cp)
+    model = autotp.wrap(model, tp, cp_size=cp, sequence_parallel=sequence_parallel)
     if checkpointing:  # transformers' activation checkpointing of each decoder layer
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:

@@ -102,6 +102,16 @@ def test_phi3_and_dropout_at_tp2_cp2() -> None:
         assert_cp_parity(list(rank_reports), "phi3 tp=2 x cp=2")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sequence_parallel_inside_cp_at_tp2_cp2() -> None:
+    """Sequence parallelism splits each CP rank's chunk again over TP (chunks padded to a multiple of tp)."""
+    cases = [("llama", 2, 2, "plain", False, "sdpa", False, True), ("qwen3", 2, 2, "packed", False, "sdpa", False, True),
+             ("llama", 2, 2, "padding", False, "eager", True, True)]
+    for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
+        assert_cp_parity(list(rank_reports), "sequence_parallel tp=2 x cp=2")
+
+
 @pytest.mark.timeout(120)
 def test_parity_at_cp2_with_activation_checkpointing() -> None:
     """A checkpointed decoder layer recomputed in backward finds its forward's split and masks (they come down with
@@ -215,12 +225,14 @@ def test_save_pretrained_checkpoint_gathered_params_and_logits_at_cp2(tmp_path) 
     ("gemma2", {}, "sliding-window"),
     ("llama", dict(attention_dropout=0.1), "attention-probability dropout"),
     ("bloom", {}, "attention interface"),  # ALiBi computed in its own attention
+    ("phi3", dict(resid_pdrop=0.1, sequence_parallel=True), "sequence_parallel and dropout"),
 ])
 def test_refused_by_name_before_anything_changes(family: str, config: dict, what: str) -> None:
+    options = {"sequence_parallel": config.pop("sequence_parallel")} if "sequence_parallel" in config else {}
     model = tiny_model(family, **config)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(NotImplementedError, match=what):
-        autotp.wrap(model, 1, cp_size=2)
+        autotp.wrap(model, 1, cp_size=2, **options)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -194,7 +194,8 @@ class ContextParallel:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=device)[None]
-        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0])
+        sp = group_size(self.state.tp_group) if self.state.options.sequence_parallel else 1
+        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0], sp)
         if ids is not None:
             kwargs["input_ids"] = layout.split(ids)
         if embeds is not None:
@@ -251,7 +252,7 @@ class ContextParallel:
         if torch.compiler.is_compiling():
             raise NotImplementedError("torch.compile of a model under context parallelism is not supported yet; "
                                       "compile with cp_size=1")
-        if module.training and getattr(module, "is_activation_checkpointing", False) and _dropout_on(module):
+        if module.training and getattr(module, "is_activation_checkpointing", False) and dropout_on(module):
             raise NotImplementedError("dropout with activation checkpointing under context parallelism: a layer "
                                       "recomputed in backward would draw other masks; turn one of them off")
         if kwargs.get("output_attentions"):
@@ -284,7 +285,8 @@ class _WholeSequenceDropout(TorchFunctionMode):
         return x * layout.split(noise)
 
 
-def _dropout_on(model: nn.Module) -> bool:
+def dropout_on(model: nn.Module) -> bool:
+    """Whether any dropout of `model` (a module or a config probability) is above 0."""
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
         ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in model.config.to_dict().items())
 

@@ -147,11 +147,12 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def build_layout(length: int, group: Group, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 device: torch.device, batch: int = 1) -> Layout:
+                 device: torch.device, batch: int = 1, multiple: int = 1) -> Layout:
     """The split of one forward. `position_ids` [B or 1, S] and `attention_mask` [B, S] (1: a token, 0: padding)
-    are the whole sequence's."""
+    are the whole sequence's; each chunk's length is made a multiple of `multiple` (sequence parallelism's tp)."""
     size, rank = group_size(group), group_rank(group)
-    padded = -(-length // (2 * size)) * 2 * size
+    unit = 2 * size * multiple
+    padded = -(-length // unit) * unit
     local = zigzag(padded, size, rank, device)
     keys = torch.cat([zigzag(padded, size, r, device) for r in range(size)])
     docs = kept = None

@@ -11,6 +11,7 @@ autocast from `TrainingArguments` applies from the first training step, and `sav
 full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
 adapter, with only the adapters gathered). Trainer's checkpoints hold that model and the optimizer state as an
 `autotp.io.checkpoint` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard.
+Under TRL's GRPO the TP ranks sample alike, and generation batches count DP replicas (docs/lora.md#grpo).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, Sampler
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
@@ -90,12 +92,35 @@ class AutoTPTrainer(Trainer):
                              f"vocab_parallel=False")
         if fully_shard and not find_state(model).fsdp:
             autotp_fully_shard(model, **({} if fully_shard is True else fully_shard))
+        sync_replicated_stream(tp_group(self.model))  # a trainer may seed each process apart (TRL's GRPO does)
+        if getattr(self.args, "steps_per_generation", None) is not None:
+            self._count_replicas_in_generation_batch()
+
+    def _count_replicas_in_generation_batch(self) -> None:
+        """TRL's GRPO counted every process as a replica in `generation_batch_size`: DP replicas only. Its gathers
+        over every process then hold each replica's rewards tp times, right per whole prompt group only."""
+        args, local = self.args, self.args.per_device_train_batch_size * self.args.steps_per_generation
+        args.generation_batch_size = local * dp_size(self.model)
+        if self.get_tp_size() == 1:
+            return
+        if local % getattr(self, "num_generations", 1):
+            raise ValueError(f"autotp: each data-parallel replica generates {local} completions at a time (per_device_"
+                             f"train_batch_size x steps_per_generation), not whole groups of num_generations="
+                             f"{self.num_generations}, which TRL's reward statistics need under tensor parallelism")
+        if getattr(args, "scale_rewards", None) == "batch" or getattr(args, "multi_objective_aggregation",
+                                                                       None) == "normalize_then_sum":
+            raise ValueError("autotp: scale_rewards='batch' and multi_objective_aggregation='normalize_then_sum' take "
+                             "a std over every process's rewards, where each TP rank repeats its replica's: use "
+                             "scale_rewards='group' (the default) or 'none'")
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
         super().create_accelerator_and_postprocess()
         self.accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm_(
             self.model, max_norm, float(norm_type))
+        unwrap = self.accelerator.unwrap_model  # and the model inside `_TPOnly` (TRL's generation unwraps it so)
+        self.accelerator.unwrap_model = lambda model, *args, **kwargs: unwrap(
+            model.module if isinstance(model, _TPOnly) else model, *args, **kwargs)
 
     def wrap_for_training(self, model: nn.Module, training: bool = True,
                           dataloader: DataLoader | None = None) -> nn.Module:
@@ -119,6 +144,13 @@ class AutoTPTrainer(Trainer):
         """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again."""
         dataset = self.train_dataset
         collator = trainer_compat.collator(self, "training")
+        steps = getattr(self.args, "steps_per_generation", None)
+        if steps is not None:  # TRL's GRPO: the trainer's own sampler, in generation batches dealt over DP replicas
+            batches = BatchSampler(trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset),
+                                   trainer_compat.train_batch_size(self) * steps, self.args.dataloader_drop_last)
+            deal = BatchSamplerShard(batches, dp_size(self.model), dp_rank(self.model))
+            return DataLoader(dataset, batch_sampler=deal, collate_fn=collator,
+                              num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
         return _EpochLoader(dataset, batch_size=trainer_compat.train_batch_size(self),
                             sampler=self.train_sampler(dataset), collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,

@@ -132,6 +132,7 @@ def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group,
             if assembled is not None:
                 for name, saved in bucket:
                     yield from results(name, saved, assembled)
+            del assembled  # this bucket's received bytes, before the next bucket's arrive
         _agree(agree_group, stopping=False)
         done = True
     except GeneratorExit:

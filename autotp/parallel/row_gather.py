@@ -94,10 +94,14 @@ def _aligned(n: int) -> int:
 def gather_rows_to(requests: list[RowRequest], group: Group, dst: int = 0) -> Iterator[torch.Tensor] | None:
     """On group rank `dst`, an iterator over the requested rows of each request, in order, each assembled when asked
     (the previous one is not kept); None on the other ranks, once their share is sent. Collective over `group`:
-    one message from each rank holding wanted rows."""
+    one message from each rank holding wanted rows. A bucket of one tensor whose rows are contiguous runs (split on
+    its first non-unit dim: a vocabulary, a column layer) is received in place instead, one message per run, so a
+    tensor larger than a bucket costs no staging buffer."""
     plans = [_pieces(r, dst) for r in requests]
     world = group_size(group)
     me = group_rank(group) if world > 1 else 0
+    if len(requests) == 1 and requests[0].local.dim() and math.prod(requests[0].local.shape[:plans[0][0]]) == 1:
+        return _in_place(requests[0], *plans[0], group, dst, me)
     sizes = [0] * world
     where: list[list[int]] = []  # per request, per piece: byte offset in its holder's message (-1: dst's own)
     for request, (dim, pieces) in zip(requests, plans):
@@ -136,6 +140,29 @@ def gather_rows_to(requests: list[RowRequest], group: Group, dst: int = 0) -> It
     return _assembled(requests, plans, where, received)
 
 
+def _in_place(request: RowRequest, dim: int, pieces: list[_Piece], group: Group, dst: int,
+              me: int) -> Iterator[torch.Tensor] | None:
+    """One tensor's runs sent one by one and received straight into the result (every run is contiguous there)."""
+    if me != dst:
+        mine = [request.local.narrow(dim, p.offset, p.length).to(request.dtype).contiguous()
+                for p in pieces if p.holder == me]
+        with named_failure(group, "bucketed gather"):
+            for work in [dist.isend(t, dist.get_global_rank(group, dst), group=group, tag=_TAG) for t in mine]:
+                work.wait()
+        return None
+    out = torch.empty(_shape(request, 0, dim, sum(p.length for p in pieces)), dtype=request.dtype,
+                      device=request.local.device)
+    works = [dist.irecv(out.narrow(dim, p.at, p.length), dist.get_global_rank(group, p.holder), group=group, tag=_TAG)
+             for p in pieces if p.holder != dst]
+    for p in pieces:
+        if p.holder == dst:
+            out.narrow(dim, p.at, p.length).copy_(request.local.narrow(dim, p.offset, p.length))
+    with named_failure(group, "bucketed gather"):
+        for work in works:
+            work.wait()
+    return iter([out])
+
+
 def _assembled(requests: list[RowRequest], plans: list, where: list[list[int]],
                received: dict[int, torch.Tensor]) -> Iterator[torch.Tensor]:
     for request, (dim, pieces), offsets in zip(requests, plans, where):
@@ -151,6 +178,7 @@ def _assembled(requests: list[RowRequest], plans: list, where: list[list[int]],
                 _view(received[piece.holder], offset, request, dim, piece.length)
             out.narrow(dim, piece.at, piece.length).copy_(source)
         yield out
+        del out  # before the next is built: one tensor alive at a time
 
 
 def _view(flat: torch.Tensor, offset: int, request: RowRequest, dim: int, length: int) -> torch.Tensor:

@@ -283,3 +283,37 @@ def test_peak_memory_is_within_one_bucket_plus_one_tensor() -> None:
     assert largest == 8192 * 256 * 4
     for report in reports:
         assert report["peak"] <= bucket + largest, (report, bucket + largest)
+
+
+def export_sharded_twice(rank: int, world: int, family: str, tp: int) -> dict:
+    """Wrapped at `tp` over `world` ranks under fully_shard; 1 step (DDP-equal batches), export; vs one process."""
+    ids = batch()
+    plain = build(family)
+    model = autotp.fully_shard(autotp.wrap(build(family), tp))
+    for m in (plain, model):
+        train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, input_ids=ids, labels=ids)
+    exported = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+    return {"exported": exported, "plain": {n: p.detach().clone() for n, p in plain.named_parameters()}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_export_under_fully_shard(family: str) -> None:
+    """tp=2 x dp=2: TP rank 0 of each replica gets transformers' save; the others nothing."""
+    reports = run_ranks(export_sharded_twice, 4, family, 2)
+    assert [bool(r["exported"]) for r in reports] == [True, False, True, False]
+    plain = build(family)  # transformers saves on global rank 0 only: its save of rank 0's one-process run, here
+    plain.load_state_dict(reports[0]["plain"], strict=False)
+    expected = saved(plain)
+    for rank in (0, 2):
+        assert differences(reports[rank]["exported"], expected, PARAM_ATOL) == [], rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_export_at_tp4(family: str) -> None:
+    reports = run_ranks(export_family, 4, family, 1)
+    assert reports[0]["differ"] == [] and reports[0]["bf16"] == [], reports[0]
+    assert all(r["loss"] <= 1e-5 for r in reports), reports

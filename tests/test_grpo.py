@@ -14,7 +14,58 @@ from readme_commands import ROOT, readme_command, run
 
 sys.path.insert(0, str(ROOT / "examples"))
 
-pytestmark = pytest.mark.slow  # a torchrun subprocess and a one-process GRPO run
+
+
+def build_at_tp2(rank: int, world: int, output: str) -> dict:
+    """What tp_trainer(GRPOTrainer) does when it is built on 2 ranks at tp=2, and what it refuses."""
+    import os
+
+    from accelerate.state import PartialState
+
+    import autotp
+    from autotp.hf_trainer import tp_trainer
+    from grpo_lora import config, dataset, low_tokens, tokenizer
+    from train_trainer import tiny_llama, with_lora
+    from trl import GRPOTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
+    PartialState._reset_state()  # accelerate's process state, as a fresh process under torchrun finds it
+
+    def build(vocab_parallel: bool = False, **options):
+        torch.manual_seed(0)
+        model = with_lora(tiny_llama())
+        autotp.wrap(model.base_model.model, tp_size=2, vocab_parallel=vocab_parallel)
+        args = config(output, 1)
+        for name, value in options.items():
+            setattr(args, name, value)
+        try:
+            return tp_trainer(GRPOTrainer)(model=model, reward_funcs=low_tokens, args=args,
+                                           train_dataset=dataset(256), processing_class=tokenizer(256))
+        except ValueError as error:
+            return str(error)
+
+    trainer = build()
+    assert trainer.accelerator.num_processes == world and trainer.accelerator.process_index == rank
+    return {"generators": torch.get_rng_state(), "generation_batch": trainer.args.generation_batch_size,
+            "unwrapped": trainer.accelerator.unwrap_model(trainer.wrap_for_training(trainer.model)) is trainer.model,
+            "batch_std": build(scale_rewards="batch"), "split_groups": build(per_device_train_batch_size=2),
+            "vocab_parallel": build(vocab_parallel=True)}
+
+
+@pytest.mark.timeout(180)
+def test_grpo_trainer_at_tp2_draws_alike_counts_replicas_and_refuses_what_tp_would_change(tmp_path: Path) -> None:
+    from autotp.testing.spawn import run_ranks
+
+    ranks = run_ranks(build_at_tp2, 2, str(tmp_path))
+    # TRL seeds each process apart (seed + process index) so that replicas sample apart; TP ranks must not
+    assert torch.equal(ranks[0]["generators"], ranks[1]["generators"])
+    # 8 completions per step on the one replica, as one process; TRL counted 16 (per device x every process)
+    assert ranks[0]["generation_batch"] == 8
+    assert ranks[0]["unwrapped"]  # TRL's generation unwraps Trainer's wrapper to call `generate`
+    for rank in ranks:
+        assert "scale_rewards='batch'" in rank["batch_std"] and "'group'" in rank["batch_std"]
+        assert "whole groups of num_generations=4" in rank["split_groups"]
+        assert "fused LM head" in rank["vocab_parallel"] and "vocab_parallel=False" in rank["vocab_parallel"]
 
 
 def one_process_grpo(output: Path, steps: int):
@@ -35,6 +86,7 @@ def one_process_grpo(output: Path, steps: int):
     return trainer
 
 
+@pytest.mark.slow  # a torchrun subprocess and a one-process GRPO run
 def test_grpo_with_lora_at_tp2_samples_and_trains_as_one_process(tmp_path: Path) -> None:
     from grpo_lora import step_metrics
     from safetensors.torch import load_file

@@ -17,11 +17,13 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..compat.hf import SavedTensor
 from ..compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
 from ..parallel.lora import adapt_all
-from ..parallel.row_gather import RowRequest, gather_rows_to
+from ..parallel.collectives import buckets
+from ..parallel.row_gather import RowRequest, dp_full_many, gather_rows_to
 from ..parallel.state import find_state
 from ..planning.options import WrapOptions
 from ..planning.planner import build_plan
@@ -85,12 +87,12 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
             return merged
         return tensor
 
-    def requests(name: str, saved: SavedTensor) -> list[RowRequest]:
+    def requests(name: str, saved: SavedTensor, gathered: dict[str, torch.Tensor]) -> list[RowRequest]:
         out_dtype = dtype or saved.dtype
         reqs = []
         for part in saved.parts:
-            tensor = local(part.source)
-            rows, partition = local_part(tensor, getattr(tensor, "autotp_shard", None), part)
+            tensor = gathered[part.source] if part.source in gathered else local(part.source)
+            rows, partition = local_part(tensor, getattr(params[part.source], "autotp_shard", None), part)
             if engine is None:
                 reqs.append(RowRequest(rows, partition, None, out_dtype))
                 continue
@@ -117,16 +119,19 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
 
     tp_group = None if state is None else state.tp_group
     agree_group = (dist.group.WORLD if state.fsdp else tp_group) if state is not None else None
-    return _exported(items, size, requests, results, bucket_bytes, tp_group, agree_group)
+    return _exported(items, size, requests, results, bucket_bytes, tp_group, agree_group, local)
 
 
-def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group, agree_group) -> Iterator[tuple]:
+def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group, agree_group,
+              local) -> Iterator[tuple]:
     """The buckets, each opened by an agreement that every rank is still iterating."""
     done = False
     try:
         for bucket in _buckets(items, size, bucket_bytes):
             _agree(agree_group, stopping=False)
-            reqs = [r for name, saved in bucket for r in requests(name, saved)]
+            gathered = _dp_gathered(bucket, local)
+            reqs = [r for name, saved in bucket for r in requests(name, saved, gathered)]
+            del gathered
             assembled = gather_rows_to(reqs, tp_group, dst=0)
             del reqs
             if assembled is not None:
@@ -142,16 +147,22 @@ def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group,
 
 
 def _buckets(items: list, size, bucket_bytes: int) -> Iterator[list]:
-    bucket, used = [], 0
-    for item in items:
-        n = size(item[1])
-        if bucket and used + n > bucket_bytes:
-            yield bucket
-            bucket, used = [], 0
-        bucket.append(item)
-        used += n
-    if bucket:
-        yield bucket
+    """Consecutive runs of `items` of about `bucket_bytes` (`size` of each), as `collectives.buckets` cuts tensors."""
+    stand_ins = [torch.empty(size(saved), dtype=torch.uint8, device="meta") for _, saved in items]
+    index = {id(t): i for i, t in enumerate(stand_ins)}
+    for run in buckets(stand_ins, bucket_bytes):
+        yield [items[index[id(t)]] for t in run]
+
+
+def _dp_gathered(bucket: list, local) -> dict[str, torch.Tensor]:
+    """Under FSDP: the whole TP shard of every model tensor the bucket reads whole (not one expert's rows, which
+    `local_part` fetches from the DP rank holding them), gathered over DP in one all-gather per dtype."""
+    sources = list(dict.fromkeys(part.source for _, saved in bucket for part in saved.parts
+                                 if not part.index or part.index[0] is None))
+    tensors = [local(source) for source in sources]
+    if not any(isinstance(t, DTensor) for t in tensors):
+        return {}
+    return dict(zip(sources, dp_full_many(tensors)))
 
 
 def _agree(group, stopping: bool) -> None:
@@ -194,7 +205,7 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
     tensors = adapter_state_dict(model, model.state_dict(keep_vars=True), adapter_name)
     items = [(name, SavedTensor((), 0, full_shape(t), t.dtype, (0, 0))) for name, t in tensors.items()]
 
-    def requests(name: str, _: SavedTensor) -> list[RowRequest]:
+    def requests(name: str, _: SavedTensor, __: dict) -> list[RowRequest]:
         tensor = tensors[name].detach()
         shard = getattr(tensors[name], "autotp_shard", None)
         return [RowRequest(tensor, None if shard is None else shard.partition, None, dtype or tensor.dtype)]
@@ -206,5 +217,5 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
         return torch.Size(entry.shape).numel() * (dtype or entry.dtype).itemsize
 
     tp_group = None if state is None else state.tp_group
-    return _exported(items, size, requests, results, bucket_bytes, tp_group, tp_group)
+    return _exported(items, size, requests, results, bucket_bytes, tp_group, tp_group, lambda name: tensors[name])
 

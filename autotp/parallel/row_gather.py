@@ -6,6 +6,7 @@ buffer and sends it in one message; the receiving rank posts one receive per sen
 assembles each tensor only when asked, so it holds the bucket's bytes plus one tensor. Which rows of which rank's
 shard go where is arithmetic on the partitions, the same on every rank. A request may ask for some rows only (one
 engine rank's): only those travel. Replicated tensors are read from the receiving rank's own copy.
+Under FSDP, `dp_full_many` first gathers a bucket's DP rows in one all-gather per dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
+from ..compat.torch import all_gather_single
+from .dtensor_rows import dp_chunk, local_rows
 from .groups import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition, Run
 
@@ -91,6 +96,7 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+@torch.no_grad()
 def gather_rows_to(requests: list[RowRequest], group: Group, dst: int = 0) -> Iterator[torch.Tensor] | None:
     """On group rank `dst`, an iterator over the requested rows of each request, in order, each assembled when asked
     (the previous one is not kept); None on the other ranks, once their share is sent. Collective over `group`:
@@ -186,3 +192,39 @@ def _view(flat: torch.Tensor, offset: int, request: RowRequest, dim: int, length
     shape = _shape(request, 0, dim, length)
     n = math.prod(shape) * request.dtype.itemsize
     return flat[offset:offset + n].view(request.dtype).view(shape)
+
+
+@torch.no_grad()
+def dp_full_many(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's whole TP shard: FSDP's DTensors (dim-0 chunks over DP) gathered together, one all-gather per
+    dtype and mesh of every chunk padded to torch.chunk's size; other tensors as they are. Collective over DP."""
+    out = list(tensors)
+    kinds: dict[tuple, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        if isinstance(tensor, DTensor):
+            kinds.setdefault((tensor.dtype, id(tensor.device_mesh)), []).append(i)
+    for indices in kinds.values():
+        first = tensors[indices[0]]
+        mesh = first.device_mesh
+        world, group = mesh.size(), mesh.get_group()
+        inner = [math.prod(tensors[i].shape[1:]) for i in indices]
+        padded = [-(-tensors[i].shape[0] // world) * n for i, n in zip(indices, inner)]
+        mine, at = torch.zeros(sum(padded), dtype=first.dtype, device=local_rows(first)[0].device), 0
+        for i, size in zip(indices, padded):
+            local = local_rows(tensors[i])[0]
+            mine[at:at + local.numel()].copy_(local.reshape(-1))
+            at += size
+        gathered = mine.new_empty(world * mine.numel())
+        with named_failure(group, "all-gather of FSDP's rows"):
+            all_gather_single()(gathered, mine, group=group)
+        at = 0
+        for i, n, size in zip(indices, inner, padded):
+            shape = tensors[i].shape
+            full = mine.new_empty(shape)
+            for rank in range(world):
+                start, count = dp_chunk(shape[0], world, rank)
+                begin = rank * mine.numel() + at
+                full[start:start + count].copy_(gathered[begin:begin + count * n].view(count, *shape[1:]))
+            out[i] = full
+            at += size
+    return out

@@ -483,3 +483,22 @@ def cp_dropout_parity(rank: int, world: int, tp: int) -> dict:
         diff = (parity.full_tensor(p, p, autotp.tp_group(model)) - ref_params[name].detach()).abs().max().item()
         report["param"] = max(report["param"], diff)
     return report
+
+
+def cp_compiled(rank: int, world: int) -> dict:
+    """Runs on each rank: a tiny Llama at cp=world compiled (aot_eager) against one process; the loss and gradient
+    differences and torch._dynamo.explain's graph-break count."""
+    import copy
+
+    reference = tiny_model("llama", **CP_FAMILIES["llama"])
+    model = autotp.wrap(copy.deepcopy(reference), 1, cp_size=world)
+    inputs, ref_inputs = cp_inputs("packed")
+    breaks = torch._dynamo.explain(model)(**inputs).graph_break_count
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="aot_eager")(**inputs).loss
+    loss.backward()
+    autotp.allreduce_gradients(model)
+    ref_loss = reference(**ref_inputs).loss
+    ref_loss.backward()
+    grad = max(parity.grad_error(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": grad, "param": 0.0, "breaks": breaks}

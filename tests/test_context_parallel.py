@@ -21,8 +21,8 @@ from autotp.parallel.context_attention import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
-    CP_FAMILIES, assert_cp_parity, batch, cp_ddp, cp_dropout_parity, cp_held_bytes, cp_lora_parity, cp_parity_cases,
-    tiny_model,
+    CP_FAMILIES, assert_cp_parity, batch, cp_compiled, cp_ddp, cp_dropout_parity, cp_held_bytes, cp_lora_parity,
+    cp_parity_cases, tiny_model,
 )
 
 
@@ -278,3 +278,13 @@ def test_lora_at_cp2() -> None:
 @pytest.mark.timeout(300)
 def test_lora_at_tp2_cp2() -> None:
     assert_cp_parity(run_ranks(cp_lora_parity, 4, 2), "LoRA tp=2 x cp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_step_at_cp2() -> None:
+    """torch.compile (aot_eager) of a CP model: one process's loss and gradients. The model's pre- and post-hooks
+    (the split, the gathered outputs) compile as graphs of their own: 2 breaks, where TP and SP have none."""
+    reports = run_ranks(cp_compiled, 2)
+    assert_cp_parity(reports, "compiled cp=2")
+    assert all(r["breaks"] <= 2 for r in reports), [r["breaks"] for r in reports]

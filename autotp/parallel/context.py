@@ -143,6 +143,7 @@ class ContextParallel:
         self.model, self.group, self.state, self.original = model, group, state, original
         self.layout: Layout | None = None
         self.dropout: _WholeSequenceDropout | None = None
+        self.drops = dropout_on(model)  # only then is every torch call of a training forward watched for dropout
         self.calls = 0
         self.name = f"autotp_cp_{original}"
         AttentionInterface.register(self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS))
@@ -204,7 +205,7 @@ class ContextParallel:
             1, layout.local)
         kwargs["attention_mask"], kwargs["use_cache"], kwargs[LAYOUT_KWARG] = None, False, layout
         self.layout, self.calls = layout, 0
-        self.dropout = _WholeSequenceDropout(layout) if module.training else None
+        self.dropout = _WholeSequenceDropout(layout) if module.training and self.drops else None
         if self.dropout is not None:
             self.dropout.__enter__()
         _ACTIVE.append(1)
@@ -238,20 +239,18 @@ class ContextParallel:
             value = output[key]
             if isinstance(value, tuple):
                 output[key] = tuple(self.gather(h, layout) for h in value)
-        pending = vars(output).get("autotp_pending")  # vocab parallelism's lazy gather over TP
+        pending = getattr(output, "autotp_pending", None)  # vocab parallelism's lazy gather over TP
         logits = output["logits"] if pending is None and "logits" in output.keys() else None
         if pending is None and logits is None:
             return output
         read = pending if pending is not None else (lambda: logits)
-        if module.training and output.get("loss") is not None:  # a step that reads only its loss gathers nothing
+        lazy = module.training and output.get("loss") is not None and not torch.compiler.is_compiling()
+        if lazy:  # a step that reads only its loss gathers nothing (compiled: gathered, as a class swap breaks graphs)
             return lazy_logits(output, lambda: self.gather(read(), layout))
         output.logits = self.gather(read(), layout)
         return output
 
     def _refuse(self, module: nn.Module, kwargs: dict) -> None:
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("torch.compile of a model under context parallelism is not supported yet; "
-                                      "compile with cp_size=1")
         if module.training and getattr(module, "is_activation_checkpointing", False) and dropout_on(module):
             raise NotImplementedError("dropout with activation checkpointing under context parallelism: a layer "
                                       "recomputed in backward would draw other masks; turn one of them off")

@@ -51,10 +51,13 @@ def low_tokens(completion_ids: list[list[int]], **_) -> list[float]:
 
 
 def config(output: str, steps: int) -> GRPOConfig:
+    """8 completions a step (2 prompts x 4), 8 tokens each at most. The untrained model's next-token distribution is
+    almost flat, so the sampling temperature sharpens it (what is sampled then depends on the model), and a KL
+    term (beta) holds the policy near its starting adapter. fp32 (GRPOConfig defaults to bf16), as one process."""
     return GRPOConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, learning_rate=1e-2, adam_epsilon=1e-6, beta=0.04, logging_steps=1,
-                      seed=0, report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(),
-                      disable_tqdm=True, bf16=False, gradient_checkpointing=False)  # fp32, as one process compares
+                      max_completion_length=8, temperature=0.1, beta=0.04, learning_rate=1e-2, adam_epsilon=1e-6,
+                      logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(),
+                      disable_tqdm=True, bf16=False, gradient_checkpointing=False)
 
 
 class Recorder(LossRecorder):

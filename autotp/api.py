@@ -201,7 +201,8 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
             slice_adapters_on_load(model, state)
             guard_state_dicts(model, state)
             MeshGuard(model)
-        broadcast_replicated(model, tp_group, dp_group if tp_group is not None else None)  # last: writes once all arrived
+        # last: writes once all arrived; under CP at tp 1 too, as nothing else makes the CP ranks' weights equal
+        broadcast_replicated(model, tp_group, dp_group if tp_group is not None or cp_group is not None else None)
     except BaseException:
         snapshot.restore()
         detach(model)

@@ -502,3 +502,13 @@ def cp_compiled(rank: int, world: int) -> dict:
     ref_loss.backward()
     grad = max(parity.grad_error(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": grad, "param": 0.0, "breaks": breaks}
+
+
+def cp_weights_aligned(rank: int, world: int) -> float:
+    """Runs on each rank: a model built with a seed of its own, wrapped at cp=world; the largest difference of its
+    weights from CP rank 0's after `wrap` (which broadcasts them)."""
+    model = autotp.wrap(tiny_model("llama", seed=rank, **CP_FAMILIES["llama"]), 1, cp_size=world)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    first = flat.clone()
+    dist.broadcast(first, 0)
+    return (flat - first).abs().max().item()

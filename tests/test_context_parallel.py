@@ -22,7 +22,7 @@ from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
     CP_FAMILIES, assert_cp_parity, batch, cp_compiled, cp_ddp, cp_dropout_parity, cp_held_bytes, cp_lora_parity,
-    cp_parity_cases, tiny_model,
+    cp_parity_cases, cp_weights_aligned, tiny_model,
 )
 
 
@@ -251,6 +251,12 @@ def test_plan_prints_activation_memory_and_attention_bytes_at_cp(autotp_cli) -> 
     assert one["attention_bytes_per_step"] == 0 < two["attention_bytes_per_step"]
     text = autotp_cli("plan", "llama", "--tp", "2", "--cp", "2", "--seq", "4096").stdout
     assert "at tp 2 x cp 2, batch 4 x seq 4096: activations ~" in text
+
+
+@pytest.mark.timeout(120)
+def test_wrap_makes_the_cp_ranks_weights_equal() -> None:
+    """Weights are replicated over CP: ranks that built the model with different seeds hold CP rank 0's after wrap."""
+    assert run_ranks(cp_weights_aligned, 2) == [0.0, 0.0]
 
 
 @pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ pattern of vLLM's RLHF examples), call `receive_weights` there and pass what it 
 `model_runner.model.load_weights(...)`; SGLang's `update_weights_from_distributed` reads the same group.
 
 Each bucket travels as three broadcasts: its header's length, the header (names, dtypes, shapes; JSON), and the
-tensors' bytes in one flat buffer. A header length of 0 ends the stream.
+tensors' bytes in one flat buffer, each tensor starting on 16 bytes. A header length of 0 ends the stream.
 """
 
 from __future__ import annotations
@@ -43,17 +43,11 @@ def sync_weights(model: nn.Module, engine_group: dist.ProcessGroup | None, *, sr
             raise RuntimeError("autotp.sync_weights: this rank holds exported tensors (a TP rank 0) but was given no "
                                "engine_group")
         return
-    bucket, used, where = [], 0, device or "cpu"
+    sender = _Sender(engine_group, src, bucket_bytes, device)
     for name, tensor in exported:
-        bucket.append((name, tensor if device is None else tensor.to(device)))
-        where = bucket[-1][1].device
-        used += tensor.nbytes
-        if used >= bucket_bytes:
-            _send(bucket, engine_group, src)
-            bucket, used = [], 0
-    if bucket:
-        _send(bucket, engine_group, src)
-    _broadcast(engine_group, torch.zeros(1, dtype=torch.int64, device=where), src)
+        sender.add(name, tensor)
+    sender.flush()
+    _broadcast(engine_group, torch.zeros(1, dtype=torch.int64, device=sender.device or "cpu"), src)
 
 
 def receive_weights(engine_group: dist.ProcessGroup, *, src: int = 0,
@@ -71,28 +65,52 @@ def receive_weights(engine_group: dist.ProcessGroup, *, src: int = 0,
         header = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
         _broadcast(engine_group, header, src)
         entries = json.loads(bytes(header.cpu().tolist()).decode())
-        payload = torch.empty(sum(_aligned(_nbytes(e)) for e in entries), dtype=torch.uint8, device=device)
+        offsets, end = [], 0
+        for entry in entries:  # each tensor starts aligned; no padding after the last
+            offsets.append(_aligned(end))
+            end = offsets[-1] + _nbytes(entry)
+        payload = torch.empty(end, dtype=torch.uint8, device=device)
         _broadcast(engine_group, payload, src)
-        at = 0
-        for entry in entries:
-            n = _nbytes(entry)
-            yield entry["name"], payload[at:at + n].view(getattr(torch, entry["dtype"])).view(entry["shape"])
-            at += _aligned(n)
+        for entry, at in zip(entries, offsets):
+            yield entry["name"], payload[at:at + _nbytes(entry)].view(getattr(torch, entry["dtype"])).view(entry["shape"])
 
 
-def _send(bucket: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, src: int) -> None:
-    entries = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for n, t in bucket]
-    device = bucket[0][1].device
-    header = torch.tensor(list(json.dumps(entries).encode()), dtype=torch.uint8, device=device)
-    payload = torch.empty(sum(_aligned(_nbytes(e)) for e in entries), dtype=torch.uint8, device=device)
-    at = 0
-    for (_, tensor), entry in zip(bucket, entries):
-        n = _nbytes(entry)
-        payload[at:at + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        at += _aligned(n)
-    _broadcast(group, torch.tensor([header.numel()], dtype=torch.int64, device=device), src)
-    _broadcast(group, header, src)
-    _broadcast(group, payload, src)
+class _Sender:
+    """Exported tensors copied into one payload as they come, broadcast when the next would overflow it, so the sender
+    holds `export_weights`' bucket plus this one; a tensor larger than a bucket goes alone, from its own bytes."""
+
+    def __init__(self, group: dist.ProcessGroup, src: int, capacity: int, device: torch.device | str | None) -> None:
+        self.group, self.src, self.capacity, self.device = group, src, capacity, device
+        self.entries: list[dict] = []
+        self.payload: torch.Tensor | None = None
+        self.at = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.to(self.device) if self.device is not None else tensor
+        self.device = tensor.device
+        entry = {"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        if self.entries and _aligned(self.at) + tensor.nbytes > self.capacity:
+            self.flush()
+        if tensor.nbytes > self.capacity:
+            self._broadcast([entry], tensor.contiguous().reshape(-1).view(torch.uint8))
+            return
+        if self.payload is None:
+            self.payload = torch.empty(self.capacity, dtype=torch.uint8, device=tensor.device)
+        begin = _aligned(self.at)
+        self.payload[begin:begin + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.at = begin + tensor.nbytes
+        self.entries.append(entry)
+
+    def flush(self) -> None:
+        if self.entries:
+            self._broadcast(self.entries, self.payload[:self.at])
+        self.entries, self.at = [], 0
+
+    def _broadcast(self, entries: list[dict], payload: torch.Tensor) -> None:
+        header = torch.tensor(list(json.dumps(entries).encode()), dtype=torch.uint8, device=payload.device)
+        _broadcast(self.group, torch.tensor([header.numel()], dtype=torch.int64, device=payload.device), self.src)
+        _broadcast(self.group, header, self.src)
+        _broadcast(self.group, payload, self.src)
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int) -> None:

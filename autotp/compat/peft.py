@@ -14,6 +14,11 @@ every test here answers False.
 | `out_features` (read there)                    | it, then splitting it at once                 |             |
 | `LoraLayer.resolve_lora_variant`               | whether an adapter is DoRA (or another        | 0.21        |
 |                                                | variant) before PEFT builds it                |             |
+| state-dict names `base_layer`, `lora_A/B`,     | the base names `merge_and_unload` leaves, for | 0.21        |
+| `original_module`, `modules_to_save.<name>`    | `export_weights` (`base_keys`)                |             |
+| `lora.Linear.scaling`, `fan_in_fan_out`,       | merging an adapter into a weight shard as     | 0.21        |
+| `merged`, `active_adapters`                    | `merge_and_unload` does (`merged_weight`)     |             |
+| `get_peft_model_state_dict` (public)           | PEFT's saved adapter names                    | 0.21        |
 
 A class or method that moved raises `versions.missing`'s error naming it.
 """
@@ -170,7 +175,8 @@ def base_keys(root: nn.Module, keys: list[str], copies: bool) -> dict[str, tuple
             continue
         if ".base_layer." in f".{key}":
             path, _, leaf = key.partition(".base_layer.")
-            out[f"{path}.{leaf}"] = (key, path if leaf == "weight" and is_lora_linear(root.get_submodule(path)) else None)
+            lora = leaf == "weight" and is_lora_linear(root.get_submodule(path))
+            out[f"{path}.{leaf}"] = (key, path if lora else None)
         elif ".original_module." in key:
             if not copies:
                 out[key.replace(".original_module.", ".", 1)] = (key, None)

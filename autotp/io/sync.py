@@ -72,7 +72,8 @@ def receive_weights(engine_group: dist.ProcessGroup, *, src: int = 0,
         payload = torch.empty(end, dtype=torch.uint8, device=device)
         _broadcast(engine_group, payload, src)
         for entry, at in zip(entries, offsets):
-            yield entry["name"], payload[at:at + _nbytes(entry)].view(getattr(torch, entry["dtype"])).view(entry["shape"])
+            dtype = getattr(torch, entry["dtype"])
+            yield entry["name"], payload[at:at + _nbytes(entry)].view(dtype).view(entry["shape"])
 
 
 class _Sender:

@@ -162,7 +162,7 @@ def test_groups_tp_innermost_then_cp() -> None:
 
 def _save_and_resume(rank: int, world: int, out: str) -> dict:
     """3 steps at cp=2, save_pretrained and save_checkpoint; fresh models load the checkpoint at cp=2 and at tp=2;
-    logits gathered; generate; from_pretrained at cp=2."""
+    logits gathered; generate; from_pretrained at cp=2, its loss over the Trainer's token count, its hidden states."""
     torch.manual_seed(0)
     model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -192,8 +192,10 @@ def _save_and_resume(rank: int, world: int, out: str) -> dict:
         dist.barrier()
         loaded = autotp.from_pretrained(f"{out}/hf", 1, cp_size=2)
         loss = loaded(input_ids=ids, labels=ids).loss
+        items = loaded(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(37)).loss  # the Trainer's count
+        hidden = loaded(input_ids=ids, output_hidden_states=True).hidden_states
     return {"state": state, "same": same, "logits": logits, "gathered": gathered, "generated": generated,
-            "loaded_loss": loss.item(),
+            "loaded_loss": loss.item(), "items_loss": items.item(), "hidden": hidden,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -211,12 +213,17 @@ def test_save_pretrained_checkpoint_gathered_params_and_logits_at_cp2(tmp_path) 
         expected = loaded(input_ids=batch()).logits
         ids = batch()
         expected_loss = loaded(input_ids=ids, labels=ids).loss.item()
+        items_loss = loaded(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(37)).loss.item()
+        hidden = loaded(input_ids=ids, output_hidden_states=True).hidden_states
         generated = loaded.generate(ids[:, :5], max_new_tokens=4, do_sample=False)
     assert reports[0]["logits"].shape == expected.shape
     for key in ("logits", "gathered"):
         assert (reports[0][key] - expected).abs().max() <= parity.LOSS_ATOL, key
     for report in reports:  # from_pretrained(cp_size=2) and generate at cp=2
         assert abs(report["loaded_loss"] - expected_loss) <= parity.LOSS_ATOL
+        assert abs(report["items_loss"] - items_loss) <= parity.LOSS_ATOL
+        assert len(report["hidden"]) == len(hidden)
+        assert all((a - b).abs().max() <= parity.LOSS_ATOL for a, b in zip(report["hidden"], hidden))
         assert torch.equal(report["generated"], generated)
 
 

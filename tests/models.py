@@ -512,3 +512,15 @@ def cp_weights_aligned(rank: int, world: int) -> float:
     first = flat.clone()
     dist.broadcast(first, 0)
     return (flat - first).abs().max().item()
+
+
+def cp_deepcopy(rank: int, world: int) -> tuple[float, float, bool]:
+    """Runs on each rank: `copy.deepcopy` of a model at cp=world (an EMA or reference model); both losses, and whether
+    the copy has a CP object of its own, bound to itself."""
+    import copy
+
+    model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=world)
+    twin = copy.deepcopy(model)
+    ids = batch()
+    own = twin.autotp_state.context is not model.autotp_state.context and twin.loss_function.context.model is twin
+    return model(input_ids=ids, labels=ids).loss.item(), twin(input_ids=ids, labels=ids).loss.item(), own

@@ -21,8 +21,8 @@ from autotp.parallel.context_attention import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
-    CP_FAMILIES, assert_cp_parity, batch, cp_compiled, cp_ddp, cp_dropout_parity, cp_held_bytes, cp_lora_parity,
-    cp_parity_cases, cp_weights_aligned, tiny_model,
+    CP_FAMILIES, assert_cp_parity, batch, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity, cp_held_bytes,
+    cp_lora_parity, cp_parity_cases, cp_weights_aligned, tiny_model,
 )
 
 
@@ -258,6 +258,12 @@ def test_plan_prints_activation_memory_and_attention_bytes_at_cp(autotp_cli) -> 
     assert one["attention_bytes_per_step"] == 0 < two["attention_bytes_per_step"]
     text = autotp_cli("plan", "llama", "--tp", "2", "--cp", "2", "--seq", "4096").stdout
     assert "at tp 2 x cp 2, batch 4 x seq 4096: activations ~" in text
+
+
+@pytest.mark.timeout(120)
+def test_deepcopy_of_a_cp_model_runs_on_its_own() -> None:
+    for loss, twin_loss, own in run_ranks(cp_deepcopy, 2):
+        assert loss == twin_loss and own
 
 
 @pytest.mark.timeout(120)

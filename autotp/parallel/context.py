@@ -12,6 +12,7 @@ CP, averaged over DP. Logits a caller reads are gathered back into the whole seq
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any, Callable
 
@@ -167,6 +168,18 @@ class ContextParallel:
         for module in self.modules:
             if module.config is not self.model.config:
                 module.config._attn_implementation = name
+
+    def __deepcopy__(self, memo: dict) -> ContextParallel:
+        """`copy.deepcopy(model)` (an EMA or reference model): the copy's own object, sharing the CP group (a
+        handle); the hook handles stay with the original (a copy is never rolled back)."""
+        memo[id(self.group)] = self.group
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            if name != "hooks":
+                setattr(new, name, copy.deepcopy(value, memo))
+        new.hooks = []
+        return new
 
     def remove(self) -> None:
         for hook in self.hooks:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from ..compat.hf import SavedTensor
 from ..compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
 from ..parallel.lora import adapt_all
-from ..parallel.collectives import buckets
+from ..parallel.collectives import all_reduce, buckets
 from ..parallel.row_gather import RowRequest, dp_full_many, gather_rows_to
 from ..parallel.state import find_state
 from ..planning.options import WrapOptions
@@ -78,6 +78,10 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     layout = saved_layout(root, params)
     engine = None if target is None else target.partitions(root)
     items = [(name, saved) for name, saved in layout.items()]
+    joined = [name for name, saved in items if len(saved.parts) > 1]
+    if engine is not None and joined:  # refused before any collective, on every rank alike
+        raise NotImplementedError(f"autotp.export_weights(target=...): {joined[0]} is several model tensors joined; "
+                                  f"slicing it for an engine is not supported")
 
     def local(name: str) -> torch.Tensor:
         tensor = params[name]
@@ -96,9 +100,6 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
             if engine is None:
                 reqs.append(RowRequest(rows, partition, None, out_dtype))
                 continue
-            if len(saved.parts) > 1:
-                raise NotImplementedError(f"autotp.export_weights(target=...): {name} is several model tensors joined; "
-                                          f"slicing it for an engine is not supported")
             for rank in range(target.tp_size):
                 reqs.append(_engine_request(rows, partition, engine.get(part.source), part.index, rank, out_dtype,
                                             name))
@@ -172,7 +173,7 @@ def _agree(group, stopping: bool) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
     flags[dist.get_rank(group)] = int(stopping)
-    dist.all_reduce(flags, group=group)
+    all_reduce(flags, group)
     stopped = [dist.get_global_rank(group, r) for r, f in enumerate(flags.tolist()) if f]
     if stopped and not stopping:
         raise RuntimeError(f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every rank "

@@ -54,18 +54,20 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
                    bucket_bytes: int = 256 << 20, target: EngineLayout | None = None) -> Iterator[tuple]:
     """The model's weights as transformers' `save_pretrained` of the same one-process model writes them.
 
-    Iterate it on every rank of the TP group (under `autotp.fully_shard`, on every rank): TP rank 0 of each group
-    gets `(name, tensor)`, the other ranks take part in the gathers and get nothing. Every rank must exhaust the
-    iterator; one that stops early (`break`, `close()`) makes the others raise at their next bucket. Tensors are
-    gathered `bucket_bytes` at a time (one message per rank per bucket): a rank holds at most one bucket plus one
-    tensor more than its shards. Each yielded tensor is a new one (the model is left as it was); `dtype` casts it.
+    Call it and iterate it on every rank of the TP group (under `autotp.fully_shard`, on every rank): TP rank 0 of
+    each group gets `(name, tensor)`, the other ranks take part in the gathers and get nothing. Every rank must
+    exhaust the iterator; one that stops early (`break`, `close()`) makes the others raise at their next bucket.
+    Tensors are gathered `bucket_bytes` at a time (one message per rank per bucket; under FSDP, one DP all-gather
+    too): a rank holds at most one bucket plus one tensor beyond its shards, when the consumer drops each tensor
+    before asking for the next (as `load_weights` does). Each yielded tensor is new (the model, its shards and its
+    optimizer are left as they were); `dtype` casts it.
 
     `merge_lora`: PEFT's active LoRA adapters (added before or after `wrap`) merged in fp32 into the base weights as
     `merge_and_unload()` would, `modules_to_save` copies under the base names; the model keeps its adapters.
     False: the base weights alone (the adapters come from `export_adapters`).
-    `target`: an `EngineLayout`; TP rank 0 then gets `(name, engine_rank, rows)` for every engine rank, the rows
-    `autotp.wrap(model, target.tp_size)` holds on that rank, assembled from the trainer ranks' rows; no full tensor
-    is built (replicated tensors go whole to every engine rank).
+    `target`: an `EngineLayout`; TP rank 0 then gets `(name, engine_rank, rows)` for every engine rank (checkpoint
+    names again): the rows `autotp.wrap(model, target.tp_size)` holds on that rank, assembled from the trainer
+    ranks' rows; no full tensor of a sharded weight is built (replicated ones go whole to every engine rank).
     """
     root = peft_inner(model)
     state = find_state(root)
@@ -85,11 +87,7 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
 
     def local(name: str) -> torch.Tensor:
         tensor = params[name]
-        if name in loras:
-            merged = merged_weight(loras[name], tensor)
-            merged.autotp_shard = getattr(tensor, "autotp_shard", None)
-            return merged
-        return tensor
+        return merged_weight(loras[name], tensor) if name in loras else tensor
 
     def requests(name: str, saved: SavedTensor, gathered: dict[str, torch.Tensor]) -> list[RowRequest]:
         out_dtype = dtype or saved.dtype

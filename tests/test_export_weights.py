@@ -317,3 +317,33 @@ def test_export_at_tp4(family: str) -> None:
     reports = run_ranks(export_family, 4, family, 1)
     assert reports[0]["differ"] == [] and reports[0]["bf16"] == [], reports[0]
     assert all(r["loss"] <= 1e-5 for r in reports), reports
+
+
+def moe_engine_slices(rank: int, world: int, engine_tp: int) -> list:
+    model = autotp.wrap(build("qwen3_moe"), world)
+    return list(autotp.export_weights(model, target=autotp.EngineLayout(engine_tp), bucket_bytes=SMALL_BUCKET))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine_tp", [2, 4])
+def test_target_cuts_experts_per_engine_rank(engine_tp: int) -> None:
+    """Qwen3-MoE from a trainer at tp=2 to an engine at tp 2 and 4 (each expert's gate, up and down rows cut from the
+    fused tensors; at 4, each engine rank's rows taken from inside one trainer rank's): the engine ranks' rows of
+    each checkpoint tensor, side by side, are transformers' saved tensor; replicated tensors go whole to each."""
+    slices = run_ranks(moe_engine_slices, 2, engine_tp)[0]
+    expected = saved(build("qwen3_moe"))
+    by_name: dict[str, list] = {}
+    for name, engine_rank, rows in slices:
+        by_name.setdefault(name, [None] * engine_tp)[engine_rank] = rows
+    assert sorted(by_name) == sorted(expected)
+    split = 0
+    for name, held in by_name.items():
+        full = expected[name]
+        dims = [d for d in range(full.dim()) if held[0].shape[d] != full.shape[d]]
+        if not dims:
+            assert all(torch.equal(rows, full) for rows in held), name
+            continue
+        split += ".experts." in name
+        distinct = [held[0]] + [rows for before, rows in zip(held, held[1:]) if not torch.equal(before, rows)]
+        assert torch.equal(torch.cat(distinct, dim=dims[0]), full), name  # KV heads replicated at 4: held twice
+    assert split >= 3 * 2, "the experts' gate, up and down are cut per engine rank"

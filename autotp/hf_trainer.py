@@ -11,7 +11,6 @@ autocast from `TrainingArguments` applies from the first training step, and `sav
 full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
 adapter, with only the adapters gathered). Trainer's checkpoints hold that model and the optimizer state as an
 `autotp.io.checkpoint` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard.
-Under TRL's GRPO the TP ranks sample alike, and generation batches count DP replicas (docs/lora.md#grpo).
 """
 
 from __future__ import annotations
@@ -101,26 +100,22 @@ class AutoTPTrainer(Trainer):
         over every process then hold each replica's rewards tp times, right per whole prompt group only."""
         args, local = self.args, self.args.per_device_train_batch_size * self.args.steps_per_generation
         args.generation_batch_size = local * dp_size(self.model)
-        if self.get_tp_size() == 1:
-            return
-        if local % getattr(self, "num_generations", 1):
-            raise ValueError(f"autotp: each data-parallel replica generates {local} completions at a time (per_device_"
-                             f"train_batch_size x steps_per_generation), not whole groups of num_generations="
-                             f"{self.num_generations}, which TRL's reward statistics need under tensor parallelism")
-        if getattr(args, "scale_rewards", None) == "batch" or getattr(args, "multi_objective_aggregation",
-                                                                       None) == "normalize_then_sum":
-            raise ValueError("autotp: scale_rewards='batch' and multi_objective_aggregation='normalize_then_sum' take "
-                             "a std over every process's rewards, where each TP rank repeats its replica's: use "
-                             "scale_rewards='group' (the default) or 'none'")
+        whole = getattr(args, "scale_rewards", None) == "batch" or (
+            getattr(args, "multi_objective_aggregation", None) == "normalize_then_sum")
+        if self.get_tp_size() > 1 and (whole or local % self.num_generations):
+            raise ValueError("autotp: TRL's GRPO gathers rewards over every process, where TP ranks repeat their "
+                             "replica's: " + ("scale_rewards='batch' and multi_objective_aggregation='normalize_then_"
+                             "sum' take a std over all of them; use scale_rewards='group' (the default)" if whole else
+                             f"each replica's {local} completions at a time (per_device_train_batch_size x steps_per_"
+                             f"generation) must hold whole groups of num_generations={self.num_generations}"))
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
         super().create_accelerator_and_postprocess()
         self.accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm_(
             self.model, max_norm, float(norm_type))
-        unwrap = self.accelerator.unwrap_model  # and the model inside `_TPOnly` (TRL's generation unwraps it so)
-        self.accelerator.unwrap_model = lambda model, *args, **kwargs: unwrap(
-            model.module if isinstance(model, _TPOnly) else model, *args, **kwargs)
+        unwrap = self.accelerator.unwrap_model  # through `_TPOnly` too (TRL unwraps the model to generate)
+        self.accelerator.unwrap_model = lambda m, *a, **k: unwrap(m.module if isinstance(m, _TPOnly) else m, *a, **k)
 
     def wrap_for_training(self, model: nn.Module, training: bool = True,
                           dataloader: DataLoader | None = None) -> nn.Module:
@@ -143,16 +138,11 @@ class AutoTPTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again."""
         dataset = self.train_dataset
-        collator = trainer_compat.collator(self, "training")
-        steps = getattr(self.args, "steps_per_generation", None)
-        if steps is not None:  # TRL's GRPO: the trainer's own sampler, in generation batches dealt over DP replicas
-            batches = BatchSampler(trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset),
-                                   trainer_compat.train_batch_size(self) * steps, self.args.dataloader_drop_last)
-            deal = BatchSamplerShard(batches, dp_size(self.model), dp_rank(self.model))
-            return DataLoader(dataset, batch_sampler=deal, collate_fn=collator,
-                              num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        if getattr(self.args, "steps_per_generation", None) is not None:  # TRL's GRPO: generation batches
+            return self._dealt(dataset, trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset),
+                               trainer_compat.train_batch_size(self) * self.args.steps_per_generation, "training")
         return _EpochLoader(dataset, batch_size=trainer_compat.train_batch_size(self),
-                            sampler=self.train_sampler(dataset), collate_fn=collator,
+                            sampler=self.train_sampler(dataset), collate_fn=trainer_compat.collator(self, "training"),
                             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
                             drop_last=self.args.dataloader_drop_last)
 
@@ -174,14 +164,27 @@ class AutoTPTrainer(Trainer):
         Trainer averages every gathered loss, so a sampler that padded a replica with repeated samples
         would count them twice: a dataset that does not split evenly is refused instead.
         """
-        replicas = dp_size(self.model)
-        if len(dataset) % replicas:
+        dp, size = dp_size(self.model), self.args.eval_batch_size
+        groups = getattr(self, "num_generations_eval", None)  # TRL's GRPO: its own sampler repeats each prompt
+        if groups is not None:
+            if len(dataset) * groups % (size * dp if dp > 1 else 1) or size % groups and self.get_tp_size() > 1:
+                raise ValueError(f"autotp: GRPO evaluates {len(dataset)} prompts x {groups} completions in batches of "
+                                 f"{size}, which must hold whole groups at tp > 1 and split evenly over DP replicas")
+            return self._dealt(dataset, trainer_compat.eval_sampler(self, dataset), size, description)
+        if len(dataset) % dp:
             raise ValueError(f"autotp: the {description} dataset has {len(dataset)} samples, which do not split "
-                             f"evenly over {replicas} data-parallel replicas; the padded duplicates would skew the "
-                             f"{description} loss. Use a multiple of {replicas} samples")
+                             f"evenly over {dp} data-parallel replicas; the padded duplicates would skew the "
+                             f"{description} loss. Use a multiple of {dp} samples")
         collator = trainer_compat.collator(self, description)
-        return DataLoader(dataset, batch_size=self.args.eval_batch_size,
+        return DataLoader(dataset, batch_size=size,
                           sampler=data_parallel_sampler(dataset, self.model, shuffle=False), collate_fn=collator,
+                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+
+    def _dealt(self, dataset: Dataset, sampler: Sampler, batch_size: int, description: str) -> DataLoader:
+        """`sampler`'s batches dealt over DP replicas in turn, as accelerate's over processes; TP ranks alike (GRPO)."""
+        batches = BatchSamplerShard(BatchSampler(sampler, batch_size, drop_last=False), dp_size(self.model),
+                                    dp_rank(self.model), even_batches=False)
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, description),
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:

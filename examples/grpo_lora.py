@@ -3,12 +3,12 @@
     torchrun --nproc-per-node 2 examples/grpo_lora.py --tp 2       # 2 CPU ranks, no downloads
 
 A tiny Llama built from a config, an in-memory word-level tokenizer, prompts of random tokens and a rule-based
-reward: the share of a completion's tokens in the lower quarter of the vocabulary. GRPO samples
-`num_generations` completions per prompt with the model itself (`use_vllm=False`), on every TP rank alike, and
-scores them against each other. PEFT's LoRA goes on first, then `autotp.wrap` shards the model inside the
-PeftModel; `autotp.hf_trainer.tp_trainer(GRPOTrainer)` is GRPOTrainer with AutoTPTrainer's data parallel x tensor
-parallel behaviour. GRPO scores completions with TRL's fused LM head, which reads `lm_head.weight` itself, so the
-model is wrapped with `vocab_parallel=False` (autotp refuses the combination otherwise).
+reward: the share of a completion's tokens in the lower quarter of the vocabulary. GRPO samples `num_generations`
+completions per prompt with the model itself (`use_vllm=False`), on every TP rank alike, and scores them against
+each other; after training it evaluates on held-out prompts. PEFT's LoRA goes on first, then `autotp.wrap` shards
+the model inside the PeftModel; `autotp.hf_trainer.tp_trainer(GRPOTrainer)` is GRPOTrainer with AutoTPTrainer's
+data parallel x tensor parallel behaviour. GRPO scores completions with TRL's fused LM head, which reads
+`lm_head.weight` itself, so the model is wrapped with `vocab_parallel=False` (autotp refuses it otherwise).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1", padding_side="left")
 
 
-def dataset(vocab: int, size: int = 16, length: int = 6) -> Dataset:
+def dataset(vocab: int, size: int = 16, length: int = 6, seed: int = 1) -> Dataset:
     """Prompts of random tokens (fixed seed), as text: GRPO tokenizes them itself."""
-    ids = torch.randint(2, vocab, (size, length), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(2, vocab, (size, length), generator=torch.Generator().manual_seed(seed))
     return Dataset.from_dict({"prompt": [" ".join(f"t{i}" for i in row.tolist()) for row in ids]})
 
 
@@ -51,17 +51,18 @@ def low_tokens(completion_ids: list[list[int]], **_) -> list[float]:
 
 
 def config(output: str, steps: int) -> GRPOConfig:
-    """8 completions a step (2 prompts x 4), 8 tokens each at most. The untrained model's next-token distribution is
+    """8 completions a step (2 prompts x 4), 8 tokens each at most; evaluation one prompt's 4 at a time. The untrained model's next-token distribution is
     almost flat, so the sampling temperature sharpens it (what is sampled then depends on the model), and a KL
     term (beta) holds the policy near its starting adapter. fp32 (GRPOConfig defaults to bf16), as one process."""
-    return GRPOConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, temperature=0.1, beta=0.04, learning_rate=1e-2, adam_epsilon=1e-6,
-                      logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(),
-                      disable_tqdm=True, bf16=False, gradient_checkpointing=False)
+    return GRPOConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=4,
+                      num_generations=4, max_completion_length=8, temperature=0.1, beta=0.04, learning_rate=1e-2,
+                      adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no", disable_tqdm=True,
+                      use_cpu=not torch.cuda.is_available(), bf16=False, gradient_checkpointing=False)
 
 
 class Recorder(LossRecorder):
-    """Mixed into a GRPO trainer: keeps each step's loss and the completions it sampled (token ids)."""
+    """Mixed into a GRPO trainer: keeps each step's loss and the completions it sampled (token ids; each training
+    step's generation batch, then each evaluation batch's)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -97,20 +98,23 @@ def main() -> None:
     autotp.wrap(model.base_model.model, tp_size=args.tp, vocab_parallel=False)
     vocab = model.config.vocab_size
     trainer = RecordingGRPO(model=model, reward_funcs=low_tokens, args=config(args.output, args.steps),
-                            train_dataset=dataset(vocab), processing_class=tokenizer(vocab))
+                            train_dataset=dataset(vocab), eval_dataset=dataset(vocab, 4, seed=2),
+                            processing_class=tokenizer(vocab))
     trainer.train()
+    evaluation = trainer.evaluate()  # 4 held-out prompts, 4 completions each
     trainer.save_model()  # PEFT's adapter, full size
     completions = [trainer.completions]
     if torch.distributed.is_initialized():  # every rank's, to show the TP ranks sampled alike
         completions = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(completions, trainer.completions)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        rewards = [sum(low_tokens(step)) / len(step) for step in trainer.completions]
-        print(f"GRPO with LoRA at tp={args.tp}: losses {[round(x, 4) for x in trainer.losses]}, "
-              f"mean reward per step {[round(r, 3) for r in rewards]}; saved {args.output}")
+        rewards = [sum(low_tokens(step)) / len(step) for step in trainer.completions[:args.steps]]
+        print(f"GRPO with LoRA at tp={args.tp}: losses {[round(x, 4) for x in trainer.losses]}, mean reward per step "
+              f"{[round(r, 3) for r in rewards]}, held-out reward {evaluation['eval_reward']:.3f}; saved {args.output}")
         if args.record_out:
             with open(args.record_out, "w") as f:
-                json.dump({"losses": trainer.losses, "metrics": step_metrics(trainer), "completions": completions}, f)
+                json.dump({"losses": trainer.losses, "metrics": step_metrics(trainer), "evaluation": evaluation,
+                           "completions": completions}, f)
     autotp.finish()
 
 

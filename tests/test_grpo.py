@@ -46,7 +46,12 @@ def build_at_tp2(rank: int, world: int, output: str) -> dict:
 
     trainer = build()
     assert trainer.accelerator.num_processes == world and trainer.accelerator.process_index == rank
-    return {"generators": torch.get_rng_state(), "generation_batch": trainer.args.generation_batch_size,
+    trainer.args.per_device_eval_batch_size = 2  # half a group of num_generations_eval=4
+    try:
+        trainer.get_eval_dataloader(dataset(256, 4))
+    except ValueError as error:
+        split_eval = str(error)
+    return {"split_eval": split_eval, "generators": torch.get_rng_state(), "generation_batch": trainer.args.generation_batch_size,
             "unwrapped": trainer.accelerator.unwrap_model(trainer.wrap_for_training(trainer.model)) is trainer.model,
             "batch_std": build(scale_rewards="batch"), "split_groups": build(per_device_train_batch_size=2),
             "vocab_parallel": build(vocab_parallel=True)}
@@ -65,6 +70,7 @@ def test_grpo_trainer_at_tp2_draws_alike_counts_replicas_and_refuses_what_tp_wou
     for rank in ranks:
         assert "scale_rewards='batch'" in rank["batch_std"] and "'group'" in rank["batch_std"]
         assert "whole groups of num_generations=4" in rank["split_groups"]
+        assert "4 prompts x 4 completions in batches of 2" in rank["split_eval"]
         assert "fused LM head" in rank["vocab_parallel"] and "vocab_parallel=False" in rank["vocab_parallel"]
 
 
@@ -81,9 +87,10 @@ def one_process_grpo(output: Path, steps: int):
     model = with_lora(tiny_llama())
     vocab = model.config.vocab_size
     trainer = OneProcessGRPO(model=model, reward_funcs=low_tokens, args=config(str(output), steps),
-                             train_dataset=dataset(vocab), processing_class=tokenizer(vocab))
+                             train_dataset=dataset(vocab), eval_dataset=dataset(vocab, 4, seed=2),
+                             processing_class=tokenizer(vocab))
     trainer.train()
-    return trainer
+    return trainer, trainer.evaluate()
 
 
 @pytest.mark.slow  # a torchrun subprocess and a one-process GRPO run
@@ -95,26 +102,32 @@ def test_grpo_with_lora_at_tp2_samples_and_trains_as_one_process(tmp_path: Path)
     argv = readme_command(r"torchrun --nproc-per-node 2 examples/grpo_lora\.py --tp 2")
     run(argv + ["--steps", str(steps), "--output", str(tmp_path / "tp"), "--record-out", str(tmp_path / "tp.json")])
     got = json.loads((tmp_path / "tp.json").read_text())
-    one = one_process_grpo(tmp_path / "one", steps)
+    one, one_evaluation = one_process_grpo(tmp_path / "one", steps)
 
     # The TP ranks share the sampler's random stream (autotp gives them TP rank 0's generators after TRL seeds each
-    # process apart), so they sample the same completions: one generation batch of 8 per step.
+    # process apart), so they sample the same completions: one generation batch of 8 per step, then the evaluation's
+    # 4 batches (4 held-out prompts x 4).
     rank0, rank1 = got["completions"]
-    assert rank0 == rank1 and len(rank0) == len(one.completions) == steps
+    assert rank0 == rank1 and len(rank0) == len(one.completions) == steps + 4
 
     # One process samples them too, unless reduction-order noise in the fp32 logits flips a draw; from such a step
     # on the runs train on other data. Losses and the log-probabilities' statistics compare where they agree.
-    agree = [step for step in range(steps) if rank0[step] == one.completions[step]]
-    print(f"completions equal to one process's at {len(agree)} of {steps} steps")
-    assert len(agree) >= steps - 1, (agree, rank0, one.completions)
+    agree = [step for step in range(steps + 4) if rank0[step] == one.completions[step]]
+    print(f"completions equal to one process's at {len(agree)} of {steps} steps + 4 evaluation batches")
+    assert len(agree) >= steps + 3, (agree, rank0, one.completions)
     losses, metrics, one_metrics = got["losses"], got["metrics"], step_metrics(one)
-    gaps = {"loss": max(abs(losses[s] - one.losses[s]) for s in agree)}
-    gaps.update({name: max(abs(metrics[s][name] - one_metrics[s][name]) for s in agree) for name in ("entropy", "kl")})
+    trained = [s for s in agree if s < steps]
+    gaps = {"loss": max(abs(losses[s] - one.losses[s]) for s in trained)}
+    for name in ("entropy", "kl"):
+        gaps[name] = max(abs(metrics[s][name] - one_metrics[s][name]) for s in trained)
+    if set(range(steps, steps + 4)) <= set(agree):  # the evaluation: each prompt's group of completions on one replica
+        gaps.update({name: abs(got["evaluation"][name] - one_evaluation[name]) for name in
+                     ("eval_loss", "eval_reward", "eval_kl", "eval_entropy")})
     print(f"largest differences from one process on those steps: {gaps}")
     assert max(gaps.values()) <= 1e-5, (gaps, losses, one.losses, metrics, one_metrics)
     assert max(abs(x) for x in losses) > 1e-2 and max(m["kl"] for m in metrics) > 1e-3  # not a trivially zero curve
 
-    if len(agree) == steps:  # the same data throughout: the trained adapters equal one process's (PEFT's full size)
+    if len(trained) == steps:  # the same data throughout: the trained adapters equal one process's (PEFT's full size)
         adapter = load_file(str(tmp_path / "tp" / "adapter_model.safetensors"))
         expected = {name.replace(".default", ""): p for name, p in one.model.named_parameters() if ".default." in name}
         assert adapter.keys() == expected.keys()

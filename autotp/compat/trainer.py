@@ -14,6 +14,7 @@ private attributes. Versions are transformers' (accelerate's for its row).
 | `Trainer._load_from_checkpoint`              | replaced: this rank's rows of a full checkpoint | 5.19, 5.23 |
 | `Trainer._load_best_model`                   | replaced: the same, at load_best_model_at_end   | 5.19, 5.23 |
 | `Trainer._get_collator_with_removed_columns` | called: Trainer's collator for autotp's loaders | 5.19, 5.23 |
+| `Trainer._get_eval_sampler`                  | called: TRL's GRPO's own (prompts repeated)     | 5.23       |
 | `Trainer._train_batch_size`                  | read: the per-device batch size                 | 5.19, 5.23 |
 | `Accelerator._models` (accelerate)           | read: whether a model was prepared (autocast)   | 1.15       |
 
@@ -65,6 +66,11 @@ def collator(trainer: Trainer, description: str) -> Callable[..., Any]:
     remove = require(trainer, "_get_collator_with_removed_columns",
                      "transformers.Trainer._get_collator_with_removed_columns")
     return remove(trainer.data_collator, description=description)
+
+
+def eval_sampler(trainer: Trainer, dataset: Any) -> Any:
+    """The trainer's own evaluation sampler (TRL's GRPO repeats each prompt once per completion it samples)."""
+    return require(trainer, "_get_eval_sampler", "transformers.Trainer._get_eval_sampler")(dataset)
 
 
 def train_batch_size(trainer: Trainer) -> int:

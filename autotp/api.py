@@ -228,6 +228,7 @@ class _ContextDDPGuard(DDPGuard):
             raise RuntimeError(f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
                                f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
                                f"autotp.allreduce_gradients(model)")
+        state.context.synced_by_ddp = True  # DDP sums over CP (and averages over DP) in backward
 
 
 def _validate_tp_size(tp_size: int, name: str = "tp_size") -> None:

@@ -84,7 +84,10 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     """
     group = dp_cp_group(model)
     size = group_size(group)
-    if size == 1 or state_of(model).fsdp:
+    state = state_of(model)
+    if state.context is not None:
+        state.context.unsynced = False  # summed over CP here (or by FSDP)
+    if size == 1 or state.fsdp:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     for bucket in buckets(grads, _BUCKET_BYTES):

@@ -524,3 +524,20 @@ def cp_deepcopy(rank: int, world: int) -> tuple[float, float, bool]:
     ids = batch()
     own = twin.autotp_state.context is not model.autotp_state.context and twin.loss_function.context.model is twin
     return model(input_ids=ids, labels=ids).loss.item(), twin(input_ids=ids, labels=ids).loss.item(), own
+
+
+def cp_unsynced_step(rank: int, world: int) -> str:
+    """Runs on each rank: a step at cp=world without summing the gradients over CP (refused), then with it."""
+    model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    try:
+        optimizer.step()
+    except RuntimeError as err:
+        refused = str(err)
+    else:
+        refused = ""
+    autotp.allreduce_gradients(model)
+    optimizer.step()  # summed: allowed
+    return refused

@@ -22,7 +22,7 @@ from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
     CP_FAMILIES, assert_cp_parity, batch, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity, cp_held_bytes,
-    cp_lora_parity, cp_parity_cases, cp_weights_aligned, tiny_model,
+    cp_lora_parity, cp_parity_cases, cp_unsynced_step, cp_weights_aligned, tiny_model,
 )
 
 
@@ -264,6 +264,14 @@ def test_plan_prints_activation_memory_and_attention_bytes_at_cp(autotp_cli) -> 
 def test_deepcopy_of_a_cp_model_runs_on_its_own() -> None:
     for loss, twin_loss, own in run_ranks(cp_deepcopy, 2):
         assert loss == twin_loss and own
+
+
+@pytest.mark.timeout(120)
+def test_a_step_on_gradients_not_summed_over_cp_is_refused() -> None:
+    """Each CP rank's gradient is its tokens' share until summed: a step without the sum would train the ranks
+    apart, silently (as AutoTPTrainer would at dp=1 until it syncs over dp_cp_group)."""
+    for refused in run_ranks(cp_unsynced_step, 2):
+        assert "not summed over CP: call autotp.allreduce_gradients(model)" in refused
 
 
 @pytest.mark.timeout(120)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import copy
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -127,6 +129,7 @@ class CPLoss:
         total = self.inner(logits, None, vocab_size=vocab_size, num_items_in_batch=1, ignore_index=ignore_index,
                            shift_labels=local, **kwargs)  # a sum over this rank's tokens
         total = _SumOverCP.apply(total.float(), self.context.group)
+        self.context.unsynced |= total.requires_grad  # a backward will leave this rank's share
         if num_items_in_batch is None:
             num_items_in_batch = (shift_labels != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):
@@ -145,6 +148,11 @@ class ContextParallel:
         self.layout: Layout | None = None
         self.dropout: _WholeSequenceDropout | None = None
         self.drops = dropout_on(model)  # only then is every torch call of a training forward watched for dropout
+        # gradients a backward left as this rank's share, not yet summed over CP (`allreduce_gradients` sums them;
+        # DDP over DP x CP, `synced_by_ddp`, and FSDP do it in backward): an optimizer step then is refused
+        self.unsynced, self.synced_by_ddp = False, False
+        _LIVE.add(self)
+        _check_steps()
         self.calls = 0
         self.name = f"autotp_cp_{original}"
         AttentionInterface.register(self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS))
@@ -242,6 +250,7 @@ class ContextParallel:
 
     def gather(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """A [B, S/C, ...] tensor of a forward (split as `layout`) as the whole sequence (differentiable)."""
+        self.unsynced |= x.requires_grad
         return _GatherSequence.apply(x, layout, self.group)
 
     def _whole_outputs(self, module: nn.Module, output: Any, layout: Layout) -> Any:
@@ -301,6 +310,28 @@ def dropout_on(model: nn.Module) -> bool:
     """Whether any dropout of `model` (a module or a config probability) is above 0."""
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
         ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in model.config.to_dict().items())
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every ContextParallel alive, for the optimizer-step check
+_STEP_CHECK: list = []  # the handle of the one optimizer step pre-hook
+
+
+def _check_steps() -> None:
+    """Register, once per process, the optimizer step pre-hook that refuses a step on CP gradients not summed."""
+    if not _STEP_CHECK:
+        _STEP_CHECK.append(register_optimizer_step_pre_hook(_refuse_unsynced_step))
+
+
+def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Each CP rank's gradients are C times its own tokens' share until summed over CP: a step on them would train
+    the CP ranks apart, silently. Costs nothing while every CP model's gradients are synchronised."""
+    for context in [c for c in _LIVE if c.unsynced and not c.synced_by_ddp and not c.state.fsdp]:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(id(p) in held for p in context.model.parameters()):
+            raise RuntimeError("autotp: optimizer.step() on gradients of a context-parallel model that were not "
+                               "summed over CP: call autotp.allreduce_gradients(model) after the backward (it sums "
+                               "over CP and averages over DP), or train it under DistributedDataParallel over "
+                               "autotp.dp_cp_group(model) or autotp.fully_shard")
 
 
 def _mask_function(original: Callable | None) -> Callable:

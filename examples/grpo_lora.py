@@ -14,12 +14,16 @@ data parallel x tensor parallel behaviour. GRPO scores completions with TRL's fu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 
-from sft_lora import require_sft_extra
-
-require_sft_extra()
+if missing := [name for name in ("datasets", "peft", "trl") if importlib.util.find_spec(name) is None]:
+    if os.environ.get("RANK", "0") == "0":  # printed once, before an import fails on every rank
+        print(f"examples/grpo_lora.py needs the sft extra ({', '.join(missing)} not installed): "
+              f"pip install -e '.[sft]'", file=sys.stderr)
+    sys.exit(1)
 
 import torch  # noqa: E402  (after the check above)
 from datasets import Dataset  # noqa: E402
@@ -51,9 +55,10 @@ def low_tokens(completion_ids: list[list[int]], **_) -> list[float]:
 
 
 def config(output: str, steps: int) -> GRPOConfig:
-    """8 completions a step (2 prompts x 4), 8 tokens each at most; evaluation one prompt's 4 at a time. The untrained model's next-token distribution is
-    almost flat, so the sampling temperature sharpens it (what is sampled then depends on the model), and a KL
-    term (beta) holds the policy near its starting adapter. fp32 (GRPOConfig defaults to bf16), as one process."""
+    """8 completions a step (2 prompts x 4), 8 tokens each at most; evaluation one prompt's 4 at a time. The
+    untrained model's next-token distribution is almost flat, so the sampling temperature sharpens it (what is
+    sampled then depends on the model), and a KL term (beta) holds the policy near its starting adapter. fp32
+    (GRPOConfig defaults to bf16), as the one-process run it is compared with."""
     return GRPOConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=4,
                       num_generations=4, max_completion_length=8, temperature=0.1, beta=0.04, learning_rate=1e-2,
                       adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no", disable_tqdm=True,

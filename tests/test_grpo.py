@@ -51,8 +51,9 @@ def build_at_tp2(rank: int, world: int, output: str) -> dict:
         trainer.get_eval_dataloader(dataset(256, 4))
     except ValueError as error:
         split_eval = str(error)
-    return {"split_eval": split_eval, "generators": torch.get_rng_state(), "generation_batch": trainer.args.generation_batch_size,
+    return {"generators": torch.get_rng_state(), "generation_batch": trainer.args.generation_batch_size,
             "unwrapped": trainer.accelerator.unwrap_model(trainer.wrap_for_training(trainer.model)) is trainer.model,
+            "split_eval": split_eval,
             "batch_std": build(scale_rewards="batch"), "split_groups": build(per_device_train_batch_size=2),
             "vocab_parallel": build(vocab_parallel=True)}
 
@@ -113,7 +114,7 @@ def test_grpo_with_lora_at_tp2_samples_and_trains_as_one_process(tmp_path: Path)
     # One process samples them too, unless reduction-order noise in the fp32 logits flips a draw; from such a step
     # on the runs train on other data. Losses and the log-probabilities' statistics compare where they agree.
     agree = [step for step in range(steps + 4) if rank0[step] == one.completions[step]]
-    print(f"completions equal to one process's at {len(agree)} of {steps} steps + 4 evaluation batches")
+    print(f"completions equal to one process's in {len(agree)} of {steps} training + 4 evaluation batches")
     assert len(agree) >= steps + 3, (agree, rank0, one.completions)
     losses, metrics, one_metrics = got["losses"], got["metrics"], step_metrics(one)
     trained = [s for s in agree if s < steps]

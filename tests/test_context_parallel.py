@@ -232,11 +232,17 @@ def test_save_pretrained_checkpoint_gathered_params_and_logits_at_cp2(tmp_path) 
     ("gemma2", {}, "sliding-window"),
     ("llama", dict(attention_dropout=0.1), "attention-probability dropout"),
     ("bloom", {}, "attention interface"),  # ALiBi computed in its own attention
+    ("bert", {}, "not a text-only causal LM"),
+    ("llama_classifier", {}, "not a text-only causal LM"),  # pools its last token: a chunk has another
     ("phi3", dict(resid_pdrop=0.1, sequence_parallel=True), "sequence_parallel and dropout"),
 ])
 def test_refused_by_name_before_anything_changes(family: str, config: dict, what: str) -> None:
     options = {"sequence_parallel": config.pop("sequence_parallel")} if "sequence_parallel" in config else {}
-    model = tiny_model(family, **config)
+    if family == "llama_classifier":
+        torch.manual_seed(0)
+        model = tf.LlamaForSequenceClassification(tiny_model("llama").config)
+    else:
+        model = tiny_model(family, **config)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(NotImplementedError, match=what):
         autotp.wrap(model, 1, cp_size=2, **options)

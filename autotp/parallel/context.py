@@ -63,9 +63,17 @@ def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
     if getattr(config, "output_router_logits", False):
         raise NotImplementedError(f"cp_size={cp_size}: output_router_logits (the MoE auxiliary loss over every token) "
                                   f"is not supported under context parallelism; set it to False")
-    if not attention_modules(model):
+    if getattr(model, "loss_type", None) != "ForCausalLM" or getattr(config, "vision_config", None) is not None:
+        raise NotImplementedError(f"cp_size={cp_size}: {type(model).__name__} is not a text-only causal LM; context "
+                                  f"parallelism splits a causal LM's sequence and computes its next-token loss")
+    modules = attention_modules(model)
+    if not modules:
         raise NotImplementedError(f"cp_size={cp_size}: no attention module of {type(model).__name__} calls "
                                   f"transformers' attention interface, which context parallelism goes through")
+    bidirectional = [type(m).__name__ for m in modules if getattr(m, "is_causal", True) is False]
+    if bidirectional:
+        raise NotImplementedError(f"cp_size={cp_size}: {bidirectional[0]} is not causal (an encoder or cross-"
+                                  f"attention); context parallelism masks causally")
     return implementation
 
 

@@ -59,11 +59,13 @@ def test_parity_at_cp2_llama_plain_packed_padding() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_parity_at_cp2_qwen3_and_mixtral() -> None:
-    """Per-head q/k norms (Qwen3) and an MoE family (Mixtral), packed and padded."""
-    cases = [("qwen3", 1, 2, "packed", False, "sdpa"), ("mixtral", 1, 2, "padding", False, "sdpa")]
+def test_parity_at_cp2_qwen3_mixtral_gpt2() -> None:
+    """Per-head q/k norms (Qwen3), an MoE family (Mixtral), and GPT-2 (Conv1D, learned absolute positions read from
+    the chunks' position ids), packed and padded."""
+    cases = [("qwen3", 1, 2, "packed", False, "sdpa"), ("mixtral", 1, 2, "padding", False, "sdpa"),
+             ("gpt2", 1, 2, "padding", False, "eager")]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
-        assert_cp_parity(list(rank_reports), "qwen3 / mixtral cp=2")
+        assert_cp_parity(list(rank_reports), "qwen3 / mixtral / gpt2 cp=2")
 
 
 @pytest.mark.timeout(120)

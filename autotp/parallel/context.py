@@ -63,7 +63,7 @@ def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
     if getattr(config, "output_router_logits", False):
         raise NotImplementedError(f"cp_size={cp_size}: output_router_logits (the MoE auxiliary loss over every token) "
                                   f"is not supported under context parallelism; set it to False")
-    if getattr(model, "loss_type", None) != "ForCausalLM" or getattr(config, "vision_config", None) is not None:
+    if getattr(model, "loss_type", None) not in (None, "ForCausalLM") or getattr(config, "vision_config", None):
         raise NotImplementedError(f"cp_size={cp_size}: {type(model).__name__} is not a text-only causal LM; context "
                                   f"parallelism splits a causal LM's sequence and computes its next-token loss")
     modules = attention_modules(model)
@@ -136,6 +136,7 @@ class CPLoss:
         local = layout.split(shift_labels, pad=ignore_index)
         total = self.inner(logits, None, vocab_size=vocab_size, num_items_in_batch=1, ignore_index=ignore_index,
                            shift_labels=local, **kwargs)  # a sum over this rank's tokens
+        self.context.loss_calls += 1
         total = _SumOverCP.apply(total.float(), self.context.group)
         self.context.unsynced |= total.requires_grad  # a backward will leave this rank's share
         if num_items_in_batch is None:
@@ -159,6 +160,7 @@ class ContextParallel:
         # gradients a backward left as this rank's share, not yet summed over CP (`allreduce_gradients` sums them;
         # DDP over DP x CP, `synced_by_ddp`, and FSDP do it in backward): an optimizer step then is refused
         self.unsynced, self.synced_by_ddp = False, False
+        self.loss_calls = 0  # CPLoss calls in this forward: a loss computed another way is refused
         _LIVE.add(self)
         _check_steps()
         self.calls = 0
@@ -233,7 +235,7 @@ class ContextParallel:
         kwargs["position_ids"] = pad_positions(positions.expand(x.shape[0], -1), layout.padded).index_select(
             1, layout.local)
         kwargs["attention_mask"], kwargs["use_cache"], kwargs[LAYOUT_KWARG] = None, False, layout
-        self.layout, self.calls = layout, 0
+        self.layout, self.calls, self.loss_calls = layout, 0, 0
         self.dropout = _WholeSequenceDropout(layout) if module.training and self.drops else None
         if self.dropout is not None:
             self.dropout.__enter__()
@@ -250,6 +252,10 @@ class ContextParallel:
             self.dropout = None
         if output is None:  # the forward raised
             return output
+        if getattr(output, "loss", None) is not None and self.loss_calls == 0:
+            raise NotImplementedError(f"{type(module).__name__} computed its loss without self.loss_function, on this "
+                                      f"rank's chunk of the sequence alone; context parallelism needs the model's "
+                                      f"loss_function (use cp_size=1)")
         if self.calls == 0:
             raise NotImplementedError(f"{type(module).__name__}: its attention never called transformers' attention "
                                       f"interface, so context parallelism cannot gather its keys and values; use "

@@ -13,6 +13,7 @@ CP, averaged over DP. Logits a caller reads are gathered back into the whole seq
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 import weakref
 from typing import Any, Callable
@@ -161,6 +162,9 @@ class ContextParallel:
         # DDP over DP x CP, `synced_by_ddp`, and FSDP do it in backward): an optimizer step then is refused
         self.unsynced, self.synced_by_ddp = False, False
         self.loss_calls = 0  # CPLoss calls in this forward: a loss computed another way is refused
+        # the layout rides down with transformers' keyword arguments where the forward takes them (for recomputation)
+        self.pass_layout = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                               for p in inspect.signature(model.forward).parameters.values())
         _LIVE.add(self)
         _check_steps()
         self.calls = 0
@@ -234,7 +238,9 @@ class ContextParallel:
             kwargs["inputs_embeds"] = layout.split(embeds)
         kwargs["position_ids"] = pad_positions(positions.expand(x.shape[0], -1), layout.padded).index_select(
             1, layout.local)
-        kwargs["attention_mask"], kwargs["use_cache"], kwargs[LAYOUT_KWARG] = None, False, layout
+        kwargs["attention_mask"], kwargs["use_cache"] = None, False
+        if self.pass_layout:
+            kwargs[LAYOUT_KWARG] = layout
         self.layout, self.calls, self.loss_calls = layout, 0, 0
         self.dropout = _WholeSequenceDropout(layout) if module.training and self.drops else None
         if self.dropout is not None:
@@ -287,9 +293,11 @@ class ContextParallel:
         return output
 
     def _refuse(self, module: nn.Module, kwargs: dict) -> None:
-        if module.training and getattr(module, "is_activation_checkpointing", False) and dropout_on(module):
-            raise NotImplementedError("dropout with activation checkpointing under context parallelism: a layer "
-                                      "recomputed in backward would draw other masks; turn one of them off")
+        if module.training and getattr(module, "is_activation_checkpointing", False) and (
+                self.drops or not self.pass_layout):
+            raise NotImplementedError("activation checkpointing under context parallelism with dropout (a layer "
+                                      "recomputed in backward would draw other masks), or in a model whose forward "
+                                      "does not pass keyword arguments on to its attention; turn one of them off")
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions under context parallelism: each rank holds its queries' rows "
                                       "against every key, never the whole [S, S] probabilities; use cp_size=1")

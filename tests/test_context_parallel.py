@@ -142,6 +142,14 @@ def test_parity_at_dp2_cp2_under_fully_shard(family: str) -> None:
     assert_cp_parity([r[0] for r in reports], f"{family} dp=2 x cp=2 fully_shard")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_parity_at_dp2_cp2_tp2_under_fully_shard() -> None:
+    """8 ranks: TP x CP x FSDP over DP x CP, packed documents (Llama, 1 KV head per TP rank)."""
+    reports = run_ranks(cp_parity_cases, 8, [("llama", 2, 2, "packed", True, "sdpa")])
+    assert_cp_parity([r[0] for r in reports], "llama dp=2 x cp=2 x tp=2 fully_shard")
+
+
 def _groups(rank: int, world: int) -> dict:
     model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 2, cp_size=2)
     ranks = dist.get_process_group_ranks

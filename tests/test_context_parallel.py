@@ -127,7 +127,8 @@ def test_parity_at_cp2_with_activation_checkpointing() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", list(CP_FAMILIES))
 def test_parity_at_tp2_cp2(family: str) -> None:
-    """4 ranks, TP innermost: vocab parallelism and the K/V gather over each TP rank's heads (Llama: 1 KV head each)."""
+    """4 ranks, TP innermost: vocab parallelism and the K/V gather over each TP rank's heads (Llama: 1 KV head each;
+    llama_mqa: the one KV head replicated on both TP ranks)."""
     cases = [(family, 2, 2, mode, False, "sdpa") for mode in ("plain", "packed", "padding")]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
         assert_cp_parity(list(rank_reports), f"{family} tp=2 x cp=2")

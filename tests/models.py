@@ -265,7 +265,8 @@ def check_resume(report: dict, expected: dict, label: str) -> None:
 # --- context parallelism (tests/test_context_parallel.py, benchmarks/long_context.py) ---
 
 CP_FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen3": {}, "mixtral": {},  # llama: 2 KV heads
-               "llama_mqa": dict(num_key_value_heads=1)}  # one KV head: replicated on both TP ranks at tp=2
+               "llama_mqa": dict(num_key_value_heads=1),  # one KV head: replicated on both TP ranks at tp=2
+               "qwen3_uneven": dict(num_attention_heads=6, num_key_value_heads=2)}  # tp=4: heads 2/2/1/1
 
 
 def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
@@ -302,7 +303,7 @@ def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = 
     the worst loss difference, gradient error (step 0) and parameter difference, as `autotp.testing.parity`."""
     import copy
 
-    reference = tiny_model(family.removesuffix("_mqa"), **CP_FAMILIES.get(family, {}))
+    reference = tiny_model(family.split("_")[0], **CP_FAMILIES.get(family, {}))
     reference.set_attn_implementation("sdpa" if attn == "varlen_reference" else attn)
     model = copy.deepcopy(reference)
     if attn == "varlen_reference":  # the flash branch, against one process's sdpa

@@ -151,6 +151,14 @@ def test_parity_at_dp2_cp2_tp2_under_fully_shard() -> None:
     assert_cp_parity([r[0] for r in reports], "llama dp=2 x cp=2 x tp=2 fully_shard")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_uneven_and_replicated_heads_at_tp4_cp2() -> None:
+    """8 ranks: Qwen3 with 6 query heads over tp=4 (2/2/1/1) and 2 KV heads each on two TP ranks, packed."""
+    reports = run_ranks(cp_parity_cases, 8, [("qwen3_uneven", 4, 2, "packed", False, "sdpa")])
+    assert_cp_parity([r[0] for r in reports], "qwen3 uneven tp=4 x cp=2")
+
+
 def _groups(rank: int, world: int) -> dict:
     model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 2, cp_size=2)
     ranks = dist.get_process_group_ranks

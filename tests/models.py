@@ -266,7 +266,8 @@ def check_resume(report: dict, expected: dict, label: str) -> None:
 
 CP_FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen3": {}, "mixtral": {},  # llama: 2 KV heads
                "llama_mqa": dict(num_key_value_heads=1),  # one KV head: replicated on both TP ranks at tp=2
-               "qwen3_uneven": dict(num_attention_heads=6, num_key_value_heads=2)}  # tp=4: heads 2/2/1/1
+               "qwen3_uneven": dict(num_attention_heads=6, num_key_value_heads=2),  # tp=4: heads 2/2/1/1
+               "mixtral_aux": dict(output_router_logits=True, router_aux_loss_coef=0.5)}  # the load-balancing loss
 
 
 def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
@@ -543,3 +544,14 @@ def cp_unsynced_step(rank: int, world: int) -> str:
     autotp.allreduce_gradients(model)
     optimizer.step()  # summed: allowed
     return refused
+
+
+def cp_aux_with_padding(rank: int, world: int) -> str:
+    """Runs on each rank: Mixtral's load-balancing loss with a padding mask at cp=world (refused)."""
+    model = autotp.wrap(tiny_model("mixtral", **CP_FAMILIES["mixtral_aux"]), 1, cp_size=world)
+    inputs, _ = cp_inputs("padding")
+    try:
+        model(**inputs)
+    except NotImplementedError as err:
+        return str(err)
+    return ""

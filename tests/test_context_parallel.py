@@ -21,8 +21,8 @@ from autotp.parallel.context_attention import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
-    CP_FAMILIES, assert_cp_parity, batch, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity, cp_held_bytes,
-    cp_lora_parity, cp_parity_cases, cp_unsynced_step, cp_weights_aligned, tiny_model,
+    CP_FAMILIES, assert_cp_parity, batch, cp_aux_with_padding, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity,
+    cp_held_bytes, cp_lora_parity, cp_parity_cases, cp_unsynced_step, cp_weights_aligned, tiny_model,
 )
 
 
@@ -60,10 +60,10 @@ def test_parity_at_cp2_llama_plain_packed_padding() -> None:
 
 @pytest.mark.timeout(120)
 def test_parity_at_cp2_qwen3_mixtral_gpt2() -> None:
-    """Per-head q/k norms (Qwen3), an MoE family (Mixtral), and GPT-2 (Conv1D, learned absolute positions read from
-    the chunks' position ids), packed and padded."""
+    """Per-head q/k norms (Qwen3), an MoE family (Mixtral; with its load-balancing loss, from every token's router
+    logits), and GPT-2 (Conv1D, learned absolute positions read from the chunks' position ids), packed and padded."""
     cases = [("qwen3", 1, 2, "packed", False, "sdpa"), ("mixtral", 1, 2, "padding", False, "sdpa"),
-             ("gpt2", 1, 2, "padding", False, "eager")]
+             ("mixtral_aux", 1, 2, "packed", False, "sdpa"), ("gpt2", 1, 2, "padding", False, "eager")]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
         assert_cp_parity(list(rank_reports), "qwen3 / mixtral / gpt2 cp=2")
 
@@ -129,16 +129,18 @@ def test_parity_at_cp2_with_activation_checkpointing() -> None:
 def test_parity_at_tp2_cp2(family: str) -> None:
     """4 ranks, TP innermost: vocab parallelism and the K/V gather over each TP rank's heads (Llama: 1 KV head each;
     llama_mqa: the one KV head replicated on both TP ranks)."""
-    cases = [(family, 2, 2, mode, False, "sdpa") for mode in ("plain", "packed", "padding")]
+    modes = ("plain", "packed") if family == "mixtral_aux" else ("plain", "packed", "padding")  # aux: no padding
+    cases = [(family, 2, 2, mode, False, "sdpa") for mode in modes]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
         assert_cp_parity(list(rank_reports), f"{family} tp=2 x cp=2")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", list(CP_FAMILIES))
+@pytest.mark.parametrize("family", [f for f in CP_FAMILIES if f != "mixtral_aux"])
 def test_parity_at_dp2_cp2_under_fully_shard(family: str) -> None:
-    """FSDP2 shards over DP x CP (as torchtitan does); each replica reads its own rows of the global batch."""
+    """FSDP2 shards over DP x CP (as torchtitan does); each replica reads its own rows of the global batch. (The MoE
+    load-balancing loss is left out: under DP each replica balances its own rows, with or without CP.)"""
     reports = run_ranks(cp_parity_cases, 4, [(family, 1, 2, "plain", True, "sdpa")])
     assert_cp_parity([r[0] for r in reports], f"{family} dp=2 x cp=2 fully_shard")
 
@@ -297,6 +299,12 @@ def test_a_step_on_gradients_not_summed_over_cp_is_refused() -> None:
     apart, silently (as AutoTPTrainer would at dp=1 until it syncs over dp_cp_group)."""
     for refused in run_ranks(cp_unsynced_step, 2):
         assert "not summed over CP: call autotp.allreduce_gradients(model)" in refused
+
+
+@pytest.mark.timeout(120)
+def test_moe_aux_loss_with_padding_is_refused() -> None:
+    for refused in run_ranks(cp_aux_with_padding, 2):
+        assert "MoE auxiliary loss (output_router_logits) with padding" in refused
 
 
 @pytest.mark.timeout(120)

@@ -28,7 +28,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .collectives import all_reduce
-from .context_attention import LAYOUT_KWARG, Layout, build_layout, pad_positions
+from .context_attention import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
 from .context_kernels import CPAttention, is_varlen
 from .groups import Group, group_size
 from .rng import sync_replicated_stream
@@ -61,9 +61,6 @@ def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
             raise NotImplementedError(f"cp_size={cp_size}: {key}={value}: attention-probability dropout under context "
                                       f"parallelism (one process's masks cannot be matched without an [S, S] mask); "
                                       f"set it to 0 or use cp_size=1")
-    if getattr(config, "output_router_logits", False):
-        raise NotImplementedError(f"cp_size={cp_size}: output_router_logits (the MoE auxiliary loss over every token) "
-                                  f"is not supported under context parallelism; set it to False")
     if getattr(model, "loss_type", None) not in (None, "ForCausalLM") or getattr(config, "vision_config", None):
         raise NotImplementedError(f"cp_size={cp_size}: {type(model).__name__} is not a text-only causal LM; context "
                                   f"parallelism splits a causal LM's sequence and computes its next-token loss")
@@ -97,25 +94,6 @@ class _SumOverCP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.size, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """A [B, S/C, ...] tensor back into the whole sequence: all-gather forward, this rank's tokens (times C, as the
-    loss's backward) backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layout: Layout, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.layout = layout
-        parts = [torch.empty_like(x) for _ in range(layout.size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        joined = torch.cat(parts, dim=1)
-        whole = torch.empty_like(joined).index_copy_(1, layout.keys.to(x.device), joined)
-        return whole[:, :layout.length]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        layout = ctx.layout
-        return layout.split(grad) * layout.size, None, None
 
 
 class CPLoss:
@@ -181,6 +159,9 @@ class ContextParallel:
         only = state.sharded_only
         self.hooks = [model.register_forward_pre_hook(only(self.enter), with_kwargs=True),
                       model.register_forward_hook(self.leave, with_kwargs=True, always_call=True)]
+        base = model.base_model
+        if base is not model:  # the MoE auxiliary loss reads the router logits of every token
+            self.hooks.append(base.register_forward_hook(only(self._whole_router_logits)))
         model.set_attn_implementation(self.name)
         self._per_module_configs(self.name)
 
@@ -271,7 +252,19 @@ class ContextParallel:
     def gather(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
         """A [B, S/C, ...] tensor of a forward (split as `layout`) as the whole sequence (differentiable)."""
         self.unsynced |= x.requires_grad
-        return _GatherSequence.apply(x, layout, self.group)
+        return gather_sequence(x, layout, self.group)
+
+    def _whole_router_logits(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """The base model's router logits ([B * S/C, experts] per layer) as the whole batch's, before the causal LM's
+        forward computes the load-balancing loss from them: every rank then computes one process's."""
+        layout = self.layout
+        logits = output.get("router_logits") if layout is not None and isinstance(output, dict) else None
+        if not isinstance(logits, tuple) or not logits or not torch.is_tensor(logits[0]):
+            return None
+        rows = layout.local.numel()
+        output["router_logits"] = tuple(
+            self.gather(x.view(-1, rows, x.shape[-1]), layout).flatten(0, 1) for x in logits)
+        return output
 
     def _whole_outputs(self, module: nn.Module, output: Any, layout: Layout) -> Any:
         if isinstance(output, tuple):
@@ -301,8 +294,12 @@ class ContextParallel:
         if kwargs.get("output_attentions"):
             raise NotImplementedError("output_attentions under context parallelism: each rank holds its queries' rows "
                                       "against every key, never the whole [S, S] probabilities; use cp_size=1")
-        if kwargs.get("output_router_logits"):
-            raise NotImplementedError("output_router_logits (the MoE auxiliary loss) under context parallelism")
+        mask = kwargs.get("attention_mask")
+        if (kwargs.get("output_router_logits") or getattr(module.config, "output_router_logits", False)) and \
+                mask is not None and not bool(mask.all()):
+            raise NotImplementedError("the MoE auxiliary loss (output_router_logits) with padding under context "
+                                      "parallelism: transformers masks it with the attention mask, which CP does "
+                                      "not pass on; pack without padding, or leave output_router_logits off")
 
 
 class _WholeSequenceDropout(TorchFunctionMode):

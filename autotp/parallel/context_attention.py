@@ -213,3 +213,27 @@ def _segments(layout: Layout) -> tuple:
     longest = [max(lens) for lens in zip(*lengths)] if lengths else [0, 0]
     rows = [torch.tensor(r, dtype=torch.long, device=device) for r in (q_rows, k_rows)]
     return rows[0], rows[1], cu[0], cu[1], longest[0], longest[1]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """A [B, S/C, ...] tensor back into the whole sequence: all-gather forward, this rank's tokens (times C, as the
+    loss's backward) backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layout: Layout, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.layout = layout
+        parts = [torch.empty_like(x) for _ in range(layout.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        joined = torch.cat(parts, dim=1)
+        whole = torch.empty_like(joined).index_copy_(1, layout.keys.to(x.device), joined)
+        return whole[:, :layout.length]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        layout = ctx.layout
+        return layout.split(grad) * layout.size, None, None
+
+
+def gather_sequence(x: torch.Tensor, layout: Layout, group: Group) -> torch.Tensor:
+    """A [B, S/C, ...] tensor of a forward split as `layout`, as the whole [B, S, ...] sequence (differentiable)."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, layout, group)

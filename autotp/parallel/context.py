@@ -182,6 +182,7 @@ class ContextParallel:
             if name != "hooks":
                 setattr(new, name, copy.deepcopy(value, memo))
         new.hooks = []
+        _LIVE.add(new)
         return new
 
     def remove(self) -> None:

@@ -555,3 +555,14 @@ def cp_aux_with_padding(rank: int, world: int) -> str:
     except NotImplementedError as err:
         return str(err)
     return ""
+
+
+def cp_per_token_input(rank: int, world: int) -> str:
+    """Runs on each rank: a forward at cp=world given a per-token input CP does not split (refused)."""
+    model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=world)
+    ids = batch()
+    try:
+        model(input_ids=ids, labels=ids, token_type_ids=torch.zeros_like(ids))
+    except NotImplementedError as err:
+        return str(err)
+    return ""

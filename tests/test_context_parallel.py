@@ -22,7 +22,8 @@ from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
     CP_FAMILIES, assert_cp_parity, batch, cp_aux_with_padding, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity,
-    cp_held_bytes, cp_lora_parity, cp_parity_cases, cp_unsynced_step, cp_weights_aligned, tiny_model,
+    cp_held_bytes, cp_lora_parity, cp_parity_cases, cp_per_token_input, cp_unsynced_step, cp_weights_aligned,
+    tiny_model,
 )
 
 
@@ -302,9 +303,11 @@ def test_a_step_on_gradients_not_summed_over_cp_is_refused() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_moe_aux_loss_with_padding_is_refused() -> None:
+def test_moe_aux_loss_with_padding_and_unsplit_per_token_inputs_are_refused() -> None:
     for refused in run_ranks(cp_aux_with_padding, 2):
         assert "MoE auxiliary loss (output_router_logits) with padding" in refused
+    for refused in run_ranks(cp_per_token_input, 2):
+        assert "['token_type_ids'] looks like a per-token input" in refused
 
 
 @pytest.mark.timeout(120)

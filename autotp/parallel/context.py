@@ -35,6 +35,7 @@ from .rng import sync_replicated_stream
 from .vocab import lazy_logits
 
 _SUPPORTED = ("sdpa", "eager")
+_SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels")  # split by CP
 _ACTIVE: list[int] = []  # depth of CP forwards running now: transformers' mask functions return None inside one
 
 
@@ -212,6 +213,12 @@ class ContextParallel:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=device)[None]
+        per_token = [k for k, v in kwargs.items() if k not in _SPLIT and torch.is_tensor(v) and v.dim() >= 1 and
+                     length in v.shape[:2]]
+        if per_token:
+            raise NotImplementedError(f"autotp context parallelism splits input_ids / inputs_embeds, position_ids, "
+                                      f"attention_mask and the labels; {per_token} looks like a per-token input it "
+                                      f"would leave whole; use cp_size=1 for it")
         sp = group_size(self.state.tp_group) if self.state.options.sequence_parallel else 1
         layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0], sp)
         if ids is not None:

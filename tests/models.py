@@ -566,3 +566,11 @@ def cp_per_token_input(rank: int, world: int) -> str:
     except NotImplementedError as err:
         return str(err)
     return ""
+
+
+def cp_parity_in_blocks(rank: int, world: int, mode: str) -> dict:
+    """`cp_parity` with sdpa's query blocks cut to 3 rows (`context_kernels.MASK_ELEMENTS`), as at long sequences."""
+    from autotp.parallel import context_kernels
+
+    context_kernels.MASK_ELEMENTS = 3 * 16 * 2  # rows x padded length x batch
+    return cp_parity(rank, world, "llama", 1, world, mode)

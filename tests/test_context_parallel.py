@@ -22,8 +22,8 @@ from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (
     CP_FAMILIES, assert_cp_parity, batch, cp_aux_with_padding, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity,
-    cp_held_bytes, cp_lora_parity, cp_parity_cases, cp_per_token_input, cp_unsynced_step, cp_weights_aligned,
-    tiny_model,
+    cp_held_bytes, cp_lora_parity, cp_parity_cases, cp_parity_in_blocks, cp_per_token_input, cp_unsynced_step,
+    cp_weights_aligned, tiny_model,
 )
 
 
@@ -67,6 +67,14 @@ def test_parity_at_cp2_qwen3_mixtral_gpt2() -> None:
              ("mixtral_aux", 1, 2, "packed", False, "sdpa"), ("gpt2", 1, 2, "padding", False, "eager")]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
         assert_cp_parity(list(rank_reports), "qwen3 / mixtral / gpt2 cp=2")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["plain", "packed", "padding"])
+def test_sdpa_in_query_blocks_matches_one_process(mode: str) -> None:
+    """At long sequences sdpa runs each chunk in blocks of queries, each against the keys up to its last query
+    (bounded mask memory); forced here with 3-row blocks."""
+    assert_cp_parity(run_ranks(cp_parity_in_blocks, 2, mode), f"sdpa blocks cp=2 {mode}")
 
 
 @pytest.mark.timeout(120)

@@ -132,11 +132,6 @@ class Layout:
             self.packed = _segments(self)
         return self.packed
 
-    def key_ends(self) -> tuple[int, int]:
-        """How many leading keys each of this rank's two chunks can see under the causal mask."""
-        step = self.padded // (2 * self.size)
-        return (self.rank + 1) * step, (2 * self.size - self.rank) * step
-
 
 def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Document index of each token where position ids restart (transformers' packed-sequence rule: a step other

@@ -64,19 +64,30 @@ class CPAttention:
         return checkpoint(core, query, key, value, use_reentrant=False)
 
 
+MASK_ELEMENTS = 1 << 26  # the most mask entries one sdpa call builds (256 MiB in fp32): long chunks go in blocks
+
+
 def _two_chunks(inner: Callable, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 layout: Layout, kwargs: dict) -> tuple[torch.Tensor, None]:
-    """sdpa on each of this rank's two chunks against only the keys a causal mask lets it see: (2 C + 1) / 4 C of
-    the whole [S/C, S] block (5/8 at cp 2), the same on every rank. Keys are put in sequence order first."""
+    """sdpa on blocks of this rank's two chunks, each block against only the keys up to its last query: the causal
+    half of the [S/C, S] block, the same work on every rank, and never more than `MASK_ELEMENTS` mask entries at
+    once (at 128k tokens a whole chunk's mask would take gigabytes). Keys are put in sequence order first."""
     order = layout.natural()
     key, value = key.index_select(2, order), value.index_select(2, order)
-    half = query.shape[2] // 2
+    step = layout.padded // (2 * layout.size)
+    rows = max(1, MASK_ELEMENTS // (layout.padded * (1 if layout.docs is None and layout.kept is None else
+                                                      layout.batch)))
+    device = layout.local.device
     outputs = []
-    for rows, end in zip((slice(0, half), slice(half, None)), layout.key_ends()):
-        queries, keys = layout.local[rows], torch.arange(end, device=layout.local.device)
-        mask = layout.additive(query.dtype, False, queries, keys)
-        out, _ = inner(module, query[:, :, rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
-        outputs.append(out)
+    for chunk, start in enumerate((layout.rank * step, (2 * layout.size - 1 - layout.rank) * step)):
+        for first in range(0, step, rows):
+            last = min(first + rows, step)
+            queries = torch.arange(start + first, start + last, device=device)
+            end = start + last  # the block's last query sees keys up to itself
+            mask = layout.additive(query.dtype, False, queries, torch.arange(end, device=device))
+            at = slice(chunk * step + first, chunk * step + last)
+            out, _ = inner(module, query[:, :, at], key[:, :, :end], value[:, :, :end], mask, **kwargs)
+            outputs.append(out)
     return torch.cat(outputs, dim=1), None  # [B, S/C, H, D], as transformers' attention functions return
 
 

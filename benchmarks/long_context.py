@@ -8,7 +8,8 @@ runs in cp freshly forked CPU ranks (gloo, 1 thread each) wrapped with `autotp.w
 reports the bytes autograd saved for the backward and still holds when the forward ends (`autotp.testing.memory`:
 every saved tensor's storage once, parameters excluded), and the mean time of 3 steps (forward, backward,
 `allreduce_gradients`) after a warm-up. The longest sequence that fits 4 GiB per rank is extrapolated from the
-measured bytes with a fit a + b S + c S^2 per cp (the [S/cp, S] attention scores and mask are the S^2 term).
+measured bytes with a fit a + b S per cp: what autograd holds is linear in S, since the attention (and its
+[S/cp, S] mask, built in blocks of at most `context_kernels.MASK_ELEMENTS` entries) is recomputed in backward.
 """
 
 from __future__ import annotations
@@ -68,14 +69,13 @@ def main(lengths: list[int]) -> None:
             r = results[cp][seq]
             print(f"{seq:>6} {cp:>3} {r['held'] / 2**20:>11.1f} MiB {r['held'] / base['held']:>7.2f}x "
                   f"{r['step']:>8.3f} {r['step'] / base['step']:>7.2f}x")
-    print(f"longest sequence whose held activations fit {BUDGET >> 30} GiB per rank (fit a + b S + c S^2):")
+    print(f"longest sequence whose held activations fit {BUDGET >> 30} GiB per rank (a + b S fitted; they are linear "
+          f"in S: the [S/cp, S] masks are built per layer and recomputed, never held):")
     for cp in (1, 2, 4):
         seqs = np.array(lengths, dtype=float)
         held = np.array([results[cp][s]["held"] for s in lengths], dtype=float)
-        c, b, a = np.polyfit(seqs, held, 2) if len(lengths) >= 3 else (0.0, *np.polyfit(seqs, held, 1))
-        roots = [r.real for r in np.roots([c, b, a - BUDGET]) if abs(r.imag) < 1e-6 and r.real > 0] if c else \
-            [(BUDGET - a) / b]
-        print(f"  cp {cp}: ~{int(max(roots)):,} tokens")
+        b, a = np.polyfit(seqs, held, 1)
+        print(f"  cp {cp}: ~{int((BUDGET - a) / b):,} tokens")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 - Staging directories of killed saves are cleaned up, and a save killed during the final swap
   leaves the old or the new checkpoint at the target.
 - Safetensors headers and indexes are validated at least as strictly as the `safetensors` library.
+- A full tensor streamed to the writer in pieces (`stream_full_to`) is the unsharded tensor, for every kind of
+  partition; a stream the writer leaves unread is drained; files are fsynced only before a swap deletes a checkpoint.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from transformers import AutoModelForCausalLM
 
 import autotp
 import autotp.io.staging as staging
+import autotp.parallel.collectives as collectives
 from autotp.io.load import checkpoint_files
-from autotp.io.safetensors import read_header
+from autotp.io.safetensors import SafetensorsWriter, read_header
+from autotp.planning.sharding import Partition
 from autotp.testing import run_ranks
 from models import tiny_model
 
@@ -157,6 +161,7 @@ def test_next_save_removes_stale_staging_directories_only(tmp_path: Path) -> Non
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
     save_tiny(tmp_path / "out", overwrite=True)
+    staging.wait_for_removals()  # the replaced checkpoint goes in the background
     assert hidden(tmp_path) == sorted(kept)
 
 
@@ -212,6 +217,7 @@ def test_a_save_killed_during_the_swap_leaves_the_old_or_the_new_checkpoint(tmp_
     weight = first_weight(target)  # the target must load, as one checkpoint or the other
     assert any(torch.equal(weight, m.state_dict()["model.layers.0.self_attn.q_proj.weight"]) for m in (old, new))
     save_tiny(target, overwrite=True)  # cleans up after the killed save
+    staging.wait_for_removals()
     assert hidden(tmp_path) == []
 
 
@@ -335,3 +341,161 @@ def test_unused_checkpoint_tensors_are_listed_in_a_warning(tmp_path: Path, caplo
                   and "not used" in r.getMessage()]
     assert message.startswith("7 tensors of the checkpoint are not used by LlamaForCausalLM: extra.0.weight, ")
     assert "and 2 more" in message
+
+
+# --- full tensors streamed to the writer -----------------------------------------------------------------
+
+def partitions(world: int) -> list[tuple[Partition, tuple[int, ...]]]:
+    """(partition, full shape): uneven, along inner dims, fused runs, replicated runs, a rank holding nothing."""
+    return [
+        (Partition.even(0, 2 * world + 1, world), (2 * world + 1, 3)),
+        (Partition.even(1, 2 * world + 1, world), (4, 2 * world + 1)),
+        (Partition.even(0, 3 * world, world), (3 * world,)),  # a bias
+        (Partition.even(2, world + 2, world), (2, 3, world + 2)),
+        (Partition(0, 3 * world, tuple(((r, 1), (world + r, 1), (2 * world + r, 1)) for r in range(world))),
+         (3 * world, 2)),  # fused q | k | v
+        (Partition(0, world + 1, tuple(((r, 1), (world, 1)) for r in range(world))), (world + 1, 2)),  # a shared row
+        (Partition(1, world + 1, tuple(((world, 1), (r, 1)) for r in range(world))), (3, world + 1, 2)),
+        (Partition(0, 4, (((0, 4),),) + ((),) * (world - 1)), (4, 3)),  # everything on the writer
+        (Partition(0, 4, ((),) + (((0, 4),),) * (world - 1)), (4, 3)),  # nothing on the writer
+    ]
+
+
+def shard_of(full: torch.Tensor, partition: Partition, rank: int) -> torch.Tensor:
+    if not partition.runs[rank]:
+        return full.narrow(partition.dim, 0, 0).clone()
+    return partition.shard(full, rank)
+
+
+def stream_every_partition(rank: int, world: int, chunk: int) -> list[str]:
+    """On the writer, what differs from the full tensor (read by pieces, by tensor(), and left unread)."""
+    collectives.STREAM_CHUNK_BYTES = chunk
+    group, wrong = torch.distributed.group.WORLD, []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        for index, (partition, shape) in enumerate(partitions(world)):
+            full = (torch.arange(torch.Size(shape).numel()) % 7 + 1).reshape(shape).to(dtype)
+            shard = shard_of(full, partition, rank)
+            stream = collectives.stream_full_to(shard, partition, group)
+            collectives.stream_full_to(shard, partition, group)  # the first one is drained, unread
+            streamed = collectives.stream_full_to(shard, partition, group)
+            out, seen = torch.zeros(full.numel() * full.element_size(), dtype=torch.uint8), 0
+            for offset, piece in [] if streamed is None else streamed.pieces():  # read before the next call
+                out[offset:offset + piece.numel()] = piece
+                seen += piece.numel()
+            collectives.stream_full_to(shard, partition, group)  # left unread: the gather below drains it first
+            whole = collectives.gather_full_to(shard, partition, group)
+            if rank != 0:
+                assert stream is None and streamed is None and whole is None
+                continue
+            expected = full.reshape(-1).view(torch.uint8)
+            if seen != out.numel() or not torch.equal(out, expected) or stream.shape != full.shape:
+                wrong.append(f"{dtype} partition {index}: pieces")
+            if not torch.equal(whole, full):
+                wrong.append(f"{dtype} partition {index}: tensor()")
+    collectives.finish_streams()
+    return wrong
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("chunk", [24, 8 << 20])  # pieces of a few rows (or part of one), and whole runs
+def test_a_streamed_full_tensor_is_the_unsharded_tensor(world: int, chunk: int) -> None:
+    assert run_ranks(stream_every_partition, world, chunk) == [[]] * world
+
+
+def test_the_writer_refuses_a_tensor_whose_bytes_did_not_all_come(tmp_path: Path) -> None:
+    writer = SafetensorsWriter(tmp_path / "x.safetensors", [("a", torch.float32, (4,))], {})
+
+    class Short:
+        dtype, shape, written_elsewhere = torch.float32, torch.Size([4]), 4
+
+        def write_into(self, path: str, fd: int, position: int) -> None:
+            pass
+
+        def pieces(self):
+            yield 0, torch.zeros(4, dtype=torch.uint8)
+
+    with pytest.raises(RuntimeError, match="8 of its 16 bytes came"):
+        writer.write("a", Short())  # type: ignore[arg-type]
+    writer.close()
+
+
+def test_files_are_synced_only_before_a_swap_that_deletes_a_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    save_tiny(tmp_path / "out")
+    assert synced == [], "a save to a new directory deletes nothing: transformers does not sync either"
+    save_tiny(tmp_path / "out", seed=1, overwrite=True)
+    files = [p for p in synced if p.endswith(".safetensors")]
+    assert files and all(Path(p).parent.name.startswith(".out.autotp-") for p in files), synced
+    assert str(tmp_path) in synced, "the exchange itself is synced before the old checkpoint is deleted"
+
+
+def test_a_replaced_checkpoint_is_deleted_after_the_save_returns(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    release, removed = threading.Event(), []
+    remove = staging._remove
+
+    def slow(path: Path) -> None:
+        release.wait(30)
+        removed.append(path.name)
+        remove(path)
+
+    save_tiny(tmp_path / "out")
+    monkeypatch.setattr(staging, "_remove", slow)
+    save_tiny(tmp_path / "out", seed=1, overwrite=True)  # returns with the old checkpoint not yet deleted
+    assert len(hidden(tmp_path)) == 1 and removed == []
+    release.set()
+    staging.wait_for_removals()
+    assert hidden(tmp_path) == [] and len(removed) == 1
+
+
+def save_with_senders(rank: int, world: int, target: str, mode: str) -> tuple[int, list[int], str]:
+    """Save at tp=`world`; `mode` says how the senders' rows reach the file. Returns (the senders' own writes, the
+    writer's file offsets in order, the error)."""
+    import autotp.io.safetensors as files
+    import autotp.io.save as save
+
+    if hasattr(save, "gather_full_to"):  # save_pretrained's fetch, streaming as `stream_full_to` lets it
+        save.gather_full_to = lambda shard, partition, group, dst=0: collectives.stream_full_to(shard, partition, group)
+    wrote, offsets = [], []
+    write_rows = files.write_rows
+    if mode == "cannot":  # the file is not one the senders can open (another machine or container)
+        collectives.FILE_WRITER = lambda path, identity, rows: collectives.CANNOT
+    elif mode == "full-disk" and rank == 1:
+        collectives.FILE_WRITER = lambda path, identity, rows: -errno.ENOSPC if wrote.append(1) or len(wrote) == 2 \
+            else write_rows(path, identity, rows)
+    else:
+        collectives.FILE_WRITER = lambda path, identity, rows: wrote.append(1) or write_rows(path, identity, rows)
+    if mode == "sequential":  # a network or FUSE filesystem: the writer writes every byte, in order
+        files.local_filesystem = lambda path: False
+    pwrite = files.pwrite_all
+    files.pwrite_all = lambda fd, data, position: offsets.append(position) or pwrite(fd, data, position)
+    try:
+        autotp.save_pretrained(autotp.wrap(tiny_model("llama"), world), target, max_shard_size="60KB")
+    except OSError as err:
+        return len(wrote), offsets, str(err)
+    return len(wrote), offsets, ""
+
+
+@pytest.mark.parametrize("mode", ["delegated", "cannot", "sequential"])
+def test_the_senders_rows_reach_the_file_written_or_sent(tmp_path: Path, mode: str) -> None:
+    """On a local filesystem the other ranks write their rows into the writer's file; else they send them."""
+    results = run_ranks(save_with_senders, 2, str(tmp_path / "out"), mode)
+    tiny_model("llama").save_pretrained(tmp_path / "plain", max_shard_size="60KB")
+    for file in sorted((tmp_path / "plain").glob("*.safetensors")):
+        ours, theirs = load_file(tmp_path / "out" / file.name), load_file(file)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), file.name
+    (sent, _, _), (wrote, _, _) = results
+    assert sent == 0 and (wrote > 0) == (mode == "delegated")
+    if mode == "sequential":  # each file front to back (some filesystems take nothing else): its header, then on
+        offsets = results[0][1]
+        assert all(b > a for a, b in zip(offsets, offsets[1:]) if b != 0), offsets
+
+
+def test_a_senders_failed_write_raises_on_every_rank(tmp_path: Path) -> None:
+    (_, _, first), (_, _, second) = run_ranks(save_with_senders, 2, str(tmp_path / "out"), "full-disk")
+    assert os.strerror(errno.ENOSPC) in first and "writing on rank 1" in first, first
+    assert "failed on rank 0" in second and os.strerror(errno.ENOSPC) in second, second
+    assert not (tmp_path / "out").exists() and hidden(tmp_path) == []

@@ -3,7 +3,9 @@
 Whole files of small tensors (per-rank training checkpoints) go through the `safetensors` library.
 Two things it cannot do are written here by hand:
 - streaming a file whose tensors arrive one at a time (a full checkpoint gathered tensor by tensor):
-  the library wants every tensor in memory at once. The header is fixed up front instead.
+  the library wants every tensor in memory at once. The header is fixed up front instead, and each
+  tensor's pieces are written where they belong as they come, on local filesystems partly by the
+  ranks that hold them (`SafetensorsWriter`, `write_rows`).
 - reading only the runs of rows a rank holds with plain reads into the destination tensor: the
   library's slices go through mmap, whose touched pages count against the process's memory.
 Errors name the file and the numbers.
@@ -11,15 +13,22 @@ Errors name the file and the numbers.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
+import hashlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..parallel import collectives
+from ..parallel.collectives import CANNOT, FullStream
 from ..planning.sharding import Partition
 from .errors import CheckpointError, FormatError
 
@@ -31,7 +40,15 @@ DTYPES = {
 
 
 class SafetensorsWriter:
-    """Writes one safetensors file whose tensor list is fixed up front, tensor by tensor, in order."""
+    """Writes one safetensors file whose tensor list is fixed up front, tensor by tensor, in order.
+
+    A tensor is a `torch.Tensor` or a `FullStream` (`stream_full_to`), written with `pwrite` piece by
+    piece as it arrives. On a local filesystem the other ranks write their rows of a stream into
+    the file themselves (`FullStream.write_into`); elsewhere (network and FUSE filesystems, some of
+    which take only sequential writes) this rank writes every byte, in order.
+    Nothing is fsynced here: `autotp.io.staging` syncs the files before a swap that deletes an old
+    checkpoint, the one point where a machine crash could otherwise lose both.
+    """
 
     def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
         header: dict[str, object] = {"__metadata__": metadata}
@@ -44,24 +61,106 @@ class SafetensorsWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the format aligns the data start to 8 bytes
+        self.path = path
         self._pending = [(name, dtype, tuple(shape)) for name, dtype, shape in entries]
-        self._file = open(path, "wb")
-        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._position = 8 + len(raw)  # where the next tensor's data starts
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            st = os.fstat(self._fd)  # 0: the other ranks send their rows; else they may write them (`write_rows`)
+            self._shared = file_identity(st.st_dev, st.st_ino) if local_filesystem(path) else 0
+            pwrite_all(self._fd, len(raw).to_bytes(8, "little") + raw, 0)
+        except BaseException:
+            os.close(self._fd)
+            raise
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor | FullStream) -> None:
         expected = self._pending.pop(0)
         got = (name, tensor.dtype, tuple(tensor.shape))
         if got != expected:
             raise RuntimeError(f"safetensors writer expected {expected}, got {got}")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        nbytes = math.prod(expected[2]) * expected[1].itemsize
+        if isinstance(tensor, torch.Tensor):
+            pieces = [(0, tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))]
+        else:
+            if self._shared:
+                tensor.write_into(os.fsencode(os.path.abspath(self.path)), self._shared, self._position)
+            pieces = tensor.pieces()
+        written = 0
+        for offset, piece in pieces:
+            if offset + piece.numel() > nbytes:
+                raise RuntimeError(f"{name}: a piece at byte {offset} runs past the tensor's {nbytes} bytes")
+            pwrite_all(self._fd, piece, self._position + offset)
+            written += piece.numel()
+        written += 0 if isinstance(tensor, torch.Tensor) else tensor.written_elsewhere
+        if written != nbytes:
+            raise RuntimeError(f"{name}: {written} of its {nbytes} bytes came")
+        self._position += nbytes
 
     def close(self) -> None:
+        os.close(self._fd)
         if self._pending:
             raise RuntimeError(f"{len(self._pending)} tensors were never written, first {self._pending[0][0]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+
+
+# statfs magic numbers: ext2/3/4, xfs, btrfs, tmpfs, overlay, f2fs, zfs. On these, processes of one kernel writing one
+# file share its page cache; network and FUSE filesystems may keep a copy per writer, or take sequential writes only.
+_LOCAL = {0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0x794C7630, 0xF2F52010, 0x2FC12FC1}
+
+
+def local_filesystem(path: Path) -> bool:
+    """Whether `path` is on a local filesystem (Linux `statfs`), where several processes may write one file."""
+    if not sys.platform.startswith("linux"):
+        return False
+    buffer = ctypes.create_string_buffer(256)  # struct statfs; f_type, a long, comes first
+    if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buffer) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buffer).value in _LOCAL
+
+
+def file_identity(device: int, inode: int) -> int:
+    """A file's (device, inode) on this boot as a nonzero int64: equal on two ranks only for one file of one kernel."""
+    key = f"{_boot_id()}:{device}:{inode}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True) or 1
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_id() -> str:
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return boot.read_text().strip() if boot.exists() else ""
+
+
+def write_rows(path: str, identity: int, rows: list[tuple[int, torch.Tensor]]) -> int:
+    """A sender's half of `FullStream.write_into`: its rows written into the file the gathering rank has open.
+
+    0 once written; `CANNOT` where `path` is not that file (another machine, container or boot); -errno
+    when a write fails (the gathering rank raises it).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return CANNOT
+    try:
+        st = os.fstat(fd)
+        if file_identity(st.st_dev, st.st_ino) != identity:
+            return CANNOT
+        for position, data in rows:
+            pwrite_all(fd, data, position)
+        return 0
+    except OSError as err:
+        return -(err.errno or errno.EIO)
+    finally:
+        os.close(fd)
+
+
+def pwrite_all(fd: int, data: torch.Tensor | bytes, position: int) -> None:
+    """`os.pwrite` of every byte (a write may be short: Linux stops at 2 GiB less a page)."""
+    view = memoryview(data if isinstance(data, bytes) else data.to("cpu").numpy()).cast("B")
+    while view.nbytes:
+        done = os.pwrite(fd, view, position)
+        view, position = view[done:], position + done
+
+
+collectives.FILE_WRITER = write_rows
 
 
 NAMES = {name: dtype for dtype, name in DTYPES.items()}

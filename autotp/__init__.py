@@ -8,7 +8,7 @@ Layers, bottom to top; a module imports only from its own layer or the layers be
 upward import or a cycle). Each folder is one tier; its `__init__` says what it is for.
 
 1. dependency boundaries: `compat`, `compat.versions`, `compat.peft`, `compat.torch`, `compat.trainer`,
-   `compat.hf`
+   `compat.hf`, `compat.hf_conversion`
 2. plan data, no torch.distributed: `planning`, `planning.options`, `planning.sharding`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,

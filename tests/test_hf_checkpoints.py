@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 import transformers
 
-from autotp.compat.hf import TASKS, ConvertedSource, checkpoint_sources
+from autotp.compat.hf import TASKS
+from autotp.compat.hf_conversion import ConvertedSource, checkpoint_sources
 from autotp.io.errors import CheckpointError
 from autotp.io.load import checkpoint_files
 from autotp.testing import tiny_config

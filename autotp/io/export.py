@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..compat.hf import SavedTensor
+from ..compat.hf_conversion import SavedTensor
 from ..compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
 from ..parallel.lora import adapt_all
 from ..parallel.collectives import all_reduce, buckets

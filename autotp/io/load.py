@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..parallel.dtensor_rows import local_rows
-from ..compat.hf import ConvertedSource, checkpoint_sources, initialised_if_missing
+from ..compat.hf_conversion import ConvertedSource, checkpoint_sources, initialised_if_missing
 from ..planning.sharding import Partition
 from ..parallel.state import find_state
 from .errors import CheckpointError, describe, failures

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..compat.hf import SavedPart, SavedTensor, checkpoint_layout, keys_to_ignore_on_save, remove_tied_weights
+from ..compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, keys_to_ignore_on_save,
+                                    remove_tied_weights)
 from ..parallel.collectives import gather_full_to
 from ..parallel.dtensor_rows import dp_chunk, dp_full, local_rows
 from ..planning.sharding import Partition, Shard

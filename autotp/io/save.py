@@ -22,7 +22,8 @@ from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..compat.hf import SavedPart, SavedTensor, adapter_module
+from ..compat.hf import adapter_module
+from ..compat.hf_conversion import SavedPart, SavedTensor
 from ..parallel.collectives import gather_full_to
 from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import global_rank, is_global_rank0

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..compat.hf import attn_implementation, set_config_attn_implementation
 from .collectives import all_reduce
 from .context_attention import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
 from .context_kernels import CPAttention, is_varlen
@@ -42,7 +43,7 @@ _ACTIVE: list[int] = []  # depth of CP forwards running now: transformers' mask 
 def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
     """The model's attention implementation, or a refusal naming what context parallelism cannot do with parity."""
     config = model.config
-    implementation = config._attn_implementation  # transformers' own field; read-only here
+    implementation = attn_implementation(config)
     if implementation not in _SUPPORTED and not is_varlen(implementation):
         raise NotImplementedError(f"cp_size={cp_size}: attention '{implementation}' is not supported under context "
                                   f"parallelism; load the model with attn_implementation='sdpa', 'eager' or a "
@@ -168,10 +169,10 @@ class ContextParallel:
 
     def _per_module_configs(self, name: str) -> None:
         """Attention modules given a config copy of their own (their rank's head counts, `apply_plan`) read the
-        implementation from it, which `set_attn_implementation` does not reach: set there too (transformers' field)."""
+        implementation from it, which `set_attn_implementation` does not reach: set there too."""
         for module in self.modules:
             if module.config is not self.model.config:
-                module.config._attn_implementation = name
+                set_config_attn_implementation(module.config, name)
 
     def __deepcopy__(self, memo: dict) -> ContextParallel:
         """`copy.deepcopy(model)` (an EMA or reference model): the copy's own object, sharing the CP group (a

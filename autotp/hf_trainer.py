@@ -31,8 +31,8 @@ from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
 from .parallel.collectives import all_gather
-from .data_parallel import (clip_grad_norm_, data_parallel_sampler, dp_group, dp_rank, dp_size, tp_group, tp_rank,
-                            tp_size)
+from .data_parallel import (clip_grad_norm_, data_parallel_sampler, dp_cp_group, dp_group, dp_rank, dp_size,
+                            tp_group, tp_rank, tp_size)
 from .fsdp import fully_shard as autotp_fully_shard
 from .parallel.groups import group_size
 from .parallel.rng import sync_replicated_stream
@@ -119,14 +119,15 @@ class AutoTPTrainer(Trainer):
 
     def wrap_for_training(self, model: nn.Module, training: bool = True,
                           dataloader: DataLoader | None = None) -> nn.Module:
-        """For training, DDP over the DP group only (or nothing when FSDP or one replica), never over the world."""
+        """For training, DDP over DP x CP only (or nothing under FSDP or with one rank there), never over the world."""
         if not training or isinstance(model, (DistributedDataParallel, _TPOnly)):
             return model
         if not trainer_compat.is_prepared(self, model):  # bf16 / fp16: autocast, as Trainer's prepare does
             self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-        if dp_size(model) > 1 and not find_state(model).fsdp:  # FSDP reduces gradients over DP itself
+        group = dp_cp_group(model)  # DP x CP: the average sums over CP (each CP rank's share counts C times)
+        if group_size(group) > 1 and not find_state(model).fsdp:  # FSDP reduces gradients over DP x CP itself
             device = next(model.parameters()).device
-            return DistributedDataParallel(model, process_group=dp_group(model),
+            return DistributedDataParallel(model, process_group=group,
                                            device_ids=[device] if device.type == "cuda" else None)
         return _TPOnly(model)
 

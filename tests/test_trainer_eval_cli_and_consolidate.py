@@ -349,3 +349,33 @@ def test_trainer_example_checkpoints_activations_without_deprecation_warnings(mo
         AutoTPTrainer(model=model, args=training, train_dataset=PatternDataset(2, 8, 256)).train()
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
     assert training.activation_checkpointing and model.base_model.model.is_activation_checkpointing
+
+
+def cp_trainer_losses(rank: int, world: int, path: str, cp: int) -> list[float]:
+    """AutoTPTrainer at tp=1 x cp=`cp` (one replica): 3 steps of the same batches as on one rank."""
+    from autotp.hf_trainer import AutoTPTrainer
+
+    class Recording(AutoTPTrainer):
+        losses: list[float] = []
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.losses = [*self.losses, loss.item()]
+            return loss
+
+    args = TrainingArguments(output_dir=path, per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                             adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
+                             save_strategy="no")
+    trainer = Recording(model=autotp.wrap(tiny_model("llama"), tp_size=1, cp_size=cp), args=args,
+                        train_dataset=Sequences(12))
+    trainer.train()
+    return trainer.losses
+
+
+@pytest.mark.timeout(120)
+def test_trainer_under_context_parallelism_trains_as_one_rank(tmp_path: Path) -> None:
+    """cp=2: each CP rank computes its half of every sequence, the gradients are summed over CP (DDP over DP x CP),
+    and the token count covers the whole sequence: the losses of one rank's run, to fp32 rounding."""
+    (one,) = run_ranks(cp_trainer_losses, 1, str(tmp_path / "one"), 1)
+    for losses in run_ranks(cp_trainer_losses, 2, str(tmp_path / "cp"), 2):
+        assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, one)) <= 1e-5, (losses, one)

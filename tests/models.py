@@ -157,6 +157,17 @@ class SoftmaxMLP(nn.Module):
         return self.down_proj(torch.softmax(self.gate_proj(x), dim=-1) * self.up_proj(x))
 
 
+def trained_llama(tp: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A tiny Llama wrapped at `tp` after one AdamW step, and its optimizer (state to save in a checkpoint)."""
+    model = autotp.wrap(tiny_model("llama", seed=seed), tp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
 # --- resuming at another layout (tests/test_reshard_resume.py, tests/test_gpu.py) ---------------------------------
 
 RESUME_BATCH = batch(vocab=250, size=(4, 16))  # the global batch: each DP replica takes its rows

@@ -14,19 +14,9 @@ import torch.distributed.checkpoint as dcp
 
 import autotp
 from autotp.testing.spawn import run_ranks
-from models import tiny_model
+from models import tiny_model, trained_llama
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def trained(tp: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = autotp.wrap(tiny_model("llama", seed=seed), tp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return model, optimizer
 
 
 def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -35,7 +25,7 @@ def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_async_then_train(rank: int, world: int, path: str) -> dict:
-    model, optimizer = trained(2)
+    model, optimizer = trained_llama(2)
     at_call = gathered(model)
     autotp.save_checkpoint(path, model, optimizer, async_save=True, step=1)
     pending_target = os.path.isdir(path)  # not in place before the wait
@@ -65,7 +55,7 @@ def test_async_save_holds_the_weights_of_the_call_and_loads_at_another_layout(tm
 
 
 def failing_async_write(rank: int, world: int, path: str) -> dict:
-    model, optimizer = trained(2)
+    model, optimizer = trained_llama(2)
     autotp.save_checkpoint(path, model, optimizer, step=1)  # the previous checkpoint
     if rank == 1:
         def failing(self, plan, planner):

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import autotp
 from autotp.testing.spawn import run_ranks
-from models import tiny_model
+from models import tiny_model, trained_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,23 +26,13 @@ def hidden(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
-def trained(tp: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = autotp.wrap(tiny_model("llama", seed=seed), tp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    model(ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return model, optimizer
-
-
 def full_disk_on_rank1(rank: int, world: int, target: str) -> tuple[int | None, str]:
     if rank == 1:
         def failing(self, plan, planner):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "__1_0.distcp")
 
         dcp.FileSystemWriter.write_data = failing
-    model, optimizer = trained(world)
+    model, optimizer = trained_llama(world)
     with pytest.raises(OSError) as err:
         autotp.save_checkpoint(target, model, optimizer, step=1)
     return err.value.errno, str(err.value)
@@ -57,7 +47,7 @@ def test_write_error_on_one_rank_raises_on_every_rank_and_writes_nothing(tmp_pat
 # --- a damaged checkpoint changes nothing, on any rank ---------------------------------------------------------
 
 def save_tp2(rank: int, world: int, directory: str) -> None:
-    model, optimizer = trained(2)
+    model, optimizer = trained_llama(2)
     autotp.save_checkpoint(directory, model, optimizer, step=1)
 
 
@@ -169,7 +159,7 @@ def write_per_rank(directory: Path, model: torch.nn.Module, optimizer: torch.opt
 
 
 def per_rank_round_trip(rank: int, world: int, directory: str) -> dict:
-    model, optimizer = trained(2)
+    model, optimizer = trained_llama(2)
     write_per_rank(Path(directory), model, optimizer, step=5)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     again, opt = autotp.wrap(tiny_model("llama", seed=3), 2), None

@@ -107,8 +107,8 @@ def test_consolidate_builds_the_checkpoints_own_class(tmp_path: Path, model_type
 
 # --- Trainer resume across layouts, and consolidate inside a job ---------------------------------------------------
 
-def recording_trainer(path: str, tp: int, fsdp: bool, steps: int = 1, save: bool = False) -> Trainer:
-    """AutoTPTrainer on a tiny Llama wrapped at `tp`, keeping each step's loss unrounded in `.losses`."""
+def recording_trainer(path: str, tp: int, fsdp: bool, steps: int = 1, save: bool = False, cp: int = 1) -> Trainer:
+    """AutoTPTrainer on a tiny Llama wrapped at `tp` (and `cp`), keeping each step's loss unrounded in `.losses`."""
     from autotp.hf_trainer import AutoTPTrainer
 
     class Recording(AutoTPTrainer):
@@ -122,8 +122,8 @@ def recording_trainer(path: str, tp: int, fsdp: bool, steps: int = 1, save: bool
     args = TrainingArguments(output_dir=path, per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-3,
                              adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
                              save_strategy="steps" if save else "no", save_steps=1)
-    return Recording(model=autotp.wrap(tiny_model("llama"), tp_size=tp), args=args, train_dataset=Sequences(12),
-                     fully_shard=fsdp)
+    return Recording(model=autotp.wrap(tiny_model("llama"), tp_size=tp, cp_size=cp), args=args,
+                     train_dataset=Sequences(12), fully_shard=fsdp)
 
 
 def resume_in_other_layout(rank: int, world: int, path: str, saved_fsdp: bool) -> tuple[list[float], list[float]]:
@@ -353,21 +353,7 @@ def test_trainer_example_checkpoints_activations_without_deprecation_warnings(mo
 
 def cp_trainer_losses(rank: int, world: int, path: str, cp: int) -> list[float]:
     """AutoTPTrainer at tp=1 x cp=`cp` (one replica): 3 steps of the same batches as on one rank."""
-    from autotp.hf_trainer import AutoTPTrainer
-
-    class Recording(AutoTPTrainer):
-        losses: list[float] = []
-
-        def training_step(self, *args, **kwargs):
-            loss = super().training_step(*args, **kwargs)
-            self.losses = [*self.losses, loss.item()]
-            return loss
-
-    args = TrainingArguments(output_dir=path, per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
-                             adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
-                             save_strategy="no")
-    trainer = Recording(model=autotp.wrap(tiny_model("llama"), tp_size=1, cp_size=cp), args=args,
-                        train_dataset=Sequences(12))
+    trainer = recording_trainer(path, 1, False, steps=3, cp=cp)
     trainer.train()
     return trainer.losses
 

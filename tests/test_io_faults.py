@@ -380,8 +380,8 @@ def stream_every_partition(rank: int, world: int, chunk: int) -> list[str]:
             streamed = collectives.stream_full_to(shard, partition, group)
             out, seen = torch.zeros(full.numel() * full.element_size(), dtype=torch.uint8), 0
             for offset, piece in [] if streamed is None else streamed.pieces():  # read before the next call
-                out[offset:offset + piece.numel()] = piece
-                seen += piece.numel()
+                out[offset:offset + piece.nbytes] = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
+                seen += piece.nbytes
             collectives.stream_full_to(shard, partition, group)  # left unread: the gather below drains it first
             whole = collectives.gather_full_to(shard, partition, group)
             if rank != 0:
@@ -412,7 +412,7 @@ def test_the_writer_refuses_a_tensor_whose_bytes_did_not_all_come(tmp_path: Path
             pass
 
         def pieces(self):
-            yield 0, torch.zeros(4, dtype=torch.uint8)
+            yield 0, memoryview(bytes(4))
 
     with pytest.raises(RuntimeError, match="8 of its 16 bytes came"):
         writer.write("a", Short())  # type: ignore[arg-type]

@@ -80,17 +80,17 @@ class SafetensorsWriter:
             raise RuntimeError(f"safetensors writer expected {expected}, got {got}")
         nbytes = math.prod(expected[2]) * expected[1].itemsize
         if isinstance(tensor, torch.Tensor):
-            pieces = [(0, tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))]
+            pieces = [(0, memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))]
         else:
             if self._shared:
                 tensor.write_into(os.fsencode(os.path.abspath(self.path)), self._shared, self._position)
             pieces = tensor.pieces()
         written = 0
         for offset, piece in pieces:
-            if offset + piece.numel() > nbytes:
+            if offset + piece.nbytes > nbytes:
                 raise RuntimeError(f"{name}: a piece at byte {offset} runs past the tensor's {nbytes} bytes")
             pwrite_all(self._fd, piece, self._position + offset)
-            written += piece.numel()
+            written += piece.nbytes
         written += 0 if isinstance(tensor, torch.Tensor) else tensor.written_elsewhere
         if written != nbytes:
             raise RuntimeError(f"{name}: {written} of its {nbytes} bytes came")
@@ -129,7 +129,7 @@ def _boot_id() -> str:
     return boot.read_text().strip() if boot.exists() else ""
 
 
-def write_rows(path: str, identity: int, rows: list[tuple[int, torch.Tensor]]) -> int:
+def write_rows(path: str, identity: int, rows: list[tuple[int, memoryview]]) -> int:
     """A sender's half of `FullStream.write_into`: its rows written into the file the gathering rank has open.
 
     0 once written; `CANNOT` where `path` is not that file (another machine, container or boot); -errno
@@ -152,9 +152,9 @@ def write_rows(path: str, identity: int, rows: list[tuple[int, torch.Tensor]]) -
         os.close(fd)
 
 
-def pwrite_all(fd: int, data: torch.Tensor | bytes, position: int) -> None:
+def pwrite_all(fd: int, data: memoryview | bytes, position: int) -> None:
     """`os.pwrite` of every byte (a write may be short: Linux stops at 2 GiB less a page)."""
-    view = memoryview(data if isinstance(data, bytes) else data.to("cpu").numpy()).cast("B")
+    view = memoryview(data).cast("B")
     while view.nbytes:
         done = os.pwrite(fd, view, position)
         view, position = view[done:], position + done

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import os
@@ -214,7 +215,7 @@ _ASK = 24 + 4096  # `write_into`'s message: position, file identity, path length
 CANNOT = 1  # a sender's answer when the file is not one it can open: it sends its rows instead
 # How a sender writes its rows into the file `dst` names: (path, file identity, [(file offset, bytes)]) -> 0, CANNOT
 # or -errno. `autotp.io.safetensors` installs it: this tier does no file I/O. Unset, senders send.
-FILE_WRITER: Callable[[str, int, list[tuple[int, torch.Tensor]]], int] | None = None
+FILE_WRITER: Callable[[str, int, list[tuple[int, memoryview]]], int] | None = None
 _scratch: dict[str, torch.Tensor] = {}  # the gathering rank's reused buffers (pages touched once); freed at the end
 _open: list[FullStream] = []  # streams on this rank not yet read to their end
 
@@ -251,24 +252,24 @@ def finish_streams(release: bool = True) -> None:
 class FullStream:
     """A full tensor for a file on the gathering rank: (byte offset, bytes) pieces.
 
-    Why: the writer `pwrite`s each piece as it comes, its own rows straight from its shard, so no
-    full tensor is assembled; a sender's pieces are `isend`s of views of its shard. Better still,
-    `write_into` has the senders write their rows into the file themselves where they can: nothing
-    travels (a loopback copy costs as much CPU as the write). The gathering rank holds its shard
-    plus at most the others' share of one tensor.
+    Why: the writer `pwrite`s each piece as it comes, its own rows straight from its shard; a sender's
+    pieces are `isend`s of views of its shard. Better, `write_into` has the senders write their rows
+    into the file themselves where they can: nothing travels (a loopback copy costs as much CPU as
+    the write). The gathering rank holds its shard plus at most the others' shards of one tensor.
     """
 
     def __init__(self, shard: torch.Tensor, partition: Partition, group: Group, dst: int) -> None:
-        self.dtype, self.group, self._dst, self._partition = shard.dtype, group, dst, partition
+        self.dtype, self.group, self._dst = shard.dtype, group, dst
         self.shape = shard.shape[:partition.dim] + (partition.full_size,) + shard.shape[partition.dim + 1:]
-        self._pieces: Iterator[tuple[int, torch.Tensor]] | None = None
+        self._pieces: Iterator[tuple[int, memoryview]] | None = None
         self._ask, self.written_elsewhere = torch.zeros(_ASK, dtype=torch.uint8), 0  # zeros: send; bytes they wrote
         self._flat = _bytes(shard.contiguous())
-        self._plan()
+        self._view = memoryview(self._flat.numpy())
+        self._plan(partition)
 
-    def _plan(self) -> None:
-        """Which bytes of which rank's shard make each piece: pure arithmetic, the same on every rank."""
-        partition, dim, dst = self._partition, self._partition.dim, self._dst
+    def _plan(self, partition: Partition) -> None:
+        """Each rank's pieces and each sender's messages: pure arithmetic, the same on every rank."""
+        dim, dst = partition.dim, self._dst
         outer, row = math.prod(self.shape[:dim]), math.prod(self.shape[dim + 1:]) * self.dtype.itemsize
         holders: dict[tuple[int, int], tuple[int, int]] = {}  # run -> (rank, offset in its shard); dst's replicas first
         for rank in [dst, *range(partition.tp_size)]:
@@ -279,94 +280,89 @@ class FullStream:
         self._runs = sorted((start * row, length * row, rank, offset * row)
                             for (start, length), (rank, offset) in holders.items() if length)
         self._local = [partition.local_size(r) * row for r in range(partition.tp_size)]  # bytes per outer index
-        self._senders = sorted({rank for *_, rank, _ in self._runs} - {dst})
-        self._messages: list[tuple[int, int, int, int]] = []  # (sender, offset in its shard, bytes, offset in the full)
-        self._own: list[tuple[int, int, int]] = []  # outer == 1: dst's pieces (offset in the full, in its shard, bytes)
-        self._blocks: list[tuple[int, int, list[int]]] = []  # otherwise: (first, last outer index, messages)
-        if outer == 1:  # every run is contiguous in the full tensor and in its holder's shard
-            for begin, size, rank, offset in self._runs:
-                for at in range(0, size, STREAM_CHUNK_BYTES):
-                    piece = (begin + at, offset + at, min(STREAM_CHUNK_BYTES, size - at))
-                    if rank == dst:
-                        self._own.append(piece)
-                    else:
-                        self._messages.append((rank, *piece[1:], piece[0]))
-            return
-        step = max(1, STREAM_CHUNK_BYTES // (partition.full_size * row))  # blocks of outer indices
-        for first in range(0, outer, step):
-            last, count = min(outer, first + step), len(self._messages)
-            self._blocks.append((first, last, list(range(count, count + len(self._senders)))))
-            self._messages += [(s, first * self._local[s], (last - first) * self._local[s], -1) for s in self._senders]
+        self._senders = sorted({rank for _, _, rank, _ in self._runs} - {dst})
+        self._shard_bytes = {s: outer * self._local[s] for s in self._senders}
+        self._order: list[tuple[int, int, int, int, int]] = []  # outer == 1: (offset, rank, in its shard, n, message)
+        self._messages: list[tuple[int, int, int]] = []  # (sender, offset in its shard, bytes)
+        for begin, size, rank, offset in self._runs if outer == 1 else []:  # runs: contiguous in both
+            for at in range(0, size, STREAM_CHUNK_BYTES):
+                n = min(STREAM_CHUNK_BYTES, size - at)
+                self._order.append((begin + at, rank, offset + at, n, len(self._messages) if rank != dst else -1))
+                self._messages += [] if rank == dst else [(rank, offset + at, n)]
+        step = max(1, STREAM_CHUNK_BYTES // (partition.full_size * row))  # else blocks of outer indices, assembled
+        self._blocks = [(i, min(outer, i + step)) for i in range(0, outer, step)] if outer > 1 else []
+        self._messages += [(s, first * self._local[s], (last - first) * self._local[s])
+                           for first, last in self._blocks for s in self._senders]
 
     def write_into(self, path: bytes, identity: int, position: int) -> None:
         """Have the senders write their rows into the file at `path` themselves (the tensor's data from `position`).
 
         Each does (`FILE_WRITER`) where it opens the same file (`identity`: same boot, device, inode),
         else it sends them. Several processes may write one file where the kernel keeps one page
-        cache for it: the caller offers only files on local filesystems. Blocks always travel.
+        cache for it: the caller offers only files on local filesystems. Rows cut by outer dims travel
+        (row by row, the two processes would take turns on the file's lock thousands of times).
         """
-        if not self._blocks and self._pieces is None and len(path) <= _ASK - 24:
+        if self._pieces is None and not self._blocks and len(path) <= _ASK - 24:
             self._ask[:24] = _bytes(torch.tensor([position, identity, len(path)]))
             self._ask[24:24 + len(path)] = torch.frombuffer(bytearray(path), dtype=torch.uint8)
 
     def send(self) -> None:
         """Off `dst`: this rank's rows, written into the file `dst` names or sent from its shard; returns when done."""
         me, peer = group_rank(self.group), dist.get_global_rank(self.group, self._dst)
-        mine = [(start, n, begin) for sender, start, n, begin in self._messages if sender == me]
+        if me not in self._senders:
+            return
         with named_failure(self.group, "gather of a full tensor"):
-            if mine:
-                dist.recv(self._ask, peer, group=self.group, tag=_STREAM_TAG)
-                position, identity, length = self._ask[:24].view(torch.int64).tolist()
-                if length:
-                    path = os.fsdecode(self._ask[24:24 + length].numpy().tobytes())
-                    rows = [(position + begin, self._flat[start:start + n]) for start, n, begin in mine]
-                    try:  # never raised here: `dst` raises it, and this rank stays in step with it
-                        status = CANNOT if FILE_WRITER is None else FILE_WRITER(path, identity, rows)
-                    except Exception as err:
-                        status = -(getattr(err, "errno", None) or 5)  # EIO
-                        logging.getLogger(__name__).exception("autotp: writing rows into %s failed", path)
-                    dist.send(torch.tensor([status]), peer, group=self.group, tag=_STREAM_TAG)
-                if not length or status == CANNOT:
-                    for work in [dist.isend(self._flat[s:s + n], peer, group=self.group, tag=_STREAM_TAG)
-                                 for s, n, _ in mine]:
-                        work.wait()
+            dist.recv(self._ask, peer, group=self.group, tag=_STREAM_TAG)
+            position, identity, length = self._ask[:24].view(torch.int64).tolist()
+            if length:
+                path = os.fsdecode(self._ask[24:24 + length].numpy().tobytes())
+                rows = [(position + begin, self._view[at:at + n]) for begin, r, at, n, _ in self._order if r == me]
+                try:  # never raised here: `dst` raises it, and this rank stays in step with it
+                    status = CANNOT if FILE_WRITER is None else FILE_WRITER(path, identity, rows)
+                except Exception as err:
+                    status = -(getattr(err, "errno", None) or 5)  # EIO
+                    logging.getLogger(__name__).exception("autotp: writing rows into %s failed", path)
+                dist.send(torch.tensor([status]), peer, group=self.group, tag=_STREAM_TAG)
+            if not length or status == CANNOT:
+                for work in [dist.isend(self._flat[at:at + n], peer, group=self.group, tag=_STREAM_TAG)
+                             for sender, at, n in self._messages if sender == me]:
+                    work.wait()
 
-    def pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(byte offset in the full tensor, uint8 tensor), blocking; each valid until the next is asked for.
+    def pieces(self) -> Iterator[tuple[int, memoryview]]:
+        """(byte offset in the full tensor, bytes), blocking; each valid until the next is asked for.
 
-        After `write_into`: own rows, then what senders sent instead. Otherwise in file order (some
-        filesystems take sequential writes only)."""
+        After `write_into`: own rows, then any senders sent. Otherwise in file order (some filesystems
+        take sequential writes only). """
         self._pieces = self._pieces or self._receive()
         return self._pieces
 
-    def _receive(self) -> Iterator[tuple[int, torch.Tensor]]:
+    def _receive(self) -> Iterator[tuple[int, memoryview]]:
         try:
             rank, status, delegated = functools.partial(dist.get_global_rank, self.group), {}, bool(self._ask.any())
             with named_failure(self.group, "gather of a full tensor"):
                 asked = [dist.isend(self._ask, rank(s), group=self.group, tag=_STREAM_TAG) for s in self._senders]
                 if delegated:  # own rows while the senders write theirs; then every sender's answer
-                    yield from ((begin, self._flat[at:at + n]) for begin, at, n in self._own)
+                    yield from ((begin, self._view[at:at + n]) for begin, r, at, n, _ in self._order if r == self._dst)
                     for sender in self._senders:
                         dist.recv(answer := torch.zeros(1, dtype=torch.int64), rank(sender), group=self.group,
                                   tag=_STREAM_TAG)
                         status[sender] = int(answer.item())
-                sending = {s for s in self._senders if status.get(s, CANNOT) == CANNOT}
-                self.written_elsewhere = sum(n for s, _, n, _ in self._messages if s not in sending)
-                spare = _buffer("received", sum(n for s, _, n, _ in self._messages if s in sending))
-                posted, at = {}, 0
-                for m, (sender, _, n, _) in enumerate(self._messages):
-                    if sender in sending:  # all at once: a post waits on a lock of gloo's that a transfer holds
-                        posted[m] = dist.irecv(spare[at:at + n], rank(sender), group=self.group, tag=_STREAM_TAG), at, n
-                        at += n
-                received = lambda m: posted[m][0].wait() and spare[posted[m][1]:posted[m][1] + posted[m][2]]  # noqa: E731
-                pieces = [(begin, m, 0, 0) for m, (*_, begin) in enumerate(self._messages)
-                          if m in posted and begin >= 0]
-                pieces += [] if delegated else [(begin, -1, at, n) for begin, at, n in self._own]
-                for begin, m, at, n in sorted(pieces):  # file order
-                    yield begin, self._flat[at:at + n] if m < 0 else received(m)
-                width = sum(n for _, n, *_ in self._runs)  # bytes of one outer index of the full tensor
-                for first, last, messages in self._blocks:
-                    yield first * width, self._assemble(first, last, [received(m) for m in messages])
+                sending = [s for s in self._senders if status.get(s, CANNOT) == CANNOT]
+                self.written_elsewhere = sum(n for _, r, _, n, _ in self._order if r != self._dst and r not in sending)
+                base = dict(zip(sending, itertools.accumulate([0] + [self._shard_bytes[s] for s in sending])))
+                spare = _buffer("received", sum(self._shard_bytes[s] for s in sending))
+                posted = {m: dist.irecv(spare[base[s] + at:base[s] + at + n], rank(s), group=self.group,
+                                        tag=_STREAM_TAG) for m, (s, at, n) in enumerate(self._messages) if s in base}
+                view = memoryview(spare.numpy())
+                for begin, r, at, n, m in self._order:  # file order
+                    if m < 0 and not delegated:
+                        yield begin, self._view[at:at + n]
+                    elif m in posted:
+                        posted.pop(m).wait()
+                        yield begin, view[base[r] + at:base[r] + at + n]
+                width = sum(n for _, n, _, _ in self._runs)  # bytes of one outer index of the full tensor
+                for first, last in self._blocks:
+                    yield first * width, self._assemble(first, last, spare, base, posted)
                 for work in asked:
                     work.wait()
             failed = sorted((sender, -code) for sender, code in status.items() if code < 0)
@@ -376,16 +372,18 @@ class FullStream:
             if self in _open:
                 _open.remove(self)
 
-    def _assemble(self, first: int, last: int, received: list[torch.Tensor]) -> torch.Tensor:
-        """Outer indices [first, last) of the full tensor, each the runs of every holder side by side."""
-        rows, width = last - first, sum(n for _, n, *_ in self._runs)
-        sources = {rank: buffer.view(rows, -1) for rank, buffer in zip(self._senders, received)}
-        mine = self._local[self._dst]
-        sources[self._dst] = self._flat[first * mine:last * mine].view(rows, -1) if mine else None
+    def _assemble(self, first: int, last: int, spare: torch.Tensor, base: dict[int, int], posted: dict) -> memoryview:
+        """Outer indices [first, last) of the full tensor (each the runs of every holder side by side), once come."""
+        rows, width, flats = last - first, sum(n for _, n, _, _ in self._runs), {self._dst: self._flat}
+        for m, (sender, at, n) in enumerate(self._messages):
+            if m in posted and at == first * self._local[sender]:
+                posted.pop(m).wait()
+        flats.update({s: spare[base[s]:base[s] + self._shard_bytes[s]] for s in base})
         block = _buffer("block", rows * width)[:rows * width]
         for begin, n, rank, offset in self._runs:
-            block.view(rows, -1)[:, begin:begin + n].copy_(sources[rank][:, offset:offset + n])
-        return block
+            source = flats[rank][first * self._local[rank]:last * self._local[rank]].view(rows, -1)
+            block.view(rows, -1)[:, begin:begin + n].copy_(source[:, offset:offset + n])
+        return memoryview(block.numpy())
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -393,7 +391,9 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _buffer(name: str, nbytes: int) -> torch.Tensor:
-    """A reused receive buffer of at least `nbytes` (fresh pages cost a fault each: 3-10x a copy's time)."""
+    """A reused receive buffer of at least `nbytes` (fresh pages cost a fault each: 3-10x a copy's time).
+
+    Every receive of a stream is posted at once: posting waits on a lock of gloo's that a transfer holds."""
     buffer = _scratch.get(name)
     if buffer is None or buffer.numel() < nbytes:
         buffer = _scratch[name] = torch.empty(nbytes, dtype=torch.uint8)

@@ -380,8 +380,9 @@ def stream_every_partition(rank: int, world: int, chunk: int) -> list[str]:
             streamed = collectives.stream_full_to(shard, partition, group)
             out, seen = torch.zeros(full.numel() * full.element_size(), dtype=torch.uint8), 0
             for offset, piece in [] if streamed is None else streamed.pieces():  # read before the next call
-                out[offset:offset + piece.nbytes] = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
-                seen += piece.nbytes
+                data = bytearray(b"".join(piece) if isinstance(piece, list) else piece)  # a list: written in a row
+                out[offset:offset + len(data)] = torch.frombuffer(data, dtype=torch.uint8) if data else out[:0]
+                seen += len(data)
             collectives.stream_full_to(shard, partition, group)  # left unread: the gather below drains it first
             whole = collectives.gather_full_to(shard, partition, group)
             if rank != 0:

@@ -87,10 +87,11 @@ class SafetensorsWriter:
             pieces = tensor.pieces()
         written = 0
         for offset, piece in pieces:
-            if offset + piece.nbytes > nbytes:
+            size = sum(view.nbytes for view in piece) if isinstance(piece, list) else piece.nbytes
+            if offset + size > nbytes:
                 raise RuntimeError(f"{name}: a piece at byte {offset} runs past the tensor's {nbytes} bytes")
             pwrite_all(self._fd, piece, self._position + offset)
-            written += piece.nbytes
+            written += size
         written += 0 if isinstance(tensor, torch.Tensor) else tensor.written_elsewhere
         if written != nbytes:
             raise RuntimeError(f"{name}: {written} of its {nbytes} bytes came")
@@ -152,8 +153,17 @@ def write_rows(path: str, identity: int, rows: list[tuple[int, memoryview]]) -> 
         os.close(fd)
 
 
-def pwrite_all(fd: int, data: memoryview | bytes, position: int) -> None:
-    """`os.pwrite` of every byte (a write may be short: Linux stops at 2 GiB less a page)."""
+def pwrite_all(fd: int, data: memoryview | bytes | list[memoryview], position: int) -> None:
+    """Every byte at `position`: `os.pwrite`, or `os.pwritev` of a list (a write may be short: Linux stops at 2 GiB
+    less a page, and takes 1024 buffers a call)."""
+    if isinstance(data, list):
+        for first in range(0, len(data), 1024):
+            group = data[first:first + 1024]
+            done, size = os.pwritev(fd, group, position), sum(view.nbytes for view in group)
+            if done < size:
+                pwrite_all(fd, b"".join(group)[done:], position + done)
+            position += size
+        return
     view = memoryview(data).cast("B")
     while view.nbytes:
         done = os.pwrite(fd, view, position)

@@ -261,7 +261,7 @@ class FullStream:
     def __init__(self, shard: torch.Tensor, partition: Partition, group: Group, dst: int) -> None:
         self.dtype, self.group, self._dst = shard.dtype, group, dst
         self.shape = shard.shape[:partition.dim] + (partition.full_size,) + shard.shape[partition.dim + 1:]
-        self._pieces: Iterator[tuple[int, memoryview]] | None = None
+        self._pieces: Iterator[tuple[int, memoryview | list[memoryview]]] | None = None
         self._ask, self.written_elsewhere = torch.zeros(_ASK, dtype=torch.uint8), 0  # zeros: send; bytes they wrote
         self._flat = _bytes(shard.contiguous())
         self._view = memoryview(self._flat.numpy())
@@ -289,7 +289,7 @@ class FullStream:
                 n = min(STREAM_CHUNK_BYTES, size - at)
                 self._order.append((begin + at, rank, offset + at, n, len(self._messages) if rank != dst else -1))
                 self._messages += [] if rank == dst else [(rank, offset + at, n)]
-        step = max(1, STREAM_CHUNK_BYTES // (partition.full_size * row))  # else blocks of outer indices, assembled
+        step = max(1, STREAM_CHUNK_BYTES // (partition.full_size * row))  # else blocks of outer indices
         self._blocks = [(i, min(outer, i + step)) for i in range(0, outer, step)] if outer > 1 else []
         self._messages += [(s, first * self._local[s], (last - first) * self._local[s])
                            for first, last in self._blocks for s in self._senders]
@@ -328,15 +328,15 @@ class FullStream:
                              for sender, at, n in self._messages if sender == me]:
                     work.wait()
 
-    def pieces(self) -> Iterator[tuple[int, memoryview]]:
-        """(byte offset in the full tensor, bytes), blocking; each valid until the next is asked for.
+    def pieces(self) -> Iterator[tuple[int, memoryview | list[memoryview]]]:
+        """(byte offset in the full tensor, bytes or a list of them to write one after another), blocking.
 
         After `write_into`: own rows, then any senders sent. Otherwise in file order (some filesystems
         take sequential writes only). """
         self._pieces = self._pieces or self._receive()
         return self._pieces
 
-    def _receive(self) -> Iterator[tuple[int, memoryview]]:
+    def _receive(self) -> Iterator[tuple[int, memoryview | list[memoryview]]]:
         try:
             rank, status, delegated = functools.partial(dist.get_global_rank, self.group), {}, bool(self._ask.any())
             with named_failure(self.group, "gather of a full tensor"):
@@ -362,7 +362,7 @@ class FullStream:
                         yield begin, view[base[r] + at:base[r] + at + n]
                 width = sum(n for _, n, _, _ in self._runs)  # bytes of one outer index of the full tensor
                 for first, last in self._blocks:
-                    yield first * width, self._assemble(first, last, spare, base, posted)
+                    yield first * width, self._rows(first, last, view, base, posted)
                 for work in asked:
                     work.wait()
             failed = sorted((sender, -code) for sender, code in status.items() if code < 0)
@@ -372,18 +372,15 @@ class FullStream:
             if self in _open:
                 _open.remove(self)
 
-    def _assemble(self, first: int, last: int, spare: torch.Tensor, base: dict[int, int], posted: dict) -> memoryview:
-        """Outer indices [first, last) of the full tensor (each the runs of every holder side by side), once come."""
-        rows, width, flats = last - first, sum(n for _, n, _, _ in self._runs), {self._dst: self._flat}
+    def _rows(self, first: int, last: int, view: memoryview, base: dict[int, int], posted: dict) -> list[memoryview]:
+        """Outer indices [first, last) of the full tensor, once come: each the runs of every holder side by side,
+        as the buffers of one `pwritev` (assembling them would copy them once more)."""
         for m, (sender, at, n) in enumerate(self._messages):
             if m in posted and at == first * self._local[sender]:
                 posted.pop(m).wait()
-        flats.update({s: spare[base[s]:base[s] + self._shard_bytes[s]] for s in base})
-        block = _buffer("block", rows * width)[:rows * width]
-        for begin, n, rank, offset in self._runs:
-            source = flats[rank][first * self._local[rank]:last * self._local[rank]].view(rows, -1)
-            block.view(rows, -1)[:, begin:begin + n].copy_(source[:, offset:offset + n])
-        return memoryview(block.numpy())
+        views = {self._dst: self._view, **{s: view[base[s]:base[s] + self._shard_bytes[s]] for s in base}}
+        return [views[rank][i * self._local[rank] + offset:i * self._local[rank] + offset + n]
+                for i in range(first, last) for _, n, rank, offset in self._runs]
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -236,7 +236,7 @@ def row(label: str, results: list[list[dict]], peer: list[list[dict]] | None, ke
     times = [max(r[key] for r in ranks) for ranks in results]
     best, median = min(times), statistics.median(times)
     ratio = f"{min(max(r['s'] for r in ranks) for ranks in peer) / best:.2f}" if peer else ""
-    memory = "; ".join(f"{r['before'] / MiB:.0f} -> {r['peak'] / MiB:.0f} (+{(r['peak'] - r['before']) / MiB:.0f})"
+    memory = "; ".join(f"{r['before'] / MiB:.0f} -> {r['peak'] / MiB:.0f} ({(r['peak'] - r['before']) / MiB:+.0f})"
                        for r in results[-1]) if key == "s" else ""
     used = f"{min(sum(r['cpu'] for r in ranks) for ranks in results):.3f}" if key == "s" else ""
     return f"| {label} | {best:.3f} | {median:.3f} | {ratio} | {used} | {memory} |"

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ..compat.hf import adapter_module
 from ..compat.hf_conversion import SavedPart, SavedTensor
-from ..parallel.collectives import gather_full_to
+from ..parallel.collectives import stream_full_to
 from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import global_rank, is_global_rank0
 from ..parallel.state import find_state
@@ -42,8 +42,8 @@ def save_pretrained(
 ) -> None:
     """Write a full HF checkpoint (config, safetensors shards, index) that plain transformers loads.
 
-    Call it on every rank: the TP group of global rank 0 gathers one tensor at a time and rank 0
-    writes. `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
+    Call it on every rank: the TP group of global rank 0 streams one tensor at a time and rank 0
+    writes (on a local filesystem the other ranks of its TP group write their own rows into its files). `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
     whole, once the new one is complete). `into_existing=True` instead keeps the directory's other
     files (a Trainer's output directory): the checkpoint is staged completely, then its files are
     moved in, replacing the model files of an earlier save. A failure on any rank (an unwritable
@@ -63,7 +63,7 @@ def save_pretrained(
     def fetch(name: str) -> torch.Tensor | None:
         tensor = dp_full(params[name].detach())
         shard = getattr(params[name], "autotp_shard", None)
-        return tensor if shard is None else gather_full_to(tensor, shard.partition, tp_group, dst=0)
+        return tensor if shard is None else stream_full_to(tensor, shard.partition, tp_group, dst=0)
 
     def fetch_part(part: SavedPart) -> torch.Tensor | None:
         return gather_part(params[part.source], part, tp_group)
@@ -79,7 +79,8 @@ def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fe
     """Stream a transformers-layout checkpoint of `model` into `directory`.
 
     `params` maps model keys to tensors whose shapes (or `autotp_shard`) give the full shapes;
-    `fetch(key)` returns the full tensor where it is written and None elsewhere (it may be collective).
+    `fetch(key)` returns the full tensor, or a `FullStream` of it, where it is written and None elsewhere (it may
+    be collective).
     `fetch_part(part)` does the same for a cut of one (one expert); without it, parts are cut from `fetch`.
     """
     layout = saved_layout(model, params)

@@ -82,3 +82,25 @@ def test_saved_under_fully_shard_resumes_without_it_and_at_tp4(tmp_path: Path) -
     check_resume(second_half(0, 1, "llama", 0, False, path), expected, "one process")
     for report in run_ranks(second_half, 4, "llama", 4, False, path):
         check_resume(report, expected, "tp=4")
+
+
+def rng_after_resume(rank: int, world: int, path: str, save: bool) -> torch.Tensor:
+    """Saved at tp=1 x dp=2 (each replica its own generators), loaded at tp=1 x cp=2 (one replica)."""
+    model = autotp.wrap(resume_model("llama", seed=0), 1, cp_size=1 if save else 2)
+    torch.manual_seed(rank)  # the ranks draw apart, as data-parallel replicas may (CP ranks must not: the load fixes it)
+    optimizer, scheduler = resume_training(model)
+    if save:
+        autotp.save_checkpoint(path, model, optimizer, scheduler)
+    else:
+        autotp.load_checkpoint(path, model, optimizer, scheduler)
+    return torch.get_rng_state()
+
+
+def test_a_resume_at_another_cp_size_gives_a_replicas_ranks_one_generator(tmp_path: Path) -> None:
+    """The world size and tp are the same, the layout is not: the generators are re-seeded per replica, so the two CP
+    ranks of the one replica draw alike (their dropout masks must be one process's), never each its saved rank's."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(rng_after_resume, 2, path, True)
+    assert not torch.equal(saved[0], saved[1])
+    first, second = run_ranks(rng_after_resume, 2, path, False)
+    assert torch.equal(first, second)

@@ -26,7 +26,7 @@ from .checkpoint import (FORMAT, Chunks, layout, model_entries, optimizer_names,
                          read_meta, run_dcp, wait_for_pending)
 from .errors import CheckpointError, describe, failures, world
 
-_LAYOUT = ("tp_size", "world_size", "fsdp")
+_LAYOUT = ("tp_size", "world_size", "fsdp", "cp_size")
 
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -87,7 +87,8 @@ class _Reader:
         self.rng_key = f"rng/{global_rank() if self.same_layout else 0}" if meta.get("rng", True) else None
         if self.rng_key is not None:
             self.entries[self.rng_key] = b""
-        self.dp_rank = global_rank() if state is None else group_rank(state.dp_group)
+        # the replica's index: its TP and CP ranks draw alike (wrap aligns them), replicas apart
+        self.dp_rank = global_rank() if state is None else group_rank(state.batch_group)
         self.optimizer_state: dict[str, dict[str, str]] = {}  # parameter name -> state key -> DCP key
         self.fresh: dict[str, torch.Tensor] = {}  # DCP key -> the new optimizer state tensor it is read into
         if optimizer is not None:

@@ -133,8 +133,8 @@ def named(err: CheckpointException) -> Exception:
 class _Pending:
     """An `async_save` being written: its future and the staged directory it is put in place from."""
 
-    def __init__(self, future: Any, staging: ExitStack, directory: Path):
-        self.future, self.staging, self.directory = future, staging, directory
+    def __init__(self, future: Any, staging: ExitStack):
+        self.future, self.staging = future, staging
 
     def wait(self) -> None:
         try:
@@ -220,7 +220,7 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
         if async_save:
             future = run_dcp(dcp.async_save, entries, storage_writer=writer, async_stager=_Copied())
-            _pending.append(_Pending(future, staging, Path(directory)))
+            _pending.append(_Pending(future, staging))
             return
         run_dcp(dcp.save, entries, storage_writer=writer)
     except BaseException as err:

@@ -47,7 +47,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
     if not getattr(config, "architectures", None) and meta.get("model_class"):
         config.architectures = [meta["model_class"]]  # a model built from a config: the class save_checkpoint saw
     reader = _full_tensors if meta["format"] == FORMAT else legacy.full_tensors
-    dtype = _dtype(checkpoint) if meta["format"] == FORMAT else legacy.dtype(checkpoint, meta)
+    dtype = _dtype(checkpoint) if meta["format"] == FORMAT else legacy.dtype(checkpoint)
     with init_empty_weights():  # the checkpoint's own class (config.architectures), as autotp.from_pretrained builds
         model = build_model(config, dtype=dtype)
     model.tie_weights()

@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..parallel.dtensor_rows import dp_chunk, local_rows
-from ..parallel.groups import global_rank, group_size
-from ..parallel.state import find_state
+from ..parallel.groups import global_rank
 from ..planning.sharding import Partition
 from . import rng_state
+from .checkpoint import layout
 from .errors import CheckpointError
 from .safetensors import NAMES, open_tensors, read_header, read_tensors
 
@@ -39,13 +38,6 @@ def _rank_dir(directory: Path, rank: int) -> Path:
     return directory / f"rank-{rank:05d}"
 
 
-def _layout(model: nn.Module) -> dict[str, Any]:
-    state = find_state(model)
-    size = dist.get_world_size() if dist.is_initialized() else 1
-    return {"tp_size": group_size(None if state is None else state.tp_group), "world_size": size,
-            "fsdp": state is not None and state.fsdp}
-
-
 class Reader:
     """This rank's files, read and checked before anything changes; `restore` applies them and cannot fail on bad files.
 
@@ -54,7 +46,7 @@ class Reader:
 
     def __init__(self, directory: Path, meta: dict[str, Any], model: nn.Module,
                  optimizer: torch.optim.Optimizer | None, scheduler: Any):
-        here = _layout(model)
+        here = layout(model)
         if meta.get("fsdp", False) != here["fsdp"]:
             saved, now = ("with", "without") if meta.get("fsdp", False) else ("without", "with")
             raise CheckpointError(f"{directory} was saved {saved} autotp.fully_shard and this model is {now} it; "
@@ -193,7 +185,7 @@ def full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torch
         yield fetch
 
 
-def dtype(checkpoint: Path, meta: dict[str, Any]) -> torch.dtype:
+def dtype(checkpoint: Path) -> torch.dtype:
     """The dtype of the model's tensors, from rank 0's model file."""
     return NAMES[next(iter(_model_header(_rank_dir(checkpoint, 0) / "model.safetensors").values()))["dtype"]]
 

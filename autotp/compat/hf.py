@@ -60,6 +60,16 @@ def is_causal_lm(model: nn.Module) -> bool:
         config, "is_encoder_decoder", False) and getattr(config, "vision_config", None) is not None)
 
 
+# The forward keyword a model's key/value cache travels under: transformers 5.24 renamed `past_key_values` to `cache`
+# (the old name is still accepted, deprecated); a few older families keep names of their own.
+CACHE_KWARGS = ("cache", "past_key_values", "state", "mems", "past_buckets_states")
+
+
+def passed_cache(kwargs: dict) -> Any:
+    """The key/value cache a forward's keywords carry under any name transformers uses for it, or None."""
+    return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+
+
 def attn_implementation(config: PretrainedConfig) -> str | None:
     """The attention implementation a config selects (transformers keeps it in a private field, no public getter)."""
     return config._attn_implementation

@@ -91,13 +91,15 @@ def checkpoint_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dic
     except Exception as err:
         raise NotImplementedError(f"transformers' save-time conversion of {family} failed on autotp's stand-ins "
                                   f"({type(err).__name__}: {err}); autotp.save_pretrained cannot write it") from err
+    refused = [f"{key!r} through {getattr(t, 'unsupported', '') or 'an untracked tensor'}"
+               for key, t in converted.items() if not isinstance(t, _Traced) or t.unsupported]
+    if refused:
+        more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+        raise NotImplementedError(f"transformers builds {', '.join(refused[:3])}{more} of {family} when saving; "
+                                  f"autotp.save_pretrained writes only cuts of model tensors (rows, experts, "
+                                  f"transposes, concatenations), so it cannot stream this checkpoint")
     out = {}
     for key, t in converted.items():
-        if not isinstance(t, _Traced) or t.unsupported:
-            raise NotImplementedError(f"transformers builds {key!r} of {family} through "
-                                      f"{getattr(t, 'unsupported', '') or 'an untracked tensor'} when saving; "
-                                      f"autotp.save_pretrained writes only cuts of model tensors (rows, experts, "
-                                      f"transposes, concatenations), so it cannot stream this checkpoint")
         parts = tuple(SavedPart(source, tuple(index), tuple(dims)) for source, index, dims in t.cuts)
         out[key] = SavedTensor(parts, t.cat_dim, tuple(t.shape), t.dtype, t.storage)
     return out

@@ -27,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..compat.hf import attn_implementation, set_config_attn_implementation
+from ..compat.hf import attn_implementation, passed_cache, set_config_attn_implementation
 from .collectives import all_reduce
 from .context_attention import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
 from .context_kernels import CPAttention, is_varlen
@@ -203,7 +203,7 @@ class ContextParallel:
                 raise TypeError("autotp context parallelism: pass the model's inputs as keywords (input_ids=...)")
             kwargs = {**kwargs, "input_ids": args[0]}
         self.layout = None
-        if kwargs.get("past_key_values") is not None:
+        if passed_cache(kwargs) is not None:
             return (), kwargs
         self._refuse(module, kwargs)
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")

@@ -9,6 +9,7 @@ HF itself keeps replicated (`colwise_gather_output`, `rowwise_split_input`), sta
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from fnmatch import fnmatchcase
 
 from torch import nn
@@ -21,11 +22,39 @@ _OUTPUT_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "proj", "wo", "o", "ou
 
 
 def derive_policy(model: nn.Module) -> Policy:
-    """HF's plan translated when the config has one, else structural detection."""
-    hf_plan = getattr(model.config, "base_model_tp_plan", None)
-    if hf_plan:
-        return _from_hf_plan(model, dict(hf_plan))
-    return _from_structure(model)
+    """HF's plan translated where the config has one, and structural detection for every block it leaves out.
+
+    transformers' plans speak for some blocks only (since 5.24, the embedding alone for a dozen model types; MoE
+    plans often the experts alone): a block HF's plan names keeps HF's decision, replicated included, and the
+    others are detected as for a model with no plan. Both are verified by emulation before anything is sharded.
+    """
+    hf_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    detected = _from_structure(model, spoken=_hf_paths(model, hf_plan))
+    if not hf_plan:
+        return detected
+    from_hf = _from_hf_plan(model, hf_plan)
+    if not from_hf.rules:
+        return detected
+    if not detected.rules:
+        return from_hf
+    return replace(from_hf, rules=from_hf.rules + detected.rules, origin=Origin.HF_PLAN_FILLED)
+
+
+def _prefix(model: nn.Module) -> str:
+    """The base model's attribute path, which `base_model_tp_plan` keys are relative to ("" if it has none)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return prefix if prefix and hasattr(model, prefix) else ""
+
+
+def _hf_paths(model: nn.Module, hf_plan: dict[str, str]) -> list[str]:
+    """Every module pattern HF's plan names, from the model's root."""
+    prefix = _prefix(model)
+    return [f"{prefix}.{key}" if prefix else key for key in hf_plan]
+
+
+def _spoken(block: str, paths: list[str]) -> bool:
+    """Whether HF's plan decides `block`: it names the block, a module inside it, or a module holding it."""
+    return any(path == block or fnmatchcase(path, f"{block}.*") or fnmatchcase(block, f"{path}.*") for path in paths)
 
 
 def _field(config, name: str) -> int | None:
@@ -80,12 +109,8 @@ def _block_rule(model: nn.Module, block: str, columns: dict[str, str], rows: lis
 
 
 def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and not hasattr(model, prefix):
-        prefix = ""
     blocks: dict[str, dict] = defaultdict(lambda: {"column": {}, "row": [], "other": [], "norms": []})
-    for key, style in hf_plan.items():
-        path = f"{prefix}.{key}" if prefix else key
+    for path, style in zip(_hf_paths(model, hf_plan), hf_plan.values()):
         block, _, child = path.rpartition(".")
         entry = blocks[block]
         if style == "colwise":
@@ -118,8 +143,9 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
     return parse_policy(data, name=model.config.model_type, origin=Origin.HF_PLAN)
 
 
-def _from_structure(model: nn.Module) -> Policy:
-    """Blocks whose direct children are linears reading the hidden size and one linear writing it back."""
+def _from_structure(model: nn.Module, spoken: list[str] = ()) -> Policy:
+    """Blocks whose direct children are linears reading the hidden size and one linear writing it back, except those
+    HF's plan decides (`spoken`: the module patterns it names)."""
     hidden = _field(model.config, "hidden_size")
     patterns: dict[str, dict] = {}
     for name, module in model.named_modules():
@@ -132,8 +158,8 @@ def _from_structure(model: nn.Module) -> Policy:
         if not writes and len(reads) > 2:  # square attention: the output projection is known by its name
             writes = [c for c in reads if c.lower() in _OUTPUT_NAMES][:1]
             reads = {c: "w" for c in reads if c not in writes}
-        if reads and len(writes) == 1:
-            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        if reads and len(writes) == 1 and not _spoken(pattern, spoken):
             patterns.setdefault(pattern, {"column": reads, "row": writes})
     data: dict[str, list] = {"attention": [], "mlp": [], "experts": []}
     for block, entry in patterns.items():

@@ -24,12 +24,18 @@ class Origin(Enum):
     SHIPPED = "shipped policy"
     USER = "user policy"
     HF_PLAN = "transformers' base_model_tp_plan"
+    HF_PLAN_FILLED = "transformers' base_model_tp_plan, with structural detection for the blocks it leaves out"
     DETECTED = "structural detection"
 
     @property
     def checked_by_hand(self) -> bool:
         """Written and parity-tested for the family (shipped) or vouched for by the user, not derived."""
         return self in (Origin.SHIPPED, Origin.USER)
+
+    @property
+    def from_hf_plan(self) -> bool:
+        """Transformers' plan spoke for some blocks (an explicit plan: one that cannot be verified is refused)."""
+        return self in (Origin.HF_PLAN, Origin.HF_PLAN_FILLED)
 
 
 @dataclass(frozen=True)

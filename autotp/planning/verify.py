@@ -143,7 +143,7 @@ def _record(model: nn.Module, blocks: set[str], plan: Plan,
             except TypeError:
                 model(**inputs)
     except Exception as err:  # any failure means we cannot verify, so nothing derived is sharded
-        if plan.origin.checked_by_hand or plan.origin is Origin.HF_PLAN or example is not None:
+        if plan.origin.checked_by_hand or plan.origin.from_hf_plan or example is not None:
             raise ValueError(_unverifiable(model, plan, example, err)) from err
         return {}, f"a probe forward failed ({_what(err, 120)})"
     finally:

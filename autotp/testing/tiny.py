@@ -79,6 +79,9 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         config.per_layer_config = kept
     config.use_cache = False  # training; hybrid models' caches refuse some calls
     vocab = getattr(config, "vocab_size", None)
+    for key, value in list(vars(config).items()):  # Inkling2's unpadded_vocab_size: the head's rows, at most vocab
+        if key.endswith("vocab_size") and isinstance(vocab, int) and isinstance(value, int) and value > vocab:
+            setattr(config, key, vocab)
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
         value = getattr(config, key, None)
         if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:

@@ -134,7 +134,7 @@ def classify(model_type: str, task: str) -> dict:
     same_plan = "yes" if decisions(meta_plan) == decisions(plan) else "NO"
     source = plan.source.split(" (")[0]
     kind = {Origin.SHIPPED: "policy", Origin.USER: "policy", Origin.HF_PLAN: "HF plan",
-            Origin.DETECTED: "detection"}[plan.origin]
+            Origin.HF_PLAN_FILLED: "HF plan + detection", Origin.DETECTED: "detection"}[plan.origin]
     try:
         report = run_ranks(rank_job, TP, model_type, recipe, torch.float32, task)[0]
     except AssertionError as err:

@@ -150,3 +150,39 @@ def test_wrap_logs_a_summary_and_warns_on_rank0_only() -> None:
     assert first[0][0] == "INFO" and "tp_size=2" in first[0][1] and "sharded" in first[0][1]
     assert ("WARNING", "autotp: vocab parallelism is off: only models covered by a policy (the loss and logits "
                        "path of others is unchecked)") in first
+
+
+MLP_ONLY = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+
+
+@pytest.mark.parametrize("hf_plan, origin", [
+    ({"embed_tokens": "embedding_rowwise"}, autotp.Origin.DETECTED),  # transformers 5.24's plan for a dozen types
+    (MLP_ONLY, autotp.Origin.HF_PLAN_FILLED),
+])
+def test_blocks_transformers_plan_leaves_out_are_detected(hf_plan: dict, origin: autotp.Origin) -> None:
+    """transformers' plan is taken where it speaks; the blocks it leaves out are detected (and verified) as for a model
+    with no plan, so an embedding-only plan shards what detection alone shards."""
+    plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2)
+    detected = autotp.explain(tiny_model("olmo", base_model_tp_plan={}), 2)
+    assert plan.origin is origin and detected.origin is autotp.Origin.DETECTED
+    block_layers = [(layer.path, layer.style) for layer in plan.layers if layer.block]
+    assert block_layers == [(layer.path, layer.style) for layer in detected.layers if layer.block]
+    assert len(block_layers) == 14, block_layers  # q, k, v, o, gate, up, down in both layers
+
+
+def test_a_block_transformers_plan_keeps_replicated_is_not_detected() -> None:
+    """A block HF's plan names in a style autotp does not shard (here attention gathered) keeps HF's decision."""
+    hf_plan = {**MLP_ONLY, "layers.*.self_attn.q_proj": "colwise_gather_output"}
+    plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2)
+    assert plan.origin is autotp.Origin.HF_PLAN
+    assert sorted({layer.path.rsplit(".", 1)[-1] for layer in plan.layers if layer.block}) == [
+        "down_proj", "gate_proj", "up_proj"]
+
+
+@pytest.mark.parametrize("hf_plan", [{"embed_tokens": "embedding_rowwise"}, MLP_ONLY])
+def test_a_filled_plan_trains_like_one_process(hf_plan: dict) -> None:
+    """Detected blocks beside an embedding-only or MLP-only HF plan: loss, every gradient and the parameters after 3
+    AdamW steps equal one process at tp=2 (fp32 tolerances of autotp.testing.parity: reduction order only)."""
+    for report in run_ranks(family_parity, 2, "olmo", 3, None, {"base_model_tp_plan": hf_plan}):
+        assert report["sharded"] == 14, report
+        assert_parity(report)

@@ -1,8 +1,9 @@
 """Every place autotp reads Hugging Face transformers beyond its documented model API, in one module.
 
-Checked against transformers 5.19 to 5.23 (CI runs the whole suite on 5.23 and a parity subset on
-5.19, the minimum that pyproject.toml names; 4.x lacks both internals below). A transformers upgrade that moves one of these breaks here, with a
-message that names the missing piece, rather than somewhere inside a training step.
+Checked against transformers 5.19 to 5.24. CI runs three legs (`.ci/run`): the whole suite on the versions pinned in
+constraints.txt (5.24), a parity subset on 5.19 (the minimum that pyproject.toml names; 4.x lacks both internals below),
+and the fast tier on the newest releases. A transformers upgrade that moves one of these breaks here, with a message
+that names the missing piece, rather than somewhere inside a training step.
 """
 
 from __future__ import annotations

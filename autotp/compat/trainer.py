@@ -1,21 +1,22 @@
 """Every place autotp relies on transformers' Trainer (and its accelerate Accelerator) beyond their documented API,
 in one module: `autotp.hf_trainer.AutoTPTrainer` replaces some of Trainer's private methods and reads a few
-private attributes. Versions are transformers' (accelerate's for its row).
+private attributes. Versions are transformers' (accelerate's for its row): CI's minimum leg (5.19) and its pinned
+leg (constraints.txt); the newest-releases leg runs the fast tier on whatever is newest.
 
 | piece                                        | used for                                        | checked on |
 |----------------------------------------------|-------------------------------------------------|------------|
-| `Trainer._wrap_model`                        | replaced: DDP over the DP group, not the world  | 5.19, 5.23 |
-| `Trainer._get_num_items_in_batch`            | replaced (and called): tokens summed over DP    | 5.19, 5.23 |
-| `Trainer._get_train_sampler`                 | replaced: the DP-aware sampler                  | 5.19, 5.23 |
-| `Trainer._save`                              | replaced: every rank takes part in the gather   | 5.19, 5.23 |
-| `Trainer._save_optimizer_and_scheduler`      | replaced: optimizer state as a DCP directory    | 5.19, 5.23 |
-| `Trainer._load_optimizer_and_scheduler`      | replaced: this rank's part of it, at any layout | 5.19, 5.23 |
-| `Trainer._load_rng_state`                    | replaced (and called): TP ranks then draw alike | 5.23       |
-| `Trainer._load_from_checkpoint`              | replaced: this rank's rows of a full checkpoint | 5.19, 5.23 |
-| `Trainer._load_best_model`                   | replaced: the same, at load_best_model_at_end   | 5.19, 5.23 |
-| `Trainer._get_collator_with_removed_columns` | called: Trainer's collator for autotp's loaders | 5.19, 5.23 |
-| `Trainer._get_eval_sampler`                  | called: TRL's GRPO's own (prompts repeated)     | 5.23       |
-| `Trainer._train_batch_size`                  | read: the per-device batch size                 | 5.19, 5.23 |
+| `Trainer._wrap_model`                        | replaced: DDP over the DP group, not the world  | 5.19, 5.24 |
+| `Trainer._get_num_items_in_batch`            | replaced (and called): tokens summed over DP    | 5.19, 5.24 |
+| `Trainer._get_train_sampler`                 | replaced: the DP-aware sampler                  | 5.19, 5.24 |
+| `Trainer._save`                              | replaced: every rank takes part in the gather   | 5.19, 5.24 |
+| `Trainer._save_optimizer_and_scheduler`      | replaced: optimizer state as a DCP directory    | 5.19, 5.24 |
+| `Trainer._load_optimizer_and_scheduler`      | replaced: this rank's part of it, at any layout | 5.19, 5.24 |
+| `Trainer._load_rng_state`                    | replaced (and called): TP ranks then draw alike | 5.24       |
+| `Trainer._load_from_checkpoint`              | replaced: this rank's rows of a full checkpoint | 5.19, 5.24 |
+| `Trainer._load_best_model`                   | replaced: the same, at load_best_model_at_end   | 5.19, 5.24 |
+| `Trainer._get_collator_with_removed_columns` | called: Trainer's collator for autotp's loaders | 5.19, 5.24 |
+| `Trainer._get_eval_sampler`                  | called: TRL's GRPO's own (prompts repeated)     | 5.24       |
+| `Trainer._train_batch_size`                  | read: the per-device batch size                 | 5.19, 5.24 |
 | `Accelerator._models` (accelerate)           | read: whether a model was prepared (autocast)   | 1.15       |
 
 A replaced method that Trainer no longer has would silently never run, so `replace_privates` refuses it when

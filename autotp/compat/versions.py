@@ -14,7 +14,7 @@ from typing import Any
 # package -> (the versions autotp was tested on, the major version those share)
 TESTED = {
     "torch": ("2.13", 2),
-    "transformers": ("5.19–5.23", 5),
+    "transformers": ("5.19–5.24", 5),
     "peft": ("0.17–0.21", 0),
     "accelerate": ("1.15", 1),
 }

@@ -62,8 +62,8 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 # The forward keyword a model's key/value cache travels under: transformers 5.24 renamed `past_key_values` to `cache`
-# (the old name is still accepted, deprecated); a few older families keep names of their own.
-CACHE_KWARGS = ("cache", "past_key_values", "state", "mems", "past_buckets_states")
+# (the old name is still accepted, deprecated); Mamba before 5.24 and a few older families use names of their own.
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params", "state", "mems", "past_buckets_states")
 
 
 def passed_cache(kwargs: dict) -> Any:

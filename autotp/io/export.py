@@ -21,10 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from ..compat.hf_conversion import SavedTensor
 from ..compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
+from ..parallel.layers import held_shard
 from ..parallel.lora import adapt_all
 from ..parallel.collectives import all_reduce, buckets
 from ..parallel.row_gather import RowRequest, dp_full_many, gather_rows_to
-from ..parallel.state import find_state
+from ..parallel.state import find_state, outside_module_holders
 from ..planning.options import WrapOptions
 from ..planning.planner import build_plan
 from ..planning.sharding import Partition
@@ -69,7 +70,7 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     names again): the rows `autotp.wrap(model, target.tp_size)` holds on that rank, assembled from the trainer
     ranks' rows; no full tensor of a sharded weight is built (replicated ones go whole to every engine rank).
     """
-    root = peft_inner(model)
+    root = peft_inner(outside_module_holders(model))
     state = find_state(root)
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
@@ -94,7 +95,7 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
         reqs = []
         for part in saved.parts:
             tensor = gathered[part.source] if part.source in gathered else local(part.source)
-            rows, partition = local_part(tensor, getattr(params[part.source], "autotp_shard", None), part)
+            rows, partition = local_part(tensor, held_shard(params[part.source]), part)
             if engine is None:
                 reqs.append(RowRequest(rows, partition, None, out_dtype))
                 continue
@@ -197,6 +198,7 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
     """PEFT adapter `adapter_name` of the `PeftModel` `model` as `(name, tensor)` under PEFT's saved names (what its
     `save_pretrained` writes, full size), for engines that take LoRA adapters beside `export_weights(merge_lora=False)`.
     Iterated like `export_weights`: on every TP rank, to the end; TP rank 0 gets the tensors."""
+    model = outside_module_holders(model)
     root = peft_inner(model)
     state = find_state(root)
     if state is not None and state.tp_group is not None:
@@ -206,7 +208,7 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
 
     def requests(name: str, _: SavedTensor, __: dict) -> list[RowRequest]:
         tensor = tensors[name].detach()
-        shard = getattr(tensors[name], "autotp_shard", None)
+        shard = held_shard(tensors[name])
         return [RowRequest(tensor, None if shard is None else shard.partition, None, dtype or tensor.dtype)]
 
     def results(name: str, _: SavedTensor, assembled: Iterator[torch.Tensor]) -> Iterator[tuple]:

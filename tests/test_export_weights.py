@@ -88,6 +88,71 @@ def test_export_equals_transformers_save(family: str, steps: int) -> None:
     assert all(r["loss"] <= 1e-5 for r in reports), reports
 
 
+def from_files(directory: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def trained_pair(family: str, world: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """One process and the same model at tp=`world`, each trained 1 step on the same batch."""
+    ids = batch()
+    plain, model = build(family), autotp.wrap(build(family), world)
+    for m in (plain, model):
+        train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, input_ids=ids, labels=ids)
+    return plain, model
+
+
+def export_inside_gather(rank: int, world: int, family: str) -> dict:
+    """export_weights and autotp.save_pretrained inside GatherReplacedLayerParams (the model holds full weights
+    there), against one process's transformers save."""
+    plain, model = trained_pair(family, world)
+    with tempfile.TemporaryDirectory() as tmp, autotp.GatherReplacedLayerParams(model):
+        exported = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+        autotp.save_pretrained(model, tmp, overwrite=True)
+        written = from_files(tmp) if rank == 0 else {}
+    report = {"yielded": len(exported)}
+    if rank == 0:
+        expected = saved(plain)
+        report["exported"] = differences(exported, expected, PARAM_ATOL)
+        report["saved"] = differences(written, expected, PARAM_ATOL)
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_export_and_save_inside_gather_replaced_layer_params(family: str) -> None:
+    """Inside the context every rank holds the full weights: they go out as they are, not cut again as shards
+    (tolerance PARAM_ATOL: one SGD step on each side, fp32 reductions in another order)."""
+    reports = run_ranks(export_inside_gather, 2, family)
+    assert reports[1]["yielded"] == 0
+    assert reports[0]["exported"] == [] and reports[0]["saved"] == [], reports[0]
+
+
+def export_through_ddp(rank: int, world: int) -> dict:
+    """export_weights and autotp.save_pretrained given the DDP around the model, as a training loop holds it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    plain, model = trained_pair("llama", world)
+    ddp = DistributedDataParallel(model, process_group=autotp.dp_group(model))
+    exported = dict(autotp.export_weights(ddp, bucket_bytes=SMALL_BUCKET))
+    with tempfile.TemporaryDirectory() as tmp:
+        autotp.save_pretrained(ddp, tmp, overwrite=True)
+        written = from_files(tmp) if rank == 0 else {}
+    if rank:
+        return {}
+    expected = saved(plain)
+    return {"exported": differences(exported, expected, PARAM_ATOL), "saved": differences(written, expected, PARAM_ATOL)}
+
+
+@pytest.mark.timeout(120)
+def test_export_and_save_through_ddp_use_the_model_names() -> None:
+    """DDP's state-dict keys carry a `module.` prefix that no engine or transformers reads: the model's own names."""
+    report = run_ranks(export_through_ddp, 2)[0]
+    assert report == {"exported": [], "saved": []}, report
+
+
 def lora_model(world: int, before_wrap: bool, **config) -> torch.nn.Module:
     torch.manual_seed(0)
     model = tiny_model("llama")
@@ -207,13 +272,14 @@ def test_target_slices_equal_wrap_at_the_engine_tp(engine_tp: int) -> None:
         assert bad == [], bad
 
 
-def trainer_syncs(rank: int, world: int, port: int, engines: int) -> int:
+def trainer_syncs(rank: int, world: int, port: int, engines: int, gathered: bool) -> int:
     model = autotp.wrap(tiny_model("llama"), world)
     group = None
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", port, engines + 1, True, timeout=datetime.timedelta(seconds=60))
         group = dist.ProcessGroupGloo(dist.PrefixStore("engine", store), 0, engines + 1, datetime.timedelta(seconds=60))
-    autotp.sync_weights(model, group, bucket_bytes=SMALL_BUCKET)
+    with autotp.GatherReplacedLayerParams(model, enabled=gathered):
+        autotp.sync_weights(model, group, bucket_bytes=SMALL_BUCKET)
     return rank
 
 
@@ -225,16 +291,17 @@ def engine_receives(rank: int, engines: int, port: int, out: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sync_weights_reaches_stand_in_engines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gathered", [False, True], ids=["sharded", "inside-gather"])
+def test_sync_weights_reaches_stand_in_engines(tmp_path: Path, gathered: bool) -> None:
     """Trainer tp=2; 2 engine processes outside its world share a gloo group (own TCPStore) with TP rank 0 and
-    receive transformers' save of the model."""
+    receive transformers' save of the model (also inside GatherReplacedLayerParams, where it holds full weights)."""
     port, engines = free_port(), 2
     context = mp.get_context("fork")
     procs = [context.Process(target=engine_receives, args=(r, engines, port, str(tmp_path))) for r in (1, 2)]
     for p in procs:
         p.start()
     try:
-        run_ranks(trainer_syncs, 2, port, engines)
+        run_ranks(trainer_syncs, 2, port, engines, gathered)
         for p in procs:
             p.join(60)
     finally:

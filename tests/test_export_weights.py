@@ -202,6 +202,27 @@ def test_lora_merged_equals_merge_and_unload(before_wrap: bool) -> None:
     assert all(r["merged_left"] and r["loss"] <= 1e-5 for r in reports), reports
 
 
+def export_tied_head_lora(rank: int, world: int, vocab_parallel: bool) -> list[str] | None:
+    """Gemma (lm_head tied to the embedding) with LoRA on lm_head too, after wrap, against one process's
+    merge_and_unload() save."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    plain, model = tiny_model("gemma"), autotp.wrap(tiny_model("gemma"), world, vocab_parallel=vocab_parallel)
+    torch.manual_seed(1)
+    plain = get_peft_model(plain, config)
+    torch.manual_seed(1)
+    model = get_peft_model(model, config)
+    merged = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+    return differences(merged, saved(plain.merge_and_unload()), 1e-5) if rank == 0 else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("vocab_parallel", [True, False], ids=["vocab-parallel", "replicated-head"])
+def test_lora_on_a_tied_head_merges_into_the_embedding(vocab_parallel: bool) -> None:
+    """transformers saves the tied pair as model.embed_tokens.weight; merge_and_unload() merged the head's delta
+    into that one shared tensor, so the export carries it there (1e-5: fp32 merge, one matmul per shard)."""
+    assert run_ranks(export_tied_head_lora, 2, vocab_parallel)[0] == []
+
+
 def stop_early(rank: int, world: int, how: str) -> str:
     model = autotp.wrap(tiny_model("llama"), world)
     exported = autotp.export_weights(model, bucket_bytes=SMALL_BUCKET)

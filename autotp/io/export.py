@@ -77,7 +77,7 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     raw = root.state_dict(keep_vars=True)
     keys = base_keys(root, list(raw), copies=merge_lora)
     params = {name: raw[key] for name, (key, _) in keys.items()}
-    loras = {name: root.get_submodule(path) for name, (_, path) in keys.items() if path is not None and merge_lora}
+    loras = _loras_by_tensor(root, keys, params) if merge_lora else {}
     layout = saved_layout(root, params)
     engine = None if target is None else target.partitions(root)
     items = [(name, saved) for name, saved in layout.items()]
@@ -88,7 +88,9 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
 
     def local(name: str) -> torch.Tensor:
         tensor = params[name]
-        return merged_weight(loras[name], tensor) if name in loras else tensor
+        for lora in loras.get(name, ()):
+            tensor = merged_weight(lora, tensor)
+        return tensor
 
     def requests(name: str, saved: SavedTensor, gathered: dict[str, torch.Tensor]) -> list[RowRequest]:
         out_dtype = dtype or saved.dtype
@@ -120,6 +122,18 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     tp_group = None if state is None else state.tp_group
     agree_group = (dist.group.WORLD if state.fsdp else tp_group) if state is not None else None
     return _exported(items, size, requests, results, bucket_bytes, tp_group, agree_group, local)
+
+
+def _loras_by_tensor(root: nn.Module, keys: dict[str, tuple[str, str | None]],
+                     params: dict[str, torch.Tensor]) -> dict[str, list[nn.Module]]:
+    """Name -> the LoRA layers whose base weight is that tensor, under every name the tensor has: a tied LM head's
+    adapter merges into the embedding, the name transformers keeps for the pair (`merge_and_unload` merges in place
+    into the one shared tensor)."""
+    by_tensor: dict[int, list[nn.Module]] = {}
+    for name, (_, path) in keys.items():
+        if path is not None:
+            by_tensor.setdefault(id(params[name]), []).append(root.get_submodule(path))
+    return {name: by_tensor[id(tensor)] for name, tensor in params.items() if id(tensor) in by_tensor}
 
 
 def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group, agree_group,

@@ -293,10 +293,13 @@ def test_target_slices_equal_wrap_at_the_engine_tp(engine_tp: int) -> None:
         assert bad == [], bad
 
 
-def trainer_syncs(rank: int, world: int, port: int, engines: int, gathered: bool) -> int:
-    model = autotp.wrap(tiny_model("llama"), world)
+def trainer_syncs(rank: int, world: int, port: int, engines: int, tp: int, fsdp: bool, gathered: bool) -> int:
+    """The trainer side as docs/rl.md writes it: one sender (TP rank 0 of DP replica 0), None everywhere else."""
+    model = autotp.wrap(tiny_model("llama"), tp)
+    if fsdp:
+        model = autotp.fully_shard(model)
     group = None
-    if rank == 0:
+    if autotp.tp_rank(model) == 0 and autotp.dp_rank(model) == 0:
         store = dist.TCPStore("127.0.0.1", port, engines + 1, True, timeout=datetime.timedelta(seconds=60))
         group = dist.ProcessGroupGloo(dist.PrefixStore("engine", store), 0, engines + 1, datetime.timedelta(seconds=60))
     with autotp.GatherReplacedLayerParams(model, enabled=gathered):
@@ -311,18 +314,23 @@ def engine_receives(rank: int, engines: int, port: int, out: str) -> None:
     torch.save(received, Path(out) / f"{rank}.pt")
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("gathered", [False, True], ids=["sharded", "inside-gather"])
-def test_sync_weights_reaches_stand_in_engines(tmp_path: Path, gathered: bool) -> None:
-    """Trainer tp=2; 2 engine processes outside its world share a gloo group (own TCPStore) with TP rank 0 and
-    receive transformers' save of the model (also inside GatherReplacedLayerParams, where it holds full weights)."""
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,tp,fsdp,gathered", [
+    (2, 2, False, False), (2, 2, False, True), (2, 1, False, False),
+    pytest.param(4, 2, False, False, marks=pytest.mark.slow), pytest.param(4, 2, True, False, marks=pytest.mark.slow),
+], ids=["tp2", "tp2-inside-gather", "dp2", "tp2-dp2", "tp2-dp2-fully-shard"])
+def test_sync_weights_reaches_stand_in_engines(tmp_path: Path, world: int, tp: int, fsdp: bool,
+                                               gathered: bool) -> None:
+    """2 engine processes outside the trainer's world share a gloo group (own TCPStore) with TP rank 0 of DP
+    replica 0 and receive transformers' save of the model; the other replicas' TP rank 0 (given None, as
+    docs/rl.md's call gives it) drain. Also inside GatherReplacedLayerParams, where the model holds full weights."""
     port, engines = free_port(), 2
     context = mp.get_context("fork")
     procs = [context.Process(target=engine_receives, args=(r, engines, port, str(tmp_path))) for r in (1, 2)]
     for p in procs:
         p.start()
     try:
-        run_ranks(trainer_syncs, 2, port, engines, gathered)
+        run_ranks(trainer_syncs, world, port, engines, tp, fsdp, gathered)
         for p in procs:
             p.join(60)
     finally:

@@ -251,6 +251,42 @@ def test_a_rank_stopping_early_makes_the_others_raise(how: str) -> None:
     assert "rank(s) [0] stopped iterating before the end" in reports[1], reports[1]
 
 
+def interleaved(rank: int, world: int) -> dict:
+    """Two identical exports zipped, then one more export alone: does the process still export right?"""
+    model = autotp.wrap(tiny_model("llama"), world)
+    try:
+        for _ in zip(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET),
+                     autotp.export_weights(model, bucket_bytes=SMALL_BUCKET)):
+            pass
+        error = "finished"
+    except RuntimeError as err:
+        error = str(err)
+    after = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+    return {"error": error, "after": differences(after, saved(tiny_model("llama")), 0) if rank == 0 else after}
+
+
+@pytest.mark.timeout(60)
+def test_exports_interleaved_with_zip_raise_on_every_rank() -> None:
+    """Rank 1 yields nothing, so its first next() runs a whole export while rank 0 is at the second one: every rank
+    raises, naming it, before their gathers mismatch (gloo would abort the process); a later export still works."""
+    for report in run_ranks(interleaved, 2):
+        assert "the ranks are at different exports" in report["error"], report["error"]
+        assert "rank 0 at export #1 bucket 0, rank 1 at export #0 bucket 1" in report["error"], report["error"]
+        assert "Iterate one export to its end before the next" in report["error"]
+        assert report["after"] in ([], {}), report["after"]
+
+
+@pytest.mark.parametrize("call", ["export_weights", "export_adapters", "sync_weights"])
+@pytest.mark.parametrize("bucket_bytes", [0, -1])
+def test_bucket_bytes_must_be_positive(call: str, bucket_bytes: int) -> None:
+    model = tiny_model("llama")
+    args = {"export_weights": (model,), "export_adapters": (get_peft_model(model, LoraConfig(**LORA)),),
+            "sync_weights": (model, None)}[call]
+    with pytest.raises(ValueError, match=rf"autotp.{call}\(bucket_bytes={bucket_bytes}\): the bucket size must be "
+                                         rf"a positive number of bytes"):
+        getattr(autotp, call)(*args, bucket_bytes=bucket_bytes)
+
+
 def engine_slices(rank: int, world: int, engine_tps: list[int]) -> dict:
     """The trainer (tp=world): `target=` slices for each engine tp, from TP rank 0."""
     model = autotp.wrap(tiny_model("llama", num_key_value_heads=2), world)

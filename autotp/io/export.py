@@ -70,6 +70,7 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     names again): the rows `autotp.wrap(model, target.tp_size)` holds on that rank, assembled from the trainer
     ranks' rows; no full tensor of a sharded weight is built (replicated ones go whole to every engine rank).
     """
+    check_bucket_bytes(bucket_bytes, "autotp.export_weights")
     root = peft_inner(outside_module_holders(model))
     state = find_state(root)
     if state is not None and state.tp_group is not None:
@@ -136,13 +137,22 @@ def _loras_by_tensor(root: nn.Module, keys: dict[str, tuple[str, str | None]],
     return {name: by_tensor[id(tensor)] for name, tensor in params.items() if id(tensor) in by_tensor}
 
 
+def check_bucket_bytes(bucket_bytes: int, caller: str) -> None:
+    """Refuse a bucket size of no bytes, before anything runs: every tensor would go in a bucket of its own, one
+    message each, silently."""
+    if not bucket_bytes > 0:
+        raise ValueError(f"{caller}(bucket_bytes={bucket_bytes!r}): the bucket size must be a positive number of "
+                         f"bytes, for example 256 << 20 (256 MiB, the default)")
+
+
 def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group, agree_group,
               local) -> Iterator[tuple]:
-    """The buckets, each opened by an agreement that every rank is still iterating."""
+    """The buckets, each opened by an agreement that every rank is still iterating, at the same export."""
+    agreement = _Agreement(agree_group)
     done = False
     try:
         for bucket in _buckets(items, size, bucket_bytes):
-            _agree(agree_group, stopping=False)
+            agreement(stopping=False)
             gathered = _dp_gathered(bucket, local)
             reqs = [r for name, saved in bucket for r in requests(name, saved, gathered)]
             del gathered
@@ -152,12 +162,14 @@ def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group,
                 for name, saved in bucket:
                     yield from results(name, saved, assembled)
             del assembled  # this bucket's received bytes, before the next bucket's arrive
-        _agree(agree_group, stopping=False)
+        agreement(stopping=False)
         done = True
     except GeneratorExit:
         if not done:
-            _agree(agree_group, stopping=True)  # the other ranks wait in the next agreement: tell them
+            agreement(stopping=True)  # the other ranks wait in the next agreement: tell them
         raise
+    finally:
+        agreement.finish()
 
 
 def _buckets(items: list, size, bucket_bytes: int) -> Iterator[list]:
@@ -179,18 +191,55 @@ def _dp_gathered(bucket: list, local) -> dict[str, torch.Tensor]:
     return dict(zip(sources, dp_full_many(tensors)))
 
 
-def _agree(group, stopping: bool) -> None:
-    """Every rank of `group` says whether it goes on; raises on the others when one stopped iterating."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
-    flags[dist.get_rank(group)] = int(stopping)
-    all_reduce(flags, group)
-    stopped = [dist.get_global_rank(group, r) for r, f in enumerate(flags.tolist()) if f]
-    if stopped and not stopping:
-        raise RuntimeError(f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every rank "
-                           f"taking part must exhaust the iterator (the others would wait for it forever)")
+_started: dict[tuple[int, ...], int] = {}  # an agreement group's ranks -> exports started over it in this process
+_open: dict[tuple[int, ...], set] = {}  # an agreement group's ranks -> its exports started and not finished here
+
+
+class _Agreement:
+    """Every bucket opens with one all-reduce over `group` of each rank's (stopping?, export, bucket): the ranks
+    started exports over the group in the same order, so they number them alike. A rank that stopped iterating makes
+    the others raise. So does a rank at another export or bucket: two exports iterated together (`zip()`), where a
+    rank that yields nothing runs each one to its end inside one `next()`, would otherwise send one export's gathers
+    against another's. That raises on every rank at once, and this rank's other open exports over the group then
+    close without a collective (the others no longer wait in them)."""
+
+    def __init__(self, group) -> None:
+        self.group = None if group is None or dist.get_world_size(group) == 1 else group
+        self.at, self.broken = 0, False
+        if self.group is None:
+            return
+        self.key = tuple(dist.get_process_group_ranks(self.group))
+        self.serial = _started.get(self.key, 0)
+        _started[self.key] = self.serial + 1
+        _open.setdefault(self.key, set()).add(self)
+
+    def __call__(self, stopping: bool) -> None:
+        if self.group is None or self.broken:
+            return
+        group = self.group
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        rows = torch.zeros(dist.get_world_size(group), 3, dtype=torch.int64, device=device)
+        rows[dist.get_rank(group)] = torch.tensor([int(stopping), self.serial, self.at])
+        all_reduce(rows, group)
+        where = [(dist.get_global_rank(group, r), flag, serial, at) for r, (flag, serial, at) in enumerate(rows.tolist())]
+        self.at += 1
+        if any((serial, at) != (where[0][2], where[0][3]) for _, _, serial, at in where):
+            for run in _open[self.key]:
+                run.broken = True
+            _started[self.key] = max(serial for _, _, serial, _ in where) + 1  # the next export: one number again
+            places = ", ".join(f"rank {rank} at export #{serial} bucket {at}" for rank, _, serial, at in where)
+            raise RuntimeError(f"autotp.export_weights: the ranks are at different exports ({places}): two exports "
+                               f"were iterated together (zip(), or one inside the other's loop). A rank that gets "
+                               f"no tensors runs an export to its end in one next(), so the ranks' gathers would "
+                               f"not match. Iterate one export to its end before the next (list() it first)")
+        stopped = [rank for rank, flag, _, _ in where if flag]
+        if stopped and not stopping:
+            raise RuntimeError(f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every "
+                               f"rank taking part must exhaust the iterator (the others would wait for it forever)")
+
+    def finish(self) -> None:
+        if self.group is not None:
+            _open[self.key].discard(self)
 
 
 def _engine_request(rows: torch.Tensor, partition: Partition | None, engine: Partition | None, index: tuple,
@@ -212,6 +261,7 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
     """PEFT adapter `adapter_name` of the `PeftModel` `model` as `(name, tensor)` under PEFT's saved names (what its
     `save_pretrained` writes, full size), for engines that take LoRA adapters beside `export_weights(merge_lora=False)`.
     Iterated like `export_weights`: on every TP rank, to the end; TP rank 0 gets the tensors."""
+    check_bucket_bytes(bucket_bytes, "autotp.export_adapters")
     model = outside_module_holders(model)
     root = peft_inner(model)
     state = find_state(root)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .export import export_weights
+from .export import check_bucket_bytes, export_weights
 
 _ALIGN = 16
 
@@ -37,6 +37,7 @@ def sync_weights(model: nn.Module, engine_group: dist.ProcessGroup | None, *, sr
     the TP rank 0 of another DP replica (which `export_weights` also hands the tensors) drops them. Buckets of about `bucket_bytes` are broadcast from `device` (default: where the weights are; a CUDA device for
     NCCL). The engine's ranks call `receive_weights` meanwhile.
     """
+    check_bucket_bytes(bucket_bytes, "autotp.sync_weights")
     exported = export_weights(model, merge_lora=merge_lora, dtype=dtype, bucket_bytes=bucket_bytes)
     if engine_group is None:  # not the sender: the gathers still need this rank, to the end
         for _ in exported:

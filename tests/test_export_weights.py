@@ -134,23 +134,28 @@ def export_through_ddp(rank: int, world: int) -> dict:
     """export_weights and autotp.save_pretrained given the DDP around the model, as a training loop holds it."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from autotp.hf_trainer import _TPOnly  # AutoTPTrainer's model_wrapped at dp=1 (DDP at dp > 1)
+
     plain, model = trained_pair("llama", world)
     ddp = DistributedDataParallel(model, process_group=autotp.dp_group(model))
     exported = dict(autotp.export_weights(ddp, bucket_bytes=SMALL_BUCKET))
+    marked = dict(autotp.export_weights(_TPOnly(model), bucket_bytes=SMALL_BUCKET))
     with tempfile.TemporaryDirectory() as tmp:
         autotp.save_pretrained(ddp, tmp, overwrite=True)
         written = from_files(tmp) if rank == 0 else {}
     if rank:
         return {}
     expected = saved(plain)
-    return {"exported": differences(exported, expected, PARAM_ATOL), "saved": differences(written, expected, PARAM_ATOL)}
+    return {"exported": differences(exported, expected, PARAM_ATOL), "saved": differences(written, expected, PARAM_ATOL),
+            "trainer": differences(marked, expected, PARAM_ATOL)}
 
 
 @pytest.mark.timeout(120)
 def test_export_and_save_through_ddp_use_the_model_names() -> None:
-    """DDP's state-dict keys carry a `module.` prefix that no engine or transformers reads: the model's own names."""
+    """DDP's (and AutoTPTrainer's one-replica marker's) state-dict keys carry a `module.` prefix that no engine or
+    transformers reads: the model's own names."""
     report = run_ranks(export_through_ddp, 2)[0]
-    assert report == {"exported": [], "saved": []}, report
+    assert report == {"exported": [], "saved": [], "trainer": []}, report
 
 
 def lora_model(world: int, before_wrap: bool, **config) -> torch.nn.Module:

@@ -61,7 +61,9 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     Tensors are gathered `bucket_bytes` at a time (one message per rank per bucket; under FSDP, one DP all-gather
     too): a rank holds at most one bucket plus one tensor beyond its shards, when the consumer drops each tensor
     before asking for the next (as `load_weights` does). Each yielded tensor is new (the model, its shards and its
-    optimizer are left as they were); `dtype` casts it.
+    optimizer are left as they were); `dtype` casts it. `model` may be held by DDP or `AutoTPTrainer`'s
+    `model_wrapped` (the names are still the model's own), and may be inside `GatherReplacedLayerParams` (its full
+    weights then go out as they are).
 
     `merge_lora`: PEFT's active LoRA adapters (added before or after `wrap`) merged in fp32 into the base weights as
     `merge_and_unload()` would, `modules_to_save` copies under the base names; the model keeps its adapters.

@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .parallel.groups import group_size
 from .fsdp import check_mesh
 from .compat.hf import adapter_module
+from .compat.peft import is_modules_to_save
 from .compat.torch import ddp_under_construction
 from .parallel.lora import adapt
 from .parallel.replicas import check_replicas
@@ -133,6 +134,10 @@ def refuse_adapters(model: nn.Module) -> None:
     if found is not None and found[0] == "the model itself" and isinstance(getattr(model, "base_model", None), nn.Module):
         raise TypeError(f"autotp: the model is a {found[1]}; wrap the transformers model it holds instead: "
                         f"autotp.wrap(peft_model.base_model.model, tp_size)")
+    if found is not None and is_modules_to_save(model.get_submodule(found[0])):
+        raise TypeError(f"autotp: {found[0]} is a {found[1]} (PEFT's modules_to_save), which wrap cannot shard. "
+                        f"get_peft_model after autotp.wrap works: wrap the model without PEFT, then call "
+                        f"get_peft_model(model, LoraConfig(..., modules_to_save=[...])) on the wrapped model")
     if found is not None:
         raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
 

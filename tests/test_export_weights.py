@@ -88,6 +88,76 @@ def test_export_equals_transformers_save(family: str, steps: int) -> None:
     assert all(r["loss"] <= 1e-5 for r in reports), reports
 
 
+def from_files(directory: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def trained_pair(family: str, world: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """One process and the same model at tp=`world`, each trained 1 step on the same batch."""
+    ids = batch()
+    plain, model = build(family), autotp.wrap(build(family), world)
+    for m in (plain, model):
+        train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, input_ids=ids, labels=ids)
+    return plain, model
+
+
+def export_inside_gather(rank: int, world: int, family: str) -> dict:
+    """export_weights and autotp.save_pretrained inside GatherReplacedLayerParams (the model holds full weights
+    there), against one process's transformers save."""
+    plain, model = trained_pair(family, world)
+    with tempfile.TemporaryDirectory() as tmp, autotp.GatherReplacedLayerParams(model):
+        exported = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+        autotp.save_pretrained(model, tmp, overwrite=True)
+        written = from_files(tmp) if rank == 0 else {}
+    report = {"yielded": len(exported)}
+    if rank == 0:
+        expected = saved(plain)
+        report["exported"] = differences(exported, expected, PARAM_ATOL)
+        report["saved"] = differences(written, expected, PARAM_ATOL)
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_export_and_save_inside_gather_replaced_layer_params(family: str) -> None:
+    """Inside the context every rank holds the full weights: they go out as they are, not cut again as shards
+    (tolerance PARAM_ATOL: one SGD step on each side, fp32 reductions in another order)."""
+    reports = run_ranks(export_inside_gather, 2, family)
+    assert reports[1]["yielded"] == 0
+    assert reports[0]["exported"] == [] and reports[0]["saved"] == [], reports[0]
+
+
+def export_through_ddp(rank: int, world: int) -> dict:
+    """export_weights and autotp.save_pretrained given the DDP around the model, as a training loop holds it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autotp.hf_trainer import _TPOnly  # AutoTPTrainer's model_wrapped at dp=1 (DDP at dp > 1)
+
+    plain, model = trained_pair("llama", world)
+    ddp = DistributedDataParallel(model, process_group=autotp.dp_group(model))
+    exported = dict(autotp.export_weights(ddp, bucket_bytes=SMALL_BUCKET))
+    marked = dict(autotp.export_weights(_TPOnly(model), bucket_bytes=SMALL_BUCKET))
+    with tempfile.TemporaryDirectory() as tmp:
+        autotp.save_pretrained(ddp, tmp, overwrite=True)
+        written = from_files(tmp) if rank == 0 else {}
+    if rank:
+        return {}
+    expected = saved(plain)
+    return {"exported": differences(exported, expected, PARAM_ATOL), "saved": differences(written, expected, PARAM_ATOL),
+            "trainer": differences(marked, expected, PARAM_ATOL)}
+
+
+@pytest.mark.timeout(120)
+def test_export_and_save_through_ddp_use_the_model_names() -> None:
+    """DDP's (and AutoTPTrainer's one-replica marker's) state-dict keys carry a `module.` prefix that no engine or
+    transformers reads: the model's own names."""
+    report = run_ranks(export_through_ddp, 2)[0]
+    assert report == {"exported": [], "saved": [], "trainer": []}, report
+
+
 def lora_model(world: int, before_wrap: bool, **config) -> torch.nn.Module:
     torch.manual_seed(0)
     model = tiny_model("llama")
@@ -137,6 +207,27 @@ def test_lora_merged_equals_merge_and_unload(before_wrap: bool) -> None:
     assert all(r["merged_left"] and r["loss"] <= 1e-5 for r in reports), reports
 
 
+def export_tied_head_lora(rank: int, world: int, vocab_parallel: bool) -> list[str] | None:
+    """Gemma (lm_head tied to the embedding) with LoRA on lm_head too, after wrap, against one process's
+    merge_and_unload() save."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    plain, model = tiny_model("gemma"), autotp.wrap(tiny_model("gemma"), world, vocab_parallel=vocab_parallel)
+    torch.manual_seed(1)
+    plain = get_peft_model(plain, config)
+    torch.manual_seed(1)
+    model = get_peft_model(model, config)
+    merged = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+    return differences(merged, saved(plain.merge_and_unload()), 1e-5) if rank == 0 else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("vocab_parallel", [True, False], ids=["vocab-parallel", "replicated-head"])
+def test_lora_on_a_tied_head_merges_into_the_embedding(vocab_parallel: bool) -> None:
+    """transformers saves the tied pair as model.embed_tokens.weight; merge_and_unload() merged the head's delta
+    into that one shared tensor, so the export carries it there (1e-5: fp32 merge, one matmul per shard)."""
+    assert run_ranks(export_tied_head_lora, 2, vocab_parallel)[0] == []
+
+
 def stop_early(rank: int, world: int, how: str) -> str:
     model = autotp.wrap(tiny_model("llama"), world)
     exported = autotp.export_weights(model, bucket_bytes=SMALL_BUCKET)
@@ -163,6 +254,42 @@ def test_a_rank_stopping_early_makes_the_others_raise(how: str) -> None:
     reports = run_ranks(stop_early, 2, how)
     assert reports[0] == "stopped"
     assert "rank(s) [0] stopped iterating before the end" in reports[1], reports[1]
+
+
+def interleaved(rank: int, world: int) -> dict:
+    """Two identical exports zipped, then one more export alone: does the process still export right?"""
+    model = autotp.wrap(tiny_model("llama"), world)
+    try:
+        for _ in zip(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET),
+                     autotp.export_weights(model, bucket_bytes=SMALL_BUCKET)):
+            pass
+        error = "finished"
+    except RuntimeError as err:
+        error = str(err)
+    after = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
+    return {"error": error, "after": differences(after, saved(tiny_model("llama")), 0) if rank == 0 else after}
+
+
+@pytest.mark.timeout(60)
+def test_exports_interleaved_with_zip_raise_on_every_rank() -> None:
+    """Rank 1 yields nothing, so its first next() runs a whole export while rank 0 is at the second one: every rank
+    raises, naming it, before their gathers mismatch (gloo would abort the process); a later export still works."""
+    for report in run_ranks(interleaved, 2):
+        assert "the ranks are at different exports" in report["error"], report["error"]
+        assert "rank 0 at export #1 bucket 0, rank 1 at export #0 bucket 1" in report["error"], report["error"]
+        assert "Iterate one export to its end before the next" in report["error"]
+        assert report["after"] in ([], {}), report["after"]
+
+
+@pytest.mark.parametrize("call", ["export_weights", "export_adapters", "sync_weights"])
+@pytest.mark.parametrize("bucket_bytes", [0, -1])
+def test_bucket_bytes_must_be_positive(call: str, bucket_bytes: int) -> None:
+    model = tiny_model("llama")
+    args = {"export_weights": (model,), "export_adapters": (get_peft_model(model, LoraConfig(**LORA)),),
+            "sync_weights": (model, None)}[call]
+    with pytest.raises(ValueError, match=rf"autotp.{call}\(bucket_bytes={bucket_bytes}\): the bucket size must be "
+                                         rf"a positive number of bytes"):
+        getattr(autotp, call)(*args, bucket_bytes=bucket_bytes)
 
 
 def engine_slices(rank: int, world: int, engine_tps: list[int]) -> dict:
@@ -207,13 +334,17 @@ def test_target_slices_equal_wrap_at_the_engine_tp(engine_tp: int) -> None:
         assert bad == [], bad
 
 
-def trainer_syncs(rank: int, world: int, port: int, engines: int) -> int:
-    model = autotp.wrap(tiny_model("llama"), world)
+def trainer_syncs(rank: int, world: int, port: int, engines: int, tp: int, fsdp: bool, gathered: bool) -> int:
+    """The trainer side as docs/rl.md writes it: one sender (TP rank 0 of DP replica 0), None everywhere else."""
+    model = autotp.wrap(tiny_model("llama"), tp)
+    if fsdp:
+        model = autotp.fully_shard(model)
     group = None
-    if rank == 0:
+    if autotp.tp_rank(model) == 0 and autotp.dp_rank(model) == 0:
         store = dist.TCPStore("127.0.0.1", port, engines + 1, True, timeout=datetime.timedelta(seconds=60))
         group = dist.ProcessGroupGloo(dist.PrefixStore("engine", store), 0, engines + 1, datetime.timedelta(seconds=60))
-    autotp.sync_weights(model, group, bucket_bytes=SMALL_BUCKET)
+    with autotp.GatherReplacedLayerParams(model, enabled=gathered):
+        autotp.sync_weights(model, group, bucket_bytes=SMALL_BUCKET)
     return rank
 
 
@@ -224,17 +355,23 @@ def engine_receives(rank: int, engines: int, port: int, out: str) -> None:
     torch.save(received, Path(out) / f"{rank}.pt")
 
 
-@pytest.mark.timeout(120)
-def test_sync_weights_reaches_stand_in_engines(tmp_path: Path) -> None:
-    """Trainer tp=2; 2 engine processes outside its world share a gloo group (own TCPStore) with TP rank 0 and
-    receive transformers' save of the model."""
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,tp,fsdp,gathered", [
+    (2, 2, False, False), (2, 2, False, True), (2, 1, False, False),
+    pytest.param(4, 2, False, False, marks=pytest.mark.slow), pytest.param(4, 2, True, False, marks=pytest.mark.slow),
+], ids=["tp2", "tp2-inside-gather", "dp2", "tp2-dp2", "tp2-dp2-fully-shard"])
+def test_sync_weights_reaches_stand_in_engines(tmp_path: Path, world: int, tp: int, fsdp: bool,
+                                               gathered: bool) -> None:
+    """2 engine processes outside the trainer's world share a gloo group (own TCPStore) with TP rank 0 of DP
+    replica 0 and receive transformers' save of the model; the other replicas' TP rank 0 (given None, as
+    docs/rl.md's call gives it) drain. Also inside GatherReplacedLayerParams, where the model holds full weights."""
     port, engines = free_port(), 2
     context = mp.get_context("fork")
     procs = [context.Process(target=engine_receives, args=(r, engines, port, str(tmp_path))) for r in (1, 2)]
     for p in procs:
         p.start()
     try:
-        run_ranks(trainer_syncs, 2, port, engines)
+        run_ranks(trainer_syncs, world, port, engines, tp, fsdp, gathered)
         for p in procs:
             p.join(60)
     finally:

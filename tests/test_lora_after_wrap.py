@@ -136,3 +136,31 @@ def patch_lifetime(rank: int, world: int) -> list[bool]:
 def test_peft_builds_adapters_as_its_own_once_the_last_wrapped_model_is_gone() -> None:
     for patched in run_ranks(patch_lifetime, 2):
         assert patched == [True, False]
+
+
+def copy_of_split_embedding(rank: int, world: int, modules_to_save: list[str]) -> dict:
+    """get_peft_model(modules_to_save=[embed_tokens...]) on a vocab-parallel model: refused with nothing changed, and
+    the same model then takes PEFT's LoRA with a copy of the LM head alone."""
+    model = autotp.wrap(tiny_model("llama"), world)
+    before = {name: type(module) for name, module in model.named_modules()}
+    try:
+        get_peft_model(model, LoraConfig(r=4, target_modules=LLAMA_ALL, modules_to_save=modules_to_save))
+        message = "accepted"
+    except NotImplementedError as err:
+        message = str(err)
+    unchanged = {name: type(module) for name, module in model.named_modules()} == before
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=LLAMA_ALL, modules_to_save=["lm_head"]))
+    ids = batch()
+    loss = peft_model(input_ids=ids, labels=ids).loss.item()
+    return {"message": message, "unchanged": unchanged, "loss": loss}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("modules_to_save", [["embed_tokens"], ["embed_tokens", "lm_head"]])
+def test_modules_to_save_of_the_vocab_parallel_embedding_is_refused_unchanged(modules_to_save: list[str]) -> None:
+    """PEFT's copy of a vocab-split embedding failed deep in its deepcopy (cannot pickle ProcessGroup), after its
+    LoRA layers were in the model; now refused by name at its first adapter, before anything changes."""
+    for report in run_ranks(copy_of_split_embedding, 2, modules_to_save):
+        assert "trainable copy of model.embed_tokens, which autotp.wrap split by vocabulary" in report["message"], report
+        assert "Nothing was changed. Wrap with vocab_parallel=False" in report["message"]
+        assert report["unchanged"] and report["loss"] > 0, report

@@ -97,6 +97,7 @@ class AdapterRequest:
     init: Any  # init_lora_weights: True, False, "gaussian", or an init that reads the base weight ("pissa", ...)
     bias: bool  # lora_bias
     arguments: dict[str, Any]  # every argument by name, LoraConfig's fields included
+    modules_to_save: tuple[str, ...] = ()  # the config's: PEFT copies these modules once the adapters are built
 
     def uses_variant(self) -> bool:
         """Whether PEFT will build DoRA or another LoRA variant rather than plain LoRA."""
@@ -119,7 +120,7 @@ def _request(lora: nn.Module, signature: inspect.Signature, args: tuple, kwargs:
         return arguments[key] if key in arguments else getattr(config, key, default)
 
     return AdapterRequest(lora, arguments["adapter_name"], setting("init_lora_weights", True),
-                          bool(setting("lora_bias", False)), arguments)
+                          bool(setting("lora_bias", False)), arguments, tuple(setting("modules_to_save", None) or ()))
 
 
 def patch_update_layer(around: Callable[[AdapterRequest, Callable[[], None]], None]) -> Callable[[], None]:

@@ -21,10 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from ..compat.hf_conversion import SavedTensor
 from ..compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
+from ..parallel.layers import held_shard
 from ..parallel.lora import adapt_all
 from ..parallel.collectives import all_reduce, buckets
 from ..parallel.row_gather import RowRequest, dp_full_many, gather_rows_to
-from ..parallel.state import find_state
+from ..parallel.state import find_state, outside_module_holders
 from ..planning.options import WrapOptions
 from ..planning.planner import build_plan
 from ..planning.sharding import Partition
@@ -60,7 +61,9 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     Tensors are gathered `bucket_bytes` at a time (one message per rank per bucket; under FSDP, one DP all-gather
     too): a rank holds at most one bucket plus one tensor beyond its shards, when the consumer drops each tensor
     before asking for the next (as `load_weights` does). Each yielded tensor is new (the model, its shards and its
-    optimizer are left as they were); `dtype` casts it.
+    optimizer are left as they were); `dtype` casts it. `model` may be held by DDP or `AutoTPTrainer`'s
+    `model_wrapped` (the names are still the model's own), and may be inside `GatherReplacedLayerParams` (its full
+    weights then go out as they are).
 
     `merge_lora`: PEFT's active LoRA adapters (added before or after `wrap`) merged in fp32 into the base weights as
     `merge_and_unload()` would, `modules_to_save` copies under the base names; the model keeps its adapters.
@@ -69,14 +72,15 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     names again): the rows `autotp.wrap(model, target.tp_size)` holds on that rank, assembled from the trainer
     ranks' rows; no full tensor of a sharded weight is built (replicated ones go whole to every engine rank).
     """
-    root = peft_inner(model)
+    check_bucket_bytes(bucket_bytes, "autotp.export_weights")
+    root = peft_inner(outside_module_holders(model))
     state = find_state(root)
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
     raw = root.state_dict(keep_vars=True)
     keys = base_keys(root, list(raw), copies=merge_lora)
     params = {name: raw[key] for name, (key, _) in keys.items()}
-    loras = {name: root.get_submodule(path) for name, (_, path) in keys.items() if path is not None and merge_lora}
+    loras = _loras_by_tensor(root, keys, params) if merge_lora else {}
     layout = saved_layout(root, params)
     engine = None if target is None else target.partitions(root)
     items = [(name, saved) for name, saved in layout.items()]
@@ -87,14 +91,16 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
 
     def local(name: str) -> torch.Tensor:
         tensor = params[name]
-        return merged_weight(loras[name], tensor) if name in loras else tensor
+        for lora in loras.get(name, ()):
+            tensor = merged_weight(lora, tensor)
+        return tensor
 
     def requests(name: str, saved: SavedTensor, gathered: dict[str, torch.Tensor]) -> list[RowRequest]:
         out_dtype = dtype or saved.dtype
         reqs = []
         for part in saved.parts:
             tensor = gathered[part.source] if part.source in gathered else local(part.source)
-            rows, partition = local_part(tensor, getattr(params[part.source], "autotp_shard", None), part)
+            rows, partition = local_part(tensor, held_shard(params[part.source]), part)
             if engine is None:
                 reqs.append(RowRequest(rows, partition, None, out_dtype))
                 continue
@@ -121,13 +127,34 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     return _exported(items, size, requests, results, bucket_bytes, tp_group, agree_group, local)
 
 
+def _loras_by_tensor(root: nn.Module, keys: dict[str, tuple[str, str | None]],
+                     params: dict[str, torch.Tensor]) -> dict[str, list[nn.Module]]:
+    """Name -> the LoRA layers whose base weight is that tensor, under every name the tensor has: a tied LM head's
+    adapter merges into the embedding, the name transformers keeps for the pair (`merge_and_unload` merges in place
+    into the one shared tensor)."""
+    by_tensor: dict[int, list[nn.Module]] = {}
+    for name, (_, path) in keys.items():
+        if path is not None:
+            by_tensor.setdefault(id(params[name]), []).append(root.get_submodule(path))
+    return {name: by_tensor[id(tensor)] for name, tensor in params.items() if id(tensor) in by_tensor}
+
+
+def check_bucket_bytes(bucket_bytes: int, caller: str) -> None:
+    """Refuse a bucket size of no bytes, before anything runs: every tensor would go in a bucket of its own, one
+    message each, silently."""
+    if not bucket_bytes > 0:
+        raise ValueError(f"{caller}(bucket_bytes={bucket_bytes!r}): the bucket size must be a positive number of "
+                         f"bytes, for example 256 << 20 (256 MiB, the default)")
+
+
 def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group, agree_group,
               local) -> Iterator[tuple]:
-    """The buckets, each opened by an agreement that every rank is still iterating."""
+    """The buckets, each opened by an agreement that every rank is still iterating, at the same export."""
+    agreement = _Agreement(agree_group)
     done = False
     try:
         for bucket in _buckets(items, size, bucket_bytes):
-            _agree(agree_group, stopping=False)
+            agreement(stopping=False)
             gathered = _dp_gathered(bucket, local)
             reqs = [r for name, saved in bucket for r in requests(name, saved, gathered)]
             del gathered
@@ -137,12 +164,14 @@ def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group,
                 for name, saved in bucket:
                     yield from results(name, saved, assembled)
             del assembled  # this bucket's received bytes, before the next bucket's arrive
-        _agree(agree_group, stopping=False)
+        agreement(stopping=False)
         done = True
     except GeneratorExit:
         if not done:
-            _agree(agree_group, stopping=True)  # the other ranks wait in the next agreement: tell them
+            agreement(stopping=True)  # the other ranks wait in the next agreement: tell them
         raise
+    finally:
+        agreement.finish()
 
 
 def _buckets(items: list, size, bucket_bytes: int) -> Iterator[list]:
@@ -164,18 +193,55 @@ def _dp_gathered(bucket: list, local) -> dict[str, torch.Tensor]:
     return dict(zip(sources, dp_full_many(tensors)))
 
 
-def _agree(group, stopping: bool) -> None:
-    """Every rank of `group` says whether it goes on; raises on the others when one stopped iterating."""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
-    flags[dist.get_rank(group)] = int(stopping)
-    all_reduce(flags, group)
-    stopped = [dist.get_global_rank(group, r) for r, f in enumerate(flags.tolist()) if f]
-    if stopped and not stopping:
-        raise RuntimeError(f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every rank "
-                           f"taking part must exhaust the iterator (the others would wait for it forever)")
+_started: dict[tuple[int, ...], int] = {}  # an agreement group's ranks -> exports started over it in this process
+_open: dict[tuple[int, ...], set] = {}  # an agreement group's ranks -> its exports started and not finished here
+
+
+class _Agreement:
+    """Every bucket opens with one all-reduce over `group` of each rank's (stopping?, export, bucket): the ranks
+    started exports over the group in the same order, so they number them alike. A rank that stopped iterating makes
+    the others raise. So does a rank at another export or bucket: two exports iterated together (`zip()`), where a
+    rank that yields nothing runs each one to its end inside one `next()`, would otherwise send one export's gathers
+    against another's. That raises on every rank at once, and this rank's other open exports over the group then
+    close without a collective (the others no longer wait in them)."""
+
+    def __init__(self, group) -> None:
+        self.group = None if group is None or dist.get_world_size(group) == 1 else group
+        self.at, self.broken = 0, False
+        if self.group is None:
+            return
+        self.key = tuple(dist.get_process_group_ranks(self.group))
+        self.serial = _started.get(self.key, 0)
+        _started[self.key] = self.serial + 1
+        _open.setdefault(self.key, set()).add(self)
+
+    def __call__(self, stopping: bool) -> None:
+        if self.group is None or self.broken:
+            return
+        group = self.group
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        rows = torch.zeros(dist.get_world_size(group), 3, dtype=torch.int64, device=device)
+        rows[dist.get_rank(group)] = torch.tensor([int(stopping), self.serial, self.at])
+        all_reduce(rows, group)
+        where = [(dist.get_global_rank(group, r), flag, serial, at) for r, (flag, serial, at) in enumerate(rows.tolist())]
+        self.at += 1
+        if any((serial, at) != (where[0][2], where[0][3]) for _, _, serial, at in where):
+            for run in _open[self.key]:
+                run.broken = True
+            _started[self.key] = max(serial for _, _, serial, _ in where) + 1  # the next export: one number again
+            places = ", ".join(f"rank {rank} at export #{serial} bucket {at}" for rank, _, serial, at in where)
+            raise RuntimeError(f"autotp.export_weights: the ranks are at different exports ({places}): two exports "
+                               f"were iterated together (zip(), or one inside the other's loop). A rank that gets "
+                               f"no tensors runs an export to its end in one next(), so the ranks' gathers would "
+                               f"not match. Iterate one export to its end before the next (list() it first)")
+        stopped = [rank for rank, flag, _, _ in where if flag]
+        if stopped and not stopping:
+            raise RuntimeError(f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every "
+                               f"rank taking part must exhaust the iterator (the others would wait for it forever)")
+
+    def finish(self) -> None:
+        if self.group is not None:
+            _open[self.key].discard(self)
 
 
 def _engine_request(rows: torch.Tensor, partition: Partition | None, engine: Partition | None, index: tuple,
@@ -197,6 +263,8 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
     """PEFT adapter `adapter_name` of the `PeftModel` `model` as `(name, tensor)` under PEFT's saved names (what its
     `save_pretrained` writes, full size), for engines that take LoRA adapters beside `export_weights(merge_lora=False)`.
     Iterated like `export_weights`: on every TP rank, to the end; TP rank 0 gets the tensors."""
+    check_bucket_bytes(bucket_bytes, "autotp.export_adapters")
+    model = outside_module_holders(model)
     root = peft_inner(model)
     state = find_state(root)
     if state is not None and state.tp_group is not None:
@@ -206,7 +274,7 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
 
     def requests(name: str, _: SavedTensor, __: dict) -> list[RowRequest]:
         tensor = tensors[name].detach()
-        shard = getattr(tensors[name], "autotp_shard", None)
+        shard = held_shard(tensors[name])
         return [RowRequest(tensor, None if shard is None else shard.partition, None, dtype or tensor.dtype)]
 
     def results(name: str, _: SavedTensor, assembled: Iterator[torch.Tensor]) -> Iterator[tuple]:

@@ -18,12 +18,13 @@ from ..compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, k
                                     remove_tied_weights)
 from ..parallel.collectives import gather_full_to
 from ..parallel.dtensor_rows import dp_chunk, dp_full, local_rows
+from ..parallel.layers import held_shard
 from ..planning.sharding import Partition, Shard
 
 
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The full (unsharded) shape of a model tensor, from its `autotp_shard` tag."""
-    shard = getattr(tensor, "autotp_shard", None)
+    shard = held_shard(tensor)
     return tuple(tensor.shape) if shard is None else shard.full_shape(tensor.shape)
 
 
@@ -68,7 +69,7 @@ def finish_part(rows: torch.Tensor, part: SavedPart) -> torch.Tensor:
 
 def gather_part(param: torch.Tensor, part: SavedPart, tp_group) -> torch.Tensor | None:
     """`part` of a model tensor on TP rank 0 (None on the other TP ranks), gathering nothing else."""
-    local, partition = local_part(param, getattr(param, "autotp_shard", None), part)
+    local, partition = local_part(param, held_shard(param), part)
     full = local if partition is None else gather_full_to(local.contiguous(), partition, tp_group, dst=0)
     return None if full is None else finish_part(full, part)
 

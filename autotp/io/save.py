@@ -27,7 +27,8 @@ from ..compat.hf_conversion import SavedPart, SavedTensor
 from ..parallel.collectives import stream_full_to
 from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import global_rank, is_global_rank0
-from ..parallel.state import find_state
+from ..parallel.layers import held_shard
+from ..parallel.state import find_state, outside_module_holders
 from .parts import full_shape, gather_part, saved_layout
 from .safetensors import SafetensorsWriter
 from .staging import staged_directory
@@ -49,6 +50,7 @@ def save_pretrained(
     moved in, replacing the model files of an earlier save. A failure on any rank (an unwritable
     target, a full disk) is raised on every rank.
     """
+    model = outside_module_holders(model)
     found = adapter_module(model)
     if found is not None:
         raise TypeError(f"autotp.save_pretrained: {found[0]} is a {found[1]}; a full checkpoint would store its adapter "
@@ -62,7 +64,7 @@ def save_pretrained(
 
     def fetch(name: str) -> torch.Tensor | None:
         tensor = dp_full(params[name].detach())
-        shard = getattr(params[name], "autotp_shard", None)
+        shard = held_shard(params[name])
         return tensor if shard is None else stream_full_to(tensor, shard.partition, tp_group, dst=0)
 
     def fetch_part(part: SavedPart) -> torch.Tensor | None:

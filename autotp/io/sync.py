@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .export import export_weights
+from .export import check_bucket_bytes, export_weights
 
 _ALIGN = 16
 
@@ -33,15 +33,15 @@ def sync_weights(model: nn.Module, engine_group: dist.ProcessGroup | None, *, sr
     """Send the model's weights (`export_weights`' names and values) to every rank of `engine_group`.
 
     Call it on every rank that `export_weights` runs on. `engine_group` is the group on the one trainer rank that
-    sends (a TP rank 0, as rank `src` of the group) and None on the others, which only take part in the gathers.
-    Buckets of about `bucket_bytes` are broadcast from `device` (default: where the weights are; a CUDA device for
+    sends (a TP rank 0, as rank `src` of the group) and None on every other, which only takes part in the gathers:
+    the TP rank 0 of another DP replica (which `export_weights` also hands the tensors) drops them. Buckets of about `bucket_bytes` are broadcast from `device` (default: where the weights are; a CUDA device for
     NCCL). The engine's ranks call `receive_weights` meanwhile.
     """
+    check_bucket_bytes(bucket_bytes, "autotp.sync_weights")
     exported = export_weights(model, merge_lora=merge_lora, dtype=dtype, bucket_bytes=bucket_bytes)
-    if engine_group is None:
+    if engine_group is None:  # not the sender: the gathers still need this rank, to the end
         for _ in exported:
-            raise RuntimeError("autotp.sync_weights: this rank holds exported tensors (a TP rank 0) but was given no "
-                               "engine_group")
+            pass
         return
     sender = _Sender(engine_group, src, bucket_bytes, device)
     for name, tensor in exported:

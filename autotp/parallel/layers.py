@@ -43,6 +43,12 @@ def forget_shard(param: nn.Parameter) -> None:
         vars(param).pop(key, None)
 
 
+def held_shard(tensor: torch.Tensor) -> Shard | None:
+    """The `Shard` that `tensor` holds now: None for a replicated tensor, and for a sharded one gathered whole
+    (inside `GatherReplacedLayerParams` its `autotp_shard` stays, but every rank holds the full tensor)."""
+    return None if getattr(tensor, "autotp_full", False) else getattr(tensor, "autotp_shard", None)
+
+
 def gather_parameter_(param: nn.Parameter, group: Group) -> None:
     """Swap the shard for the full tensor in place (same Parameter object), stashing the gradient.
 

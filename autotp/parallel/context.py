@@ -34,7 +34,7 @@ from .collectives import all_reduce
 from .context_attention import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
 from .context_kernels import CPAttention, is_varlen
 from .groups import Group, group_size
-from .input_agreement import check_same_batch
+from .input_agreement import check_same_batch, check_same_read
 from .rng import sync_replicated_stream
 from .vocab import lazy_logits
 
@@ -293,6 +293,11 @@ class ContextParallel:
             whole.register_hook(self._backward_ran)
         return whole
 
+    def _read_later(self, logits: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """A forward's logits read after it (a collective over CP): checked to be read on every CP rank first."""
+        check_same_read(self.group, logits.device)
+        return self.gather(logits, layout, later=True)
+
     def _backward_ran(self, grad: torch.Tensor) -> None:
         self.unsynced = True
 
@@ -351,7 +356,7 @@ class ContextParallel:
         read = pending if pending is not None else (lambda: logits)
         lazy = module.training and output.get("loss") is not None and not torch.compiler.is_compiling()
         if lazy:  # a step that reads only its loss gathers nothing (compiled: gathered, as a class swap breaks graphs)
-            return lazy_logits(output, lambda: self.gather(read(), layout, later=True))
+            return lazy_logits(output, lambda: self._read_later(read(), layout))
         logits, keep = self.gather(read(), layout), self.asked.keep
         output.logits = logits if keep is None else logits[:, slice(-keep, None) if isinstance(keep, int) else keep]
         return output

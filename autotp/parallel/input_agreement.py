@@ -5,7 +5,9 @@ Fed different batches they train on a mixture no process computes, silently (a `
 world does it); fed different lengths they die in a collective whose sizes differ. `check_same_batch` compares a
 forward's tensors over one group with one all-reduce of four integers (a hash of the names, shapes and dtypes, and
 a checksum of the contents computed where the tensors are); only when they differ do the ranks' descriptions
-travel, so that every rank names the first difference.
+travel, so that every rank names the first difference. A rank reading a CP forward's logits (a gather over CP)
+exchanges as many integers first, so one that reads them while another begins its next forward is named on
+both, where it would otherwise hang in the gather or die in a mismatched collective.
 """
 
 from __future__ import annotations
@@ -35,6 +37,34 @@ def checksum(x: torch.Tensor) -> torch.Tensor:
     return total & _MASK
 
 
+FORWARD, READ = 1, 2  # what a rank is doing at an exchange: checking a forward's inputs, or reading its logits
+_DOING = {FORWARD: "began a forward", READ: "read a forward's logits (.logits)"}
+
+
+def _exchange(group: Group, doing: int, values: torch.Tensor, what: str) -> bool:
+    """One all-reduce over `group` of what each rank is `doing` and two int64 `values`; raises on every rank if the
+    ranks are doing different things, and returns whether their values agree."""
+    vector = torch.cat([torch.tensor([doing], device=values.device), values])
+    extremes = torch.cat([vector, -vector])
+    with named_failure(group, f"{what} (reading a context-parallel forward's .logits is a collective: a rank that "
+                              f"reads them while another does not waits here)"):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    high, low = extremes.view(2, 3).tolist()
+    if high[0] != -low[0]:
+        raise RuntimeError(f"ranks {dist.get_process_group_ranks(group)} were at different calls: some "
+                           f"{_DOING[-low[0]]}, others {_DOING[high[0]]}. Reading a context-parallel forward's .logits "
+                           f"is a collective (the sequence is gathered from every CP rank): read them on every CP "
+                           f"rank or on none (compute a metric on every rank, and log it from one)")
+    return high[1:] == [-v for v in low[1:]]
+
+
+def check_same_read(group: Group, device: torch.device) -> None:
+    """Before gathering a forward's logits over CP: every rank of `group` is reading them (else every rank raises,
+    naming it, rather than one hanging in the gather while another runs on)."""
+    if group_size(group) > 1:
+        _exchange(group, READ, torch.zeros(2, dtype=torch.int64, device=device), "reading a forward's logits")
+
+
 def check_same_batch(group: Group, named: list[tuple[str, torch.Tensor]], kind: str) -> None:
     """Raise on every rank of `group` (a replica's "TP" or "CP" group), naming the first tensor that differs, unless
     every rank passed the same `named` tensors. Collective: every rank of the group calls it."""
@@ -47,11 +77,7 @@ def check_same_batch(group: Group, named: list[tuple[str, torch.Tensor]], kind: 
     for i, (_, t) in enumerate(named):
         content = (content * 1000003 + checksum(t).to(device) + i) & _MASK
     values = torch.stack([torch.tensor(digest, device=device), content])
-    extremes = torch.cat([values, -values])
-    with named_failure(group, f"comparing the {_KINDS[kind]} ranks' inputs at a forward"):
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    high, low = extremes.view(2, 2).tolist()
-    if high == [-v for v in low]:
+    if _exchange(group, FORWARD, values, f"comparing the {_KINDS[kind]} ranks' inputs at a forward"):
         return
     mine = [(*m, int(checksum(t))) for m, (_, t) in zip(meta, named)]
     everyone: list = [None] * group_size(group)

@@ -219,3 +219,57 @@ def test_manual_decode_with_cache_or_past_key_values_matches_one_process_at_cp2(
         tokens, logits = runs.pop("one")
         for got_tokens, got_logits in runs.values():
             assert torch.equal(got_tokens, tokens) and (got_logits - logits).abs().max() <= TOL
+
+
+def _sft_losses(rank: int, world: int, output: str, packing: bool) -> list[float]:
+    """TRL's SFTTrainer (its fused LM head) on a tiny Llama: on one process as TRL's docs show it (in autotp's data
+    order), or through `tp_trainer` at cp=world; 3 steps of sequences of several lengths, packed or padded."""
+    import os
+    import sys
+
+    from accelerate.state import PartialState
+    from datasets import Dataset
+    from torch.utils.data import DistributedSampler
+    from trl import SFTConfig, SFTTrainer
+
+    from autotp.hf_trainer import tp_trainer
+    from readme_commands import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from sft_lora import tokenizer
+    from train_trainer import LossRecorder
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
+    PartialState._reset_state()  # accelerate's process state, as a fresh process finds it
+
+    class OneProcessSFT(LossRecorder, SFTTrainer):
+        def _get_train_sampler(self, train_dataset=None):  # the order autotp's DP sampler deals
+            return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
+
+    class ContextParallelSFT(LossRecorder, tp_trainer(SFTTrainer)):
+        pass
+
+    lengths = [12, 20, 9, 31, 17, 25, 14, 28]
+    data = Dataset.from_dict({"input_ids": [batch(size=(1, n), seed=i)[0].tolist() for i, n in enumerate(lengths)]})
+    args = SFTConfig(output_dir=output, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+                     adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+                     max_length=32, disable_tqdm=True, bf16=False, packing=packing)
+    model = tiny_model("llama", **CP_FAMILIES["llama"])
+    if world > 1:
+        autotp.wrap(model, 1, cp_size=world)
+    trainer = (ContextParallelSFT if world > 1 else OneProcessSFT)(model=model, args=args, train_dataset=data,
+                                                                   processing_class=tokenizer(256))
+    trainer.train()
+    return trainer.losses
+
+
+@pytest.mark.slow  # TRL's trainer, twice per case
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("packing", [False, True])
+def test_trl_sft_at_cp2_trains_as_one_process(tmp_path, packing: bool) -> None:
+    """Before: without packing TRL's fused LM head ran on this rank's chunk against the whole labels ("shape ... is
+    invalid"); with it, the collator's seq_idx was refused. Now the head reads the whole sequence's last hidden
+    states (gathered), so its log-probabilities, entropy and accuracy are one process's."""
+    (one,) = run_ranks(_sft_losses, 1, str(tmp_path / "one"), packing)
+    for losses in run_ranks(_sft_losses, 2, str(tmp_path / "cp"), packing):
+        assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, one)) <= TOL, (losses, one)

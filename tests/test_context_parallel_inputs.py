@@ -102,13 +102,15 @@ def _kept_logits(rank: int, world: int) -> dict:
         return {"last": (model(input_ids=ids, logits_to_keep=1).logits,
                          reference(input_ids=ids, logits_to_keep=1, use_cache=False).logits),
                 "some": (model(input_ids=ids, logits_to_keep=positions).logits,
-                         reference(input_ids=ids, logits_to_keep=positions, use_cache=False).logits)}
+                         reference(input_ids=ids, logits_to_keep=positions, use_cache=False).logits),
+                "refused": _error(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))}
 
 
 @pytest.mark.timeout(120)
 def test_logits_to_keep_gives_one_process_last_positions_at_cp2() -> None:
     """Before: the last positions of this rank's chunk, not of the sequence."""
     for report in run_ranks(_kept_logits, 2):
+        assert "logits_to_keep with labels" in report.pop("refused")
         for got, expected in report.values():
             assert got.shape == expected.shape and (got - expected).abs().max() <= TOL
 

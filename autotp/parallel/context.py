@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
 import sys
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch

@@ -3,11 +3,11 @@ its CP ranks (each keeps its own tokens of the same whole sequence).
 
 Fed different batches they train on a mixture no process computes, silently (a `DistributedSampler` over the whole
 world does it); fed different lengths they die in a collective whose sizes differ. `check_same_batch` compares a
-forward's tensors over one group with one all-reduce of four integers (a hash of the names, shapes and dtypes, and
-a checksum of the contents computed where the tensors are); only when they differ do the ranks' descriptions
-travel, so that every rank names the first difference. A rank reading a CP forward's logits (a gather over CP)
-exchanges as many integers first, so one that reads them while another begins its next forward is named on
-both, where it would otherwise hang in the gather or die in a mismatched collective.
+forward's tensors over one group with one all-reduce of six integers (what the rank is doing, a hash of the names,
+shapes and dtypes, and a checksum of the contents computed where the tensors are); only when they differ do the
+ranks' descriptions travel, so that every rank names the first difference. A rank reading a CP forward's logits (a
+gather over CP) exchanges as many integers first, so one that reads them while another begins its next forward is
+named on both, where it would otherwise hang in the gather or die in a mismatched collective.
 """
 
 from __future__ import annotations
@@ -95,11 +95,11 @@ def _difference(everyone: list[list[tuple]], ranks: list[int], kind: str) -> str
             if ours != other:
                 name = (ours or other)[0]
                 values = " (same shape, other values)" if ours and other and ours[1:3] == other[1:3] else ""
+                why = "the same batch" if kind == "TP" else "the same whole batch (autotp splits it over CP)"
                 return (f"{_KINDS[kind]} ranks got different inputs: {name} on rank {ranks[0]} "
-                        f"{_described(ours)} differs from rank {rank}'s {_described(other)}{values}; every TP and CP "
-                        f"rank of "
-                        f"a replica must read the same whole batch (autotp splits it over CP): sample with "
-                        f"autotp.data_parallel_sampler(dataset, model), not a DistributedSampler over the whole world")
+                        f"{_described(ours)} differs from rank {rank}'s {_described(other)}{values}; every {kind} "
+                        f"rank of a replica must read {why}: sample with autotp.data_parallel_sampler(dataset, "
+                        f"model), not a DistributedSampler over the whole world")
     return f"{_KINDS[kind]} ranks {ranks} got different inputs"
 
 

@@ -192,7 +192,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         guard = DDPGuard if cp_group is None else _ContextDDPGuard
         set_ddp_ignored(model, guard(model, ddp_ignored(model)))
         if options.check_inputs:
-            model.register_forward_pre_hook(InputCheck(), with_kwargs=True)
+            model.register_forward_pre_hook(InputCheck(), with_kwargs=True, prepend=True)  # the caller's inputs
         if state.tp_group is not None:  # at tp 1 nothing is sharded, so an adapter sees whole weights
             guarded = [layer.path for layer in plan.layers]
             if plan.vocab is not None and plan.vocab.embedding is not None:

@@ -1,6 +1,6 @@
 """Guards against the mistakes that give silently wrong results around a wrapped model.
 
-- TP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
+- TP or CP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
 - DistributedDataParallel over a group that holds two ranks of one TP group, which would average
   different shards together (`DDPGuard`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.parallel.lora`
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import weakref
-import zlib
 from typing import Any, Iterator
 
 import torch
@@ -24,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .parallel.groups import group_size
+from .parallel.input_agreement import check_same_batch
 from .fsdp import check_mesh
 from .compat.hf import adapter_module
 from .compat.peft import is_modules_to_save
@@ -36,28 +36,13 @@ REPLICA_CHECK_EVERY = 100
 
 
 def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """Raise if the TP ranks of this replica were not given identical tensors; names the first that differs."""
-    group = state_of(model).tp_group
-    if group_size(group) == 1:
-        return
+    """Raise on every rank if the TP or CP ranks of this replica were not given identical tensors; names the first
+    that differs. Collective over the TP group, then the CP group."""
+    state = state_of(model)
     named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]
     tensors = [(name, t) for name, t in named if torch.is_tensor(t)]
-    mine = [(name, tuple(t.shape), str(t.dtype), zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                                                           .numpy().tobytes()))
-            for name, t in tensors]
-    everyone: list = [None] * group_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    ranks = dist.get_process_group_ranks(group)
-    for index, (name, shape, dtype, _) in enumerate(mine):
-        for rank, theirs in zip(ranks, everyone):
-            if index >= len(theirs) or theirs[index] != mine[index]:
-                other = theirs[index] if index < len(theirs) else None
-                raise RuntimeError(
-                    f"tensor-parallel ranks got different inputs: {name} on rank {dist.get_rank()} "
-                    f"(shape {shape}, {dtype}) differs from rank {rank}'s "
-                    f"{'(missing)' if other is None else f'(shape {other[1]}, {other[2]})'}; every TP rank of a "
-                    f"replica must read the same batch (see autotp.data_parallel_sampler)"
-                )
+    check_same_batch(state.tp_group, tensors, "TP")
+    check_same_batch(state.cp_group, tensors, "CP")
 
 
 class InputCheck:

@@ -64,6 +64,10 @@ def is_causal_lm(model: nn.Module) -> bool:
 # The forward keyword a model's key/value cache travels under: transformers 5.24 renamed `past_key_values` to `cache`
 # (the old name is still accepted, deprecated); Mamba before 5.24 and a few older families use names of their own.
 CACHE_KWARGS = ("cache", "past_key_values", "cache_params", "state", "mems", "past_buckets_states")
+# a padding-free batch's packed segments for flash's variable-length path (DataCollatorWithFlattening, TRL's collator)
+FLASH_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# TRL's `add_fused_lm_head`: with it the forward runs the backbone, then an LM head of its own on last_hidden_state
+FUSED_LM_HEAD_KWARG = "fused_lm_head"
 
 
 def passed_cache(kwargs: dict) -> Any:

@@ -16,6 +16,7 @@ import copy
 import inspect
 import sys
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -27,16 +28,19 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..compat.hf import attn_implementation, passed_cache, set_config_attn_implementation
+from ..compat.hf import (FLASH_VARLEN_KWARGS, FUSED_LM_HEAD_KWARG, attn_implementation, passed_cache,
+                         set_config_attn_implementation)
 from .collectives import all_reduce
 from .context_attention import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
 from .context_kernels import CPAttention, is_varlen
 from .groups import Group, group_size
+from .input_agreement import check_same_batch, check_same_read
 from .rng import sync_replicated_stream
 from .vocab import lazy_logits
 
 _SUPPORTED = ("sdpa", "eager")
-_SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels")  # split by CP
+_SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",
+          "seq_idx")  # split by CP (seq_idx: TRL's padding-free document index of each token)
 _ACTIVE: list[int] = []  # depth of CP forwards running now: transformers' mask functions return None inside one
 
 
@@ -127,6 +131,18 @@ class CPLoss:
         return total / num_items_in_batch
 
 
+@dataclass
+class Asked:
+    """What a caller asked of a forward's outputs that a split forward computes otherwise: a tuple (`return_dict=False`;
+    the forward runs returning a ModelOutput, turned into one process's tuple once whole), the logits of some
+    positions only (`logits_to_keep`: the forward computes every local position's, the whole sequence's are cut), or
+    TRL's fused LM head (run on the whole sequence's last hidden states, gathered from the backbone)."""
+
+    tuple: bool = False
+    keep: int | torch.Tensor | None = None
+    fused: bool = False
+
+
 class ContextParallel:
     """What `wrap(..., cp_size=C)` installs: the registered attention and mask functions, the model's hooks and loss.
 
@@ -136,6 +152,7 @@ class ContextParallel:
     def __init__(self, model: nn.Module, group: Group, state, original: str):
         self.model, self.group, self.state, self.original = model, group, state, original
         self.layout: Layout | None = None
+        self.asked = Asked()
         self.dropout: _WholeSequenceDropout | None = None
         self.drops = dropout_on(model)  # only then is every torch call of a training forward watched for dropout
         # gradients a backward left as this rank's share, not yet summed over CP (`allreduce_gradients` sums them;
@@ -163,7 +180,7 @@ class ContextParallel:
                       model.register_forward_hook(self.leave, with_kwargs=True, always_call=True)]
         base = model.base_model
         if base is not model:  # the MoE auxiliary loss reads the router logits of every token
-            self.hooks.append(base.register_forward_hook(only(self._whole_router_logits)))
+            self.hooks.append(base.register_forward_hook(only(self._whole_base_outputs)))
         model.set_attn_implementation(self.name)
         self._per_module_configs(self.name)
 
@@ -205,7 +222,12 @@ class ContextParallel:
         self.layout = None
         if passed_cache(kwargs) is not None:
             return (), kwargs
+        if not torch.compiler.is_compiling():  # a host sync, left out of a compiled forward (as the RNG check is)
+            check_same_batch(self.group, sorted(((f"{k}=", v) for k, v in kwargs.items() if torch.is_tensor(v)),
+                                                key=lambda item: item[0]), "CP")
         self._refuse(module, kwargs)
+        varlen = {k: kwargs.pop(k) for k in FLASH_VARLEN_KWARGS if k in kwargs}  # segments are rebuilt per chunk
+        asked = self._asked(module, kwargs)
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         x = ids if ids is not None else embeds
         if x is None or x.dim() < 2:
@@ -221,17 +243,18 @@ class ContextParallel:
                                       f"attention_mask and the labels; {per_token} looks like a per-token input it "
                                       f"would leave whole; use cp_size=1 for it")
         sp = group_size(self.state.tp_group) if self.state.options.sequence_parallel else 1
-        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0], sp)
-        if ids is not None:
-            kwargs["input_ids"] = layout.split(ids)
-        if embeds is not None:
-            kwargs["inputs_embeds"] = layout.split(embeds)
+        boundaries = varlen.get("cu_seq_lens_q") if is_varlen(self.original) else None  # flash's documents
+        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0], sp,
+                              boundaries)
+        for name in ("input_ids", "inputs_embeds", "seq_idx"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = layout.split(kwargs[name])
         kwargs["position_ids"] = pad_positions(positions.expand(x.shape[0], -1), layout.padded).index_select(
             1, layout.local)
         kwargs["attention_mask"], kwargs["use_cache"] = None, False
         if self.pass_layout:
             kwargs[LAYOUT_KWARG] = layout
-        self.layout, self.calls, self.loss_calls = layout, 0, 0
+        self.layout, self.asked, self.calls, self.loss_calls = layout, asked, 0, 0
         self.dropout = _WholeSequenceDropout(layout) if module.training and self.drops else None
         if self.dropout is not None:
             self.dropout.__enter__()
@@ -248,7 +271,7 @@ class ContextParallel:
             self.dropout = None
         if output is None:  # the forward raised
             return output
-        if getattr(output, "loss", None) is not None and self.loss_calls == 0:
+        if getattr(output, "loss", None) is not None and self.loss_calls == 0 and not self.asked.fused:
             raise NotImplementedError(f"{type(module).__name__} computed its loss without self.loss_function, on this "
                                       f"rank's chunk of the sequence alone; context parallelism needs the model's "
                                       f"loss_function (use cp_size=1)")
@@ -256,24 +279,67 @@ class ContextParallel:
             raise NotImplementedError(f"{type(module).__name__}: its attention never called transformers' attention "
                                       f"interface, so context parallelism cannot gather its keys and values; use "
                                       f"cp_size=1")
-        return self._whole_outputs(module, output, layout)
+        output = self._whole_outputs(module, output, layout)
+        return output.to_tuple() if self.asked.tuple and not isinstance(output, tuple) else output
 
-    def gather(self, x: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """A [B, S/C, ...] tensor of a forward (split as `layout`) as the whole sequence (differentiable)."""
-        self.unsynced |= x.requires_grad
-        return gather_sequence(x, layout, self.group)
+    def gather(self, x: torch.Tensor, layout: Layout, later: bool = False) -> torch.Tensor:
+        """A [B, S/C, ...] tensor of a forward (split as `layout`) as the whole sequence (differentiable). Its backward
+        leaves this rank's share of the gradients: a gather `later` than the forward (logits read after it, for a
+        metric, perhaps after `allreduce_gradients`) marks them unsynced only once a backward runs through it."""
+        whole = gather_sequence(x, layout, self.group)
+        if not later:
+            self.unsynced |= x.requires_grad
+        elif whole.requires_grad:
+            whole.register_hook(self._backward_ran)
+        return whole
 
-    def _whole_router_logits(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _read_later(self, logits: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """A forward's logits read after it (a collective over CP): checked to be read on every CP rank first."""
+        check_same_read(self.group, logits.device)
+        return self.gather(logits, layout, later=True)
+
+    def _backward_ran(self, grad: torch.Tensor) -> None:
+        self.unsynced = True
+
+    def _whole_base_outputs(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """The base model's router logits ([B * S/C, experts] per layer) as the whole batch's, before the causal LM's
-        forward computes the load-balancing loss from them: every rank then computes one process's."""
+        forward computes the load-balancing loss from them: every rank then computes one process's. Under TRL's
+        fused LM head its last hidden states too, which that head reads against the whole batch's labels."""
         layout = self.layout
-        logits = output.get("router_logits") if layout is not None and isinstance(output, dict) else None
-        if not isinstance(logits, tuple) or not logits or not torch.is_tensor(logits[0]):
+        if layout is None or not isinstance(output, dict):
             return None
-        rows = layout.local.numel()
-        output["router_logits"] = tuple(
-            self.gather(x.view(-1, rows, x.shape[-1]), layout).flatten(0, 1) for x in logits)
+        logits = output.get("router_logits")
+        if isinstance(logits, tuple) and logits and torch.is_tensor(logits[0]):
+            rows = layout.local.numel()
+            output["router_logits"] = tuple(
+                self.gather(x.view(-1, rows, x.shape[-1]), layout).flatten(0, 1) for x in logits)
+        if self.asked.fused and torch.is_tensor(output.get("last_hidden_state")):
+            output["last_hidden_state"] = self.gather(output["last_hidden_state"], layout)
         return output
+
+    def _asked(self, module: nn.Module, kwargs: dict) -> Asked:
+        """`Asked` of this forward, its keywords changed to what the split forward computes; refuses what it cannot
+        give as one process does, before anything runs."""
+        config = module.config
+        returned = kwargs.get("return_dict")
+        tuple_ = not (config.return_dict if returned is None else returned)
+        use_cache = kwargs.get("use_cache")
+        if tuple_ and (getattr(config, "use_cache", False) if use_cache is None else use_cache):
+            raise NotImplementedError("return_dict=False with use_cache under context parallelism: one process's "
+                                      "tuple would hold the whole sequence's key/value cache, which a split forward "
+                                      "does not build (it would shift every later entry); pass use_cache=False too, "
+                                      "or read the ModelOutput (return_dict=True)")
+        if tuple_:
+            kwargs["return_dict"] = True
+        keep = kwargs.get("logits_to_keep")
+        if isinstance(keep, int) and keep == 0:
+            keep = None
+        if keep is not None:
+            if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
+                raise NotImplementedError("logits_to_keep with labels under context parallelism: the loss needs every "
+                                          "position's logits; pass logits_to_keep=0 with labels, or no labels")
+            kwargs["logits_to_keep"] = 0  # every local position; the whole sequence's are cut once gathered
+        return Asked(tuple_, keep, bool(kwargs.get(FUSED_LM_HEAD_KWARG)))
 
     def _whole_outputs(self, module: nn.Module, output: Any, layout: Layout) -> Any:
         if isinstance(output, tuple):
@@ -290,8 +356,9 @@ class ContextParallel:
         read = pending if pending is not None else (lambda: logits)
         lazy = module.training and output.get("loss") is not None and not torch.compiler.is_compiling()
         if lazy:  # a step that reads only its loss gathers nothing (compiled: gathered, as a class swap breaks graphs)
-            return lazy_logits(output, lambda: self.gather(read(), layout))
-        output.logits = self.gather(read(), layout)
+            return lazy_logits(output, lambda: self._read_later(read(), layout))
+        logits, keep = self.gather(read(), layout), self.asked.keep
+        output.logits = logits if keep is None else logits[:, slice(-keep, None) if isinstance(keep, int) else keep]
         return output
 
     def _refuse(self, module: nn.Module, kwargs: dict) -> None:

@@ -143,17 +143,32 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     return None if bool((docs[:, -1] == 0).all()) else docs
 
 
+def segment_documents(cu_seq_lens: torch.Tensor, batch: int, length: int, padded: int) -> torch.Tensor | None:
+    """Document index of each token [B, padded] from a padding-free batch's `cu_seq_lens` (segment starts over the
+    flattened batch, as flash's variable-length path reads them; the padding continues the last); None for one
+    document per row."""
+    tokens = torch.arange(batch * length, device=cu_seq_lens.device)
+    docs = torch.searchsorted(cu_seq_lens[1:].long(), tokens, right=True).view(batch, length)
+    docs = torch.cat([docs, docs[:, -1:].expand(-1, padded - length)], dim=1)
+    return None if bool((docs == docs[:, :1]).all()) else docs
+
+
 def build_layout(length: int, group: Group, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 device: torch.device, batch: int = 1, multiple: int = 1) -> Layout:
+                 device: torch.device, batch: int = 1, multiple: int = 1,
+                 cu_seq_lens: torch.Tensor | None = None) -> Layout:
     """The split of one forward. `position_ids` [B or 1, S] and `attention_mask` [B, S] (1: a token, 0: padding)
-    are the whole sequence's; each chunk's length is made a multiple of `multiple` (sequence parallelism's tp)."""
+    are the whole sequence's; each chunk's length is made a multiple of `multiple` (sequence parallelism's tp).
+    Documents are where the positions restart, or, given a padding-free batch's `cu_seq_lens` (which flash reads in
+    their place), its segments."""
     size, rank = group_size(group), group_rank(group)
     unit = 2 * size * multiple
     padded = -(-length // unit) * unit
     local = zigzag(padded, size, rank, device)
     keys = torch.cat([zigzag(padded, size, r, device) for r in range(size)])
     docs = kept = None
-    if position_ids is not None:
+    if cu_seq_lens is not None:
+        docs = segment_documents(cu_seq_lens.to(device), batch, length, padded)
+    elif position_ids is not None:
         docs = documents(pad_positions(position_ids.to(device), padded))
     if attention_mask is not None:
         if attention_mask.dim() != 2:

@@ -1,0 +1,277 @@
+"""Context parallelism at the model's boundary: CP ranks fed different batches or lengths, tuple outputs,
+`logits_to_keep`, logits read after the gradient sync or on one rank only, padding-free batch keywords, a manual
+decode loop, and TRL's SFTTrainer.
+
+Each compares a cp=2 run with one process set up alike (same seed, same calls, same batch): fp32, where only the
+reduction order differs (attention over gathered keys in blocks, the loss summed over CP), so 1e-5
+(`parity.LOSS_ATOL`); or checks a refusal that names the fix, raised on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+import autotp
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
+from models import CP_FAMILIES, batch, tiny_model, varlen_reference
+
+TOL = parity.LOSS_ATOL
+
+
+def _pair(attn: str = "sdpa") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(one process's model, the same weights wrapped at cp=2), as a user builds them from one seed."""
+    reference = tiny_model("llama", **CP_FAMILIES["llama"])
+    reference.set_attn_implementation("sdpa")
+    model = copy.deepcopy(reference)
+    if attn == "varlen_reference":  # the flash branch, through a reference function with flash's signature
+        tf.AttentionInterface.register(attn, varlen_reference)
+        model.set_attn_implementation(attn)
+    return reference, autotp.wrap(model, 1, cp_size=2)
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 (the message is what the test checks)
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def _different_inputs(rank: int, world: int) -> dict:
+    """Each CP rank its own batch (DistributedSampler over the world), then its own length; then the same batch."""
+    _, model = _pair()
+    ids = batch(seed=1 + rank)
+    report = {"forward": _error(lambda: model(input_ids=ids, labels=ids)),
+              "check": _error(lambda: autotp.check_same_inputs(model, input_ids=ids))}
+    ids = batch(size=(2, 15 + rank))
+    report["length"] = _error(lambda: model(input_ids=ids, labels=ids))
+    same = batch()
+    report["same"] = model(input_ids=same, labels=same).loss.item()
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_cp_ranks_given_different_batches_or_lengths_are_refused_on_every_rank() -> None:
+    """Before: each rank's loss mixed both batches silently, and different lengths died in gloo's collective."""
+    for report in run_ranks(_different_inputs, 2):
+        for key in ("forward", "check"):
+            assert "context-parallel ranks got different inputs: input_ids=" in report[key], report
+            assert "autotp.data_parallel_sampler" in report[key], report
+        assert "(shape (2, 15), torch.int64) differs from rank 1's (shape (2, 16)" in report["length"], report
+        assert report["same"] > 0
+
+
+def _tuples(rank: int, world: int) -> dict:
+    reference, model = _pair()
+    ids = batch(size=(2, 15))  # padded to 16 under CP
+    model.eval()
+    got = model(input_ids=ids, output_hidden_states=True, return_dict=False, use_cache=False)
+    expected = reference.eval()(input_ids=ids, output_hidden_states=True, return_dict=False, use_cache=False)
+    model.train()
+    trained = model(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
+    expected_trained = reference.train()(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
+    return {"got": got, "expected": expected, "trained": trained, "expected_trained": expected_trained,
+            "refused": _error(lambda: model(input_ids=ids, return_dict=False))}
+
+
+def _flat(values) -> list[torch.Tensor]:
+    return [t for v in values for t in (v if isinstance(v, tuple) else (v,))]
+
+
+@pytest.mark.timeout(120)
+def test_return_dict_false_gives_one_process_tuple_at_cp2() -> None:
+    """Before: the hidden states were this rank's zigzag chunk ((2, 8, 64) for (2, 15, 64))."""
+    for report in run_ranks(_tuples, 2):
+        for got, expected in ((report["got"], report["expected"]), (report["trained"], report["expected_trained"])):
+            assert [type(x) for x in got] == [type(x) for x in expected]
+            for a, b in zip(_flat(got), _flat(expected)):
+                assert a.shape == b.shape and (a - b).abs().max() <= TOL
+        assert "return_dict=False with use_cache" in report["refused"] and "use_cache=False" in report["refused"]
+
+
+def _kept_logits(rank: int, world: int) -> dict:
+    reference, model = _pair()
+    ids = batch(size=(2, 15))
+    positions = torch.tensor([3, 14])
+    with torch.no_grad():
+        return {"last": (model(input_ids=ids, logits_to_keep=1).logits,
+                         reference(input_ids=ids, logits_to_keep=1, use_cache=False).logits),
+                "some": (model(input_ids=ids, logits_to_keep=positions).logits,
+                         reference(input_ids=ids, logits_to_keep=positions, use_cache=False).logits),
+                "refused": _error(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))}
+
+
+@pytest.mark.timeout(120)
+def test_logits_to_keep_gives_one_process_last_positions_at_cp2() -> None:
+    """Before: the last positions of this rank's chunk, not of the sequence."""
+    for report in run_ranks(_kept_logits, 2):
+        assert "logits_to_keep with labels" in report.pop("refused")
+        for got, expected in report.values():
+            assert got.shape == expected.shape and (got - expected).abs().max() <= TOL
+
+
+def _logits_after_sync(rank: int, world: int) -> dict:
+    reference, model = _pair()
+    ids = batch()
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model)]
+    accuracy = []
+    for m, optimizer in zip((reference, model), optimizers):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        if m is model:
+            autotp.allreduce_gradients(model)
+        accuracy.append((out.logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean().item())  # a metric
+        optimizer.step()
+    error = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
+    return {"accuracy": accuracy, "param": error}
+
+
+@pytest.mark.timeout(120)
+def test_logits_read_after_allreduce_gradients_leave_the_step_allowed() -> None:
+    """Before: reading .logits for a metric marked the synced gradients unsynced, and the step was refused."""
+    for report in run_ranks(_logits_after_sync, 2):
+        assert report["accuracy"][0] == report["accuracy"][1]
+        assert report["param"] <= parity.PARAM_ATOL, report
+
+
+def _logits_on_one_rank(rank: int, world: int) -> str:
+    """Rank 0 alone reads a training forward's logits (to log a metric); both then run the next forward."""
+    _, model = _pair()
+    ids = batch()
+    out = model(input_ids=ids, labels=ids)
+
+    def read_then_forward():
+        if rank == 0:
+            out.logits.sum()
+        model(input_ids=ids, labels=ids)
+
+    return _error(read_then_forward)
+
+
+@pytest.mark.timeout(120)
+def test_logits_read_on_one_cp_rank_only_is_named_on_every_rank() -> None:
+    """Before: the reader hung in its gather until gloo's timeout (or a collective mismatch), unnamed."""
+    for message in run_ranks(_logits_on_one_rank, 2):
+        assert "some began a forward, others read a forward's logits" in message, message
+        assert "is a collective" in message and "every CP rank or on none" in message
+
+
+def _padding_free(rank: int, world: int, attn: str) -> dict:
+    """Padding-free batches (no attention mask; cu_seq_lens_q/k and max_length_q/k, TRL's also seq_idx) as
+    transformers' DataCollatorWithFlattening and TRL's collator build them, one training forward and backward."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    examples = [{"input_ids": batch(size=(1, n), seed=n)[0].tolist()} for n in (5, 9, 7)]
+    batches = {"transformers": tf.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(examples),
+               "trl": DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples)}
+    report = {}
+    for name, inputs in batches.items():
+        assert "cu_seq_lens_q" in inputs and "attention_mask" not in inputs
+        reference, model = _pair(attn)
+        expected = reference(**inputs, use_cache=False)
+        expected.loss.backward()
+        got = model(**inputs, use_cache=False)
+        got.loss.backward()
+        autotp.allreduce_gradients(model)
+        grad = max(parity.grad_error(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        report[name] = (abs(got.loss.item() - expected.loss.item()), grad, "seq_idx" in inputs)
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attn", ["sdpa", "varlen_reference"])
+def test_padding_free_batch_keywords_at_cp2(attn: str) -> None:
+    """Before: the flash branch failed with "got multiple values for keyword argument 'cu_seq_lens_q'", and TRL's
+    seq_idx was refused as a per-token input. One process's loss and gradients (sdpa: documents from position_ids;
+    flash: from cu_seq_lens, as each reads them)."""
+    for report in run_ranks(_padding_free, 2, attn):
+        assert report["trl"][2]  # TRL's collator adds seq_idx
+        for loss, grad, _ in report.values():
+            assert loss <= TOL and grad <= parity.GRAD_RTOL, report
+
+
+def _decode(rank: int, world: int) -> dict:
+    """A manual greedy decode loop with a cache passed as transformers 5.24 names it (cache=) and as before
+    (past_key_values=): every forward with a cache runs whole at cp=2, as on one process."""
+    reference, model = _pair()
+    prompt = batch(size=(2, 6))
+    model.eval()
+    reference.eval()
+    runs = {}
+    for name, m in (("one", reference), ("cache", model), ("past_key_values", model)):
+        keyword = "past_key_values" if name == "past_key_values" else "cache"
+        cache, ids, tokens = tf.DynamicCache(config=m.config), prompt, []
+        with torch.no_grad():
+            for _ in range(4):
+                logits = m(input_ids=ids, use_cache=True, **{keyword: cache}).logits[:, -1]
+                ids = logits.argmax(-1, keepdim=True)
+                tokens.append(ids)
+        runs[name] = (torch.cat(tokens, 1), logits)
+    return runs
+
+
+@pytest.mark.timeout(120)
+def test_manual_decode_with_cache_or_past_key_values_matches_one_process_at_cp2() -> None:
+    for runs in run_ranks(_decode, 2):
+        tokens, logits = runs.pop("one")
+        for got_tokens, got_logits in runs.values():
+            assert torch.equal(got_tokens, tokens) and (got_logits - logits).abs().max() <= TOL
+
+
+def _sft_losses(rank: int, world: int, output: str, packing: bool) -> list[float]:
+    """TRL's SFTTrainer (its fused LM head) on a tiny Llama: on one process as TRL's docs show it (in autotp's data
+    order), or through `tp_trainer` at cp=world; 3 steps of sequences of several lengths, packed or padded."""
+    import os
+    import sys
+
+    from accelerate.state import PartialState
+    from datasets import Dataset
+    from torch.utils.data import DistributedSampler
+    from trl import SFTConfig, SFTTrainer
+
+    from autotp.hf_trainer import tp_trainer
+    from readme_commands import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from sft_lora import tokenizer
+    from train_trainer import LossRecorder
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
+    PartialState._reset_state()  # accelerate's process state, as a fresh process finds it
+
+    class OneProcessSFT(LossRecorder, SFTTrainer):
+        def _get_train_sampler(self, train_dataset=None):  # the order autotp's DP sampler deals
+            return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
+
+    class ContextParallelSFT(LossRecorder, tp_trainer(SFTTrainer)):
+        pass
+
+    lengths = [12, 20, 9, 31, 17, 25, 14, 28]
+    data = Dataset.from_dict({"input_ids": [batch(size=(1, n), seed=i)[0].tolist() for i, n in enumerate(lengths)]})
+    args = SFTConfig(output_dir=output, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+                     adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
+                     max_length=32, disable_tqdm=True, bf16=False, packing=packing)
+    model = tiny_model("llama", **CP_FAMILIES["llama"])
+    if world > 1:
+        autotp.wrap(model, 1, cp_size=world)
+    trainer = (ContextParallelSFT if world > 1 else OneProcessSFT)(model=model, args=args, train_dataset=data,
+                                                                   processing_class=tokenizer(256))
+    trainer.train()
+    return trainer.losses
+
+
+@pytest.mark.slow  # TRL's trainer, twice per case
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("packing", [False, True])
+def test_trl_sft_at_cp2_trains_as_one_process(tmp_path, packing: bool) -> None:
+    """Before: without packing TRL's fused LM head ran on this rank's chunk against the whole labels ("shape ... is
+    invalid"); with it, the collator's seq_idx was refused. Now the head reads the whole sequence's last hidden
+    states (gathered), so its log-probabilities, entropy and accuracy are one process's."""
+    (one,) = run_ranks(_sft_losses, 1, str(tmp_path / "one"), packing)
+    for losses in run_ranks(_sft_losses, 2, str(tmp_path / "cp"), packing):
+        assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, one)) <= TOL, (losses, one)

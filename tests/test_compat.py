@@ -186,7 +186,7 @@ def test_untested_major_version_warns_once(monkeypatch: pytest.MonkeyPatch) -> N
         versions.check_versions()
         versions.check_versions()
     assert [str(w.message) for w in caught] == [
-        "autotp was tested on transformers 5.19–5.23; transformers 6.0.1 is installed, whose internals autotp relies "
+        "autotp was tested on transformers 5.19–5.24; transformers 6.0.1 is installed, whose internals autotp relies "
         "on may differ"]
 
 

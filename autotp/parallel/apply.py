@@ -106,7 +106,9 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     model.loss_function = loss
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
     state.vocab_hooks += [model.register_forward_pre_hook(gate.before, with_kwargs=True),
-                          model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True)]
+                          model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),
+                          model.register_forward_hook(gate.leave, with_kwargs=True, always_call=True),
+                          head.register_forward_hook(state.sharded_only(gate.head_after))]
 
 
 def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:

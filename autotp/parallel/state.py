@@ -42,6 +42,7 @@ class TPState:
     swap_guards: list = field(default_factory=list)  # autotp.guards.SwapGuard: the slots of sharded modules watched
     vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
+    forwards: int = 0  # the model's forwards running now; outside them its LM head gathers (autotp.parallel.vocab)
     dp_mesh: Any = None  # the DeviceMesh over dp_group (autotp.fsdp.dp_mesh), built when first asked for
     fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
     root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part

@@ -6,6 +6,7 @@ The plan has already checked everything, so this step cannot fail halfway on bad
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Iterable
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from ..compat.hf import avoid_grouped_mm
 from .grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from .groups import Group, build_subgroups, group_rank
+from .heads import AttentionWeights
 from .block_entry import BlockEntry
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
 from ..planning.options import WrapOptions
@@ -65,6 +67,13 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, o
     for head_input in plan.head_inputs:
         modules[head_input.path].register_forward_pre_hook(state.sharded_only(_head_slicer(head_input, state)),
                                                            with_kwargs=True)
+    weights = AttentionWeights(tp_group, state)
+    for heads in plan.attention:
+        note = functools.partial(weights.note, heads, heads.local[rank][1])
+        modules[heads.path].register_forward_hook(state.sharded_only(note))
+    model.register_forward_pre_hook(state.entered, with_kwargs=True, prepend=True)
+    model.register_forward_hook(state.sharded_only(weights.gather_outputs), with_kwargs=True, always_call=True)
+    model.register_forward_hook(state.left, with_kwargs=True, always_call=True)  # after every hook above
     sync_replicated_stream(tp_group)
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
@@ -107,7 +116,6 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
     state.vocab_hooks += [model.register_forward_pre_hook(gate.before, with_kwargs=True),
                           model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),
-                          model.register_forward_hook(gate.leave, with_kwargs=True, always_call=True),
                           head.register_forward_hook(state.sharded_only(gate.head_after))]
 
 

@@ -177,11 +177,6 @@ class LogitsGate:
 
     def before(self, module: nn.Module, args, kwargs) -> None:
         self._calls_before = self.loss.calls
-        self.state.forwards += 1  # on the state: a copy of the head alone (PEFT's modules_to_save) shares it
-
-    def leave(self, module: nn.Module, args, kwargs, output) -> None:
-        """After every forward of the model, one that raised included (registered with `always_call`)."""
-        self.state.forwards -= 1
 
     def head_after(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
         """The head's logits gathered, differentiably, when it was called outside the model's forward."""

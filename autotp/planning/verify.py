@@ -90,7 +90,8 @@ def apply_verdicts(model: nn.Module, plan: Plan, found: Verdicts, only_custom: b
     return replace(plan, layers=kept, replicated=replicated,
                    attrs=tuple(a for a in plan.attrs if not inside(a.path)),
                    head_norms=tuple(h for h in plan.head_norms if not inside(h)),
-                   head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)))
+                   head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
+                   attention=tuple(a for a in plan.attention if not inside(a.path)))
 
 
 def _checked_blocks(modules: dict[str, nn.Module], plan: Plan, only_custom: bool) -> list[str]:

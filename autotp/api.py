@@ -240,9 +240,9 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"{call} stopped on every rank: planning failed on {describe(failed)}. Every rank must "
-                           f"build the same model and call {call} with the same arguments; fix the failing rank's. "
-                           f"Nothing was changed.")
+        raise RuntimeError(f"{call} stopped on every rank because planning failed on {describe(failed)}. Every rank "
+                           f"must build the same model and call {call} with the same arguments: correct them on the "
+                           f"rank named. Nothing was changed.")
 
 
 class _ContextDDPGuard(DDPGuard):

@@ -15,7 +15,7 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `planning.planner`, `planning.report`
 4. the parallel runtime: `parallel`, `parallel.dtensor_rows`, `parallel.groups`,
    `parallel.collectives`, `parallel.seq_collectives`, `parallel.overlap`, `parallel.grad_hooks`,
-   `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.sequence`,
+   `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.heads`, `parallel.sequence`,
    `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.agreement`,
    `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.row_gather`, `parallel.context_attention`,
    `parallel.context_kernels`, `parallel.context`

@@ -31,7 +31,7 @@ from .compat.torch import ddp_ignored, set_ddp_ignored
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .parallel import context, lora
 from .io.adapters import slice_adapters_on_load
-from .io.errors import CheckpointError
+from .io.errors import CheckpointError, describe, failures, world
 from .io.load import checkpoint_files, load_params
 from .planning.options import WrapOptions
 from .planning.plan import Plan
@@ -158,20 +158,13 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
 
     `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
     """
-    refuse_quantized(model)
-    plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
-    if options.sequence_parallel:
-        sequence_layout(model, plan)  # refuses before anything changes
+    error, plan = None, None
+    try:
+        plan = _plan(model, tp_size, options)
+    except Exception as err:  # every rank must still hear of it below
+        error = err
+    _planned_everywhere(error, tp_size, options, call)
     cp = options.cp_size
-    if cp > 1:  # refused before anything changes
-        context.refuse_unsupported(model, cp)
-        if options.tp_group is not None:
-            raise NotImplementedError(f"cp_size={cp} with tp_group=: context parallelism builds its own groups; leave "
-                                      f"tp_group out")
-        if options.sequence_parallel and context.dropout_on(model):
-            raise NotImplementedError(f"cp_size={cp} with sequence_parallel and dropout: sequence parallelism's masks "
-                                      f"would be drawn for this rank's chunk, not as one process draws them; set the "
-                                      f"dropout to 0 or leave sequence_parallel off")
     tp_group, dp_group, timeout, cp_group, data_group = _groups(tp_size, options.tp_group, options.timeout, cp)
     if tp_group is not None or cp_group is not None:  # at tp 1 no collective: some ranks only may wrap
         check_agreement(model, tp_size, options, plan, [("TP", tp_group), ("CP", cp_group), ("DP", dp_group)], call)
@@ -214,6 +207,44 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     return state
 
 
+def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
+    """The plan, and every refusal that needs no process group; nothing is changed."""
+    refuse_quantized(model)
+    plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
+    if options.sequence_parallel:
+        sequence_layout(model, plan)
+    cp = options.cp_size
+    if cp > 1:
+        context.refuse_unsupported(model, cp)
+        if options.tp_group is not None:
+            raise NotImplementedError(f"cp_size={cp} with tp_group=: context parallelism builds its own groups; leave "
+                                      f"tp_group out")
+        if options.sequence_parallel and context.dropout_on(model):
+            raise NotImplementedError(f"cp_size={cp} with sequence_parallel and dropout: sequence parallelism's masks "
+                                      f"would be drawn for this rank's chunk, not as one process draws them; set the "
+                                      f"dropout to 0 or leave sequence_parallel off")
+    return plan
+
+
+def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOptions, call: str) -> None:
+    """Raise on every rank if planning failed on any (`error`: this rank's), before the groups are created.
+
+    A call that creates groups is collective over the world: a rank that refused alone would leave the others
+    waiting in the group creation until the timeout, with an error that names nothing. So every rank reports its
+    outcome first (one all-gather); the failed rank raises its own error, the others one that names it.
+    """
+    collective = tp_size > 1 or options.tp_group is not None or options.cp_size > 1
+    if collective and not dist.is_initialized() and launched_by_torchrun():
+        init_from_env(options.timeout or DEFAULT_TIMEOUT)
+    failed = failures(error, world() if collective else None)
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{call} stopped on every rank because planning failed on {describe(failed)}. Every rank "
+                           f"must build the same model and call {call} with the same arguments: correct them on the "
+                           f"rank named. Nothing was changed.")
+
+
 class _ContextDDPGuard(DDPGuard):
     """Under context parallelism, DDP must average over DP x CP: over the DP group alone it would leave each CP
     rank with its own tokens' share of the gradient, and the replicas would train apart."""
@@ -240,11 +271,9 @@ def _validate_tp_size(tp_size: int, name: str = "tp_size") -> None:
 
 def _groups(tp_size: int, tp_group: dist.ProcessGroup | None, timeout: timedelta | None,
             cp_size: int = 1) -> tuple[Group, Group, timedelta, Group, Group]:
-    """This rank's (TP, DP x CP) groups, their timeout and the (CP, DP) groups (None without CP), initialising
-    torch.distributed from launcher variables if needed."""
+    """This rank's (TP, DP x CP) groups, their timeout and the (CP, DP) groups (None without CP); torch.distributed
+    was initialised from launcher variables, if needed, by `_planned_everywhere`."""
     if cp_size > 1:
-        if not dist.is_initialized() and launched_by_torchrun():
-            init_from_env(timeout or DEFAULT_TIMEOUT)
         if not dist.is_initialized():
             raise RuntimeError(f"cp_size={cp_size} needs torch.distributed: launch with torchrun or accelerate, or "
                                f"call torch.distributed.init_process_group first")
@@ -256,9 +285,7 @@ def _groups(tp_size: int, tp_group: dist.ProcessGroup | None, timeout: timedelta
 
 def _tp_groups(tp_size: int, tp_group: dist.ProcessGroup | None,
                timeout: timedelta | None) -> tuple[Group, Group, timedelta]:
-    """This rank's (TP, DP) groups and their timeout, initialising torch.distributed from launcher variables if needed."""
-    if not dist.is_initialized() and (tp_size > 1 or tp_group is not None) and launched_by_torchrun():
-        init_from_env(timeout or DEFAULT_TIMEOUT)
+    """This rank's (TP, DP) groups and their timeout."""
     if not dist.is_initialized():
         if tp_size > 1 or tp_group is not None:
             raise RuntimeError(

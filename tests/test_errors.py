@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -105,3 +107,30 @@ def test_widths_and_vocabularies_below_tp_are_refused_naming_the_module() -> Non
 def test_a_model_that_is_not_from_transformers_gets_a_clear_error() -> None:
     with pytest.raises(TypeError, match="transformers PreTrainedModel.*got Sequential"):
         autotp.wrap(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), 1)
+
+
+NOTHING_MATCHES = {"mlp": [{"match": "model.blocks.*.mlp", "column": ["a"], "row": ["b"]}]}
+
+
+def refused_in_planning_on_rank_1(rank: int, world: int) -> tuple[float, str]:
+    """Rank 1 passes a policy that matches nothing (a rank-dependent input, such as a per-node policy path); rank 0
+    passes none. Both should stop at once, well inside wrap's timeout, and leave their model as it was."""
+    model = tiny_model("llama")
+    before = snapshot(model)
+    start = time.monotonic()
+    try:
+        autotp.wrap(model, world, policy=NOTHING_MATCHES if rank == 1 else None, timeout=20)
+        message = "no error"
+    except Exception as err:
+        message = f"{type(err).__name__}: {err}"
+    elapsed = time.monotonic() - start
+    assert_unchanged(before, model)
+    return elapsed, message
+
+
+@pytest.mark.timeout(120)  # before the fix, rank 0 waited out the 20 s timeout in the group creation, or longer
+def test_a_rank_refused_in_planning_stops_every_rank_at_once() -> None:
+    (elapsed_0, message_0), (elapsed_1, message_1) = run_ranks(refused_in_planning_on_rank_1, 2)
+    assert message_1.startswith("ValueError: policy") and "shards nothing in LlamaForCausalLM" in message_1
+    assert "rank 1: ValueError: policy" in message_0 and "shards nothing in LlamaForCausalLM" in message_0, message_0
+    assert elapsed_0 < 10 and elapsed_1 < 10, (elapsed_0, elapsed_1)  # a few seconds at most; the timeout is 20 s

@@ -83,7 +83,8 @@ def smoothed_loss(rank: int, world: int) -> tuple[float, float, float]:
     model = autotp.wrap(copy.deepcopy(reference), world)
     ids = batch(vocab=250)
     labels = labels_with_ignored(ids)
-    logits = model.lm_head(model.model(input_ids=ids).last_hidden_state)  # the head's output: this rank's shard
+    whole = model.lm_head(model.model(input_ids=ids).last_hidden_state)  # called directly, the head gathers
+    logits = whole.chunk(world, dim=-1)[rank]  # this rank's vocabulary shard (125 rows each), as the forward holds it
     ours = model.loss_function(logits, labels, label_smoothing=0.1)
     full = reference(input_ids=ids).logits
     target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
@@ -223,3 +224,45 @@ def test_the_loss_shifts_labels_and_divides_as_transformers_does(gloo_group_of_o
     total = F.cross_entropy(whole.reshape(-1, 8), shifted.reshape(-1), ignore_index=-100, reduction="sum")
     divisor = 7 if num_items_in_batch is None else int(num_items_in_batch)  # 10 positions, 3 of them -100
     torch.testing.assert_close(ours, total / divisor)
+
+
+def chunked_log_probs(model: torch.nn.Module, ids: torch.Tensor, head: str) -> torch.Tensor:
+    """The common RL pattern: hidden states from the base model, the LM head applied chunk by chunk, the log-prob of
+    each next token picked (`head`: called as `model.lm_head` or as `model.get_output_embeddings()`)."""
+    hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+    call = model.lm_head if head == "lm_head" else model.get_output_embeddings()
+    picked = []
+    for chunk, targets in zip(hidden.split(5, dim=1), ids[:, 1:].split(5, dim=1)):
+        log_probs = call(chunk).float().log_softmax(-1)
+        picked.append(log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    return torch.cat(picked, dim=1)
+
+
+def head_called_directly(rank: int, world: int, head: str, vocab: int) -> dict:
+    """The LM head called outside the model's forward, on a wrapped model and on one process; then the model's own
+    training forward, which must still compute its loss on the vocabulary shards."""
+    reference = tiny_model("llama", vocab_size=250)
+    model = autotp.wrap(copy.deepcopy(reference), world)
+    ids = batch(vocab=vocab)
+    ours, expected = chunked_log_probs(model, ids, head), chunked_log_probs(reference, ids, "lm_head")
+    ours.sum().backward()
+    expected.sum().backward()
+    group = autotp.tp_group(model)
+    grads = {name: parity.grad_error(parity.full_tensor(p.grad, p, group), reference.get_parameter(name).grad)
+             for name, p in model.named_parameters()}
+    model.zero_grad()
+    calls = model.loss_function.calls
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {"log_probs": (ours - expected).abs().max().item(), "shape": tuple(ours.shape), "grads": grads,
+            "sharded_loss": model.loss_function.calls - calls}
+
+
+@pytest.mark.parametrize("head", ["lm_head", "get_output_embeddings"])
+@pytest.mark.parametrize("vocab", [125, 250])  # 125: every id in rank 0's shard (wrong values); 250: an index error
+def test_the_lm_head_called_directly_returns_whole_logits_with_their_gradients(head: str, vocab: int) -> None:
+    """fp32, only the order of sums differs: log-probs within 1e-5, gradients as test_parity's (1e-5 relative)."""
+    for report in run_ranks(head_called_directly, 2, head, vocab):
+        assert report["log_probs"] <= 1e-5, report["log_probs"]
+        worst = max(report["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        assert report["sharded_loss"] == 1

@@ -6,14 +6,17 @@ The plan has already checked everything, so this step cannot fail halfway on bad
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Iterable
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..compat.hf import avoid_grouped_mm
 from .grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from .groups import Group, build_subgroups, group_rank
+from .heads import AttentionWeights, tag_heads
 from .block_entry import BlockEntry
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
 from ..planning.options import WrapOptions
@@ -65,6 +68,16 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, o
     for head_input in plan.head_inputs:
         modules[head_input.path].register_forward_pre_hook(state.sharded_only(_head_slicer(head_input, state)),
                                                            with_kwargs=True)
+    for heads in plan.attention:
+        tag = functools.partial(tag_heads, heads, heads.local[rank][1])
+        modules[heads.path].register_forward_hook(state.sharded_only(tag))
+    if plan.attention:
+        weights = AttentionWeights(tp_group)
+        for module in model.modules():
+            if isinstance(module, PreTrainedModel):  # the model, and any inside it a user may call alone
+                module.register_forward_hook(state.sharded_only(weights))
+    model.register_forward_pre_hook(state.entered, with_kwargs=True, prepend=True)
+    model.register_forward_hook(state.left, with_kwargs=True, always_call=True)
     sync_replicated_stream(tp_group)
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
@@ -106,7 +119,8 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     model.loss_function = loss
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
     state.vocab_hooks += [model.register_forward_pre_hook(gate.before, with_kwargs=True),
-                          model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True)]
+                          model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),
+                          head.register_forward_hook(state.sharded_only(gate.head_after))]
 
 
 def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:

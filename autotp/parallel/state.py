@@ -42,6 +42,7 @@ class TPState:
     swap_guards: list = field(default_factory=list)  # autotp.guards.SwapGuard: the slots of sharded modules watched
     vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
+    forwards: int = 0  # the model's forwards running now (`entered`); outside them its LM head gathers its logits
     dp_mesh: Any = None  # the DeviceMesh over dp_group (autotp.fsdp.dp_mesh), built when first asked for
     fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
     root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part
@@ -90,6 +91,15 @@ class TPState:
         new.root = weakref.ref(memo[id(root)])
         _live[memo[id(root)]] = os.getpid()
         return new
+
+    def entered(self, module: nn.Module, args, kwargs) -> None:
+        """The model's first forward pre-hook: one more of its forwards runs (the model may call itself). The count
+        lives here, not on a hook's object, so a copy of one layer (PEFT's modules_to_save) reads the model's."""
+        self.forwards += 1
+
+    def left(self, module: nn.Module, args, kwargs, output) -> None:
+        """The model's last forward hook, always called (a forward that raised included): one fewer runs."""
+        self.forwards -= 1
 
     def is_gathered(self) -> bool:
         """Whether the model holds full weights now, for the entry points that act differently inside the context."""

@@ -163,6 +163,10 @@ class LogitsGate:
     collective: every TP rank reads them, or none. A tuple output (`return_dict=False`) has its logits gathered at
     once. A loss that did not go through the `VocabParallelLoss` was computed on this rank's logit shard alone, so it
     is refused before anything trains on it.
+
+    The LM head called outside the model's forward (`model.lm_head(h)`, `get_output_embeddings()(h)`: chunked
+    log-probabilities in RL code) returns whole logits too (`head_after`); only the model's own forward, whose loss
+    is computed on the shards, keeps them sharded.
     """
 
     def __init__(self, partition: Partition, group: Group, state, loss: VocabParallelLoss):
@@ -173,6 +177,13 @@ class LogitsGate:
 
     def before(self, module: nn.Module, args, kwargs) -> None:
         self._calls_before = self.loss.calls
+
+    def head_after(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+        """The head's logits gathered, differentiably, when it was called outside the model's forward."""
+        if self.state.forwards or not torch.is_tensor(output) or output.shape[-1] != self.local or \
+                self.local == self.partition.full_size:
+            return None
+        return self._gather(output)
 
     def after(self, module: nn.Module, args, kwargs, output):
         if group_size(self.group) == 1 or self.local == self.partition.full_size:

@@ -85,6 +85,20 @@ class HeadInputPlan:
 
 
 @dataclass(frozen=True)
+class HeadsPlan:
+    """An attention block whose query heads are split: each rank's (first head, count). What it returns per head
+    (its attention weights, for `output_attentions=True`) is gathered back into every head, in order."""
+
+    path: str
+    heads: int
+    local: tuple[tuple[int, int], ...]
+
+    def partition(self, dim: int) -> Partition:
+        """The split of the heads along `dim` of a per-head tensor."""
+        return Partition(dim, self.heads, tuple(((first, count),) for first, count in self.local))
+
+
+@dataclass(frozen=True)
 class VocabPlan:
     """Vocab parallelism: the LM head (a column layer in `layers`) and the embedding share this row split."""
 
@@ -106,6 +120,7 @@ class Plan:
     attrs: tuple[AttrPlan, ...] = ()
     head_norms: tuple[str, ...] = ()
     head_inputs: tuple[HeadInputPlan, ...] = ()
+    attention: tuple[HeadsPlan, ...] = ()  # the attention blocks whose heads are split
     replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""

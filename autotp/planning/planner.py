@@ -22,7 +22,7 @@ from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
 from ..compat.hf import is_causal_lm
 from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, LayerPlan, Plan, RegionPlan, Replicated, VocabPlan, Why
+from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, Plan, RegionPlan, Replicated, VocabPlan, Why
 from .policy import Policy, Rule, as_policy, find_policy
 from .sharding import HeadLayout, Partition, layout_partition, split_ranges
 from .twin import structural_twin
@@ -147,7 +147,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
     )
     source = repr(policy.name) + (f" ({policy.description})" if policy.description else "")
     return Plan(tp_size, policy.origin, source, tuple(acc.layers), tuple(acc.regions), tuple(acc.attrs), tuple(acc.head_norms),
-                tuple(acc.head_inputs), replicated, vocab_reason=policy.no_vocab_parallel)
+                tuple(acc.head_inputs), tuple(acc.attention), replicated, vocab_reason=policy.no_vocab_parallel)
 
 
 @dataclass
@@ -157,6 +157,7 @@ class _Accumulator:
     attrs: list[AttrPlan] = field(default_factory=list)
     head_norms: list[str] = field(default_factory=list)
     head_inputs: list[HeadInputPlan] = field(default_factory=list)
+    attention: list[HeadsPlan] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -237,8 +238,9 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
             raise ValueError(f"{path}: config.{name}={value} is neither the query nor the key/value head count")
         _attr(acc, path, f"config.{name}", value, local[role])
     acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
-    acc.head_inputs.extend(HeadInputPlan(path, name, heads, tuple((r.start, len(r)) for r in layout.q))
-                           for name in rule.head_inputs)
+    local_heads = tuple((r.start, len(r)) for r in layout.q)
+    acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
+    acc.attention.append(HeadsPlan(path, heads, local_heads))
     return True
 
 

@@ -17,8 +17,9 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `parallel.collectives`, `parallel.seq_collectives`, `parallel.overlap`, `parallel.grad_hooks`,
    `parallel.glu`, `parallel.block_entry`, `parallel.layers`, `parallel.vocab`, `parallel.heads`, `parallel.sequence`,
    `parallel.rng`, `parallel.state`, `parallel.state_dict`, `parallel.replicas`, `parallel.agreement`,
-   `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.row_gather`, `parallel.context_attention`,
-   `parallel.context_kernels`, `parallel.context`
+   `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.lora_lift`, `parallel.row_gather`,
+   `parallel.input_agreement`, `parallel.context_attention`, `parallel.context_dropout`, `parallel.context_kernels`,
+   `parallel.context_loss`, `parallel.context`
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
    `io.chunks`, `io.checkpoint`, `io.legacy`, `io.restore`, `io.consolidate`, `io.adapters`, `io.parts`,
    `io.export`, `io.sync`

@@ -29,7 +29,7 @@ from .compat import check_versions
 from .compat.hf import build_model
 from .compat.torch import ddp_ignored, set_ddp_ignored
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
-from .parallel import context, lora
+from .parallel import context, lora_lift
 from .io.adapters import slice_adapters_on_load
 from .io.errors import CheckpointError, describe, failures, world
 from .io.load import checkpoint_files, load_params
@@ -74,15 +74,15 @@ def wrap(
     _validate_tp_size(cp_size, "cp_size")
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
-    lifted = lora.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
+    lifted = lora_lift.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
         state = _shard(model, tp_size, WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, check_inputs,
                                                    timeout, overlap, recompute_glu, example_inputs, cp_size))
     except BaseException:
-        lora.put_back(lifted)
+        lora_lift.put_back(lifted)
         raise
-    lora.attach(model, lifted, state)
+    lora_lift.attach(model, lifted, state)
     if state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl" and torch.cuda.is_available():
         model.to(torch.device("cuda", torch.cuda.current_device()))
     return model

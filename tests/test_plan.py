@@ -152,12 +152,12 @@ def test_wrap_logs_a_summary_and_warns_on_rank0_only() -> None:
                        "path of others is unchecked)") in first
 
 
-MLP_ONLY = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+HF_MLP_PLAN = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
 
 
 @pytest.mark.parametrize("hf_plan, origin", [
     ({"embed_tokens": "embedding_rowwise"}, autotp.Origin.DETECTED),  # transformers 5.24's plan for a dozen types
-    (MLP_ONLY, autotp.Origin.HF_PLAN_FILLED),
+    (HF_MLP_PLAN, autotp.Origin.HF_PLAN_FILLED),
 ])
 def test_blocks_transformers_plan_leaves_out_are_detected(hf_plan: dict, origin: autotp.Origin) -> None:
     """transformers' plan is taken where it speaks; the blocks it leaves out are detected (and verified) as for a model
@@ -172,14 +172,14 @@ def test_blocks_transformers_plan_leaves_out_are_detected(hf_plan: dict, origin:
 
 def test_a_block_transformers_plan_keeps_replicated_is_not_detected() -> None:
     """A block HF's plan names in a style autotp does not shard (here attention gathered) keeps HF's decision."""
-    hf_plan = {**MLP_ONLY, "layers.*.self_attn.q_proj": "colwise_gather_output"}
+    hf_plan = {**HF_MLP_PLAN, "layers.*.self_attn.q_proj": "colwise_gather_output"}
     plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2)
     assert plan.origin is autotp.Origin.HF_PLAN
     assert sorted({layer.path.rsplit(".", 1)[-1] for layer in plan.layers if layer.block}) == [
         "down_proj", "gate_proj", "up_proj"]
 
 
-@pytest.mark.parametrize("hf_plan", [{"embed_tokens": "embedding_rowwise"}, MLP_ONLY])
+@pytest.mark.parametrize("hf_plan", [{"embed_tokens": "embedding_rowwise"}, HF_MLP_PLAN])
 def test_a_filled_plan_trains_like_one_process(hf_plan: dict) -> None:
     """Detected blocks beside an embedding-only or MLP-only HF plan: loss, every gradient and the parameters after 3
     AdamW steps equal one process at tp=2 (fp32 tolerances of autotp.testing.parity: reduction order only)."""

@@ -20,19 +20,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..compat.hf import (FLASH_VARLEN_KWARGS, FUSED_LM_HEAD_KWARG, attn_implementation, passed_cache,
                          set_config_attn_implementation)
-from .collectives import all_reduce
 from .context_attention import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
+from .context_dropout import WholeSequenceDropout, dropout_on
 from .context_kernels import CPAttention, is_varlen
+from .context_loss import CPLoss
 from .groups import Group, group_size
 from .input_agreement import check_same_batch, check_same_read
 from .rng import sync_replicated_stream
@@ -87,50 +86,6 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             and callable(getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None))]
 
 
-class _SumOverCP(torch.autograd.Function):
-    """The loss's sum over CP: all-reduce forward; backward passes C times the gradient on (see the module doc)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.size = group_size(group)
-        x = x.clone()
-        all_reduce(x, group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.size, None
-
-
-class CPLoss:
-    """Stands in for the model's `loss_function` (ForCausalLM semantics) on this rank's chunk of the logits."""
-
-    def __init__(self, context: ContextParallel, inner: Callable[..., torch.Tensor]):
-        self.context, self.inner = context, inner
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
-                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
-                 **kwargs: Any) -> torch.Tensor:
-        layout = kwargs.pop(LAYOUT_KWARG, None) or self.context.layout
-        if layout is None or logits.shape[1] != layout.local.numel():  # the whole sequence (gathered, generation)
-            return self.inner(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
-                              ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-        if shift_labels is None:  # shifted before the split: no target is lost at a chunk border
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        shift_labels = shift_labels.to(logits.device)
-        local = layout.split(shift_labels, pad=ignore_index)
-        total = self.inner(logits, None, vocab_size=vocab_size, num_items_in_batch=1, ignore_index=ignore_index,
-                           shift_labels=local, **kwargs)  # a sum over this rank's tokens
-        self.context.loss_calls += 1
-        total = _SumOverCP.apply(total.float(), self.context.group)
-        self.context.unsynced |= total.requires_grad  # a backward will leave this rank's share
-        if num_items_in_batch is None:
-            num_items_in_batch = (shift_labels != ignore_index).sum()
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
-
-
 @dataclass
 class Asked:
     """What a caller asked of a forward's outputs that a split forward computes otherwise: a tuple (`return_dict=False`;
@@ -153,7 +108,7 @@ class ContextParallel:
         self.model, self.group, self.state, self.original = model, group, state, original
         self.layout: Layout | None = None
         self.asked = Asked()
-        self.dropout: _WholeSequenceDropout | None = None
+        self.dropout: WholeSequenceDropout | None = None
         self.drops = dropout_on(model)  # only then is every torch call of a training forward watched for dropout
         # gradients a backward left as this rank's share, not yet summed over CP (`allreduce_gradients` sums them;
         # DDP over DP x CP, `synced_by_ddp`, and FSDP do it in backward): an optimizer step then is refused
@@ -255,7 +210,7 @@ class ContextParallel:
         if self.pass_layout:
             kwargs[LAYOUT_KWARG] = layout
         self.layout, self.asked, self.calls, self.loss_calls = layout, asked, 0, 0
-        self.dropout = _WholeSequenceDropout(layout) if module.training and self.drops else None
+        self.dropout = WholeSequenceDropout(layout) if module.training and self.drops else None
         if self.dropout is not None:
             self.dropout.__enter__()
         _ACTIVE.append(1)
@@ -376,35 +331,6 @@ class ContextParallel:
             raise NotImplementedError("the MoE auxiliary loss (output_router_logits) with padding under context "
                                       "parallelism: transformers masks it with the attention mask, which CP does "
                                       "not pass on; pack without padding, or leave output_router_logits off")
-
-
-class _WholeSequenceDropout(TorchFunctionMode):
-    """Dropout on this rank's tokens with the masks one process draws: the whole sequence's mask is drawn (every CP
-    rank's generator is the same, `install`) and this rank's tokens of it kept, as sequence parallelism's
-    `ChunkDropout` does. Entered for a training forward's duration."""
-
-    def __init__(self, layout: Layout):
-        super().__init__()
-        self.layout = layout
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is nn.functional.dropout:
-            return self._dropout(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _dropout(self, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-        layout = self.layout
-        if not (training and 0 < p < 1) or x.dim() < 2 or x.shape[1] != layout.local.numel():
-            return nn.functional.dropout(x, p, training, inplace)
-        noise = x.new_empty((x.shape[0], layout.length, *x.shape[2:])).bernoulli_(1 - p).div_(1 - p)
-        return x * layout.split(noise)
-
-
-def dropout_on(model: nn.Module) -> bool:
-    """Whether any dropout of `model` (a module or a config probability) is above 0."""
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-        ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in model.config.to_dict().items())
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every ContextParallel alive, for the optimizer-step check

@@ -19,9 +19,8 @@ does (`build_adapter`, around PEFT's `update_layer` while a wrapped model lives)
 same values and leave the random stream where one process leaves it. The adapter is split at once, so
 no one sees it at the shard's size. What PEFT builds otherwise (a variant, or inside
 GatherReplacedLayerParams) is adapted or refused when its block next runs (the guard on each block sees
-the swap); anything else PEFT puts around a sharded layer is refused by that guard. Before `wrap`,
-`lift` takes the LoRA layers out so the model is planned and sharded as without them, and `attach` puts
-them back around the new layers, splitting each adapter from its full values.
+the swap); anything else PEFT puts around a sharded layer is refused by that guard. LoRA put on before
+`wrap` is handled by `autotp.parallel.lora_lift`.
 """
 
 from __future__ import annotations
@@ -297,44 +296,6 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
     tp_lora = getattr(current, "autotp_lora", None) or TPLora(current, layer, path, state)
     tp_lora.adapt_new()
     return True
-
-
-def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """PEFT's LoRA layers taken out of `model` (each slot then holds the layer LoRA wraps), so that `wrap` shards
-    the model as if they were not there; `put_back` or `attach` returns them. A LoRA that autotp does not
-    shard is refused first, with nothing changed."""
-    found = []
-    for path, module in model.named_modules():
-        if is_lora_linear(module, getattr(module, "base_layer", None)):
-            if getattr(module, "lora_variant", None):
-                raise NotImplementedError(f"autotp: {path} uses a LoRA variant (DoRA or another), which autotp does not "
-                                          f"shard yet; use plain LoRA")
-            if any(m.bias is not None for m in module.lora_B.values()):
-                raise NotImplementedError(f"autotp: {path} has lora_bias, which autotp does not shard yet")
-            parent, _, name = path.rpartition(".")
-            found.append((model.get_submodule(parent), name, module))
-    for parent, name, lora in found:
-        parent._modules[name] = lora.base_layer
-    return found
-
-
-def put_back(lifted: list[tuple[nn.Module, str, nn.Module]]) -> None:
-    """The LoRA layers back in their slots, around the layers they wrapped (wrap failed)."""
-    for parent, name, lora in lifted:
-        parent._modules[name] = lora
-
-
-def attach(model: nn.Module, lifted: list[tuple[nn.Module, str, nn.Module]], state: TPState) -> None:
-    """The LoRA layers back around the layers now in their slots; those around sharded layers split their
-    adapters like the layer (collective over TP)."""
-    paths = {id(module): path for path, module in model.named_modules()}
-    for parent, name, lora in lifted:
-        layer = parent._modules[name]
-        path = paths[id(layer)]
-        lora.base_layer = layer
-        parent._modules[name] = lora
-        if isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1:
-            TPLora(lora, layer, path, state).adapt_new(full=True)
 
 
 RANDOM_INITS = (True, False, "gaussian")  # init_lora_weights that draw without reading the base weight

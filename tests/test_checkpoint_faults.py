@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,32 @@ def full_disk_on_rank1(rank: int, world: int, target: str) -> tuple[int | None, 
 def test_write_error_on_one_rank_raises_on_every_rank_and_writes_nothing(tmp_path: Path) -> None:
     for code, message in run_ranks(full_disk_on_rank1, 2, str(tmp_path / "ckpt")):
         assert code == errno.ENOSPC and "failed on rank 1" in message and "__1_0.distcp" in message, message
+    assert not (tmp_path / "ckpt").exists() and hidden(tmp_path) == []
+
+
+def unsaveable_on_rank1(rank: int, world: int, target: str) -> str:
+    """Rank 1 cannot describe its boxes (as fused shards under fully_shard once could not); the entry check is given
+    a few seconds, so a rank left waiting for a peer that gave up shows within the test's time."""
+    import autotp.io.chunks as chunks
+    import autotp.io.staging as staging
+
+    staging.ENTRY_TIMEOUT = timedelta(seconds=10)
+    model, optimizer = trained_llama(world)
+    if rank == 1:
+        def failing(*args):
+            raise IndexError("start out of range")
+
+        chunks._pieces = failing
+    with pytest.raises(Exception) as err:
+        autotp.save_checkpoint(target, model, optimizer, step=1)
+    return f"{type(err.value).__name__}: {err.value}"
+
+
+def test_a_rank_that_cannot_describe_its_tensors_fails_every_rank(tmp_path: Path) -> None:
+    """The others learn rank 1's own error at once, not that "rank 0 did not confirm that every rank called it"."""
+    first, second = run_ranks(unsaveable_on_rank1, 2, str(tmp_path / "ckpt"))
+    assert first.startswith("RuntimeError") and "failed on rank 1: IndexError: start out of range" in first, first
+    assert second == "IndexError: start out of range"
     assert not (tmp_path / "ckpt").exists() and hidden(tmp_path) == []
 
 

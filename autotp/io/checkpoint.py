@@ -35,7 +35,7 @@ from ..parallel.groups import at_finish, global_rank, group_size, new_group, wor
 from ..parallel.state import find_state
 from . import rng_state
 from .chunks import Chunks
-from .errors import CheckpointError
+from .errors import CheckpointError, agree, world
 from .staging import staged_directory
 
 META = "autotp_checkpoint.json"
@@ -202,17 +202,13 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     tp_state = find_state(model)
     if tp_state is not None:
         tp_state.refuse_gathered(what)
-    entries = {**(model_entries(model) if weights else {}), **_optimizer_entries(model, optimizer)}
-    if rng:
-        entries[f"rng/{global_rank()}"] = pickle.dumps(rng_state.capture())
-    if scheduler is not None:
-        entries["scheduler"] = pickle.dumps(scheduler.state_dict())
     meta = {"format": FORMAT, **layout(model), "model_class": type(model).__name__, "state": state,
             "optimizer_params": optimizer_names(model, optimizer), "scheduler": scheduler is not None,
             "weights": weights, "rng": rng}
     staging = ExitStack()
     tmp = staging.enter_context(staged_directory(directory, overwrite, what=what))
     try:
+        entries = _entries(model, optimizer, scheduler, weights, rng, what)
         if global_rank() == 0:
             (tmp / META).write_text(json.dumps(meta, indent=1))
             if getattr(model, "config", None) is not None:
@@ -228,6 +224,23 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
             raise
         return
     staging.close()
+
+
+def _entries(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, weights: bool, rng: bool,
+             what: str) -> dict[str, Any]:
+    """What this rank saves; a failure to describe it on any rank is raised on every rank before DCP's collectives."""
+    entries: dict[str, Any] = {}
+    error = None
+    try:
+        entries = {**(model_entries(model) if weights else {}), **_optimizer_entries(model, optimizer)}
+        if rng:
+            entries[f"rng/{global_rank()}"] = pickle.dumps(rng_state.capture())
+        if scheduler is not None:
+            entries["scheduler"] = pickle.dumps(scheduler.state_dict())
+    except Exception as err:  # every rank must still reach the agreement below
+        error = err
+    agree(error, world(), what)
+    return entries
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

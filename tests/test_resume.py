@@ -103,6 +103,35 @@ def test_consolidate_equals_save_pretrained(autotp_cli, tmp_path: Path) -> None:
         (tmp_path / "full" / "config.json").read_text())
 
 
+def bf16_with_fp32_norms() -> torch.nn.Module:
+    """A bf16 Llama whose RMSNorms stay fp32, as transformers' `_keep_in_fp32_modules` leaves a model's named modules."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name.endswith("norm"):
+            module.float()
+    return model
+
+
+def save_mixed_dtypes(rank: int, world: int, ckpt: str) -> None:
+    model = autotp.wrap(bf16_with_fp32_norms(), world)
+    autotp.save_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters()))
+
+
+def test_consolidate_keeps_each_tensors_dtype(tmp_path: Path) -> None:
+    """Saved at tp=2, consolidated: bit-equal to transformers' `save_pretrained` of the same model in one process, fp32
+    norms beside bf16 weights."""
+    from safetensors.torch import load_file
+
+    run_ranks(save_mixed_dtypes, 2, str(tmp_path / "ckpt"))
+    autotp.consolidate(tmp_path / "ckpt", tmp_path / "consolidated")
+    bf16_with_fp32_norms().save_pretrained(tmp_path / "full")
+    ours = load_file(tmp_path / "consolidated" / "model.safetensors")
+    theirs = load_file(tmp_path / "full" / "model.safetensors")
+    assert {theirs[k].dtype for k in theirs} == {torch.bfloat16, torch.float32}
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
 def logits_at(rank: int, world: int, path: str) -> torch.Tensor:
     model = autotp.from_pretrained(path, world)
     with torch.no_grad():

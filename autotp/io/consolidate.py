@@ -76,6 +76,8 @@ def _full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torc
         if tuple(md.size) != tuple(tensor.shape):
             raise CheckpointError(f"{checkpoint}: tensor {name} has shape {tuple(md.size)}, this config's model "
                                   f"holds {tuple(tensor.shape)}")
+    for name, tensor in params.items():  # a bf16 model may hold some in fp32 (transformers' _keep_in_fp32_modules)
+        tensor.data = torch.empty_like(tensor, dtype=tensors[name].properties.dtype)  # written as saved, as HF does
     reader = dcp.FileSystemReader(checkpoint)
 
     def fetch(name: str) -> torch.Tensor:

@@ -132,6 +132,43 @@ def test_consolidate_keeps_each_tensors_dtype(tmp_path: Path) -> None:
     assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    with autotp.GatherReplacedLayerParams(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def save_under_ddp(rank: int, world: int, ckpt: str) -> dict[str, torch.Tensor]:
+    """One AdamW step of a tp=2 model under DDP over its DP group, as a user's loop holds it; saved through DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = autotp.wrap(tiny_model("llama"), world)
+    ddp = DistributedDataParallel(model, process_group=autotp.dp_group(model))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ids = batch()
+    ddp(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    autotp.save_checkpoint(ckpt, ddp, optimizer, step=1)
+    return full_weights(model)
+
+
+def resume_without_ddp(rank: int, world: int, ckpt: str) -> dict[str, torch.Tensor]:
+    model = autotp.wrap(tiny_model("llama", seed=7), world)
+    assert autotp.load_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters())) == {"step": 1}
+    return full_weights(model)
+
+
+def test_a_checkpoint_saved_through_ddp_resumes_without_it_and_consolidates(tmp_path: Path) -> None:
+    """DDP's `module.` prefix is not the model's: the checkpoint names tensors as the model inside does."""
+    from safetensors.torch import load_file
+
+    saved = run_ranks(save_under_ddp, 2, str(tmp_path / "ckpt"))[0]
+    assert all(torch.equal(saved[n], t) for n, t in run_ranks(resume_without_ddp, 2, str(tmp_path / "ckpt"))[0].items())
+    autotp.consolidate(tmp_path / "ckpt", tmp_path / "full")
+    full = load_file(tmp_path / "full" / "model.safetensors")
+    assert full.keys() == saved.keys()
+    assert all(torch.equal(full[n], saved[n]) for n in full)
+
+
 def logits_at(rank: int, world: int, path: str) -> torch.Tensor:
     model = autotp.from_pretrained(path, world)
     with torch.no_grad():

@@ -301,12 +301,13 @@ class AutoTPTrainer(Trainer):
 
     def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """This rank's part of the optimizer state, at this run's layout whatever the saved one (a checkpoint of
-        autotp before `optimizer/`: this rank's own file, at the layout it was saved at only); then the scheduler."""
+        autotp before `optimizer/`: this rank's own file, at the layout it was saved at only); then the scheduler.
+        A checkpoint without optimizer state (`save_only_model=True`) resumes with a fresh one, as Trainer's does."""
         if checkpoint is None:
             return
         if os.path.isdir(os.path.join(checkpoint, _OPTIMIZER)):
             read(os.path.join(checkpoint, _OPTIMIZER), self.model, self.optimizer, None, weights=False)
-        else:
+        elif any(map(_OPTIMIZER_FILE.fullmatch, os.listdir(checkpoint))):
             self._read_per_rank_optimizer(checkpoint)
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(scheduler):

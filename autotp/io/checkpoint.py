@@ -16,13 +16,14 @@ the previous checkpoint in place.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -104,6 +105,44 @@ def _state_entry(name: str, key: str, value: Any, param: nn.Parameter) -> Any:
                                   f"shard {tuple(param.shape)}: autotp checkpoints store state shaped like its "
                                   f"parameter (Adam, SGD momentum) or scalars, not factored state (Adafactor)")
     return Chunks.of(value)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer (one file per rank, synced), whose OS errors name the checkpoint, and a full disk as such.
+
+    torch.save reports a write that fails inside a tensor's record as its zip writer's "[enforce fail at
+    inline_container.cc] unexpected pos", with the OSError only as its context, which DCP's exchange of failures
+    between ranks then drops: the OSError is found here, on the rank that failed."""
+
+    def __init__(self, path: Path, target: str | os.PathLike):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.target = target
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with _disk_errors(self.target):
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata: Metadata, results: Any) -> None:
+        with _disk_errors(self.target):
+            super().finish(metadata, results)
+
+
+@contextmanager
+def _disk_errors(target: str | os.PathLike) -> Iterator[None]:
+    """An exception caused by an OSError as that OSError's errno, naming `target` (and saying when its disk is full)."""
+    try:
+        yield
+    except Exception as err:
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None or (cause is err and cause.errno != errno.ENOSPC):
+            raise
+        file = f" ({cause.filename})" if cause.filename else ""
+        if cause.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"the disk holding {target} is full{file}: nothing was put in place there (a "
+                                        f"previous checkpoint stays); free space on it, or save elsewhere") from err
+        raise OSError(cause.errno, f"{cause.strerror}{file}, writing {target}") from err
 
 
 def checkpoint_group() -> dist.ProcessGroup | None:
@@ -223,7 +262,7 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
             (tmp / META).write_text(json.dumps(meta, indent=1))
             if getattr(model, "config", None) is not None:
                 model.config.save_pretrained(tmp)
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        writer = _Writer(tmp, directory)
         if async_save:
             future = run_dcp(dcp.async_save, entries, storage_writer=writer, async_stager=_Copied())
             _pending.append(_Pending(future, staging))

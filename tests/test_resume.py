@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from models import batch, resume_layout, tiny_model
 
 
 def make(tp: int, seed: int = 0):
@@ -167,6 +167,21 @@ def test_a_checkpoint_saved_through_ddp_resumes_without_it_and_consolidates(tmp_
     full = load_file(tmp_path / "full" / "model.safetensors")
     assert full.keys() == saved.keys()
     assert all(torch.equal(full[n], saved[n]) for n in full)
+
+
+def save_lora(rank: int, world: int, ckpt: str) -> None:
+    model, optimizer, _ = resume_layout("lora", world, False, seed=0)
+    autotp.save_checkpoint(ckpt, model, optimizer)
+
+
+def test_consolidate_of_a_lora_checkpoint_names_peft_and_the_way_out(tmp_path: Path) -> None:
+    run_ranks(save_lora, 2, str(tmp_path / "ckpt"))
+    with pytest.raises(autotp.CheckpointError) as err:
+        autotp.consolidate(tmp_path / "ckpt", tmp_path / "full")
+    message = str(err.value)
+    assert "PEFT adapters (tensor base_model.model.model.layers.0." in message, message
+    assert "autotp.load_checkpoint" in message and "merge_and_unload()" in message and ".save_pretrained(DIR)" in message
+    assert not (tmp_path / "full").exists()
 
 
 def logits_at(rank: int, world: int, path: str) -> torch.Tensor:

@@ -104,7 +104,7 @@ def test_consolidate_equals_save_pretrained(autotp_cli, tmp_path: Path) -> None:
 
 
 def bf16_with_fp32_norms() -> torch.nn.Module:
-    """A bf16 Llama whose RMSNorms stay fp32, as transformers' `_keep_in_fp32_modules` leaves a model's named modules."""
+    """A bf16 Llama whose RMSNorms stay fp32, as transformers' `_keep_in_fp32_modules` leaves the modules it names."""
     model = tiny_model("llama").to(torch.bfloat16)
     for name, module in model.named_modules():
         if name.endswith("norm"):
@@ -180,7 +180,8 @@ def test_consolidate_of_a_lora_checkpoint_names_peft_and_the_way_out(tmp_path: P
         autotp.consolidate(tmp_path / "ckpt", tmp_path / "full")
     message = str(err.value)
     assert "PEFT adapters (tensor base_model.model.model.layers.0." in message, message
-    assert "autotp.load_checkpoint" in message and "merge_and_unload()" in message and ".save_pretrained(DIR)" in message
+    assert "autotp.load_checkpoint" in message and "merge_and_unload()" in message, message
+    assert "peft_model.save_pretrained(DIR)" in message, message
     assert not (tmp_path / "full").exists()
 
 

@@ -58,8 +58,8 @@ def layout(model: nn.Module) -> dict[str, Any]:
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside DDP: a checkpoint names tensors as the model does (not `module.`), as `save_pretrained` does,
-    so that it resumes with DDP or without, and `consolidate` finds the model's config."""
+    """The model inside DDP: a checkpoint names tensors as the model does (not `module.`), so that it resumes with DDP
+    or without, and `consolidate` finds the model's config."""
     while isinstance(model, DistributedDataParallel):
         model = model.module
     return model

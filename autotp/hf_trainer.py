@@ -52,12 +52,21 @@ _OPTIMIZER = "optimizer"  # the optimizer state's checkpoint directory, inside T
 _ADAPTER = "adapter_model.safetensors"  # PEFT's name
 
 
-class _EpochLoader(DataLoader):
-    """A DataLoader that forwards `set_epoch` to its sampler, as Trainer expects of a prepared one."""
+class _EpochBatches(BatchSampler):
+    """A BatchSampler that forwards `set_epoch` to its sampler. A resumed Trainer skips the epoch's first batches
+    through accelerate's `skip_first_batches`, a plain DataLoader around this batch sampler, and sets the epoch on
+    `loader.batch_sampler.batch_sampler` only: here, so the resumed epoch reads its own order, not epoch 0's."""
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+
+class _EpochLoader(DataLoader):
+    """A DataLoader that forwards `set_epoch` to its batch sampler, as Trainer expects of a prepared one."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
 
 
 class _TPOnly(nn.Module):
@@ -142,10 +151,10 @@ class AutoTPTrainer(Trainer):
         if getattr(self.args, "steps_per_generation", None) is not None:  # TRL's GRPO: generation batches
             return self._dealt(dataset, trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset),
                                trainer_compat.train_batch_size(self) * self.args.steps_per_generation, "training")
-        return _EpochLoader(dataset, batch_size=trainer_compat.train_batch_size(self),
-                            sampler=self.train_sampler(dataset), collate_fn=trainer_compat.collator(self, "training"),
-                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
-                            drop_last=self.args.dataloader_drop_last)
+        batches = _EpochBatches(self.train_sampler(dataset), trainer_compat.train_batch_size(self),
+                                self.args.dataloader_drop_last)
+        return _EpochLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, "training"),
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """Each DP replica evaluates its own part; the TP ranks of a replica read the same batches."""
@@ -292,12 +301,13 @@ class AutoTPTrainer(Trainer):
 
     def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """This rank's part of the optimizer state, at this run's layout whatever the saved one (a checkpoint of
-        autotp before `optimizer/`: this rank's own file, at the layout it was saved at only); then the scheduler."""
+        autotp before `optimizer/`: this rank's own file, at the layout it was saved at only); then the scheduler.
+        A checkpoint without optimizer state (`save_only_model=True`) resumes with a fresh one, as Trainer's does."""
         if checkpoint is None:
             return
         if os.path.isdir(os.path.join(checkpoint, _OPTIMIZER)):
             read(os.path.join(checkpoint, _OPTIMIZER), self.model, self.optimizer, None, weights=False)
-        else:
+        elif any(map(_OPTIMIZER_FILE.fullmatch, os.listdir(checkpoint))):
             self._read_per_rank_optimizer(checkpoint)
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(scheduler):

@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=2, help="per-device batch")
+    parser.add_argument("--samples", type=int, default=64, help="training sequences (an epoch)")
     parser.add_argument("--output", default="out/autotp-trainer")
     parser.add_argument("--adam-epsilon", type=float, default=1e-8)
     parser.add_argument("--eval", action="store_true", help="evaluate on 16 held-out sequences after training")
@@ -110,7 +111,7 @@ def main() -> None:
     else:
         model = autotp.wrap(model, tp_size=args.tp)
     training = training_arguments(args)
-    dataset = PatternDataset(size=64, seq=32, vocab=model.config.vocab_size)
+    dataset = PatternDataset(size=args.samples, seq=32, vocab=model.config.vocab_size)
     held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None
     trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out,
                                fully_shard=args.fsdp)

@@ -177,7 +177,10 @@ RESUME_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_pro
 
 def resume_model(kind: str, seed: int, device: str = "cpu") -> nn.Module:
     """Llama with 2 KV heads (replicated at tp=4) and a vocabulary of 250 (uneven over 4); Gemma (tied embeddings,
-    same sizes); a Qwen3-MoE whose expert width (40) splits into 10 rows at tp=4; LoRA adapters on that Llama."""
+    same sizes); a Qwen3-MoE whose expert width (40) splits into 10 rows at tp=4; LoRA adapters on that Llama; GPT-2
+    and Phi-3, whose fused projections (c_attn [q | k | v], qkv_proj, gate_up_proj) hold several runs per rank."""
+    if kind in ("gpt2", "phi3"):
+        return tiny_model(kind, seed=seed, vocab_size=250).to(device)
     if kind == "qwen3_moe":
         config = tiny_config("qwen3_moe")
         config.moe_intermediate_size, config.vocab_size = 40, 250

@@ -5,14 +5,18 @@ theirs is complete."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from safetensors.torch import save_file
 
 import autotp
@@ -41,6 +45,81 @@ def full_disk_on_rank1(rank: int, world: int, target: str) -> tuple[int | None, 
 def test_write_error_on_one_rank_raises_on_every_rank_and_writes_nothing(tmp_path: Path) -> None:
     for code, message in run_ranks(full_disk_on_rank1, 2, str(tmp_path / "ckpt")):
         assert code == errno.ENOSPC and "failed on rank 1" in message and "__1_0.distcp" in message, message
+    assert not (tmp_path / "ckpt").exists() and hidden(tmp_path) == []
+
+
+def disk_fills_on_rank1(rank: int, world: int, target: str) -> tuple[int | None, str]:
+    """Rank 1's data file stops taking bytes after 20000 of them, as on a full disk: the write raises ENOSPC inside
+    torch.save, whose zip writer reports only "unexpected pos"."""
+    if rank == 1:
+        opened = FileSystem.create_stream
+
+        @contextmanager
+        def filling(self, path, mode):
+            with opened(self, path, mode) as stream:
+                yield _Filling(stream, 20000)
+
+        FileSystem.create_stream = filling
+    model, optimizer = trained_llama(world)
+    with pytest.raises(OSError) as err:
+        autotp.save_checkpoint(target, model, optimizer, step=1)
+    return err.value.errno, str(err.value)
+
+
+class _Filling(io.RawIOBase):
+    """A file that takes `room` bytes, then raises ENOSPC."""
+
+    def __init__(self, stream: io.IOBase, room: int):
+        self.stream, self.room = stream, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.stream.write(data)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def test_a_full_disk_says_so_and_where(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    for code, message in run_ranks(disk_fills_on_rank1, 2, str(target)):
+        assert code == errno.ENOSPC and "failed on rank 1" in message, message
+        assert f"the disk holding {target} is full" in message and "inline_container" not in message, message
+        assert "a previous checkpoint stays" in message, message
+    assert not target.exists() and hidden(tmp_path) == []
+
+
+def unsaveable_on_rank1(rank: int, world: int, target: str) -> str:
+    """Rank 1 cannot describe its boxes (as fused shards under fully_shard once could not); the entry check is given
+    a few seconds, so a rank left waiting for a peer that gave up shows within the test's time."""
+    import autotp.io.chunks as chunks
+    import autotp.io.staging as staging
+
+    staging.ENTRY_TIMEOUT = timedelta(seconds=10)
+    model, optimizer = trained_llama(world)
+    if rank == 1:
+        def failing(*args):
+            raise IndexError("start out of range")
+
+        chunks._pieces = failing
+    with pytest.raises(Exception) as err:
+        autotp.save_checkpoint(target, model, optimizer, step=1)
+    return f"{type(err.value).__name__}: {err.value}"
+
+
+def test_a_rank_that_cannot_describe_its_tensors_fails_every_rank(tmp_path: Path) -> None:
+    """The others learn rank 1's own error at once, not that "rank 0 did not confirm that every rank called it"."""
+    first, second = run_ranks(unsaveable_on_rank1, 2, str(tmp_path / "ckpt"))
+    assert first.startswith("RuntimeError") and "failed on rank 1: IndexError: start out of range" in first, first
+    assert second == "IndexError: start out of range"
     assert not (tmp_path / "ckpt").exists() and hidden(tmp_path) == []
 
 

@@ -110,6 +110,17 @@ def test_trainer_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert max(abs(a - b) for a, b in zip(at_tp4["losses"], whole["losses"][2:])) <= 1e-5, (at_tp4, whole)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_trainer_resumes_inside_a_later_epoch_bit_for_bit(tmp_path: Path, lora: bool) -> None:
+    """8 samples in global batches of 4 at dp=2 x tp=2: two steps an epoch. Resumed from step 3, inside the second
+    epoch, step 4 reads that epoch's last batch (Trainer sets the epoch on the batch sampler under accelerate's
+    `skip_first_batches`), so it repeats the uninterrupted run's step 4 (fp32 rounding, as above)."""
+    flags = ("--samples", "8", *(("--lora",) if lora else ()))
+    whole = run_trainer_example(tmp_path / "whole", *flags, "--save-steps", "1")
+    resumed = run_trainer_example(tmp_path / "resumed", *flags, "--resume", str(tmp_path / "whole/tp/checkpoint-3"))
+    assert len(resumed["losses"]) == 1 and abs(resumed["losses"][0] - whole["losses"][3]) <= 1e-6, (resumed, whole)
+
+
 def test_trainer_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None:
     """gradient_accumulation_steps=2 and gradient_checkpointing=True at dp=2 x tp=2 against one process (fp32)."""
     got = run_trainer_example(tmp_path, "--grad-accum", "2", "--grad-ckpt")

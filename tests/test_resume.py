@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from models import batch, resume_layout, tiny_model
 
 
 def make(tp: int, seed: int = 0):
@@ -101,6 +101,88 @@ def test_consolidate_equals_save_pretrained(autotp_cli, tmp_path: Path) -> None:
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert json.loads((tmp_path / "consolidated" / "config.json").read_text()) == json.loads(
         (tmp_path / "full" / "config.json").read_text())
+
+
+def bf16_with_fp32_norms() -> torch.nn.Module:
+    """A bf16 Llama whose RMSNorms stay fp32, as transformers' `_keep_in_fp32_modules` leaves the modules it names."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if name.endswith("norm"):
+            module.float()
+    return model
+
+
+def save_mixed_dtypes(rank: int, world: int, ckpt: str) -> None:
+    model = autotp.wrap(bf16_with_fp32_norms(), world)
+    autotp.save_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters()))
+
+
+def test_consolidate_keeps_each_tensors_dtype(tmp_path: Path) -> None:
+    """Saved at tp=2, consolidated: bit-equal to transformers' `save_pretrained` of the same model in one process, fp32
+    norms beside bf16 weights."""
+    from safetensors.torch import load_file
+
+    run_ranks(save_mixed_dtypes, 2, str(tmp_path / "ckpt"))
+    autotp.consolidate(tmp_path / "ckpt", tmp_path / "consolidated")
+    bf16_with_fp32_norms().save_pretrained(tmp_path / "full")
+    ours = load_file(tmp_path / "consolidated" / "model.safetensors")
+    theirs = load_file(tmp_path / "full" / "model.safetensors")
+    assert {theirs[k].dtype for k in theirs} == {torch.bfloat16, torch.float32}
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    with autotp.GatherReplacedLayerParams(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def save_under_ddp(rank: int, world: int, ckpt: str) -> dict[str, torch.Tensor]:
+    """One AdamW step of a tp=2 model under DDP over its DP group, as a user's loop holds it; saved through DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = autotp.wrap(tiny_model("llama"), world)
+    ddp = DistributedDataParallel(model, process_group=autotp.dp_group(model))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    ids = batch()
+    ddp(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    autotp.save_checkpoint(ckpt, ddp, optimizer, step=1)
+    return full_weights(model)
+
+
+def resume_without_ddp(rank: int, world: int, ckpt: str) -> dict[str, torch.Tensor]:
+    model = autotp.wrap(tiny_model("llama", seed=7), world)
+    assert autotp.load_checkpoint(ckpt, model, torch.optim.AdamW(model.parameters())) == {"step": 1}
+    return full_weights(model)
+
+
+def test_a_checkpoint_saved_through_ddp_resumes_without_it_and_consolidates(tmp_path: Path) -> None:
+    """DDP's `module.` prefix is not the model's: the checkpoint names tensors as the model inside does."""
+    from safetensors.torch import load_file
+
+    saved = run_ranks(save_under_ddp, 2, str(tmp_path / "ckpt"))[0]
+    assert all(torch.equal(saved[n], t) for n, t in run_ranks(resume_without_ddp, 2, str(tmp_path / "ckpt"))[0].items())
+    autotp.consolidate(tmp_path / "ckpt", tmp_path / "full")
+    full = load_file(tmp_path / "full" / "model.safetensors")
+    assert full.keys() == saved.keys()
+    assert all(torch.equal(full[n], saved[n]) for n in full)
+
+
+def save_lora(rank: int, world: int, ckpt: str) -> None:
+    model, optimizer, _ = resume_layout("lora", world, False, seed=0)
+    autotp.save_checkpoint(ckpt, model, optimizer)
+
+
+def test_consolidate_of_a_lora_checkpoint_names_peft_and_the_way_out(tmp_path: Path) -> None:
+    run_ranks(save_lora, 2, str(tmp_path / "ckpt"))
+    with pytest.raises(autotp.CheckpointError) as err:
+        autotp.consolidate(tmp_path / "ckpt", tmp_path / "full")
+    message = str(err.value)
+    assert "PEFT adapters (tensor base_model.model.model.layers.0." in message, message
+    assert "autotp.load_checkpoint" in message and "merge_and_unload()" in message, message
+    assert "peft_model.save_pretrained(DIR)" in message, message
+    assert not (tmp_path / "full").exists()
 
 
 def logits_at(rank: int, world: int, path: str) -> torch.Tensor:

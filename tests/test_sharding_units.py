@@ -2,7 +2,8 @@
 
 Checked: `Partition.shard` / `unshard` round trips (even, uneven, dims 0-2, replicated KV runs, fused
 layouts), the exact rows each rank holds for hand-worked fused layouts, replica bookkeeping, the JSON
-round trip, and the errors of `Partition` and `HeadLayout.plan`. Tensors hold distinct float64 values
+round trip, the errors of `Partition` and `HeadLayout.plan`, and the boxes of the full tensor a checkpoint gets from
+a rank holding FSDP's rows of its shard (`autotp.io.chunks`). Tensors hold distinct float64 values
 and every comparison is exact (`torch.equal`).
 """
 
@@ -13,6 +14,8 @@ import json
 import pytest
 import torch
 
+from autotp.io.chunks import _pieces
+from autotp.parallel.dtensor_rows import dp_chunk
 from autotp.planning.sharding import HeadLayout, Partition, layout_partition, split_ranges, split_sizes
 
 
@@ -148,3 +151,21 @@ def test_even_not_whole_units() -> None:
 def test_head_layout_errors(heads: int, kv_heads: int, tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         HeadLayout.plan(heads, kv_heads, tp)
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+@pytest.mark.parametrize("part,shape", [v for v in ROUND_TRIPS.values() if v[0].dim == 0],
+                         ids=[k for k, v in ROUND_TRIPS.items() if v[0].dim == 0])
+def test_fsdp_rows_of_a_shard_are_boxes_of_the_full_tensor(part: Partition, shape: tuple[int, ...], dp: int) -> None:
+    """Under fully_shard each DP rank holds a dim-0 chunk of its TP shard; the runs of a fused shard (q | k | v, gate
+    | up) may lie wholly past it. The boxes every (TP, DP) rank gives `save_checkpoint` rebuild the full tensor."""
+    full = distinct(*shape)
+    rebuilt = torch.full_like(full, float("nan"))
+    for rank in range(part.tp_size):
+        shard = part.shard(full, rank)
+        for index in range(dp):
+            first, rows = dp_chunk(shard.shape[0], dp, index)
+            for piece in _pieces(shard.narrow(0, first, rows), first, 0, part.runs[rank]):
+                box = rebuilt[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.data.shape))]
+                box.copy_(piece.data)
+    assert torch.equal(rebuilt, full)

@@ -15,7 +15,8 @@ every test here answers False.
 | `LoraLayer.resolve_lora_variant`               | whether an adapter is DoRA (or another        | 0.21        |
 |                                                | variant) before PEFT builds it                |             |
 | state-dict names `base_layer`, `lora_A/B`,     | the base names `merge_and_unload` leaves, for | 0.21        |
-| `original_module`, `modules_to_save.<name>`    | `export_weights` (`base_keys`)                |             |
+| `original_module`, `modules_to_save.<name>`    | `export_weights` (`base_keys`), `consolidate` |             |
+|                                                | (`is_peft_key`)                               |             |
 | `lora.Linear.scaling`, `fan_in_fan_out`,       | merging an adapter into a weight shard as     | 0.21        |
 | `merged`, `active_adapters`                    | `merge_and_unload` does (`merged_weight`)     |             |
 | `get_peft_model_state_dict` (public)           | PEFT's saved adapter names                    | 0.21        |
@@ -156,6 +157,12 @@ def patch_update_layer(around: Callable[[AdapterRequest, Callable[[], None]], No
 # --- PEFT's names and merge, for exporting weights (autotp.io.export) ------------------------------------------------
 
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def is_peft_key(key: str) -> bool:
+    """Whether a state-dict key names a tensor of PEFT's (an adapter half, or a base layer or copy PEFT moved)."""
+    return any(part in f".{key}" for part in (*_ADAPTER_PARTS, ".base_layer.", ".original_module.",
+                                               ".modules_to_save."))
 
 
 def peft_inner(model: nn.Module) -> nn.Module:

@@ -16,13 +16,14 @@ the previous checkpoint in place.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import warnings
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel.groups import at_finish, global_rank, group_size, new_group, world_timeout
 from ..parallel.state import find_state
 from . import rng_state
 from .chunks import Chunks
-from .errors import CheckpointError
+from .errors import CheckpointError, agree, world
 from .staging import staged_directory
 
 META = "autotp_checkpoint.json"
@@ -53,6 +55,14 @@ def layout(model: nn.Module) -> dict[str, Any]:
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
     return {"tp_size": tp, "cp_size": cp, "world_size": world_size, "dp_size": world_size // (tp * cp),
             "fsdp": state is not None and state.fsdp}
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP: a checkpoint names tensors as the model does (not `module.`), so that it resumes with DDP
+    or without, and `consolidate` finds the model's config."""
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
 
 
 def model_entries(model: nn.Module) -> dict[str, Chunks]:
@@ -95,6 +105,44 @@ def _state_entry(name: str, key: str, value: Any, param: nn.Parameter) -> Any:
                                   f"shard {tuple(param.shape)}: autotp checkpoints store state shaped like its "
                                   f"parameter (Adam, SGD momentum) or scalars, not factored state (Adafactor)")
     return Chunks.of(value)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer (one file per rank, synced), whose OS errors name the checkpoint, and a full disk as such.
+
+    torch.save reports a write that fails inside a tensor's record as its zip writer's "[enforce fail at
+    inline_container.cc] unexpected pos", with the OSError only as its context, which DCP's exchange of failures
+    between ranks then drops: the OSError is found here, on the rank that failed."""
+
+    def __init__(self, path: Path, target: str | os.PathLike):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.target = target
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with _disk_errors(self.target):
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata: Metadata, results: Any) -> None:
+        with _disk_errors(self.target):
+            super().finish(metadata, results)
+
+
+@contextmanager
+def _disk_errors(target: str | os.PathLike) -> Iterator[None]:
+    """An exception caused by an OSError as that OSError's errno, naming `target` (and saying when its disk is full)."""
+    try:
+        yield
+    except Exception as err:
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None or (cause is err and cause.errno != errno.ENOSPC):
+            raise
+        file = f" ({cause.filename})" if cause.filename else ""
+        if cause.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"the disk holding {target} is full{file}: nothing was put in place there (a "
+                                        f"previous checkpoint stays); free space on it, or save elsewhere") from err
+        raise OSError(cause.errno, f"{cause.strerror}{file}, writing {target}") from err
 
 
 def checkpoint_group() -> dist.ProcessGroup | None:
@@ -199,25 +247,22 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     """`save_checkpoint`, of which a caller that saves the weights and random state apart (AutoTPTrainer, beside
     Trainer's own files) may leave those out (`weights=False`, `rng=False`)."""
     wait_for_pending()
+    model = unwrapped(model)
     tp_state = find_state(model)
     if tp_state is not None:
         tp_state.refuse_gathered(what)
-    entries = {**(model_entries(model) if weights else {}), **_optimizer_entries(model, optimizer)}
-    if rng:
-        entries[f"rng/{global_rank()}"] = pickle.dumps(rng_state.capture())
-    if scheduler is not None:
-        entries["scheduler"] = pickle.dumps(scheduler.state_dict())
     meta = {"format": FORMAT, **layout(model), "model_class": type(model).__name__, "state": state,
             "optimizer_params": optimizer_names(model, optimizer), "scheduler": scheduler is not None,
             "weights": weights, "rng": rng}
     staging = ExitStack()
     tmp = staging.enter_context(staged_directory(directory, overwrite, what=what))
     try:
+        entries = _entries(model, optimizer, scheduler, weights, rng, what)
         if global_rank() == 0:
             (tmp / META).write_text(json.dumps(meta, indent=1))
             if getattr(model, "config", None) is not None:
                 model.config.save_pretrained(tmp)
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        writer = _Writer(tmp, directory)
         if async_save:
             future = run_dcp(dcp.async_save, entries, storage_writer=writer, async_stager=_Copied())
             _pending.append(_Pending(future, staging))
@@ -228,6 +273,23 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
             raise
         return
     staging.close()
+
+
+def _entries(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, weights: bool, rng: bool,
+             what: str) -> dict[str, Any]:
+    """What this rank saves; a failure to describe it on any rank is raised on every rank before DCP's collectives."""
+    entries: dict[str, Any] = {}
+    error = None
+    try:
+        entries = {**(model_entries(model) if weights else {}), **_optimizer_entries(model, optimizer)}
+        if rng:
+            entries[f"rng/{global_rank()}"] = pickle.dumps(rng_state.capture())
+        if scheduler is not None:
+            entries["scheduler"] = pickle.dumps(scheduler.state_dict())
+    except Exception as err:  # every rank must still reach the agreement below
+        error = err
+    agree(error, world(), what)
+    return entries
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

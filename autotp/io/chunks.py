@@ -96,9 +96,9 @@ def _pieces(local: torch.Tensor, first: int, dim: int, runs: Sequence[tuple[int,
     offset = 0
     for start, length in runs:
         offsets = [0] * local.dim()
-        if dim == 0:  # FSDP's rows and the runs cut the same dim: keep the overlap
+        if dim == 0:  # FSDP's rows and the runs cut the same dim: keep the overlap, if any (a run may lie past them)
             lo, hi = max(offset, first), min(offset + length, first + local.shape[0])
-            view, offsets[0] = local.narrow(0, lo - first, max(hi - lo, 0)), start + lo - offset
+            view, offsets[0] = local.narrow(0, min(lo - first, local.shape[0]), max(hi - lo, 0)), start + lo - offset
         else:
             view, offsets[0], offsets[dim] = local.narrow(dim, offset, length), first, start
         offset += length

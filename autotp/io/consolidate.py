@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ..compat.hf import build_model
+from ..compat.peft import is_peft_key
 from ..parallel.groups import global_rank
 from . import legacy
 from .checkpoint import FORMAT, read_index, read_meta, run_dcp
@@ -69,6 +70,7 @@ def _dtype(checkpoint: Path) -> torch.dtype:
 def _full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torch.Tensor]) -> Iterator[Callable]:
     """`fetch(name)`: one full tensor read from a DCP checkpoint, after every tensor of `params` is checked."""
     tensors = read_index(checkpoint).state_dict_metadata
+    _refuse_peft(checkpoint, tensors)
     for name, tensor in params.items():
         md = tensors.get(name)
         if md is None or isinstance(md, BytesStorageMetadata):
@@ -76,6 +78,8 @@ def _full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torc
         if tuple(md.size) != tuple(tensor.shape):
             raise CheckpointError(f"{checkpoint}: tensor {name} has shape {tuple(md.size)}, this config's model "
                                   f"holds {tuple(tensor.shape)}")
+    for name, tensor in params.items():  # a bf16 model may hold some in fp32 (transformers' _keep_in_fp32_modules)
+        tensor.data = torch.empty_like(tensor, dtype=tensors[name].properties.dtype)  # written as saved, as HF does
     reader = dcp.FileSystemReader(checkpoint)
 
     def fetch(name: str) -> torch.Tensor:
@@ -84,6 +88,18 @@ def _full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torc
         return full
 
     yield fetch
+
+
+def _refuse_peft(checkpoint: Path, tensors: Iterable[str]) -> None:
+    """A checkpoint of a model holding PEFT adapters has no plain transformers checkpoint: say so, and what to do."""
+    found = next((name for name in tensors if is_peft_key(name)), None)
+    if found is not None:
+        raise CheckpointError(
+            f"{checkpoint}: saved from a model holding PEFT adapters (tensor {found}); consolidate writes a plain "
+            f"transformers checkpoint, which has no place for them. In a job (any tp and dp), build the PEFT model "
+            f"as for training, autotp.load_checkpoint({str(checkpoint)!r}, peft_model), then on every rank either "
+            f"peft_model.save_pretrained(DIR) (PEFT's full-size adapter) or "
+            f"autotp.save_pretrained(peft_model.merge_and_unload(), DIR) (the merged model)")
 
 
 def _refuse_inside_a_job(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:

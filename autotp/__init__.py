@@ -21,8 +21,8 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `parallel.input_agreement`, `parallel.context_attention`, `parallel.context_dropout`, `parallel.context_kernels`,
    `parallel.context_loss`, `parallel.context`
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
-   `io.chunks`, `io.checkpoint`, `io.legacy`, `io.restore`, `io.consolidate`, `io.adapters`, `io.parts`,
-   `io.export`, `io.sync`
+   `io.chunks`, `io.checkpoint`, `io.legacy`, `io.legacy_optimizer`, `io.restore`, `io.consolidate`, `io.adapters`,
+   `io.parts`, `io.export`, `io.sync`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
 7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`
 8. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)

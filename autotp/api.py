@@ -31,7 +31,7 @@ from .compat.torch import ddp_ignored, set_ddp_ignored
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .parallel import context, lora_lift
 from .io.adapters import slice_adapters_on_load
-from .io.errors import CheckpointError, describe, failures, world
+from .io.errors import CheckpointError, agree, world
 from .io.load import checkpoint_files, load_params
 from .planning.options import WrapOptions
 from .planning.plan import Plan
@@ -236,13 +236,9 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     collective = tp_size > 1 or options.tp_group is not None or options.cp_size > 1
     if collective and not dist.is_initialized() and launched_by_torchrun():
         init_from_env(options.timeout or DEFAULT_TIMEOUT)
-    failed = failures(error, world() if collective else None)
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"{call} stopped on every rank because planning failed on {describe(failed)}. Every rank "
-                           f"must build the same model and call {call} with the same arguments: correct them on the "
-                           f"rank named. Nothing was changed.")
+    agree(error, world() if collective else None, f"{call} stopped on every rank because planning",
+          f". Every rank must build the same model and call {call} with the same arguments: correct them on the rank "
+          f"named. Nothing was changed.")
 
 
 class _ContextDDPGuard(DDPGuard):

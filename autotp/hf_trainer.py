@@ -16,7 +16,6 @@ adapter, with only the adapters gathered). Trainer's checkpoints hold that model
 from __future__ import annotations
 
 import os
-import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,6 +41,7 @@ from .io.errors import CheckpointError
 from .io.load import checkpoint_files, load_params
 from .io.checkpoint import write
 from .io.legacy import as_params
+from .io.legacy_optimizer import OPTIMIZER_FILE, layout_difference
 from .io.restore import read
 from .io.save import save_pretrained
 from .parallel.state import find_state, wrapped_model
@@ -307,7 +307,7 @@ class AutoTPTrainer(Trainer):
             return
         if os.path.isdir(os.path.join(checkpoint, _OPTIMIZER)):
             read(os.path.join(checkpoint, _OPTIMIZER), self.model, self.optimizer, None, weights=False)
-        elif any(map(_OPTIMIZER_FILE.fullmatch, os.listdir(checkpoint))):
+        elif any(map(OPTIMIZER_FILE.fullmatch, os.listdir(checkpoint))):
             self._read_per_rank_optimizer(checkpoint)
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if os.path.isfile(scheduler):
@@ -322,7 +322,7 @@ class AutoTPTrainer(Trainer):
         if not os.path.isfile(path):
             found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
             raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored: "
-                                  + _layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None))
+                                  + layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None))
         state = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
         self.optimizer.load_state_dict(as_params(state, self.optimizer))
 
@@ -370,26 +370,6 @@ class AutoTPTrainer(Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-
-
-_OPTIMIZER_FILE = re.compile(r"optimizer\.tp\d+-of-(\d+)(?:\.dp\d+-of-(\d+))?\.pt")
-_OLD_FORMAT = ("These per-rank files are autotp's format before `optimizer/`, and fit only the layout they were saved "
-               "at: resume there once, and the checkpoints that run writes resume at any tp, dp and fully_shard")
-
-
-def _layout_difference(found: list[str], tp: int, dp: int | None) -> str:
-    """How the older per-rank optimizer files `found` in a checkpoint were laid out, against this run's `tp` size and,
-    under FSDP, `dp` size (None: DDP, whole TP shards)."""
-    layouts = {(int(m[1]), None if m[2] is None else int(m[2])) for m in map(_OPTIMIZER_FILE.fullmatch, found) if m}
-    if len(layouts) != 1:
-        return f"the checkpoint holds {found or 'no optimizer state'}"
-    (saved_tp, saved_dp), = layouts
-    saved = f"tp={saved_tp}" + (f", fully_shard at dp={saved_dp}" if saved_dp is not None else " without fully_shard")
-    now = f"tp={tp}" + (f", fully_shard at dp={dp}" if dp is not None else " without fully_shard")
-    if (saved_tp, saved_dp) == (tp, dp):
-        return (f"the checkpoint holds {', '.join(found)} of this same layout but not this rank's file (a save that "
-                f"did not finish, or a file removed since): resume from another checkpoint")
-    return f"the checkpoint was saved at {saved} ({', '.join(found)}), this run has {now}. {_OLD_FORMAT}"
 
 
 def _fused_head(forward: Any) -> str | None:

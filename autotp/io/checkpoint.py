@@ -31,10 +31,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel.groups import at_finish, global_rank, group_size, new_group, world_timeout
-from ..parallel.state import find_state
+from ..parallel.state import find_state, outside_module_holders
 from . import rng_state
 from .chunks import Chunks
 from .errors import CheckpointError, agree, world
@@ -55,14 +54,6 @@ def layout(model: nn.Module) -> dict[str, Any]:
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
     return {"tp_size": tp, "cp_size": cp, "world_size": world_size, "dp_size": world_size // (tp * cp),
             "fsdp": state is not None and state.fsdp}
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside DDP: a checkpoint names tensors as the model does (not `module.`), so that it resumes with DDP
-    or without, and `consolidate` finds the model's config."""
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
 
 
 def model_entries(model: nn.Module) -> dict[str, Chunks]:
@@ -247,7 +238,7 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     """`save_checkpoint`, of which a caller that saves the weights and random state apart (AutoTPTrainer, beside
     Trainer's own files) may leave those out (`weights=False`, `rng=False`)."""
     wait_for_pending()
-    model = unwrapped(model)
+    model = outside_module_holders(model)
     tp_state = find_state(model)
     if tp_state is not None:
         tp_state.refuse_gathered(what)

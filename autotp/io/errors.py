@@ -43,11 +43,12 @@ def describe(failed: dict[int, tuple[int | None, str]]) -> str:
     return "; ".join(f"rank {rank}: {text}" for rank, (_, text) in sorted(failed.items()))
 
 
-def agree(error: BaseException | None, group: dist.ProcessGroup | None, what: str) -> None:
+def agree(error: BaseException | None, group: dist.ProcessGroup | None, what: str, then: str = "") -> None:
     """Raise on every rank of `group` if `error` happened on any (collective): a failed rank its own error, the others
-    a RuntimeError naming each failed rank's, so that no rank goes on into a collective that its peers skip."""
+    a RuntimeError naming each failed rank's (then `then`, what to do), so that no rank goes on into a collective that
+    its peers skip."""
     failed = failures(error, group)
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"{what} failed on {describe(failed)}")
+        raise RuntimeError(f"{what} failed on {describe(failed)}{then}")

@@ -20,10 +20,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..parallel.groups import global_rank, group_rank
-from ..parallel.state import find_state
+from ..parallel.state import find_state, outside_module_holders
 from . import legacy, rng_state
 from .checkpoint import (FORMAT, Chunks, layout, model_entries, optimizer_names, read_index,
-                         read_meta, run_dcp, unwrapped, wait_for_pending)
+                         read_meta, run_dcp, wait_for_pending)
 from .errors import CheckpointError, describe, failures, world
 
 _LAYOUT = ("tp_size", "world_size", "fsdp", "cp_size")
@@ -47,7 +47,7 @@ def read(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     """`load_checkpoint`, of which a caller that loads the weights apart (AutoTPTrainer, from the full checkpoint
     beside) may leave them out (`weights=False`); the random state is restored when the checkpoint holds it."""
     wait_for_pending()
-    directory, model = Path(directory), unwrapped(model)
+    directory, model = Path(directory), outside_module_holders(model)
     error, plan = None, None
     try:
         meta = read_meta(directory)

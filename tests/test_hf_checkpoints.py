@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 import transformers
+from transformers import CONFIG_MAPPING
 
 from autotp.compat.hf import TASKS
 from autotp.compat.hf_conversion import ConvertedSource, checkpoint_sources
@@ -86,12 +87,15 @@ CONVERTED = {
     "kimi_linear": "q/k/v convolutions saved apart, which transformers concatenates",
     "inkling2_text": "per-layer tensors saved under layer indices shifted by one",
     "deepseek_v4": "a rename of '.norm.' meant for the attention that also matches model.norm",
+    "lara_mini": "one in_proj saved for four projections of unequal sizes, which transformers splits (5.24 on)",
 }
 
 
 @pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.slow) if m == "kimi_linear" else m
                                         for m in sorted(CONVERTED)])  # kimi_linear: ~15 s to build
 def test_converted_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str) -> None:
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     assert save_moe(model_type, tmp_path) or model_type == "deepseek_v4", CONVERTED[model_type]
     for report in run_ranks(compare_loading, 2, str(tmp_path)):
         assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report

@@ -267,22 +267,23 @@ def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str |
         first = converter.target_patterns[0]
         for other in converter.target_patterns:  # several when one checkpoint tensor becomes several
             name = target.replace(first, other)
-            run = None if ops == stacked else _conversion(converter, model, other, name)
+            run = None if ops == stacked else _conversion(converter, model, other, target)
             out.setdefault(name, ConvertedSource(
                 parts, tuple(converter.source_patterns), run, ", ".join(f"{op}(dim={dim})" for op, dim in ops)))
     return out
 
 
 def _conversion(converter: Any, model: nn.Module, pattern: str,
-                name: str) -> Callable[[dict[str, list[torch.Tensor]]], torch.Tensor]:
-    """transformers' operations of `converter` on whole checkpoint tensors, returning model tensor `name` (whose
-    target pattern is `pattern`) in full."""
+                first: str) -> Callable[[dict[str, list[torch.Tensor]]], torch.Tensor]:
+    """transformers' operations of `converter` on whole checkpoint tensors, returning in full the model tensor of target
+    pattern `pattern`. `first` is the model tensor of the converter's first target: transformers names the layer by
+    it (`Split` finds each target's size by putting the target's pattern in place of the first's)."""
 
     def run(tensors: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         sources, targets = list(converter.source_patterns), list(converter.target_patterns)
         for op in converter.operations:
             tensors = op.convert(tensors, source_patterns=sources, target_patterns=targets, config=model.config,
-                                 model=_FullShapes(model), full_layer_name=name)
+                                 model=_FullShapes(model), full_layer_name=first)
         return tensors[pattern]
 
     return run

@@ -127,11 +127,15 @@ def environment(device: torch.device) -> dict[str, Any]:
             return "(not installed)"
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or None
+    except OSError:  # no git there
+        commit = None
     return {"torch": torch.__version__, "transformers": version("transformers"), "peft": version("peft"),
             "accelerate": version("accelerate"), "python": platform.python_version(), "gpu": gpu,
             "device": str(device), "cuda": torch.version.cuda, "peak_tflops": peak_tflops(gpu),
-            "commit": commit.stdout.strip() or None}
+            "commit": commit}
 
 
 def peak_tflops(gpu: str) -> float | None:
@@ -191,9 +195,9 @@ def table(records: list[dict[str, Any]]) -> str:
         rate = f"{r['tokens_per_s_per_gpu']:,.0f}" if r.get("tokens_per_s_per_gpu") is not None else ""
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
         lines.append(f"| {r['section']} | {r['run']} | {rate} | {mfu} | {note(r)} |".replace("\n", " "))
-    counts = {r["section"]: r for r in records if r.get("flops")}
+    counted = {r["section"]: r for r in records if r.get("flops")}
     lines += [""] + [f"- ({section}) FLOPs per token: {r['flops']} = {r['flops_per_token'] / 1e9:.4g} GFLOP"
-                     for section, r in counts.items()]
+                     for section, r in counted.items()]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -255,7 +259,8 @@ def build(config: dict, device: torch.device, dtype: torch.dtype = torch.bfloat1
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**config, use_cache=False), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**config, use_cache=False), dtype=dtype,
+                                                 attn_implementation="sdpa")
     return model.train()
 
 
@@ -282,9 +287,10 @@ def matmul_weights(config: dict) -> int:
 
 
 def attention_flops(config: dict, seq: int) -> int:
-    """Per token, forward and backward: QK^T and PV are 4SHD per layer in the forward, half under the causal mask,
-    times 3 with the backward."""
-    return 6 * config["num_hidden_layers"] * seq * config["hidden_size"]
+    """Per token, forward and backward: QK^T and PV are 4SHD per layer in the forward (HD the query width), half
+    under the causal mask, times 3 with the backward."""
+    query_width = projections(config)[0][1]
+    return 6 * config["num_hidden_layers"] * seq * query_width
 
 
 def full_flops(config: dict, seq: int) -> tuple[int, str]:
@@ -307,6 +313,8 @@ def sync(device: torch.device) -> None:
 def step_times(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, sizes: Sizes,
                device: torch.device) -> list[float]:
     """Seconds of each training step (forward, backward, optimizer) after the warm-up ones."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for step in range(sizes.warmup + sizes.steps):
         start = time.perf_counter()
@@ -327,10 +335,12 @@ def figure(rec: Recorder, section: str, run: str, times: list[float], ids: torch
     per_gpu = ids.numel() / step / ranks
     achieved = per_gpu * flops[0] / 1e12
     peak = rec.env["peak_tflops"]
+    memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return rec.write(section, "figure", run, tokens_per_s_per_gpu=round(per_gpu, 1), step_s=round(step, 4),
                      step_s_range=[round(min(times), 4), round(max(times), 4)], steps=len(times),
                      tokens_per_step=ids.numel(), batch=list(ids.shape), flops_per_token=flops[0], flops=flops[1],
-                     tflops_per_gpu=round(achieved, 1), mfu=round(achieved / peak, 4) if peak else None, **fields)
+                     tflops_per_gpu=round(achieved, 1), mfu=round(achieved / peak, 4) if peak else None,
+                     peak_memory_gib=memory and round(memory, 1), **fields)
 
 
 # --- the sections --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@
 | `dist.all_gather_single` / `all_gather_into_tensor`      | the one-tensor all-gather (renamed)      | 2.13       |
 | `dist.reduce_scatter_single` / `reduce_scatter_tensor`   | the one-tensor reduce-scatter (renamed)  | 2.13       |
 | `Tensor._make_wrapper_subclass`, `_disabled_torch_function_impl` | a tensor DCP sees, holding no data (as DTensor) | 2.13 |
-| `torch.testing._internal.distributed.fake_pg.FakeStore` | one rank's compute of a larger world (benchmarks/gpu.py) | 2.13 |
+| `torch.testing._internal.distributed.fake_pg.FakeStore` | one rank of a larger world (benchmarks) | 2.13 |
 
 torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
 frame read returns None instead, as `autotp.guards.DDPGuard` then checks the group at DDP's first forward.

@@ -24,7 +24,8 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `io.chunks`, `io.checkpoint`, `io.legacy`, `io.legacy_optimizer`, `io.restore`, `io.consolidate`, `io.adapters`,
    `io.parts`, `io.export`, `io.sync`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
-7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`
+7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
+   `testing.varlen`
 8. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
 """
 

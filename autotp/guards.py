@@ -218,6 +218,8 @@ class SwapGuard:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         for name, layer in self.slots.items():
             current = self.parent._modules.get(name)
+            if current is layer and not hasattr(layer, "autotp_lora"):  # nothing to adapt or release (`adapt`)
+                continue  # and no path built: torch.compile would guard on each block's own string and recompile
             path = self._path(name)
             if adapt(current, layer, path, self.state):
                 continue

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
 from autotp.testing import parity, tiny_config
+from autotp.testing.varlen import varlen_reference  # noqa: F401 (test modules import it from here)
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
@@ -441,24 +442,6 @@ def cp_lora_parity(rank: int, world: int, tp: int) -> dict:
         diff = (parity.full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
         report["param"] = max(report["param"], diff)
     return report
-
-
-def varlen_reference(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     is_causal: bool | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                     cu_seq_lens_k: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """flash-attention's variable-length function as transformers' flash path calls it ([B, H, S, D] in, [B, S, H,
-    D] out; packed segments by `cu_seq_lens`, causal aligned bottom-right in each), on CPU: registered as
-    "varlen_reference" to test context parallelism's flash branch where no flash kernel is installed."""
-    assert attention_mask is None and cu_seq_lens_q is not None and is_causal
-    outputs = []
-    for i in range(len(cu_seq_lens_q) - 1):
-        qs, qe, ks, ke = (int(x) for x in (cu_seq_lens_q[i], cu_seq_lens_q[i + 1], cu_seq_lens_k[i],
-                                           cu_seq_lens_k[i + 1]))
-        mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril(diagonal=(ke - ks) - (qe - qs))
-        outputs.append(nn.functional.scaled_dot_product_attention(
-            query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, scale=scaling, enable_gqa=True))
-    return torch.cat(outputs, dim=2).transpose(1, 2), None
 
 
 def cp_dropout_parity(rank: int, world: int, tp: int) -> dict:

@@ -122,6 +122,14 @@ def test_renamed_collectives_under_either_name(monkeypatch: pytest.MonkeyPatch) 
         torch_compat.reduce_scatter_single()
 
 
+def test_fake_process_group_names_the_missing_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/gpu.py runs one tp=8 rank on torch's fake backend; a torch without it fails naming the module."""
+    monkeypatch.setitem(sys.modules, "torch.testing._internal.distributed.fake_pg", None)  # import raises
+    with pytest.raises(RuntimeError, match=needs("torch.testing._internal.distributed.fake_pg.FakeStore")):
+        torch_compat.init_fake_process_group(8)
+    assert not dist.is_initialized()
+
+
 def timeouts(rank: int, world: int) -> tuple:
     """The world's timeout, then the errors for a group without `_get_backend` and a backend without `_timeout`."""
     errors = []

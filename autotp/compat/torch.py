@@ -9,6 +9,7 @@
 | `dist.all_gather_single` / `all_gather_into_tensor`      | the one-tensor all-gather (renamed)      | 2.13       |
 | `dist.reduce_scatter_single` / `reduce_scatter_tensor`   | the one-tensor reduce-scatter (renamed)  | 2.13       |
 | `Tensor._make_wrapper_subclass`, `_disabled_torch_function_impl` | a tensor DCP sees, holding no data (as DTensor) | 2.13 |
+| `torch.testing._internal.distributed.fake_pg.FakeStore` | one rank of a larger world (benchmarks) | 2.13 |
 
 torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
 frame read returns None instead, as `autotp.guards.DDPGuard` then checks the group at DDP's first forward.
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .versions import require
+from .versions import missing, require
 
 _DDP_IGNORE = "_ddp_params_and_buffers_to_ignore"
 
@@ -95,3 +96,13 @@ def storageless_tensor(cls: type, shape: torch.Size, dtype: torch.dtype, device:
 def no_torch_function() -> Callable[..., Any]:
     """The `__torch_function__` of a subclass that opts out of torch-function handling (what DTensor sets)."""
     return require(torch._C, "_disabled_torch_function_impl", "torch._C._disabled_torch_function_impl")
+
+
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """torch.distributed on torch's fake backend: every collective returns at once and moves no data, so one process
+    runs one rank's share of the compute of a `world_size`-rank job (collectives' outputs hold garbage)."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers the backend
+    except ImportError:
+        raise missing("torch.testing._internal.distributed.fake_pg.FakeStore") from None
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -79,7 +79,9 @@ class BlockEntry:
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         """`layer`'s matmul on the input entered last (`x`), its weight gradient deferred to the entry if it entered."""
-        deferred = self._deferred.get(id(layer.weight)) if x is self._copy else None
+        # no lookup when nothing was deferred (tp 1, under compile): id() of a weight would make torch.compile guard
+        # on that weight object, and recompile for every block of a per-block compiled model
+        deferred = self._deferred.get(id(layer.weight)) if self._deferred and x is self._copy else None
         if deferred is None:
             return layer.local_linear(x, layer.bias)
         view, index = deferred
@@ -112,7 +114,7 @@ class BlockEntry:
     def weight(self, weight: nn.Parameter) -> torch.Tensor:
         """A replicated weight as used inside the region entered last: its partial gradient is summed in the input
         gradient's all-reduce, or alone if it did not enter with the input."""
-        joined = self._joined.get(id(weight))
+        joined = self._joined.get(id(weight)) if self._joined else None  # (as in `linear`: no id() guard)
         return joined if joined is not None else copy_to_tp(weight, self.group)
 
     def _clear_after_backward(self, x: torch.Tensor) -> None:

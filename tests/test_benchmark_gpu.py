@@ -1,0 +1,42 @@
+"""benchmarks/gpu.py --smoke: every section of the GPU benchmark runs at tiny sizes on CPU (the fake process group
+included) and writes its JSON lines, each naming the versions and the device; the table is rebuilt from them.
+
+No timing is asserted (tests never time things): the figures are for people to read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from readme_commands import ROOT, run
+
+SCRIPT = str(ROOT / "benchmarks" / "gpu.py")
+
+
+def test_smoke_run_writes_every_section(tmp_path) -> None:
+    out = tmp_path / "gpu.jsonl"
+    run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], timeout=120)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for record in records:
+        assert record["torch"] and record["transformers"] and record["gpu"] and record["device"], record
+    assert not [r for r in records if r["kind"] in ("error", "timeout")], [r.get("reason") for r in records]
+    by_section = {s: [r for r in records if r["section"] == s] for s in ("a", "b", "c", "d", "e", "pytest")}
+    for section, lines in by_section.items():
+        assert any(r["kind"] in ("figure", "skip") for r in lines), f"section {section} wrote nothing: {records}"
+    figures = {s: [r for r in lines if r["kind"] == "figure"] for s, lines in by_section.items()}
+    for section in ("a", "b", "c"):
+        for r in figures[section]:
+            assert r["tokens_per_s_per_gpu"] > 0 and r["flops_per_token"] > 0 and "N =" in r["flops"], r
+    plain, wrapped = figures["a"]
+    assert "plain" in plain["run"] and "autotp.wrap" in wrapped["run"] and wrapped["goal"] == 0.97, figures["a"]
+    assert any(r["kind"] == "skip" and r["run"] == "compiled" for r in by_section["a"])
+    assert len(figures["b"]) == 2 and all(r["flops"].startswith("4N") for r in figures["b"]), figures["b"]
+    (rank,) = figures["c"]
+    assert "tp=8, fake process group" in rank["run"] and rank["upper_bound"] and "upper bound" in rank["beside"]
+    (cp,) = figures["d"]
+    assert cp["passed"] and "varlen_reference" in cp["attention"] and "SDPA" in cp["attention"], cp
+    assert "expert parallelism has not landed" in by_section["e"][0]["reason"]
+    table = out.with_suffix(".md").read_text()
+    assert "| section | run | tokens/s per GPU | MFU | beside |" in table, table
+    assert run([sys.executable, SCRIPT, "--table-from", str(out)], timeout=60) == table

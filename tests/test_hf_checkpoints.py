@@ -102,10 +102,12 @@ def test_converted_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str) -
         assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report
 
 
-@pytest.mark.parametrize("model_type,task", [("llava", "image-text"), ("t5", "seq2seq"),
+@pytest.mark.parametrize("model_type,task", [("llava", "image-text"), ("t5", "seq2seq"), ("marian", "seq2seq"),
                                              ("whisper", "speech-seq2seq"), ("bert", "masked-lm")])
 def test_every_task_loads_like_wrap(tmp_path: Path, model_type: str, task: str) -> None:
-    """from_pretrained builds the class the checkpoint's config.architectures names, not always a causal LM."""
+    """from_pretrained builds the class the checkpoint's config.architectures names, not always a causal LM. Marian's
+    sinusoidal positions, left out of its checkpoint, come out trainable or frozen as transformers' own load leaves
+    them (trainable from 5.24), so both train alike."""
     save_moe(model_type, tmp_path, task)
     for report in run_ranks(compare_loading, 2, str(tmp_path)):
         assert report["keys"] and report["unequal"] == [] and report["buffers"] == [], report

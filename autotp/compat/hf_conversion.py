@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+import transformers
 from torch import nn
 
 from .hf import internal
@@ -210,7 +211,16 @@ def initialised_if_missing(model: nn.Module, name: str, param: nn.Parameter, sha
         model._init_weights(module)
     finally:
         module._parameters[leaf] = param
+    param.requires_grad_(_left_out_trainable(param))
     return fresh.detach()
+
+
+def _left_out_trainable(param: nn.Parameter) -> bool:
+    """Whether transformers' own load leaves a parameter the checkpoint leaves out trainable. From 5.24 it puts a plain
+    tensor in its place (`modeling_utils._load_parameter_into_model`), which makes every floating-point one trainable,
+    frozen in the model or not (Marian's sinusoidal positions); before, the model's own flag stayed."""
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    return param.is_floating_point() if release >= (5, 24) else param.requires_grad
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,7 @@ def _replacing(param: nn.Parameter, tensor: torch.Tensor, device: torch.device, 
 
 def _initialised(model: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
     """This rank's rows of a parameter the checkpoint lacks: made as transformers makes it if left out on purpose
-    (it keeps the model's own `requires_grad` then), else an error."""
+    (trainable or not as transformers' own load leaves it), else an error."""
     shard = getattr(param, "autotp_shard", None)
     full = initialised_if_missing(model, name, param, param.shape if shard is None else shard.full_shape(param.shape))
     if full is None:

@@ -195,7 +195,7 @@ class LinearAllreduce(ParallelLinear):
         self.sequence_parallel = sequence_parallel  # reduce-scatter the output along the sequence, not all-reduce
         self.block_entry = block_entry  # its block's column entry (autotp.parallel.glu; gathered again early, SP)
         self.recompute_glu = recompute_glu  # keep act(gate) * up's inputs, not it (autotp.parallel.glu)
-        self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.lora)
+        self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.parallel.lora)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
             raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")

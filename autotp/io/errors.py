@@ -33,7 +33,7 @@ def outcomes(error: BaseException | None, group: dist.ProcessGroup | None,
     Every rank must call it, whether or not it failed, at the same point.
     """
     mine = None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")
-    everyone = [(global_rank(), mine, shared)]
+    everyone: list = [(global_rank(), mine, shared)]
     if group is not None:
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (global_rank(), mine, shared), group=group)

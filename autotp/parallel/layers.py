@@ -197,7 +197,7 @@ class LinearAllreduce(ParallelLinear):
         # `block_entry=` is its name before it was `entry=` like the column layer's
         self.entry = entry or block_entry
         self.recompute_glu = recompute_glu  # keep act(gate) * up's inputs, not it (autotp.parallel.glu)
-        self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.parallel.lora)
+        self.reduce_output = True  # False: its owner reduces the partial output (autotp.parallel.lora)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
             raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")

@@ -8,6 +8,7 @@ between applying the plan and registering the gradient hooks.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ from transformers import AutoConfig, GenerationConfig
 from .parallel.apply import apply_plan, parallel_layers, register_grad_hooks
 from .parallel.groups import (
     DEFAULT_TIMEOUT, Group, build_cp_groups, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
-    launched_by_torchrun, world_timeout,
+    launched_by_torchrun, named_failure, world_timeout,
 )
 from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
 from .compat import check_versions
@@ -31,13 +32,13 @@ from .compat.torch import ddp_ignored, set_ddp_ignored
 from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .parallel import context, lora_lift
 from .io.adapters import slice_adapters_on_load
-from .io.errors import CheckpointError, agree, world
+from .io.errors import CheckpointError, agree, outcomes, world
 from .io.load import checkpoint_files, load_params
 from .planning.options import WrapOptions
 from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
 from .parallel.sequence import apply_sequence_parallel, sequence_layout
-from .parallel.agreement import check_agreement
+from .parallel.agreement import check_agreement, check_sizes
 from .parallel.replicas import broadcast_replicated
 from .parallel.rollback import Snapshot
 from .parallel.state import TPState, detach, find_state
@@ -77,8 +78,11 @@ def wrap(
     lifted = lora_lift.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
-        state = _shard(model, tp_size, WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, check_inputs,
-                                                   timeout, overlap, recompute_glu, example_inputs, cp_size))
+        options = WrapOptions(tp_group=tp_group, policy=policy, vocab_parallel=vocab_parallel,
+                              sequence_parallel=sequence_parallel, check_inputs=check_inputs, timeout=timeout,
+                              overlap=overlap, recompute_glu=recompute_glu, example_inputs=example_inputs,
+                              cp_size=cp_size)
+        state = _shard(model, tp_size, options)
     except BaseException:
         lora_lift.put_back(lifted)
         raise
@@ -98,6 +102,7 @@ def from_pretrained(
     policy: PolicyArg = None,
     vocab_parallel: bool = True,
     sequence_parallel: bool = False,
+    check_inputs: bool = False,
     timeout: timedelta | float | None = None,
     task: str | None = None,
     overlap: bool = True,
@@ -137,8 +142,10 @@ def from_pretrained(
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
         model.to(target)  # buffers built at init
 
-    options = WrapOptions(tp_group, policy, vocab_parallel, sequence_parallel, False, timeout, overlap, recompute_glu,
-                          example_inputs, cp_size)
+    options = WrapOptions(tp_group=tp_group, policy=policy, vocab_parallel=vocab_parallel,
+                          sequence_parallel=sequence_parallel, check_inputs=check_inputs, timeout=timeout,
+                          overlap=overlap, recompute_glu=recompute_glu, example_inputs=example_inputs,
+                          cp_size=cp_size)
     _shard(model, tp_size, options, materialize=load, call="from_pretrained")
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -146,10 +153,33 @@ def from_pretrained(
     return model
 
 
-def explain(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True,
-            example_inputs: Mapping[str, Any] | None = None) -> Plan:
-    """The plan `wrap` would apply, without a process group; works on a meta-device model."""
-    return build_plan(model, tp_size, policy, vocab_parallel, example_inputs)
+def explain(
+    model: nn.Module,
+    tp_size: int,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    policy: PolicyArg = None,
+    vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
+    check_inputs: bool = False,
+    timeout: timedelta | float | None = None,
+    overlap: bool = True,
+    recompute_glu: bool = True,
+    example_inputs: Mapping[str, Any] | None = None,
+    cp_size: int = 1,
+) -> Plan:
+    """The plan `wrap` would apply given the same arguments, without a process group; works on a meta-device model.
+
+    It raises every refusal of `wrap`'s planning (`sequence_parallel` or `cp_size` the model cannot take included),
+    so a call to `wrap` can be checked as is, before a launch. `tp_group`, `check_inputs`, `timeout`, `overlap` and
+    `recompute_glu` shape the wrapped layers, not the plan: they are accepted and change nothing here.
+    """
+    _validate_tp_size(tp_size)
+    _validate_tp_size(cp_size, "cp_size")
+    return _plan(model, tp_size, WrapOptions(
+        tp_group=tp_group, policy=policy, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel,
+        check_inputs=check_inputs, timeout=timeout, overlap=overlap, recompute_glu=recompute_glu,
+        example_inputs=example_inputs, cp_size=cp_size))
 
 
 def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
@@ -227,18 +257,29 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
 
 
 def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOptions, call: str) -> None:
-    """Raise on every rank if planning failed on any (`error`: this rank's), before the groups are created.
+    """Raise on every rank if the ranks' sizes differ, or planning failed on any (`error`: this rank's), before the
+    groups are created.
 
-    A call that creates groups is collective over the world: a rank that refused alone would leave the others
-    waiting in the group creation until the timeout, with an error that names nothing. So every rank reports its
-    outcome first (one all-gather); the failed rank raises its own error, the others one that names it.
+    A call that creates groups is collective over the world: a rank that refused alone, or built other groups, would
+    leave the others waiting in the group creation until the timeout, with an error that names nothing. So every
+    rank reports its sizes and its outcome first (one all-gather); on different sizes every rank raises one error that
+    names them, else the failed rank raises its own error, the others one that names it. At tp 1 and cp 1 without a
+    tp_group there is no collective (some ranks only may wrap), so the others can only name the likely cause.
     """
     collective = tp_size > 1 or options.tp_group is not None or options.cp_size > 1
     if collective and not dist.is_initialized() and launched_by_torchrun():
         init_from_env(options.timeout or DEFAULT_TIMEOUT)
-    agree(error, world() if collective else None, f"{call} stopped on every rank because planning",
+    group = world() if collective else None
+    sizes = (tp_size, options.cp_size, options.tp_group is not None)
+    with nullcontext() if group is None else named_failure(
+            group, f"comparing the ranks' sizes and plans in {call}",
+            f"Every rank must call {call} with the same tp_size and cp_size: a rank at tp_size=1 and cp_size=1 "
+            f"without tp_group runs no collective, and goes on alone. Nothing was changed."):
+        failed, sizes_by_rank = outcomes(error, group, sizes)
+    check_sizes(sizes_by_rank, call)
+    agree(error, group, f"{call} stopped on every rank because planning",
           f". Every rank must build the same model and call {call} with the same arguments: correct them on the rank "
-          f"named. Nothing was changed.")
+          f"named. Nothing was changed.", failed)
 
 
 class _ContextDDPGuard(DDPGuard):

@@ -10,9 +10,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import autotp
+from autotp.parallel.block_entry import BlockEntry
 from autotp.parallel.glu import match
+from autotp.planning.sharding import Partition
 from autotp.testing.memory import KeptForBackward
 from autotp.testing.parity import full_tensor
 from autotp.testing.spawn import run_ranks
@@ -218,3 +221,13 @@ def test_match_leaves_a_product_with_a_gradient_hook_alone() -> None:
     product = F.silu(gate) * up
     product.register_hook(lambda grad: grad)
     assert match(product, recorded(gate, up)) is None
+
+
+def test_column_and_row_layers_take_their_block_entry_under_one_name() -> None:
+    """`LinearLayer(..., entry=)` and `LinearAllreduce(..., entry=)`: the same BlockEntry under one name (the row
+    layer's `block_entry=`, its earlier name, still works)."""
+    entry = BlockEntry(None)
+    column = autotp.LinearLayer(nn.Linear(4, 6), Partition.even(0, 6, 1), None, entry=entry)
+    row = autotp.LinearAllreduce(nn.Linear(6, 4), Partition.even(1, 6, 1), None, entry=entry)
+    earlier = autotp.LinearAllreduce(nn.Linear(6, 4), Partition.even(1, 6, 1), None, block_entry=entry)
+    assert column.entry is entry and row.entry is entry and earlier.entry is entry

@@ -186,3 +186,19 @@ def test_a_filled_plan_trains_like_one_process(hf_plan: dict) -> None:
     for report in run_ranks(family_parity, 2, "olmo", 3, None, {"base_model_tp_plan": hf_plan}):
         assert report["sharded"] == 14, report
         assert_parity(report)
+
+
+def test_explain_takes_wraps_options_and_refuses_what_wrap_refuses_in_planning() -> None:
+    """`explain` checks a `wrap` call as is before a launch: sequence_parallel on MoE experts and cp_size on a
+    sliding-window model are refused by name, as `wrap` refuses them; the options that only shape the wrapped layers
+    change nothing in the plan."""
+    with torch.device("meta"):
+        mixtral = AutoModelForCausalLM.from_config(CONFIGS["mixtral"]())
+        sliding = AutoModelForCausalLM.from_config(CONFIGS["llama"](), attn_implementation="sdpa")
+    sliding.config.sliding_window = 8
+    with pytest.raises(ValueError, match="sequence_parallel supports dense attention and MLP blocks"):
+        autotp.explain(mixtral, 2, sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match="cp_size=2: sliding-window attention"):
+        autotp.explain(sliding, 1, cp_size=2)
+    plan = autotp.explain(mixtral, 2)
+    assert autotp.explain(mixtral, 2, check_inputs=True, timeout=5, overlap=False, recompute_glu=False) == plan

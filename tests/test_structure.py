@@ -5,6 +5,7 @@
   another module) or imports its private names; the `autotp/compat/` boundaries are exempt, since touching
   privates is what they are for (of the dependencies, not of autotp).
 - docs/architecture.md names every module, so the map a newcomer reads cannot fall behind the package.
+- Every dotted `autotp.x.y` the package's source or docs/ names resolves, so a moved module leaves no stale name.
 - Gathered mode has one mechanism: `.gathered` is read only in `parallel/state.py` (which owns it) and
   `parallel/apply.py` (which switches it); hooks go through `TPState.sharded_only`.
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -90,3 +92,25 @@ def test_the_architecture_page_names_every_module() -> None:
     missing = sorted(str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
                      if f.stem not in ("__init__",) and f.stem not in named)
     assert missing == [], f"docs/architecture.md's module table lacks {missing}"
+
+
+def resolves(dotted: str) -> bool:
+    """Whether `autotp.x.y...` is a module or an attribute reachable from one."""
+    found: object = autotp
+    parts = dotted.split(".")[1:]
+    for i, part in enumerate(parts):
+        if hasattr(found, part):
+            found = getattr(found, part)
+            continue
+        try:
+            found = importlib.import_module(".".join(["autotp", *parts[:i + 1]]))
+        except ImportError:
+            return False
+    return True
+
+
+def test_every_autotp_name_in_the_source_and_docs_resolves() -> None:
+    files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "docs").glob("*.md")]
+    stale = sorted({f"{f.relative_to(PACKAGE.parent)}: {name}" for f in files
+                    for name in re.findall(r"\bautotp(?:\.\w+)+", f.read_text()) if not resolves(name)})
+    assert stale == [], "name the module where it lives now"

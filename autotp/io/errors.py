@@ -25,17 +25,25 @@ def world() -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def failures(error: BaseException | None, group: dist.ProcessGroup | None) -> dict[int, tuple[int | None, str]]:
-    """Every failed rank -> (errno, message), the same on every rank of `group` (collective over it; None: no peers).
+def outcomes(error: BaseException | None, group: dist.ProcessGroup | None,
+             shared: object = None) -> tuple[dict[int, tuple[int | None, str]], dict[int, object]]:
+    """(every failed rank -> (errno, message); every rank -> its `shared`), the same on every rank of `group`
+    (collective over it: one all-gather; None: no peers, this rank alone).
 
     Every rank must call it, whether or not it failed, at the same point.
     """
     mine = None if error is None else (getattr(error, "errno", None), f"{type(error).__name__}: {error}")
-    if group is None:
-        return {} if mine is None else {global_rank(): mine}
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (global_rank(), mine), group=group)
-    return {rank: outcome for rank, outcome in everyone if outcome is not None}
+    everyone: list = [(global_rank(), mine, shared)]
+    if group is not None:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (global_rank(), mine, shared), group=group)
+    return ({rank: outcome for rank, outcome, _ in everyone if outcome is not None},
+            {rank: theirs for rank, _, theirs in everyone})
+
+
+def failures(error: BaseException | None, group: dist.ProcessGroup | None) -> dict[int, tuple[int | None, str]]:
+    """Every failed rank -> (errno, message), the same on every rank of `group` (`outcomes`, collective over it)."""
+    return outcomes(error, group)[0]
 
 
 def describe(failed: dict[int, tuple[int | None, str]]) -> str:
@@ -43,11 +51,13 @@ def describe(failed: dict[int, tuple[int | None, str]]) -> str:
     return "; ".join(f"rank {rank}: {text}" for rank, (_, text) in sorted(failed.items()))
 
 
-def agree(error: BaseException | None, group: dist.ProcessGroup | None, what: str, then: str = "") -> None:
+def agree(error: BaseException | None, group: dist.ProcessGroup | None, what: str, then: str = "",
+          failed: dict[int, tuple[int | None, str]] | None = None) -> None:
     """Raise on every rank of `group` if `error` happened on any (collective): a failed rank its own error, the others
     a RuntimeError naming each failed rank's (then `then`, what to do), so that no rank goes on into a collective that
-    its peers skip."""
-    failed = failures(error, group)
+    its peers skip. `failed`: the failures when the caller has exchanged them already (`outcomes`; then no collective).
+    """
+    failed = failures(error, group) if failed is None else failed
     if error is not None:
         raise error
     if failed:

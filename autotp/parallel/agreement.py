@@ -1,8 +1,9 @@
 """Ranks that agree before sharding: every rank of a TP or DP group must build the same model and wrap it alike.
 
 Ranks that built different configs, passed different options or derived different plans would otherwise train
-silently apart, or die in a collective whose sizes differ. `check_agreement` compares a fingerprint of the config,
-the options and the plan over each group before the model is touched, and names the first difference.
+silently apart, or die in a collective whose sizes differ. `check_sizes` compares the sizes the groups are built from
+over the world before any group is (building them is collective); `check_agreement` then compares a fingerprint of the
+config, the options and the plan over each group before the model is touched, and names the first difference.
 """
 
 from __future__ import annotations
@@ -18,8 +19,33 @@ from .groups import Group, group_size, named_failure
 from ..planning.options import WrapOptions
 from ..planning.plan import Plan
 
-_AGREED_OPTIONS = ("vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu")  # the plan
-# holds the policy's effect (a policy path may differ between ranks); groups and timeouts are per-rank objects
+# Every field of `WrapOptions` is on one side (tests/test_wrap_agreement_and_state_dicts.py checks that a new one is):
+AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
+                            "cp_size"})  # compared as given: ranks that differ would shard or synchronise apart
+PER_RANK_OPTIONS = frozenset({
+    "tp_group",  # a process group: each rank holds its own object, of its own members
+    "timeout",  # how long this rank waits; ranks may wait differently without training apart
+    "policy",  # a path or dict, which may differ between ranks: the plan, compared below, holds its effect
+    "example_inputs",  # each rank's own tensors: the plan verified on them, compared below, holds their effect
+})
+
+
+def check_sizes(sizes: dict[int, tuple[int, int, bool]], call: str) -> None:
+    """Raise the same ValueError on every rank unless every rank passed the same (tp_size, cp_size, tp_group given).
+
+    The groups are built from these by collective calls, each rank its own sequence of them: ranks that differ
+    would wait on each other until the timeout, with an error that names neither the ranks nor the sizes.
+    """
+    if len(set(sizes.values())) <= 1:
+        return
+    by_sizes: dict[tuple[int, int, bool], list[int]] = {}
+    for rank, theirs in sorted(sizes.items()):
+        by_sizes.setdefault(theirs, []).append(rank)
+    described = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: tp_size={tp}, cp_size={cp}"
+                          f"{', tp_group given' if given else ''}" for (tp, cp, given), ranks in by_sizes.items())
+    raise ValueError(f"ranks called {call} with different sizes ({described}). Every rank must call {call} with the "
+                     f"same tp_size and cp_size, and pass tp_group on every rank or on none; no group was built and "
+                     f"nothing was changed.")
 
 
 def _fingerprint(model: nn.Module, tp_size: int, options: WrapOptions, plan: Plan) -> dict[str, dict[str, str]]:
@@ -28,7 +54,7 @@ def _fingerprint(model: nn.Module, tp_size: int, options: WrapOptions, plan: Pla
     flat = _flatten(config.to_dict()) if hasattr(config, "to_dict") else {}
     flat.pop("_name_or_path", None)  # each rank may load its own copy of the files
     agreed = {"tp_size": str(tp_size), **{f.name: str(getattr(options, f.name)) for f in fields(options)
-                                          if f.name in _AGREED_OPTIONS}}
+                                          if f.name in AGREED_OPTIONS}}
     return {"config key": flat, "option": agreed, "plan entry": _plan_entries(plan)}
 
 

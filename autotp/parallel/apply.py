@@ -53,7 +53,7 @@ def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, o
             parent_path, _, name = layer.path.rpartition(".")
             parent = modules[parent_path]
             setattr(parent, name, LinearAllreduce(
-                getattr(parent, name), layer.partition, tp_group, block_entry=entries.get(parent_path),
+                getattr(parent, name), layer.partition, tp_group, entry=entries.get(parent_path),
                 sequence_parallel=_sequence_parallel(options, layer.block), recompute_glu=options.recompute_glu))
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}

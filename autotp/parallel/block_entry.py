@@ -31,7 +31,7 @@ class BlockEntry:
     def __init__(self, group: Group, *, overlap: bool = True, sequence_parallel: bool = False):
         self.group = group
         self.overlap = overlap  # weight gradients computed during the input gradient's all-reduce (wrap(overlap=...))
-        self.sequence_parallel = sequence_parallel  # the readers save only their sequence chunk (autotp.sequence)
+        self.sequence_parallel = sequence_parallel  # readers keep only their sequence chunk (autotp.parallel.sequence)
         self._joining: list[nn.Parameter] = []  # replicated LoRA weights of the layers reading it
         self._readers: list[nn.Linear] = []  # the column layers reading it, for overlap
         self._source: torch.Tensor | None = None

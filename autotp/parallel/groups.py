@@ -57,14 +57,14 @@ def new_group(ranks: list[int], timeout: timedelta, what: str, backend: str | No
 
 
 @contextmanager
-def named_failure(group: dist.ProcessGroup, what: str) -> Iterator[None]:
-    """Re-raise a failed or timed-out collective with the group's ranks in the message."""
+def named_failure(group: dist.ProcessGroup, what: str,
+                  fix: str = "Every rank must run the same training step.") -> Iterator[None]:
+    """Re-raise a failed or timed-out collective with the group's ranks and `fix` (what to do) in the message."""
     try:
         yield
     except RuntimeError as err:
         raise RuntimeError(f"autotp: {what} over ranks {dist.get_process_group_ranks(group)} failed ({err}); a rank "
-                           f"of that group failed, hung or never called it. Every rank must run the same "
-                           f"training step.") from err
+                           f"of that group failed, hung or never called it. {fix}") from err
 
 
 def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group,

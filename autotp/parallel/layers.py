@@ -189,13 +189,15 @@ class LinearLayer(ParallelLinear):
 class LinearAllreduce(ParallelLinear):
     """Row-parallel linear: weight split on the input dim, partial outputs all-reduced, bias added once after."""
 
-    def __init__(self, linear: nn.Module, partition: Partition, group: Group, *, block_entry: BlockEntry | None = None,
-                 sequence_parallel: bool = False, recompute_glu: bool = True):
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group, *, entry: BlockEntry | None = None,
+                 sequence_parallel: bool = False, recompute_glu: bool = True, block_entry: BlockEntry | None = None):
         super().__init__(linear, partition, group)
         self.sequence_parallel = sequence_parallel  # reduce-scatter the output along the sequence, not all-reduce
-        self.block_entry = block_entry  # its block's column entry (autotp.parallel.glu; gathered again early, SP)
+        # its block's column entry, as `LinearLayer.entry` (autotp.parallel.glu; gathered again early, SP);
+        # `block_entry=` is its name before it was `entry=` like the column layer's
+        self.entry = entry or block_entry
         self.recompute_glu = recompute_glu  # keep act(gate) * up's inputs, not it (autotp.parallel.glu)
-        self.reduce_output = True  # False: the partial output is returned and reduced by the owner (autotp.lora)
+        self.reduce_output = True  # False: its owner reduces the partial output (autotp.parallel.lora)
         expected = 0 if self.transposed else 1
         if partition.dim != expected:
             raise ValueError(f"a row-parallel weight is split on its input dim ({expected})")
@@ -205,15 +207,15 @@ class LinearAllreduce(ParallelLinear):
 
     def _deepcopy_entries(self, new: ParallelLinear, memo: dict) -> None:
         """A copied row layer alone has no column outputs to recognise (autotp.parallel.glu)."""
-        if self.block_entry is not None:
-            memo.setdefault(id(self.block_entry), None)
+        if self.entry is not None:
+            memo.setdefault(id(self.entry), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product_matmul(x)
         if not self.reduce_output:
             return y
         if self.sequence_parallel:
-            saved = self.block_entry.current_chunk() if self.block_entry is not None else None
+            saved = self.entry.current_chunk() if self.entry is not None else None
             y = reduce_scatter_seq_from_tp(y, self.group, prefetch=saved)
         else:
             y = reduce_from_tp(y, self.group)
@@ -221,8 +223,8 @@ class LinearAllreduce(ParallelLinear):
 
     def _product_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul, recomputing a gated MLP's product `x` in backward rather than keeping it where it is one."""
-        if self.recompute_glu and self.block_entry is not None and torch.is_grad_enabled() and x.requires_grad:
-            found = match(x, self.block_entry.column_output)
+        if self.recompute_glu and self.entry is not None and torch.is_grad_enabled() and x.requires_grad:
+            found = match(x, self.entry.column_output)
             if found is not None:
                 return glu_linear(x, self.weight, self.transposed, found)
         return self.local_linear(x, None)

@@ -1,7 +1,9 @@
 """`WrapOptions`: every option of `wrap` and `from_pretrained`, documented once, shared by the whole pipeline.
 
-The entry points keep their keyword signatures and build one of these; `apply_plan` fixes the
-options into the layers and block entries it builds, and the wrapped model's state keeps them.
+The entry points keep their keyword signatures and build one of these, by keyword (its fields are keyword-only, so
+a field added in the middle cannot shift the others); `apply_plan` fixes the options into the layers and block entries
+it builds, and the wrapped model's state keeps them. Every field is either compared between the ranks before sharding
+or named per-rank, with the reason, in `autotp.parallel.agreement`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Mapping
 PolicyArg = Any  # a TOML path, a dict, or None (autotp.planning.planner.PolicyArg)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WrapOptions:
     """How a model is sharded; every field has the default `wrap` gives it.
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "supported-models.md"
 README = ROOT / "README.md"
 # The JSON files do not record the transformers they ran on; a sweep on another version updates this.
-TRANSFORMERS = "5.23.0"
+TRANSFORMERS = "5.24.0"
 LOADS = "from_pretrained of transformers' save"
 SAVES = "autotp.save_pretrained = transformers' save"
 VERDICTS = ["matched", "replicated-only", "refused", "run-time error", "MISMATCH", "not built"]

@@ -23,7 +23,7 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
 5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
    `io.chunks`, `io.checkpoint`, `io.legacy`, `io.legacy_optimizer`, `io.restore`, `io.consolidate`, `io.adapters`,
    `io.parts`, `io.export`, `io.sync`
-6. entry points: `fsdp`, `guards`, `hf_methods`, `api`, `data_parallel`, `gather`
+6. entry points: `fsdp`, `guards`, `hf_methods`, `parallelize`, `api`, `data_parallel`, `gather`
 7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
 8. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)

@@ -1,8 +1,8 @@
 """The entry points: `wrap` a loaded model, or `from_pretrained` straight into shards; `explain` either plan.
 
-Both run one pipeline (`_shard`): plan, check, create the process groups, apply the plan, and
-finish the model (gradient hooks, guards). `from_pretrained` only adds reading each rank's slices
-between applying the plan and registering the gradient hooks.
+Both run one pipeline (`_shard`): plan, check, create the process groups, then `autotp.parallelize`,
+which changes the model, in order. `from_pretrained` only adds reading each rank's slices between
+applying the plan and registering the gradient hooks.
 """
 
 from __future__ import annotations
@@ -20,29 +20,24 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
-from .parallel.apply import apply_plan, parallel_layers, register_grad_hooks
+from .parallel.apply import parallel_layers
 from .parallel.groups import (
-    DEFAULT_TIMEOUT, Group, build_cp_groups, build_groups, dp_group_for, group_size, init_from_env, is_global_rank0,
-    launched_by_torchrun, named_failure, world_timeout,
+    DEFAULT_TIMEOUT, Group, build_cp_groups, build_groups, device_of, dp_group_for, group_size, init_from_env,
+    is_global_rank0, launched_by_torchrun, named_failure, world_timeout,
 )
-from .guards import DDPGuard, InputCheck, MeshGuard, SwapGuard, refuse_adapters, refuse_quantized
+from .guards import refuse_adapters, refuse_quantized
 from .compat import check_versions
 from .compat.hf import build_model
-from .compat.torch import ddp_ignored, set_ddp_ignored
-from .hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .parallel import context, lora_lift
-from .io.adapters import slice_adapters_on_load
+from .parallelize import Groups, parallelize
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.load import checkpoint_files, load_params
 from .planning.options import WrapOptions
 from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
-from .parallel.sequence import apply_sequence_parallel, sequence_layout
+from .parallel.sequence import sequence_layout
 from .parallel.agreement import check_agreement, check_sizes
-from .parallel.replicas import broadcast_replicated
-from .parallel.rollback import Snapshot
-from .parallel.state import TPState, detach, find_state
-from .parallel.state_dict import guard_state_dicts
+from .parallel.state import TPState, find_state
 
 log = logging.getLogger("autotp")
 
@@ -87,8 +82,9 @@ def wrap(
         lora_lift.put_back(lifted)
         raise
     lora_lift.attach(model, lifted, state)
-    if state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl" and torch.cuda.is_available():
-        model.to(torch.device("cuda", torch.cuda.current_device()))
+    device = device_of(state.tp_group)
+    if device.type == "cuda":  # under NCCL: the shards to this rank's GPU
+        model.to(device)
     return model
 
 
@@ -135,10 +131,7 @@ def from_pretrained(
     model.tie_weights()  # tied parameters become one object, loaded once under whichever name the file has
 
     def load(state: TPState) -> None:
-        target = device
-        if target is None:
-            nccl = state.tp_group is not None and dist.get_backend(state.tp_group) == "nccl"
-            target = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        target = device_of(state.tp_group) if device is None else device
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
         model.to(target)  # buffers built at init
 
@@ -184,7 +177,8 @@ def explain(
 
 def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
            materialize: Callable[[TPState], None] | None = None, call: str = "wrap") -> TPState:
-    """The one sharding pipeline, all or nothing: a failure at any step puts the model back as it was.
+    """The one sharding pipeline, all or nothing: every check runs before `parallelize` changes the model, and a
+    failure in it puts the model back as it was.
 
     `materialize` replaces meta parameters once the plan is applied (`from_pretrained`).
     """
@@ -198,38 +192,8 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     tp_group, dp_group, timeout, cp_group, data_group = _groups(tp_size, options.tp_group, options.timeout, cp)
     if tp_group is not None or cp_group is not None:  # at tp 1 no collective: some ranks only may wrap
         check_agreement(model, tp_size, options, plan, [("TP", tp_group), ("CP", cp_group), ("DP", dp_group)], call)
-    snapshot = Snapshot(model)
-    try:
-        state = apply_plan(model, plan, tp_group, dp_group, replace(options, timeout=timeout))
-        state.cp_group, state.data_group = cp_group, data_group
-        if options.sequence_parallel:
-            snapshot.track(apply_sequence_parallel(model, plan, tp_group, state))
-        if materialize is not None:
-            materialize(state)
-        snapshot.track(register_grad_hooks(model, state))  # after the parameters are final
-        state.context = context.install(model, cp_group, state, cp)  # after vocab parallelism's loss
-        if state.context is not None:
-            snapshot.track([state.context])
-        model.save_pretrained = SavePretrained(model, state)
-        model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
-        guard = DDPGuard if cp_group is None else _ContextDDPGuard
-        set_ddp_ignored(model, guard(model, ddp_ignored(model)))
-        if options.check_inputs:
-            model.register_forward_pre_hook(InputCheck(), with_kwargs=True, prepend=True)  # the caller's inputs
-        if state.tp_group is not None:  # at tp 1 nothing is sharded, so an adapter sees whole weights
-            guarded = [layer.path for layer in plan.layers]
-            if plan.vocab is not None and plan.vocab.embedding is not None:
-                guarded.append(plan.vocab.embedding)
-            SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
-            slice_adapters_on_load(model, state)
-            guard_state_dicts(model, state)
-            MeshGuard(model)
-        # last: writes once all arrived; under CP at tp 1 too, as nothing else makes the CP ranks' weights equal
-        broadcast_replicated(model, tp_group, dp_group if tp_group is not None or cp_group is not None else None)
-    except BaseException:
-        snapshot.restore()
-        detach(model)
-        raise
+    state = parallelize(model, plan, Groups(tp_group, dp_group, cp_group, data_group),
+                        replace(options, timeout=timeout), materialize)
     if is_global_rank0():
         log.info(plan.summary())
         for warning in plan.warnings(vocab_requested=options.vocab_parallel):
@@ -280,23 +244,6 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     agree(error, group, f"{call} stopped on every rank because planning",
           f". Every rank must build the same model and call {call} with the same arguments: correct them on the rank "
           f"named. Nothing was changed.", failed)
-
-
-class _ContextDDPGuard(DDPGuard):
-    """Under context parallelism, DDP must average over DP x CP: over the DP group alone it would leave each CP
-    rank with its own tokens' share of the gradient, and the replicas would train apart."""
-
-    def check(self, group: dist.ProcessGroup | None) -> None:
-        super().check(group)
-        state = find_state(self.model)
-        if group is None or state is None or state.cp_group is None:
-            return
-        members, cp = set(dist.get_process_group_ranks(group)), dist.get_process_group_ranks(state.cp_group)
-        if not members >= set(cp):
-            raise RuntimeError(f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
-                               f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
-                               f"autotp.allreduce_gradients(model)")
-        state.context.synced_by_ddp = True  # DDP sums over CP (and averages over DP) in backward
 
 
 def _validate_tp_size(tp_size: int, name: str = "tp_size") -> None:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .parallel.dtensor_rows import local_rows
-from .parallel.groups import group_size
+from .parallel.groups import device_of, group_size
 from .compat.hf import adapter_module
 from .compat.torch import is_fsdp_hook
 from .parallel.state import TPState, state_of, wrapped_model
@@ -32,9 +32,7 @@ def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
     parallelism. torch's own `fully_shard` on a wrapped model is refused: use `autotp.fully_shard`."""
     state = state_of(model)
     if state.dp_mesh is None:
-        group = state.dp_group
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        state.dp_mesh = DeviceMesh.from_group(group, device)
+        state.dp_mesh = DeviceMesh.from_group(state.dp_group, device_of(state.dp_group).type)
     return state.dp_mesh
 
 

@@ -2,7 +2,8 @@
 
 - TP or CP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
 - DistributedDataParallel over a group that holds two ranks of one TP group, which would average
-  different shards together (`DDPGuard`).
+  different shards together (`DDPGuard`), or, under context parallelism, one that leaves out CP ranks
+  (`ContextDDPGuard`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.parallel.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
 - torch's own `fully_shard` on a wrapped model (use `autotp.fully_shard`), and FSDP over a mesh that holds two ranks
@@ -30,7 +31,7 @@ from .compat.peft import is_modules_to_save
 from .compat.torch import ddp_under_construction
 from .parallel.lora import adapt
 from .parallel.replicas import check_replicas
-from .parallel.state import TPState, refuse_torch_fsdp, state_of
+from .parallel.state import TPState, find_state, refuse_torch_fsdp, state_of
 
 REPLICA_CHECK_EVERY = 100
 
@@ -101,6 +102,23 @@ class DDPGuard:
                 f"shards together (ranks {shared} hold different shards of the same tensors). Pass "
                 f"process_group=autotp.dp_group(model), or use autotp.allreduce_gradients(model)."
             )
+
+
+class ContextDDPGuard(DDPGuard):
+    """Under context parallelism, DDP must average over DP x CP: over the DP group alone it would leave each CP
+    rank with its own tokens' share of the gradient, and the replicas would train apart."""
+
+    def check(self, group: dist.ProcessGroup | None) -> None:
+        super().check(group)
+        state = find_state(self.model)
+        if group is None or state is None or state.cp_group is None:
+            return
+        members, cp = set(dist.get_process_group_ranks(group)), dist.get_process_group_ranks(state.cp_group)
+        if not members >= set(cp):
+            raise RuntimeError(f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
+                               f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
+                               f"autotp.allreduce_gradients(model)")
+        state.context.synced_by_ddp = True  # DDP sums over CP (and averages over DP) in backward
 
 
 def _ddp_under_construction() -> DistributedDataParallel | None:

@@ -12,8 +12,9 @@ from autotp.testing import run_ranks
 from models import batch, tiny_model
 
 
-STAGES = ["autotp.parallel.apply.LinearAllreduce.__init__", "autotp.api.apply_sequence_parallel",
-          "autotp.api.register_grad_hooks", "autotp.api.DDPGuard", "autotp.api.broadcast_replicated"]
+STAGES = ["autotp.parallel.apply.LinearAllreduce.__init__", "autotp.parallelize.apply_sequence_parallel",
+          "autotp.parallelize.register_grad_hooks", "autotp.parallelize.DDPGuard",
+          "autotp.parallelize.broadcast_replicated"]
 
 
 def snapshot(model: nn.Module) -> dict:

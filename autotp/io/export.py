@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..compat.hf_conversion import SavedTensor
 from ..compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
+from ..parallel.groups import device_of
 from ..parallel.layers import held_shard
 from ..parallel.lora import adapt_all
 from ..parallel.collectives import all_reduce, buckets
@@ -219,8 +220,7 @@ class _Agreement:
         if self.group is None or self.broken:
             return
         group = self.group
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        rows = torch.zeros(dist.get_world_size(group), 3, dtype=torch.int64, device=device)
+        rows = torch.zeros(dist.get_world_size(group), 3, dtype=torch.int64, device=device_of(group))
         rows[dist.get_rank(group)] = torch.tensor([int(stopping), self.serial, self.at])
         all_reduce(rows, group)
         where = [(dist.get_global_rank(group, r), flag, serial, at) for r, (flag, serial, at) in enumerate(rows.tolist())]

@@ -36,6 +36,14 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def device_of(group: Group) -> torch.device:
+    """The device a collective over `group` needs: this process's current GPU under NCCL, else the CPU (no group,
+    gloo). The one place that decides it, so a model, a mesh and a message buffer all land on the same device."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def global_rank() -> int:
     """This process's rank in the world (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

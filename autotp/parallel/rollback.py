@@ -15,7 +15,7 @@ from torch import nn
 from .rng import capture, restore
 
 
-class _Removable(Protocol):
+class Removable(Protocol):
     def remove(self) -> None: ...
 
 
@@ -25,9 +25,9 @@ class Snapshot:
     def __init__(self, model: nn.Module):
         self._modules = [(vars(m), dict(vars(m)), _containers(m)) for m in model.modules()]
         self._rng = capture()
-        self._handles: list[_Removable] = []
+        self._handles: list[Removable] = []
 
-    def track(self, handles: list[_Removable]) -> None:
+    def track(self, handles: list[Removable]) -> None:
         """Hooks put on tensors the model keeps (module hooks are restored with the modules)."""
         self._handles += handles
 

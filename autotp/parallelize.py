@@ -1,0 +1,129 @@
+"""The parallelisms applied to a planned model, in one place and in order; all or nothing.
+
+`parallelize` runs after every check (planning, the ranks' agreement, the process groups), so the
+model is changed only here, and a failure at any step puts it back exactly as it was
+(`parallel.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
+The order, and why:
+
+1. tensor parallelism: the plan's layers, experts and heads, then vocab parallelism (`apply_plan`);
+2. sequence parallelism: around the decoder layers it has just made parallel;
+3. materialize: `from_pretrained` reads each rank's slices into the now-sharded parameters;
+4. gradient hooks: on the parameters once they are final;
+5. context parallelism: after vocab parallelism's loss, which it wraps;
+6. transformers' methods: `save_pretrained`, `resize_token_embeddings`;
+7. the DDP guard; 8. the input check (prepended: it sees the caller's inputs);
+9. guards: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
+10. replica broadcast: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
+    makes the CP ranks' weights equal.
+
+`wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step: `autotp.fully_shard(model)`
+stays the user's own call after `wrap`, as torch's `fully_shard` is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from .compat.torch import ddp_ignored, set_ddp_ignored
+from .guards import ContextDDPGuard, DDPGuard, InputCheck, MeshGuard, SwapGuard
+from .hf_methods import ResizeTokenEmbeddings, SavePretrained
+from .io.adapters import slice_adapters_on_load
+from .parallel import context
+from .parallel.apply import apply_plan, register_grad_hooks
+from .parallel.groups import Group
+from .parallel.replicas import broadcast_replicated
+from .parallel.rollback import Snapshot, Removable
+from .parallel.sequence import apply_sequence_parallel
+from .parallel.state import TPState, detach
+from .parallel.state_dict import guard_state_dicts
+from .planning.options import WrapOptions
+from .planning.plan import Plan
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's groups: `tp` (None at tp 1), `dp` (DP x CP: what gradients average over), `cp` and `data`
+    (DP alone; both None without context parallelism)."""
+
+    tp: Group
+    dp: Group
+    cp: Group = None
+    data: Group = None
+
+
+def parallelize(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptions,
+                materialize: Callable[[TPState], None] | None = None) -> TPState:
+    """Apply `plan` and every parallelism `options` asks for to `model`, in the order the module docstring gives;
+    returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`)."""
+    snapshot = Snapshot(model)
+    try:
+        state = tensor_parallel(model, plan, groups, options)
+        snapshot.track(sequence_parallel(model, plan, state, options))
+        if materialize is not None:
+            materialize(state)
+        snapshot.track(register_grad_hooks(model, state))
+        snapshot.track(context_parallel(model, state, options))
+        hf_methods(model, state)
+        ddp_guard(model, state)
+        input_check(model, options)
+        guards(model, plan, state)
+        replica_broadcast(model, groups)
+    except BaseException:
+        snapshot.restore()
+        detach(model)
+        raise
+    return state
+
+
+def tensor_parallel(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptions) -> TPState:
+    """The plan's parallel layers, then vocab parallelism; the state every later step reads."""
+    state = apply_plan(model, plan, groups.tp, groups.dp, options)
+    state.cp_group, state.data_group = groups.cp, groups.data
+    return state
+
+
+def sequence_parallel(model: nn.Module, plan: Plan, state: TPState, options: WrapOptions) -> list[Removable]:
+    if not options.sequence_parallel:
+        return []
+    return apply_sequence_parallel(model, plan, state.tp_group, state)
+
+
+def context_parallel(model: nn.Module, state: TPState, options: WrapOptions) -> list[Removable]:
+    state.context = context.install(model, state.cp_group, state, options.cp_size)
+    return [] if state.context is None else [state.context]
+
+
+def hf_methods(model: nn.Module, state: TPState) -> None:
+    model.save_pretrained = SavePretrained(model, state)
+    model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
+
+
+def ddp_guard(model: nn.Module, state: TPState) -> None:
+    guard = DDPGuard if state.cp_group is None else ContextDDPGuard
+    set_ddp_ignored(model, guard(model, ddp_ignored(model)))
+
+
+def input_check(model: nn.Module, options: WrapOptions) -> None:
+    if options.check_inputs:
+        model.register_forward_pre_hook(InputCheck(), with_kwargs=True, prepend=True)  # the caller's inputs
+
+
+def guards(model: nn.Module, plan: Plan, state: TPState) -> None:
+    """At tp 1 nothing is sharded, so an adapter sees whole weights and no guard is needed."""
+    if state.tp_group is None:
+        return
+    guarded = [layer.path for layer in plan.layers]
+    if plan.vocab is not None and plan.vocab.embedding is not None:
+        guarded.append(plan.vocab.embedding)
+    SwapGuard.install(model, {path: model.get_submodule(path) for path in guarded}, state)
+    slice_adapters_on_load(model, state)
+    guard_state_dicts(model, state)
+    MeshGuard(model)
+
+
+def replica_broadcast(model: nn.Module, groups: Groups) -> None:
+    """Replicated tensors from the group's first rank: over TP, and over DP (x CP) whenever any group exists."""
+    broadcast_replicated(model, groups.tp, groups.dp if groups.tp is not None or groups.cp is not None else None)

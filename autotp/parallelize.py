@@ -5,15 +5,16 @@ model is changed only here, and a failure at any step puts it back exactly as it
 (`parallel.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
 The order, and why:
 
-1. tensor parallelism: the plan's layers, experts and heads, then vocab parallelism (`apply_plan`);
-2. sequence parallelism: around the decoder layers it has just made parallel;
-3. materialize: `from_pretrained` reads each rank's slices into the now-sharded parameters;
-4. gradient hooks: on the parameters once they are final;
-5. context parallelism: after vocab parallelism's loss, which it wraps;
-6. transformers' methods: `save_pretrained`, `resize_token_embeddings`;
-7. the DDP guard; 8. the input check (prepended: it sees the caller's inputs);
-9. guards: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
-10. replica broadcast: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
+1. `tensor_parallel`: the plan's layers, experts and heads, then vocab parallelism (`apply_plan`);
+2. `sequence_parallel`: around the decoder layers just made parallel;
+3. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters;
+4. `register_grad_hooks`: gradient sums, on the parameters once they are final;
+5. `context_parallel`: after vocab parallelism's loss, which it wraps;
+6. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
+7. `ddp_guard`: DDP over a wrong group refused;
+8. `input_check`: prepended, so it sees the caller's inputs;
+9. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
+10. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
     makes the CP ranks' weights equal.
 
 `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step: `autotp.fully_shard(model)`

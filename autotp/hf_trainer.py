@@ -33,7 +33,7 @@ from .parallel.collectives import all_gather
 from .data_parallel import (clip_grad_norm_, data_parallel_sampler, dp_cp_group, dp_group, dp_rank, dp_size,
                             tp_group, tp_rank, tp_size)
 from .fsdp import fully_shard as autotp_fully_shard
-from .parallel.groups import group_size
+from .parallel.groups import group_size, named_failure
 from .parallel.rng import sync_replicated_stream
 from .compat import check_versions, trainer as trainer_compat
 from .compat.hf import adapter_module
@@ -231,7 +231,8 @@ class AutoTPTrainer(Trainer):
         if isinstance(value, dict):
             return {k: self._gather_over_replicas(v) for k, v in value.items()}
         shapes: list = [None] * group_size(group)
-        dist.all_gather_object(shapes, tuple(value.shape), group=group)
+        with named_failure(group, "AutoTPTrainer's gather of the evaluated shapes over DP"):
+            dist.all_gather_object(shapes, tuple(value.shape), group=group)
         if value.dim() > 1:
             longest = max(shape[1] for shape in shapes)
             value = nn.functional.pad(value, (*[0, 0] * (value.dim() - 2), 0, longest - value.shape[1]), value=-100)
@@ -265,7 +266,8 @@ class AutoTPTrainer(Trainer):
         group = dp_group(self.model)
         if average and group_size(group) > 1:
             count = count.clone()
-            dist.all_reduce(count, group=group)
+            with named_failure(group, "AutoTPTrainer's all-reduce of the batch's label tokens over DP"):
+                dist.all_reduce(count, group=group)
         return count
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -284,7 +286,8 @@ class AutoTPTrainer(Trainer):
         group = dp_group(self.model)
         if group_size(group) > 1:
             loss = loss.clone()
-            dist.all_reduce(loss, group=group)
+            with named_failure(group, "AutoTPTrainer's all-reduce of the logged loss over DP"):
+                dist.all_reduce(loss, group=group)
             loss /= group_size(group)
         return loss
 

@@ -10,7 +10,8 @@ batch by its samples, as Trainer's does), bf16/fp16
 autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
 full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
 adapter, with only the adapters gathered). Trainer's checkpoints hold that model and the optimizer state as an
-`autotp.io.checkpoint` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard.
+`autotp.io.checkpoint` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard. What
+it does for TRL's trainers only (GRPO's generation batches, the fused LM head) is in `autotp.hf_trl`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
 6. entry points: `fsdp`, `guards`, `hf_methods`, `parallelize`, `api`, `data_parallel`, `gather`
 7. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-8. tools: `cli`, `hf_trainer`, `__main__`, `__init__` (this package)
+8. tools: `cli`, `hf_trainer`, `hf_trl`, `__main__`, `__init__` (this package)
 """
 
 from .api import explain, from_pretrained, wrap

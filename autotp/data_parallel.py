@@ -19,7 +19,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from .parallel.collectives import buckets
 from .parallel.dtensor_rows import local_rows
-from .parallel.groups import Group, group_rank, group_size
+from .parallel.groups import Group, group_rank, group_size, named_failure
 from .parallel.state import refuse_torch_fsdp, state_of, wrapped_model
 
 _BUCKET_BYTES = 25 << 20
@@ -92,7 +92,8 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     for bucket in buckets(grads, _BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
+        with named_failure(group, "autotp.allreduce_gradients' all-reduce of the gradients"):
+            dist.all_reduce(flat, group=group)
         if average:
             flat /= size
         for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
@@ -138,10 +139,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             sharded = _combine(sharded, grad, norm_type)
     op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
     if group_size(state.tp_group) > 1:
-        dist.all_reduce(sharded, op=op, group=state.tp_group)
+        with named_failure(state.tp_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over TP"):
+            dist.all_reduce(sharded, op=op, group=state.tp_group)
     if state.fsdp and group_size(state.dp_group) > 1:  # each DP rank holds its rows of every tensor
-        for part in (sharded, replicated):
-            dist.all_reduce(part, op=op, group=state.dp_group)
+        with named_failure(state.dp_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over DP"):
+            for part in (sharded, replicated):
+                dist.all_reduce(part, op=op, group=state.dp_group)
     norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1:

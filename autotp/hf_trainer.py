@@ -10,7 +10,8 @@ batch by its samples, as Trainer's does), bf16/fp16
 autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
 full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
 adapter, with only the adapters gathered). Trainer's checkpoints hold that model and the optimizer state as an
-`autotp.io.checkpoint` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard.
+`autotp.io.checkpoint` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard. What
+it does for TRL's trainers only (GRPO's generation batches, the fused LM head) is in `autotp.hf_trl`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
@@ -32,8 +32,9 @@ from transformers.trainer_pt_utils import find_batch_size
 from .parallel.collectives import all_gather
 from .data_parallel import (clip_grad_norm_, data_parallel_sampler, dp_cp_group, dp_group, dp_rank, dp_size,
                             tp_group, tp_rank, tp_size)
+from .hf_trl import check_trl_setup, generates, generation_loader, grpo_eval_loader
 from .fsdp import fully_shard as autotp_fully_shard
-from .parallel.groups import group_size
+from .parallel.groups import group_size, named_failure
 from .parallel.rng import sync_replicated_stream
 from .compat import check_versions, trainer as trainer_compat
 from .compat.hf import adapter_module
@@ -91,32 +92,11 @@ class AutoTPTrainer(Trainer):
         split over TP x DP."""
         check_versions()
         super().__init__(*args, **kwargs)
+        check_trl_setup(self)
         model = wrapped_model(self.model)
-        fused = _fused_head(vars(model).get("forward")) if model is not None else None
-        if fused is not None and find_state(model).plan.vocab is not None:
-            raise ValueError(f"autotp: {type(self).__name__} replaced the model's forward with a fused LM head "
-                             f"({fused}), which reads lm_head.weight directly; under vocab parallelism that holds "
-                             f"only this rank's vocabulary rows, so its log-probabilities would be wrong. Wrap with "
-                             f"vocab_parallel=False")
         if fully_shard and not find_state(model).fsdp:
             autotp_fully_shard(model, **({} if fully_shard is True else fully_shard))
         sync_replicated_stream(tp_group(self.model))  # a trainer may seed each process apart (TRL's GRPO does)
-        if getattr(self.args, "steps_per_generation", None) is not None:
-            self._count_replicas_in_generation_batch()
-
-    def _count_replicas_in_generation_batch(self) -> None:
-        """TRL's GRPO counted every process as a replica in `generation_batch_size`: DP replicas only. Its gathers
-        over every process then hold each replica's rewards tp times, right per whole prompt group only."""
-        args, local = self.args, self.args.per_device_train_batch_size * self.args.steps_per_generation
-        args.generation_batch_size = local * dp_size(self.model)
-        whole = getattr(args, "scale_rewards", None) == "batch" or (
-            getattr(args, "multi_objective_aggregation", None) == "normalize_then_sum")
-        if self.get_tp_size() > 1 and (whole or local % self.num_generations):
-            raise ValueError("autotp: TRL's GRPO gathers rewards over every process, where TP ranks repeat their "
-                             "replica's: " + ("scale_rewards='batch' and multi_objective_aggregation='normalize_then_"
-                             "sum' take a std over all of them; use scale_rewards='group' (the default)" if whole else
-                             f"each replica's {local} completions at a time (per_device_train_batch_size x steps_per_"
-                             f"generation) must hold whole groups of num_generations={self.num_generations}"))
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
@@ -148,9 +128,9 @@ class AutoTPTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again."""
         dataset = self.train_dataset
-        if getattr(self.args, "steps_per_generation", None) is not None:  # TRL's GRPO: generation batches
-            return self._dealt(dataset, trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset),
-                               trainer_compat.train_batch_size(self) * self.args.steps_per_generation, "training")
+        if generates(self):
+            sampler = trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset)
+            return generation_loader(self, dataset, sampler)
         batches = _EpochBatches(self.train_sampler(dataset), trainer_compat.train_batch_size(self),
                                 self.args.dataloader_drop_last)
         return _EpochLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, "training"),
@@ -174,27 +154,17 @@ class AutoTPTrainer(Trainer):
         Trainer averages every gathered loss, so a sampler that padded a replica with repeated samples
         would count them twice: a dataset that does not split evenly is refused instead.
         """
-        dp, size = dp_size(self.model), self.args.eval_batch_size
-        groups = getattr(self, "num_generations_eval", None)  # TRL's GRPO: its own sampler repeats each prompt
-        if groups is not None:
-            if len(dataset) * groups % (size * dp if dp > 1 else 1) or size % groups and self.get_tp_size() > 1:
-                raise ValueError(f"autotp: GRPO evaluates {len(dataset)} prompts x {groups} completions in batches of "
-                                 f"{size}, which must hold whole groups at tp > 1 and split evenly over DP replicas")
-            return self._dealt(dataset, trainer_compat.eval_sampler(self, dataset), size, description)
+        grpo = grpo_eval_loader(self, dataset, description)
+        if grpo is not None:
+            return grpo
+        dp = dp_size(self.model)
         if len(dataset) % dp:
             raise ValueError(f"autotp: the {description} dataset has {len(dataset)} samples, which do not split "
                              f"evenly over {dp} data-parallel replicas; the padded duplicates would skew the "
                              f"{description} loss. Use a multiple of {dp} samples")
         collator = trainer_compat.collator(self, description)
-        return DataLoader(dataset, batch_size=size,
+        return DataLoader(dataset, batch_size=self.args.eval_batch_size,
                           sampler=data_parallel_sampler(dataset, self.model, shuffle=False), collate_fn=collator,
-                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
-
-    def _dealt(self, dataset: Dataset, sampler: Sampler, batch_size: int, description: str) -> DataLoader:
-        """`sampler`'s batches dealt over DP replicas in turn, as accelerate's over processes; TP ranks alike (GRPO)."""
-        batches = BatchSamplerShard(BatchSampler(sampler, batch_size, drop_last=False), dp_size(self.model),
-                                    dp_rank(self.model), even_batches=False)
-        return DataLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, description),
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
@@ -231,7 +201,8 @@ class AutoTPTrainer(Trainer):
         if isinstance(value, dict):
             return {k: self._gather_over_replicas(v) for k, v in value.items()}
         shapes: list = [None] * group_size(group)
-        dist.all_gather_object(shapes, tuple(value.shape), group=group)
+        with named_failure(group, "AutoTPTrainer's gather of the evaluated shapes over DP"):
+            dist.all_gather_object(shapes, tuple(value.shape), group=group)
         if value.dim() > 1:
             longest = max(shape[1] for shape in shapes)
             value = nn.functional.pad(value, (*[0, 0] * (value.dim() - 2), 0, longest - value.shape[1]), value=-100)
@@ -265,7 +236,8 @@ class AutoTPTrainer(Trainer):
         group = dp_group(self.model)
         if average and group_size(group) > 1:
             count = count.clone()
-            dist.all_reduce(count, group=group)
+            with named_failure(group, "AutoTPTrainer's all-reduce of the batch's label tokens over DP"):
+                dist.all_reduce(count, group=group)
         return count
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -284,7 +256,8 @@ class AutoTPTrainer(Trainer):
         group = dp_group(self.model)
         if group_size(group) > 1:
             loss = loss.clone()
-            dist.all_reduce(loss, group=group)
+            with named_failure(group, "AutoTPTrainer's all-reduce of the logged loss over DP"):
+                dist.all_reduce(loss, group=group)
             loss /= group_size(group)
         return loss
 
@@ -370,19 +343,6 @@ class AutoTPTrainer(Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-
-
-def _fused_head(forward: Any) -> str | None:
-    """Where a forward that a fused-LM-head patch (TRL's `add_fused_lm_head`) put on a model was defined, else None.
-
-    The patch copies the original forward's name (functools.wraps), so its code object tells."""
-    while forward is not None:
-        function = getattr(forward, "__func__", forward)  # a bound method's function
-        code = getattr(function, "__code__", None)
-        if code is not None and "fused" in code.co_name:
-            return f"{code.co_name} in {code.co_filename}"
-        forward = getattr(function, "__wrapped__", None)
-    return None
 
 
 def tp_trainer(trainer_class: type[Trainer]) -> type[Trainer]:

@@ -18,6 +18,7 @@ from ..compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, k
                                     remove_tied_weights)
 from ..parallel.collectives import gather_full_to
 from ..parallel.dtensor_rows import dp_chunk, dp_full, local_rows
+from ..parallel.groups import named_failure
 from ..parallel.layers import held_shard
 from ..planning.sharding import Partition, Shard
 
@@ -110,5 +111,6 @@ def _dp_rows(tensor: torch.Tensor, index: tuple, partition: Partition | None) ->
         buffer = mine.narrow(0, start - first, count).contiguous()
     else:
         buffer = mine.new_empty((count, *mine.shape[1:]))
-    dist.broadcast(buffer, src=dist.get_global_rank(group, owner), group=group)
+    with named_failure(group, "broadcast of an expert's rows from the DP rank holding them (FSDP)"):
+        dist.broadcast(buffer, src=dist.get_global_rank(group, owner), group=group)
     return buffer, (0 if isinstance(rows, int) else (0, count), *index[1:])

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.collectives import finish_streams
-from ..parallel.groups import at_finish, is_global_rank0, world_timeout
+from ..parallel.groups import at_finish, is_global_rank0, named_failure, world_timeout
 from .errors import describe, failures, world
 
 # How long a save waits for every rank to call it before failing (gloo; NCCL waits for the group's
@@ -73,7 +73,9 @@ def staged_directory(target: str | os.PathLike, overwrite: bool, *, what: str = 
         _all_ranks_enter(what)
     box: list = [_prepare(target, overwrite or into_existing, what) if is_global_rank0() else None]
     if group is not None:
-        dist.broadcast_object_list(box, src=0)
+        with named_failure(group, f"{what}'s broadcast of the staging directory from rank 0",
+                           f"{what} is collective: call it on every rank."):
+            dist.broadcast_object_list(box, src=0)
     kind, *detail = box[0]
     if kind == "refused":
         raise FileExistsError(detail[0])

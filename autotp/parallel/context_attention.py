@@ -233,7 +233,8 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, layout: Layout, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.layout = layout
         parts = [torch.empty_like(x) for _ in range(layout.size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        with named_failure(group, "context-parallel all-gather of the output's sequence"):
+            dist.all_gather(parts, x.contiguous(), group=group)
         joined = torch.cat(parts, dim=1)
         whole = torch.empty_like(joined).index_copy_(1, layout.keys.to(x.device), joined)
         return whole[:, :layout.length]

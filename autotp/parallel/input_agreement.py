@@ -81,7 +81,8 @@ def check_same_batch(group: Group, named: list[tuple[str, torch.Tensor]], kind: 
         return
     mine = [(*m, int(checksum(t))) for m, (_, t) in zip(meta, named)]
     everyone: list = [None] * group_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    with named_failure(group, f"gathering the {_KINDS[kind]} ranks' inputs to name the one that differs"):
+        dist.all_gather_object(everyone, mine, group=group)
     raise RuntimeError(_difference(everyone, dist.get_process_group_ranks(group), kind))
 
 

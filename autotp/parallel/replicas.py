@@ -18,7 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .collectives import all_gather, buckets
 from .dtensor_rows import local_rows
-from .groups import Group, group_size
+from .groups import Group, group_size, named_failure
 from .state import find_state, state_of
 
 _BUCKET_BYTES = 64 << 20
@@ -78,7 +78,8 @@ def _received(tensors: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
     values = []
     for bucket in buckets(tensors, _BUCKET_BYTES):
         flat = _flatten_dense_tensors([t.detach() for t in bucket])
-        dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+        with named_failure(group, "broadcast of the replicated tensors from the group's rank 0"):
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
         values += _unflatten_dense_tensors(flat, bucket)
     return values
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce
-from .groups import Group, group_rank, group_size
+from .groups import Group, group_rank, group_size, named_failure
 from .layers import LinearAllreduce, LinearLayer
 
 _OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
@@ -44,7 +44,8 @@ def sync_replicated_stream(group: Group) -> None:
     if group_size(group) == 1:
         return
     box = [[s.tolist() for s in capture(cuda=True)]]  # CUDA too, initialised or not: ranks seeded apart diverge
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    with named_failure(group, "broadcast of TP rank 0's random generator state"):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     restore([torch.tensor(s, dtype=torch.uint8) for s in box[0]])
 
 

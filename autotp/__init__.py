@@ -20,7 +20,7 @@ upward import or a cycle). Each folder is one tier; its `__init__` says what it 
    `parallel.apply`, `parallel.rollback`, `parallel.lora`, `parallel.lora_lift`, `parallel.row_gather`,
    `parallel.input_agreement`, `parallel.context_attention`, `parallel.context_dropout`, `parallel.context_kernels`,
    `parallel.context_loss`, `parallel.context`
-5. files: `io`, `io.errors`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
+5. files: `io`, `io.errors`, `io.streaming`, `io.safetensors`, `io.staging`, `io.save`, `io.load`, `io.rng_state`,
    `io.chunks`, `io.checkpoint`, `io.legacy`, `io.legacy_optimizer`, `io.restore`, `io.consolidate`, `io.adapters`,
    `io.parts`, `io.export`, `io.sync`
 6. entry points: `fsdp`, `guards`, `hf_methods`, `parallelize`, `api`, `data_parallel`, `gather`

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 import autotp
 import autotp.io.staging as staging
-import autotp.parallel.collectives as collectives
+import autotp.io.streaming as streaming
 from autotp.io.load import checkpoint_files
 from autotp.io.safetensors import SafetensorsWriter, read_header
 from autotp.planning.sharding import Partition
@@ -369,22 +369,22 @@ def shard_of(full: torch.Tensor, partition: Partition, rank: int) -> torch.Tenso
 
 def stream_every_partition(rank: int, world: int, chunk: int) -> list[str]:
     """On the writer, what differs from the full tensor (read by pieces, by tensor(), and left unread)."""
-    collectives.STREAM_CHUNK_BYTES = chunk
+    streaming.STREAM_CHUNK_BYTES = chunk
     group, wrong = torch.distributed.group.WORLD, []
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
         for index, (partition, shape) in enumerate(partitions(world)):
             full = (torch.arange(torch.Size(shape).numel()) % 7 + 1).reshape(shape).to(dtype)
             shard = shard_of(full, partition, rank)
-            stream = collectives.stream_full_to(shard, partition, group)
-            collectives.stream_full_to(shard, partition, group)  # the first one is drained, unread
-            streamed = collectives.stream_full_to(shard, partition, group)
+            stream = streaming.stream_full_to(shard, partition, group)
+            streaming.stream_full_to(shard, partition, group)  # the first one is drained, unread
+            streamed = streaming.stream_full_to(shard, partition, group)
             out, seen = torch.zeros(full.numel() * full.element_size(), dtype=torch.uint8), 0
             for offset, piece in [] if streamed is None else streamed.pieces():  # read before the next call
                 data = bytearray(b"".join(piece) if isinstance(piece, list) else piece)  # a list: written in a row
                 out[offset:offset + len(data)] = torch.frombuffer(data, dtype=torch.uint8) if data else out[:0]
                 seen += len(data)
-            collectives.stream_full_to(shard, partition, group)  # left unread: the gather below drains it first
-            whole = collectives.gather_full_to(shard, partition, group)
+            streaming.stream_full_to(shard, partition, group)  # left unread: the gather below drains it first
+            whole = streaming.gather_after_streams(shard, partition, group)
             if rank != 0:
                 assert stream is None and streamed is None and whole is None
                 continue
@@ -393,7 +393,7 @@ def stream_every_partition(rank: int, world: int, chunk: int) -> list[str]:
                 wrong.append(f"{dtype} partition {index}: pieces")
             if not torch.equal(whole, full):
                 wrong.append(f"{dtype} partition {index}: tensor()")
-    collectives.finish_streams()
+    streaming.finish_streams()
     return wrong
 
 
@@ -459,16 +459,16 @@ def save_with_senders(rank: int, world: int, target: str, mode: str) -> tuple[in
     import autotp.io.save as save
 
     if hasattr(save, "gather_full_to"):  # save_pretrained's fetch, streaming as `stream_full_to` lets it
-        save.gather_full_to = lambda shard, partition, group, dst=0: collectives.stream_full_to(shard, partition, group)
+        save.gather_full_to = lambda shard, partition, group, dst=0: streaming.stream_full_to(shard, partition, group)
     wrote, offsets = [], []
     write_rows = files.write_rows
     if mode == "cannot":  # the file is not one the senders can open (another machine or container)
-        collectives.FILE_WRITER = lambda path, identity, rows: collectives.CANNOT
+        save.write_rows = lambda path, identity, rows: streaming.CANNOT
     elif mode == "full-disk" and rank == 1:
-        collectives.FILE_WRITER = lambda path, identity, rows: -errno.ENOSPC if wrote.append(1) or len(wrote) == 2 \
+        save.write_rows = lambda path, identity, rows: -errno.ENOSPC if wrote.append(1) or len(wrote) == 2 \
             else write_rows(path, identity, rows)
     else:
-        collectives.FILE_WRITER = lambda path, identity, rows: wrote.append(1) or write_rows(path, identity, rows)
+        save.write_rows = lambda path, identity, rows: wrote.append(1) or write_rows(path, identity, rows)
     if mode == "sequential":  # a network or FUSE filesystem: the writer writes every byte, in order
         files.local_filesystem = lambda path: False
     pwrite = files.pwrite_all

@@ -16,11 +16,11 @@ from torch.distributed.tensor import DTensor
 
 from ..compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, keys_to_ignore_on_save,
                                     remove_tied_weights)
-from ..parallel.collectives import gather_full_to
 from ..parallel.dtensor_rows import dp_chunk, dp_full, local_rows
 from ..parallel.groups import named_failure
 from ..parallel.layers import held_shard
 from ..planning.sharding import Partition, Shard
+from .streaming import gather_after_streams
 
 
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -71,7 +71,7 @@ def finish_part(rows: torch.Tensor, part: SavedPart) -> torch.Tensor:
 def gather_part(param: torch.Tensor, part: SavedPart, tp_group) -> torch.Tensor | None:
     """`part` of a model tensor on TP rank 0 (None on the other TP ranks), gathering nothing else."""
     local, partition = local_part(param, held_shard(param), part)
-    full = local if partition is None else gather_full_to(local.contiguous(), partition, tp_group, dst=0)
+    full = local if partition is None else gather_after_streams(local.contiguous(), partition, tp_group, dst=0)
     return None if full is None else finish_part(full, part)
 
 

@@ -27,10 +27,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ..parallel import collectives
-from ..parallel.collectives import CANNOT, FullStream
 from ..planning.sharding import Partition
 from .errors import CheckpointError, FormatError
+from .streaming import CANNOT, FullStream
 
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -131,7 +130,8 @@ def _boot_id() -> str:
 
 
 def write_rows(path: str, identity: int, rows: list[tuple[int, memoryview]]) -> int:
-    """A sender's half of `FullStream.write_into`: its rows written into the file the gathering rank has open.
+    """A sender's half of `FullStream.write_into`: its rows written into the file the gathering rank has open
+    (`save_pretrained` passes it to `stream_full_to`).
 
     0 once written; `CANNOT` where `path` is not that file (another machine, container or boot); -errno
     when a write fails (the gathering rank raises it).
@@ -168,9 +168,6 @@ def pwrite_all(fd: int, data: memoryview | bytes | list[memoryview], position: i
     while view.nbytes:
         done = os.pwrite(fd, view, position)
         view, position = view[done:], position + done
-
-
-collectives.FILE_WRITER = write_rows
 
 
 NAMES = {name: dtype for dtype, name in DTYPES.items()}

@@ -24,14 +24,14 @@ from tqdm.auto import tqdm
 
 from ..compat.hf import adapter_module
 from ..compat.hf_conversion import SavedPart, SavedTensor
-from ..parallel.collectives import stream_full_to
 from ..parallel.dtensor_rows import dp_full
 from ..parallel.groups import global_rank, is_global_rank0
 from ..parallel.layers import held_shard
 from ..parallel.state import find_state, outside_module_holders
 from .parts import full_shape, gather_part, saved_layout
-from .safetensors import SafetensorsWriter
+from .safetensors import SafetensorsWriter, write_rows
 from .staging import staged_directory
+from .streaming import stream_full_to
 
 
 def save_pretrained(
@@ -65,7 +65,8 @@ def save_pretrained(
     def fetch(name: str) -> torch.Tensor | None:
         tensor = dp_full(params[name].detach())
         shard = held_shard(params[name])
-        return tensor if shard is None else stream_full_to(tensor, shard.partition, tp_group, dst=0)
+        return tensor if shard is None else stream_full_to(tensor, shard.partition, tp_group, dst=0,
+                                                            write_rows=write_rows)
 
     def fetch_part(part: SavedPart) -> torch.Tensor | None:
         return gather_part(params[part.source], part, tp_group)

@@ -44,9 +44,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..parallel.collectives import finish_streams
 from ..parallel.groups import at_finish, is_global_rank0, named_failure, world_timeout
 from .errors import describe, failures, world
+from .streaming import finish_streams
 
 # How long a save waits for every rank to call it before failing (gloo; NCCL waits for the group's
 # timeout). None: the world group's timeout, the bound every other collective has. A shorter

@@ -4,6 +4,8 @@
 - No autotp module reads another autotp module's private attribute (`obj._x` where `_x` is set or defined in
   another module) or imports its private names; the `autotp/compat/` boundaries are exempt, since touching
   privates is what they are for (of the dependencies, not of autotp).
+- No autotp module sets another autotp module's global (`collectives.X = f`): a hook one module installs in
+  another is an upward dependency the import check cannot see; pass it as an argument.
 - docs/architecture.md names every module, so the map a newcomer reads cannot fall behind the package.
 - Every dotted `autotp.x.y` the package's source or docs/ names resolves, so a moved module leaves no stale name.
 - Gathered mode has one mechanism: `.gathered` is read only in `parallel/state.py` (which owns it) and
@@ -76,6 +78,19 @@ def test_no_module_reads_another_modules_private_attributes() -> None:
                 found += [f"{module}:{node.lineno} imports {alias.name} from {node.module}"
                           for alias in node.names if private(alias.name)]
     assert found == []
+
+
+def test_no_module_sets_another_modules_globals() -> None:
+    found = []
+    for module, tree in sources().items():
+        imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and (node.level or (node.module or "").startswith("autotp")) for alias in node.names}
+        imported |= {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.Import) for alias in node.names if alias.name.startswith("autotp")}
+        found += [f"{module}:{node.lineno} sets {ast.unparse(node)}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in imported]
+    assert found == [], "pass the value to the function that uses it instead of installing it in that module"
 
 
 def test_gathered_mode_is_read_only_where_it_is_owned_and_switched() -> None:

@@ -1,8 +1,10 @@
-"""The sequence-parallel collectives: the all-gather / reduce-scatter duality along the sequence.
+"""The dim-0 all-gather / reduce-scatter pair, and the sequence-parallel collectives built on it.
 
-An all-gather of the sequence-sharded input in forward has a reduce-scatter as its backward, and
-vice versa: `all_gather_dim0` / `reduce_scatter_dim0`, the one dim-0 pair SP, CP and the row gathers share. `SavedChunk` lets the column layers reading one gathered input keep only this rank's
-chunk, gathered again once in backward.
+An all-gather along dim 0 in forward has a reduce-scatter as its backward, and vice versa
+(`all_gather_dim0` / `reduce_scatter_dim0`): the one pair that SP's block entry and exit, CP's keys
+and values and the FSDP row gathers share. Token-major sequence chunks (`own_chunk`) make the sequence
+gathers this pair plus a view. `SavedChunk` lets the column layers reading one gathered input keep only
+this rank's chunk, gathered again once in backward.
 """
 
 from __future__ import annotations

@@ -23,9 +23,8 @@ from autotp.parallel.grad_hooks import grad_allreduce_hook, replica_grad_hook
 from autotp.parallel.state import TPState
 
 from autotp.parallel.seq_collectives import (
-
-    SavedChunk, all_gather_seq_to_tp, gather_from_seq, reduce_scatter_seq_from_tp, scatter_to_seq, seq_parallel_column_linear,
-
+    SavedChunk, all_gather_dim0, all_gather_seq_to_tp, gather_from_seq, reduce_scatter_dim0, reduce_scatter_seq_from_tp,
+    scatter_to_seq, seq_parallel_column_linear,
 )
 from autotp.planning.sharding import HeadLayout, Partition, layout_partition
 from autotp.testing import run_ranks
@@ -36,6 +35,7 @@ Make = Callable[[int, tuple[int, ...]], torch.Tensor]  # `value` or `upstream`
 UNEVEN = Partition.even(1, 5, WORLD)  # columns 0-2 on rank 0, 3-4 on rank 1
 FULL = (2, 5)
 SEQ_FULL, SEQ_CHUNK = (2, 4, 3), (2, 2, 3)  # (batch, sequence, hidden); the tokens split over 2 ranks
+ROWS_OWN, ROWS_ALL = (3, 2), (6, 2)  # dim-0 rows of one rank, of both
 
 
 def qkv_replicated() -> Partition:
@@ -86,6 +86,8 @@ def all_collectives(rank: int, world: int) -> dict:
         "all_gather_seq_to_tp": through(lambda x: all_gather_seq_to_tp(x, group), leaf(value(rank, SEQ_CHUNK)), rank),
         "reduce_scatter_seq_from_tp": through(lambda y: reduce_scatter_seq_from_tp(y, group),
                                               leaf(value(rank, SEQ_FULL)), rank),
+        "all_gather_dim0": through(lambda x: all_gather_dim0(x, group), leaf(value(rank, ROWS_OWN)), rank),
+        "reduce_scatter_dim0": through(lambda y: reduce_scatter_dim0(y, group), leaf(value(rank, ROWS_ALL)), rank),
         "all_gather_full": all_gather_full(UNEVEN.shard(full, rank), UNEVEN, group),
         "gather_full_to": gather_full_to(UNEVEN.shard(full, rank), UNEVEN, group, dst=0),
     }
@@ -165,6 +167,16 @@ def test_reduce_scatter_seq_from_tp(ranks: list[dict]) -> None:  # reduce-scatte
                                                 "grad": [gathered(upstream, SEQ_CHUNK)] * WORLD})
 
 
+def test_all_gather_dim0(ranks: list[dict]) -> None:  # all-gather along dim 0 forward, reduce-scatter backward
+    check(ranks, "all_gather_dim0", {"out": [torch.cat([value(0, ROWS_OWN), value(1, ROWS_OWN)])] * WORLD,
+                                     "grad": [total(upstream, ROWS_ALL)[3 * r:3 * r + 3] for r in RANKS]})
+
+
+def test_reduce_scatter_dim0(ranks: list[dict]) -> None:  # reduce-scatter along dim 0 forward, all-gather backward
+    check(ranks, "reduce_scatter_dim0", {"out": [total(value, ROWS_ALL)[3 * r:3 * r + 3] for r in RANKS],
+                                         "grad": [torch.cat([upstream(0, ROWS_OWN), upstream(1, ROWS_OWN)])] * WORLD})
+
+
 def test_seq_parallel_column_linear(ranks: list[dict]) -> None:
     """Saving only the own sequence chunk and re-gathering it must give F.linear's gradients on the full input."""
     x = gathered(value, SEQ_CHUNK)
@@ -211,6 +223,7 @@ def test_group_of_one_is_identity() -> None:
     for name, fn in {"copy_to_tp": copy_to_tp, "reduce_from_tp": reduce_from_tp, "scatter_to_seq": scatter_to_seq,
                      "gather_from_seq": gather_from_seq, "all_gather_seq_to_tp": all_gather_seq_to_tp,
                      "reduce_scatter_seq_from_tp": reduce_scatter_seq_from_tp,
+                     "all_gather_dim0": all_gather_dim0, "reduce_scatter_dim0": reduce_scatter_dim0,
                      "gather_from_tp": lambda t, g: gather_from_tp(t, one, g),
                      "all_gather_full": lambda t, g: all_gather_full(t, one, g),
                      "gather_full_to": lambda t, g: gather_full_to(t, one, g)}.items():

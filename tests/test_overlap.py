@@ -85,17 +85,17 @@ def sequence_gathers(rank: int, world: int) -> dict:
     ids = batch()
     loss = model(input_ids=ids, labels=ids).loss
     started: list[bool] = []
-    original = seq_collectives.start_gather_seq
+    original = seq_collectives.start_all_gather
 
-    def recording(x, group, dim, async_op=False):
+    def recording(x, group, dim=0, async_op=False, of=""):
         started.append(async_op)
-        return original(x, group, dim, async_op)
+        return original(x, group, dim, async_op, of)
 
-    seq_collectives.start_gather_seq = recording
+    seq_collectives.start_all_gather = recording
     try:
         loss.backward()
     finally:
-        seq_collectives.start_gather_seq = original
+        seq_collectives.start_all_gather = original
     return {"started": started, "layers": model.config.num_hidden_layers}
 
 

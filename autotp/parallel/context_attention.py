@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat import torch as torch_compat
-from .groups import Group, group_rank, group_size, named_failure
+from .groups import Group, group_rank, group_size
+from .seq_collectives import all_gather_dim0, start_all_gather
 
 
 LAYOUT_KWARG = "autotp_cp_layout"  # the forward keyword argument carrying a CP forward's `Layout` down to attention
@@ -31,45 +31,15 @@ def zigzag(length: int, size: int, rank: int, device: torch.device | None = None
     return torch.cat([first, torch.arange((2 * size - 1 - rank) * step, (2 * size - rank) * step, device=device)])
 
 
-def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    with named_failure(group, "context-parallel all-gather"):
-        torch_compat.all_gather_single()(out, x, group=group)
-    return out
-
-
-def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
-    with named_failure(group, "context-parallel reduce-scatter"):
-        torch_compat.reduce_scatter_single()(out, x, group=group)
-    return out
-
-
-class _GatherKV(torch.autograd.Function):
-    """Every CP rank's keys and values: all-gather forward, reduce-scatter backward (each rank's key gradient sums
-    the contributions of every rank's queries)."""
-
-    @staticmethod
-    def forward(ctx, kv: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        size = group_size(group)
-        out = _all_gather_dim0(kv, group).unflatten(0, (size, kv.shape[0]))  # [C, 2, B, H, s, D]
-        return out.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, H, C s, D]: ranks' chunks one after another
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        size = group_size(ctx.group)
-        parts = grad.unflatten(3, (size, grad.shape[3] // size)).permute(3, 0, 1, 2, 4, 5)  # [C, 2, B, H, s, D]
-        return _reduce_scatter_dim0(parts.flatten(0, 1), ctx.group), None
-
-
 def gather_kv(key: torch.Tensor, value: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [B, H, S/C, D] of every CP rank, joined in rank order [B, H, S, D]; one collective."""
-    if group_size(group) == 1:
+    """Keys and values [B, H, S/C, D] of every CP rank, joined in rank order [B, H, S, D]; one collective, whose
+    backward reduce-scatters (each rank's key gradient sums the contributions of every rank's queries)."""
+    size = group_size(group)
+    if size == 1:
         return key, value
-    both = _GatherKV.apply(torch.stack([key, value]), group)
+    joined = all_gather_dim0(torch.stack([key, value]), group, of=" of context-parallel keys and values")
+    both = joined.unflatten(0, (size, 2)).permute(1, 2, 3, 0, 4, 5)  # [2, B, H, C, s, D]
+    both = both.flatten(3, 4)  # [2, B, H, C s, D]: ranks' chunks one after another
     return both[0], both[1]
 
 
@@ -225,17 +195,15 @@ def _segments(layout: Layout) -> tuple:
     return rows[0], rows[1], cu[0], cu[1], longest[0], longest[1]
 
 
-class _GatherSequence(torch.autograd.Function):
+class _GatherSequence(torch.autograd.Function):  # not `all_gather_dim0`: its backward is no reduce-scatter
     """A [B, S/C, ...] tensor back into the whole sequence: all-gather forward, this rank's tokens (times C, as the
     loss's backward) backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layout: Layout, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.layout = layout
-        parts = [torch.empty_like(x) for _ in range(layout.size)]
-        with named_failure(group, "context-parallel all-gather of the output's sequence"):
-            dist.all_gather(parts, x.contiguous(), group=group)
-        joined = torch.cat(parts, dim=1)
+        parts = start_all_gather(x, group, of=" of the output's context-parallel sequence")()  # [C B, S/C, ...]
+        joined = parts.unflatten(0, (layout.size, x.shape[0])).movedim(0, 1).flatten(1, 2)  # [B, S, ...] in rank order
         whole = torch.empty_like(joined).index_copy_(1, layout.keys.to(x.device), joined)
         return whole[:, :layout.length]
 

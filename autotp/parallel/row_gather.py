@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
-from ..compat.torch import all_gather_single
 from .dtensor_rows import dp_chunk, local_rows
 from .groups import Group, group_rank, group_size, named_failure
+from .seq_collectives import all_gather_dim0
 from ..planning.sharding import Partition, Run
 
 _TAG = 0x41544257  # apart from the streaming gather's tag and a user's point-to-point tags
@@ -214,9 +214,7 @@ def dp_full_many(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             local = local_rows(tensors[i])[0]
             mine[at:at + local.numel()].copy_(local.reshape(-1))
             at += size
-        gathered = mine.new_empty(world * mine.numel())
-        with named_failure(group, "all-gather of FSDP's rows"):
-            all_gather_single()(gathered, mine, group=group)
+        gathered = all_gather_dim0(mine, group, of=" of FSDP's rows")
         at = 0
         for i, n, size in zip(indices, inner, padded):
             shape = tensors[i].shape

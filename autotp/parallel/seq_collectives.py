@@ -1,8 +1,10 @@
-"""The sequence-parallel collectives: the all-gather / reduce-scatter duality along the sequence.
+"""The dim-0 all-gather / reduce-scatter pair, and the sequence-parallel collectives built on it.
 
-An all-gather of the sequence-sharded input in forward has a reduce-scatter as its backward, and
-vice versa. `SavedChunk` lets the column layers reading one gathered input keep only this rank's
-chunk, gathered again once in backward.
+An all-gather along dim 0 in forward has a reduce-scatter as its backward, and vice versa
+(`all_gather_dim0` / `reduce_scatter_dim0`): the one pair that SP's block entry and exit, CP's keys
+and values and the FSDP row gathers share. Token-major sequence chunks (`own_chunk`) make the sequence
+gathers this pair plus a view. `SavedChunk` lets the column layers reading one gathered input keep only
+this rank's chunk, gathered again once in backward.
 """
 
 from __future__ import annotations
@@ -41,39 +43,87 @@ def own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int, copy: bool = 
     return chunk.clone() if copy else chunk
 
 
-def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Every rank's chunk, joined into the whole tensor: one all-gather straight into it."""
-    return start_gather_seq(x, group, dim)()
-
-
-def start_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int,
-                      async_op: bool = False) -> Callable[[], torch.Tensor]:
-    """Start `all_gather_seq` (asynchronously with `async_op`); the returned call waits and gives its result."""
+def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0, async_op: bool = False,
+                     of: str = "") -> Callable[[], torch.Tensor]:
+    """Start the one all-gather of every rank's `x` (asynchronously with `async_op`); the returned call waits and gives
+    the ranks' tensors one after another in memory, viewed as `x` with `dim` times the group size: joined along dim 0,
+    or along the sequence `dim` of token-major chunks (`own_chunk`). `of` names what travels, for a failure."""
     size = group_size(group)
     x = x.contiguous()
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' chunks one after another: the whole tensor
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
     gather = torch_compat.all_gather_single()
-    with named_failure(group, "all-gather"):
+    with named_failure(group, f"all-gather{of}"):
         work = gather(out, x, group=group, async_op=async_op)
     shape = list(x.shape)
     shape[dim] *= size
 
     def finish() -> torch.Tensor:
         if work is not None and async_op:
-            with named_failure(group, "all-gather"):
+            with named_failure(group, f"all-gather{of}"):
                 work.wait()
         return out.view(shape)
 
     return finish
 
 
-def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Sum over the group and keep this rank's chunk: one reduce-scatter, no full-size result and no copy."""
-    out = x.new_empty(_chunk_shape(x, group, dim))  # refuse a length that does not divide before communicating
-    scatter = torch_compat.reduce_scatter_single()
-    with named_failure(group, "reduce-scatter"):
-        scatter(out.view(-1), x.contiguous().view(-1), group=group)
+def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Every rank's chunk, joined into the whole tensor: one all-gather straight into it."""
+    return start_all_gather(x, group, dim)()
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, of: str = "") -> torch.Tensor:
+    """Sum over the group and keep this rank's share of dim 0: one reduce-scatter, no full-size result."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
+    with named_failure(group, f"reduce-scatter{of}"):
+        torch_compat.reduce_scatter_single()(out, x, group=group)
     return out
+
+
+class _AllGatherDim0(torch.autograd.Function):
+    """All-gather along dim 0 forward / reduce-scatter backward (the dual of `_ReduceScatterDim0`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, of: str) -> torch.Tensor:
+        ctx.group, ctx.of = group, of
+        return start_all_gather(x, group, of=of)()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.group, ctx.of), None, None
+
+
+def all_gather_dim0(x: torch.Tensor, group: Group, of: str = "") -> torch.Tensor:
+    """Every rank's `x` one after another along dim 0; each rank's gradient is its rows of the sum over ranks.
+    SP's block entry, CP's keys and values and the row gathers share it; `of` names what travels, for a failure."""
+    return x if group_size(group) == 1 else _AllGatherDim0.apply(x, group, of)
+
+
+class _ReduceScatterDim0(torch.autograd.Function):
+    """Reduce-scatter along dim 0 forward / all-gather backward (the dual of `_AllGatherDim0`); the backward then
+    starts `prefetch`'s all-gather, to run during the block's backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, of: str, prefetch: SavedChunk | None
+                ) -> torch.Tensor:
+        ctx.group, ctx.of, ctx.prefetch = group, of, prefetch
+        if prefetch is not None:
+            ctx.save_for_backward(prefetch.chunk)
+        return _reduce_scatter(y, group, of)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = start_all_gather(grad, ctx.group, of=ctx.of)()
+        if ctx.prefetch is not None:
+            ctx.prefetch.prefetch(*ctx.saved_tensors)
+        return grad, None, None, None
+
+
+def reduce_scatter_dim0(y: torch.Tensor, group: Group, of: str = "",
+                        prefetch: SavedChunk | None = None) -> torch.Tensor:
+    """The sum over ranks of `y`, this rank's share of dim 0; the gradient is every rank's gathered along dim 0.
+    `prefetch`: a block's saved input, gathered again early in backward."""
+    return y if group_size(group) == 1 else _ReduceScatterDim0.apply(y, group, of, prefetch)
 
 
 class _ScatterToSeq(torch.autograd.Function):
@@ -110,47 +160,23 @@ def gather_from_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor
     return x if group_size(group) == 1 else _GatherFromSeq.apply(x, group, dim)
 
 
-class _AllGatherSeqToTP(torch.autograd.Function):
-    """Enter a column-parallel block under sequence parallelism: all-gather forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather_seq(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_seq(grad, ctx.group, ctx.dim), None, None
-
-
 def all_gather_seq_to_tp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    return x if group_size(group) == 1 else _AllGatherSeqToTP.apply(x, group, dim)
-
-
-class _ReduceScatterSeqFromTP(torch.autograd.Function):
-    """Leave a row-parallel block under sequence parallelism: reduce-scatter forward, all-gather backward (which
-    then starts the all-gather the block's column layers will need, to run during the block's backward)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, dim: int, prefetch: SavedChunk | None
-                ) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.prefetch = group, dim, prefetch
-        if prefetch is not None:
-            ctx.save_for_backward(prefetch.chunk)
-        return reduce_scatter_seq(y, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = all_gather_seq(grad, ctx.group, ctx.dim)
-        if ctx.prefetch is not None:
-            ctx.prefetch.prefetch(*ctx.saved_tensors)
-        return grad, None, None, None
+    """Enter a column-parallel block under sequence parallelism: all-gather forward, reduce-scatter backward."""
+    if group_size(group) == 1:
+        return x
+    shape = list(x.shape)
+    shape[dim] *= group_size(group)
+    return all_gather_dim0(x, group).view(shape)  # token-major chunks: the ranks' chunks one after another
 
 
 def reduce_scatter_seq_from_tp(y: torch.Tensor, group: Group, dim: int = 1,
                                prefetch: SavedChunk | None = None) -> torch.Tensor:
-    """Reduce-scatter along the sequence; `prefetch`: the block's saved input, gathered again early in backward."""
-    return y if group_size(group) == 1 else _ReduceScatterSeqFromTP.apply(y, group, dim, prefetch)
+    """Leave a row-parallel block under sequence parallelism: reduce-scatter along the sequence forward, all-gather
+    backward; `prefetch`: the block's saved input, gathered again early in backward."""
+    if group_size(group) == 1:
+        return y
+    shape = _chunk_shape(y, group, dim)  # refuse a length that does not divide before communicating
+    return reduce_scatter_dim0(y.reshape(group_size(group) * shape[0], *shape[1:]), group, prefetch=prefetch)
 
 
 class SavedChunk:
@@ -175,7 +201,7 @@ class SavedChunk:
     def prefetch(self, chunk: torch.Tensor) -> None:
         """Start gathering the input again from `chunk` now, asynchronously, for the column layers' backward later."""
         if self._full is None and self._started is None and self.users > 0:
-            self._started = start_gather_seq(chunk, self.group, self.dim, async_op=True)
+            self._started = start_all_gather(chunk, self.group, self.dim, async_op=True)
 
     def full(self, chunk: torch.Tensor) -> torch.Tensor:
         """The gathered input, all-gathered from `chunk` by the first layer whose backward asks (or prefetched),

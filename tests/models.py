@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from torch import nn
+from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
 from autotp.testing import parity, tiny_config
-from autotp.testing.varlen import varlen_reference  # noqa: F401 (test modules import it from here)
+from autotp.testing.varlen import varlen_reference
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
@@ -312,19 +313,27 @@ def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
     return inputs, dict(inputs)
 
 
-def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = "plain", fsdp: bool = False,
-              attn: str = "sdpa", checkpointing: bool = False, sequence_parallel: bool = False, steps: int = 3) -> dict:
-    """Runs on each rank: a tiny `family` model in one process against a copy wrapped at tp x cp (x dp, under
-    `autotp.fully_shard` if asked), `steps` AdamW steps on one global batch (DP replica d its rows d::dp). Returns
-    the worst loss difference, gradient error (step 0) and parameter difference, as `autotp.testing.parity`."""
+def cp_models(family: str, attn: str = "sdpa") -> tuple[nn.Module, nn.Module]:
+    """(one process's tiny `family` model, a copy of it to wrap under CP), as a user builds them from one seed. With
+    `attn="varlen_reference"` the copy runs the flash branch, through a reference function with flash's signature,
+    against one process's sdpa."""
     import copy
 
     reference = tiny_model(family.split("_")[0], **CP_FAMILIES.get(family, {}))
     reference.set_attn_implementation("sdpa" if attn == "varlen_reference" else attn)
     model = copy.deepcopy(reference)
-    if attn == "varlen_reference":  # the flash branch, against one process's sdpa
+    if attn == "varlen_reference":
         tf.AttentionInterface.register(attn, varlen_reference)
         model.set_attn_implementation(attn)
+    return reference, model
+
+
+def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = "plain", fsdp: bool = False,
+              attn: str = "sdpa", checkpointing: bool = False, sequence_parallel: bool = False, steps: int = 3) -> dict:
+    """Runs on each rank: a tiny `family` model in one process against a copy wrapped at tp x cp (x dp, under
+    `autotp.fully_shard` if asked), `steps` AdamW steps on one global batch (DP replica d its rows d::dp). Returns
+    the worst loss difference, gradient error (step 0) and parameter difference, as `autotp.testing.parity`."""
+    reference, model = cp_models(family, attn)
     model = autotp.wrap(model, tp, cp_size=cp, sequence_parallel=sequence_parallel)
     if checkpointing:  # transformers' activation checkpointing of each decoder layer
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -571,3 +580,20 @@ def cp_parity_in_blocks(rank: int, world: int, mode: str) -> dict:
 
     context_kernels.MASK_ELEMENTS = 3 * 16 * 2  # rows x padded length x batch
     return cp_parity(rank, world, "llama", 1, world, mode)
+
+
+class Sequences(Dataset):
+    """`size` random token sequences labelled with themselves (a Trainer dataset); `index_of` tells which sample each
+    row of a batch is, so a test can say which samples a step read."""
+
+    def __init__(self, size: int, seq: int = 16, vocab: int = 256):
+        self.ids = torch.randint(0, vocab, (size, seq), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+    def index_of(self, rows: torch.Tensor) -> list[int]:
+        return [int((self.ids == row).all(1).nonzero()[0]) for row in rows.cpu()]

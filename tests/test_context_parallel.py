@@ -80,7 +80,7 @@ def test_sdpa_in_query_blocks_matches_one_process(mode: str) -> None:
 @pytest.mark.timeout(120)
 def test_parity_at_cp2_through_the_flash_branch() -> None:
     """The variable-length (flash) branch, through a reference function with flash's signature registered with
-    transformers (`models.varlen_reference`), against one process's sdpa: packed segments per (row, document,
+    transformers (`autotp.testing.varlen.varlen_reference`), against one process's sdpa: packed segments per (row, document,
     chunk), padding queries zero."""
     cases = [("llama", 1, 2, mode, False, "varlen_reference") for mode in ("plain", "packed", "padding")]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):

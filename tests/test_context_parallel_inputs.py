@@ -9,7 +9,6 @@ reduction order differs (attention over gathered keys in blocks, the loss summed
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -18,19 +17,14 @@ import transformers as tf
 import autotp
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import CP_FAMILIES, batch, tiny_model, varlen_reference
+from models import CP_FAMILIES, batch, cp_models, tiny_model
 
 TOL = parity.LOSS_ATOL
 
 
 def _pair(attn: str = "sdpa") -> tuple[torch.nn.Module, torch.nn.Module]:
     """(one process's model, the same weights wrapped at cp=2), as a user builds them from one seed."""
-    reference = tiny_model("llama", **CP_FAMILIES["llama"])
-    reference.set_attn_implementation("sdpa")
-    model = copy.deepcopy(reference)
-    if attn == "varlen_reference":  # the flash branch, through a reference function with flash's signature
-        tf.AttentionInterface.register(attn, varlen_reference)
-        model.set_attn_implementation(attn)
+    reference, model = cp_models("llama", attn)
     return reference, autotp.wrap(model, 1, cp_size=2)
 
 

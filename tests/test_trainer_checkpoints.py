@@ -6,29 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DistributedSampler
 from transformers import Trainer, TrainingArguments
 
 import autotp
 from autotp.testing.spawn import run_ranks
-from models import tiny_model
-
-
-class Numbered(Dataset):
-    """`size` random token sequences labelled with themselves; `index_of` tells which sample a row of a batch is."""
-
-    def __init__(self, size: int, seq: int = 8, vocab: int = 256):
-        self.ids = torch.randint(0, vocab, (size, seq), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-    def index_of(self, rows: torch.Tensor) -> list[int]:
-        return [int((self.ids == row).all(1).nonzero()[0]) for row in rows.cpu()]
+from models import Sequences, tiny_model
 
 
 class OneProcess(Trainer):
@@ -43,7 +26,7 @@ def reading_trainer(path: str, tp: int, steps: int, **arguments):
     steps an epoch), keeping each step's loss unrounded in `.losses` and the samples it read in `.read`."""
     from autotp.hf_trainer import AutoTPTrainer
 
-    dataset = Numbered(8)
+    dataset = Sequences(8, seq=8)
 
     class Reading(AutoTPTrainer if tp else OneProcess):
         losses: list[float] = []

@@ -11,25 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
 
 import autotp
 from autotp.testing.spawn import run_ranks
-from models import tiny_model
-
-
-class Sequences(Dataset):
-    """`size` random token sequences, labelled with themselves."""
-
-    def __init__(self, size: int, seq: int = 16, vocab: int = 256):
-        self.ids = torch.randint(0, vocab, (size, seq), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+from models import Sequences, tiny_model
 
 
 def eval_arguments(output: str) -> TrainingArguments:

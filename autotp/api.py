@@ -20,24 +20,25 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
-from .parallel.apply import parallel_layers
-from .parallel.groups import (
+from .tp.apply import parallel_layers
+from .mesh import (
     DEFAULT_TIMEOUT, Group, build_cp_groups, build_groups, device_of, dp_group_for, group_size, init_from_env,
     is_global_rank0, launched_by_torchrun, named_failure, world_timeout,
 )
-from .guards import refuse_adapters, refuse_quantized
+from .integrations.guards import refuse_adapters, refuse_quantized
 from .compat import check_versions
 from .compat.hf import build_model
-from .parallel import context, lora_lift
+from .cp import apply as context
+from .tp import lora_lift
 from .parallelize import Groups, parallelize
 from .io.errors import CheckpointError, agree, outcomes, world
-from .io.load import checkpoint_files, load_params
-from .planning.options import WrapOptions
+from .io.hf.load import checkpoint_files, load_params
+from .options import WrapOptions
 from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
-from .parallel.sequence import sequence_layout
-from .parallel.agreement import check_agreement, check_sizes
-from .parallel.state import TPState, find_state
+from .sp.sequence import sequence_layout
+from .runtime.agreement import check_agreement, check_sizes
+from .state import TPState, find_state
 
 log = logging.getLogger("autotp")
 
@@ -63,7 +64,7 @@ def wrap(
     accelerate, torch.distributed is initialised here if the script has not done it (NCCL on GPUs,
     gloo otherwise). `tp_size=1` needs no process group. Every check runs before the model is
     touched, so a refused call leaves it unchanged. The keyword options are documented once, on
-    `autotp.planning.options.WrapOptions`.
+    `autotp.options.WrapOptions`.
     """
     check_versions()
     _validate_tp_size(tp_size)
@@ -113,7 +114,7 @@ def from_pretrained(
     its rows of every sharded tensor (including its parts of fused ones). Only safetensors load.
     `task` is a key of `autotp.compat.hf.TASKS` ("causal-lm", "seq2seq", "image-text", ...); by
     default the one of the class named in the checkpoint's `config.architectures`. `dtype` and `device`
-    place the shards; the other options are `wrap`'s (`autotp.planning.options.WrapOptions`).
+    place the shards; the other options are `wrap`'s (`autotp.options.WrapOptions`).
     """
     check_versions()
     _validate_tp_size(tp_size)

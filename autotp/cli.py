@@ -208,7 +208,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Write a full HF checkpoint from a training checkpoint (either format)."""
-    from .io.consolidate import consolidate
+    from .io.checkpoint.consolidate import consolidate
 
     checkpoint = Path(args.checkpoint)
     if not checkpoint.is_dir():

@@ -5,16 +5,17 @@ model is changed only here, and a failure at any step puts it back exactly as it
 (`parallel.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
 The order, and why:
 
-1. `tensor_parallel`: the plan's layers, experts and heads, then vocab parallelism (`apply_plan`);
-2. `sequence_parallel`: around the decoder layers just made parallel;
-3. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters;
-4. `register_grad_hooks`: gradient sums, on the parameters once they are final;
-5. `context_parallel`: after vocab parallelism's loss, which it wraps;
-6. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
-7. `ddp_guard`: DDP over a wrong group refused;
-8. `input_check`: prepended, so it sees the caller's inputs;
-9. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
-10. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
+1. `tensor_parallel`: the plan's layers, experts and heads (`autotp.tp`);
+2. `vocab_parallel`: the LM head and embedding by vocabulary, after the layers (`autotp.vocab`);
+3. `sequence_parallel`: around the decoder layers just made parallel (`autotp.sp`);
+4. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters;
+5. `register_grad_hooks`: gradient sums, on the parameters once they are final;
+6. `context_parallel`: after vocab parallelism's loss, which it wraps (`autotp.cp`);
+7. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
+8. `ddp_guard`: DDP over a wrong group refused;
+9. `input_check`: prepended, so it sees the caller's inputs;
+10. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
+11. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
     makes the CP ranks' weights equal.
 
 `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step: `autotp.fully_shard(model)`
@@ -29,18 +30,19 @@ from typing import Callable
 from torch import nn
 
 from .compat.torch import ddp_ignored, set_ddp_ignored
-from .guards import ContextDDPGuard, DDPGuard, InputCheck, MeshGuard, SwapGuard
-from .hf_methods import ResizeTokenEmbeddings, SavePretrained
-from .io.adapters import slice_adapters_on_load
-from .parallel import context
-from .parallel.apply import apply_plan, register_grad_hooks
-from .parallel.groups import Group
-from .parallel.replicas import broadcast_replicated
-from .parallel.rollback import Snapshot, Removable
-from .parallel.sequence import apply_sequence_parallel
-from .parallel.state import TPState, detach
-from .parallel.state_dict import guard_state_dicts
-from .planning.options import WrapOptions
+from .integrations.guards import ContextDDPGuard, DDPGuard, InputCheck, MeshGuard, SwapGuard
+from .integrations.hf_methods import ResizeTokenEmbeddings, SavePretrained
+from .io.rollout.adapters import slice_adapters_on_load
+from .cp import apply as context
+from .tp.apply import apply_plan, register_grad_hooks
+from .mesh import Group
+from .runtime.replicas import broadcast_replicated
+from .runtime.rollback import Snapshot, Removable
+from .sp.sequence import apply_sequence_parallel
+from .state import TPState, detach
+from .tp.state_dict import guard_state_dicts
+from .vocab.apply import vocab_parallel
+from .options import WrapOptions
 from .planning.plan import Plan
 
 
@@ -62,6 +64,7 @@ def parallelize(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptio
     snapshot = Snapshot(model)
     try:
         state = tensor_parallel(model, plan, groups, options)
+        vocab_parallel(model, plan, state)
         snapshot.track(sequence_parallel(model, plan, state, options))
         if materialize is not None:
             materialize(state)
@@ -80,7 +83,7 @@ def parallelize(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptio
 
 
 def tensor_parallel(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptions) -> TPState:
-    """The plan's parallel layers, then vocab parallelism; the state every later step reads."""
+    """The plan's parallel layers; the state every later step reads."""
     state = apply_plan(model, plan, groups.tp, groups.dp, options)
     state.cp_group, state.data_group = groups.cp, groups.data
     return state

@@ -26,7 +26,7 @@ BATCH = (4, 512)
 
 def median_step(rank: int, world: int, lazy: bool) -> float:
     if not lazy:  # the old gate: the output keeps this rank's logit shard
-        import autotp.parallel.vocab as vocab
+        import autotp.vocab.layers as vocab
         vocab.lazy_logits = lambda output, gather: output
     torch.manual_seed(0)
     model = autotp.wrap(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)), world)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autotp.parallel.overlap import DeferredWeights
+from autotp.tp.overlap import DeferredWeights
 from autotp.testing.spawn import run_ranks
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,

@@ -17,7 +17,7 @@ import sweep_architectures as sweep
 import transformers as tf
 
 import autotp
-from autotp.parallel import layers
+from autotp.tp import layers
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
-from autotp.testing import parity, tiny_config
+from autotp.testing import tiny_config
+from autotp.testing import parity
 from autotp.testing.varlen import varlen_reference
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -576,7 +577,7 @@ def cp_per_token_input(rank: int, world: int) -> str:
 
 def cp_parity_in_blocks(rank: int, world: int, mode: str) -> dict:
     """`cp_parity` with sdpa's query blocks cut to 3 rows (`context_kernels.MASK_ELEMENTS`), as at long sequences."""
-    from autotp.parallel import context_kernels
+    from autotp.cp import attention as context_kernels
 
     context_kernels.MASK_ELEMENTS = 3 * 16 * 2  # rows x padded length x batch
     return cp_parity(rank, world, "llama", 1, world, mode)

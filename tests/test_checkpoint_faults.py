@@ -100,7 +100,7 @@ def test_a_full_disk_says_so_and_where(tmp_path: Path) -> None:
 def unsaveable_on_rank1(rank: int, world: int, target: str) -> str:
     """Rank 1 cannot describe its boxes (as fused shards under fully_shard once could not); the entry check is given
     a few seconds, so a rank left waiting for a peer that gave up shows within the test's time."""
-    import autotp.io.chunks as chunks
+    import autotp.io.checkpoint.chunks as chunks
     import autotp.io.staging as staging
 
     staging.ENTRY_TIMEOUT = timedelta(seconds=10)

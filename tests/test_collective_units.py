@@ -1,4 +1,4 @@
-"""Unit tests of the autograd collectives and gradient hooks (`autotp.parallel.collectives`, `.seq_collectives`,
+"""Unit tests of the autograd collectives and gradient hooks (`autotp.runtime.collectives`, `.seq_collectives`,
 `.grad_hooks`), forward and backward, on 2 forked CPU ranks (gloo).
 
 Every rank's inputs and upstream gradients are float64 integers built from its rank number (`value`,
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autotp.parallel.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
+from autotp.runtime.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
 
-from autotp.parallel.grad_hooks import grad_allreduce_hook, replica_grad_hook
-from autotp.parallel.state import TPState
+from autotp.runtime.grad_hooks import grad_allreduce_hook, replica_grad_hook
+from autotp.state import TPState
 
-from autotp.parallel.seq_collectives import (
+from autotp.runtime.seq_collectives import (
     SavedChunk, all_gather_dim0, all_gather_seq_to_tp, gather_from_seq, reduce_scatter_dim0, reduce_scatter_seq_from_tp,
     scatter_to_seq, seq_parallel_column_linear,
 )

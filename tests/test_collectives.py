@@ -4,7 +4,7 @@ Vocab parallelism adds, per step, 3 forward all-reduces (the embedding's partial
 cross-entropy's max, then its sum-exp and target logit together) and 1 backward (the LM head's
 input gradient). Each torch.distributed entry point is wrapped by a counter that still runs the
 real collective. The first training forward also checks once that the TP ranks' random generators agree (one
-all-reduce of two int64s, `autotp.parallel.rng.StreamCheck`, repeated every 64 forwards): the counts are of a
+all-reduce of two int64s, `autotp.runtime.rng.StreamCheck`, repeated every 64 forwards): the counts are of a
 steady-state step, after a first one whose extra all-reduce is asserted on its own.
 """
 

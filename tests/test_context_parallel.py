@@ -17,7 +17,7 @@ import torch.distributed as dist
 import transformers as tf
 
 import autotp
-from autotp.parallel.context_attention import build_layout, documents, zigzag
+from autotp.cp.layout import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import (

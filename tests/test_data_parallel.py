@@ -204,10 +204,10 @@ def test_helpers_without_a_model_refuse_when_two_wrapped_models_are_alive() -> N
 
 def ddp_over_world_found_at_forward(rank: int, world: int) -> str:
     """If a future torch hides DDP's group from the constructor, the guard still stops the first forward."""
-    import autotp.guards
+    import autotp.integrations.guards
 
     model = autotp.wrap(tiny_model("llama"), 2)
-    autotp.guards._ddp_under_construction = lambda: None
+    autotp.integrations.guards._ddp_under_construction = lambda: None
     runner = DistributedDataParallel(model)
     with pytest.raises(RuntimeError) as err:
         runner(input_ids=batch(), labels=batch())

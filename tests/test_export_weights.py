@@ -134,7 +134,7 @@ def export_through_ddp(rank: int, world: int) -> dict:
     """export_weights and autotp.save_pretrained given the DDP around the model, as a training loop holds it."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from autotp.hf_trainer import _TPOnly  # AutoTPTrainer's model_wrapped at dp=1 (DDP at dp > 1)
+    from autotp.integrations.trainer import _TPOnly  # AutoTPTrainer's model_wrapped at dp=1 (DDP at dp > 1)
 
     plain, model = trained_pair("llama", world)
     ddp = DistributedDataParallel(model, process_group=autotp.dp_group(model))

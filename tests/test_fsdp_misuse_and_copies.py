@@ -72,7 +72,7 @@ def mesh_message(rank: int, world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    from autotp.fsdp import check_mesh
+    from autotp.dp.fsdp import check_mesh
 
     model = autotp.wrap(tiny_model("llama"), 2)
     param = DTensor.from_local(torch.zeros(2), init_device_mesh("cpu", (world,)), [Replicate()])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.parallel.layers import LinearAllreduce, LinearLayer
+from autotp.tp.layers import LinearAllreduce, LinearLayer
 from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor as full, grad_error

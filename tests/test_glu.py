@@ -1,4 +1,4 @@
-"""A gated MLP's `act(gate) * up` is recomputed in the row layer's backward (`autotp.parallel.glu`): the block keeps gate and
+"""A gated MLP's `act(gate) * up` is recomputed in the row layer's backward (`autotp.tp.glu`): the block keeps gate and
 up for the backward, not also act(gate) and the product. Loss and every gradient are those of `recompute_glu=False`
 bit for bit: the recomputation runs the same kernels on the same tensors, and backward applies autograd's own
 formulas in the same order."""
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.parallel.block_entry import BlockEntry
-from autotp.parallel.glu import match
+from autotp.tp.block_entry import BlockEntry
+from autotp.tp.glu import match
 from autotp.planning.sharding import Partition
 from autotp.testing.memory import KeptForBackward
 from autotp.testing.parity import full_tensor

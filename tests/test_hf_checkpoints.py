@@ -18,7 +18,7 @@ from transformers import CONFIG_MAPPING
 from autotp.compat.hf import TASKS
 from autotp.compat.hf_conversion import ConvertedSource, checkpoint_sources
 from autotp.io.errors import CheckpointError
-from autotp.io.load import checkpoint_files
+from autotp.io.hf.load import checkpoint_files
 from autotp.testing import tiny_config
 from autotp.testing.spawn import run_ranks
 from autotp.testing.parity import compare_loading

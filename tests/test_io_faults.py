@@ -33,8 +33,8 @@ from transformers import AutoModelForCausalLM
 import autotp
 import autotp.io.staging as staging
 import autotp.io.streaming as streaming
-from autotp.io.load import checkpoint_files
-from autotp.io.safetensors import SafetensorsWriter, read_header
+from autotp.io.hf.load import checkpoint_files
+from autotp.io.hf.safetensors import SafetensorsWriter, read_header
 from autotp.planning.sharding import Partition
 from autotp.testing import run_ranks
 from models import tiny_model
@@ -76,7 +76,7 @@ def test_os_error_while_staging_raises_on_every_rank(tmp_path: Path, case: str) 
 
 def full_disk_on_rank0(rank: int, world: int, target: str) -> tuple[int | None, str]:
     if rank == 0:  # the third tensor written finds the disk full
-        write, calls = autotp.io.safetensors.SafetensorsWriter.write, []
+        write, calls = autotp.io.hf.safetensors.SafetensorsWriter.write, []
 
         def failing(self, name, tensor):
             calls.append(name)
@@ -84,7 +84,7 @@ def full_disk_on_rank0(rank: int, world: int, target: str) -> tuple[int | None, 
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
             write(self, name, tensor)
 
-        autotp.io.safetensors.SafetensorsWriter.write = failing
+        autotp.io.hf.safetensors.SafetensorsWriter.write = failing
     model = autotp.wrap(tiny_model("llama"), world)
     with pytest.raises(OSError) as err:
         autotp.save_pretrained(model, target, max_shard_size="60KB")
@@ -128,7 +128,7 @@ def unreadable_on_rank1(rank: int, world: int, path: str) -> tuple[str, int | No
         def failing(f, *args):
             raise OSError(errno.EIO, os.strerror(errno.EIO), f.name)
 
-        autotp.io.load.read_rows = failing
+        autotp.io.hf.load.read_rows = failing
     try:
         autotp.from_pretrained(path, world)
     except Exception as err:
@@ -455,8 +455,8 @@ def test_a_replaced_checkpoint_is_deleted_after_the_save_returns(tmp_path: Path,
 def save_with_senders(rank: int, world: int, target: str, mode: str) -> tuple[int, list[int], str]:
     """Save at tp=`world`; `mode` says how the senders' rows reach the file. Returns (the senders' own writes, the
     writer's file offsets in order, the error)."""
-    import autotp.io.safetensors as files
-    import autotp.io.save as save
+    import autotp.io.hf.safetensors as files
+    import autotp.io.hf.save as save
 
     if hasattr(save, "gather_full_to"):  # save_pretrained's fetch, streaming as `stream_full_to` lets it
         save.gather_full_to = lambda shard, partition, group, dst=0: streaming.stream_full_to(shard, partition, group)

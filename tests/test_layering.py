@@ -104,3 +104,21 @@ def test_no_import_cycle() -> None:
     for number in sorted(set(layer.values())):
         names = sorted(n for n in layer if layer[n] == number)
         print(f"layer {number}: " + ", ".join(f"{n} <- {sorted(edges[n])}" for n in names))
+
+
+DIMENSIONS = ("tp", "vocab", "sp", "cp", "dp")  # one package per parallelism dimension
+BASE = "tp"  # the layers every other dimension extends (the vocab head is a column layer; SP splits around them)
+SHARED = ("mesh", "state", "options", "runtime", "planning", "compat")
+
+
+def test_dimensions_meet_only_through_the_mesh_runtime_and_state() -> None:
+    """A dimension can be read, and removed, alone: it imports no other dimension (only tp, the base), and the
+    shared tiers import none."""
+    crossing = []
+    for a, targets in graph().items():
+        home = a.split(".")[0]
+        for b in targets:
+            there = b.split(".")[0]
+            if there in DIMENSIONS and there != home and (home in SHARED or (home in DIMENSIONS and there != BASE)):
+                crossing.append(f"{a} imports {b}")
+    assert crossing == []

@@ -1,7 +1,7 @@
 """LoRA from PEFT on a wrapped model (`get_peft_model` after `autotp.wrap`) trains like one-process PEFT.
 
 Column layers keep lora_A replicated and split lora_B like the base rows; row layers split lora_A like
-the base columns and keep lora_B replicated (see `autotp.parallel.lora`). The adapters start from the one-process
+the base columns and keep lora_B replicated (see `autotp.tp.lora`). The adapters start from the one-process
 adapters' values (PEFT draws them at local shapes under TP), then both train 3 AdamW steps on the same
 batch. Tolerances are parity's fp32 ones: only the order of sums differs.
 """
@@ -16,8 +16,8 @@ import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 
 import autotp
-from autotp.parallel.replicas import check_replicas
-from autotp.parallel.state import state_of
+from autotp.runtime.replicas import check_replicas
+from autotp.state import state_of
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, full_tensor, grad_error
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model

@@ -1,5 +1,5 @@
 """LoRA added after `wrap`: PEFT draws each adapter at its layer's full size, as one process does, and autotp splits it
-at once (`autotp.parallel.lora.build_adapter`). So a script seeded like a one-process script gets the one-process
+at once (`autotp.tp.lora.build_adapter`). So a script seeded like a one-process script gets the one-process
 adapters, bit for bit, before any forward (GatherReplacedLayerParams shows them whole), and the adapters PEFT draws
 after them too (the random stream advanced as in one process). Each rank compares with its own one-process run of
 the same script: same seed, same calls, no values copied from one run to the other.
@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import autotp
-from autotp.parallel.replicas import check_replicas
+from autotp.runtime.replicas import check_replicas
 from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL, full_tensor
 from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model, train_steps

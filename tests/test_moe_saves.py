@@ -14,7 +14,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.io.save import write_hf_checkpoint
+from autotp.io.hf.save import write_hf_checkpoint
 from autotp.testing import tiny_config
 from autotp.testing.spawn import run_ranks
 from models import batch

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.parallel.seq_collectives import SavedChunk
-from autotp.parallel.layers import ParallelLinear
-from autotp.parallel.sequence import ChunkDropout
+from autotp.runtime.seq_collectives import SavedChunk
+from autotp.tp.layers import ParallelLinear
+from autotp.sp.sequence import ChunkDropout
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config

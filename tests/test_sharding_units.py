@@ -3,7 +3,7 @@
 Checked: `Partition.shard` / `unshard` round trips (even, uneven, dims 0-2, replicated KV runs, fused
 layouts), the exact rows each rank holds for hand-worked fused layouts, replica bookkeeping, the JSON
 round trip, the errors of `Partition` and `HeadLayout.plan`, and the boxes of the full tensor a checkpoint gets from
-a rank holding FSDP's rows of its shard (`autotp.io.chunks`). Tensors hold distinct float64 values
+a rank holding FSDP's rows of its shard (`autotp.io.checkpoint.chunks`). Tensors hold distinct float64 values
 and every comparison is exact (`torch.equal`).
 """
 
@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from autotp.io.chunks import _pieces
-from autotp.parallel.dtensor_rows import dp_chunk
+from autotp.io.checkpoint.save.chunks import _pieces
+from autotp.runtime.rows import dp_chunk
 from autotp.planning.sharding import HeadLayout, Partition, layout_partition, split_ranges, split_sizes
 
 

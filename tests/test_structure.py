@@ -8,8 +8,8 @@
   another is an upward dependency the import check cannot see; pass it as an argument.
 - docs/architecture.md names every module, so the map a newcomer reads cannot fall behind the package.
 - Every dotted `autotp.x.y` the package's source or docs/ names resolves, so a moved module leaves no stale name.
-- Gathered mode has one mechanism: `.gathered` is read only in `parallel/state.py` (which owns it) and
-  `parallel/apply.py` (which switches it); hooks go through `TPState.sharded_only`.
+- Gathered mode has one mechanism: `.gathered` is read only in `state.py` (which owns it) and
+  `tp/apply.py` (which switches it); hooks go through `TPState.sharded_only`.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_no_module_sets_another_modules_globals() -> None:
 
 
 def test_gathered_mode_is_read_only_where_it_is_owned_and_switched() -> None:
-    allowed = {"parallel/state.py", "parallel/apply.py"}
+    allowed = {"state.py", "tp/apply.py"}
     reads = [f"{module}:{node.lineno}" for module, tree in sources().items() if module not in allowed
              for node in ast.walk(tree)
              if isinstance(node, ast.Attribute) and node.attr == "gathered" and isinstance(node.ctx, ast.Load)]

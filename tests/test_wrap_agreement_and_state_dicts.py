@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 import autotp
-from autotp.parallel.agreement import AGREED_OPTIONS, PER_RANK_OPTIONS
-from autotp.planning.options import WrapOptions
+from autotp.runtime.agreement import AGREED_OPTIONS, PER_RANK_OPTIONS
+from autotp.options import WrapOptions
 from autotp.testing import LOSS_ATOL, PARAM_ATOL, assert_parity, compare_training, full_tensor, run_ranks, tiny_config
 from models import CP_FAMILIES, batch, tiny_model
 
@@ -86,7 +86,7 @@ def disagreeing(rank: int, world: int, case: str) -> str:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(RuntimeError) as err:
         autotp.wrap(model, world, timeout=20, **change.get("options", {}))
-    assert not autotp.parallel.apply.parallel_layers(model)  # refused before anything changed
+    assert not autotp.tp.apply.parallel_layers(model)  # refused before anything changed
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     return str(err.value)
 
@@ -130,7 +130,7 @@ def different_sizes(rank: int, world: int, sizes: tuple[tuple[int, int], ...]) -
     with pytest.raises(ValueError) as err:
         autotp.wrap(model, tp_size, cp_size=cp_size, timeout=20)
     elapsed = time.monotonic() - start
-    assert not autotp.parallel.apply.parallel_layers(model) and autotp.parallel.state.find_state(model) is None
+    assert not autotp.tp.apply.parallel_layers(model) and autotp.state.find_state(model) is None
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     return elapsed, str(err.value)
 

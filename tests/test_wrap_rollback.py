@@ -12,7 +12,7 @@ from autotp.testing import run_ranks
 from models import batch, tiny_model
 
 
-STAGES = ["autotp.parallel.apply.LinearAllreduce.__init__", "autotp.parallelize.apply_sequence_parallel",
+STAGES = ["autotp.tp.apply.LinearAllreduce.__init__", "autotp.parallelize.apply_sequence_parallel",
           "autotp.parallelize.register_grad_hooks", "autotp.parallelize.DDPGuard",
           "autotp.parallelize.broadcast_replicated"]
 
@@ -39,7 +39,7 @@ def failing_wrap(rank: int, world: int, stage: str) -> dict:
     module_name, _, attr = stage.rpartition(".")
     owner = importlib.import_module(module_name) if not attr.startswith("__") else None
     if owner is None:  # a method: fail on the second row layer, after the first was swapped in
-        import autotp.parallel.apply as target
+        import autotp.tp.apply as target
         cls = target.LinearAllreduce
         calls = {"n": 0}
         original = cls.__init__

@@ -154,7 +154,7 @@ def patch_update_layer(around: Callable[[AdapterRequest, Callable[[], None]], No
     return restore
 
 
-# --- PEFT's names and merge, for exporting weights (autotp.io.export) ------------------------------------------------
+# --- PEFT's names and merge, for exporting weights (autotp.io.rollout.export) ------------------------------------------------
 
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
 

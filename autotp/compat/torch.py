@@ -12,7 +12,7 @@
 | `torch.testing._internal.distributed.fake_pg.FakeStore` | one rank of a larger world (benchmarks) | 2.13 |
 
 torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
-frame read returns None instead, as `autotp.guards.DDPGuard` then checks the group at DDP's first forward.
+frame read returns None instead, as `autotp.integrations.guards.DDPGuard` then checks the group at DDP's first forward.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..parallel.groups import global_rank
+from ..mesh import global_rank
 
 
 class CheckpointError(ValueError):

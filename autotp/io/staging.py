@@ -44,7 +44,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..parallel.groups import at_finish, is_global_rank0, named_failure, world_timeout
+from ..mesh import at_finish, is_global_rank0, named_failure, world_timeout
 from .errors import describe, failures, world
 from .streaming import finish_streams
 

@@ -3,7 +3,7 @@
 Why not a gather (`parallel.collectives.gather_full_to`): the gathering rank would hold every shard of a
 tensor at once, and write nothing until all came. Here it `pwrite`s each piece as it arrives, and on a
 local filesystem the other ranks write their rows into its file themselves (the caller passes how:
-`write_rows`, `autotp.io.safetensors.write_rows`), so nothing travels at all.
+`write_rows`, `autotp.io.hf.safetensors.write_rows`), so nothing travels at all.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..parallel.collectives import gather_full_to
-from ..parallel.groups import Group, group_rank, group_size, named_failure
+from ..runtime.collectives import gather_full_to
+from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition
 
 STREAM_CHUNK_BYTES = 8 << 20  # one message: gloo moves 4-8 MiB ones at memcpy speed, 64 MiB ones at 2/3 of it
@@ -29,7 +29,7 @@ _STREAM_TAG = 0x41545346  # apart from a user's point-to-point tags (0 by defaul
 _ASK = 24 + 4096  # `write_into`'s message: position, file identity, path length (int64s), the path (PATH_MAX)
 CANNOT = 1  # a sender's answer when the file is not one it can open: it sends its rows instead
 # How a sender writes its rows into the file `dst` names: (path, file identity, [(file offset, bytes)]) -> 0, CANNOT
-# or -errno (`autotp.io.safetensors.write_rows`). None: senders send.
+# or -errno (`autotp.io.hf.safetensors.write_rows`). None: senders send.
 RowWriter = Callable[[str, int, list[tuple[int, memoryview]]], int]
 _scratch: dict[str, torch.Tensor] = {}  # the gathering rank's reused buffers (pages touched once); freed at the end
 _open: list[FullStream] = []  # streams on this rank not yet read to their end

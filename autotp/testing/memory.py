@@ -10,7 +10,7 @@ from torch import nn
 
 class KeptForBackward:
     """Counts the bytes of every tensor autograd saves inside `with kept.hooks:` (parameters excluded) that is still
-    held when asked: a saved tensor whose node was freed meanwhile (a bypassed elementwise node, `autotp.parallel.glu`) is
+    held when asked: a saved tensor whose node was freed meanwhile (a bypassed elementwise node, `autotp.tp.glu`) is
     not. Each storage counts once; an address freed and reused later is a new storage."""
 
     def __init__(self, model: nn.Module) -> None:

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from ..api import wrap
-from ..parallel.collectives import all_gather_full
-from ..parallel.dtensor_rows import dp_full
-from ..parallel.groups import Group
+from ..runtime.collectives import all_gather_full
+from ..runtime.rows import dp_full
+from ..mesh import Group
 from ..planning.probe import image_token, probe_inputs
-from ..parallel.state import state_of
+from ..state import state_of
 
 # fp32 tolerances: tensor parallelism changes only the order of sums. Loss: absolute. Gradients: relative to
 # the tensor's largest reference entry (see grad_error). Parameters after a few AdamW steps at lr 1e-3: absolute.

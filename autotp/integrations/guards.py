@@ -1,0 +1,275 @@
+"""Guards against the mistakes that give silently wrong results around a wrapped model.
+
+- TP or CP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
+- DistributedDataParallel over a group that holds two ranks of one TP group, which would average
+  different shards together (`DDPGuard`), or, under context parallelism, one that leaves out CP ranks
+  (`ContextDDPGuard`).
+- A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.tp.lora`
+  makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
+- torch's own `fully_shard` on a wrapped model (use `autotp.fully_shard`), and FSDP over a mesh that holds two ranks
+  of one TP group, checked at the first forward or optimizer step (`MeshGuard`).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..mesh import group_size
+from ..runtime.input_agreement import check_same_batch
+from ..dp.fsdp import check_mesh
+from ..compat.hf import adapter_module
+from ..compat.peft import is_modules_to_save
+from ..compat.torch import ddp_under_construction
+from ..tp.lora import adapt
+from ..runtime.replicas import check_replicas
+from ..state import TPState, find_state, refuse_torch_fsdp, state_of
+
+REPLICA_CHECK_EVERY = 100
+
+
+def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """Raise on every rank if the TP or CP ranks of this replica were not given identical tensors; names the first
+    that differs. Collective over the TP group, then the CP group."""
+    state = state_of(model)
+    named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]
+    tensors = [(name, t) for name, t in named if torch.is_tensor(t)]
+    check_same_batch(state.tp_group, tensors, "TP")
+    check_same_batch(state.cp_group, tensors, "CP")
+
+
+class InputCheck:
+    """Forward pre-hook of `wrap(..., check_inputs=True)`: `check_same_inputs` on every forward, and
+    `check_replicas` every `REPLICA_CHECK_EVERY` training forwards (replicas drift slowly, and it costs a checksum)."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        check_same_inputs(module, *args, **kwargs)
+        if module.training:
+            if self.forwards % REPLICA_CHECK_EVERY == 0:
+                check_replicas(module)
+            self.forwards += 1
+
+
+class DDPGuard:
+    """Stands in as `model._ddp_params_and_buffers_to_ignore`, which DDP reads while it is being built.
+
+    DDP then already holds its process group, but broadcasts rank 0's weights over it right after;
+    if the group holds two ranks of one TP group that broadcast and every gradient average would mix
+    different shards, so the guard refuses at once. No public hook exposes the group at that point:
+    `_ddp_under_construction` reads it from the constructor's frame (checked on torch 2.4 to 2.13),
+    and should a later torch hide it, the check still runs on the DDP module's first forward.
+    """
+
+    def __init__(self, model: nn.Module, ignored: tuple[str, ...] = ()):
+        self.model, self.ignored = model, ignored
+        self._pending = None
+
+    def __iter__(self) -> Iterator[str]:
+        ddp = _ddp_under_construction()
+        if ddp is not None:
+            self.check(ddp.process_group)
+        elif self._pending is None:
+            self._pending = register_module_forward_pre_hook(self._on_forward)
+        return iter(self.ignored)
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if isinstance(module, DistributedDataParallel) and module.module is self.model:
+            self._pending.remove()
+            self._pending = None
+            self.check(module.process_group)
+
+    def check(self, group: dist.ProcessGroup | None) -> None:
+        """Refuse a data-parallel group that contains two ranks of this model's TP group."""
+        tp = state_of(self.model).tp_group
+        if group is None or group_size(tp) == 1:
+            return
+        members = set(dist.get_process_group_ranks(group))
+        shared = sorted(members & set(dist.get_process_group_ranks(tp)))
+        if len(shared) > 1:
+            raise RuntimeError(
+                f"DistributedDataParallel over ranks {sorted(members)} would average different tensor-parallel "
+                f"shards together (ranks {shared} hold different shards of the same tensors). Pass "
+                f"process_group=autotp.dp_group(model), or use autotp.allreduce_gradients(model)."
+            )
+
+
+class ContextDDPGuard(DDPGuard):
+    """Under context parallelism, DDP must average over DP x CP: over the DP group alone it would leave each CP
+    rank with its own tokens' share of the gradient, and the replicas would train apart."""
+
+    def check(self, group: dist.ProcessGroup | None) -> None:
+        super().check(group)
+        state = find_state(self.model)
+        if group is None or state is None or state.cp_group is None:
+            return
+        members, cp = set(dist.get_process_group_ranks(group)), dist.get_process_group_ranks(state.cp_group)
+        if not members >= set(cp):
+            raise RuntimeError(f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
+                               f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
+                               f"autotp.allreduce_gradients(model)")
+        state.context.synced_by_ddp = True  # DDP sums over CP (and averages over DP) in backward
+
+
+def _ddp_under_construction() -> DistributedDataParallel | None:
+    """The DDP whose constructor is reading the ignore list (two frames up), if it can be seen."""
+    return ddp_under_construction(2)
+
+
+PEFT_UNSUPPORTED = ("Of PEFT's methods autotp shards only LoRA on linear layers (get_peft_model before or after "
+                    "autotp.wrap); any other adapter would see only this rank's shard and its update would never be "
+                    "reduced, giving wrong results. Use LoRA, or train this adapter at tp_size=1")
+
+
+def refuse_adapters(model: nn.Module) -> None:
+    """Refuse a model that already holds PEFT modules, before anything changes."""
+    found = adapter_module(model)
+    if found is not None and found[0] == "the model itself" and isinstance(getattr(model, "base_model", None), nn.Module):
+        raise TypeError(f"autotp: the model is a {found[1]}; wrap the transformers model it holds instead: "
+                        f"autotp.wrap(peft_model.base_model.model, tp_size)")
+    if found is not None and is_modules_to_save(model.get_submodule(found[0])):
+        raise TypeError(f"autotp: {found[0]} is a {found[1]} (PEFT's modules_to_save), which wrap cannot shard. "
+                        f"get_peft_model after autotp.wrap works: wrap the model without PEFT, then call "
+                        f"get_peft_model(model, LoraConfig(..., modules_to_save=[...])) on the wrapped model")
+    if found is not None:
+        raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
+
+
+class MeshGuard:
+    """Stops a model sharded by torch's own `fully_shard` (not `autotp.fully_shard`) at its first forward or
+    optimizer step, and FSDP over a mesh that holds two ranks of one TP group before any step.
+
+    Inside a forward FSDP's parameters are plain tensors; before a step they are DTensors again, so the mesh is
+    checked there, once per parameter object, before any weight changes. The model's state keeps its guard alive;
+    one process-wide step hook, registered once and never removed, visits the live guards (`_GUARDS`, held weakly):
+    removing a hook while torch iterates them would break every optimizer step of the process.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model, self.state = model, state_of(model)
+        self._checked: weakref.ref | None = None
+        model.register_forward_pre_hook(self.on_forward)
+        self.state.mesh_guard = self
+        _watch(self)
+
+    def __deepcopy__(self, memo: dict) -> MeshGuard:
+        """The guard of a deep-copied model (its forward hook is this guard's bound method, copied with it); a part of
+        the model copied alone (PEFT's modules_to_save) keeps this guard, as it keeps the state."""
+        state = copy.deepcopy(self.state, memo)
+        if state is self.state:
+            return self
+        new = MeshGuard.__new__(MeshGuard)
+        memo[id(self)] = new
+        new.model, new.state, new._checked = copy.deepcopy(self.model, memo), state, None
+        _watch(new)
+        return new
+
+    def on_forward(self, module: nn.Module, args: tuple) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse FSDP over a mesh mixing TP ranks, then torch's own FSDP; one lookup while nothing changed."""
+        first = next(self.model.parameters(), None)
+        if first is None or (self._checked is not None and self._checked() is first):
+            return
+        check_mesh(first, self.state.tp_group)
+        refuse_torch_fsdp(self.model, self.state, deep=True)
+        self._checked = weakref.ref(first)  # FSDP swaps the parameter objects, so any change is seen again
+
+
+_GUARDS: weakref.WeakSet[MeshGuard] = weakref.WeakSet()
+_STEP_HOOK = []  # the one optimizer-step pre-hook handle, once registered
+
+
+def _watch(guard: MeshGuard) -> None:
+    _GUARDS.add(guard)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for guard in list(_GUARDS):
+        guard.check()
+
+
+def refuse_quantized(model: nn.Module) -> None:
+    """Refuse a quantised model (bitsandbytes, GPTQ, AWQ, ...: QLoRA's base) before anything changes: its linears
+    hold packed integer blocks with per-block scales, which splitting rows or columns would tear apart."""
+    config = getattr(model, "config", None)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None and getattr(model, "hf_quantizer", None) is None:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None)) or type(getattr(model, "hf_quantizer", None)).__name__
+    method = getattr(method, "value", method)
+    raise NotImplementedError(
+        f"autotp: {type(model).__name__} is quantised ({method}, config.quantization_config). autotp shards "
+        f"unquantised weights only; a quantised base (QLoRA) is not supported yet. Load it unquantised (e.g. "
+        f"dtype=torch.bfloat16), wrap it, then add LoRA: each rank then holds 1/tp of the weights")
+
+
+class SwapGuard:
+    """Forward pre-hook watching the slots of sharded modules: adapts PEFT's LoRA put around a sharded linear after
+    wrap (`autotp.tp.lora`), and refuses to run once one was replaced by anything else.
+
+    Hooks sit on the parent blocks, not on the model: PEFT calls the model's `forward` directly, which skips
+    the model's own hooks, while blocks are still called as modules. Slots of the model itself (the LM head)
+    are watched from the input embedding, which every forward runs first. A check is one dict lookup a slot.
+    """
+
+    def __init__(self, parent: nn.Module, parent_path: str, slots: dict[str, nn.Module], state: TPState,
+                 carrier: nn.Module):
+        self.parent, self.parent_path, self.slots, self.state = parent, parent_path, slots, state
+        self.handle = carrier.register_forward_pre_hook(self)
+        state.swap_guards.append(self)
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        for name, layer in self.slots.items():
+            current = self.parent._modules.get(name)
+            if current is layer and not hasattr(layer, "autotp_lora"):  # nothing to adapt or release (`adapt`)
+                continue  # and no path built: torch.compile would guard on each block's own string and recompile
+            path = self._path(name)
+            if adapt(current, layer, path, self.state):
+                continue
+            found = adapter_module(current) if current is not None else None
+            why = PEFT_UNSUPPORTED if found else (
+                "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
+            raise RuntimeError(f"autotp: {path} was replaced after wrap by "
+                               f"{type(current).__module__}.{type(current).__qualname__}. {why}")
+
+    def _path(self, name: str) -> str:
+        return f"{self.parent_path}.{name}" if self.parent_path else name
+
+    @classmethod
+    def install(cls, model: nn.Module, modules: dict[str, nn.Module], state: TPState) -> None:
+        """Guard every sharded module (path -> module) from its parent block."""
+        by_parent: dict[str, dict[str, nn.Module]] = {}
+        for path, module in modules.items():
+            parent, _, name = path.rpartition(".")
+            by_parent.setdefault(parent, {})[name] = module
+        for parent, slots in by_parent.items():
+            block = model.get_submodule(parent)
+            carrier = (model.get_input_embeddings() or model) if block is model else block
+            cls(block, parent, slots, state, carrier)
+
+    @classmethod
+    def refresh(cls, model: nn.Module, state: TPState, paths: list[str]) -> None:
+        """Guard `paths` anew: autotp itself rebuilt their modules (a vocabulary resize)."""
+        for guard in list(state.swap_guards):
+            for name in list(guard.slots):
+                if guard._path(name) in paths:
+                    del guard.slots[name]
+            if not guard.slots:
+                guard.handle.remove()
+                state.swap_guards.remove(guard)
+        cls.install(model, {path: model.get_submodule(path) for path in paths}, state)

@@ -1,0 +1,351 @@
+"""`AutoTPTrainer`: `transformers.Trainer` for a model wrapped by autotp, at data parallel x tensor parallel.
+
+Trainer assumes every rank is a data-parallel replica. Here only the DP group is: gradients are
+averaged by DDP over `autotp.dp_group` (never over the world), each DP replica reads its own part
+of the data while the TP ranks of a replica read the same batches, the reported batch size counts
+DP replicas only, the loss is normalised by the tokens of the whole global batch (summed over DP,
+not over every rank), gradients are clipped by the norm of the whole unsharded model, the logged
+loss is the mean over replicas, evaluation reads each replica's part of the eval set (its loss weighting each
+batch by its samples, as Trainer's does), bf16/fp16
+autocast from `TrainingArguments` applies from the first training step, and `save_model` writes a
+full checkpoint through `autotp.save_pretrained` on every rank (for a PEFT model, PEFT's full-size
+adapter, with only the adapters gathered). Trainer's checkpoints hold that model and the optimizer state as an
+`autotp.io.checkpoint.save` directory, so `train(resume_from_checkpoint=...)` resumes at any tp, dp and fully_shard. What
+it does for TRL's trainers only (GRPO's generation batches, the fused LM head) is in `autotp.integrations.trl`.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from transformers import Trainer
+from transformers.trainer_pt_utils import find_batch_size
+
+from ..runtime.collectives import all_gather
+from ..dp.ddp import (clip_grad_norm_, data_parallel_sampler, dp_cp_group, dp_group, dp_rank, dp_size,
+                            tp_group, tp_rank, tp_size)
+from .trl import check_trl_setup, generates, generation_loader, grpo_eval_loader
+from ..dp.fsdp import fully_shard as autotp_fully_shard
+from ..mesh import group_size, named_failure
+from ..runtime.rng import sync_replicated_stream
+from ..compat import check_versions
+from ..compat import trainer as trainer_compat
+from ..compat.hf import adapter_module
+from ..io.errors import CheckpointError
+from ..io.hf.load import checkpoint_files, load_params
+from ..io.checkpoint.save import write
+from ..io.checkpoint.legacy import as_params
+from ..io.checkpoint.legacy_optimizer import OPTIMIZER_FILE, layout_difference
+from ..io.checkpoint.restore import read
+from ..io.hf.save import save_pretrained
+from ..state import find_state, wrapped_model
+
+
+_SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
+_OPTIMIZER = "optimizer"  # the optimizer state's checkpoint directory, inside Trainer's checkpoint-N/
+_ADAPTER = "adapter_model.safetensors"  # PEFT's name
+
+
+class _EpochBatches(BatchSampler):
+    """A BatchSampler that forwards `set_epoch` to its sampler. A resumed Trainer skips the epoch's first batches
+    through accelerate's `skip_first_batches`, a plain DataLoader around this batch sampler, and sets the epoch on
+    `loader.batch_sampler.batch_sampler` only: here, so the resumed epoch reads its own order, not epoch 0's."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+class _EpochLoader(DataLoader):
+    """A DataLoader that forwards `set_epoch` to its batch sampler, as Trainer expects of a prepared one."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class _TPOnly(nn.Module):
+    """Marks a model as wrapped when there is one replica, so Trainer does not hand it to a world-wide DDP."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+@trainer_compat.replace_privates
+class AutoTPTrainer(Trainer):
+    """Trainer for `autotp.wrap`-ped models (or PEFT models around one); use it like `transformers.Trainer`. The
+    methods named in `autotp.compat.trainer.REPLACED` stand in for Trainer's private ones."""
+
+    def __init__(self, *args: Any, fully_shard: bool | dict[str, Any] = False, **kwargs: Any):
+        """`fully_shard=True` (or a dict of `autotp.fully_shard` options) shards the wrapped model with FSDP2 over
+        the DP group instead of replicating it under DDP: parameters, gradients and optimizer state are then
+        split over TP x DP."""
+        check_versions()
+        super().__init__(*args, **kwargs)
+        check_trl_setup(self)
+        model = wrapped_model(self.model)
+        if fully_shard and not find_state(model).fsdp:
+            autotp_fully_shard(model, **({} if fully_shard is True else fully_shard))
+        sync_replicated_stream(tp_group(self.model))  # a trainer may seed each process apart (TRL's GRPO does)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm_(
+            self.model, max_norm, float(norm_type))
+        unwrap = self.accelerator.unwrap_model  # through `_TPOnly` too (TRL unwraps the model to generate)
+        self.accelerator.unwrap_model = lambda m, *a, **k: unwrap(m.module if isinstance(m, _TPOnly) else m, *a, **k)
+
+    def wrap_for_training(self, model: nn.Module, training: bool = True,
+                          dataloader: DataLoader | None = None) -> nn.Module:
+        """For training, DDP over DP x CP only (or nothing under FSDP or with one rank there), never over the world."""
+        if not training or isinstance(model, (DistributedDataParallel, _TPOnly)):
+            return model
+        if not trainer_compat.is_prepared(self, model):  # bf16 / fp16: autocast, as Trainer's prepare does
+            self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        group = dp_cp_group(model)  # DP x CP: the average sums over CP (each CP rank's share counts C times)
+        if group_size(group) > 1 and not find_state(model).fsdp:  # FSDP reduces gradients over DP x CP itself
+            device = next(model.parameters()).device
+            return DistributedDataParallel(model, process_group=group,
+                                           device_ids=[device] if device.type == "cuda" else None)
+        return _TPOnly(model)
+
+    def train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
+        """Each DP replica its own part of the data; the TP ranks of a replica the same."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return data_parallel_sampler(dataset, self.model, shuffle=True, seed=self.args.seed)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again."""
+        dataset = self.train_dataset
+        if generates(self):
+            sampler = trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset)
+            return generation_loader(self, dataset, sampler)
+        batches = _EpochBatches(self.train_sampler(dataset), trainer_compat.train_batch_size(self),
+                                self.args.dataloader_drop_last)
+        return _EpochLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, "training"),
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+
+    def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
+        """Each DP replica evaluates its own part; the TP ranks of a replica read the same batches."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        return self._replica_loader(dataset, "evaluation")
+
+    def get_test_dataloader(self, test_dataset: Dataset) -> DataLoader:
+        return self._replica_loader(test_dataset, "test")
+
+    def _replica_loader(self, dataset: Dataset, description: str) -> DataLoader:
+        """In order, over DP replicas only, and not through `accelerator.prepare` (which splits over every rank).
+
+        Trainer averages every gathered loss, so a sampler that padded a replica with repeated samples
+        would count them twice: a dataset that does not split evenly is refused instead.
+        """
+        grpo = grpo_eval_loader(self, dataset, description)
+        if grpo is not None:
+            return grpo
+        dp = dp_size(self.model)
+        if len(dataset) % dp:
+            raise ValueError(f"autotp: the {description} dataset has {len(dataset)} samples, which do not split "
+                             f"evenly over {dp} data-parallel replicas; the padded duplicates would skew the "
+                             f"{description} loss. Use a multiple of {dp} samples")
+        collator = trainer_compat.collator(self, description)
+        return DataLoader(dataset, batch_size=self.args.eval_batch_size,
+                          sampler=data_parallel_sampler(dataset, self.model, shuffle=False), collate_fn=collator,
+                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's loop, with what each replica evaluated gathered over the DP group (Trainer resets it after)."""
+        self.gather_function = self._gather_for_metrics
+        self._loss_samples = None
+        return super().evaluation_loop(*args, **kwargs)
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> Any:
+        """Trainer's step; remembers how many samples the batch held, for the loss Trainer gathers next."""
+        outputs = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        self._loss_samples = find_batch_size(inputs) if outputs[0] is not None else None
+        return outputs
+
+    def _gather_for_metrics(self, value: Any) -> Any:
+        """The DP gather; the first value after a step with a loss is that loss, which Trainer repeated
+        `eval_batch_size` times: repeated as many times as the batch had samples instead, so that a smaller last
+        batch weighs what it holds (accelerate's `gather_for_metrics` drops the surplus in one-process Trainer)."""
+        samples, self._loss_samples = self._loss_samples, None
+        if samples is not None and torch.is_tensor(value) and value.dim() == 1 and len(value):
+            value = value[:1].repeat(samples)
+        return self._gather_over_replicas(value)
+
+    def _gather_over_replicas(self, value: Any) -> Any:
+        """Losses, logits or labels of every DP replica, concatenated in replica order; TP ranks of a replica
+        hold the same, so they are not gathered twice. Sequences are padded to the longest with -100, as
+        Trainer pads batches."""
+        group = dp_group(self.model)
+        if group_size(group) == 1 or value is None:
+            return value
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._gather_over_replicas(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._gather_over_replicas(v) for k, v in value.items()}
+        shapes: list = [None] * group_size(group)
+        with named_failure(group, "AutoTPTrainer's gather of the evaluated shapes over DP"):
+            dist.all_gather_object(shapes, tuple(value.shape), group=group)
+        if value.dim() > 1:
+            longest = max(shape[1] for shape in shapes)
+            value = nn.functional.pad(value, (*[0, 0] * (value.dim() - 2), 0, longest - value.shape[1]), value=-100)
+        parts = [value.new_empty((shape[0], *value.shape[1:])) for shape in shapes]
+        all_gather(parts, value.contiguous(), group)
+        return torch.cat(parts)
+
+    def get_tp_size(self) -> int:
+        return tp_size(self.model)
+
+    def get_total_train_batch_size(self, args) -> int:
+        return trainer_compat.train_batch_size(self) * args.gradient_accumulation_steps * dp_size(self.model)
+
+    @contextmanager
+    def _no_world_token_average(self) -> Iterator[bool]:
+        """Trainer's token averaging assumes every rank is a replica; inside, autotp does it over DP instead."""
+        average = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            yield average
+        finally:
+            self.args.average_tokens_across_devices = average
+
+    def count_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """This replica's label tokens, summed over the DP group when averaging tokens across devices."""
+        with self._no_world_token_average() as average:
+            count = trainer_compat.replaced(self, AutoTPTrainer, "count_items_in_batch")(batch_samples, device)
+        if not torch.is_tensor(count):
+            return count
+        count = count * self.get_tp_size()  # Trainer divided by the ranks sharing a batch; this count is ours alone
+        group = dp_group(self.model)
+        if average and group_size(group) > 1:
+            count = count.clone()
+            with named_failure(group, "AutoTPTrainer's all-reduce of the batch's label tokens over DP"):
+                dist.all_reduce(count, group=group)
+        return count
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages."""
+        with self._no_world_token_average() as average:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if average and num_items_in_batch is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            scale = dp_size(self.model)
+            result = (result[0] * scale, result[1]) if return_outputs else result * scale
+        return result
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """The usual step; the loss returned for logging is the mean over DP replicas (TP ranks agree already)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        group = dp_group(self.model)
+        if group_size(group) > 1:
+            loss = loss.clone()
+            with named_failure(group, "AutoTPTrainer's all-reduce of the logged loss over DP"):
+                dist.all_reduce(loss, group=group)
+            loss /= group_size(group)
+        return loss
+
+    def save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The optimizer state as one checkpoint directory, `optimizer/` (`autotp.io.checkpoint.save`: every state tensor at
+        its full shape under its parameter's name, each rank writing its own rows), which resumes at any tp, dp and
+        fully_shard, in place of Trainer's single `optimizer.pt`, which would hold rank 0's shards only. Collective:
+        Trainer calls it on every rank. The scheduler as Trainer writes it (the scaler Trainer saves apart)."""
+        os.makedirs(output_dir, exist_ok=True)
+        write(os.path.join(output_dir, _OPTIMIZER), self.model, self.optimizer, None, {}, overwrite=True,
+              weights=False, rng=False, what="AutoTPTrainer's optimizer save")
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+
+    def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """This rank's part of the optimizer state, at this run's layout whatever the saved one (a checkpoint of
+        autotp before `optimizer/`: this rank's own file, at the layout it was saved at only); then the scheduler.
+        A checkpoint without optimizer state (`save_only_model=True`) resumes with a fresh one, as Trainer's does."""
+        if checkpoint is None:
+            return
+        if os.path.isdir(os.path.join(checkpoint, _OPTIMIZER)):
+            read(os.path.join(checkpoint, _OPTIMIZER), self.model, self.optimizer, None, weights=False)
+        elif any(map(OPTIMIZER_FILE.fullmatch, os.listdir(checkpoint))):
+            self._read_per_rank_optimizer(checkpoint)
+        scheduler = os.path.join(checkpoint, _SCHEDULER)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+
+    def _read_per_rank_optimizer(self, checkpoint: str) -> None:
+        """The older format: one file per TP rank (under FSDP, per TP and DP rank), named by this run's layout."""
+        fsdp = find_state(self.model).fsdp
+        name = f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}"
+        name += f".dp{dp_rank(self.model)}-of-{dp_size(self.model)}.pt" if fsdp else ".pt"
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
+            raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored: "
+                                  + layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None))
+        state = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
+        self.optimizer.load_state_dict(as_params(state, self.optimizer))
+
+    def load_rng_state(self, checkpoint: str | None) -> None:
+        """Trainer's: each process its own `rng_state_{i}.pth`. At another layout a TP group may mix ranks that read
+        different replicas' files, or none (more ranks than saved): each TP group then takes its rank 0's
+        generators, as `wrap` does, since its ranks must draw alike."""
+        trainer_compat.replaced(self, AutoTPTrainer, "load_rng_state")(checkpoint)
+        sync_replicated_stream(tp_group(self.model))
+
+    def load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The full checkpoint `save_to` wrote, read as this rank's rows into the wrapped model's own parameters; for
+        a model holding PEFT adapters, the adapter PEFT wrote, loaded by PEFT."""
+        if adapter_module(self.model) is not None:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            weights = load_file(os.path.join(resume_from_checkpoint, _ADAPTER))
+            set_peft_model_state_dict(self.model, weights)  # each rank keeps its slices (autotp.io.rollout.adapters)
+            return
+        param = next(self.model.parameters())
+        load_params(self.model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
+                    show=self.args.should_save, in_place=True)
+
+    def load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint's full model, read as this rank's rows, in place."""
+        self.load_from_checkpoint(self.state.best_model_checkpoint)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every rank takes part (`autotp.save_pretrained` is collective); Trainer itself saves on the
+        main process only (transformers 5.19 under accelerate's multi-process state), which would leave it
+        waiting for the others."""
+        self.save_to(output_dir or self.args.output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def save_to(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
+        output_dir = output_dir or self.args.output_dir
+        if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (autotp.io.rollout.adapters)
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
+        else:
+            save_pretrained(self.model, output_dir, into_existing=True)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def tp_trainer(trainer_class: type[Trainer]) -> type[Trainer]:
+    """`trainer_class` (a Trainer subclass, such as TRL's `SFTTrainer`) with `AutoTPTrainer`'s behaviour mixed in."""
+    return type(f"AutoTP{trainer_class.__name__}", (AutoTPTrainer, trainer_class), {})

@@ -1,0 +1,93 @@
+"""What `AutoTPTrainer` (`autotp.hf_trainer`) does for TRL's trainers only, called from its methods.
+
+TRL's GRPO counts every process as a replica in its generation batch, deals generation batches over processes,
+and evaluates each prompt repeated once per completion; here only DP replicas are replicas, and the TP ranks of
+one replica read the same batches. TRL's fused-LM-head patch reads `lm_head.weight` whole, which vocab
+parallelism splits, so it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from transformers import Trainer
+
+from ..compat import trainer as trainer_compat
+from ..dp.ddp import dp_rank, dp_size
+from ..state import find_state, wrapped_model
+
+
+def generates(trainer: Trainer) -> bool:
+    """Whether `trainer` trains on generation batches (TRL's GRPO: `steps_per_generation` in its arguments)."""
+    return getattr(trainer.args, "steps_per_generation", None) is not None
+
+
+def check_trl_setup(trainer: Trainer) -> None:
+    """At construction: refuse a fused LM head under vocab parallelism; count DP replicas only in GRPO's
+    generation batch."""
+    model = wrapped_model(trainer.model)
+    fused = fused_head(vars(model).get("forward")) if model is not None else None
+    if fused is not None and find_state(model).plan.vocab is not None:
+        raise ValueError(f"autotp: {type(trainer).__name__} replaced the model's forward with a fused LM head "
+                         f"({fused}), which reads lm_head.weight directly; under vocab parallelism that holds "
+                         f"only this rank's vocabulary rows, so its log-probabilities would be wrong. Wrap with "
+                         f"vocab_parallel=False")
+    if generates(trainer):
+        _count_replicas_in_generation_batch(trainer)
+
+
+def _count_replicas_in_generation_batch(trainer: Trainer) -> None:
+    """TRL's GRPO counted every process as a replica in `generation_batch_size`: DP replicas only. Its gathers
+    over every process then hold each replica's rewards tp times, right per whole prompt group only."""
+    args, local = trainer.args, trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
+    args.generation_batch_size = local * dp_size(trainer.model)
+    whole = getattr(args, "scale_rewards", None) == "batch" or (
+        getattr(args, "multi_objective_aggregation", None) == "normalize_then_sum")
+    if trainer.get_tp_size() > 1 and (whole or local % trainer.num_generations):
+        raise ValueError("autotp: TRL's GRPO gathers rewards over every process, where TP ranks repeat their "
+                         "replica's: " + ("scale_rewards='batch' and multi_objective_aggregation='normalize_then_"
+                         "sum' take a std over all of them; use scale_rewards='group' (the default)" if whole else
+                         f"each replica's {local} completions at a time (per_device_train_batch_size x steps_per_"
+                         f"generation) must hold whole groups of num_generations={trainer.num_generations}"))
+
+
+def generation_loader(trainer: Trainer, dataset: Dataset, sampler: Sampler) -> DataLoader:
+    """GRPO's training data: `sampler`'s generation batches (`steps_per_generation` steps each), dealt over DP."""
+    size = trainer_compat.train_batch_size(trainer) * trainer.args.steps_per_generation
+    return dealt(trainer, dataset, sampler, size, "training")
+
+
+def grpo_eval_loader(trainer: Trainer, dataset: Dataset, description: str) -> DataLoader | None:
+    """GRPO's evaluation data (its own sampler repeats each prompt once per completion), dealt over DP replicas;
+    None for any other trainer."""
+    groups = getattr(trainer, "num_generations_eval", None)
+    if groups is None:
+        return None
+    dp, size = dp_size(trainer.model), trainer.args.eval_batch_size
+    if len(dataset) * groups % (size * dp if dp > 1 else 1) or size % groups and trainer.get_tp_size() > 1:
+        raise ValueError(f"autotp: GRPO evaluates {len(dataset)} prompts x {groups} completions in batches of "
+                         f"{size}, which must hold whole groups at tp > 1 and split evenly over DP replicas")
+    return dealt(trainer, dataset, trainer_compat.eval_sampler(trainer, dataset), size, description)
+
+
+def dealt(trainer: Trainer, dataset: Dataset, sampler: Sampler, batch_size: int, description: str) -> DataLoader:
+    """`sampler`'s batches dealt over DP replicas in turn, as accelerate's over processes; TP ranks alike (GRPO)."""
+    batches = BatchSamplerShard(BatchSampler(sampler, batch_size, drop_last=False), dp_size(trainer.model),
+                                dp_rank(trainer.model), even_batches=False)
+    return DataLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(trainer, description),
+                      num_workers=trainer.args.dataloader_num_workers, pin_memory=trainer.args.dataloader_pin_memory)
+
+
+def fused_head(forward: Any) -> str | None:
+    """Where a forward that a fused-LM-head patch (TRL's `add_fused_lm_head`) put on a model was defined, else None.
+
+    The patch copies the original forward's name (functools.wraps), so its code object tells."""
+    while forward is not None:
+        function = getattr(forward, "__func__", forward)  # a bound method's function
+        code = getattr(function, "__code__", None)
+        if code is not None and "fused" in code.co_name:
+            return f"{code.co_name} in {code.co_filename}"
+        forward = getattr(function, "__wrapped__", None)
+    return None

@@ -1,0 +1,58 @@
+"""`WrapOptions`: every option of `wrap` and `from_pretrained`, documented once, shared by the whole pipeline.
+
+The entry points keep their keyword signatures and build one of these, by keyword (its fields are keyword-only, so
+a field added in the middle cannot shift the others); `apply_plan` fixes the options into the layers and block entries
+it builds, and the wrapped model's state keeps them. Every field is either compared between the ranks before sharding
+or named per-rank, with the reason, in `autotp.runtime.agreement`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping
+
+PolicyArg = Any  # a TOML path, a dict, or None (autotp.planning.planner.PolicyArg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WrapOptions:
+    """How a model is sharded; every field has the default `wrap` gives it.
+
+    - `tp_group`: a process group to shard over, instead of consecutive ranks of the world; the DP
+      groups are then built to match.
+    - `policy`: a TOML path or a dict naming each module's style; by default a shipped policy,
+      transformers' `base_model_tp_plan`, or structural detection.
+    - `vocab_parallel`: split the embedding and LM head by vocabulary where the model allows (the
+      plan says why not, otherwise), so logits stay sharded and the loss runs on the shards.
+    - `sequence_parallel`: also split the residual stream between blocks along the sequence.
+    - `check_inputs`: verify on every forward that all TP ranks of a replica got the same tensors,
+      and every 100 training forwards that the replicated parameters still agree.
+    - `timeout`: how long autotp's collectives wait for a failed or hung peer (a timedelta, or
+      seconds); None: the one given to `init_process_group`, else 5 minutes.
+    - `overlap`: compute the column layers' weight gradients while their input gradient's
+      all-reduce runs (Megatron's overlap).
+    - `recompute_glu`: keep a gated MLP's gate and up outputs for the backward, not act(gate) and
+      the product (`autotp.tp.glu`).
+    - `example_inputs`: forward keyword arguments for a small batch (`{"pixel_values": tensor}`), on which the plan
+      is verified by running the model once, for a model whose forward takes no `input_ids`. Without them, an
+      explicit plan (`policy=`, or transformers' `base_model_tp_plan`) that cannot be verified is refused.
+    - `cp_size`: context parallelism, the sequence split over that many ranks (TP groups innermost, CP groups next:
+      world = dp x cp x tp). Every rank of a CP group is given the same whole batch; the loss and gradients are
+      those of one process (`autotp.cp.apply`, docs/long-context.md).
+    """
+
+    tp_group: Any = None  # torch.distributed.ProcessGroup; not imported here: planning has no torch.distributed
+    policy: PolicyArg = None
+    vocab_parallel: bool = True
+    sequence_parallel: bool = False
+    check_inputs: bool = False
+    timeout: timedelta | float | None = None
+    overlap: bool = True
+    recompute_glu: bool = True
+    example_inputs: Mapping[str, Any] | None = None
+    cp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
+            object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))

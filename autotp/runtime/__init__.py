@@ -1,0 +1,4 @@
+"""The runtime every dimension shares: collectives, the dim-0 pairs, rollback, agreement, replicas, grad hooks.
+
+It imports the mesh, the state, planning and compat; never a dimension package, io or the integrations.
+"""

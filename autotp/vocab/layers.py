@@ -1,0 +1,216 @@
+"""Vocab parallelism: embedding rows and LM-head rows split by vocabulary, and a loss on sharded logits.
+
+The embedding keeps its class (Gemma's scaled embedding included): hooks map ids into the shard,
+zero the rows of ids another rank holds, and all-reduce. The LM head is an ordinary column-parallel
+`LinearLayer`, so logits stay sharded; the cross-entropy works on the shards with three small
+all-reduces and a local backward, so the batch x seq x vocab logits are never gathered for a loss.
+A caller that wants logits (evaluation, generation, no labels) gets them gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
+from ..mesh import Group, group_rank, group_size
+from ..runtime.lazy_logits import lazy_logits
+from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
+from ..planning.sharding import Partition
+
+
+class VocabParallelEmbedding:
+    """Hooks that make an `nn.Embedding` (or subclass) look up only this rank's vocabulary rows; they do nothing while
+    the model is gathered (`state.sharded_only`)."""
+
+    def __init__(self, module: nn.Embedding, partition: Partition, group: Group, state):
+        self.module, self.group = module, group
+        rank = group_rank(group)
+        (self.start, self.count), = partition.runs[rank]
+        self.full_rows, self.full_padding = module.num_embeddings, module.padding_idx
+        module.weight = shard_parameter(module.weight, partition, rank)
+        self._set_rows(full=False)
+        self._mask: torch.Tensor | None = None
+        self._hooks = [module.register_forward_pre_hook(state.sharded_only(self._enter)),
+                       module.register_forward_hook(state.sharded_only(self._leave))]
+        module.autotp_region = self
+
+    def release(self) -> None:
+        """Leave the module a plain full embedding again (it must be gathered): before a vocabulary resize."""
+        if self.module.num_embeddings != self.full_rows:
+            raise RuntimeError("gather the embedding before releasing it")
+        for hook in self._hooks:
+            hook.remove()
+        del self.module.autotp_region
+
+    def _set_rows(self, full: bool) -> None:
+        if full:
+            self.module.num_embeddings, self.module.padding_idx = self.full_rows, self.full_padding
+            return
+        self.module.num_embeddings = self.count
+        padding = self.full_padding
+        self.module.padding_idx = padding - self.start if padding is not None and 0 <= padding - self.start < self.count \
+            else None
+
+    def _enter(self, module, args):
+        ids = args[0]
+        self._mask = (ids < self.start) | (ids >= self.start + self.count)
+        return ((ids - self.start).masked_fill(self._mask, 0), *args[1:])
+
+    def _leave(self, module, args, output):
+        output = output.masked_fill(self._mask.unsqueeze(-1), 0)
+        self._mask = None
+        return reduce_from_tp(output, self.group)
+
+    def gather_(self) -> None:
+        gather_parameter_(self.module.weight, self.group)
+        self._set_rows(full=True)
+
+    def partition_(self) -> None:
+        partition_parameter_(self.module.weight)
+        self._set_rows(full=False)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy on vocab-sharded logits: (max, then sum) of the local log-sum-exps all-reduced forward; local
+    backward. The one full-size temporary is the local softmax (a fused kernel), kept for backward: on CPU every
+    fresh full-size tensor also costs its page faults."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, full_vocab: int, ignore_index: int,
+                smoothing: float, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        softmax = torch.softmax(logits, dim=-1)
+        local_max = logits.max(dim=-1).values
+        masked = local_max == float("-inf")  # a row this rank's whole shard masks out: its softmax is NaN
+        softmax.masked_fill_(masked.unsqueeze(-1), 0.0)
+        # the max's softmax is 1 / sum-exp
+        local_lse = torch.where(masked, local_max, local_max - softmax.max(dim=-1).values.log())
+        top = local_lse.clone()
+        all_reduce(top, group, dist.ReduceOp.MAX)
+        local = target - start
+        valid = target != ignore_index
+        mine = valid & (local >= 0) & (local < logits.shape[-1])
+        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: a masked logit is -inf
+        sums = torch.stack([(local_lse - top).exp(), picked, *([logits.sum(-1)] if smoothing else [])])
+        all_reduce(sums, group)
+        lse = top + sums[0].log()  # log of the softmax denominator over the whole vocabulary
+        loss = lse - sums[1]
+        if smoothing:
+            loss = (1 - smoothing) * loss + smoothing * (lse - sums[2] / full_vocab)
+        softmax.mul_((local_lse - lse).exp().unsqueeze(-1))  # normalised over the whole vocabulary
+        ctx.save_for_backward(softmax, local, mine, valid)
+        ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
+        return loss * valid
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local, mine, valid = ctx.saved_tensors
+        out = softmax
+        # minus (1 - smoothing) at each row's target, where this rank holds it: a scatter, not a nonzero
+        # (whose data-dependent shape breaks torch.compile's graph)
+        target = local.clamp(0, out.shape[-1] - 1).unsqueeze(-1)
+        out.scatter_add_(-1, target, mine.to(out.dtype).unsqueeze(-1) * -(1 - ctx.smoothing))
+        if ctx.smoothing:
+            out -= ctx.smoothing / ctx.full_vocab
+        out *= (grad * valid).unsqueeze(-1)
+        return out.to(ctx.dtype), None, None, None, None, None, None
+
+
+class VocabParallelLoss:
+    """Stands in for an HF model's `loss_function` (ForCausalLM semantics) when its logits are vocab-sharded.
+
+    Full-width logits (inside `GatherReplacedLayerParams`) go to the model's own loss function.
+    `calls` counts sharded calls, so a model that computes its loss some other way is caught.
+    """
+
+    def __init__(self, partition: Partition, group: Group, full_loss: Callable[..., torch.Tensor]):
+        self.group, self.full_loss = group, full_loss
+        (self.start, _), = partition.runs[group_rank(group)]
+        self.full_vocab = partition.full_size
+        self.calls = 0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
+                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
+                 label_smoothing: float = 0.0, **kwargs: Any) -> torch.Tensor:
+        if logits.shape[-1] == self.full_vocab:
+            return self.full_loss(logits, labels, vocab_size=self.full_vocab, num_items_in_batch=num_items_in_batch,
+                                  ignore_index=ignore_index, shift_labels=shift_labels,
+                                  label_smoothing=label_smoothing, **kwargs)
+        self.calls += 1
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        target = shift_labels.reshape(-1).to(logits.device)
+        losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target, self.start,
+                                                  self.full_vocab, ignore_index, float(label_smoothing), self.group)
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(losses.device)
+            return losses.sum() / num_items_in_batch
+        return losses.sum() / (target != ignore_index).sum()
+
+
+class LogitsGate:
+    """Forward hooks on the model: logits the user sees are whole-vocabulary, and gathered only when someone reads them.
+
+    A training forward whose loss went through `VocabParallelLoss` returns its output with the logits gathered lazily
+    (`lazy_logits`): a step that reads only the loss never gathers batch x seq x vocab; code that reads `logits`
+    (token accuracy, entropy, per-token log-probabilities) gets the full tensor, differentiably. Reading them is a
+    collective: every TP rank reads them, or none. A tuple output (`return_dict=False`) has its logits gathered at
+    once. A loss that did not go through the `VocabParallelLoss` was computed on this rank's logit shard alone, so it
+    is refused before anything trains on it.
+
+    The LM head called outside the model's forward (`model.lm_head(h)`, `get_output_embeddings()(h)`: chunked
+    log-probabilities in RL code) returns whole logits too (`head_after`); only the model's own forward, whose loss
+    is computed on the shards, keeps them sharded.
+    """
+
+    def __init__(self, partition: Partition, group: Group, state, loss: VocabParallelLoss):
+        self.partition, self.group, self.state, self.loss = partition, group, state, loss
+        self._calls_before = 0
+        self.gathers = 0  # how many times logits were gathered (a training step reading only its loss: none)
+        (_, self.local), = partition.runs[group_rank(group)]
+
+    def before(self, module: nn.Module, args, kwargs) -> None:
+        self._calls_before = self.loss.calls
+
+    def head_after(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+        """The head's logits gathered, differentiably, when it was called outside the model's forward."""
+        if self.state.forwards or not torch.is_tensor(output) or output.shape[-1] != self.local or \
+                self.local == self.partition.full_size:
+            return None
+        return self._gather(output)
+
+    def after(self, module: nn.Module, args, kwargs, output):
+        if group_size(self.group) == 1 or self.local == self.partition.full_size:
+            return output
+        if isinstance(output, tuple):
+            return self._gather_tuple(output)
+        logits = getattr(output, "logits", None)
+        if logits is None or logits.shape[-1] != self.local:
+            return output
+        has_loss = getattr(output, "loss", None) is not None
+        if has_loss and self.loss.calls == self._calls_before:
+            raise RuntimeError(
+                f"{type(module).__name__} computed its loss without self.loss_function, on this rank's "
+                f"{logits.shape[-1]} of {self.partition.full_size} vocabulary logits; wrap it with vocab_parallel=False")
+        if module.training and has_loss:  # gathering batch x seq x vocab for a loss computed on shards wastes memory
+            return lazy_logits(output, lambda: self._gather(logits))
+        output.logits = self._gather(logits)
+        return output
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
+        return gather_from_tp(logits, self.partition.with_dim(logits.ndim - 1), self.group)
+
+    def _gather_tuple(self, output: tuple) -> tuple:
+        """HF's tuple is (loss?, logits, ...): the first tensor of two or more dimensions is the logits."""
+        at = next((i for i, x in enumerate(output) if torch.is_tensor(x) and x.ndim >= 2), None)
+        if at is None or output[at].shape[-1] != self.local:
+            return output
+        return type(output)((*output[:at], self._gather(output[at]), *output[at + 1:]))

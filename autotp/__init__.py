@@ -13,7 +13,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
    `planning.planner`, `planning.report`
-4. the mesh, the state and the shared runtime: `mesh`, `state`, `runtime`, `runtime.rows`, `runtime.collectives`,
+4. the mesh, the state and the shared runtime: `mesh`, `state`, `accessors`, `runtime`, `runtime.rows`, `runtime.collectives`,
    `runtime.seq_collectives`, `runtime.grad_hooks`, `runtime.replicas`, `runtime.agreement`, `runtime.rollback`,
    `runtime.input_agreement`, `runtime.rng`, `runtime.shards`, `runtime.lazy_logits`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
@@ -32,10 +32,8 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 """
 
 from .api import explain, from_pretrained, wrap
-from .dp.ddp import (
-    allreduce_gradients, clip_grad_norm_, cp_group, cp_rank, cp_size, data_parallel_sampler, dp_cp_group, dp_group,
-    dp_rank, dp_size, tp_group, tp_rank, tp_size,
-)
+from .accessors import cp_group, cp_rank, cp_size, dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
+from .dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
 from .dp.fsdp import dp_mesh, fully_shard
 from .integrations.gather import GatherReplacedLayerParams
 from .mesh import finish

@@ -22,15 +22,15 @@ from transformers import AutoConfig, GenerationConfig
 
 from .tp.apply import parallel_layers
 from .mesh import (
-    DEFAULT_TIMEOUT, Group, build_cp_groups, build_groups, device_of, dp_group_for, group_size, init_from_env,
-    is_global_rank0, launched_by_torchrun, named_failure, world_timeout,
+    DEFAULT_TIMEOUT, Mesh, build_mesh, device_of, group_size, init_from_env, is_global_rank0, launched_by_torchrun,
+    named_failure, world_mesh, world_timeout,
 )
 from .integrations.guards import refuse_adapters, refuse_quantized
 from .compat import check_versions
 from .compat.hf import build_model
 from .cp import apply as context
 from .tp import lora_lift
-from .parallelize import Groups, parallelize
+from .parallelize import parallelize
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.hf.load import checkpoint_files, load_params
 from .options import WrapOptions
@@ -189,12 +189,10 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     except Exception as err:  # every rank must still hear of it below
         error = err
     _planned_everywhere(error, tp_size, options, call)
-    cp = options.cp_size
-    tp_group, dp_group, timeout, cp_group, data_group = _groups(tp_size, options.tp_group, options.timeout, cp)
-    if tp_group is not None or cp_group is not None:  # at tp 1 no collective: some ranks only may wrap
-        check_agreement(model, tp_size, options, plan, [("TP", tp_group), ("CP", cp_group), ("DP", dp_group)], call)
-    state = parallelize(model, plan, Groups(tp_group, dp_group, cp_group, data_group),
-                        replace(options, timeout=timeout), materialize)
+    mesh, timeout = _mesh(tp_size, options)
+    if mesh.tp is not None or mesh.cp is not None:  # at tp 1 no collective: some ranks only may wrap
+        check_agreement(model, tp_size, options, plan, [("TP", mesh.tp), ("CP", mesh.cp), ("DP", mesh.grad)], call)
+    state = parallelize(model, plan, mesh, replace(options, timeout=timeout), materialize)
     if is_global_rank0():
         log.info(plan.summary())
         for warning in plan.warnings(vocab_requested=options.vocab_parallel):
@@ -254,42 +252,23 @@ def _validate_tp_size(tp_size: int, name: str = "tp_size") -> None:
         raise ValueError(f"{name} must be at least 1, got {tp_size}")
 
 
-def _groups(tp_size: int, tp_group: dist.ProcessGroup | None, timeout: timedelta | None,
-            cp_size: int = 1) -> tuple[Group, Group, timedelta, Group, Group]:
-    """This rank's (TP, DP x CP) groups, their timeout and the (CP, DP) groups (None without CP); torch.distributed
-    was initialised from launcher variables, if needed, by `_planned_everywhere`."""
-    if cp_size > 1:
-        if not dist.is_initialized():
-            raise RuntimeError(f"cp_size={cp_size} needs torch.distributed: launch with torchrun or accelerate, or "
-                               f"call torch.distributed.init_process_group first")
-        timeout = timeout or world_timeout()
-        tp, cp, dp_cp, dp = build_cp_groups(tp_size, cp_size, timeout)
-        return tp, dp_cp, timeout, cp, dp
-    return (*_tp_groups(tp_size, tp_group, timeout), None, None)
-
-
-def _tp_groups(tp_size: int, tp_group: dist.ProcessGroup | None,
-               timeout: timedelta | None) -> tuple[Group, Group, timedelta]:
-    """This rank's (TP, DP) groups and their timeout."""
+def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
+    """This rank's mesh and the timeout of its groups; torch.distributed was initialised from launcher variables, if
+    needed, by `_planned_everywhere`."""
+    timeout, tp_group, cp_size = options.timeout, options.tp_group, options.cp_size
     if not dist.is_initialized():
-        if tp_size > 1 or tp_group is not None:
+        if tp_size > 1 or tp_group is not None or cp_size > 1:
             raise RuntimeError(
-                f"tp_size={tp_size} needs torch.distributed, which is not initialised and no launcher variables "
-                f"(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are set. Launch with "
-                f"`torchrun --nproc-per-node {tp_size} your_script.py` or `accelerate launch`, "
+                f"{f'cp_size={cp_size}' if cp_size > 1 else f'tp_size={tp_size}'} needs torch.distributed, which is "
+                f"not initialised and no "
+                f"launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are set. Launch with "
+                f"`torchrun --nproc-per-node {tp_size * cp_size} your_script.py` or `accelerate launch`, "
                 f"or call torch.distributed.init_process_group first."
             )
-        return None, None, timeout or DEFAULT_TIMEOUT
+        return Mesh(), timeout or DEFAULT_TIMEOUT
     timeout = timeout or world_timeout()
-    world = dist.get_world_size()
-    if tp_size == 1 and tp_group is None:  # no group and no collective, so a subset of the ranks may call it
-        return None, dist.group.WORLD, timeout  # a group at every size, as dp_group promises
-    if tp_group is not None:
-        if group_size(tp_group) != tp_size:
-            raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
-        return tp_group, dp_group_for(tp_group, timeout), timeout
-    if world % tp_size:
-        raise ValueError(
-            f"tp_size={tp_size} must divide the world size {world} (world = data parallel x tensor parallel)"
-        )
-    return (*build_groups(tp_size, timeout), timeout)
+    if tp_size == 1 and cp_size == 1 and tp_group is None:  # no group and no collective: some ranks only may wrap
+        return world_mesh(), timeout
+    if tp_group is not None and group_size(tp_group) != tp_size:
+        raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
+    return build_mesh(tp_size, cp_size, timeout, tp_group), timeout

@@ -1,14 +1,20 @@
-"""Process groups: TP groups of consecutive ranks, DP groups strided across them, and subgroups of TP ranks.
+"""The mesh: one rank grid dp x cp x tp with named axes, a process group per axis and per flattened view.
 
-`new_group` is collective over the world, so every function here that creates groups must be
-called by every rank, in the same order. A TP group of `None` means no tensor parallelism (size 1); a DP group is
-a real group at every size (one rank when there is one replica), so a collective over it never reaches the world.
+`Mesh` is built once per wrap from one grid: TP innermost (consecutive ranks), CP next, DP outermost; the
+flattened view dp x cp (`grad`) is where gradients average and FSDP shards. Every other module reads groups from
+it by name, so a new dimension (ep next) is one more axis here. `new_group` is collective over the world, so
+every function here that creates groups must be called by every rank, in the same order. A TP or CP group of
+`None` means that axis has size 1; the DP group is a real group at every size (one rank when there is one
+replica), so a collective over it never reaches the world. Also here: which device a group's collectives use
+(`device_of`) and the error a failed collective raises (`named_failure`), which every autotp collective goes
+through.
 """
 
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator
 
@@ -75,20 +81,20 @@ def named_failure(group: dist.ProcessGroup, what: str,
                            f"of that group failed, hung or never called it. {fix}") from err
 
 
-def build_subgroups(rank_sets: Iterable[tuple[int, ...]], tp_group: Group,
+def build_subgroups(rank_sets: Iterable[tuple[int, ...]], mesh: Mesh,
                     timeout: timedelta = DEFAULT_TIMEOUT) -> dict[tuple[int, ...], Group]:
     """Process groups for sets of TP-group ranks (replica holders), in this rank's TP group.
 
-    `new_group` is collective over the world, so every rank creates every TP group's subgroups,
-    in the same order; TP groups are learnt from all ranks so a user-supplied one works too.
+    `new_group` is collective over the world, so every rank creates every TP group's subgroups, in the same order,
+    from the mesh's grid (which knows every TP group, a user-supplied one too).
     """
     rank_sets = sorted(set(rank_sets))
-    if not rank_sets or group_size(tp_group) == 1:
+    if not rank_sets or group_size(mesh.tp) == 1:
         return {}
-    mine, tp_groups = _all_tp_groups(tp_group)
+    mine = tuple(dist.get_process_group_ranks(mesh.tp))
     out = {}
     for subset in rank_sets:
-        for tp_ranks in tp_groups:
+        for tp_ranks in mesh.rows("tp"):
             group = new_group([tp_ranks[i] for i in subset], timeout, "replica group")
             if tp_ranks == mine:
                 out[subset] = group
@@ -131,75 +137,108 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def build_groups(tp_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Group, Group]:
-    """TP groups of consecutive ranks and DP groups strided across them; returns this rank's pair.
+AXES = ("dp", "cp", "tp")  # the grid's axes, outermost first
+GRAD = ("dp", "cp")  # the ranks holding the same shards: gradients average here, FSDP shards here
+_NAMES = {("tp",): "TP group", ("cp",): "CP group", ("dp",): "DP group", GRAD: "DP x CP group"}
 
-    Every rank must call this, in the same order, because `new_group` is collective. The DP group exists at
-    dp size 1 too (this rank alone), so `dist.all_reduce(x, group=dp_group)` never falls back to the world.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tp_group = dp_group = None
-    for start in range(0, world, tp_size):
-        ranks = list(range(start, start + tp_size))
-        group = new_group(ranks, timeout, "TP group") if tp_size > 1 else None
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's view of the rank grid: `grid[d, c, t]` is the global rank at those coordinates, and `groups`
+    holds this rank's group along each axis or flattened view (keyed by the axes' names).
+
+    autotp lays the grid out as rank (d * cp + c) * tp + t; around a user's `tp_group` the grid is that group's
+    ranks in their order, one row per TP group. `grid` is None without torch.distributed, or for a tp 1 wrap,
+    which runs no collective (then `dp` is the world)."""
+
+    grid: torch.Tensor | None = None
+    groups: dict[tuple[str, ...], Group] = field(default_factory=dict)
+
+    def group(self, *axes: str) -> Group:
+        """The group along `axes` (one axis, or a flattened view such as ("dp", "cp")); None for a size-1 TP or CP."""
+        return self.groups.get(tuple(axes))
+
+    @property
+    def tp(self) -> Group:
+        return self.group("tp")
+
+    @property
+    def cp(self) -> Group:
+        return self.group("cp")
+
+    @property
+    def dp(self) -> Group:
+        """The data-parallel replicas: the ranks at this rank's TP and CP coordinates, reading different batches."""
+        return self.group("dp")
+
+    @property
+    def grad(self) -> Group:
+        """DP x CP: every rank holding this rank's shards. Gradients are averaged (summed over CP) and FSDP shards here."""
+        return self.group(*GRAD)
+
+    def size(self, *axes: str) -> int:
+        return group_size(self.group(*axes))
+
+    def rows(self, *axes: str) -> list[tuple[int, ...]]:
+        """Every group along `axes` in the world, as global ranks, in the order every rank creates them."""
+        rest = [a for a in AXES if a not in axes]
+        order = [AXES.index(a) for a in rest] + [AXES.index(a) for a in axes]
+        width = 1
+        for axis in axes:
+            width *= self.grid.shape[AXES.index(axis)]
+        return [tuple(row) for row in self.grid.permute(order).reshape(-1, width).tolist()]
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{axis}={self.size(axis)}" for axis in AXES)
+        return f"Mesh({sizes})"
+
+
+def build_mesh(tp_size: int, cp_size: int, timeout: timedelta, tp_group: Group = None) -> Mesh:
+    """This rank's mesh over the world (dp = world / (cp x tp)), or around the user's `tp_group` (cp 1). Collective:
+    every rank calls it with the same sizes, which `autotp.runtime.agreement.check_sizes` made sure of."""
+    world = dist.get_world_size()
+    if tp_group is not None:
+        grid = _grid_around(tp_group)
+    elif world % (tp_size * cp_size):
+        sizes = f"tp_size={tp_size}" + (f" x cp_size={cp_size}" if cp_size > 1 else "")
+        raise ValueError(f"{sizes} must divide the world size {world} "
+                         f"(world = data parallel x {'context parallel x ' if cp_size > 1 else ''}tensor parallel)")
+    else:
+        grid = torch.arange(world).reshape(world // (tp_size * cp_size), cp_size, tp_size)
+    mesh = Mesh(grid)
+    made: dict[tuple[int, ...], Group] = {}
+    for axes in _NAMES:
+        if axes == ("tp",) and tp_group is not None:
+            mesh.groups[axes] = tp_group
+        elif mesh.grid.shape[AXES.index(axes[0])] > 1 or axes in (("dp",), GRAD):
+            mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
+    return mesh
+
+
+def world_mesh() -> Mesh:
+    """A tp 1 wrap's mesh: no collective at wrap, so some ranks only may wrap; the DP group is the world."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return Mesh(None, {} if world is None else {("dp",): world, GRAD: world})
+
+
+def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
+                made: dict[tuple[int, ...], Group]) -> Group:
+    """Create every group along `axes` (the same ranks as a view made before share its group); return this rank's."""
+    rank, mine = dist.get_rank(), None
+    for ranks in mesh.rows(*axes):
+        if ranks not in made:
+            made[ranks] = new_group(list(ranks), timeout, _NAMES[axes])
         if rank in ranks:
-            tp_group = group
-    for offset in range(tp_size):
-        ranks = list(range(offset, world, tp_size))
-        group = new_group(ranks, timeout, "DP group")
-        if rank in ranks:
-            dp_group = group
-    return tp_group, dp_group
+            mine = made[ranks]
+    return mine
 
 
-def _all_tp_groups(tp_group: dist.ProcessGroup) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
-    """This rank's TP group and every TP group of the world, as global ranks (collective)."""
+def _grid_around(tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The grid whose TP rows are the user's TP groups (learnt from every rank: one all-gather), cp 1."""
     mine = tuple(dist.get_process_group_ranks(tp_group))
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return mine, sorted(set(everyone))
-
-
-def dp_group_for(tp_group: dist.ProcessGroup, timeout: timedelta = DEFAULT_TIMEOUT) -> Group:
-    """The DP group matching a user-supplied TP group: the ranks at the same position of every TP group (this rank
-    alone when there is one TP group)."""
-    mine, tp_groups = _all_tp_groups(tp_group)
-    position = mine.index(dist.get_rank())
-    out = None
-    for index in range(len(mine)):
-        group = new_group([g[index] for g in tp_groups], timeout, "DP group")
-        if index == position:
-            out = group
-    return out
-
-
-def build_cp_groups(tp_size: int, cp_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Group, Group, Group,
-                                                                                                Group]:
-    """(TP, CP, DP x CP, DP) groups of this rank for a world of dp x cp x tp: TP innermost, CP next.
-
-    Rank `(d * cp + c) * tp + t` is TP rank t, CP rank c of replica d. The DP x CP group (every rank holding the
-    same TP shard, strided by tp) is what `build_groups` calls the DP group: gradients are averaged over it and FSDP
-    shards over it. The DP group (the same CP and TP rank in every replica) is what reads different batches.
-    Collective over the world, like `build_groups`."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % (tp_size * cp_size):
-        raise ValueError(f"tp_size={tp_size} x cp_size={cp_size} must divide the world size {world} "
-                         f"(world = data parallel x context parallel x tensor parallel)")
-    tp_group, dp_cp_group = build_groups(tp_size, timeout)
-    if cp_size == 1:
-        return tp_group, None, dp_cp_group, dp_cp_group
-    dp = world // (tp_size * cp_size)
-    cp_group = dp_group = None
-    for d in range(dp):
-        for t in range(tp_size):
-            ranks = [(d * cp_size + c) * tp_size + t for c in range(cp_size)]
-            group = new_group(ranks, timeout, "CP group")
-            if rank in ranks:
-                cp_group = group
-    for c in range(cp_size):
-        for t in range(tp_size):
-            ranks = [(d * cp_size + c) * tp_size + t for d in range(dp)]
-            group = new_group(ranks, timeout, "DP group")
-            if rank in ranks:
-                dp_group = group
-    return tp_group, cp_group, dp_cp_group, dp_group
+    with named_failure(dist.group.WORLD, "learning every rank's tp_group to build the mesh around it",
+                       "Every rank must call wrap with its own tp_group."):
+        dist.all_gather_object(everyone, mine)
+    rows = sorted(set(everyone))
+    return torch.tensor(rows).reshape(len(rows), 1, len(mine))

@@ -24,7 +24,6 @@ stays the user's own call after `wrap`, as torch's `fully_shard` is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from torch import nn
@@ -35,7 +34,7 @@ from .integrations.hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .io.rollout.adapters import slice_adapters_on_load
 from .cp import apply as context
 from .tp.apply import apply_plan, register_grad_hooks
-from .mesh import Group
+from .mesh import Mesh
 from .runtime.replicas import broadcast_replicated
 from .runtime.rollback import Snapshot, Removable
 from .sp.sequence import apply_sequence_parallel
@@ -46,24 +45,13 @@ from .options import WrapOptions
 from .planning.plan import Plan
 
 
-@dataclass(frozen=True)
-class Groups:
-    """This rank's groups: `tp` (None at tp 1), `dp` (DP x CP: what gradients average over), `cp` and `data`
-    (DP alone; both None without context parallelism)."""
-
-    tp: Group
-    dp: Group
-    cp: Group = None
-    data: Group = None
-
-
-def parallelize(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptions,
+def parallelize(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions,
                 materialize: Callable[[TPState], None] | None = None) -> TPState:
     """Apply `plan` and every parallelism `options` asks for to `model`, in the order the module docstring gives;
     returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`)."""
     snapshot = Snapshot(model)
     try:
-        state = tensor_parallel(model, plan, groups, options)
+        state = tensor_parallel(model, plan, mesh, options)
         vocab_parallel(model, plan, state)
         snapshot.track(sequence_parallel(model, plan, state, options))
         if materialize is not None:
@@ -74,7 +62,7 @@ def parallelize(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptio
         ddp_guard(model, state)
         input_check(model, options)
         guards(model, plan, state)
-        replica_broadcast(model, groups)
+        replica_broadcast(model, mesh)
     except BaseException:
         snapshot.restore()
         detach(model)
@@ -82,11 +70,9 @@ def parallelize(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptio
     return state
 
 
-def tensor_parallel(model: nn.Module, plan: Plan, groups: Groups, options: WrapOptions) -> TPState:
+def tensor_parallel(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions) -> TPState:
     """The plan's parallel layers; the state every later step reads."""
-    state = apply_plan(model, plan, groups.tp, groups.dp, options)
-    state.cp_group, state.data_group = groups.cp, groups.data
-    return state
+    return apply_plan(model, plan, mesh, options)
 
 
 def sequence_parallel(model: nn.Module, plan: Plan, state: TPState, options: WrapOptions) -> list[Removable]:
@@ -128,6 +114,6 @@ def guards(model: nn.Module, plan: Plan, state: TPState) -> None:
     MeshGuard(model)
 
 
-def replica_broadcast(model: nn.Module, groups: Groups) -> None:
-    """Replicated tensors from the group's first rank: over TP, and over DP (x CP) whenever any group exists."""
-    broadcast_replicated(model, groups.tp, groups.dp if groups.tp is not None or groups.cp is not None else None)
+def replica_broadcast(model: nn.Module, mesh: Mesh) -> None:
+    """Replicated tensors from the group's first rank: over TP, and over DP x CP whenever any group exists."""
+    broadcast_replicated(model, mesh.tp, mesh.grad if mesh.tp is not None or mesh.cp is not None else None)

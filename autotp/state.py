@@ -18,7 +18,7 @@ from datetime import timedelta
 from torch import nn
 from transformers import PreTrainedModel
 
-from .mesh import Group
+from .mesh import Group, Mesh
 from .options import WrapOptions
 from .planning.plan import Plan
 
@@ -32,8 +32,7 @@ class TPState:
     """What `wrap` attached to a model (as `model.autotp_state`): plan, groups, rank, gathered or not."""
 
     plan: Plan
-    tp_group: Group
-    dp_group: Group  # the ranks holding the same shards: data parallel x context parallel (gradients average here)
+    mesh: Mesh  # this rank's groups, by axis (autotp.mesh)
     tp_rank: int
     options: WrapOptions = field(default_factory=WrapOptions)  # what wrap was asked for, its timeout resolved
     gathered: bool = False
@@ -43,19 +42,31 @@ class TPState:
     vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
     forwards: int = 0  # the model's forwards running now (`entered`); outside them its LM head gathers its logits
-    dp_mesh: Any = None  # the DeviceMesh over dp_group (autotp.dp.fsdp.dp_mesh), built when first asked for
+    dp_mesh: Any = None  # the DeviceMesh over grad_group (autotp.dp.fsdp.dp_mesh), built when first asked for
     fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
     root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
     mesh_guard: Any = None  # autotp.integrations.guards.MeshGuard, kept alive by the model it watches
-    cp_group: Group = None  # context parallelism: the ranks splitting one sequence (None: cp_size 1)
-    data_group: Group = None  # the DP replicas alone, which read different batches (None: dp_group, no CP)
     context: Any = None  # autotp.cp.apply.ContextParallel, at cp_size > 1
 
     @property
-    def batch_group(self) -> Group:
-        """The data-parallel replicas (different batches): `dp_group` without the CP ranks."""
-        return self.dp_group if self.data_group is None else self.data_group
+    def tp_group(self) -> Group:
+        return self.mesh.tp
+
+    @property
+    def cp_group(self) -> Group:
+        """The ranks splitting one sequence (None: cp_size 1)."""
+        return self.mesh.cp
+
+    @property
+    def dp_group(self) -> Group:
+        """The data-parallel replicas, which read different batches."""
+        return self.mesh.dp
+
+    @property
+    def grad_group(self) -> Group:
+        """DP x CP, the ranks holding the same shards: gradients average here and FSDP shards here."""
+        return self.mesh.grad
 
     @property
     def timeout(self) -> timedelta:
@@ -79,8 +90,7 @@ class TPState:
         if root is None or id(root) not in memo:
             return self
         self.refuse_gathered("copy.deepcopy of a wrapped model")
-        for shared in (self.tp_group, self.dp_group, self.cp_group, self.data_group, self.dp_mesh,
-                       *self.replica_groups.values()):
+        for shared in (self.mesh, self.dp_mesh, *self.replica_groups.values()):
             memo[id(shared)] = shared
         new = copy.copy(self)
         memo[id(self)] = new

@@ -129,7 +129,7 @@ class Worker:
             state = lambda: {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
             return self.timed(lambda: torch.save(state(), Path(target) / "checkpoint.pt"))
         import autotp
-        from autotp.io.checkpoint.save.save import wait_for_pending  # what the next save and autotp.finish() wait for
+        from autotp.io.checkpoint.save import wait_for_pending  # what the next save and autotp.finish() wait for
 
         if mode == "sync":
             return self.timed(lambda: autotp.save_checkpoint(target, self.model, self.optimizer, overwrite=True))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from autotp.runtime.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
 
 from autotp.runtime.grad_hooks import grad_allreduce_hook, replica_grad_hook
+from autotp.mesh import Mesh
 from autotp.state import TPState
 
 from autotp.runtime.seq_collectives import (
@@ -102,7 +103,7 @@ def all_collectives(rank: int, world: int) -> dict:
                                              "bias": bias.grad}
 
     grad = upstream(rank, (3, 2))
-    gathered_state = TPState(None, group, None, rank, gathered=True)  # hooks registered
+    gathered_state = TPState(None, Mesh(None, {("tp",): group}), rank, gathered=True)  # hooks registered
     results["grad_allreduce_hook"] = grad_allreduce_hook(group)(grad)                    # through sharded_only
     results["grad_allreduce_hook off"] = gathered_state.sharded_only(grad_allreduce_hook(group))(grad) is None
     results["replica_grad_hook"] = replica_grad_hook(qkv, rank, {(0, 1): group})(grad)

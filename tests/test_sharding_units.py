@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from autotp.io.checkpoint.save.chunks import _pieces
+from autotp.io.checkpoint.chunks import _pieces
 from autotp.runtime.rows import dp_chunk
 from autotp.planning.sharding import HeadLayout, Partition, layout_partition, split_ranges, split_sizes
 

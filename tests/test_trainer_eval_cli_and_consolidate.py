@@ -138,7 +138,7 @@ def test_trainer_resumes_across_ddp_and_fsdp(tmp_path: Path, saved_fsdp: bool) -
 def old_format_resume(rank: int, world: int, path: str, saved_fsdp: bool) -> tuple[bool, str]:
     """One step at tp=2, then this rank's optimizer state saved as autotp wrote it before `optimizer/` (one file per TP
     rank, per TP and DP rank under FSDP); loaded at the same layout (is it the saved state?), then at the other."""
-    from autotp.io.checkpoint.save.legacy import local_optimizer_state
+    from autotp.io.checkpoint.legacy import local_optimizer_state
 
     saved = recording_trainer(path, world, saved_fsdp)
     saved.train()

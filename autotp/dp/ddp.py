@@ -19,59 +19,11 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from ..runtime.collectives import buckets
 from ..runtime.rows import local_rows
-from ..mesh import Group, group_rank, group_size, named_failure
+from ..accessors import dp_cp_group, dp_rank, dp_size
+from ..mesh import group_size, named_failure
 from ..state import refuse_torch_fsdp, state_of, wrapped_model
 
 _BUCKET_BYTES = 25 << 20
-
-
-def tp_group(model: nn.Module | None = None) -> Group:
-    """The TP group of `model` (or of the only wrapped model alive in this process); None when tp=1."""
-    return state_of(model).tp_group
-
-
-def dp_group(model: nn.Module | None = None) -> Group:
-    """The data-parallel group: the replicas reading different batches (same TP and CP rank); this rank alone when
-    there is one replica, so `dist.all_reduce(x, group=dp_group(model))` works at every size. Without context
-    parallelism it is also the group holding the same shards, for `DistributedDataParallel(model,
-    process_group=dp_group(model))`; with it, use `dp_cp_group`. None only for a tp_size=1 wrap without
-    torch.distributed initialised."""
-    return state_of(model).batch_group
-
-
-def dp_cp_group(model: nn.Module | None = None) -> Group:
-    """The ranks holding the same shards, DP x CP: gradients are averaged over it (`allreduce_gradients`, DDP's
-    `process_group`), and `autotp.fully_shard` shards over it. Equals `dp_group` at cp_size 1."""
-    return state_of(model).dp_group
-
-
-def cp_group(model: nn.Module | None = None) -> Group:
-    """The context-parallel group: the ranks splitting one sequence; None at cp_size 1."""
-    return state_of(model).cp_group
-
-
-def cp_rank(model: nn.Module | None = None) -> int:
-    return group_rank(cp_group(model))
-
-
-def cp_size(model: nn.Module | None = None) -> int:
-    return group_size(cp_group(model))
-
-
-def tp_rank(model: nn.Module | None = None) -> int:
-    return group_rank(tp_group(model))
-
-
-def tp_size(model: nn.Module | None = None) -> int:
-    return group_size(tp_group(model))
-
-
-def dp_rank(model: nn.Module | None = None) -> int:
-    return group_rank(dp_group(model))
-
-
-def dp_size(model: nn.Module | None = None) -> int:
-    return group_size(dp_group(model))
 
 
 def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
@@ -141,10 +93,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if group_size(state.tp_group) > 1:
         with named_failure(state.tp_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over TP"):
             dist.all_reduce(sharded, op=op, group=state.tp_group)
-    if state.fsdp and group_size(state.dp_group) > 1:  # each DP rank holds its rows of every tensor
-        with named_failure(state.dp_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over DP"):
+    if state.fsdp and group_size(state.grad_group) > 1:  # each DP rank holds its rows of every tensor
+        with named_failure(state.grad_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over DP"):
             for part in (sharded, replicated):
-                dist.all_reduce(part, op=op, group=state.dp_group)
+                dist.all_reduce(part, op=op, group=state.grad_group)
     norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1:

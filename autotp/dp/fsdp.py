@@ -32,7 +32,7 @@ def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
     parallelism. torch's own `fully_shard` on a wrapped model is refused: use `autotp.fully_shard`."""
     state = state_of(model)
     if state.dp_mesh is None:
-        state.dp_mesh = DeviceMesh.from_group(state.dp_group, device_of(state.dp_group).type)
+        state.dp_mesh = DeviceMesh.from_group(state.grad_group, device_of(state.grad_group).type)
     return state.dp_mesh
 
 

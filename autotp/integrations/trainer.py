@@ -30,8 +30,8 @@ from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
 from ..runtime.collectives import all_gather
-from ..dp.ddp import (clip_grad_norm_, data_parallel_sampler, dp_cp_group, dp_group, dp_rank, dp_size,
-                            tp_group, tp_rank, tp_size)
+from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
+from ..dp.ddp import clip_grad_norm_, data_parallel_sampler
 from .trl import check_trl_setup, generates, generation_loader, grpo_eval_loader
 from ..dp.fsdp import fully_shard as autotp_fully_shard
 from ..mesh import group_size, named_failure

@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 
 from ..compat import trainer as trainer_compat
-from ..dp.ddp import dp_rank, dp_size
+from ..accessors import dp_rank, dp_size
 from ..state import find_state, wrapped_model
 
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from ..compat.hf import avoid_grouped_mm
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
-from ..mesh import Group, build_subgroups, group_rank
+from ..mesh import Mesh, build_subgroups, group_rank
 from .heads import AttentionWeights, tag_heads
 from .block_entry import BlockEntry
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
@@ -27,15 +27,16 @@ from .streams import install_sharded_streams
 from ..state import TPState, attach
 
 
-def apply_plan(model: nn.Module, plan: Plan, tp_group: Group, dp_group: Group, options: WrapOptions) -> TPState:
+def apply_plan(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions) -> TPState:
     """Rewrite `model` in place to follow `plan` on this rank (on the meta device too), with `options` fixed in every
     layer and block entry it builds (`options.timeout` is the resolved one).
 
     The gradient hooks come later (`register_grad_hooks`), once loading has replaced any meta
     parameters: a hook belongs to one Parameter object.
     """
+    tp_group = mesh.tp
     rank = group_rank(tp_group)
-    state = TPState(plan, tp_group, dp_group, rank, options)
+    state = TPState(plan, mesh, rank, options)
     modules = dict(model.named_modules())
     entries: dict[str, BlockEntry] = {}
     head = plan.vocab.head if plan.vocab is not None else None
@@ -101,7 +102,7 @@ def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
     Collective (it creates the replica process groups): every rank calls it once, after the
     parameters are final. Frozen parameters get their hook when they are unfrozen.
     """
-    replicas = state.replica_groups = build_subgroups(state.plan.replica_groups(), state.tp_group, state.timeout)
+    replicas = state.replica_groups = build_subgroups(state.plan.replica_groups(), state.mesh, state.timeout)
     hooks, seen = [], set()
     for module in model.modules():
         for param in module.parameters(recurse=False):

@@ -89,7 +89,7 @@ class _Reader:
         if self.rng_key is not None:
             self.entries[self.rng_key] = b""
         # the replica's index: its TP and CP ranks draw alike (wrap aligns them), replicas apart
-        self.dp_rank = global_rank() if state is None else group_rank(state.batch_group)
+        self.dp_rank = global_rank() if state is None else group_rank(state.dp_group)
         self.optimizer_state: dict[str, dict[str, str]] = {}  # parameter name -> state key -> DCP key
         self.fresh: dict[str, torch.Tensor] = {}  # DCP key -> the new optimizer state tensor it is read into
         if optimizer is not None:

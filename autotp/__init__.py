@@ -4,7 +4,7 @@
     autotp.save_pretrained(model, "out/")       # full HF checkpoint
 
 Layers, bottom to top; a module imports only from its own layer or the layers below it
-(tests/test_layering.py parses every import, those inside functions included, and fails on an
+(tests/package/test_layering.py parses every import, those inside functions included, and fails on an
 upward import or a cycle). Each folder is one concern; its `__init__` says what it is for and what it may import.
 
 1. dependency boundaries: `compat`, `compat.versions`, `compat.peft`, `compat.torch`, `compat.trainer`,

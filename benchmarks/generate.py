@@ -8,7 +8,7 @@ Each run decodes the same prompt with `model.generate(do_sample=False)`; ms per 
 layer), one for the vocab-parallel embedding and one all-gather of the last position's logits: the
 script counts them on rank 0 and times a bare gloo all-reduce of one token's hidden state in the same
 processes, so `collectives x latency` is the floor the figures are compared with. tp=4 on 2 cores is
-oversubscribed and not timed (tests/test_generate.py checks its tokens).
+oversubscribed and not timed (tests/integrations/test_generate.py checks its tokens).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python scripts/supported_models.py
 
 The page is generated rather than written by hand so that it cannot disagree with the sweeps
-(`scripts/sweep_architectures.py` calls `write()` after each run, and tests/test_docs.py fails
+(`scripts/sweep_architectures.py` calls `write()` after each run, and tests/package/test_docs.py fails
 when the committed page differs from what this script makes now).
 """
 

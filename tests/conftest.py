@@ -1,5 +1,5 @@
 """Fixtures every test module may use. Shared non-fixture helpers live in tests/models.py (a helper module); test
-modules never import each other (tests/test_suite_hygiene.py checks)."""
+modules never import each other (tests/package/test_suite_hygiene.py checks)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def autotp_cli(capsys: pytest.CaptureFixture[str]):
     """`autotp_cli("plan", "llama", "--tp", "2")` runs `autotp.cli.main` in this process and returns a `CliResult`.
 
     argparse's usage errors exit (SystemExit); a test expecting one wraps the call in `pytest.raises(SystemExit)` and
-    reads the message with `capsys`. tests/test_cli_errors.py runs `python -m autotp` itself once.
+    reads the message with `capsys`. tests/package/test_cli_errors.py runs `python -m autotp` itself once.
     """
     from autotp.cli import main
 

@@ -130,7 +130,7 @@ GPT2_DROPOUT = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
 
 def replicated_streams(rank: int, world: int, device: str = "cpu") -> list[bool]:
     """Runs on each rank: whether each block's output (the residual stream) is bit-identical on every TP rank, with
-    GPT-2's dropout on `device` (tests/test_dropout.py on CPU, tests/test_gpu.py on CUDA)."""
+    GPT-2's dropout on `device` (tests/tp/test_dropout.py on CPU, tests/package/test_gpu.py on CUDA)."""
     torch.manual_seed(1000 + rank)  # ranks seeded differently on purpose: wrap must align the shared stream
     model = autotp.wrap(tiny_model("gpt2", **GPT2_DROPOUT).to(device), world)
     model.train()
@@ -171,7 +171,7 @@ def trained_llama(tp: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimi
     return model, optimizer
 
 
-# --- resuming at another layout (tests/test_reshard_resume.py, tests/test_gpu.py) ---------------------------------
+# --- resuming at another layout (tests/io/test_reshard_resume.py, tests/package/test_gpu.py) ---------------------------------
 
 RESUME_BATCH = batch(vocab=250, size=(4, 16))  # the global batch: each DP replica takes its rows
 RESUME_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -279,7 +279,7 @@ def check_resume(report: dict, expected: dict, label: str) -> None:
     assert worst[0] <= parity.PARAM_ATOL, (label, worst)
 
 
-# --- context parallelism (tests/test_context_parallel.py, benchmarks/long_context.py) ---
+# --- context parallelism (tests/cp/test_context_parallel.py, benchmarks/long_context.py) ---
 
 CP_FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen3": {}, "mixtral": {},  # llama: 2 KV heads
                "llama_mqa": dict(num_key_value_heads=1),  # one KV head: replicated on both TP ranks at tp=2

@@ -10,7 +10,7 @@
 
 Each module opens with a table of its pieces and the versions they were checked on. Outside this package
 autotp still touches nn.Module's own dicts (`_modules`, `_parameters`, its hook dicts), which torch keeps
-stable; tests/test_compat.py fails on any of the private names in those tables used elsewhere.
+stable; tests/package/test_compat.py fails on any of the private names in those tables used elsewhere.
 
 It imports nothing from autotp, so any tier may import it.
 """

@@ -25,7 +25,7 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     share their input); expert regions reduce their output and the gradients of their two float
     inputs (hidden states, routing weights); per-head norms and replicated KV rows add gradient sums;
     vocab parallelism adds the embedding's reduction, the loss's two (fp32) and the LM head's input
-    gradient. tests/test_collectives.py checks the total against the bytes real all-reduces move.
+    gradient. tests/tp/test_collectives.py checks the total against the bytes real all-reduces move.
     """
     if plan.tp_size == 1:
         return []

@@ -1,6 +1,6 @@
 """torch.compile on a wrapped model: the training step traces with no graph break (the collectives are autograd
 functions dynamo traces through), and the compiled step keeps parity with eager. CPU CI uses the aot_eager
-backend (inductor's C++ builds are slow on 2 cores); tests/test_gpu.py runs inductor."""
+backend (inductor's C++ builds are slow on 2 cores); tests/package/test_gpu.py runs inductor."""
 
 from __future__ import annotations
 

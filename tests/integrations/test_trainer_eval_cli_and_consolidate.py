@@ -227,7 +227,7 @@ def test_cli_max_shard_size_is_checked_by_the_parser(capsys, tmp_path: Path) -> 
 
 # --- examples -------------------------------------------------------------------------------------------------------
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

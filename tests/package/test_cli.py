@@ -1,5 +1,5 @@
 """`autotp plan` and `autotp verify` from the command line, run in this process (conftest's `autotp_cli`;
-tests/test_cli_errors.py runs `python -m autotp` itself)."""
+tests/package/test_cli_errors.py runs `python -m autotp` itself)."""
 
 from __future__ import annotations
 

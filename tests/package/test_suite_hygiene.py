@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 PYPROJECT = TESTS.parent / "pyproject.toml"
-TEST_MODULES = sorted(TESTS.glob("test_*.py"))
+TEST_MODULES = sorted(TESTS.rglob("test_*.py"))
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -31,7 +31,7 @@ def test_the_check_sees_test_modules_and_their_imports() -> None:
     assert "torch" in imported_modules(source) and "autotp.testing" in imported_modules(source)
 
 
-@pytest.mark.parametrize("path", TEST_MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TEST_MODULES, ids=lambda p: str(p.relative_to(TESTS)))
 def test_no_test_module_imports_another(path: Path) -> None:
     others = [name for name in imported_modules(path) if name.split(".")[0].startswith("test_")]
     assert not others, f"{path.name} imports the test module(s) {others}: move what it needs to tests/models.py, " \

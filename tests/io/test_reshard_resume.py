@@ -68,7 +68,7 @@ def test_saved_at_tp2_dp2_resumes_at_every_layout(tmp_path: Path, kind: str) -> 
     check_resume(second_half(0, 1, kind, 0, False, path), expected, "one process")
     for label, (world, tp, fsdp) in LAYOUTS.items():
         if fsdp and kind == "lora":
-            continue  # PEFT adapters under autotp.fully_shard are refused (tests/test_fsdp.py)
+            continue  # PEFT adapters under autotp.fully_shard are refused (tests/dp/test_fsdp.py)
         for report in run_ranks(second_half, world, kind, tp, fsdp, path):
             check_resume(report, expected, label)
 

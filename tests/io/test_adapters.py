@@ -1,4 +1,4 @@
-"""PEFT adapters other than LoRA after wrap (tests/test_lora.py) are not tensor-parallel, so every other way of
+"""PEFT adapters other than LoRA after wrap (tests/tp/test_lora.py) are not tensor-parallel, so every other way of
 combining them with a sharded model stops at once, naming the module and the method, instead of training on wrong
 numbers (an adapter on a shard sees only that rank's rows, and its update is never reduced)."""
 
@@ -55,7 +55,7 @@ def test_wrap_points_from_a_peft_model_to_the_model_inside() -> None:
     (lambda: LoraConfig(**LORA, use_dora=True), NotImplementedError, r"model.layers.0.self_attn.q_proj uses a LoRA variant"),
     (lambda: LoraConfig(**LORA, modules_to_save=["lm_head"]), TypeError,
      r"lm_head is a peft.utils.other.ModulesToSaveWrapper \(PEFT's modules_to_save\), which wrap cannot shard. "
-     r"get_peft_model after autotp.wrap works"),  # supported after wrap (tests/test_lora.py), not before
+     r"get_peft_model after autotp.wrap works"),  # supported after wrap (tests/tp/test_lora.py), not before
 ])
 def test_wrap_refuses_other_adapters_unchanged(config, error, match) -> None:
     """A model holding adapters autotp does not shard is refused before anything changes (LoRA layers included)."""

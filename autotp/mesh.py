@@ -133,7 +133,8 @@ def finish() -> None:
     for wait in _AT_FINISH:
         wait()
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        with named_failure(dist.group.WORLD, "autotp.finish's barrier", "Call autotp.finish on every rank."):
+            dist.barrier()
         dist.destroy_process_group()
 
 

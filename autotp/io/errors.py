@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..mesh import global_rank
+from ..mesh import global_rank, named_failure
 
 
 class CheckpointError(ValueError):
@@ -36,7 +36,8 @@ def outcomes(error: BaseException | None, group: dist.ProcessGroup | None,
     everyone: list = [(global_rank(), mine, shared)]
     if group is not None:
         everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, (global_rank(), mine, shared), group=group)
+        with named_failure(group, "the exchange of every rank's outcome", "Every rank must reach this call."):
+            dist.all_gather_object(everyone, (global_rank(), mine, shared), group=group)
     return ({rank: outcome for rank, outcome, _ in everyone if outcome is not None},
             {rank: theirs for rank, _, theirs in everyone})
 

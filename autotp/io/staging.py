@@ -133,10 +133,8 @@ def _all_ranks_enter(what: str) -> None:
     """
     collective = f"{what} is collective: call it on every rank"
     if dist.get_backend() != "gloo":
-        try:
+        with named_failure(dist.group.WORLD, f"{what}'s barrier on entry", f"{collective}."):
             dist.barrier()
-        except RuntimeError as err:
-            raise RuntimeError(f"{collective} ({err})") from err
         return
     timeout = ENTRY_TIMEOUT or world_timeout()
     deadline = time.monotonic() + timeout.total_seconds()

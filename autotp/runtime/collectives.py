@@ -182,7 +182,8 @@ def gather_padded(shard: torch.Tensor, partition: Partition, group: dist.Process
     else:
         mine = group_rank(group) == dst
         buffers = [torch.empty_like(shard) for _ in range(world)] if mine else None
-        dist.gather(shard, buffers, dst=dist.get_global_rank(group, dst), group=group)
+        with named_failure(group, "gather of full-weight shards to one rank"):
+            dist.gather(shard, buffers, dst=dist.get_global_rank(group, dst), group=group)
         if not mine:
             return None
     return [b.narrow(dim, 0, partition.local_size(r)) for r, b in enumerate(buffers)]

@@ -130,3 +130,34 @@ def test_every_autotp_name_in_the_source_and_docs_resolves() -> None:
     stale = sorted({f"{f.relative_to(PACKAGE.parent)}: {name}" for f in files
                     for name in re.findall(r"\bautotp(?:\.\w+)+", f.read_text()) if not resolves(name)})
     assert stale == [], "name the module where it lives now"
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv", "reduce_scatter",
+               "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "gather_object",
+               "scatter_object_list", "reduce"}
+
+
+def test_every_blocking_collective_goes_through_named_failure() -> None:
+    """A failed or hung collective names its group's ranks and what to do (`autotp.mesh.named_failure`); posted
+    isend / irecv are waited on inside it, so only blocking calls are checked here."""
+    found = []
+    for module, tree in sources().items():
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in COLLECTIVES and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "dist"):
+                continue
+            named, function, at = False, None, node
+            while at in parents:
+                at = parents[at]
+                if isinstance(at, ast.With) and any(
+                        isinstance(item.context_expr, ast.Call) and getattr(item.context_expr.func, "id", None)
+                        == "named_failure" for item in at.items):
+                    named = True
+                if isinstance(at, (ast.FunctionDef, ast.AsyncFunctionDef)) and function is None:
+                    function = at.name
+            if not named:
+                found.append(f"{module}:{node.lineno} dist.{node.func.attr} in {function}")
+    assert found == [], "wrap these in autotp.mesh.named_failure"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -66,18 +66,13 @@ def wrap(
     touched, so a refused call leaves it unchanged. The keyword options are documented once, on
     `autotp.options.WrapOptions`.
     """
+    options = _options(tp_size, locals())
     check_versions()
-    _validate_tp_size(tp_size)
-    _validate_tp_size(cp_size, "cp_size")
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
     lifted = lora_lift.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
-        options = WrapOptions(tp_group=tp_group, policy=policy, vocab_parallel=vocab_parallel,
-                              sequence_parallel=sequence_parallel, check_inputs=check_inputs, timeout=timeout,
-                              overlap=overlap, recompute_glu=recompute_glu, example_inputs=example_inputs,
-                              cp_size=cp_size)
         state = _shard(model, tp_size, options)
     except BaseException:
         lora_lift.put_back(lifted)
@@ -116,9 +111,8 @@ def from_pretrained(
     default the one of the class named in the checkpoint's `config.architectures`. `dtype` and `device`
     place the shards; the other options are `wrap`'s (`autotp.options.WrapOptions`).
     """
+    options = _options(tp_size, locals())
     check_versions()
-    _validate_tp_size(tp_size)
-    _validate_tp_size(cp_size, "cp_size")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -136,10 +130,6 @@ def from_pretrained(
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
         model.to(target)  # buffers built at init
 
-    options = WrapOptions(tp_group=tp_group, policy=policy, vocab_parallel=vocab_parallel,
-                          sequence_parallel=sequence_parallel, check_inputs=check_inputs, timeout=timeout,
-                          overlap=overlap, recompute_glu=recompute_glu, example_inputs=example_inputs,
-                          cp_size=cp_size)
     _shard(model, tp_size, options, materialize=load, call="from_pretrained")
     if (path / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -168,12 +158,7 @@ def explain(
     so a call to `wrap` can be checked as is, before a launch. `tp_group`, `check_inputs`, `timeout`, `overlap` and
     `recompute_glu` shape the wrapped layers, not the plan: they are accepted and change nothing here.
     """
-    _validate_tp_size(tp_size)
-    _validate_tp_size(cp_size, "cp_size")
-    return _plan(model, tp_size, WrapOptions(
-        tp_group=tp_group, policy=policy, vocab_parallel=vocab_parallel, sequence_parallel=sequence_parallel,
-        check_inputs=check_inputs, timeout=timeout, overlap=overlap, recompute_glu=recompute_glu,
-        example_inputs=example_inputs, cp_size=cp_size))
+    return _plan(model, tp_size, _options(tp_size, locals()))
 
 
 def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
@@ -233,7 +218,7 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     if collective and not dist.is_initialized() and launched_by_torchrun():
         init_from_env(options.timeout or DEFAULT_TIMEOUT)
     group = world() if collective else None
-    sizes = (tp_size, options.cp_size, options.tp_group is not None)
+    sizes = (tuple(options.sizes(tp_size).items()), options.tp_group is not None)
     with nullcontext() if group is None else named_failure(
             group, f"comparing the ranks' sizes and plans in {call}",
             f"Every rank must call {call} with the same tp_size and cp_size: a rank at tp_size=1 and cp_size=1 "
@@ -245,11 +230,16 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
           f"named. Nothing was changed.", failed)
 
 
-def _validate_tp_size(tp_size: int, name: str = "tp_size") -> None:
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int):
-        raise TypeError(f"{name} must be an int, got {type(tp_size).__name__} {tp_size!r}")
-    if tp_size < 1:
-        raise ValueError(f"{name} must be at least 1, got {tp_size}")
+def _options(tp_size: int, arguments: dict[str, Any]) -> WrapOptions:
+    """The entry point's keyword arguments (its `locals()` on entry) as `WrapOptions`, its sizes checked: an option is
+    a keyword of `wrap`, `from_pretrained` and `explain` and a field of `WrapOptions`, and nothing else."""
+    options = WrapOptions(**{f.name: arguments[f.name] for f in fields(WrapOptions)})
+    for axis, size in options.sizes(tp_size).items():
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"{axis}_size must be an int, got {type(size).__name__} {size!r}")
+        if size < 1:
+            raise ValueError(f"{axis}_size must be at least 1, got {size}")
+    return options
 
 
 def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
@@ -271,4 +261,4 @@ def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
         return world_mesh(), timeout
     if tp_group is not None and group_size(tp_group) != tp_size:
         raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
-    return build_mesh(tp_size, cp_size, timeout, tp_group), timeout
+    return build_mesh(options.sizes(tp_size), timeout, tp_group), timeout

@@ -12,6 +12,7 @@ through.
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -140,7 +141,8 @@ def finish() -> None:
 
 AXES = ("dp", "cp", "tp")  # the grid's axes, outermost first
 GRAD = ("dp", "cp")  # the ranks holding the same shards: gradients average here, FSDP shards here
-_NAMES = {("tp",): "TP group", ("cp",): "CP group", ("dp",): "DP group", GRAD: "DP x CP group"}
+_TITLES = {"dp": "data parallel", "cp": "context parallel", "tp": "tensor parallel"}
+_VIEWS = [(axis,) for axis in reversed(AXES)] + [GRAD]  # the groups every mesh has, in the order they are made
 
 
 @dataclass(frozen=True)
@@ -194,24 +196,27 @@ class Mesh:
         return f"Mesh({sizes})"
 
 
-def build_mesh(tp_size: int, cp_size: int, timeout: timedelta, tp_group: Group = None) -> Mesh:
-    """This rank's mesh over the world (dp = world / (cp x tp)), or around the user's `tp_group` (cp 1). Collective:
-    every rank calls it with the same sizes, which `autotp.runtime.agreement.check_sizes` made sure of."""
+def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None) -> Mesh:
+    """This rank's mesh over the world for `sizes` (every axis but DP, by name: `WrapOptions.sizes`), DP taking the
+    rest, or around the user's `tp_group` (every other axis 1). Collective: every rank calls it with the same sizes,
+    which `autotp.runtime.agreement.check_sizes` made sure of."""
     world = dist.get_world_size()
+    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
     if tp_group is not None:
         grid = _grid_around(tp_group)
-    elif world % (tp_size * cp_size):
-        sizes = f"tp_size={tp_size}" + (f" x cp_size={cp_size}" if cp_size > 1 else "")
-        raise ValueError(f"{sizes} must divide the world size {world} "
-                         f"(world = data parallel x {'context parallel x ' if cp_size > 1 else ''}tensor parallel)")
+    elif world % math.prod(shape):
+        named = " x ".join(f"{axis}_size={n}" for axis, n in sizes.items() if n > 1 or axis == "tp")
+        raise ValueError(f"{named} must divide the world size {world} (world = data parallel x "
+                         + " x ".join(_TITLES[axis] for axis in AXES[1:] if sizes.get(axis, 1) > 1
+                                      or axis == "tp") + ")")
     else:
-        grid = torch.arange(world).reshape(world // (tp_size * cp_size), cp_size, tp_size)
+        grid = torch.arange(world).reshape(world // math.prod(shape), *shape)
     mesh = Mesh(grid)
     made: dict[tuple[int, ...], Group] = {}
-    for axes in _NAMES:
+    for axes in _VIEWS:
         if axes == ("tp",) and tp_group is not None:
             mesh.groups[axes] = tp_group
-        elif mesh.grid.shape[AXES.index(axes[0])] > 1 or axes in (("dp",), GRAD):
+        elif axes in (("dp",), GRAD) or mesh.grid.shape[AXES.index(axes[0])] > 1:
             mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
     return mesh
 
@@ -228,18 +233,18 @@ def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
     rank, mine = dist.get_rank(), None
     for ranks in mesh.rows(*axes):
         if ranks not in made:
-            made[ranks] = new_group(list(ranks), timeout, _NAMES[axes])
+            made[ranks] = new_group(list(ranks), timeout, " x ".join(a.upper() for a in axes) + " group")
         if rank in ranks:
             mine = made[ranks]
     return mine
 
 
 def _grid_around(tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """The grid whose TP rows are the user's TP groups (learnt from every rank: one all-gather), cp 1."""
+    """The grid whose TP rows are the user's TP groups (learnt from every rank: one all-gather); other axes 1."""
     mine = tuple(dist.get_process_group_ranks(tp_group))
     everyone: list = [None] * dist.get_world_size()
     with named_failure(dist.group.WORLD, "learning every rank's tp_group to build the mesh around it",
                        "Every rank must call wrap with its own tp_group."):
         dist.all_gather_object(everyone, mine)
     rows = sorted(set(everyone))
-    return torch.tensor(rows).reshape(len(rows), 1, len(mine))
+    return torch.tensor(rows).reshape(len(rows), *[1] * (len(AXES) - 2), len(mine))

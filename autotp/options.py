@@ -8,7 +8,7 @@ or named per-rank, with the reason, in `autotp.runtime.agreement`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Mapping
 
@@ -52,6 +52,12 @@ class WrapOptions:
     recompute_glu: bool = True
     example_inputs: Mapping[str, Any] | None = None
     cp_size: int = 1
+
+    def sizes(self, tp_size: int) -> dict[str, int]:
+        """Every mesh axis's size but DP's, by axis name: `tp_size`, then each `<axis>_size` field (an axis of
+        `autotp.mesh.AXES`). The ranks agree on these before any group is built."""
+        return {"tp": tp_size, **{f.name.removesuffix("_size"): getattr(self, f.name) for f in fields(self)
+                                  if f.name.endswith("_size")}}
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):

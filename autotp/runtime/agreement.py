@@ -30,21 +30,25 @@ PER_RANK_OPTIONS = frozenset({
 })
 
 
-def check_sizes(sizes: dict[int, tuple[int, int, bool]], call: str) -> None:
-    """Raise the same ValueError on every rank unless every rank passed the same (tp_size, cp_size, tp_group given).
+def check_sizes(sizes: dict[int, tuple[tuple[tuple[str, int], ...], bool]], call: str) -> None:
+    """Raise the same ValueError on every rank unless every rank passed the same mesh sizes (`WrapOptions.sizes`:
+    tp_size, cp_size, ...) and gave a tp_group or not alike.
 
     The groups are built from these by collective calls, each rank its own sequence of them: ranks that differ
     would wait on each other until the timeout, with an error that names neither the ranks nor the sizes.
     """
     if len(set(sizes.values())) <= 1:
         return
-    by_sizes: dict[tuple[int, int, bool], list[int]] = {}
+    by_sizes: dict[tuple, list[int]] = {}
     for rank, theirs in sorted(sizes.items()):
         by_sizes.setdefault(theirs, []).append(rank)
-    described = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: tp_size={tp}, cp_size={cp}"
-                          f"{', tp_group given' if given else ''}" for (tp, cp, given), ranks in by_sizes.items())
+    described = "; ".join(
+        f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: "
+        + ", ".join(f"{axis}_size={n}" for axis, n in axes) + (", tp_group given" if given else "")
+        for (axes, given), ranks in by_sizes.items())
+    names = " and ".join(f"{axis}_size" for axis, _ in next(iter(by_sizes))[0])
     raise ValueError(f"ranks called {call} with different sizes ({described}). Every rank must call {call} with the "
-                     f"same tp_size and cp_size, and pass tp_group on every rank or on none; no group was built and "
+                     f"same {names}, and pass tp_group on every rank or on none; no group was built and "
                      f"nothing was changed.")
 
 

@@ -19,7 +19,8 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
    `tp`, `tp.overlap`, `tp.glu`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.lora`, `tp.lora_lift`, `vocab`, `vocab.layers`, `vocab.apply`, `sp`, `sp.sequence`, `cp`, `cp.layout`, `cp.dropout`,
-   `cp.attention`, `cp.loss`, `cp.apply`, `dp`, `dp.row_gather`, `dp.ddp`, `dp.fsdp`
+   `cp.attention`, `cp.loss`, `cp.apply`, `dp`, `dp.row_gather`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
+   `ep.grads`, `ep.groups`, `ep.dispatch`, `ep.apply`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
@@ -32,7 +33,10 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 """
 
 from .api import explain, from_pretrained, wrap
-from .accessors import cp_group, cp_rank, cp_size, dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
+from .accessors import (
+    cp_group, cp_rank, cp_size, dp_cp_group, dp_group, dp_rank, dp_size, ep_group, ep_rank, ep_size, tp_group, tp_rank,
+    tp_size,
+)
 from .dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
 from .dp.fsdp import dp_mesh, fully_shard
 from .integrations.gather import GatherReplacedLayerParams
@@ -54,7 +58,7 @@ from .planning.sharding import Partition, Shard
 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "cp_group", "cp_rank", "cp_size",
-    "data_parallel_sampler", "dp_cp_group", "dp_group", "dp_rank",
+    "data_parallel_sampler", "dp_cp_group", "dp_group", "dp_rank", "ep_group", "ep_rank", "ep_size",
     "dp_mesh", "dp_size", "finish", "fully_shard", "tp_group", "tp_rank", "tp_size",
     "CheckpointError", "EngineLayout", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
     "Shard", "build_plan", "check_replicas", "consolidate", "explain", "export_adapters", "export_weights", "from_pretrained", "load_checkpoint", "receive_weights", "save_checkpoint",

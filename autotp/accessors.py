@@ -59,3 +59,16 @@ def dp_rank(model: nn.Module | None = None) -> int:
 
 def dp_size(model: nn.Module | None = None) -> int:
     return group_size(dp_group(model))
+
+
+def ep_group(model: nn.Module | None = None) -> Group:
+    """The expert-parallel group: the ranks splitting each MoE layer's experts (`autotp.ep`); None at ep_size 1."""
+    return state_of(model).mesh.group("ep")
+
+
+def ep_rank(model: nn.Module | None = None) -> int:
+    return group_rank(ep_group(model))
+
+
+def ep_size(model: nn.Module | None = None) -> int:
+    return group_size(ep_group(model))

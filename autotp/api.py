@@ -8,6 +8,7 @@ applying the plan and registering the gradient hooks.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import nullcontext
 from dataclasses import fields, replace
 from datetime import timedelta
@@ -38,6 +39,7 @@ from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
 from .sp.sequence import sequence_layout
 from .runtime.agreement import check_agreement, check_sizes
+from .ep.apply import refuse_unsupported as refuse_ep
 from .state import TPState, find_state
 
 log = logging.getLogger("autotp")
@@ -57,6 +59,7 @@ def wrap(
     recompute_glu: bool = True,
     example_inputs: Mapping[str, Any] | None = None,
     cp_size: int = 1,
+    ep_size: int = 1,
 ) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
@@ -101,6 +104,7 @@ def from_pretrained(
     recompute_glu: bool = True,
     example_inputs: Mapping[str, Any] | None = None,
     cp_size: int = 1,
+    ep_size: int = 1,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
@@ -151,6 +155,7 @@ def explain(
     recompute_glu: bool = True,
     example_inputs: Mapping[str, Any] | None = None,
     cp_size: int = 1,
+    ep_size: int = 1,
 ) -> Plan:
     """The plan `wrap` would apply given the same arguments, without a process group; works on a meta-device model.
 
@@ -175,8 +180,9 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         error = err
     _planned_everywhere(error, tp_size, options, call)
     mesh, timeout = _mesh(tp_size, options)
-    if mesh.tp is not None or mesh.cp is not None:  # at tp 1 no collective: some ranks only may wrap
-        check_agreement(model, tp_size, options, plan, [("TP", mesh.tp), ("CP", mesh.cp), ("DP", mesh.grad)], call)
+    if mesh.grid is not None:  # at tp 1 (and every size 1) no collective: some ranks only may wrap
+        groups = [("TP", mesh.tp), ("CP", mesh.cp), ("DP", mesh.grad), ("EP", mesh.group("ep"))]
+        check_agreement(model, tp_size, options, plan, groups, call)
     state = parallelize(model, plan, mesh, replace(options, timeout=timeout), materialize)
     if is_global_rank0():
         log.info(plan.summary())
@@ -191,6 +197,7 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     if options.sequence_parallel:
         sequence_layout(model, plan)
+    refuse_ep(model, plan, options)
     cp = options.cp_size
     if cp > 1:
         context.refuse_unsupported(model, cp)
@@ -214,7 +221,7 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     names them, else the failed rank raises its own error, the others one that names it. At tp 1 and cp 1 without a
     tp_group there is no collective (some ranks only may wrap), so the others can only name the likely cause.
     """
-    collective = tp_size > 1 or options.tp_group is not None or options.cp_size > 1
+    collective = options.tp_group is not None or any(n > 1 for n in options.sizes(tp_size).values())
     if collective and not dist.is_initialized() and launched_by_torchrun():
         init_from_env(options.timeout or DEFAULT_TIMEOUT)
     group = world() if collective else None
@@ -245,19 +252,20 @@ def _options(tp_size: int, arguments: dict[str, Any]) -> WrapOptions:
 def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
     """This rank's mesh and the timeout of its groups; torch.distributed was initialised from launcher variables, if
     needed, by `_planned_everywhere`."""
-    timeout, tp_group, cp_size = options.timeout, options.tp_group, options.cp_size
+    timeout, tp_group, sizes = options.timeout, options.tp_group, options.sizes(tp_size)
     if not dist.is_initialized():
-        if tp_size > 1 or tp_group is not None or cp_size > 1:
+        if tp_group is not None or any(n > 1 for n in sizes.values()):
+            needs = next((f"{axis}_size={n}" for axis, n in reversed(sizes.items()) if n > 1), f"tp_size={tp_size}")
             raise RuntimeError(
-                f"{f'cp_size={cp_size}' if cp_size > 1 else f'tp_size={tp_size}'} needs torch.distributed, which is "
+                f"{needs} needs torch.distributed, which is "
                 f"not initialised and no "
                 f"launcher variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are set. Launch with "
-                f"`torchrun --nproc-per-node {tp_size * cp_size} your_script.py` or `accelerate launch`, "
+                f"`torchrun --nproc-per-node {math.prod(sizes.values())} your_script.py` or `accelerate launch`, "
                 f"or call torch.distributed.init_process_group first."
             )
         return Mesh(), timeout or DEFAULT_TIMEOUT
     timeout = timeout or world_timeout()
-    if tp_size == 1 and cp_size == 1 and tp_group is None:  # no group and no collective: some ranks only may wrap
+    if tp_group is None and all(n == 1 for n in sizes.values()):  # no group and no collective: some ranks only may wrap
         return world_mesh(), timeout
     if tp_group is not None and group_size(tp_group) != tp_size:
         raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")

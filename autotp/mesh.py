@@ -141,7 +141,9 @@ def finish() -> None:
 
 AXES = ("dp", "cp", "tp")  # the grid's axes, outermost first
 GRAD = ("dp", "cp")  # the ranks holding the same shards: gradients average here, FSDP shards here
+EXPERT_AXES = ("edp", "ep")  # the experts' grid folded over the same ranks: ep consecutive ranks (TP ranks first)
 _TITLES = {"dp": "data parallel", "cp": "context parallel", "tp": "tensor parallel"}
+_LABELS = {("ep",): "EP group", ("edp",): "expert-DP group"}
 _VIEWS = [(axis,) for axis in reversed(AXES)] + [GRAD]  # the groups every mesh has, in the order they are made
 
 
@@ -156,6 +158,7 @@ class Mesh:
 
     grid: torch.Tensor | None = None
     groups: dict[tuple[str, ...], Group] = field(default_factory=dict)
+    experts: torch.Tensor | None = None  # the folded expert grid, edp x ep (None at ep 1)
 
     def group(self, *axes: str) -> Group:
         """The group along `axes` (one axis, or a flattened view such as ("dp", "cp")); None for a size-1 TP or CP."""
@@ -184,15 +187,14 @@ class Mesh:
 
     def rows(self, *axes: str) -> list[tuple[int, ...]]:
         """Every group along `axes` in the world, as global ranks, in the order every rank creates them."""
-        rest = [a for a in AXES if a not in axes]
-        order = [AXES.index(a) for a in rest] + [AXES.index(a) for a in axes]
-        width = 1
-        for axis in axes:
-            width *= self.grid.shape[AXES.index(axis)]
-        return [tuple(row) for row in self.grid.permute(order).reshape(-1, width).tolist()]
+        grid, names = (self.experts, EXPERT_AXES) if axes[0] in EXPERT_AXES else (self.grid, AXES)
+        rest = [a for a in names if a not in axes]
+        order = [names.index(a) for a in rest] + [names.index(a) for a in axes]
+        width = math.prod(grid.shape[names.index(axis)] for axis in axes)
+        return [tuple(row) for row in grid.permute(order).reshape(-1, width).tolist()]
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{axis}={self.size(axis)}" for axis in AXES)
+        sizes = ", ".join(f"{axis}={self.size(axis)}" for axis in AXES + EXPERT_AXES[1:])
         return f"Mesh({sizes})"
 
 
@@ -211,12 +213,16 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
                                       or axis == "tp") + ")")
     else:
         grid = torch.arange(world).reshape(world // math.prod(shape), *shape)
-    mesh = Mesh(grid)
+    ep = sizes.get("ep", 1)
+    if world % ep:
+        raise ValueError(f"ep_size={ep} must divide the world size {world}: the experts are split over ep_size "
+                         f"consecutive ranks and the rest of the world holds copies of them (expert data parallel)")
+    mesh = Mesh(grid, experts=torch.arange(world).reshape(world // ep, ep) if ep > 1 else None)
     made: dict[tuple[int, ...], Group] = {}
-    for axes in _VIEWS:
+    for axes in _VIEWS + ([("ep",), ("edp",)] if ep > 1 else []):
         if axes == ("tp",) and tp_group is not None:
             mesh.groups[axes] = tp_group
-        elif axes in (("dp",), GRAD) or mesh.grid.shape[AXES.index(axes[0])] > 1:
+        elif axes in (("dp",), GRAD, ("ep",), ("edp",)) or mesh.grid.shape[AXES.index(axes[0])] > 1:
             mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
     return mesh
 
@@ -233,7 +239,7 @@ def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
     rank, mine = dist.get_rank(), None
     for ranks in mesh.rows(*axes):
         if ranks not in made:
-            made[ranks] = new_group(list(ranks), timeout, " x ".join(a.upper() for a in axes) + " group")
+            made[ranks] = new_group(list(ranks), timeout, _LABELS.get(axes, " x ".join(a.upper() for a in axes) + " group"))
         if rank in ranks:
             mine = made[ranks]
     return mine

@@ -40,6 +40,9 @@ class WrapOptions:
     - `cp_size`: context parallelism, the sequence split over that many ranks (TP groups innermost, CP groups next:
       world = dp x cp x tp). Every rank of a CP group is given the same whole batch; the loss and gradients are
       those of one process (`autotp.cp.apply`, docs/long-context.md).
+    - `ep_size`: expert parallelism, each MoE layer's routed experts split by expert over that many consecutive ranks
+      (taking the TP ranks first), tokens sent to them by an all-to-all; the rest of the world holds copies of them
+      (`autotp.ep`). The dense layers keep dp x cp x tp.
     """
 
     tp_group: Any = None  # torch.distributed.ProcessGroup; not imported here: planning has no torch.distributed
@@ -52,6 +55,7 @@ class WrapOptions:
     recompute_glu: bool = True
     example_inputs: Mapping[str, Any] | None = None
     cp_size: int = 1
+    ep_size: int = 1
 
     def sizes(self, tp_size: int) -> dict[str, int]:
         """Every mesh axis's size but DP's, by axis name: `tp_size`, then each `<axis>_size` field (an axis of

@@ -5,18 +5,20 @@ model is changed only here, and a failure at any step puts it back exactly as it
 (`parallel.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
 The order, and why:
 
-1. `tensor_parallel`: the plan's layers, experts and heads (`autotp.tp`);
+1. `tensor_parallel`: the plan's layers, experts and heads (`autotp.tp`); under expert parallelism without the
+   experts, which step 5 takes whole;
 2. `vocab_parallel`: the LM head and embedding by vocabulary, after the layers (`autotp.vocab`);
 3. `sequence_parallel`: around the decoder layers just made parallel (`autotp.sp`);
-4. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters;
-5. `register_grad_hooks`: gradient sums, on the parameters once they are final;
-6. `context_parallel`: after vocab parallelism's loss, which it wraps (`autotp.cp`);
-7. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
-8. `ddp_guard`: DDP over a wrong group refused;
-9. `input_check`: prepended, so it sees the caller's inputs;
-10. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
-11. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
-    makes the CP ranks' weights equal.
+4. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters (the experts whole);
+5. `expert_parallel`: each MoE layer keeps its EP rank's experts and dispatches tokens to them (`autotp.ep`);
+6. `register_grad_hooks`: gradient sums, on the parameters once they are final;
+7. `context_parallel`: after vocab parallelism's loss, which it wraps (`autotp.cp`);
+8. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
+9. `ddp_guard`: DDP over a wrong group refused;
+10. `input_check`: prepended, so it sees the caller's inputs;
+11. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
+12. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
+    makes the CP ranks' weights equal; the experts over their expert-DP group.
 
 `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step: `autotp.fully_shard(model)`
 stays the user's own call after `wrap`, as torch's `fully_shard` is.
@@ -29,6 +31,7 @@ from typing import Callable
 from torch import nn
 
 from .compat.torch import ddp_ignored, set_ddp_ignored
+from .ep.apply import broadcast_experts, dense_plan, expert_parallel
 from .integrations.guards import ContextDDPGuard, DDPGuard, InputCheck, MeshGuard, SwapGuard
 from .integrations.hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .io.rollout.adapters import slice_adapters_on_load
@@ -51,18 +54,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions,
     returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`)."""
     snapshot = Snapshot(model)
     try:
-        state = tensor_parallel(model, plan, mesh, options)
-        vocab_parallel(model, plan, state)
-        snapshot.track(sequence_parallel(model, plan, state, options))
+        dense = dense_plan(plan, options)
+        state = tensor_parallel(model, dense, mesh, options)
+        vocab_parallel(model, dense, state)
+        snapshot.track(sequence_parallel(model, dense, state, options))
         if materialize is not None:
             materialize(state)
+        expert_parallel(model, plan, mesh, state)
         snapshot.track(register_grad_hooks(model, state))
         snapshot.track(context_parallel(model, state, options))
         hf_methods(model, state)
         ddp_guard(model, state)
         input_check(model, options)
-        guards(model, plan, state)
-        replica_broadcast(model, mesh)
+        guards(model, dense, state)
+        replica_broadcast(model, state)
     except BaseException:
         snapshot.restore()
         detach(model)
@@ -114,6 +119,8 @@ def guards(model: nn.Module, plan: Plan, state: TPState) -> None:
     MeshGuard(model)
 
 
-def replica_broadcast(model: nn.Module, mesh: Mesh) -> None:
-    """Replicated tensors from the group's first rank: over TP, and over DP x CP whenever any group exists."""
-    broadcast_replicated(model, mesh.tp, mesh.grad if mesh.tp is not None or mesh.cp is not None else None)
+def replica_broadcast(model: nn.Module, state: TPState) -> None:
+    """Replicated tensors from the group's first rank: over TP, and over DP x CP whenever any group exists; each
+    expert from the first rank of its expert-DP group."""
+    broadcast_replicated(model, state.tp_group, state.grad_group if state.mesh.grid is not None else None)
+    broadcast_experts(model, state)

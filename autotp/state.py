@@ -48,6 +48,7 @@ class TPState:
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
     mesh_guard: Any = None  # autotp.integrations.guards.MeshGuard, kept alive by the model it watches
     context: Any = None  # autotp.cp.apply.ContextParallel, at cp_size > 1
+    ep: Any = None  # autotp.ep.groups.ExpertGroups, at ep_size > 1
 
     @property
     def tp_group(self) -> Group:
@@ -90,7 +91,7 @@ class TPState:
         if root is None or id(root) not in memo:
             return self
         self.refuse_gathered("copy.deepcopy of a wrapped model")
-        for shared in (self.mesh, self.dp_mesh, *self.replica_groups.values()):
+        for shared in (self.mesh, *self.mesh.groups.values(), self.dp_mesh, *self.replica_groups.values()):
             memo[id(shared)] = shared
         new = copy.copy(self)
         memo[id(self)] = new
@@ -114,6 +115,14 @@ class TPState:
     def is_gathered(self) -> bool:
         """Whether the model holds full weights now, for the entry points that act differently inside the context."""
         return self.gathered
+
+    def refuse_expert_parallel(self, action: str) -> None:
+        """Refuse `action` (a save, a checkpoint, an export, FSDP), which does not know that each EP rank holds only
+        its own experts: it would write or shard them as the whole model's."""
+        if self.ep is not None:
+            raise NotImplementedError(f"{action} at ep_size={self.ep.size}: not supported yet, as each rank holds "
+                                      f"only its {self.ep.size}th of the experts and the result would be wrong. "
+                                      f"Inside autotp.GatherReplacedLayerParams(model) every rank holds every expert")
 
     def refuse_gathered(self, action: str) -> None:
         """Stop `action`, which needs the sharded model, inside GatherReplacedLayerParams."""

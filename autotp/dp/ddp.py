@@ -30,7 +30,8 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     """Average (or sum) every gradient over the DP x CP group, in ~25 MB buckets; call after the last micro-batch.
 
     Under context parallelism this sums over CP and averages over DP (see the module doc); it must be called even
-    with one replica. With gradient accumulation, call it once per optimizer step: the gradients accumulated over
+    with one replica. Under expert parallelism the experts' gradients are summed over their expert-DP group instead
+    and divided by the same DP x CP size (`autotp.ep.grads`). With gradient accumulation, call it once per optimizer step: the gradients accumulated over
     the micro-batches are synchronised together. Under `autotp.fully_shard` it does nothing: FSDP has already
     reduce-scattered them over DP x CP.
     """
@@ -39,9 +40,11 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     state = state_of(model)
     if state.context is not None:
         state.context.unsynced = False  # summed over CP here (or by FSDP)
+    if state.ep is not None:  # the experts over their own replicas (autotp.ep.grads)
+        state.ep.sync_gradients(model, size, average)
     if size == 1 or state.fsdp:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and not hasattr(p, "autotp_expert")]
     for bucket in buckets(grads, _BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
         with named_failure(group, "autotp.allreduce_gradients' all-reduce of the gradients"):
@@ -69,7 +72,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     device = params[0].grad.device
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
+    dense = params
+    if state.ep is not None:  # each EP rank's experts once: their own all-reduce over the EP group
+        replicated = state.ep.norm([p for p in params if hasattr(p, "autotp_expert")], norm_type)
+        dense = [p for p in params if not hasattr(p, "autotp_expert")]
+    for p in dense:
         grad, first = local_rows(p.grad.detach())  # under FSDP, this rank's rows of its TP shard
         grad = grad.double()
         shard = getattr(p, "autotp_shard", None)

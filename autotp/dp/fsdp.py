@@ -57,6 +57,7 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
         raise RuntimeError(f"{type(root).__name__} is already sharded by autotp.fully_shard; call it once")
     if state.is_gathered():
         raise RuntimeError("autotp.fully_shard inside GatherReplacedLayerParams: call it on the sharded model")
+    state.refuse_expert_parallel("autotp.fully_shard")
     found = adapter_module(root)
     if found is not None:
         raise NotImplementedError(f"autotp.fully_shard: {found[0]} is a {found[1]}; PEFT adapters under FSDP are not "

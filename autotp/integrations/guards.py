@@ -90,7 +90,13 @@ class DDPGuard:
             self.check(module.process_group)
 
     def check(self, group: dist.ProcessGroup | None) -> None:
-        """Refuse a data-parallel group that contains two ranks of this model's TP group."""
+        """Refuse a data-parallel group that contains two ranks of this model's TP group, and any under expert
+        parallelism: DDP would average each EP rank's experts with other experts."""
+        experts = state_of(self.model).ep
+        if experts is not None:
+            raise NotImplementedError(f"DistributedDataParallel at ep_size={experts.size}: DDP would average different "
+                                      f"experts together. Use autotp.allreduce_gradients(model), which sums the "
+                                      f"expert gradients over their own replicas")
         tp = state_of(self.model).tp_group
         if group is None or group_size(tp) == 1:
             return

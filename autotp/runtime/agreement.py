@@ -21,7 +21,7 @@ from ..planning.plan import Plan
 
 # Every field of `WrapOptions` is on one side (tests/pipeline/test_wrap_agreement_and_state_dicts.py checks that a new one is):
 AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
-                            "cp_size"})  # compared as given: ranks that differ would shard or synchronise apart
+                            "cp_size", "ep_size"})  # compared as given: ranks that differ would shard or synchronise apart
 PER_RANK_OPTIONS = frozenset({
     "tp_group",  # a process group: each rank holds its own object, of its own members
     "timeout",  # how long this rank waits; ranks may wait differently without training apart
@@ -42,9 +42,10 @@ def check_sizes(sizes: dict[int, tuple[tuple[tuple[str, int], ...], bool]], call
     by_sizes: dict[tuple, list[int]] = {}
     for rank, theirs in sorted(sizes.items()):
         by_sizes.setdefault(theirs, []).append(rank)
+    shown = {axis for axes, _ in by_sizes for axis, n in axes if n != 1} | {"tp", "cp"}  # no ep_size=1 on every rank
     described = "; ".join(
         f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: "
-        + ", ".join(f"{axis}_size={n}" for axis, n in axes) + (", tp_group given" if given else "")
+        + ", ".join(f"{axis}_size={n}" for axis, n in axes if axis in shown) + (", tp_group given" if given else "")
         for (axes, given), ranks in by_sizes.items())
     names = " and ".join(f"{axis}_size" for axis, _ in next(iter(by_sizes))[0])
     raise ValueError(f"ranks called {call} with different sizes ({described}). Every rank must call {call} with the "

@@ -32,10 +32,15 @@ def replicated_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     sharded = state.fsdp_sharded if state is not None else frozenset()  # inside an FSDP forward: untagged copies
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
-        if id(tensor) not in seen and not hasattr(tensor, "autotp_shard") and name not in sharded:
+        if id(tensor) not in seen and not _split(tensor) and name not in sharded:
             seen.add(id(tensor))
             out.append((name, tensor))
     return out
+
+
+def _split(tensor: torch.Tensor) -> bool:
+    """Whether ranks hold different parts of `tensor`: a TP shard, or an EP rank's experts (`autotp.ep`)."""
+    return hasattr(tensor, "autotp_shard") or hasattr(tensor, "autotp_expert")
 
 
 def broadcast_replicated(model: nn.Module, group: Group, dp_group: Group = None) -> None:
@@ -61,11 +66,12 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: Group) -> None:
 
 
 def _tensors_once(model: nn.Module) -> list[torch.Tensor]:
-    """Every materialised parameter and buffer, each once."""
+    """Every materialised parameter and buffer, each once; not the experts, which the EP step broadcasts over their
+    own replicas (`autotp.ep.apply.broadcast_experts`)."""
     seen: set[int] = set()
     out = []
     for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in seen and tensor.device.type != "meta":
+        if id(tensor) not in seen and tensor.device.type != "meta" and not hasattr(tensor, "autotp_expert"):
             seen.add(id(tensor))
             out.append(tensor)
     return out

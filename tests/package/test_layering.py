@@ -106,7 +106,7 @@ def test_no_import_cycle() -> None:
         print(f"layer {number}: " + ", ".join(f"{n} <- {sorted(edges[n])}" for n in names))
 
 
-DIMENSIONS = ("tp", "vocab", "sp", "cp", "dp")  # one package per parallelism dimension
+DIMENSIONS = ("tp", "vocab", "sp", "cp", "dp", "ep")  # one package per parallelism dimension
 BASE = "tp"  # the layers every other dimension extends (the vocab head is a column layer; SP splits around them)
 SHARED = ("mesh", "state", "options", "runtime", "planning", "compat")
 

@@ -76,6 +76,8 @@ class _Reader:
             directory, meta, model, optimizer, scheduler
         state = find_state(model)
         if state is not None:
+            state.refuse_expert_parallel("autotp.load_checkpoint")
+        if state is not None:
             state.refuse_gathered("autotp.load_checkpoint")
         if weights and not meta.get("weights", True):
             raise CheckpointError(f"{directory}: holds the optimizer state alone (an AutoTPTrainer checkpoint's "

@@ -241,6 +241,8 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     model = outside_module_holders(model)
     tp_state = find_state(model)
     if tp_state is not None:
+        tp_state.refuse_expert_parallel(what)
+    if tp_state is not None:
         tp_state.refuse_gathered(what)
     meta = {"format": FORMAT, **layout(model), "model_class": type(model).__name__, "state": state,
             "optimizer_params": optimizer_names(model, optimizer), "scheduler": scheduler is not None,

@@ -57,6 +57,8 @@ def save_pretrained(
                         f"under names transformers does not load. Call merge_and_unload() first, or save the adapter "
                         f"alone with the PEFT model's save_pretrained, on every rank (it writes the full-size adapter)")
     state = find_state(model)
+    if state is not None:
+        state.refuse_expert_parallel("autotp.save_pretrained")
     tp_group = None if state is None else state.tp_group
     params = model.state_dict(keep_vars=True)
     fsdp = state is not None and state.fsdp  # then every rank gathers its DP group's rows: all take part

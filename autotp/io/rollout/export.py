@@ -76,6 +76,8 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     check_bucket_bytes(bucket_bytes, "autotp.export_weights")
     root = peft_inner(outside_module_holders(model))
     state = find_state(root)
+    if state is not None:
+        state.refuse_expert_parallel("autotp.export_weights")
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
     raw = root.state_dict(keep_vars=True)

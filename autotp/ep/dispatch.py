@@ -1,0 +1,86 @@
+"""One MoE layer's experts split by expert over the EP group, reached by an all-to-all of the routed tokens.
+
+transformers' experts modules (`@use_experts_implementation`: qwen3_moe, mixtral, olmoe, ...) take
+`experts(hidden_states, top_k_index, top_k_weights)` after the model's own router, so routing stays the model's: its
+gate, top-k and normalisation. `ExpertRegion` keeps this rank's experts (whole, consecutive) and replaces the module's
+forward by: this TP rank's rows; permute the (token, slot) pairs by expert; all-to-all of the counts, then of the
+tokens (dropless: buffers follow the counts); the local experts by the module's own implementation (`grouped_mm`,
+`batched_mm` or its loop), top-1 with unit weights; the reverse all-to-all; un-permute, weight by the routing weights
+and sum over the slots as transformers sums them; the TP ranks' rows gathered back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..mesh import named_failure
+from .collectives import exchange, exchange_counts, gather_rows, own_rows, split_rows
+from .groups import ExpertGroups
+
+
+class ExpertRegion:
+    """A fused experts module (3-D parameters, experts on dim 0) holding this EP rank's experts; its parameters carry
+    `autotp_expert` (this object), which the gradient sync and the norm read."""
+
+    def __init__(self, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
+        self.module, self.names, self.experts, self.tp_group, self.state = module, names, experts, tp_group, state
+        self.total = module.num_experts
+        self.local = self.total // experts.size
+        self.first = experts.rank * self.local
+        self.own_forward = type(module).forward.__get__(module)  # the class's: transformers' implementation dispatch
+        for name in names:
+            old = getattr(module, name)
+            new = nn.Parameter(old.data[self.first:self.first + self.local].clone(), requires_grad=old.requires_grad)
+            new.autotp_expert = self
+            setattr(module, name, new)
+        module.forward = self.forward
+        module.autotp_region = self
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        if self.state.is_gathered():  # whole experts: the module as one process runs it
+            return self.own_forward(hidden_states, top_k_index, top_k_weights, **kwargs)
+        rows, slots = hidden_states.shape[0], top_k_index.shape[-1]
+        hidden, weights = split_rows((hidden_states, top_k_weights), self.tp_group)
+        mine = own_rows(rows, self.tp_group)
+        index = top_k_index[mine.start:mine.stop]
+        expert_ids = index.reshape(-1)
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.total).view(self.experts.size, self.local)
+        received_counts = exchange_counts(counts, self.experts.group)
+        send, receive = counts.sum(1).tolist(), received_counts.sum(1).tolist()
+        tokens = exchange(hidden[order // slots], send, receive, self.experts.group)
+        local_ids = torch.arange(self.local, device=tokens.device).repeat(self.experts.size)
+        local_ids = local_ids.repeat_interleave(received_counts.reshape(-1), output_size=tokens.shape[0])
+        output = exchange(self._run_local(tokens, local_ids), receive, send, self.experts.group)
+        by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])
+        combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
+        return gather_rows(combined, rows, self.tp_group)
+
+    def _run_local(self, tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The local experts on the received rows, each row top-1 with weight 1 (the weights are the sender's)."""
+        if tokens.shape[0] == 0:  # still in the graph, so the reverse all-to-all runs; zero gradients, not None
+            anchor = sum(getattr(self.module, name).reshape(-1)[:0].sum() for name in self.names)
+            return tokens * 0 + anchor
+        self.module.num_experts = self.local
+        try:
+            return self.own_forward(tokens, local_ids.unsqueeze(-1), tokens.new_ones(tokens.shape[0], 1))
+        finally:
+            self.module.num_experts = self.total
+
+    def gather_(self) -> None:
+        """Every expert on every rank (GatherReplacedLayerParams): all-gathered over the EP group."""
+        for name in self.names:
+            param = getattr(self.module, name)
+            parts = [torch.empty_like(param.data) for _ in range(self.experts.size)]
+            with named_failure(self.experts.group, "the all-gather of the experts"):
+                dist.all_gather(parts, param.data.contiguous(), group=self.experts.group)
+            param.data = torch.cat(parts)
+
+    def partition_(self) -> None:
+        for name in self.names:
+            param = getattr(self.module, name)
+            param.data = param.data[self.first:self.first + self.local].clone()
+

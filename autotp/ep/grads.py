@@ -1,0 +1,59 @@
+"""Expert gradients: summed over the expert-DP group only, and their part of the whole model's gradient norm.
+
+`experts` is the model's `autotp.ep.groups.ExpertGroups` (its EP `group` and expert-DP `data` group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ..runtime.collectives import buckets
+from ..mesh import group_size, named_failure
+
+_BUCKET_BYTES = 25 << 20
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters holding this rank's experts (tagged `autotp_expert` by `ExpertRegion`)."""
+    return [p for p in model.parameters() if hasattr(p, "autotp_expert")]
+
+
+def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: bool) -> None:
+    """Sum each expert gradient over the expert-DP group, then divide by `replicas` (dp x cp) when averaging.
+
+    An expert's gradient already sums the tokens of every rank of its EP group (the all-to-all's backward), so the
+    sum over expert-DP covers the world's tokens once, as the dense gradients' sum over dp x cp does; both are then
+    divided by the same count of replicas. At world == ep nothing is summed, but the division still applies.
+    A parameter that got no gradient gets a zero one, so the all-reduces and the optimizers agree across ranks.
+    """
+    params = [p for p in expert_params(model) if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    if group_size(experts.data) > 1:
+        for bucket in buckets(grads, _BUCKET_BYTES):
+            flat = _flatten_dense_tensors(bucket)
+            with named_failure(experts.data, "autotp.allreduce_gradients' all-reduce of the expert gradients"):
+                dist.all_reduce(flat, group=experts.data)
+            for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(synced)
+    if average and replicas > 1:
+        for grad in grads:
+            grad.div_(replicas)
+
+
+def expert_norm(params: list[nn.Parameter], experts, norm_type: float) -> torch.Tensor:
+    """The experts' part of the gradient norm (sum of squares, or max): each EP rank's experts counted once."""
+    device = params[0].grad.device if params else torch.device("cpu")
+    part = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        grad = p.grad.detach().double()
+        part = part + grad.pow(2).sum() if norm_type == 2.0 else torch.maximum(part, grad.abs().max())
+    op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+    with named_failure(experts.group, "autotp.clip_grad_norm_'s all-reduce of the experts' gradient norm"):
+        dist.all_reduce(part, op=op, group=experts.group)
+    return part

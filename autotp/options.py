@@ -66,3 +66,15 @@ class WrapOptions:
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
+
+
+# Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
+# tests/pipeline/test_wrap_agreement_and_state_dicts.py fails on a field on neither side):
+AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
+                            "cp_size", "ep_size"})  # compared as given: ranks that differ would shard or synchronise apart
+PER_RANK_OPTIONS = frozenset({
+    "tp_group",  # a process group: each rank holds its own object, of its own members
+    "timeout",  # how long this rank waits; ranks may wait differently without training apart
+    "policy",  # a path or dict, which may differ between ranks: the plan, compared below, holds its effect
+    "example_inputs",  # each rank's own tensors: the plan verified on them, compared below, holds their effect
+})

@@ -16,19 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import Group, group_size, named_failure
-from ..options import WrapOptions
+from ..options import AGREED_OPTIONS, WrapOptions
 from ..planning.plan import Plan
-
-# Every field of `WrapOptions` is on one side (tests/pipeline/test_wrap_agreement_and_state_dicts.py checks that a new one is):
-AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
-                            "cp_size", "ep_size"})  # compared as given: ranks that differ would shard or synchronise apart
-PER_RANK_OPTIONS = frozenset({
-    "tp_group",  # a process group: each rank holds its own object, of its own members
-    "timeout",  # how long this rank waits; ranks may wait differently without training apart
-    "policy",  # a path or dict, which may differ between ranks: the plan, compared below, holds its effect
-    "example_inputs",  # each rank's own tensors: the plan verified on them, compared below, holds their effect
-})
-
 
 def check_sizes(sizes: dict[int, tuple[tuple[tuple[str, int], ...], bool]], call: str) -> None:
     """Raise the same ValueError on every rank unless every rank passed the same mesh sizes (`WrapOptions.sizes`:

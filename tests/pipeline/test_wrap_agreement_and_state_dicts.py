@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 import autotp
-from autotp.runtime.agreement import AGREED_OPTIONS, PER_RANK_OPTIONS
+from autotp.options import AGREED_OPTIONS, PER_RANK_OPTIONS
 from autotp.options import WrapOptions
 from autotp.testing import LOSS_ATOL, PARAM_ATOL, assert_parity, compare_training, full_tensor, run_ranks, tiny_config
 from models import CP_FAMILIES, batch, tiny_model

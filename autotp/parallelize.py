@@ -2,7 +2,7 @@
 
 `parallelize` runs after every check (planning, the ranks' agreement, the process groups), so the
 model is changed only here, and a failure at any step puts it back exactly as it was
-(`parallel.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
+(`runtime.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
 The order, and why:
 
 1. `tensor_parallel`: the plan's layers, experts and heads (`autotp.tp`); under expert parallelism without the

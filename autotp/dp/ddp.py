@@ -1,4 +1,4 @@
-"""Data parallel x context parallel x tensor parallel: groups, gradient sync, clipping, sampling.
+"""Data parallel x context parallel x tensor parallel: gradient sync, clipping, sampling (the groups: `autotp.mesh`).
 
 A world of N ranks with tp_size T and cp_size C holds N/(C T) replicas (DP), each splitting its sequences over C
 ranks (CP) and its weights over T (TP). TP groups are consecutive ranks, CP groups next: rank r is TP rank r % T,

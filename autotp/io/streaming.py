@@ -1,6 +1,6 @@
 """Full tensors streamed to one rank for a file: the point-to-point protocol behind `save_pretrained`'s writes.
 
-Why not a gather (`parallel.collectives.gather_full_to`): the gathering rank would hold every shard of a
+Why not a gather (`runtime.collectives.gather_full_to`): the gathering rank would hold every shard of a
 tensor at once, and write nothing until all came. Here it `pwrite`s each piece as it arrives, and on a
 local filesystem the other ranks write their rows into its file themselves (the caller passes how:
 `write_rows`, `autotp.io.hf.safetensors.write_rows`), so nothing travels at all.

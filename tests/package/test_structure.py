@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import tomllib
 from pathlib import Path
 
 from torch import nn
@@ -161,3 +162,11 @@ def test_every_blocking_collective_goes_through_named_failure() -> None:
             if not named:
                 found.append(f"{module}:{node.lineno} dist.{node.func.attr} in {function}")
     assert found == [], "wrap these in autotp.mesh.named_failure"
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    """pyproject.toml lists the packages setuptools builds: a folder left out would be missing from the wheel (and a
+    listed folder that is gone fails the install)."""
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {".".join(("autotp", *f.parent.relative_to(PACKAGE).parts)) for f in PACKAGE.rglob("__init__.py")}
+    assert listed - {"autotp.policies"} == present

@@ -24,12 +24,13 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
-   `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.export`, `io.rollout.sync`
+   `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.export`, `io.rollout.sync`,
+   `io.rollout.vllm_source`, `io.rollout.vllm_gloo`, `io.rollout.vllm_connect`
 7. the integrations and the entry points: `integrations`, `integrations.guards`, `integrations.gather`,
    `integrations.hf_methods`, `parallelize`, `api`
 8. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-9. tools: `cli`, `integrations.trl`, `integrations.trainer`, `hf_trainer`, `__main__`, `__init__` (this package)
+9. tools: `cli`, `integrations.trl`, `integrations.trainer`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
 """
 
 from .api import explain, from_pretrained, wrap
@@ -55,6 +56,7 @@ from .runtime.replicas import check_replicas
 from .planning.planner import build_plan
 from .planning.policy import Origin
 from .planning.sharding import Partition, Shard
+from . import rollout  # vLLM-free: autotp.rollout.vllm_sync imports vLLM when called
 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "cp_group", "cp_rank", "cp_size",

@@ -1,4 +1,5 @@
-"""Weights out to a rollout engine: export in checkpoint names, sync, LoRA adapters.
+"""Weights out to a rollout engine: export in checkpoint names, sync over a process group, LoRA adapters, and
+vLLM's own weight-transfer API (`vllm_*`: optional; those modules import vLLM, so `import autotp` never loads them).
 
 It imports io's shared pieces and io.hf, the dimensions' state and compat.
 """

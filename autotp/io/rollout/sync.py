@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,16 @@ def sync_weights(model: nn.Module, engine_group: dist.ProcessGroup | None, *, sr
         for _ in exported:
             pass
         return
+    send_tensors(exported, engine_group, src=src, bucket_bytes=bucket_bytes, device=device)
+
+
+def send_tensors(pairs: Iterable[tuple[str, torch.Tensor]], engine_group: dist.ProcessGroup, *, src: int = 0,
+                 bucket_bytes: int = 256 << 20, device: torch.device | str | None = None) -> None:
+    """Broadcast `(name, tensor)` pairs to `engine_group` as `sync_weights` does (any source of them: a vLLM
+    `WeightSource`, say), then the end of the stream; the engine's ranks run `receive_weights` meanwhile."""
+    check_bucket_bytes(bucket_bytes, "autotp.io.rollout.sync.send_tensors")
     sender = _Sender(engine_group, src, bucket_bytes, device)
-    for name, tensor in exported:
+    for name, tensor in pairs:
         sender.add(name, tensor)
     sender.flush()
     _broadcast(engine_group, torch.zeros(1, dtype=torch.int64, device=sender.device or "cpu"), src)

@@ -1,0 +1,68 @@
+"""`vllm_sync`: the handshake between a wrapped model and a `vllm serve` server, returning vLLM's own trainer
+engine, so each round is one `engine.send_weights()` on every trainer rank.
+
+Why: vLLM's trainer side needs a source, a control client, a backend's init info with an explicit rank, a free
+port and the engine's world size; each user would write the same dozen lines. The server must run with
+`VLLM_SERVER_DEV_MODE=1` (its weight-transfer routes) and `--weight-transfer-config '{"backend": "autotp-gloo"}'`
+(or `nccl` on GPUs, with `backend="nccl"` here).
+"""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlparse
+
+import requests
+import torch.distributed as dist
+from torch import nn
+from vllm.distributed.weight_transfer import (
+    HTTPVLLMWeightSyncClient, TrainerWeightTransferEngine, WeightTransferTrainerFactory,
+)
+
+from .vllm_gloo import BACKEND, AutotpGlooTrainerInitInfo, register
+from .vllm_source import AutotpWeightSource
+
+
+def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_address: str | None = None,
+              master_port: int | None = None, timeout_s: float = 300.0, **export_kwargs) -> TrainerWeightTransferEngine:
+    """Connect the trainer to the vLLM server at `url`: call it on every trainer rank, once (again after a failed
+    round), then `.send_weights()` on every rank each round.
+
+    Rank 0 of the default group (a TP rank 0, which `export_weights` hands the tensors) sends; the other ranks
+    take part in the gathers. `export_kwargs` are `merge_lora`, `dtype`, `bucket_bytes` (`export_weights`' own).
+    `master_address` / `master_port`: where rank 0 hosts the transfer group's store (default: this host's address
+    toward the server, a free port). `timeout_s`: how long anyone waits on another side before failing.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    source = AutotpWeightSource(model, **export_kwargs)
+    client = HTTPVLLMWeightSyncClient(url, timeout=timeout_s)
+    register()
+    world = address = port = None  # read on the sender only: the others never touch the transfer group
+    if rank == 0:
+        world = 1 + requests.get(f"{url.rstrip('/')}/get_world_size", timeout=timeout_s).json()["world_size"]
+        address = master_address or _address_toward(url)
+        port = master_port or _free_port()
+    if backend == BACKEND:
+        info = AutotpGlooTrainerInitInfo(address or "", port or 0, world or 0, timeout_s=timeout_s,
+                                         bucket_bytes=source.bucket_bytes, rank=rank)
+    elif backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        info = NCCLTrainerInitInfo(address or "", port or 0, world or 0, rank=rank)
+    else:
+        raise ValueError(f"autotp.rollout.vllm_sync(backend={backend!r}): {BACKEND!r} (CPU) or 'nccl' (GPUs)")
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+def _address_toward(url: str) -> str:
+    """This host's address on the route to the server (no packet is sent): where the workers reach the store."""
+    parsed = urlparse(url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((parsed.hostname, parsed.port or 80))
+        return probe.getsockname()[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]

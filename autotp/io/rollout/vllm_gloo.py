@@ -1,0 +1,221 @@
+"""A CPU transport for vLLM's weight transfer: backend "autotp-gloo", one gloo group between the sending trainer
+rank and every engine worker, registered with vLLM's worker- and trainer-side factories.
+
+Why: none of vLLM's own backends (nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n, modelexpress) runs on CPU, and
+the base worker engine's `update_weights` calls `torch.accelerator.synchronize()`, which raises on CPU torch.
+The stream is `autotp.sync_weights`' (a header, then one flat buffer per bucket; `send_tensors` and
+`receive_weights`). The worker stages the whole round and loads it into the model only at
+`finish_weight_update`, once every declared tensor has arrived: vLLM's layerwise reload does not roll back, so a
+round cut off midway (a trainer rank died, the link broke) leaves the engine serving the previous round's weights,
+whole. The cost is one checkpoint-format copy of the model in each worker's host memory during a round.
+The server's processes register the backend through vLLM's general-plugin entry point (pyproject.toml's
+`vllm.general_plugins`), the trainer through `vllm_sync`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Self
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer import (
+    ParamMeta, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource, WeightTransferEngine,
+    WeightTransferEngineFactory, WeightTransferTrainerFactory,
+)
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from .sync import receive_weights, send_tensors
+
+BACKEND = "autotp-gloo"
+
+
+def register() -> None:
+    """vLLM's general-plugin hook, run in every vLLM process: the backend in both factories (once)."""
+    for factory, engine in ((WeightTransferEngineFactory, AutotpGlooWorkerEngine),
+                            (WeightTransferTrainerFactory, AutotpGlooTrainerEngine)):
+        try:
+            factory.register_engine(BACKEND, engine)
+        except ValueError:  # registered already (this process loaded the plugin before)
+            pass
+
+
+def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """The trainer (rank 0, the store's host) and the workers, outside either side's own world."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(BACKEND, store), rank, world_size, timeout)
+
+
+@dataclass
+class AutotpGlooInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join the group: the trainer's store, the group's size, its own rank's offset."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    timeout_s: float = 300.0
+
+
+@dataclass
+class AutotpGlooUpdateInfo(WeightTransferUpdateInfo):
+    """One round: the names the trainer declared (its source's `metadata()`), so a worker applies only a whole one."""
+
+    names: list[str]
+
+
+class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGlooUpdateInfo]):
+    """Worker side: receives a round into host memory, loads it at `finish_weight_update` if it is complete."""
+
+    init_info_cls = AutotpGlooInitInfo
+    update_info_cls = AutotpGlooUpdateInfo
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.group: dist.ProcessGroup | None = None
+        self.staged: list[tuple[str, torch.Tensor]] | None = None
+
+    def init_transfer_engine(self, init_info: AutotpGlooInitInfo) -> None:
+        self.shutdown()  # a trainer reconnecting after a failed round: the old group is dead
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                                init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        self.staged = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """The base class's, without its `torch.accelerator.synchronize()` (which raises on CPU torch)."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: AutotpGlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError(f"{BACKEND}: no transfer group (never initialised, or closed by a failed round); the "
+                               f"trainer calls autotp.rollout.vllm_sync again to rebuild it")
+        try:
+            staged = [(name, tensor.clone()) for name, tensor in receive_weights(self.group)]
+        except BaseException:
+            self.shutdown()  # the stream is cut: nothing more can be read from this group
+            raise
+        names = [name for name, _ in staged]
+        if names != update_info.names:
+            missing = sorted(set(update_info.names) - set(names))[:3]
+            raise RuntimeError(f"{BACKEND}: the round brought {len(names)} tensors, not the {len(update_info.names)} "
+                               f"declared (missing e.g. {missing}); the model keeps its previous weights")
+        self.staged = staged
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        if self.staged is None:
+            raise RuntimeError(f"{BACKEND}: finish_weight_update without a complete round received")
+        staged, self.staged = self.staged, None
+        initialize_layerwise_reload(self.model)
+        with disable_mtp_completeness_check():
+            self.model.load_weights(staged)
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.abort()
+            self.group = None
+
+
+@dataclass
+class AutotpGlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer side: where the sender hosts the group's store, the group's size (1 + the engine's workers across
+    its DP replicas), the bucket size of the stream, and how long any rank waits on another."""
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str
+    master_port: int
+    world_size: int
+    bucket_bytes: int = 256 << 20
+    timeout_s: float = 300.0
+
+
+class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitInfo]):
+    """Trainer side: on every trainer rank each round (the source's gathers need them all); rank 0 sends."""
+
+    init_info_cls = AutotpGlooTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
+                 bucket_bytes: int) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.bucket_bytes = bucket_bytes
+        self.group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: AutotpGlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: WeightSource | None = None) -> Self:
+        if source is None:
+            raise ValueError(f"{BACKEND}: the trainer engine needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
+        if not engine.is_sender:
+            return engine
+        worker = dict(master_address=init_info.master_address, master_port=init_info.master_port,
+                      world_size=init_info.world_size, rank_offset=1, timeout_s=init_info.timeout_s)
+        exe = ThreadPoolExecutor(max_workers=2)  # the workers join inside the RPC; the trainer joins meanwhile
+        try:
+            rpc = exe.submit(client.init_weight_transfer_engine, worker)
+            group = exe.submit(gloo_group, init_info.master_address, init_info.master_port, 0,
+                               init_info.world_size, init_info.timeout_s)
+            wait([rpc, group], return_when=FIRST_EXCEPTION)
+            rpc.result()  # the server's refusal (an unknown backend, say) before waiting out the rendezvous
+            engine.group = group.result()
+        finally:
+            exe.shutdown(wait=False)
+        return engine
+
+    def send_weights(self) -> None:
+        """One round: every trainer rank iterates the source; the sender streams it while the workers receive
+        (`update_weights` runs beside the stream), then has them load it. On any failure the sender aborts the
+        group, so the workers stop waiting at once and keep their previous weights; call `vllm_sync` again."""
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            return
+        if self.group is None:
+            raise RuntimeError(f"{BACKEND}: the transfer group was closed by a failed round; call "
+                               f"autotp.rollout.vllm_sync again (on every trainer rank) before the next send")
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            receiving = exe.submit(self.client.update_weights, {"names": [m.name for m in meta]})
+            send_tensors(_checked(self.source, meta), self.group, bucket_bytes=self.bucket_bytes)
+            receiving.result()
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            exe.shutdown(wait=False)
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.abort()
+            self.group = None
+
+
+def _checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's pairs, each checked against what `metadata()` declared (a mismatch is named, not streamed).
+    On any stop the source's iterator is closed at once, so `export_weights` tells the other trainer ranks now
+    (they raise at their next bucket) rather than when the traceback holding it is freed."""
+    pairs = iter(source)
+    try:
+        for (name, tensor), declared in zip(pairs, meta, strict=True):
+            if (name, tensor.dtype, tuple(tensor.shape)) != (declared.name, declared.dtype, declared.shape):
+                raise ValueError(f"{BACKEND}: the source yielded {name} {tensor.dtype} {tuple(tensor.shape)} where "
+                                 f"its metadata() declared {declared.name} {declared.dtype} {declared.shape}")
+            yield name, tensor
+    finally:
+        close = getattr(pairs, "close", None)
+        if close is not None:
+            close()

@@ -26,7 +26,8 @@ import autotp
 from autotp.runtime.agreement import AGREED_OPTIONS, PER_RANK_OPTIONS
 from autotp.options import WrapOptions
 from autotp.testing import LOSS_ATOL, PARAM_ATOL, assert_parity, compare_training, full_tensor, run_ranks, tiny_config
-from models import CP_FAMILIES, batch, tiny_model
+from cp_workers import CP_FAMILIES
+from models import batch, tiny_model
 
 
 def dp_replicas(rank: int, world: int) -> dict:

@@ -19,7 +19,7 @@ from ..mesh import Group, group_size, named_failure
 from ..options import WrapOptions
 from ..planning.plan import Plan
 
-# Every field of `WrapOptions` is on one side (tests/pipeline/test_wrap_agreement_and_state_dicts.py checks that a new one is):
+# Every field of `WrapOptions` is on one side (tests/pipeline/test_rank_agreement.py checks that a new one is):
 AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
                             "cp_size"})  # compared as given: ranks that differ would shard or synchronise apart
 PER_RANK_OPTIONS = frozenset({

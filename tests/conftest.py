@@ -1,4 +1,5 @@
-"""Fixtures every test module may use. Shared non-fixture helpers live in tests/models.py (a helper module); test
+"""Fixtures every test module may use. Shared non-fixture helpers live in tests/models.py (a helper module), a
+package's own rank workers beside its tests (tests/io/resume_workers.py, tests/cp/cp_workers.py); test
 modules never import each other (tests/package/test_suite_hygiene.py checks)."""
 
 from __future__ import annotations

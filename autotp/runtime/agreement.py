@@ -19,6 +19,7 @@ from ..mesh import Group, group_size, named_failure
 from ..options import AGREED_OPTIONS, WrapOptions
 from ..planning.plan import Plan
 
+
 def check_sizes(sizes: dict[int, tuple[tuple[tuple[str, int], ...], bool]], call: str) -> None:
     """Raise the same ValueError on every rank unless every rank passed the same mesh sizes (`WrapOptions.sizes`:
     tp_size, cp_size, ...) and gave a tp_group or not alike.

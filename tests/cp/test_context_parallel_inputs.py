@@ -17,7 +17,8 @@ import transformers as tf
 import autotp
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import CP_FAMILIES, batch, cp_models, tiny_model
+from cp_workers import CP_FAMILIES, cp_models
+from models import batch, tiny_model
 
 TOL = parity.LOSS_ATOL
 

@@ -1,4 +1,5 @@
-"""dp=2 x tp=2 on 4 CPU ranks equals one process on the whole batch; the DDP-over-world mistake is refused.
+"""dp=2 x tp=2 on 4 CPU ranks equals one process on the whole batch; the DDP-over-world mistake is refused; DP
+replicas are broadcast at wrap and their drift is named; at dp=1 the DP group is a group of one.
 
 Tolerances as in test_parity (fp32, only the order of sums differs): loss 1e-5, parameters after
 3 AdamW steps 3e-5, gradient norms 1e-5 relative.
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 import autotp
 from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL, full_tensor
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from models import batch, tiny_model, train_steps
 
 GLOBAL = batch(size=(4, 16))
 CLIP = 0.5
@@ -217,3 +218,61 @@ def ddp_over_world_found_at_forward(rank: int, world: int) -> str:
 def test_ddp_over_the_world_is_refused_at_first_forward_when_construction_cannot_tell() -> None:
     for message in run_ranks(ddp_over_world_found_at_forward, 4):
         assert "would average different tensor-parallel shards" in message
+
+
+def dp_replicas(rank: int, world: int) -> dict:
+    model = autotp.wrap(tiny_model("llama", seed=rank), 2)  # no common seed: every rank starts apart
+    tensors = [t.detach() for t in [*model.parameters(), *model.buffers()]]
+    theirs: list = [None] * autotp.dp_size()
+    dist.all_gather_object(theirs, tensors, group=autotp.dp_group())
+    equal = all(torch.equal(a, b) for a, b in zip(theirs[0], theirs[1]))
+    autotp.check_replicas(model)  # passes: wrap made them equal
+    if rank == 3:
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.add_(1e-3)  # a shard drifts on one DP replica
+    try:
+        autotp.check_replicas(model)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    return {"equal": equal, "error": error}
+
+
+@pytest.mark.slow
+def test_dp_replicas_are_broadcast_at_wrap_and_their_drift_is_named() -> None:
+    reports = run_ranks(dp_replicas, 4)
+    assert all(report["equal"] for report in reports), reports
+    assert reports[0]["error"] is None and reports[2]["error"] is None  # DP group {0, 2} still agrees
+    for report in reports[1], reports[3]:
+        assert "model.layers.0.self_attn.q_proj.weight (32, 64) differs between DP ranks 1 and 3" in report["error"]
+
+
+# the DP group at dp=1
+
+
+def one_process_adamw() -> dict:
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses = train_steps(model, opt, 3, input_ids=GLOBAL, labels=GLOBAL)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def ddp_at_dp1(rank: int, world: int) -> dict:
+    model = autotp.wrap(tiny_model("llama"), 2)
+    mine = torch.tensor([float(rank + 1)])
+    dist.all_reduce(mine, group=autotp.dp_group(model))  # over this rank alone, never the world
+    runner = DistributedDataParallel(model, process_group=autotp.dp_group())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses = train_steps(runner, opt, 3, input_ids=GLOBAL, labels=GLOBAL)
+    group = autotp.tp_group(model)
+    return {"reduced": mine.item(), "dp_size": autotp.dp_size(model), "losses": losses,
+            "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()}}
+
+
+def test_dp_group_is_a_group_of_one_at_dp1_and_ddp_over_it_trains_as_one_process() -> None:
+    expected = one_process_adamw()
+    for rank, report in enumerate(run_ranks(ddp_at_dp1, 2)):
+        assert report["reduced"] == rank + 1 and report["dp_size"] == 1
+        assert max(abs(a - b) for a, b in zip(report["losses"], expected["losses"])) <= LOSS_ATOL, report["losses"]
+        worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
+        assert worst[0] <= PARAM_ATOL, worst

@@ -1,17 +1,20 @@
 """AutoTPTrainer's own checkpoints (save_steps) resumed through `trainer.train(resume_from_checkpoint=...)`: the
-samples each resumed step reads, and the checkpoints Trainer writes with `save_only_model`."""
+samples each resumed step reads, the checkpoints Trainer writes with `save_only_model`, a resume across DDP and FSDP,
+older per-rank optimizer files, and the RNG state of a resume on more ranks."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.data import DistributedSampler
 from transformers import Trainer, TrainingArguments
 
 import autotp
 from autotp.testing.spawn import run_ranks
 from models import Sequences, tiny_model
+from trainer_runs import recording_trainer
 
 
 class OneProcess(Trainer):
@@ -84,3 +87,93 @@ def test_a_checkpoint_of_the_model_alone_resumes_as_trainers_does(tmp_path: Path
     expected = resume_model_only(0, 0, str(tmp_path / "one"))
     got = run_ranks(resume_model_only, 2, str(tmp_path / "tp"))[0]
     assert len(got) == len(expected) == 2 and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+
+
+def resume_in_other_layout(rank: int, world: int, path: str, saved_fsdp: bool) -> tuple[list[float], list[float]]:
+    """Three steps at dp=2 x tp=1 with a checkpoint after each, under one layout (DDP or FSDP); then a resume from
+    step 1 under the other. Returns both runs' losses."""
+    whole = recording_trainer(path, 1, saved_fsdp, steps=3, save=True)
+    whole.train()
+    resumed = recording_trainer(f"{path}/resumed", 1, not saved_fsdp, steps=3)
+    resumed.train(resume_from_checkpoint=f"{path}/checkpoint-1")
+    return whole.losses, resumed.losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_fsdp", [True, False])
+def test_trainer_resumes_across_ddp_and_fsdp(tmp_path: Path, saved_fsdp: bool) -> None:
+    """A Trainer checkpoint saved with fully_shard resumes without it, and the other way: FSDP's rows of each Adam
+    moment are not DDP's whole tensors, so the optimizer state is re-cut on load. Step 3's loss depends on it."""
+    (whole, resumed), _ = run_ranks(resume_in_other_layout, 2, str(tmp_path), saved_fsdp)
+    assert (tmp_path / "checkpoint-1" / "optimizer" / ".metadata").is_file()
+    assert not list((tmp_path / "checkpoint-1").glob("optimizer.*"))
+    # fp32: FSDP's reduce-scatter and DDP's all-reduce sum the two replicas' gradients in another order
+    assert len(whole) == 3 and len(resumed) == 2
+    assert max(abs(a - b) for a, b in zip(resumed, whole[1:])) <= 1e-5, (resumed, whole)
+
+
+def old_format_resume(rank: int, world: int, path: str, saved_fsdp: bool) -> tuple[bool, str]:
+    """One step at tp=2, then this rank's optimizer state saved as autotp wrote it before `optimizer/` (one file per TP
+    rank, per TP and DP rank under FSDP); loaded at the same layout (is it the saved state?), then at the other."""
+    from autotp.io.checkpoint.legacy import local_optimizer_state
+
+    saved = recording_trainer(path, world, saved_fsdp)
+    saved.train()
+    state = local_optimizer_state(saved.optimizer.state_dict())
+    torch.save(state, f"{path}/optimizer.tp{rank}-of-2{'.dp0-of-1' if saved_fsdp else ''}.pt")
+    torch.distributed.barrier()
+    same = recording_trainer(path, world, saved_fsdp)
+    same.create_optimizer_and_scheduler(num_training_steps=1)
+    same.load_optimizer_and_scheduler(path)  # what train(resume_from_checkpoint=path) calls
+    loaded = local_optimizer_state(same.optimizer.state_dict())["state"]
+    equal = loaded.keys() == state["state"].keys() and all(
+        torch.equal(loaded[i][k].cpu(), v) for i, entry in state["state"].items() for k, v in entry.items())
+    other = recording_trainer(path, world, not saved_fsdp)
+    other.create_optimizer_and_scheduler(num_training_steps=1)
+    try:
+        other.load_optimizer_and_scheduler(path)
+    except autotp.CheckpointError as err:
+        return equal, str(err)
+    return equal, "loaded"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved_fsdp", [True, False])
+def test_trainer_old_per_rank_optimizer_files_load_at_their_layout_only(tmp_path: Path, saved_fsdp: bool) -> None:
+    """Checkpoints of autotp before `optimizer/` still resume at their own layout; at another, a clear error that names
+    the files found and both layouts (here the tp size is the same: it is fully_shard that differs)."""
+    for equal, message in run_ranks(old_format_resume, 2, str(tmp_path), saved_fsdp):
+        assert equal
+        saved = "optimizer.tp0-of-2.dp0-of-1.pt" if saved_fsdp else "optimizer.tp0-of-2.pt"
+        expected = "optimizer.tp{}-of-2.pt" if saved_fsdp else "optimizer.tp{}-of-2.dp0-of-1.pt"
+        assert any(expected.format(r) + ": missing" in message for r in (0, 1)) and saved in message, message
+        layouts = ("tp=2, fully_shard at dp=1", "tp=2 without fully_shard")
+        assert f"saved at {layouts[not saved_fsdp]}" in message and f"this run has {layouts[saved_fsdp]}" in message
+        assert "resume at any tp, dp and fully_shard" in message, message
+
+
+def load_rng_of_fewer_ranks(rank: int, world: int, path: str) -> torch.Tensor:
+    """Trainer's RNG file for rank 0 and none for rank 1, as when a checkpoint of fewer ranks resumes on more, loaded
+    at tp=2. (Trainer under run_ranks is not in its distributed mode, so each rank is given its own directory.)"""
+    import random
+
+    import numpy as np
+
+    trainer = recording_trainer(path, world, False)
+    mine = Path(path, f"rank{rank}")
+    mine.mkdir()
+    if rank == 0:
+        generator = torch.Generator().manual_seed(123)
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "cpu": generator.get_state()},
+                   mine / "rng_state.pth")
+    trainer._load_rng_state(str(mine))  # what Trainer calls when it resumes
+    return torch.get_rng_state()
+
+
+@pytest.mark.timeout(120)
+def test_trainer_resume_on_more_ranks_gives_a_tp_group_one_random_state(tmp_path: Path) -> None:
+    """Rank 1 has no RNG file of its own: it takes its TP group's rank 0's generator, which wrap requires of TP ranks
+    (their replicated dropout masks must agree), instead of keeping another state."""
+    states = run_ranks(load_rng_of_fewer_ranks, 2, str(tmp_path))
+    assert torch.equal(states[0], torch.Generator().manual_seed(123).get_state())
+    assert torch.equal(states[1], states[0])

@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
 from autotp.testing.spawn import run_ranks
-from models import batch, resume_layout, tiny_model
+from models import batch, tiny_model
+from resume_workers import resume_layout
 
 
 def make(tp: int, seed: int = 0):

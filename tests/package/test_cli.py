@@ -4,6 +4,9 @@ tests/package/test_cli_errors.py runs `python -m autotp` itself)."""
 from __future__ import annotations
 
 import json
+import logging
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,76 @@ def test_plan_prices_zero_stages_and_zero_3_is_what_fully_shard_holds(autotp_cli
     assert zero[3]["params"] <= real <= 1.05 * zero[3]["params"], (real, zero[3])
     text = autotp_cli("plan", "llama", "--tp", "2", "--dp", "2", "--zero", "3")
     assert text.returncode == 0 and "zero 0:" in text.stdout and "zero 3:" in text.stdout and "zero 2:" not in text.stdout
+
+
+# --- autotp plan / verify: progress, --dtype, no relayed transformers warnings -----------------------------------
+
+
+class TransformersRelay(logging.Handler):
+    """Collects what transformers logs (its library logger does not propagate, so caplog never sees it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def run_cli(capsys, monkeypatch, *argv: str) -> tuple[int, str, str, list[str]]:
+    """`autotp.cli.main(argv)` in this process, its stderr a terminal (progress is shown only there): (exit code,
+    stdout, stderr, what transformers logged or warned)."""
+    from autotp.cli import main
+
+    relay, library = TransformersRelay(), logging.getLogger("transformers")
+    library.addHandler(relay)
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code = main(list(argv))
+    finally:
+        library.removeHandler(relay)
+    out, err = capsys.readouterr()
+    relayed = relay.messages + [str(w.message) for w in caught if "/transformers/" in w.filename]
+    return code, out, err, relayed
+
+
+@pytest.mark.timeout(120)
+def test_plan_shows_progress_and_relays_no_transformers_warnings(capsys, monkeypatch) -> None:
+    code, out, err, relayed = run_cli(capsys, monkeypatch, "plan", "bert", "--tp", "2")  # BERT warned about is_decoder 3 times
+    assert code == 0 and relayed == [], relayed
+    assert "autotp plan: building bert on the meta device in float32" in err and "planning at tp 2" in err, err
+    assert "sizes in float32 (--dtype)" in out
+
+
+@pytest.mark.timeout(120)
+def test_plan_sizes_follow_dtype_not_the_configs_torch_dtype(capsys, monkeypatch, tmp_path: Path) -> None:
+    """A released config says torch_dtype bfloat16: the default sizes stay float32, and --dtype chooses."""
+    import json
+
+    from autotp.testing import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.dtype = torch.bfloat16
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny_config("llama")).parameters())
+    sizes = {}
+    for dtype in ("default", "bfloat16", "float16", "float32"):
+        code, out, _, _ = run_cli(capsys, monkeypatch, "plan", str(tmp_path), "--tp", "2", "--json",
+                               *(["--dtype", dtype] if dtype != "default" else []))
+        info = json.loads(out)
+        sizes[dtype] = (code, info["dtype"], info["unsharded_param_bytes"])
+    assert sizes == {"default": (0, "float32", 4 * numel), "float32": (0, "float32", 4 * numel),
+                     "bfloat16": (0, "bfloat16", 2 * numel), "float16": (0, "float16", 2 * numel)}, sizes
+
+
+@pytest.mark.timeout(180)
+def test_verify_shows_progress_and_relays_no_transformers_warnings(capsys, monkeypatch) -> None:
+    """The ranks are forked: what they log is not collected here, only what this process does before them."""
+    code, out, err, relayed = run_cli(capsys, monkeypatch, "verify", "bert", "--tp", "2", "--steps", "1")
+    assert code == 0 and "OK:" in out and relayed == [], (out, relayed)
+    assert "autotp verify: building bert" in err and "training 1 steps on 2 CPU ranks" in err, err

@@ -13,8 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import autotp
 from autotp.cli import build_parser, main
+from models import tiny_model
 
 
 def one_line_error(done, command: str) -> str:
@@ -121,3 +124,27 @@ def test_python_m_autotp_reports_bad_input_in_one_line_with_exit_code_2() -> Non
                           text=True, timeout=240)
     line = one_line_error(done, "plan")
     assert "no_such_type" in line and "not a transformers model type" in line
+
+
+# --- the command line names its own flags -----------------------------------------------------------------------------
+
+
+def test_cli_messages_name_the_flags_not_the_keyword_arguments(autotp_cli, tmp_path: Path) -> None:
+    model = autotp.wrap(tiny_model("llama"), tp_size=1)  # tp 1: no process group
+    autotp.save_checkpoint(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept.txt").write_text("kept")
+    refused = autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert refused.returncode == 2 and "pass --overwrite to replace it" in refused.stderr and "=True" not in refused.stderr
+    assert autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--overwrite").returncode == 0
+    uneven = autotp_cli("plan", "llama", "--tp", "3")
+    assert uneven.returncode == 2 and "over --tp 3" in uneven.stderr and "tp_size" not in uneven.stderr, uneven.stderr
+
+
+def test_cli_max_shard_size_is_checked_by_the_parser(capsys, tmp_path: Path) -> None:
+    from autotp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["consolidate", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "5 gigs"])
+    err = capsys.readouterr().err
+    assert "argument --max-shard-size: a size such as 5GB" in err and "'5 gigs'" in err, err

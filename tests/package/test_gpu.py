@@ -101,7 +101,7 @@ def test_inductor_compiles_a_wrapped_model() -> None:
 def test_a_checkpoint_saved_on_the_gpu_at_tp2_resumes_at_dp2_and_in_one_process(tmp_path) -> None:
     """tests/io/test_reshard_resume.py's fast case with the model on CUDA: DCP writes the pieces from GPU memory and
     reads them back into it, at another layout."""
-    from models import check_resume, first_half, second_half, straight_run
+    from resume_workers import check_resume, first_half, second_half, straight_run
 
     path = str(tmp_path / "ckpt")
     expected = straight_run("llama", device="cuda")

@@ -1,5 +1,6 @@
 """The suite's own rules: test modules never import each other (shared helpers live in tests/conftest.py,
-tests/models.py or `autotp.testing`), every test runs under a timeout, and the quick/slow tiers are registered."""
+tests/models.py, a helper module beside the tests of one package such as tests/cp/cp_workers.py, or
+`autotp.testing`), every test runs under a timeout, and the quick/slow tiers are registered."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def test_the_check_sees_test_modules_and_their_imports() -> None:
 def test_no_test_module_imports_another(path: Path) -> None:
     others = [name for name in imported_modules(path) if name.split(".")[0].startswith("test_")]
     assert not others, f"{path.name} imports the test module(s) {others}: move what it needs to tests/models.py, " \
-                       f"a conftest.py fixture, or autotp.testing"
+                       f"a helper module beside its package's tests (tests/cp/cp_workers.py), a conftest.py fixture, " \
+                       f"or autotp.testing"
 
 
 def ini_options() -> dict:

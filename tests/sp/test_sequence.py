@@ -1,4 +1,6 @@
-"""Sequence parallelism: parity (tolerances as in test_parity) and clear refusals."""
+"""Sequence parallelism: parity (tolerances as in test_parity) and clear refusals; dropout masks recomputed under
+activation checkpointing, whole hidden states, and a warning for a user's hook on a decoder layer (fp32, where only
+the reduction order differs, 1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ def test_a_block_taking_the_hidden_states_as_query_key_and_value_gets_them_gathe
 
 
 DROPOUTS = {"gpt2": dict(resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3),  # nn.Dropout modules
-            "starcoder2": dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3)}  # functional
+            "starcoder2": dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3),  # functional
+            "gpt_neox": dict(hidden_dropout=0.3, attention_dropout=0.3)}
+FP32 = 1e-5
 
 
 def dropout_with_and_without_sequence_parallel(rank: int, world: int, family: str, compiled: bool = False) -> dict:
@@ -215,3 +219,80 @@ def load_with_sequence_parallel(rank: int, world: int, path: str) -> float:
 def test_from_pretrained_with_sequence_parallel_equals_wrap(tmp_path) -> None:
     tiny_model("llama").save_pretrained(tmp_path)
     assert run_ranks(load_with_sequence_parallel, 2, str(tmp_path)) == [0.0, 0.0]
+
+
+def checkpointed_dropout(rank: int, world: int, family: str) -> dict:
+    """Gradients of two forward/backward passes with dropout on under SP, without checkpointing and with HF's
+    checkpointing (reentrant and not), each from the same random state: the worst difference to the first."""
+    reference = tiny_model(family, **DROPOUTS[family]).train()
+    ids = batch()
+    runs = {}
+    for reentrant in (None, True, False):
+        model = autotp.wrap(copy.deepcopy(reference), world, sequence_parallel=True)
+        if reentrant is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        torch.manual_seed(5)
+        for _ in range(2):  # the second pass runs after a recomputation that stopped early (non-reentrant)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        group = model.autotp_state.tp_group
+        runs[reentrant] = (loss.item(), {n: parity.full_tensor(p.grad, p, group) for n, p in model.named_parameters()})
+    loss, grads = runs.pop(None)
+    return {str(reentrant): (abs(other - loss), max(parity.grad_error(other_grads[n], g) for n, g in grads.items()))
+            for reentrant, (other, other_grads) in runs.items()}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+def test_checkpointed_layers_under_sequence_parallelism_recompute_the_same_dropout_masks(family: str) -> None:
+    """HF checkpoints a decoder layer's `forward`, not its hooks: the recomputation must still draw each chunk's part of
+    the whole tensor's mask (before the fix, 25 of 28 gradients were off by a relative ~1)."""
+    for report in run_ranks(checkpointed_dropout, 2, family):
+        for reentrant, (loss_error, grad_error) in report.items():
+            assert loss_error <= FP32 and grad_error <= FP32, (reentrant, loss_error, grad_error)
+
+
+def hidden_states_under_sp(rank: int, world: int, return_dict: bool) -> dict:
+    """`output_hidden_states=True` under SP against one process's model (same seed, same calls): every hidden state
+    whole, a mean-pooled embedding equal, and its gradient flowing back to the weights as one process's."""
+    reference = tiny_model("llama")
+    model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
+    ids = batch()
+    report = {}
+    for name, m in (("one", reference), ("tp", model)):
+        out = m(ids, output_hidden_states=True, return_dict=return_dict)
+        states = out.hidden_states if return_dict else next(item for item in out if isinstance(item, tuple))
+        pooled = states[len(states) // 2].mean(1)  # a middle layer's output: a chunk before the fix
+        pooled.sum().backward()
+        report[name] = (states, pooled)
+    group = model.autotp_state.tp_group
+    (one_states, one_pooled), (tp_states, tp_pooled) = report["one"], report["tp"]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    return {"shapes": [tuple(s.shape) for s in tp_states] == [tuple(s.shape) for s in one_states],
+            "states": max((a - b).abs().max().item() for a, b in zip(one_states, tp_states)),
+            "pooled": (one_pooled - tp_pooled).abs().max().item(),
+            "grad": parity.grad_error(parity.full_tensor(model.get_parameter(q).grad, model.get_parameter(q), group),
+                                      reference.get_parameter(q).grad)}
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_hidden_states_under_sequence_parallelism_are_whole_sequences(return_dict: bool) -> None:
+    """Before the fix the layers' hidden states were each rank's token-major chunk (a mean-pooled embedding off by
+    3.5e-2); now they are gathered, differentiably, into what one process returns (fp32 reduction order)."""
+    for report in run_ranks(hidden_states_under_sp, 2, return_dict):
+        assert report["shapes"], report
+        assert report["states"] <= FP32 and report["pooled"] <= FP32 and report["grad"] <= FP32, report
+
+
+def hook_on_a_layer(rank: int, world: int) -> list[str]:
+    model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.model.layers[0].register_forward_hook(lambda module, args, output: None)
+        model(batch(), output_hidden_states=True)  # transformers' own recorders: no warning
+    return [str(w.message) for w in caught if "autotp" in str(w.message)]
+
+
+def test_a_users_hook_on_a_decoder_layer_under_sequence_parallelism_is_warned_about() -> None:
+    for messages in run_ranks(hook_on_a_layer, 2):
+        assert len(messages) == 1 and "sees this rank's chunk of the sequence" in messages[0], messages

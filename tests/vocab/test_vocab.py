@@ -1,4 +1,5 @@
-"""Vocab parallelism: parity with tied/untied embeddings, uneven vocab and -100 labels; bytes; logits; saving.
+"""Vocab parallelism: parity with tied/untied embeddings, uneven vocab and -100 labels; bytes; logits (read after a
+training forward: gathered once, differentiably); saving.
 
 Tolerances as in test_parity (fp32, only the order of sums differs).
 """
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM
@@ -266,3 +268,66 @@ def test_the_lm_head_called_directly_returns_whole_logits_with_their_gradients(h
         worst = max(report["grads"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
         assert report["sharded_loss"] == 1
+
+
+FP32 = 1e-5  # fp32, only the reduction order differs
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """TRL's per-token entropy, averaged: a whole-vocabulary operation on the logits."""
+    return -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    predicted, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+    return (predicted == target)[target != -100].float().mean().item()
+
+
+def logits_read_after_training_forward(rank: int, world: int) -> dict:
+    """One process and tp=`world` (vocab-parallel), each training on loss + entropy of the logits read from the output
+    of a forward with labels: what reading them gathers, their difference, the accuracies and the gradients."""
+    ids = batch()
+    labels = labels_with_ignored(ids)
+    reference = tiny_model("llama").train()
+    expected = reference(ids, labels=labels)
+    (expected.loss + entropy(expected.logits)).backward()
+    model = autotp.wrap(tiny_model("llama"), world).train()
+    gathers = []  # the all-gathers of vocab-wide tensors [batch, seq, vocab / tp]
+    real = dist.all_gather
+
+    def counted(buffers, tensor, *args, **kwargs):
+        gathers.extend([tuple(tensor.shape)] if tensor.ndim == 3 and tensor.shape[-1] == 128 else [])
+        return real(buffers, tensor, *args, **kwargs)
+
+    dist.all_gather = counted
+    try:
+        output = model(ids, labels=labels)
+        before_read = len(gathers)
+        logits = output.logits
+        (output.loss + entropy(logits)).backward()
+        read_again = [output["logits"] is logits, output.to_tuple()[1] is logits, len(gathers)]
+    finally:
+        dist.all_gather = real
+    group = model.autotp_state.tp_group
+    grads = {n: parity.full_tensor(p.grad, p, group) for n, p in model.named_parameters()}
+    expected_grads = dict(reference.named_parameters())
+    model.eval()
+    as_tuple = model(ids, return_dict=False)[0]
+    return {"before_read": before_read, "read_again": read_again, "shape": list(logits.shape),
+            "logits": (logits - expected.logits).abs().max().item(),
+            "accuracy": (accuracy(logits, labels), accuracy(expected.logits, labels)),
+            "grad": max(parity.grad_error(g, expected_grads[n].grad) for n, g in grads.items()),
+            "tuple": (as_tuple - expected.logits).abs().max().item()}
+
+
+def test_logits_read_after_a_vocab_parallel_training_forward_are_the_whole_vocabulary() -> None:
+    """A training forward with labels computes its loss on vocabulary shards and gathers no logits; reading
+    `output.logits` (as TRL's accuracy and entropy do) gathers the full vocabulary once, differentiably, so metrics and
+    gradients through them equal one process's. A `return_dict=False` forward's logits are whole too."""
+    for report in run_ranks(logits_read_after_training_forward, 2):
+        assert report["before_read"] == 0  # the loss path keeps its memory saving
+        assert report["read_again"] == [True, True, 1]  # one gather, kept
+        assert report["shape"] == [2, 16, 256]
+        assert report["logits"] <= FP32 and report["tuple"] <= FP32
+        assert report["accuracy"][0] == report["accuracy"][1]
+        assert report["grad"] <= FP32, report["grad"]

@@ -9,7 +9,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 
 1. dependency boundaries: `compat`, `compat.versions`, `compat.peft`, `compat.torch`, `compat.trainer`,
    `compat.hf`, `compat.hf_conversion`
-2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.policy`,
+2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.placement`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
    `planning.planner`, `planning.report`

@@ -18,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
 from ..runtime.collectives import buckets
+from ..planning.placement import Box
 from ..runtime.rows import local_rows
 from ..accessors import dp_cp_group, dp_rank, dp_size
 from ..mesh import group_size, named_failure
@@ -87,12 +88,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         if norm_type == 2.0:  # rows held by k ranks add 1/k of their square on each
             total = grad.pow(2).sum()
             for offset, length, holders in shard.partition.replicas(shard.rank):
+                span: Box | None = Box((offset,), (length,), (offset,))
                 if dim == 0:  # the part of the span among this rank's rows
-                    start, end = max(offset, first), min(offset + length, first + grad.shape[0])
-                    if end <= start:
+                    span = span.clip(0, first, grad.shape[0], local=True)
+                    if span is None:
                         continue
-                    offset, length = start - first, end - start
-                total -= grad.narrow(dim, offset, length).pow(2).sum() * (1 - 1 / len(holders))
+                total -= grad.narrow(dim, span.at[0], span.sizes[0]).pow(2).sum() * (1 - 1 / len(holders))
             sharded = sharded + total
         else:
             sharded = _combine(sharded, grad, norm_type)

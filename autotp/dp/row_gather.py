@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
-from ..runtime.rows import dp_chunk, local_rows
+from ..runtime.rows import local_rows
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..runtime.seq_collectives import all_gather_dim0
+from ..planning.placement import Box, Placement
 from ..planning.sharding import Partition, Run
 
 _TAG = 0x41544257  # apart from the streaming gather's tag and a user's point-to-point tags
@@ -62,19 +63,13 @@ def _pieces(request: RowRequest, dst: int) -> tuple[int, list[_Piece]]:
             out.append(_Piece(dst, start, length, at))
             at += length
         return dim, out
-    holders: dict[Run, tuple[int, int]] = {}
-    for rank in [dst, *range(partition.tp_size)]:
-        offset = 0
-        for run in partition.runs[rank]:
-            holders.setdefault(run, (rank, offset))
-            offset += run[1]
-    runs = sorted(holders.items())
+    holders = partition.holders(prefer=dst)
     at, out = 0, []
     for start, length in request.wanted or ((0, partition.full_size),):
-        for (first, count), (rank, offset) in runs:
-            lo, hi = max(first, start), min(first + count, start + length)
-            if lo < hi:
-                out.append(_Piece(rank, offset + lo - first, hi - lo, at + lo - start))
+        for held in holders:
+            box = Box((held.start,), (held.length,), (held.offset,)).clip(0, start, length)
+            if box is not None:
+                out.append(_Piece(held.rank, box.at[0], box.sizes[0], at + box.offsets[0]))
         at += length
     return partition.dim, out
 
@@ -220,9 +215,9 @@ def dp_full_many(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             shape = tensors[i].shape
             full = mine.new_empty(shape)
             for rank in range(world):
-                start, count = dp_chunk(shape[0], world, rank)
-                begin = rank * mine.numel() + at
-                full[start:start + count].copy_(gathered[begin:begin + count * n].view(count, *shape[1:]))
+                for box in Placement.fsdp(tuple(shape), None, 0, world, rank).boxes():
+                    begin = rank * mine.numel() + at
+                    box.region(full).copy_(gathered[begin:begin + box.sizes[0] * n].view(box.sizes))
             out[i] = full
             at += size
     return out

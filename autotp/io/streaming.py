@@ -95,14 +95,8 @@ class FullStream:
         """Each rank's pieces and each sender's messages: pure arithmetic, the same on every rank."""
         dim, dst = partition.dim, self._dst
         outer, row = math.prod(self.shape[:dim]), math.prod(self.shape[dim + 1:]) * self.dtype.itemsize
-        holders: dict[tuple[int, int], tuple[int, int]] = {}  # run -> (rank, offset in its shard); dst's replicas first
-        for rank in [dst, *range(partition.tp_size)]:
-            offset = 0
-            for start, length in partition.runs[rank]:
-                holders.setdefault((start, length), (rank, offset))
-                offset += length
-        self._runs = sorted((start * row, length * row, rank, offset * row)
-                            for (start, length), (rank, offset) in holders.items() if length)
+        self._runs = [(held.start * row, held.length * row, held.rank, held.offset * row)
+                      for held in partition.holders(prefer=dst) if held.length]  # dst's replicas read from dst
         self._local = [partition.local_size(r) * row for r in range(partition.tp_size)]  # bytes per outer index
         self._senders = sorted({rank for _, _, rank, _ in self._runs} - {dst})
         self._shard_bytes = {s: outer * self._local[s] for s in self._senders}

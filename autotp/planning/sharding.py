@@ -16,7 +16,7 @@ Fused tensors are described by a layout string over heads (or MLP width):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -40,6 +40,16 @@ def _ranges(sizes: Sequence[int]) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+class Holding(NamedTuple):
+    """One run of full rows, the rank to read it from, where it lies in that rank's shard, and every rank holding it."""
+
+    start: int
+    length: int
+    rank: int
+    offset: int
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -99,23 +109,33 @@ class Partition:
         shape = list(shards[0].shape)
         shape[self.dim] = self.full_size
         full = shards[0].new_empty(shape)
-        done: set[Run] = set()
-        for rank, shard in enumerate(shards):
-            offset = 0
-            for run in self.runs[rank]:
-                if run not in done:
-                    full.narrow(self.dim, run[0], run[1]).copy_(shard.narrow(self.dim, offset, run[1]))
-                    done.add(run)
-                offset += run[1]
+        for held in self.holders():
+            source = shards[held.rank].narrow(self.dim, held.offset, held.length)
+            full.narrow(self.dim, held.start, held.length).copy_(source)
         return full
+
+    def holders(self, prefer: int | None = None) -> list[Holding]:
+        """Each distinct run in row order, read from rank `prefer` where it holds the run, else from the lowest rank
+        holding it (a replicated run is held by several: the gathering rank reads its own copy)."""
+        where: dict[Run, dict[int, int]] = {}  # run -> {rank: offset in its shard}
+        for rank, rank_runs in enumerate(self.runs):
+            offset = 0
+            for run in rank_runs:
+                where.setdefault(run, {})[rank] = offset
+                offset += run[1]
+        out = []
+        for (start, length), offsets in sorted(where.items()):
+            rank = prefer if prefer in offsets else min(offsets)
+            out.append(Holding(start, length, rank, offsets[rank], tuple(offsets)))
+        return out
 
     def replicas(self, rank: int) -> list[tuple[int, int, tuple[int, ...]]]:
         """(offset in shard, length, ranks holding it) for each of this rank's runs held by several ranks."""
+        ranks = {(held.start, held.length): held.ranks for held in self.holders()}
         out, offset = [], 0
         for run in self.runs[rank]:
-            holders = tuple(r for r, runs in enumerate(self.runs) if run in runs)
-            if len(holders) > 1:
-                out.append((offset, run[1], holders))
+            if len(ranks[run]) > 1:
+                out.append((offset, run[1], ranks[run]))
             offset += run[1]
         return out
 

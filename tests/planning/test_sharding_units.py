@@ -1,10 +1,11 @@
-"""Unit tests of `autotp.planning.sharding`, single process, no process group.
+"""Unit tests of `autotp.planning.sharding` and `autotp.planning.placement`, single process, no process group.
 
 Checked: `Partition.shard` / `unshard` round trips (even, uneven, dims 0-2, replicated KV runs, fused
-layouts), the exact rows each rank holds for hand-worked fused layouts, replica bookkeeping, the JSON
-round trip, the errors of `Partition` and `HeadLayout.plan`, and the boxes of the full tensor a checkpoint gets from
-a rank holding FSDP's rows of its shard (`autotp.io.checkpoint.chunks`). Tensors hold distinct float64 values
-and every comparison is exact (`torch.equal`).
+layouts), the exact rows each rank holds for hand-worked fused layouts, replica bookkeeping, which rank each run is
+read from (`Partition.holders`), the JSON round trip, the errors of `Partition` and `HeadLayout.plan`, and the boxes of
+the full tensor a rank holding FSDP's rows of its shard holds (`Placement.boxes`, what checkpoints write), checked
+against hand-worked answers and by rebuilding full tensors. Tensors hold distinct float64 values and every comparison
+is exact (`torch.equal`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import json
 import pytest
 import torch
 
-from autotp.io.checkpoint.chunks import _pieces
-from autotp.runtime.rows import dp_chunk
-from autotp.planning.sharding import HeadLayout, Partition, layout_partition, split_ranges, split_sizes
+from autotp.planning.placement import Box, Placement, window
+from autotp.planning.sharding import HeadLayout, Holding, Partition, layout_partition, split_ranges, split_sizes
 
 
 def attention(layout: str, heads: int, kv_heads: int, head_dim: int, tp: int, dim: int = 0) -> Partition:
@@ -154,8 +154,7 @@ def test_head_layout_errors(heads: int, kv_heads: int, tp: int, match: str) -> N
 
 
 @pytest.mark.parametrize("dp", [2, 3])
-@pytest.mark.parametrize("part,shape", [v for v in ROUND_TRIPS.values() if v[0].dim == 0],
-                         ids=[k for k, v in ROUND_TRIPS.items() if v[0].dim == 0])
+@pytest.mark.parametrize("part,shape", ROUND_TRIPS.values(), ids=ROUND_TRIPS.keys())
 def test_fsdp_rows_of_a_shard_are_boxes_of_the_full_tensor(part: Partition, shape: tuple[int, ...], dp: int) -> None:
     """Under fully_shard each DP rank holds a dim-0 chunk of its TP shard; the runs of a fused shard (q | k | v, gate
     | up) may lie wholly past it. The boxes every (TP, DP) rank gives `save_checkpoint` rebuild the full tensor."""
@@ -164,8 +163,59 @@ def test_fsdp_rows_of_a_shard_are_boxes_of_the_full_tensor(part: Partition, shap
     for rank in range(part.tp_size):
         shard = part.shard(full, rank)
         for index in range(dp):
-            first, rows = dp_chunk(shard.shape[0], dp, index)
-            for piece in _pieces(shard.narrow(0, first, rows), first, 0, part.runs[rank]):
-                box = rebuilt[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.data.shape))]
-                box.copy_(piece.data)
+            placement = Placement.fsdp(shape, part, rank, dp, index)
+            first, rows = placement.rows
+            local = shard.narrow(0, first, rows)
+            assert tuple(local.shape) == placement.local_shape
+            for box in placement.boxes():
+                assert torch.equal(box.region(full), box.view(local))
+                box.region(rebuilt).copy_(box.view(local))
     assert torch.equal(rebuilt, full)
+
+
+# 12 rows: rank 0 holds rows 0-2 and 9-11, rank 1 rows 3-6 and 9-11 (replicated with rank 0, at another shard offset),
+# rank 2 rows 7-8; shards of 6, 7 and 2 rows.
+UNEVEN = Partition(0, 12, (((0, 3), (9, 3)), ((3, 4), (9, 3)), ((7, 2),)))
+
+
+def test_holders() -> None:
+    assert UNEVEN.holders() == [Holding(0, 3, 0, 0, (0,)), Holding(3, 4, 1, 0, (1,)), Holding(7, 2, 2, 0, (2,)),
+                                Holding(9, 3, 0, 3, (0, 1))]
+    # the replicated run read from rank 1's own copy, at its offset 4; rank 2 does not hold it: the lowest holder
+    assert UNEVEN.holders(prefer=1)[3] == Holding(9, 3, 1, 4, (0, 1))
+    assert UNEVEN.holders(prefer=2) == UNEVEN.holders()
+    assert UNEVEN.replicas(1) == [(4, 3, (0, 1))] and UNEVEN.replica_groups() == {(0, 1)}
+    k = attention("k", 8, 2, 3, 4)  # head 0 on ranks 0, 1; head 1 on ranks 2, 3
+    assert k.holders(prefer=3) == [Holding(0, 3, 0, 0, (0, 1)), Holding(3, 3, 3, 0, (2, 3))]
+
+
+PLACEMENTS = {
+    # shard of 7 rows over DP 2 (torch.chunk: 4 + 3): DP rank 0 keeps run (3, 4), DP rank 1 the replicated run
+    "uneven, rows hold one run each": (Placement.fsdp((12, 5), UNEVEN, 1, 2, 0), (4, 5), [Box((3, 0), (4, 5), (0, 0))]),
+    "replicated run": (Placement.fsdp((12, 5), UNEVEN, 1, 2, 1), (3, 5), [Box((9, 0), (3, 5), (0, 0))]),
+    # shard of 6 rows over DP 3 (2 + 2 + 2): DP rank 1 keeps shard rows 2-3, the end of one run and the start of next
+    "rows cut two runs": (Placement.fsdp((12, 5), UNEVEN, 0, 3, 1), (2, 5),
+                          [Box((2, 0), (1, 5), (0, 0)), Box((9, 0), (1, 5), (1, 0))]),
+    # shard of 2 rows over DP 3 (1 + 1 + 0): DP rank 2's rows lie past the runs
+    "rows past the runs": (Placement.fsdp((12, 5), UNEVEN, 2, 3, 2), (0, 5), []),
+    "one row": (Placement.fsdp((12, 5), UNEVEN, 2, 3, 1), (1, 5), [Box((8, 0), (1, 5), (0, 0))]),
+    # split on dim 1 (rows 4-5 replicated): FSDP keeps dim-0 rows 3-4 of the (5, 4) shard, all of its columns
+    "dim 1": (Placement.fsdp((5, 6), Partition(1, 6, (((0, 2), (4, 2)), ((2, 2), (4, 2)))), 1, 2, 1), (2, 4),
+              [Box((3, 2), (2, 2), (0, 0)), Box((3, 4), (2, 2), (0, 2))]),
+    "no FSDP": (Placement((12, 5), UNEVEN, 0), (6, 5), [Box((0, 0), (3, 5), (0, 0)), Box((9, 0), (3, 5), (3, 0))]),
+    "not split over TP": (Placement.fsdp((4, 3), None, 0, 2, 1), (2, 3), [Box((2, 0), (2, 3), (0, 0))]),
+    "scalar": (Placement(()), (), [Box((), (), ())]),
+}
+
+
+@pytest.mark.parametrize("placement,local_shape,boxes", PLACEMENTS.values(), ids=PLACEMENTS.keys())
+def test_placement_boxes(placement: Placement, local_shape: tuple[int, ...], boxes: list[Box]) -> None:
+    assert placement.local_shape == local_shape
+    assert placement.boxes() == boxes
+
+
+def test_window() -> None:
+    """Rows 2-9 of `UNEVEN` (one part of a fused tensor): the replicated run, cut, stays replicated."""
+    assert window(UNEVEN, 2, 8) == Partition(0, 8, (((0, 1), (7, 1)), ((1, 4), (7, 1)), ((5, 2),)))
+    assert Placement((12, 5), UNEVEN, 1).within(0, 2, 8) == [Box((1, 0), (4, 5), (0, 0)), Box((7, 0), (1, 5), (4, 0))]
+    assert window(UNEVEN.with_dim(1), 7, 2).runs == ((), (), ((0, 2),))

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ...compat.torch import no_torch_function, storageless_tensor
-from ...runtime.rows import local_rows
+from ...runtime.rows import local_rows, placement
 from ...planning.sharding import Shard
 
 
@@ -59,14 +59,10 @@ class Chunks(torch.Tensor):
     @classmethod
     def of(cls, tensor: torch.Tensor, shard: Shard | None = None) -> Chunks:
         """The pieces of `tensor` (a parameter, buffer or optimizer state shaped like one; a DTensor under FSDP)."""
-        local, first = local_rows(tensor.detach())
-        tp_shape = tuple(tensor.shape)  # a DTensor's shape is its whole TP shard
-        if shard is None:
-            full, dim, runs = tp_shape, 0, ((0, tp_shape[0]),) if tp_shape else ()
-        else:
-            full, dim, runs = shard.full_shape(tp_shape), shard.partition.dim, shard.partition.runs[shard.rank]
-        pieces = [Piece((), local)] if not tp_shape else list(_pieces(local, first, dim, runs))
-        return cls(full, pieces, local.dtype, local.device)
+        tensor = tensor.detach()
+        local, where = local_rows(tensor)[0], placement(tensor, shard)
+        pieces = [Piece(box.offsets, box.view(local)) for box in where.boxes()]
+        return cls(where.full_shape, [p for p in pieces if p.data.numel()], local.dtype, local.device)
 
     def snapshot(self) -> Chunks:
         """The same pieces copied to CPU memory, for a save that writes while training goes on."""
@@ -88,19 +84,3 @@ class Chunks(torch.Tensor):
 
 def _chunk(piece: Piece) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.data.shape)
-
-
-def _pieces(local: torch.Tensor, first: int, dim: int, runs: Sequence[tuple[int, int]]):
-    """(offsets, view) per run of full rows along `dim` that this rank holds; `local` starts at row `first` of its TP
-    shard along dim 0 (FSDP's rows), and the TP shard is the runs concatenated along `dim`."""
-    offset = 0
-    for start, length in runs:
-        offsets = [0] * local.dim()
-        if dim == 0:  # FSDP's rows and the runs cut the same dim: keep the overlap, if any (a run may lie past them)
-            lo, hi = max(offset, first), min(offset + length, first + local.shape[0])
-            view, offsets[0] = local.narrow(0, min(lo - first, local.shape[0]), max(hi - lo, 0)), start + lo - offset
-        else:
-            view, offsets[0], offsets[dim] = local.narrow(dim, offset, length), first, start
-        offset += length
-        if view.numel():
-            yield Piece(tuple(offsets), view)

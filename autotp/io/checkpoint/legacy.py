@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...runtime.rows import dp_chunk, local_rows
+from ...runtime.rows import local_rows
 from ...mesh import global_rank
+from ...planning.placement import Placement
 from ...planning.sharding import Partition
 from . import rng_state
 from .save import layout
@@ -159,11 +160,8 @@ def full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torch
     dp_rows, dp = set(meta.get("dp_rows", ())), world_size // tp  # FSDP: each rank saved its DP rows of its TP shard
     for rank, (file, header) in enumerate(zip(files, headers)):
         for name, tensor in params.items():
-            expected = list(tensor.shape)
-            if name in partitions:
-                expected[partitions[name].dim] = partitions[name].local_size(rank % tp)
-            if name in dp_rows:
-                expected[0] = dp_chunk(expected[0], dp, rank // tp)[1]
+            expected = list(Placement.fsdp(tuple(tensor.shape), partitions.get(name), rank % tp,
+                                           dp if name in dp_rows else 1, rank // tp).local_shape)
             if name not in header:
                 raise CheckpointError(f"{file}: tensor {name} is missing")
             if header[name]["shape"] != expected:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ...runtime.rows import local_rows
 from ...compat.hf_conversion import ConvertedSource, checkpoint_sources, initialised_if_missing
-from ...planning.sharding import Partition
+from ...planning.placement import window
 from ...state import find_state
 from ..errors import CheckpointError, describe, failures
 from .safetensors import read_header, read_rows
@@ -219,7 +219,7 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
     if partition is not None and partition.dim == 0:
         raise CheckpointError(f"{name}: split by expert, which autotp does not read from per-expert tensors")
     offsets = [sum(rows[:j]) for j in range(len(rows))]
-    per_part = [None if partition is None else _within(partition, offset, count) if partition.dim == 1
+    per_part = [None if partition is None else window(partition, offset, count).with_dim(0) if partition.dim == 1
                 else partition.with_dim(partition.dim - 1) for offset, count in zip(offsets, rows)]
     experts = []
     for expert in range(full[0]):
@@ -252,15 +252,6 @@ def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter,
     shard = getattr(param, "autotp_shard", None)
     _check_shape(files[next(k for keys in source.parts for k in keys)], name, list(full.shape), param)
     return full if shard is None else shard.partition.shard(full, shard.rank)
-
-
-def _within(partition: Partition, offset: int, rows: int) -> Partition:
-    """`partition` (along the rows of several parts laid end to end) restricted to the part at `offset`."""
-    runs = tuple(
-        tuple((max(start, offset) - offset, min(start + length, offset + rows) - max(start, offset))
-              for start, length in rank_runs if min(start + length, offset + rows) > max(start, offset))
-        for rank_runs in partition.runs)
-    return Partition(0, rows, runs)
 
 
 def _warn_unused(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ConvertedSource]) -> None:

@@ -16,9 +16,10 @@ from torch.distributed.tensor import DTensor
 
 from ...compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, keys_to_ignore_on_save,
                                     remove_tied_weights)
-from ...runtime.rows import dp_chunk, dp_full, local_rows
+from ...runtime.rows import dp_full, local_rows
 from ...mesh import named_failure
 from ...runtime.shards import held_shard
+from ...planning.placement import Placement, window
 from ...planning.sharding import Partition, Shard
 from ..streaming import gather_after_streams
 
@@ -50,8 +51,8 @@ def local_part(tensor: torch.Tensor, shard: Shard | None, part: SavedPart) -> tu
         if run is None:
             continue
         if partition is not None and dim == partition.dim:
-            partition, pieces = restricted(partition, *run)
-            mine = [local.narrow(dim, offset, length) for offset, length in pieces[shard.rank]]
+            boxes = Placement(shard.full_shape(local.shape), partition, shard.rank).within(dim, *run)
+            mine, partition = [box.view(local) for box in boxes], window(partition, *run)
             local = torch.cat(mine, dim=dim) if len(mine) > 1 else mine[0] if mine else local.narrow(dim, 0, 0)
         else:
             local = local.narrow(dim, *run)
@@ -75,23 +76,6 @@ def gather_part(param: torch.Tensor, part: SavedPart, tp_group) -> torch.Tensor 
     return None if full is None else finish_part(full, part)
 
 
-def restricted(partition: Partition, start: int, length: int) -> tuple[Partition, list[list[tuple[int, int]]]]:
-    """The partition of rows [start, start + length) of `partition`'s dim, and where each rank's share of them lies in
-    its shard ((offset, length) pieces); a replicated run stays replicated."""
-    runs, pieces = [], []
-    for rank_runs in partition.runs:
-        mine, where, offset = [], [], 0
-        for first, count in rank_runs:
-            lo, hi = max(first, start), min(first + count, start + length)
-            if lo < hi:
-                mine.append((lo - start, hi - lo))
-                where.append((offset + lo - first, hi - lo))
-            offset += count
-        runs.append(tuple(mine))
-        pieces.append(where)
-    return Partition(partition.dim, length, tuple(runs)), pieces
-
-
 def _dp_rows(tensor: torch.Tensor, index: tuple, partition: Partition | None) -> tuple[torch.Tensor, tuple]:
     """This rank's TP shard of `tensor` and `index` into it. Under FSDP (a DTensor sharded on dim 0 over DP), when
     `index` reads rows of dim 0 that one DP rank holds (one expert), only those rows, broadcast from that rank, with
@@ -100,15 +84,15 @@ def _dp_rows(tensor: torch.Tensor, index: tuple, partition: Partition | None) ->
     if not isinstance(tensor, DTensor) or rows is None or (partition is not None and partition.dim == 0):
         return dp_full(tensor), index
     start, count = (rows, 1) if isinstance(rows, int) else rows
-    mesh, total = tensor.device_mesh, tensor.shape[0]
-    chunks = [dp_chunk(total, mesh.size(), r) for r in range(mesh.size())]
-    owners = [r for r, (first, n) in enumerate(chunks) if first <= start and start + count <= first + n]
-    if not owners:
+    mesh, shape = tensor.device_mesh, tuple(tensor.shape)
+    held = [Placement.fsdp(shape, None, 0, mesh.size(), r).within(0, start, count) for r in range(mesh.size())]
+    owner = next((r for r, boxes in enumerate(held) if boxes and boxes[0].sizes[0] == count), None)
+    if owner is None:
         return dp_full(tensor), index
-    owner, group = owners[0], mesh.get_group()
-    mine, first = local_rows(tensor)
+    group = mesh.get_group()
+    mine = local_rows(tensor)[0]
     if mesh.get_local_rank() == owner:
-        buffer = mine.narrow(0, start - first, count).contiguous()
+        buffer = held[owner][0].view(mine).contiguous()
     else:
         buffer = mine.new_empty((count, *mine.shape[1:]))
     with named_failure(group, "broadcast of an expert's rows from the DP rank holding them (FSDP)"):

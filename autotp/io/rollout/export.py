@@ -29,8 +29,9 @@ from ...dp.row_gather import RowRequest, dp_full_many, gather_rows_to
 from ...state import find_state, outside_module_holders
 from ...options import WrapOptions
 from ...planning.planner import build_plan
+from ...planning.placement import window
 from ...planning.sharding import Partition
-from ..hf.parts import finish_part, full_shape, local_part, restricted, saved_layout
+from ..hf.parts import finish_part, full_shape, local_part, saved_layout
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ def _engine_request(rows: torch.Tensor, partition: Partition | None, engine: Par
         return RowRequest(rows, partition, None, dtype)
     run = index[engine.dim] if engine.dim < len(index) else None
     if run is not None:
-        engine = restricted(engine, *((run, 1) if isinstance(run, int) else run))[0]
+        engine = window(engine, *((run, 1) if isinstance(run, int) else run))
     if partition is not None and partition.dim != engine.dim:
         raise NotImplementedError(f"autotp.export_weights(target=...): {name} is split on dim {partition.dim} here and "
                                   f"on dim {engine.dim} at the engine's tp_size; not supported")

@@ -119,6 +119,21 @@ def test_saves_and_export_on_four_ranks(tmp_path: Path, tp: int, ep: int) -> Non
     check_saves(tmp_path, "qwen3_moe", tp, ep)
 
 
+def export_to_an_engine(rank: int, world: int) -> str:
+    model = autotp.wrap(moe_model("qwen3_moe"), 1, ep_size=2)
+    try:
+        list(autotp.export_weights(model, target=autotp.EngineLayout(2)))
+    except NotImplementedError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_export_to_an_engine_layout_is_refused_at_ep2() -> None:
+    """Cutting experts for an engine's own TP layout is the rollout issue's: refused before any gather."""
+    for message in run_ranks(export_to_an_engine, 2):
+        assert "target=...) at ep_size=2" in message, message
+
+
 # --- loads -----------------------------------------------------------------------------------------------------------
 
 def load_counting(rank: int, world: int, path: str, ep: int) -> dict:

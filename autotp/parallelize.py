@@ -6,7 +6,7 @@ model is changed only here, and a failure at any step puts it back exactly as it
 The order, and why:
 
 1. `tensor_parallel`: the plan's layers, experts and heads (`autotp.tp`); under expert parallelism without the
-   experts, which step 5 takes whole;
+   experts, which step 4 takes whole;
 2. `vocab_parallel`: the LM head and embedding by vocabulary, after the layers (`autotp.vocab`);
 3. `sequence_parallel`: around the decoder layers just made parallel (`autotp.sp`);
 4. `expert_parallel`: each MoE layer keeps its EP rank's experts and dispatches tokens to them (`autotp.ep`);

@@ -88,8 +88,8 @@ def save_at(rank: int, world: int, family: str, tp: int, ep: int, target: str) -
             "experts": sum(hasattr(p, "autotp_expert") for p in model.parameters())}
 
 
-def check_saves(tmp_path: Path, family: str, tp: int, ep: int) -> None:
-    reports = run_ranks(save_at, tp * ep, family, tp, ep, str(tmp_path / "ours"))
+def check_saves(tmp_path: Path, family: str, tp: int, ep: int, world: int = 2) -> None:
+    reports = run_ranks(save_at, world, family, tp, ep, str(tmp_path / "ours"))
     assert reports[0]["experts"] > 0, "no expert is split: nothing under test"
     plain = moe_model(family)
     for kind, size in (("whole", "5GB"), ("small", SMALL)):
@@ -112,11 +112,12 @@ def test_saves_and_export_at_ep2_are_transformers_save(tmp_path: Path, family: s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,ep", [(2, 2), (1, 4), (2, 4)], ids=["tp2-ep2", "ep4", "tp2-ep4"])
+@pytest.mark.parametrize("tp,ep", [(2, 2), (1, 4), (2, 4), (4, 2)], ids=["tp2-ep2", "ep4", "tp2-ep4", "tp4-ep2"])
 def test_saves_and_export_on_four_ranks(tmp_path: Path, tp: int, ep: int) -> None:
     """tp2 x ep2: EP shares the TP ranks; ep4: every rank holds one expert; tp2 x ep4: an EP group over two TP groups
-    (ranks 0 and 2 are TP rank 0: both get every tensor)."""
-    check_saves(tmp_path, "qwen3_moe", tp, ep)
+    (ranks 0 and 2 are TP rank 0: both get every tensor); tp4 x ep2: two EP groups in one TP group (ranks 2 and 3
+    gather the dense tensors with rank 0, not the experts)."""
+    check_saves(tmp_path, "qwen3_moe", tp, ep, world=4)
 
 
 def export_to_an_engine(rank: int, world: int) -> str:
@@ -150,7 +151,8 @@ def load_counting(rank: int, world: int, path: str, ep: int) -> dict:
     model = autotp.from_pretrained(path, 1, ep_size=ep)
     reference = autotp.wrap(AutoModelForCausalLM.from_pretrained(path), 1, ep_size=ep)
     theirs = reference.state_dict()
-    return {"read": read["bytes"], "unequal": [k for k, v in model.state_dict().items() if not torch.equal(v, theirs[k])]}
+    unequal = [k for k, v in model.state_dict().items() if not torch.equal(v, theirs[k])]
+    return {"read": read["bytes"], "unequal": unequal}
 
 
 def test_from_pretrained_reads_only_this_ranks_experts(tmp_path: Path) -> None:
@@ -230,3 +232,14 @@ def test_saved_at_tp2_ep2_resumes_at_tp2_and_at_ep4(tmp_path: Path) -> None:
         for report in run_ranks(second_half, 4, tp, ep, path):
             check_resume(report, expected, f"tp={tp} x ep={ep}")
     consolidated(tmp_path, path)
+
+
+@pytest.mark.slow
+def test_saved_at_ep4_resumes_at_ep2_and_without_ep(tmp_path: Path) -> None:
+    """ep 4, then ep 2, then none (the issue's chain, from the other end): saved at ep 4 (one expert per rank)."""
+    path = str(tmp_path / "ckpt")
+    expected = straight_run("qwen3_moe")
+    run_ranks(first_half, 4, 1, 4, path)
+    for world, tp, ep in ((4, 1, 2), (2, 2, 1)):
+        for report in run_ranks(second_half, world, tp, ep, path):
+            check_resume(report, expected, f"tp={tp} x ep={ep} on {world} ranks")

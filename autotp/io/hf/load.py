@@ -197,8 +197,8 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
 
     Stacked experts are read by slices: the target is (experts, rows, cols) with rows the parts
     (gate | up) one after another; autotp splits it along dim 1 or 2, which is dim 0 or 1 of each
-    expert's tensor, or by expert (dim 0, expert parallelism): then only this rank's experts are read. Other conversions read the whole tensors, run transformers' operations on them,
-    and keep this rank's rows.
+    expert's tensor, or by expert (dim 0, expert parallelism): then only this rank's experts are read.
+    Other conversions read the whole tensors, run transformers' operations on them, and keep this rank's rows.
     """
     if source.run is not None:
         return _run_conversion(name, source, param, files)

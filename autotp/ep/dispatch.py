@@ -16,19 +16,22 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import named_failure
+from ..planning.sharding import Partition, Shard
 from .collectives import exchange, exchange_counts, gather_rows, own_rows, split_rows
 from .groups import ExpertGroups
 
 
 class ExpertRegion:
     """A fused experts module (3-D parameters, experts on dim 0) holding this EP rank's experts; its parameters carry
-    `autotp_expert` (this object), which the gradient sync and the norm read."""
+    `autotp_expert` (this object), which the gradient sync, the norm and the state paths read. `shard`: this rank's
+    experts as a `Shard` of the full tensor over the EP group (a run of dim-0 rows), for saves and checkpoints."""
 
     def __init__(self, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
         self.module, self.names, self.experts, self.tp_group, self.state = module, names, experts, tp_group, state
         self.total = module.num_experts
         self.local = self.total // experts.size
         self.first = experts.rank * self.local
+        self.shard = Shard(Partition.even(0, self.total, experts.size), experts.rank)
         self.own_forward = type(module).forward.__get__(module)  # the class's: transformers' implementation dispatch
         for name in names:
             old = getattr(module, name)
@@ -37,6 +40,11 @@ class ExpertRegion:
             setattr(module, name, new)
         module.forward = self.forward
         module.autotp_region = self
+
+    def held(self, tensor: torch.Tensor) -> Shard | None:
+        """The `Shard` of the full tensor that `tensor` (one of the parameters, or a tensor shaped like one) holds:
+        None once gathered whole (every expert on every rank)."""
+        return None if tensor.shape[0] == self.total else self.shard
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 **kwargs) -> torch.Tensor:

@@ -25,7 +25,7 @@ import autotp
 import autotp.io.hf.load as hf_load
 from autotp.testing import run_ranks, tiny_config
 from autotp.testing.parity import full_tensor
-from models import check_resume, resume_model, resume_steps, resume_training, straight_run
+from resume_workers import check_resume, resume_model, resume_steps, resume_training, straight_run
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 SMALL = "40KB"  # several files for every tiny model

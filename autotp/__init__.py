@@ -24,7 +24,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
-   `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.export`, `io.rollout.sync`,
+   `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.export`, `io.rollout.sync`,
    `io.rollout.vllm_source`, `io.rollout.vllm_gloo`, `io.rollout.vllm_connect`
 7. the integrations and the entry points: `integrations`, `integrations.guards`, `integrations.gather`,
    `integrations.hf_methods`, `parallelize`, `api`

@@ -18,19 +18,19 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `runtime.input_agreement`, `runtime.rng`, `runtime.shards`, `runtime.lazy_logits`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
    `tp`, `tp.overlap`, `tp.glu`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
-   `tp.lora`, `tp.lora_lift`, `vocab`, `vocab.layers`, `vocab.apply`, `sp`, `sp.sequence`, `cp`, `cp.layout`, `cp.dropout`,
+   `tp.lora`, `tp.lora_lift`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.apply`, `sp`, `sp.sequence`, `cp`, `cp.layout`, `cp.dropout`,
    `cp.attention`, `cp.loss`, `cp.apply`, `dp`, `dp.row_gather`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.groups`, `ep.dispatch`, `ep.apply`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
-   `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.export`, `io.rollout.sync`,
+   `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.export`, `io.rollout.sync`,
    `io.rollout.vllm_source`, `io.rollout.vllm_gloo`, `io.rollout.vllm_connect`
 7. the integrations and the entry points: `integrations`, `integrations.guards`, `integrations.gather`,
    `integrations.hf_methods`, `parallelize`, `api`
 8. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-9. tools: `cli`, `integrations.trl`, `integrations.trainer`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
+9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.trainer`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
 """
 
 from .api import explain, from_pretrained, wrap

@@ -8,7 +8,8 @@ completions per prompt with the model itself (`use_vllm=False`), on every TP ran
 each other; after training it evaluates on held-out prompts. PEFT's LoRA goes on first, then `autotp.wrap` shards
 the model inside the PeftModel; `autotp.hf_trainer.tp_trainer(GRPOTrainer)` is GRPOTrainer with AutoTPTrainer's
 data parallel x tensor parallel behaviour. GRPO scores completions with TRL's fused LM head, which reads
-`lm_head.weight` itself, so the model is wrapped with `vocab_parallel=False` (autotp refuses it otherwise).
+`lm_head.weight` itself; with `--vocab-parallel` the LM head is split by vocabulary and autotp puts its own fused head
+in TRL's place (per-token log-probabilities from the vocabulary shards, `autotp.vocab.logprobs`).
 """
 
 from __future__ import annotations
@@ -95,12 +96,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--output", default="out/autotp-grpo")
+    parser.add_argument("--vocab-parallel", action="store_true", help="split the LM head by vocabulary too")
     parser.add_argument("--record-out", help="write the per-step losses and every rank's completions as JSON (rank 0)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # the same base weights and adapters on every rank, and as in one process
     model = with_lora(tiny_llama())
-    autotp.wrap(model.base_model.model, tp_size=args.tp, vocab_parallel=False)
+    autotp.wrap(model.base_model.model, tp_size=args.tp, vocab_parallel=args.vocab_parallel)
     vocab = model.config.vocab_size
     trainer = RecordingGRPO(model=model, reward_funcs=low_tokens, args=config(args.output, args.steps),
                             train_dataset=dataset(vocab), eval_dataset=dataset(vocab, 4, seed=2),

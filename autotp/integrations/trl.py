@@ -3,7 +3,7 @@
 TRL's GRPO counts every process as a replica in its generation batch, deals generation batches over processes,
 and evaluates each prompt repeated once per completion; here only DP replicas are replicas, and the TP ranks of
 one replica read the same batches. TRL's fused-LM-head patch reads `lm_head.weight` whole, which vocab
-parallelism splits, so it is refused.
+parallelism splits, so under vocab parallelism autotp's own fused head takes its place (`autotp.integrations.fused_head`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from transformers import Trainer
 from ..compat import trainer as trainer_compat
 from ..accessors import dp_rank, dp_size
 from ..state import find_state, wrapped_model
+from .fused_head import make_vocab_parallel
 
 
 def generates(trainer: Trainer) -> bool:
@@ -25,15 +26,13 @@ def generates(trainer: Trainer) -> bool:
 
 
 def check_trl_setup(trainer: Trainer) -> None:
-    """At construction: refuse a fused LM head under vocab parallelism; count DP replicas only in GRPO's
-    generation batch."""
-    model = wrapped_model(trainer.model)
-    fused = fused_head(vars(model).get("forward")) if model is not None else None
-    if fused is not None and find_state(model).plan.vocab is not None:
-        raise ValueError(f"autotp: {type(trainer).__name__} replaced the model's forward with a fused LM head "
-                         f"({fused}), which reads lm_head.weight directly; under vocab parallelism that holds "
-                         f"only this rank's vocabulary rows, so its log-probabilities would be wrong. Wrap with "
-                         f"vocab_parallel=False")
+    """At construction: a fused LM head under vocab parallelism made vocab-parallel (the policy's and a wrapped
+    reference model's); count DP replicas only in GRPO's generation batch."""
+    for candidate in (trainer.model, getattr(trainer, "ref_model", None)):
+        model = wrapped_model(candidate) if candidate is not None else None
+        forward = vars(model).get("forward") if model is not None else None
+        if fused_head(forward) is not None and find_state(model).plan.vocab is not None:
+            make_vocab_parallel(model, find_state(model), forward, type(trainer).__name__)
     if generates(trainer):
         _count_replicas_in_generation_batch(trainer)
 

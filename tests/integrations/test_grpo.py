@@ -55,11 +55,11 @@ def build_at_tp2(rank: int, world: int, output: str) -> dict:
             "unwrapped": trainer.accelerator.unwrap_model(trainer.wrap_for_training(trainer.model)) is trainer.model,
             "split_eval": split_eval,
             "batch_std": build(scale_rewards="batch"), "split_groups": build(per_device_train_batch_size=2),
-            "vocab_parallel": build(vocab_parallel=True)}
+            "vocab_parallel": build(vocab_parallel=True).model.base_model.model.forward.__code__.co_qualname}
 
 
 @pytest.mark.timeout(180)
-def test_grpo_trainer_at_tp2_draws_alike_counts_replicas_and_refuses_what_tp_would_change(tmp_path: Path) -> None:
+def test_grpo_trainer_at_tp2_draws_alike_counts_replicas_refuses_what_tp_would_change_and_splits_the_fused_head(tmp_path: Path) -> None:
     from autotp.testing.spawn import run_ranks
 
     ranks = run_ranks(build_at_tp2, 2, str(tmp_path))
@@ -72,7 +72,7 @@ def test_grpo_trainer_at_tp2_draws_alike_counts_replicas_and_refuses_what_tp_wou
         assert "scale_rewards='batch'" in rank["batch_std"] and "'group'" in rank["batch_std"]
         assert "whole groups of num_generations=4" in rank["split_groups"]
         assert "4 prompts x 4 completions in batches of 2" in rank["split_eval"]
-        assert "fused LM head" in rank["vocab_parallel"] and "vocab_parallel=False" in rank["vocab_parallel"]
+        assert rank["vocab_parallel"] == "_fused_forward.<locals>.forward"  # autotp's fused head, not TRL's
 
 
 def one_process_grpo(output: Path, steps: int):
@@ -95,12 +95,14 @@ def one_process_grpo(output: Path, steps: int):
 
 
 @pytest.mark.slow  # a torchrun subprocess and a one-process GRPO run
-def test_grpo_with_lora_at_tp2_samples_and_trains_as_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("vocab_parallel", [False, True])  # True: per-token log-probs from the vocabulary shards
+def test_grpo_with_lora_at_tp2_samples_and_trains_as_one_process(tmp_path: Path, vocab_parallel: bool) -> None:
     from grpo_lora import step_metrics
     from safetensors.torch import load_file
 
     steps = 6
     argv = readme_command(r"torchrun --nproc-per-node 2 examples/grpo_lora\.py --tp 2")
+    argv += ["--vocab-parallel"] if vocab_parallel else []
     run(argv + ["--steps", str(steps), "--output", str(tmp_path / "tp"), "--record-out", str(tmp_path / "tp.json")])
     got = json.loads((tmp_path / "tp.json").read_text())
     one, one_evaluation = one_process_grpo(tmp_path / "one", steps)

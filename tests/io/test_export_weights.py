@@ -484,3 +484,36 @@ def test_target_cuts_experts_per_engine_rank(engine_tp: int) -> None:
         distinct = [held[0]] + [rows for before, rows in zip(held, held[1:]) if not torch.equal(before, rows)]
         assert torch.equal(torch.cat(distinct, dim=dims[0]), full), name  # KV heads replicated at 4: held twice
     assert split >= 3 * 2, "the experts' gate, up and down are cut per engine rank"
+
+
+def vllm_slices(rank: int, world: int) -> tuple[list, list]:
+    """The trainer (tp=world, vocab 250): slices for vLLM at tp 4 and for `wrap` at tp 4."""
+    model = autotp.wrap(tiny_model("llama", num_key_value_heads=2, vocab_size=250), world)
+    return ([(n, r, t) for n, r, t in autotp.export_weights(model, target=autotp.EngineLayout.vllm(4),
+                                                             bucket_bytes=SMALL_BUCKET)],
+            [(n, r, t) for n, r, t in autotp.export_weights(model, target=autotp.EngineLayout(4),
+                                                             bucket_bytes=SMALL_BUCKET)])
+
+
+@pytest.mark.timeout(180)
+def test_vllm_target_cuts_the_vocabulary_as_vllm_pads_it() -> None:
+    """Vocab 250 at engine tp 4: vLLM pads to 256 and gives each rank 64 rows (the last 58 real ones), where `wrap`
+    gives 63/63/62/62; every other tensor gets `wrap`'s rows."""
+    ours, wraps = run_ranks(vllm_slices, 2)[0]
+    full = tiny_model("llama", num_key_value_heads=2, vocab_size=250).state_dict()
+    vocab = {"lm_head.weight", "model.embed_tokens.weight"}
+    for name in vocab:
+        held = sorted((r, t) for n, r, t in ours if n == name)
+        assert [t.shape[0] for _, t in held] == [64, 64, 64, 58], name
+        assert torch.equal(torch.cat([t for _, t in held]), full[name]), name
+        assert [t.shape[0] for n, _, t in sorted(wraps, key=lambda x: x[1]) if n == name] == [63, 63, 62, 62]
+    rest = lambda slices: sorted(((n, r, t) for n, r, t in slices if n not in vocab), key=lambda x: x[:2])  # noqa
+    assert all(a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(rest(ours), rest(wraps), strict=True))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("family", ["gpt_neox", "bloom", "falcon"])
+def test_vllm_target_refuses_interleaved_fused_qkv_by_name(family: str) -> None:
+    """vLLM reorders these models' per-head q/k/v into q|k|v before cutting; autotp does not produce those rows."""
+    with pytest.raises(NotImplementedError, match="per-head interleaved fused q/k/v"):
+        autotp.EngineLayout.vllm(2).partitions(tiny_model(family))

@@ -33,14 +33,22 @@ from ...planning.planner import build_plan
 from ...planning.placement import window
 from ...planning.sharding import Partition
 from ..hf.parts import finish_part, full_shape, local_part, saved_layout
+from .vllm_layout import vllm_partitions
 
 
 @dataclass(frozen=True)
 class EngineLayout:
     """The rollout engine's tensor parallelism: `tp_size` ranks, each holding the rows `autotp.wrap(model, tp_size)`
-    would hold (the same plan, computed for `tp_size` on a meta copy of the model)."""
+    would hold (the same plan, computed for `tp_size` on a meta copy of the model); `EngineLayout.vllm(tp_size)`:
+    the rows vLLM's own loader cuts (`autotp.io.rollout.vllm_layout`)."""
 
     tp_size: int
+    engine: str | None = None
+
+    @classmethod
+    def vllm(cls, tp_size: int) -> EngineLayout:
+        """vLLM's rows: its vocabulary padded to a multiple of 64 and cut in equal blocks."""
+        return cls(tp_size, engine="vllm")
 
     def partitions(self, model: nn.Module) -> dict[str, Partition]:
         """Model tensor name -> its partition over the engine's ranks (absent: whole on every engine rank)."""
@@ -50,7 +58,10 @@ class EngineLayout:
         options = state.options if state is not None else WrapOptions()
         with torch.device("meta"):
             twin = type(model)(copy.deepcopy(model.config))
-        plan = build_plan(twin, self.tp_size, options.policy, options.vocab_parallel, options.example_inputs)
+        vocab_parallel = options.vocab_parallel or self.engine == "vllm"  # vLLM always splits the vocabulary
+        plan = build_plan(twin, self.tp_size, options.policy, vocab_parallel, options.example_inputs)
+        if self.engine == "vllm":
+            return vllm_partitions(twin, plan, plan.sharded_params(twin))
         return plan.sharded_params(twin)
 
 

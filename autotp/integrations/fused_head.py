@@ -1,0 +1,97 @@
+"""TRL's fused LM head (`add_fused_lm_head`) made vocab-parallel: per-token log-probabilities for GRPO, RLOO, DPO, KTO.
+
+TRL's trainers patch the model's forward so that `model(..., labels=, fused_lm_head=True)` returns per-token
+log-probabilities (and entropy, ...) without the batch x seq x vocab logits, reading `lm_head.weight` whole. Under
+vocab parallelism each TP rank holds only its vocabulary rows, so autotp puts its own fused forward in place of
+TRL's, with the same settings (read from TRL's closure): the backbone runs as TRL's does, the sharded LM head
+projects only the scored positions, and `autotp.vocab.logprobs` gives the whole-vocabulary values from the shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..mesh import group_rank
+from ..state import TPState
+from ..vocab.logprobs import vocab_parallel_log_probs
+
+# the free variables of TRL 1.16's `_fused_forward`, which carry its settings
+SETTINGS = ("original_forward", "backbone_attr", "temperature", "outputs", "final_logit_softcapping", "logit_scale",
+            "cast_lm_head_to_fp32", "text_config")
+
+
+def make_vocab_parallel(model: nn.Module, state: TPState, fused: Callable, trainer: str) -> None:
+    """Replace TRL's fused forward on `model` by the vocab-parallel one, with TRL's settings; refuse what it cannot
+    express (another TRL's fused head, sequence or context parallelism, MoE router losses)."""
+    function = getattr(fused, "__func__", fused)
+    settings = inspect.getclosurevars(function).nonlocals
+    missing = [name for name in SETTINGS if name not in settings]
+    why = None
+    if missing:
+        why = f"its fused head lacks the settings autotp reads ({', '.join(missing)}): another TRL version"
+    elif state.options.sequence_parallel or state.cp_group is not None:
+        why = "its fused head under sequence or context parallelism is not supported yet"
+    elif getattr(settings["text_config"], "output_router_logits", False):
+        why = "its fused head's MoE load-balancing loss is not supported yet"
+    if why is not None:
+        raise ValueError(f"autotp: {trainer} replaced the model's forward with a fused LM head, which reads "
+                         f"lm_head.weight directly, where vocab parallelism holds only this rank's vocabulary rows; "
+                         f"{why}. Wrap with vocab_parallel=False")
+    model.forward = types.MethodType(_fused_forward(state, settings), model)
+
+
+def _fused_forward(state: TPState, settings: dict[str, Any]) -> Callable:
+    """TRL's fused forward (`trl.trainer.utils.add_fused_lm_head`) on vocab-sharded logits, one shard at a time."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    original, outputs = settings["original_forward"], tuple(settings["outputs"])
+    temperature, softcap, scale = settings["temperature"], settings["final_logit_softcapping"], settings["logit_scale"]
+    partition = state.plan.vocab.partition
+    (start, _), = partition.runs[group_rank(state.tp_group)]
+
+    @functools.wraps(getattr(original, "__func__", original))  # `generate` checks its keywords against the signature
+    def forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None, num_items_in_batch=None,
+                **kwargs):
+        if not fused_lm_head:
+            passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+            return original(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
+        kwargs["use_cache"] = False
+        hidden = getattr(self, settings["backbone_attr"])(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        head = self.get_output_embeddings()
+        labels = labels.to(hidden.device)
+        mask = labels != -100
+        scored = hidden[mask]  # the same count on every TP rank: they read the same batch
+        cast = settings["cast_lm_head_to_fp32"]
+        with torch.autocast(scored.device.type, enabled=False) if cast else nullcontext():
+            state.forwards += 1  # inside the model's forward the head keeps its logits sharded (PEFT skips hooks)
+            try:
+                logits = head(scored.float() if cast else scored)
+            finally:
+                state.forwards -= 1
+            logits = logits.float() * scale
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            if temperature != 1.0:
+                logits = logits / temperature
+            per_token = vocab_parallel_log_probs(logits, labels[mask], start, partition.full_size, state.tp_group,
+                                                 outputs)
+        # masked_scatter keeps an all-masked micro-batch connected to the model, as TRL's does
+        log_probs, entropy, log_sum_sq, mean, top1 = (
+            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                                   log_sum_sq_probs=log_sum_sq, mean_logits=mean, is_top1=top1, label_mask=mask)
+
+    return forward
+

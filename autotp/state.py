@@ -116,14 +116,6 @@ class TPState:
         """Whether the model holds full weights now, for the entry points that act differently inside the context."""
         return self.gathered
 
-    def refuse_expert_parallel(self, action: str) -> None:
-        """Refuse `action` (`autotp.fully_shard`), which does not know that each EP rank holds only its own experts:
-        it would shard them as the whole model's. Saves, checkpoints and exports read them (`runtime.shards`)."""
-        if self.ep is not None:
-            raise NotImplementedError(f"{action} at ep_size={self.ep.size}: not supported yet, as each rank holds "
-                                      f"only its {self.ep.size}th of the experts and the result would be wrong. "
-                                      f"Inside autotp.GatherReplacedLayerParams(model) every rank holds every expert")
-
     def refuse_gathered(self, action: str) -> None:
         """Stop `action`, which needs the sharded model, inside GatherReplacedLayerParams."""
         if self.gathered:

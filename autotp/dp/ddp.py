@@ -34,14 +34,14 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     with one replica. Under expert parallelism the experts' gradients are summed over their expert-DP group instead
     and divided by the same DP x CP size (`autotp.ep.grads`). With gradient accumulation, call it once per optimizer step: the gradients accumulated over
     the micro-batches are synchronised together. Under `autotp.fully_shard` it does nothing: FSDP has already
-    reduce-scattered them over DP x CP.
+    reduce-scattered them over DP x CP, and the experts over expert-DP (`autotp.ep.fsdp`).
     """
     group = dp_cp_group(model)
     size = group_size(group)
     state = state_of(model)
     if state.context is not None:
         state.context.unsynced = False  # summed over CP here (or by FSDP)
-    if state.ep is not None:  # the experts over their own replicas (autotp.ep.grads)
+    if state.ep is not None and not state.fsdp:  # the experts over their own replicas (autotp.ep.grads)
         state.ep.sync_gradients(model, size, average)
     if size == 1 or state.fsdp:
         return
@@ -73,9 +73,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     device = params[0].grad.device
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
-    dense = params
-    if state.ep is not None:  # each EP rank's experts once: their own all-reduce over the EP group
-        replicated = state.ep.norm([p for p in params if hasattr(p, "autotp_expert")], norm_type)
+    dense, experts = params, None
+    if state.ep is not None:  # each EP rank's experts once: their own all-reduces over EP (and expert-DP under FSDP)
+        experts = state.ep.norm([p for p in params if hasattr(p, "autotp_expert")], norm_type, state.fsdp)
         dense = [p for p in params if not hasattr(p, "autotp_expert")]
     for p in dense:
         grad, first = local_rows(p.grad.detach())  # under FSDP, this rank's rows of its TP shard
@@ -105,6 +105,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         with named_failure(state.grad_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over DP"):
             for part in (sharded, replicated):
                 dist.all_reduce(part, op=op, group=state.grad_group)
+    if experts is not None:
+        replicated = replicated + experts if norm_type == 2.0 else torch.maximum(replicated, experts)
     norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1:

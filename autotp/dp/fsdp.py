@@ -39,7 +39,8 @@ def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
 def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_policy: Any = None,
                 offload_policy: Any = None) -> nn.Module:
     """FSDP2 over the data-parallel group (DP x CP under context parallelism) on a wrapped model: each decoder layer,
-    then the root; returns the model.
+    then the root; returns the model. Under expert parallelism each experts module is first sharded over its
+    expert-DP group (`autotp.ep.fsdp`).
 
     Parameters, gradients and optimizer state are then split over TP and DP. `reshard_after_forward=False`
     keeps the gathered parameters from forward to backward (ZeRO-2). `mp_policy` and `offload_policy` are
@@ -57,7 +58,6 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
         raise RuntimeError(f"{type(root).__name__} is already sharded by autotp.fully_shard; call it once")
     if state.is_gathered():
         raise RuntimeError("autotp.fully_shard inside GatherReplacedLayerParams: call it on the sharded model")
-    state.refuse_expert_parallel("autotp.fully_shard")
     found = adapter_module(root)
     if found is not None:
         raise NotImplementedError(f"autotp.fully_shard: {found[0]} is a {found[1]}; PEFT adapters under FSDP are not "
@@ -68,13 +68,18 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
                "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
     shards = {name: p.autotp_shard for name, p in root.named_parameters(remove_duplicate=False)
               if hasattr(p, "autotp_shard")}
+    experts = {} if state.ep is None else state.ep.fully_shard(options, group_size(state.grad_group))
     for unit in decoder_layers(root, state):
         torch_fully_shard(unit, **options)
     torch_fully_shard(root, **options)
+    tagged = []
     for name, param in root.named_parameters(remove_duplicate=False):
         if name in shards:
             param.autotp_shard = shards[name]
-    state.fsdp, state.fsdp_sharded = True, frozenset(shards)
+        if id(param) in experts:  # an EP rank's experts, sharded over expert-DP first (autotp.ep.fsdp)
+            param.autotp_expert = experts[id(param)]
+            tagged.append(name)
+    state.fsdp, state.fsdp_sharded = True, frozenset(shards) | frozenset(tagged)
     return model
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..runtime.collectives import buckets
+from ..runtime.rows import local_rows
 from ..mesh import group_size, named_failure
 
 _BUCKET_BYTES = 25 << 20
@@ -46,14 +47,18 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
             grad.div_(replicas)
 
 
-def expert_norm(params: list[nn.Parameter], experts, norm_type: float) -> torch.Tensor:
-    """The experts' part of the gradient norm (sum of squares, or max): each EP rank's experts counted once."""
+def expert_norm(params: list[nn.Parameter], experts, norm_type: float, sharded: bool = False) -> torch.Tensor:
+    """The experts' part of the gradient norm (sum of squares, or max): each EP rank's experts counted once; under
+    FSDP (`sharded`) each expert-DP rank holds its rows of them (`local_rows`), so the parts are reduced there too."""
     device = params[0].grad.device if params else torch.device("cpu")
     part = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        grad = p.grad.detach().double()
+        grad = local_rows(p.grad.detach())[0].double()
         part = part + grad.pow(2).sum() if norm_type == 2.0 else torch.maximum(part, grad.abs().max())
     op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
     with named_failure(experts.group, "autotp.clip_grad_norm_'s all-reduce of the experts' gradient norm"):
         dist.all_reduce(part, op=op, group=experts.group)
+    if sharded and group_size(experts.data) > 1:
+        with named_failure(experts.data, "autotp.clip_grad_norm_'s all-reduce of the experts' norm over expert-DP"):
+            dist.all_reduce(part, op=op, group=experts.data)
     return part

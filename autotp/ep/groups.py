@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import Mesh, group_rank
+from .fsdp import shard_experts
 from .grads import expert_norm, sync_expert_gradients
 
 
@@ -49,6 +50,11 @@ class ExpertGroups:
         the state, so data parallelism needs no import of this package."""
         sync_expert_gradients(model, self, replicas, average)
 
-    def norm(self, params: list[nn.Parameter], norm_type: float) -> torch.Tensor:
-        """`autotp.clip_grad_norm_`'s part for the experts, each counted once over the EP group."""
-        return expert_norm(params, self, norm_type)
+    def norm(self, params: list[nn.Parameter], norm_type: float, sharded: bool = False) -> torch.Tensor:
+        """`autotp.clip_grad_norm_`'s part for the experts, each counted once over the EP group (and over expert-DP
+        when FSDP shards them there: `sharded`)."""
+        return expert_norm(params, self, norm_type, sharded)
+
+    def fully_shard(self, options: dict, replicas: int) -> dict:
+        """`autotp.fully_shard`'s part for the experts: FSDP2 over expert-DP (`autotp.ep.fsdp`)."""
+        return shard_experts(self, options, replicas)

@@ -1,0 +1,33 @@
+"""FSDP2 on the experts (`autotp.fully_shard` at ep > 1): each experts module sharded over its expert-DP group.
+
+The dense layers are sharded over DP x CP (`autotp.dp.fsdp`); an EP rank's experts exist only on the ranks holding
+the same experts, so their FSDP unit is the experts module over the expert-DP group, as torchtitan shards MoE
+experts over its `dp_mod_ep` mesh. FSDP's reduce-scatter over expert-DP sums each expert's gradient over the world's
+tokens once (the all-to-all's backward already summed its EP group's); dividing by the DP x CP replicas, not the
+expert-DP size, then matches the dense average (`autotp.ep.grads.sync_expert_gradients` at plain data parallelism).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..mesh import device_of, group_size
+
+
+def shard_experts(experts, options: dict[str, Any], replicas: int) -> dict[int, Any]:
+    """`fully_shard` each expert region's module over `experts.data` (expert-DP), before the decoder layers are
+    sharded around them; returns {id of FSDP's new parameter: its `autotp_expert` region} to tag them again."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = DeviceMesh.from_group(experts.data, device_of(experts.data).type)
+    tags = {}
+    for region in experts.regions:
+        module = torch_fully_shard(region.module, **{**options, "mesh": mesh})
+        module.set_gradient_divide_factor(float(replicas))
+        if group_size(experts.data) > 1:  # a sum, then the division (gloo has no PREMUL_SUM); not on one rank,
+            module.set_force_sum_reduction_for_comms(True)  # where torch 2.13 would then divide twice
+        for name in region.names:
+            tags[id(getattr(region.module, name))] = region
+    return tags

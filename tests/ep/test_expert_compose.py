@@ -1,0 +1,133 @@
+"""Expert parallelism (`ep_size`) composed with the rest of autotp, each against one process.
+
+The harness and tolerances are tests/ep/test_expert_parallel.py's (fp32; EP only reorders sums): loss 1e-5 absolute,
+gradients after the sync 1e-5 of the tensor's largest reference entry (`grad_error`), parameters after 3 AdamW steps
+3e-5 absolute; the routing (every MoE layer's top-k indices) equal to one process's on every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+import autotp
+from autotp.testing import run_ranks, tiny_config
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, full_tensor, grad_error
+from models import batch
+
+GLOBAL = batch(size=(4, 16))
+STEPS = 3
+CLIP = 0.5
+pytestmark = pytest.mark.timeout(300)
+
+
+def moe_model(family: str = "qwen3_moe") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+
+
+def record_routing(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every experts call's top-k indices, in call order (the model's own router picks them)."""
+    seen: list[torch.Tensor] = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().clone()))
+    return seen
+
+
+def single_process(clip: bool = False) -> dict:
+    model = moe_model()
+    routing = record_routing(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses, grads, norms = [], {}, []
+    for step in range(STEPS):
+        loss = model(input_ids=GLOBAL, labels=GLOBAL).loss
+        loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "routing": routing, "norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def whole(tensor: torch.Tensor, param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Tensor:
+    """The full tensor behind this rank's part: FSDP's rows gathered, experts over EP, TP shards over TP."""
+    if hasattr(param, "autotp_expert"):
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        parts = [torch.empty_like(tensor) for _ in range(autotp.ep_size(model))]
+        dist.all_gather(parts, tensor.detach().contiguous(), group=autotp.ep_group(model))
+        return torch.cat(parts)
+    return full_tensor(tensor, param, autotp.tp_group(model))
+
+
+def ep_fsdp_run(rank: int, world: int, tp: int, ep: int, clip: bool = False) -> dict:
+    """The README's FSDP loop at tp x ep: wrap, autotp.fully_shard, this replica's rows, AdamW (no gradient sync:
+    FSDP reduces the dense gradients over DP x CP and the experts' over expert-DP)."""
+    model = autotp.fully_shard(autotp.wrap(moe_model(), tp, ep_size=ep))
+    routing = record_routing(model)
+    replicas = autotp.dp_size(model)
+    rows = GLOBAL.shape[0] // replicas
+    mine = GLOBAL[autotp.dp_rank(model) * rows:(autotp.dp_rank(model) + 1) * rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses, grads, norms = [], {}, []
+    for step in range(STEPS):
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        autotp.allreduce_gradients(model)  # a no-op under FSDP, for experts too
+        if clip:
+            norms.append(autotp.clip_grad_norm_(model, CLIP).item())
+        if step == 0:
+            grads = {n: whole(p.grad, p, model) for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=autotp.dp_group(model))
+        losses.append(mean.item() / replicas)
+    experts = [p for p in model.parameters() if hasattr(p, "autotp_expert")]
+    return {"losses": losses, "grads": grads, "routing": routing, "rows": (autotp.dp_rank(model) * rows, rows),
+            "norms": norms, "params": {n: whole(p, p, model) for n, p in model.named_parameters()},
+            "expert_dtensors": all(isinstance(p, DTensor) for p in experts) and len(experts) > 0}
+
+
+def check(report: dict, expected: dict) -> None:
+    """Parity with one process, the routing included; raises AssertionError naming the worst tensor."""
+    first, rows = report["rows"]
+    seq = GLOBAL.shape[1]
+    for ours, theirs in zip(report["routing"], expected["routing"]):
+        assert torch.equal(ours, theirs[first * seq:(first + rows) * seq]), "top-k differs from one process's"
+    loss = max(abs(a - b) for a, b in zip(report["losses"], expected["losses"]))
+    assert loss <= LOSS_ATOL, f"loss differs by {loss:.3g}"
+    worst = max((grad_error(report["grads"][n], g), n) for n, g in expected["grads"].items())
+    assert worst[0] <= GRAD_RTOL, f"gradient of {worst[1]} differs by {worst[0]:.3g}"
+    worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
+    assert worst[0] <= PARAM_ATOL, f"{worst[1]} differs by {worst[0]:.3g} after AdamW steps"
+
+
+# --- FSDP2 ----------------------------------------------------------------------------------------------------------
+
+def test_fully_shard_at_ep2_on_two_ranks_equals_one_process() -> None:
+    """world == ep: each expert-DP group is one rank, so FSDP keeps the experts whole and only divides by dp 2."""
+    expected = single_process()
+    for report in run_ranks(ep_fsdp_run, 2, 1, 2):
+        assert report["expert_dtensors"]
+        check(report, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)], ids=["dp4-ep2", "tp2-ep2"])
+def test_fully_shard_at_ep2_on_four_ranks_equals_one_process(tp: int, ep: int) -> None:
+    """Dense parameters over DP, experts over expert-DP (2 ranks each); clipped by the whole model's norm (gradient
+    norms 1e-5 relative, as in test_expert_parallel)."""
+    expected = single_process(clip=True)
+    for report in run_ranks(ep_fsdp_run, 4, tp, ep, True):
+        assert report["expert_dtensors"]
+        check(report, expected)
+        for ours, theirs in zip(report["norms"], expected["norms"]):
+            assert abs(ours - theirs) <= 1e-5 * theirs, (report["norms"], expected["norms"])

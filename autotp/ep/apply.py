@@ -18,6 +18,7 @@ from ..options import WrapOptions
 from ..planning.plan import Plan
 from .dispatch import ExpertRegion
 from .grads import expert_params
+from .guard import guard_expert_slots
 from .groups import ExpertGroups
 from ..state import TPState
 
@@ -74,6 +75,7 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
         experts.regions.append(part)
         state.regions.append(part)  # gathered mode: every expert on every rank
     state.ep = experts
+    guard_expert_slots(model, [region.path for region in plan.regions], experts.size)
 
 
 def broadcast_experts(model: nn.Module, state: TPState) -> None:

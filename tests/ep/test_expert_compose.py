@@ -253,3 +253,36 @@ def test_lora_on_expert_parameters_at_ep2_is_refused_by_name() -> None:
     for message in run_ranks(lora_on_experts, 2):
         assert "model.layers.0.mlp.experts was replaced after wrap by peft.tuners.lora.layer.ParamWrapper" in message
         assert "an adapter on the experts at ep_size=2 is not supported yet" in message
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------------------
+
+def compiled_at_ep2(rank: int, world: int) -> dict:
+    """torch._dynamo.explain of the EP model's forward, then one compiled forward and backward, gradients synced."""
+    torch._dynamo.reset()
+    model = autotp.wrap(moe_model(), 1, ep_size=2)
+    mine = GLOBAL[rank * 2:(rank + 1) * 2]
+    explained = torch._dynamo.explain(model)(input_ids=mine, labels=mine)
+    where = {frame.filename.replace("\\", "/").rsplit("autotp/", 1)[-1] for reason in explained.break_reasons
+             for frame in reason.user_stack[-1:]}
+    loss = torch.compile(model)(input_ids=mine, labels=mine).loss
+    loss.backward()
+    autotp.allreduce_gradients(model)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return {"breaks": explained.graph_break_count, "where": where, "loss": mean.item() / world,
+            "grads": {n: whole(p.grad, p, model) for n, p in model.named_parameters()}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torch_compile_at_ep2_equals_one_process() -> None:
+    """Compiled forward and backward at ep 2 (tolerances as above: inductor reorders sums further, within 1e-5).
+    The graph breaks are all in the token dispatch (the counts' `bincount` and `tolist`: data-dependent sizes of the
+    all-to-all), one process's model compiles whole."""
+    expected = single_process()
+    for report in run_ranks(compiled_at_ep2, 2):
+        assert report["breaks"] > 0 and report["where"] == {"ep/dispatch.py"}, report["where"]
+        assert abs(report["loss"] - expected["losses"][0]) <= LOSS_ATOL
+        worst = max((grad_error(report["grads"][n], g), n) for n, g in expected["grads"].items())
+        assert worst[0] <= GRAD_RTOL, f"gradient of {worst[1]} differs by {worst[0]:.3g}"

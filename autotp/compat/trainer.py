@@ -62,6 +62,14 @@ def replaced(trainer: Trainer, cls: type, method: str) -> Callable[..., Any]:
     return require(super(cls, trainer), private, f"transformers.Trainer.{private}")
 
 
+def own_clipping(trainer: Trainer) -> None:
+    """Keep Trainer on `accelerator.clip_grad_norm_` (autotp's norm): transformers 5.24+ computes its own norm once the
+    gradients lie on several DTensor meshes (`_has_mixed_mesh_grads`), as under `autotp.fully_shard` with expert
+    parallelism (experts over expert-DP), and would count each EP rank's experts as the whole model's. Trainer caches
+    the answer in `_mixed_mesh_grads`; set here, it is never asked. Earlier versions lack it and ignore the field."""
+    trainer._mixed_mesh_grads = False
+
+
 def collator(trainer: Trainer, description: str) -> Callable[..., Any]:
     """Trainer's data collator, without the columns the model's forward does not take (as Trainer's own loaders)."""
     remove = require(trainer, "_get_collator_with_removed_columns",

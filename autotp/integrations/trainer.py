@@ -31,7 +31,7 @@ from transformers.trainer_pt_utils import find_batch_size
 
 from ..runtime.collectives import all_gather
 from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
-from ..dp.ddp import clip_grad_norm_, data_parallel_sampler
+from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
 from .trl import check_trl_setup, generates, generation_loader, grpo_eval_loader
 from ..dp.fsdp import fully_shard as autotp_fully_shard
 from ..mesh import group_size, named_failure
@@ -93,6 +93,7 @@ class AutoTPTrainer(Trainer):
         split over TP x DP."""
         check_versions()
         super().__init__(*args, **kwargs)
+        trainer_compat.own_clipping(self)
         check_trl_setup(self)
         model = wrapped_model(self.model)
         if fully_shard and not find_state(model).fsdp:
@@ -109,13 +110,15 @@ class AutoTPTrainer(Trainer):
 
     def wrap_for_training(self, model: nn.Module, training: bool = True,
                           dataloader: DataLoader | None = None) -> nn.Module:
-        """For training, DDP over DP x CP only (or nothing under FSDP or with one rank there), never over the world."""
+        """For training, DDP over DP x CP only (or nothing under FSDP, under expert parallelism, whose experts DDP
+        would average with other experts, or with one rank there), never over the world."""
         if not training or isinstance(model, (DistributedDataParallel, _TPOnly)):
             return model
         if not trainer_compat.is_prepared(self, model):  # bf16 / fp16: autocast, as Trainer's prepare does
             self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         group = dp_cp_group(model)  # DP x CP: the average sums over CP (each CP rank's share counts C times)
-        if group_size(group) > 1 and not find_state(model).fsdp:  # FSDP reduces gradients over DP x CP itself
+        state = find_state(model)  # FSDP reduces gradients over DP x CP itself; under EP, `training_step` syncs them
+        if group_size(group) > 1 and not state.fsdp and state.ep is None:
             device = next(model.parameters()).device
             return DistributedDataParallel(model, process_group=group,
                                            device_ids=[device] if device.type == "cuda" else None)
@@ -252,8 +255,12 @@ class AutoTPTrainer(Trainer):
         return result
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """The usual step; the loss returned for logging is the mean over DP replicas (TP ranks agree already)."""
+        """The usual step; the loss returned for logging is the mean over DP replicas (TP ranks agree already). Under
+        expert parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before
+        Trainer clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if find_state(self.model).ep is not None and self.accelerator.sync_gradients:
+            allreduce_gradients(wrapped_model(self.model))
         group = dp_group(self.model)
         if group_size(group) > 1:
             loss = loss.clone()

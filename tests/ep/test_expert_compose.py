@@ -286,3 +286,65 @@ def test_torch_compile_at_ep2_equals_one_process() -> None:
         assert abs(report["loss"] - expected["losses"][0]) <= LOSS_ATOL
         worst = max((grad_error(report["grads"][n], g), n) for n, g in expected["grads"].items())
         assert worst[0] <= GRAD_RTOL, f"gradient of {worst[1]} differs by {worst[0]:.3g}"
+
+
+# --- AutoTPTrainer ---------------------------------------------------------------------------------------------------
+
+TRAINER_STEPS = 3
+
+
+def trainer_run(path: str, ep: int, accumulation: int = 1, fsdp: bool = False) -> dict:
+    """Trainer on the MoE model: AutoTPTrainer at `ep` (its own DP sampler, global batch 4), or at ep 0 transformers'
+    Trainer in one process reading the same global batches (a one-replica DistributedSampler, autotp's order).
+    Clipping at Trainer's default max_grad_norm 1.0 (active on these steps)."""
+    from torch.utils.data import DistributedSampler
+    from transformers import Trainer, TrainingArguments
+
+    from autotp.hf_trainer import AutoTPTrainer
+    from models import Sequences
+
+    class Recording(AutoTPTrainer if ep else Trainer):
+        losses: list[float] = []
+        norms: list[float] = []
+
+        def _get_train_sampler(self, train_dataset=None):  # one process only: AutoTPTrainer replaces it
+            return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.losses = [*self.losses, loss.item()]
+            return loss
+
+    replicas = dist.get_world_size() if ep else 1
+    args = TrainingArguments(output_dir=path, per_device_train_batch_size=4 // replicas // accumulation,
+                             gradient_accumulation_steps=accumulation, max_steps=TRAINER_STEPS, learning_rate=1e-3,
+                             adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
+                             save_strategy="no", logging_steps=1)
+    model = autotp.wrap(moe_model(), 1, ep_size=ep) if ep else moe_model()
+    extra = {"fully_shard": fsdp} if ep else {}
+    trainer = Recording(model=model, args=args, train_dataset=Sequences(16), **extra)
+    trainer.train()
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    params = {n: whole(p, p, model) if ep else p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": trainer.losses, "norms": norms, "params": params}
+
+
+def trainer_at_ep2(rank: int, world: int, path: str, accumulation: int, fsdp: bool) -> dict:
+    return trainer_run(f"{path}/ep", 2, accumulation, fsdp)
+
+
+@pytest.mark.parametrize("accumulation,fsdp", [(1, False), (2, False), (1, True)],
+                         ids=["sync", "accumulation", "fully_shard"])
+def test_trainer_at_ep2_equals_one_process_trainer(tmp_path, accumulation: int, fsdp: bool) -> None:
+    """AutoTPTrainer at ep 2 on 2 ranks (no DDP: the experts' gradients are synced over expert-DP after the last
+    micro-batch) against transformers' Trainer: step losses 1e-5, gradient norms 1e-5 relative, parameters 3e-5."""
+    expected = trainer_run(str(tmp_path / "one"), 0, accumulation)
+    assert expected["norms"][0] > 1.0, "clipping must be active for this test to mean anything"
+    for report in run_ranks(trainer_at_ep2, 2, str(tmp_path), accumulation, fsdp):
+        assert len(report["losses"]) == len(expected["losses"]) == TRAINER_STEPS * accumulation
+        loss = max(abs(a - b) for a, b in zip(report["losses"], expected["losses"]))
+        assert loss <= LOSS_ATOL, (report["losses"], expected["losses"])
+        for ours, theirs in zip(report["norms"], expected["norms"]):
+            assert abs(ours - theirs) <= 1e-5 * theirs, (report["norms"], expected["norms"])
+        worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
+        assert worst[0] <= PARAM_ATOL, f"{worst[1]} differs by {worst[0]:.3g} after Trainer's steps"

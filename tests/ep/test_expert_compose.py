@@ -348,3 +348,52 @@ def test_trainer_at_ep2_equals_one_process_trainer(tmp_path, accumulation: int, 
             assert abs(ours - theirs) <= 1e-5 * theirs, (report["norms"], expected["norms"])
         worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
         assert worst[0] <= PARAM_ATOL, f"{worst[1]} differs by {worst[0]:.3g} after Trainer's steps"
+
+
+# --- state under fully_shard -----------------------------------------------------------------------------------------
+
+def sharded_half(rank: int, world: int, path: str, save: bool) -> dict:
+    """Under `autotp.fully_shard` at ep 2: 3 steps then `save_checkpoint` and `save_pretrained` (`save`), or
+    `load_checkpoint` into other weights then 3 steps."""
+    from resume_workers import resume_model, resume_steps, resume_training
+
+    model = autotp.fully_shard(autotp.wrap(resume_model("qwen3_moe", seed=0 if save else 7), 1, ep_size=2))
+    optimizer, scheduler = resume_training(model)
+    if save:
+        losses = resume_steps(model, optimizer, scheduler, 3)
+        autotp.save_checkpoint(path, model, optimizer, scheduler, step=3, samples=12)
+        autotp.save_pretrained(model, path + "-hf")
+        return {"losses": losses}
+    state = autotp.load_checkpoint(path, model, optimizer, scheduler)
+    losses = resume_steps(model, optimizer, scheduler, 3)
+    return {"state": state, "losses": losses, "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
+
+
+def resumed_in_one_process(path: str) -> dict:
+    from resume_workers import resume_model, resume_steps, resume_training
+
+    model = resume_model("qwen3_moe", seed=7)
+    optimizer, scheduler = resume_training(model)
+    state = autotp.load_checkpoint(path, model, optimizer, scheduler)
+    return {"state": state, "losses": resume_steps(model, optimizer, scheduler, 3),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_checkpoints_under_fully_shard_at_ep2_resume_in_one_process_and_at_ep2(tmp_path) -> None:
+    """3 steps under fully_shard at ep 2, `save_checkpoint`; resumed in one process and under fully_shard at ep 2,
+    each as 6 straight steps of one process go (tolerances of tests/io/test_reshard_resume.py: loss 1e-5,
+    parameters 3e-5). `save_pretrained` of the same weights equals `consolidate` of the checkpoint, exactly."""
+    from safetensors.torch import load_file
+    from resume_workers import check_resume, straight_run
+
+    path = str(tmp_path / "ckpt")
+    expected = straight_run("qwen3_moe")
+    first = run_ranks(sharded_half, 2, path, True)[0]
+    assert max(abs(a - b) for a, b in zip(first["losses"], expected["losses"][:3])) <= LOSS_ATOL
+    check_resume(resumed_in_one_process(path), expected, "one process")
+    for report in run_ranks(sharded_half, 2, path, False):
+        check_resume(report, expected, "fully_shard at ep 2")
+    autotp.consolidate(path, tmp_path / "consolidated")
+    ours = {k: v for f in sorted((tmp_path / "consolidated").glob("*.safetensors")) for k, v in load_file(f).items()}
+    saved = {k: v for f in sorted((tmp_path / "ckpt-hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert ours.keys() == saved.keys() and all(torch.equal(ours[k], saved[k]) for k in saved)

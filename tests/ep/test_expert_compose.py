@@ -293,10 +293,10 @@ def test_torch_compile_at_ep2_equals_one_process() -> None:
 TRAINER_STEPS = 3
 
 
-def trainer_run(path: str, ep: int, accumulation: int = 1, fsdp: bool = False) -> dict:
+def trainer_run(path: str, ep: int, accumulation: int = 1, fsdp: bool = False, adapters: bool = False) -> dict:
     """Trainer on the MoE model: AutoTPTrainer at `ep` (its own DP sampler, global batch 4), or at ep 0 transformers'
     Trainer in one process reading the same global batches (a one-replica DistributedSampler, autotp's order).
-    Clipping at Trainer's default max_grad_norm 1.0 (active on these steps)."""
+    Clipping at Trainer's default max_grad_norm 1.0 (active on these steps); `adapters`: LoRA on attention."""
     from torch.utils.data import DistributedSampler
     from transformers import Trainer, TrainingArguments
 
@@ -321,6 +321,7 @@ def trainer_run(path: str, ep: int, accumulation: int = 1, fsdp: bool = False) -
                              adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
                              save_strategy="no", logging_steps=1)
     model = autotp.wrap(moe_model(), 1, ep_size=ep) if ep else moe_model()
+    model = lora(model, ATTENTION) if adapters else model
     extra = {"fully_shard": fsdp} if ep else {}
     trainer = Recording(model=model, args=args, train_dataset=Sequences(16), **extra)
     trainer.train()
@@ -329,18 +330,19 @@ def trainer_run(path: str, ep: int, accumulation: int = 1, fsdp: bool = False) -
     return {"losses": trainer.losses, "norms": norms, "params": params}
 
 
-def trainer_at_ep2(rank: int, world: int, path: str, accumulation: int, fsdp: bool) -> dict:
-    return trainer_run(f"{path}/ep", 2, accumulation, fsdp)
+def trainer_at_ep2(rank: int, world: int, path: str, accumulation: int, fsdp: bool, adapters: bool) -> dict:
+    return trainer_run(f"{path}/ep", 2, accumulation, fsdp, adapters)
 
 
-@pytest.mark.parametrize("accumulation,fsdp", [(1, False), (2, False), (1, True)],
-                         ids=["sync", "accumulation", "fully_shard"])
-def test_trainer_at_ep2_equals_one_process_trainer(tmp_path, accumulation: int, fsdp: bool) -> None:
+@pytest.mark.parametrize("accumulation,fsdp,adapters", [(1, False, False), (2, False, False), (1, True, False),
+                                                        (1, False, True)],
+                         ids=["sync", "accumulation", "fully_shard", "lora"])
+def test_trainer_at_ep2_equals_one_process_trainer(tmp_path, accumulation: int, fsdp: bool, adapters: bool) -> None:
     """AutoTPTrainer at ep 2 on 2 ranks (no DDP: the experts' gradients are synced over expert-DP after the last
     micro-batch) against transformers' Trainer: step losses 1e-5, gradient norms 1e-5 relative, parameters 3e-5."""
-    expected = trainer_run(str(tmp_path / "one"), 0, accumulation)
-    assert expected["norms"][0] > 1.0, "clipping must be active for this test to mean anything"
-    for report in run_ranks(trainer_at_ep2, 2, str(tmp_path), accumulation, fsdp):
+    expected = trainer_run(str(tmp_path / "one"), 0, accumulation, adapters=adapters)
+    assert adapters or expected["norms"][0] > 1.0, "clipping must be active for this test to mean anything"
+    for report in run_ranks(trainer_at_ep2, 2, str(tmp_path), accumulation, fsdp, adapters):
         assert len(report["losses"]) == len(expected["losses"]) == TRAINER_STEPS * accumulation
         loss = max(abs(a - b) for a, b in zip(report["losses"], expected["losses"]))
         assert loss <= LOSS_ATOL, (report["losses"], expected["losses"])

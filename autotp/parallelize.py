@@ -6,11 +6,12 @@ model is changed only here, and a failure at any step puts it back exactly as it
 The order, and why:
 
 1. `tensor_parallel`: the plan's layers, experts and heads (`autotp.tp`); under expert parallelism without the
-   experts, which step 5 takes whole;
+   experts, which step 4 takes whole;
 2. `vocab_parallel`: the LM head and embedding by vocabulary, after the layers (`autotp.vocab`);
 3. `sequence_parallel`: around the decoder layers just made parallel (`autotp.sp`);
-4. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters (the experts whole);
-5. `expert_parallel`: each MoE layer keeps its EP rank's experts and dispatches tokens to them (`autotp.ep`);
+4. `expert_parallel`: each MoE layer keeps its EP rank's experts and dispatches tokens to them (`autotp.ep`);
+   before `materialize`, so that a load reads only this rank's experts;
+5. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters (its experts whole);
 6. `register_grad_hooks`: gradient sums, on the parameters once they are final;
 7. `context_parallel`: after vocab parallelism's loss, which it wraps (`autotp.cp`);
 8. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
@@ -58,9 +59,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions,
         state = tensor_parallel(model, dense, mesh, options)
         vocab_parallel(model, dense, state)
         snapshot.track(sequence_parallel(model, dense, state, options))
+        expert_parallel(model, plan, mesh, state)
         if materialize is not None:
             materialize(state)
-        expert_parallel(model, plan, mesh, state)
         snapshot.track(register_grad_hooks(model, state))
         snapshot.track(context_parallel(model, state, options))
         hf_methods(model, state)

@@ -117,8 +117,8 @@ class TPState:
         return self.gathered
 
     def refuse_expert_parallel(self, action: str) -> None:
-        """Refuse `action` (a save, a checkpoint, an export, FSDP), which does not know that each EP rank holds only
-        its own experts: it would write or shard them as the whole model's."""
+        """Refuse `action` (`autotp.fully_shard`), which does not know that each EP rank holds only its own experts:
+        it would shard them as the whole model's. Saves, checkpoints and exports read them (`runtime.shards`)."""
         if self.ep is not None:
             raise NotImplementedError(f"{action} at ep_size={self.ep.size}: not supported yet, as each rank holds "
                                       f"only its {self.ep.size}th of the experts and the result would be wrong. "

@@ -308,7 +308,8 @@ class _FullShapes:
 
     def get_parameter(self, name: str) -> torch.Tensor:
         param = self._model.get_parameter(name)
-        shard = getattr(param, "autotp_shard", None)
+        region = getattr(param, "autotp_expert", None)  # an EP rank's experts (autotp.ep.dispatch.ExpertRegion)
+        shard = getattr(param, "autotp_shard", None) if region is None else region.held(param)
         return param if shard is None else torch.empty(shard.full_shape(param.shape), device="meta")
 
     def __getattr__(self, name: str) -> Any:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import named_failure
+from ..planning.sharding import Partition, Shard
 from .collectives import exchange, exchange_counts, gather_rows, own_rows, split_rows
 from .groups import ExpertGroups
 
@@ -23,7 +24,7 @@ from .groups import ExpertGroups
 class ExpertRegion:
     """An experts module holding this EP rank's experts (`names`: its parameters, dotted, each holding the experts as
     equal consecutive blocks of dim 0: `autotp.ep.regions`); they carry `autotp_expert` (this object), which the
-    gradient sync and the norm read."""
+    gradient sync, the norm and the state paths read (`held`: this rank's rows as a `Shard` over the EP group)."""
 
     def __init__(self, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
         self.module, self.names, self.experts, self.tp_group, self.state = module, names, experts, tp_group, state
@@ -36,8 +37,16 @@ class ExpertRegion:
             new = nn.Parameter(self._mine(old.data).clone(), requires_grad=old.requires_grad)
             new.autotp_expert = self
             self._set(name, new)
+        self.blocks = {p.shape[0]: p.shape[0] // self.local for p in map(module.get_parameter, names)}
         module.forward = self.forward
         module.autotp_region = self
+
+    def held(self, tensor: torch.Tensor) -> Shard | None:
+        """The `Shard` of the full tensor that `tensor` (one of the parameters, or a tensor shaped like one) holds:
+        None once gathered whole (every expert on every rank)."""
+        per = self.blocks.get(tensor.shape[0])  # this rank's rows -> rows per expert; a whole tensor is not there
+        return None if per is None else Shard(Partition.even(0, self.total * per, self.experts.size, per),
+                                              self.experts.rank)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 **kwargs) -> torch.Tensor:

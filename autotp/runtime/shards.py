@@ -33,6 +33,19 @@ def held_shard(tensor: torch.Tensor) -> Shard | None:
     return None if getattr(tensor, "autotp_full", False) else getattr(tensor, "autotp_shard", None)
 
 
+def held_part(tensor: torch.Tensor) -> Shard | None:
+    """`held_shard`, or for an EP rank's experts (`autotp_expert`, `autotp.ep.dispatch.ExpertRegion`) their `Shard`
+    over the EP group: what a save or a checkpoint writes of `tensor` is the same box of the full tensor either way."""
+    region = getattr(tensor, "autotp_expert", None)
+    return held_shard(tensor) if region is None else region.held(tensor)
+
+
+def holders(tensor: torch.Tensor, tp_group: Group) -> Group:
+    """The group over which `held_part(tensor)` splits it: the EP group for experts, else `tp_group`."""
+    region = getattr(tensor, "autotp_expert", None)
+    return tp_group if region is None else region.experts.group
+
+
 def gather_parameter_(param: nn.Parameter, group: Group) -> None:
     """Swap the shard for the full tensor in place (same Parameter object), stashing the gradient.
 

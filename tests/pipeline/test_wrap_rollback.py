@@ -9,7 +9,10 @@ from torch import nn
 
 import autotp
 from autotp.testing import run_ranks
-from models import batch, tiny_model
+from models import CONFIGS, batch, tiny_model
+from transformers import AutoModelForCausalLM
+
+from autotp.testing import tiny_config
 
 
 STAGES = ["autotp.tp.apply.LinearAllreduce.__init__", "autotp.parallelize.apply_sequence_parallel",
@@ -29,10 +32,10 @@ def snapshot(model: nn.Module) -> dict:
     }
 
 
-def failing_wrap(rank: int, world: int, stage: str) -> dict:
+def failing_wrap(rank: int, world: int, stage: str, family: str = "qwen3", options: dict | None = None) -> dict:
     import importlib
 
-    model = tiny_model("qwen3")
+    model = tiny_model(family) if family in CONFIGS else AutoModelForCausalLM.from_config(tiny_config(family))
     before = snapshot(model)
     ids = batch()
     loss_before = model(ids, labels=ids).loss.item()
@@ -57,7 +60,8 @@ def failing_wrap(rank: int, world: int, stage: str) -> dict:
 
         setattr(owner, attr, broken)
     with pytest.raises(RuntimeError, match="injected"):
-        autotp.wrap(model, world, sequence_parallel=True)
+        options = dict(options or {"tp": world, "sequence_parallel": True})
+        autotp.wrap(model, options.pop("tp"), **options)
     after = snapshot(model)
     same_tensors = all(torch.equal(before["state"][k], v) for k, v in after["state"].items())
     return {"same": {k: before[k] == after[k] for k in ("modules", "attrs", "heads", "own")},
@@ -69,5 +73,13 @@ def failing_wrap(rank: int, world: int, stage: str) -> dict:
 @pytest.mark.parametrize("stage", STAGES)
 def test_wrap_failing_at_any_stage_leaves_the_model_as_it_was(stage: str) -> None:
     for report in run_ranks(failing_wrap, 2, stage):
+        assert all(report["same"].values()), report["same"]
+        assert report["tensors"] and report["loss"] == 0.0 and not report["wrapped"]
+
+
+@pytest.mark.parametrize("stage", ["autotp.parallelize.register_grad_hooks", "autotp.parallelize.broadcast_experts"])
+def test_wrap_at_ep2_failing_after_the_experts_are_split_leaves_the_model_as_it_was(stage: str) -> None:
+    """The expert step replaces each experts module's parameters and forward: undone too (tp 1, ep 2)."""
+    for report in run_ranks(failing_wrap, 2, stage, "qwen3_moe", {"tp": 1, "ep_size": 2}):
         assert all(report["same"].values()), report["same"]
         assert report["tensors"] and report["loss"] == 0.0 and not report["wrapped"]

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ...mesh import global_rank, group_rank
+from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
 from . import legacy
 from . import rng_state
@@ -75,8 +76,6 @@ class _Reader:
         self.directory, self.meta, self.model, self.optimizer, self.scheduler = \
             directory, meta, model, optimizer, scheduler
         state = find_state(model)
-        if state is not None:
-            state.refuse_expert_parallel("autotp.load_checkpoint")
         if state is not None:
             state.refuse_gathered("autotp.load_checkpoint")
         if weights and not meta.get("weights", True):
@@ -172,7 +171,7 @@ class _Reader:
 
 def _fresh(param: nn.Parameter, size: torch.Size, dtype: torch.dtype, fqn: str) -> tuple[torch.Tensor, Chunks]:
     """A zero tensor for saved state of full shape `size`: shaped and cut like `param` when `size` is its full shape."""
-    shard = getattr(param, "autotp_shard", None)
+    shard = held_part(param)
     full = torch.Size(shard.full_shape(param.shape) if shard is not None else param.shape)
     if size == full and len(size) > 0:
         tensor = torch.zeros_like(param.detach(), dtype=dtype)

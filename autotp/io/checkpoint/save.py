@@ -8,7 +8,7 @@
 Every tensor is stored at its full shape under its name in the model's `state_dict()`: weights,
 each optimizer state tensor as `optimizer/NAME/KEY` (Adam's `exp_avg`, `exp_avg_sq`, `step`).
 Each rank writes the boxes of the full tensors it holds (`autotp.io.checkpoint.chunks`) and no rank gathers a
-tensor; a load at any tp x dp, with or without `autotp.fully_shard`, reads only this rank's boxes.
+tensor; a load at any tp x dp x ep, with or without `autotp.fully_shard`, reads only this rank's boxes.
 The optimizer's hyperparameters, the scheduler and each rank's random generators travel as DCP
 byte items. Saves are staged (`autotp.io.staging`): a crash, even during an `async_save`, leaves
 the previous checkpoint in place.
@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...mesh import at_finish, global_rank, group_size, new_group, world_timeout
+from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
 from . import rng_state
 from .chunks import Chunks
@@ -52,13 +53,14 @@ def layout(model: nn.Module) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
-    return {"tp_size": tp, "cp_size": cp, "world_size": world_size, "dp_size": world_size // (tp * cp),
+    ep = 1 if state is None or state.ep is None else state.ep.size  # a record: experts are stored whole, as boxes
+    return {"tp_size": tp, "cp_size": cp, "ep_size": ep, "world_size": world_size, "dp_size": world_size // (tp * cp),
             "fsdp": state is not None and state.fsdp}
 
 
 def model_entries(model: nn.Module) -> dict[str, Chunks]:
     """Every tensor of the model's state dict as this rank's boxes of the full tensor, under its own name."""
-    return {name: Chunks.of(t, getattr(t, "autotp_shard", None)) for name, t in model.state_dict(keep_vars=True).items()}
+    return {name: Chunks.of(t, held_part(t)) for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -90,8 +92,8 @@ def _state_entry(name: str, key: str, value: Any, param: nn.Parameter) -> Any:
     if not torch.is_tensor(value):
         return pickle.dumps(value)
     if value.shape == param.shape and value.dim() > 0:
-        return Chunks.of(value, getattr(param, "autotp_shard", None))
-    if value.dim() > 0 and (hasattr(param, "autotp_shard") or hasattr(param, "device_mesh")):
+        return Chunks.of(value, held_part(param))
+    if value.dim() > 0 and (held_part(param) is not None or hasattr(param, "device_mesh")):
         raise NotImplementedError(f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, its parameter's "
                                   f"shard {tuple(param.shape)}: autotp checkpoints store state shaped like its "
                                   f"parameter (Adam, SGD momentum) or scalars, not factored state (Adafactor)")
@@ -240,8 +242,6 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     wait_for_pending()
     model = outside_module_holders(model)
     tp_state = find_state(model)
-    if tp_state is not None:
-        tp_state.refuse_expert_parallel(what)
     if tp_state is not None:
         tp_state.refuse_gathered(what)
     meta = {"format": FORMAT, **layout(model), "model_class": type(model).__name__, "state": state,

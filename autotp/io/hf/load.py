@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ...runtime.rows import local_rows
+from ...runtime.shards import held_part
 from ...compat.hf_conversion import ConvertedSource, checkpoint_sources, initialised_if_missing
 from ...planning.placement import window
 from ...state import find_state
@@ -150,7 +151,7 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
         with file.open("rb") as f:
             for name, param in entries:
                 _check_shape(file, name, header[name]["shape"], param)
-                shard = getattr(param, "autotp_shard", None)
+                shard = held_part(param)
                 tensor = read_rows(f, header[name], data_start, None if shard is None else shard.partition,
                                    0 if shard is None else shard.rank)
                 loaded[id(param)] = _replacing(param, tensor, device, dtype)
@@ -183,7 +184,7 @@ def _replacing(param: nn.Parameter, tensor: torch.Tensor, device: torch.device, 
 def _initialised(model: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
     """This rank's rows of a parameter the checkpoint lacks: made as transformers makes it if left out on purpose
     (trainable or not as transformers' own load leaves it), else an error."""
-    shard = getattr(param, "autotp_shard", None)
+    shard = held_part(param)
     full = initialised_if_missing(model, name, param, param.shape if shard is None else shard.full_shape(param.shape))
     if full is None:
         raise CheckpointError(f"{name}: not found in the checkpoint")
@@ -196,12 +197,12 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
 
     Stacked experts are read by slices: the target is (experts, rows, cols) with rows the parts
     (gate | up) one after another; autotp splits it along dim 1 or 2, which is dim 0 or 1 of each
-    expert's tensor. Other conversions read the whole tensors, run transformers' operations on them,
-    and keep this rank's rows.
+    expert's tensor, or by expert (dim 0, expert parallelism): then only this rank's experts are read.
+    Other conversions read the whole tensors, run transformers' operations on them, and keep this rank's rows.
     """
     if source.run is not None:
         return _run_conversion(name, source, param, files)
-    shard = getattr(param, "autotp_shard", None)
+    shard = held_part(param)
     full = list(param.shape if shard is None else shard.full_shape(param.shape))
     counts = [len(keys) for keys in source.parts]
     if any(count != full[0] for count in counts):
@@ -216,13 +217,15 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
                 raise CheckpointError(f"{files[key].name}: tensor {key} has shape {tuple(stored)}, which does not "
                                       f"build {name} of shape {tuple(full)}")
     partition, rank = (None, 0) if shard is None else (shard.partition, shard.rank)
-    if partition is not None and partition.dim == 0:
-        raise CheckpointError(f"{name}: split by expert, which autotp does not read from per-expert tensors")
+    wanted = range(full[0])
+    if partition is not None and partition.dim == 0:  # split by expert (autotp.ep): this rank's experts, each whole
+        wanted = [e for start, length in partition.runs[rank] for e in range(start, start + length)]
+        partition = None
     offsets = [sum(rows[:j]) for j in range(len(rows))]
     per_part = [None if partition is None else window(partition, offset, count).with_dim(0) if partition.dim == 1
                 else partition.with_dim(partition.dim - 1) for offset, count in zip(offsets, rows)]
     experts = []
-    for expert in range(full[0]):
+    for expert in wanted:
         pieces = []
         for keys, part in zip(source.parts, per_part):
             key = keys[expert]
@@ -249,7 +252,7 @@ def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter,
     except Exception as err:
         raise CheckpointError(f"{name}: transformers' conversion ({source.ops}) of {', '.join(sum(source.parts, ()))} "
                               f"failed: {type(err).__name__}: {err}") from None
-    shard = getattr(param, "autotp_shard", None)
+    shard = held_part(param)
     _check_shape(files[next(k for keys in source.parts for k in keys)], name, list(full.shape), param)
     return full if shard is None else shard.partition.shard(full, shard.rank)
 
@@ -271,7 +274,7 @@ def _warn_unused(model: nn.Module, files: Mapping[str, Path], sources: Mapping[s
 
 
 def _check_shape(file: Path, name: str, stored: list[int], param: nn.Parameter) -> None:
-    shard = getattr(param, "autotp_shard", None)
+    shard = held_part(param)
     expected = list(param.shape if shard is None else shard.full_shape(param.shape))
     if list(stored) != expected:
         raise CheckpointError(f"{file.name}: tensor {name} has shape {tuple(stored)}, the config implies {tuple(expected)}")

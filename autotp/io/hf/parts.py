@@ -18,15 +18,15 @@ from ...compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, 
                                     remove_tied_weights)
 from ...runtime.rows import dp_full, local_rows
 from ...mesh import named_failure
-from ...runtime.shards import held_shard
+from ...runtime.shards import held_part
 from ...planning.placement import Placement, window
 from ...planning.sharding import Partition, Shard
 from ..streaming import gather_after_streams
 
 
 def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The full (unsharded) shape of a model tensor, from its `autotp_shard` tag."""
-    shard = held_shard(tensor)
+    """The full (unsharded) shape of a model tensor, from its `autotp_shard` tag (or its experts' `autotp_expert`)."""
+    shard = held_part(tensor)
     return tuple(tensor.shape) if shard is None else shard.full_shape(tensor.shape)
 
 
@@ -69,10 +69,11 @@ def finish_part(rows: torch.Tensor, part: SavedPart) -> torch.Tensor:
     return rows.permute([kept.index(d) for d in part.order]).contiguous()
 
 
-def gather_part(param: torch.Tensor, part: SavedPart, tp_group) -> torch.Tensor | None:
-    """`part` of a model tensor on TP rank 0 (None on the other TP ranks), gathering nothing else."""
-    local, partition = local_part(param, held_shard(param), part)
-    full = local if partition is None else gather_after_streams(local.contiguous(), partition, tp_group, dst=0)
+def gather_part(param: torch.Tensor, part: SavedPart, group) -> torch.Tensor | None:
+    """`part` of a model tensor on rank 0 of `group` (None on its other ranks), gathering nothing else; `group` is the
+    one the tensor is split over (`autotp.runtime.shards.holders`: TP, or EP for experts)."""
+    local, partition = local_part(param, held_part(param), part)
+    full = local if partition is None else gather_after_streams(local.contiguous(), partition, group, dst=0)
     return None if full is None else finish_part(full, part)
 
 

@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 from ...compat.hf import adapter_module
 from ...compat.hf_conversion import SavedPart, SavedTensor
 from ...runtime.rows import dp_full
-from ...mesh import global_rank, is_global_rank0
-from ...runtime.shards import held_shard
+from ...mesh import Group, global_rank, is_global_rank0
+from ...runtime.shards import held_part, holders
 from ...state import find_state, outside_module_holders
 from .parts import full_shape, gather_part, saved_layout
 from .safetensors import SafetensorsWriter, write_rows
@@ -44,7 +44,9 @@ def save_pretrained(
     """Write a full HF checkpoint (config, safetensors shards, index) that plain transformers loads.
 
     Call it on every rank: the TP group of global rank 0 streams one tensor at a time and rank 0
-    writes (on a local filesystem the other ranks of its TP group write their own rows into its files). `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
+    writes (on a local filesystem the other ranks of its TP group write their own rows into its files);
+    under expert parallelism the EP group of rank 0 streams the experts alike, each rank its own experts.
+    `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
     whole, once the new one is complete). `into_existing=True` instead keeps the directory's other
     files (a Trainer's output directory): the checkpoint is staged completely, then its files are
     moved in, replacing the model files of an earlier save. A failure on any rank (an unwritable
@@ -57,21 +59,29 @@ def save_pretrained(
                         f"under names transformers does not load. Call merge_and_unload() first, or save the adapter "
                         f"alone with the PEFT model's save_pretrained, on every rank (it writes the full-size adapter)")
     state = find_state(model)
-    if state is not None:
-        state.refuse_expert_parallel("autotp.save_pretrained")
     tp_group = None if state is None else state.tp_group
     params = model.state_dict(keep_vars=True)
     fsdp = state is not None and state.fsdp  # then every rank gathers its DP group's rows: all take part
-    in_writer_group = fsdp or global_rank() in ([0] if tp_group is None else dist.get_process_group_ranks(tp_group))
+
+    def writes(group: Group) -> bool:
+        """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts)."""
+        return fsdp or global_rank() == 0 or (group is not None and 0 in dist.get_process_group_ranks(group))
+
+    experts = None if state is None or state.ep is None else state.ep.group
+    in_writer_group = writes(tp_group) or (experts is not None and writes(experts))
 
     def fetch(name: str) -> torch.Tensor | None:
+        group = holders(params[name], tp_group)
+        if not writes(group):  # the EP group of rank 0 holds the experts, its TP group the rest
+            return None
         tensor = dp_full(params[name].detach())
-        shard = held_shard(params[name])
-        return tensor if shard is None else stream_full_to(tensor, shard.partition, tp_group, dst=0,
+        shard = held_part(params[name])
+        return tensor if shard is None else stream_full_to(tensor, shard.partition, group, dst=0,
                                                             write_rows=write_rows)
 
     def fetch_part(part: SavedPart) -> torch.Tensor | None:
-        return gather_part(params[part.source], part, tp_group)
+        group = holders(params[part.source], tp_group)
+        return gather_part(params[part.source], part, group) if writes(group) else None
 
     with staged_directory(save_directory, overwrite, into_existing=into_existing) as tmp:
         if in_writer_group:

@@ -11,6 +11,7 @@ taking part, so a rank that stops iterating early (a `break`, `close()`) makes t
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -21,8 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from ...compat.hf_conversion import SavedTensor
 from ...compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
-from ...mesh import device_of
-from ...runtime.shards import held_shard
+from ...mesh import Group, device_of
+from ...runtime.shards import held_part, held_shard, holders
 from ...tp.lora import adapt_all
 from ...runtime.collectives import all_reduce, buckets
 from ...dp.row_gather import RowRequest, dp_full_many, gather_rows_to
@@ -57,9 +58,10 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
                    bucket_bytes: int = 256 << 20, target: EngineLayout | None = None) -> Iterator[tuple]:
     """The model's weights as transformers' `save_pretrained` of the same one-process model writes them.
 
-    Call it and iterate it on every rank of the TP group (under `autotp.fully_shard`, on every rank): TP rank 0 of
-    each group gets `(name, tensor)`, the other ranks take part in the gathers and get nothing. Every rank must
-    exhaust the iterator; one that stops early (`break`, `close()`) makes the others raise at their next bucket.
+    Call it and iterate it on every rank of the TP group (under `autotp.fully_shard` or `ep_size > 1`, on every rank):
+    TP rank 0 of each group gets `(name, tensor)` (under EP the experts too, each gathered over its EP group), the
+    other ranks take part in the gathers and get nothing. Every rank must exhaust the iterator; one that stops early
+    (`break`, `close()`) makes the others raise at their next bucket.
     Tensors are gathered `bucket_bytes` at a time (one message per rank per bucket; under FSDP, one DP all-gather
     too): a rank holds at most one bucket plus one tensor beyond its shards, when the consumer drops each tensor
     before asking for the next (as `load_weights` does). Each yielded tensor is new (the model, its shards and its
@@ -77,8 +79,9 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     check_bucket_bytes(bucket_bytes, "autotp.export_weights")
     root = peft_inner(outside_module_holders(model))
     state = find_state(root)
-    if state is not None:
-        state.refuse_expert_parallel("autotp.export_weights")
+    if state is not None and state.ep is not None and target is not None:
+        raise NotImplementedError(f"autotp.export_weights(target=...) at ep_size={state.ep.size}: sending each engine "
+                                  f"rank its rows of the experts is not supported yet; export without target")
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
     raw = root.state_dict(keep_vars=True)
@@ -104,7 +107,7 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
         reqs = []
         for part in saved.parts:
             tensor = gathered[part.source] if part.source in gathered else local(part.source)
-            rows, partition = local_part(tensor, held_shard(params[part.source]), part)
+            rows, partition = local_part(tensor, held_part(params[part.source]), part)
             if engine is None:
                 reqs.append(RowRequest(rows, partition, None, out_dtype))
                 continue
@@ -127,8 +130,39 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
         return nbytes * (target.tp_size if replicated else 1)
 
     tp_group = None if state is None else state.tp_group
-    agree_group = (dist.group.WORLD if state.fsdp else tp_group) if state is not None else None
-    return _exported(items, size, requests, results, bucket_bytes, tp_group, agree_group, local)
+    everyone = state is not None and (state.fsdp or state.ep is not None)
+    agree_group = (dist.group.WORLD if everyone else tp_group) if state is not None else None
+    groups = {name: {holders(params[part.source], tp_group) for part in saved.parts} for name, saved in items}
+    mixed = [name for name, held in groups.items() if len(held) > 1]
+    if mixed:  # refused before any collective, on every rank alike
+        raise NotImplementedError(f"autotp.export_weights: {mixed[0]} joins experts split over the EP group with "
+                                  f"tensors split over TP; not supported")
+    gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()})
+    return _exported(items, size, requests, results, bucket_bytes, gathers, agree_group, local)
+
+
+class _Gathers:
+    """Where each exported tensor is gathered: over the TP group to its rank 0, or, for experts (`autotp.ep`), over
+    the EP group to each of its ranks that is TP rank 0 (each such rank yields every tensor, as at ep 1)."""
+
+    def __init__(self, state, groups: dict[str, Group]):
+        self.groups, self.writers = groups, {}  # group -> its ranks that get the tensors (else its rank 0)
+        if state is not None and state.ep is not None:
+            firsts = set(state.mesh.grid[..., 0].flatten().tolist())  # TP rank 0 of every TP group (TP innermost)
+            ranks = dist.get_process_group_ranks(state.ep.group)
+            self.writers[state.ep.group] = [i for i, rank in enumerate(ranks) if rank in firsts]
+
+    def key(self, name: str) -> int:
+        """Tensors gathered over one group go in one bucket."""
+        return id(self.groups[name])
+
+    def __call__(self, bucket: list, reqs: list[RowRequest]) -> Iterator[torch.Tensor] | None:
+        group = self.groups[bucket[0][0]]
+        mine = None
+        for dst in self.writers.get(group, [0]):  # every gather completes its messages before it returns
+            got = gather_rows_to(reqs, group, dst=dst)
+            mine = got if got is not None else mine
+        return mine
 
 
 def _loras_by_tensor(root: nn.Module, keys: dict[str, tuple[str, str | None]],
@@ -151,18 +185,18 @@ def check_bucket_bytes(bucket_bytes: int, caller: str) -> None:
                          f"bytes, for example 256 << 20 (256 MiB, the default)")
 
 
-def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group, agree_group,
+def _exported(items: list, size, requests, results, bucket_bytes: int, gathers, agree_group,
               local) -> Iterator[tuple]:
     """The buckets, each opened by an agreement that every rank is still iterating, at the same export."""
     agreement = _Agreement(agree_group)
     done = False
     try:
-        for bucket in _buckets(items, size, bucket_bytes):
+        for bucket in _buckets(items, size, bucket_bytes, gathers.key):
             agreement(stopping=False)
             gathered = _dp_gathered(bucket, local)
             reqs = [r for name, saved in bucket for r in requests(name, saved, gathered)]
             del gathered
-            assembled = gather_rows_to(reqs, tp_group, dst=0)
+            assembled = gathers(bucket, reqs)
             del reqs
             if assembled is not None:
                 for name, saved in bucket:
@@ -178,12 +212,15 @@ def _exported(items: list, size, requests, results, bucket_bytes: int, tp_group,
         agreement.finish()
 
 
-def _buckets(items: list, size, bucket_bytes: int) -> Iterator[list]:
-    """Consecutive runs of `items` of about `bucket_bytes` (`size` of each), as `collectives.buckets` cuts tensors."""
-    stand_ins = [torch.empty(size(saved), dtype=torch.uint8, device="meta") for _, saved in items]
-    index = {id(t): i for i, t in enumerate(stand_ins)}
-    for run in buckets(stand_ins, bucket_bytes):
-        yield [items[index[id(t)]] for t in run]
+def _buckets(items: list, size, bucket_bytes: int, key) -> Iterator[list]:
+    """Consecutive runs of `items` of about `bucket_bytes` (`size` of each), as `collectives.buckets` cuts tensors;
+    a bucket holds items of one `key(name)` only (one group gathers it)."""
+    for _, run in itertools.groupby(items, key=lambda item: key(item[0])):
+        run = list(run)
+        stand_ins = [torch.empty(size(saved), dtype=torch.uint8, device="meta") for _, saved in run]
+        index = {id(t): i for i, t in enumerate(stand_ins)}
+        for cut in buckets(stand_ins, bucket_bytes):
+            yield [run[index[id(t)]] for t in cut]
 
 
 def _dp_gathered(bucket: list, local) -> dict[str, torch.Tensor]:
@@ -287,5 +324,6 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
         return torch.Size(entry.shape).numel() * (dtype or entry.dtype).itemsize
 
     tp_group = None if state is None else state.tp_group
-    return _exported(items, size, requests, results, bucket_bytes, tp_group, tp_group, lambda name: tensors[name])
+    gathers = _Gathers(None, {name: tp_group for name in tensors})
+    return _exported(items, size, requests, results, bucket_bytes, gathers, tp_group, lambda name: tensors[name])
 

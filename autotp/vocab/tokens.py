@@ -27,6 +27,9 @@ def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     if vocab is None or group_size(state.tp_group) == 1:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
         return torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    if state.options.sequence_parallel or state.cp_group is not None:
+        raise NotImplementedError("autotp: token_log_probs under sequence or context parallelism is not supported "
+                                  "yet (the backbone's output is split by sequence there)")
     (start, _), = vocab.partition.runs[group_rank(state.tp_group)]
     state.forwards += 1  # as inside the model's forward: the head keeps its logits sharded
     try:

@@ -12,10 +12,7 @@ Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -28,13 +25,14 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from vllm.distributed.weight_transfer import WeightSource  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
-from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
+from autotp.testing.spawn import run_ranks  # noqa: E402
 from models import batch  # noqa: E402
+from vllm_server import EMPTY_DIGEST, serve  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = pytest.mark.slow
@@ -48,47 +46,14 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", 
 # Prompt log-probs, engine vs transformers: fp32 on both sides; the engine's oneDNN kernels and the TP-trained
 # weights (within PARAM_ATOL of one process's) move them by ~1e-5; a wrong or stale weight moves them by > 0.1.
 LOGPROB_ATOL = 1e-3
-EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
-START_TIMEOUT_S = 240  # inside the first test's 300 s timeout (observed: 30 to 60 s)
 BUCKET = 64 << 10  # the failed round's: several buckets, so the engine has received some when it is cut off
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[tuple[str, str]]:
-    """(url, initial model dir): one `vllm serve` of a tiny Llama (head_dim 32: vLLM's CPU attention refuses 16)
-    for the whole module, with the autotp-gloo backend; its start-up time is printed."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
-                             tie_word_embeddings=False)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(f"{tmp}/model")
-        port = free_port()
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", f"{tmp}/model",
-                   "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "256",
-                   "--enforce-eager", "--weight-transfer-config", '{"backend": "autotp-gloo"}']
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        started = time.monotonic()
-        with open(f"{tmp}/server.log", "w") as log:
-            server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            while not _healthy(url):
-                if server.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
-                    pytest.fail(f"vLLM did not start:\n{Path(tmp, 'server.log').read_text()[-4000:]}")
-                time.sleep(2)
-            print(f"\nvLLM engine start-up: {time.monotonic() - started:.1f} s")
-            yield url, f"{tmp}/model"
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).ok
-    except requests.ConnectionError:
-        return False
+    """(url, initial model dir): one `vllm serve` of a tiny Llama for the whole module; its start-up is printed."""
+    with serve(VOCAB) as running:
+        yield running
 
 
 def digests(url: str) -> dict[str, str]:

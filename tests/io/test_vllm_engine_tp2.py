@@ -12,11 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -25,12 +20,13 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM l
 
 import requests  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
-from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
+from autotp.testing.spawn import run_ranks  # noqa: E402
 from models import batch  # noqa: E402
+from vllm_server import EMPTY_DIGEST, serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +34,6 @@ VOCAB, ROWS = 500, 256  # vLLM's rows per rank: 512 padded rows / 2
 PROMPTS = [[1, 5, 9, 22], [300, 17, 4, 88, 250, 6], [42, 42, 7]]
 NEW_TOKENS = 8
 LR, STEPS = 0.05, 2
-EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
-START_TIMEOUT_S = 240  # inside the test's 300 s timeout (observed: 40 to 60 s)
 CPUS = sorted(os.sched_getaffinity(0))
 
 
@@ -49,40 +43,9 @@ def engine() -> Iterator[tuple[str, str]]:
     first two allowed cores (vLLM's automatic binding wants a NUMA node per worker)."""
     if len(CPUS) < 2:
         pytest.skip(f"vLLM's CPU workers each need a core of their own; this process may use {len(CPUS)}")
-    with tempfile.TemporaryDirectory() as tmp:
-        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
-                             tie_word_embeddings=False)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(f"{tmp}/model")
-        port = free_port()
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", f"{tmp}/model",
-                   "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "256",
-                   "--enforce-eager", "--tensor-parallel-size", "2",
-                   "--weight-transfer-config", '{"backend": "autotp-gloo"}']
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"}
-        started = time.monotonic()
-        with open(f"{tmp}/server.log", "w") as log:
-            server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            while not _healthy(url):
-                if server.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
-                    pytest.fail(f"vLLM did not start:\n{Path(tmp, 'server.log').read_text()[-4000:]}")
-                time.sleep(2)
-            print(f"\nvLLM engine (tp=2) start-up: {time.monotonic() - started:.1f} s")
-            yield url, f"{tmp}/model"
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).ok
-    except requests.ConnectionError:
-        return False
+    with serve(VOCAB, "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"},
+               label=" (tp=2)") as running:
+        yield running
 
 
 def sha256(tensor: torch.Tensor) -> str:

@@ -13,6 +13,7 @@ import re
 import sys
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 INPUT_ERRORS = (ValueError, OSError)
 # The library's keyword arguments in messages raised by the functions the commands call -> the command line's flags
 FLAG_WORDING = ((re.compile(r"\boverwrite=True\b"), "--overwrite"), (re.compile(r"\btp_size=(\d+)"), r"--tp \1"),
+                (re.compile(r"\bep_size=(\d+)"), r"--ep \1"),
                 (re.compile(r"(?<!['\"])\btp_size\b(?!['\"])"), "--tp"))  # not a quoted key name
 
 
@@ -114,15 +116,20 @@ def build(config: PretrainedConfig, device: str | None = None, task: str | None 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON summary) for `args.model` at `args.tp`."""
     from .api import explain
-    from .planning.report import context_cost, summary
+    from .ep.regions import expert_layouts
+    from .planning.report import context_cost, expert_cost, summary
 
     config, policy = load_config(args.model), read_policy(args.policy)
     with quiet_transformers():
         progress("plan", f"building {config.model_type} on the meta device in {args.dtype}")
         model = build(config, "meta", args.task, DTYPES[args.dtype])
         progress("plan", f"planning at tp {args.tp}, verifying each block on a small structural twin")
-        plan = explain(model, args.tp, policy=policy)
-    info = {"dtype": args.dtype, **summary(model, plan, args.batch, args.seq, args.dp)}
+        plan = explain(model, args.tp, policy=policy, ep_size=args.ep)
+    dense = replace(plan, regions=()) if args.ep > 1 else plan  # under EP the experts reduce nothing over TP
+    info = {"dtype": args.dtype, **summary(model, dense, args.batch, args.seq, args.dp)}
+    if args.ep > 1:
+        layouts = [(e.path, e.names) for e in expert_layouts(model, plan, args.ep)]
+        info["experts"] = expert_cost(model, plan, layouts, args.ep, args.batch, args.seq)
     if args.cp > 1:
         info["context"] = [context_cost(model, plan, args.batch, args.seq, cp) for cp in sorted({1, args.cp})]
     if args.json:
@@ -145,6 +152,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             z = info["zero_bytes_per_rank"][stage]
             print(f"    zero {stage}: params {gib(z['params'])} + grads {gib(z['grads'])} + optimizer "
                   f"{gib(z['optimizer'])} = {gib(z['total'])}   ({z['runs']})")
+    if args.ep > 1:
+        e = info["experts"]
+        print(f"  at tp {args.tp} x ep {args.ep}: experts {mib(e['expert_bytes_per_rank'])} per rank (of "
+              f"{mib(e['expert_bytes'])}), parameters {' / '.join(mib(b) for b in e['param_bytes_per_rank'])} per rank; "
+              f"{e['all_to_alls_per_step']} token all-to-alls per step move {mib(e['all_to_all_bytes_per_step'])} off "
+              f"each rank at batch {args.batch} x seq {args.seq} (routing spread evenly)")
     for c in info.get("context", []):
         print(f"  at tp {args.tp} x cp {c['cp_size']}, batch {args.batch} x seq {c['seq']}: activations ~"
               f"{mib(c['activation_bytes_per_rank'])} per rank (estimate); attention moves "
@@ -240,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dp", type=positive_int, default=1, help="data-parallel size, for the per-rank bytes by ZeRO stage")
     plan.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: activation memory per rank and "
                       "the attention's bytes per step at --seq")
+    plan.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size: per-rank bytes with the "
+                      "experts split by expert, and the all-to-all bytes of one step")
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage to price against DDP (default: all)")
     plan.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                       help="parameter dtype for the sizes (default float32; a config's torch_dtype is not used)")

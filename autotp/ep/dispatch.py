@@ -22,34 +22,38 @@ from .groups import ExpertGroups
 
 
 class ExpertRegion:
-    """A fused experts module (3-D parameters, experts on dim 0) holding this EP rank's experts; its parameters carry
-    `autotp_expert` (this object), which the gradient sync, the norm and the state paths read. `shard`: this rank's
-    experts as a `Shard` of the full tensor over the EP group (a run of dim-0 rows), for saves and checkpoints."""
+    """An experts module holding this EP rank's experts (`names`: its parameters, dotted, each holding the experts as
+    equal consecutive blocks of dim 0: `autotp.ep.regions`); they carry `autotp_expert` (this object), which the
+    gradient sync, the norm and the state paths read (`held`: this rank's rows as a `Shard` over the EP group)."""
 
     def __init__(self, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
         self.module, self.names, self.experts, self.tp_group, self.state = module, names, experts, tp_group, state
         self.total = module.num_experts
         self.local = self.total // experts.size
         self.first = experts.rank * self.local
-        self.shard = Shard(Partition.even(0, self.total, experts.size), experts.rank)
         self.own_forward = type(module).forward.__get__(module)  # the class's: transformers' implementation dispatch
         for name in names:
-            old = getattr(module, name)
-            new = nn.Parameter(old.data[self.first:self.first + self.local].clone(), requires_grad=old.requires_grad)
+            old = module.get_parameter(name)
+            new = nn.Parameter(self._mine(old.data).clone(), requires_grad=old.requires_grad)
             new.autotp_expert = self
-            setattr(module, name, new)
+            self._set(name, new)
+        self.blocks = {p.shape[0]: p.shape[0] // self.local for p in map(module.get_parameter, names)}
         module.forward = self.forward
         module.autotp_region = self
 
     def held(self, tensor: torch.Tensor) -> Shard | None:
         """The `Shard` of the full tensor that `tensor` (one of the parameters, or a tensor shaped like one) holds:
         None once gathered whole (every expert on every rank)."""
-        return None if tensor.shape[0] == self.total else self.shard
+        per = self.blocks.get(tensor.shape[0])  # this rank's rows -> rows per expert; a whole tensor is not there
+        return None if per is None else Shard(Partition.even(0, self.total * per, self.experts.size, per),
+                                              self.experts.rank)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 **kwargs) -> torch.Tensor:
         if self.state.is_gathered():  # whole experts: the module as one process runs it
             return self.own_forward(hidden_states, top_k_index, top_k_weights, **kwargs)
+        shape = hidden_states.shape  # [tokens, hidden], or DBRX's [batch, seq, hidden]
+        hidden_states = hidden_states.reshape(-1, shape[-1])
         rows, slots = hidden_states.shape[0], top_k_index.shape[-1]
         hidden, weights = split_rows((hidden_states, top_k_weights), self.tp_group)
         mine = own_rows(rows, self.tp_group)
@@ -65,23 +69,33 @@ class ExpertRegion:
         output = exchange(self._run_local(tokens, local_ids), receive, send, self.experts.group)
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
-        return gather_rows(combined, rows, self.tp_group)
+        return gather_rows(combined, rows, self.tp_group).view(shape)
+
+    def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a whole tensor: its block of dim 0 (one row per expert, or DBRX's width rows)."""
+        per = tensor.shape[0] // self.total
+        return tensor[self.first * per:(self.first + self.local) * per]
+
+    def _set(self, name: str, param: nn.Parameter) -> None:
+        owner, _, attr = name.rpartition(".")
+        setattr(self.module.get_submodule(owner) if owner else self.module, attr, param)
 
     def _run_local(self, tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """The local experts on the received rows, each row top-1 with weight 1 (the weights are the sender's)."""
         if tokens.shape[0] == 0:  # still in the graph, so the reverse all-to-all runs; zero gradients, not None
-            anchor = sum(getattr(self.module, name).reshape(-1)[:0].sum() for name in self.names)
+            anchor = sum(self.module.get_parameter(name).reshape(-1)[:0].sum() for name in self.names)
             return tokens * 0 + anchor
         self.module.num_experts = self.local
         try:
-            return self.own_forward(tokens, local_ids.unsqueeze(-1), tokens.new_ones(tokens.shape[0], 1))
+            ones = tokens.new_ones(tokens.shape[0], 1)
+            return self.own_forward(tokens, local_ids.unsqueeze(-1), ones).reshape(tokens.shape)
         finally:
             self.module.num_experts = self.total
 
     def gather_(self) -> None:
         """Every expert on every rank (GatherReplacedLayerParams): all-gathered over the EP group."""
         for name in self.names:
-            param = getattr(self.module, name)
+            param = self.module.get_parameter(name)
             parts = [torch.empty_like(param.data) for _ in range(self.experts.size)]
             with named_failure(self.experts.group, "the all-gather of the experts"):
                 dist.all_gather(parts, param.data.contiguous(), group=self.experts.group)
@@ -89,6 +103,6 @@ class ExpertRegion:
 
     def partition_(self) -> None:
         for name in self.names:
-            param = getattr(self.module, name)
-            param.data = param.data[self.first:self.first + self.local].clone()
+            param = self.module.get_parameter(name)
+            param.data = self._mine(param.data).clone()
 

@@ -24,10 +24,15 @@ def shard_experts(experts, options: dict[str, Any], replicas: int) -> dict[int, 
     mesh = DeviceMesh.from_group(experts.data, device_of(experts.data).type)
     tags = {}
     for region in experts.regions:
+        shared = [name for name, _ in region.module.named_parameters() if name not in region.names]
+        if shared:  # FSDP over expert-DP would sum its gradient over one EP rank's share of the tokens only
+            raise NotImplementedError(f"autotp.fully_shard at ep_size={experts.size}: {type(region.module).__name__} "
+                                      f"also holds {shared[0]}, which is not split by expert; autotp shards an "
+                                      f"experts module over expert-DP only when every parameter in it is an expert's")
         module = torch_fully_shard(region.module, **{**options, "mesh": mesh})
         module.set_gradient_divide_factor(float(replicas))
         if group_size(experts.data) > 1:  # a sum, then the division (gloo has no PREMUL_SUM); not on one rank,
             module.set_force_sum_reduction_for_comms(True)  # where torch 2.13 would then divide twice
         for name in region.names:
-            tags[id(getattr(region.module, name))] = region
+            tags[id(region.module.get_parameter(name))] = region
     return tags

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -141,3 +141,25 @@ def context_cost(model: nn.Module, plan: Plan, batch: int, seq: int, cp: int) ->
     moved = layers * 2 * kv_gathered * (cp - 1) // cp
     return {"cp_size": cp, "seq": seq, "activation_bytes_per_rank": activations,
             "attention_bytes_per_step": moved, "attention_collectives_per_step": 2 * layers if cp > 1 else 0}
+
+
+def expert_cost(model: nn.Module, plan: Plan, experts: list[tuple[str, tuple[str, ...]]], ep: int, batch: int,
+                seq: int) -> dict:
+    """Per-rank bytes with the experts split by expert over `ep` ranks, and the all-to-all bytes of one step.
+
+    `experts`: each experts module's path and parameter names (`autotp.ep.regions`). The dense part is the plan's
+    per-TP-rank bytes without the experts; each rank adds 1/ep of them, whole. Each MoE layer moves, per TP rank's
+    share of the batch x seq tokens (the TP ranks split them before the dispatch), top-k hidden-state rows out and back
+    forward and the same backward; with routing spread evenly, (ep - 1) / ep of them leave the rank.
+    """
+    element = next(model.parameters()).element_size()
+    whole = sum(model.get_submodule(path).get_parameter(name).numel() * element
+                for path, names in experts for name in names)
+    dense = [b - whole for b in replace(plan, regions=()).param_bytes(model)]
+    tokens = -(-batch * seq // plan.tp_size)
+    top_k = getattr(model.config, "num_experts_per_tok", 1)
+    rows = tokens * top_k * getattr(model.config, "hidden_size", 0) * element
+    return {"ep_size": ep, "expert_bytes": whole, "expert_bytes_per_rank": whole // ep,
+            "param_bytes_per_rank": [b + whole // ep for b in dense],
+            "all_to_alls_per_step": 4 * len(experts),
+            "all_to_all_bytes_per_step": 4 * len(experts) * rows * (ep - 1) // ep}

@@ -4,17 +4,15 @@ into the engine twice; the engine's weights equal what `autotp.save_pretrained` 
 (vLLM's `/weight_checker` digests, after reloading that save into the engine), and its greedy completions and
 prompt log-probs equal transformers' from the one-process model trained the same way. A round cut off midway
 makes the other trainer rank fail at once, leaves the engine serving the previous round's weights, and a new
-`vllm_sync` resends.
+`vllm_sync` resends. examples/grpo_vllm.py's GRPO loop (the engine samples, tp=2 trains and sends) gives one
+process's rewards, loss and log-probs on the same completions, and the engine samples differently after a sync.
 
 Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for the module, started once.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -27,14 +25,16 @@ import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from vllm.distributed.weight_transfer import WeightSource  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
-from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
+from autotp.testing.spawn import run_ranks  # noqa: E402
 from models import batch  # noqa: E402
+from vllm_server import EMPTY_DIGEST, serve  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = pytest.mark.slow
 
 VOCAB = 512  # a multiple of 64: vLLM pads its vocabulary to one, and then holds the checkpoint's rows exactly
@@ -46,47 +46,14 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", 
 # Prompt log-probs, engine vs transformers: fp32 on both sides; the engine's oneDNN kernels and the TP-trained
 # weights (within PARAM_ATOL of one process's) move them by ~1e-5; a wrong or stale weight moves them by > 0.1.
 LOGPROB_ATOL = 1e-3
-EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
-START_TIMEOUT_S = 240  # inside the first test's 300 s timeout (observed: 30 to 60 s)
 BUCKET = 64 << 10  # the failed round's: several buckets, so the engine has received some when it is cut off
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[tuple[str, str]]:
-    """(url, initial model dir): one `vllm serve` of a tiny Llama (head_dim 32: vLLM's CPU attention refuses 16)
-    for the whole module, with the autotp-gloo backend; its start-up time is printed."""
-    with tempfile.TemporaryDirectory() as tmp:
-        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256,
-                             tie_word_embeddings=False)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(f"{tmp}/model")
-        port = free_port()
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", f"{tmp}/model",
-                   "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "256",
-                   "--enforce-eager", "--weight-transfer-config", '{"backend": "autotp-gloo"}']
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        started = time.monotonic()
-        with open(f"{tmp}/server.log", "w") as log:
-            server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            while not _healthy(url):
-                if server.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
-                    pytest.fail(f"vLLM did not start:\n{Path(tmp, 'server.log').read_text()[-4000:]}")
-                time.sleep(2)
-            print(f"\nvLLM engine start-up: {time.monotonic() - started:.1f} s")
-            yield url, f"{tmp}/model"
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/health", timeout=5).ok
-    except requests.ConnectionError:
-        return False
+    """(url, initial model dir): one `vllm serve` of a tiny Llama for the whole module; its start-up is printed."""
+    with serve(VOCAB) as running:
+        yield running
 
 
 def digests(url: str) -> dict[str, str]:
@@ -291,3 +258,53 @@ def test_a_round_cut_off_midway_keeps_the_engine_serving(engine: tuple[str, str]
     assert other["failed_after_s"] < 20, other["failed_after_s"]
     assert sender["kept"] == sender["before"] and sender["serving"]
     assert sender["resent"] == sender["saved"] != sender["before"]
+
+
+GRPO_STEPS, GRPO_LR = 2, 0.5
+# GRPO's completion log-probs, tp=2 (vocab-parallel) vs one process, fp32: TP changes only the order of the sums
+# (the row-parallel layers' all-reduce of partial products, the log-sum-exp from the vocabulary shards), ~1e-7
+# relative per op on log-probs of ~-6; the second step's also carry the first update from gradients that differ
+# as little. A wrong shard, a missing all-reduce or a skipped update moves them by > 1e-2.
+GRPO_LOGPROB_ATOL = 1e-5
+
+
+def grpo(rank: int, world: int, url: str, model_dir: str) -> dict:
+    """examples/grpo_vllm.py's loop at tp=2; rank 0 then replays it in one process on the same completions and
+    samples step 1's prompts again with step 1's seed (now from the weights of step 1's update)."""
+    from grpo_vllm import PROMPTS, generate, grpo_step, train
+
+    model = autotp.wrap(build(model_dir, False), tp_size=2)
+    started = time.monotonic()
+    records = train(model, url, GRPO_STEPS, GRPO_LR)
+    seconds = time.monotonic() - started
+    if rank != 0:
+        return {}
+    ref = build(model_dir, False)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=GRPO_LR)
+    expected = [grpo_step(ref, optimizer, PROMPTS, record["completions"]) for record in records]
+    return {"records": records, "expected": expected, "again": generate(url, PROMPTS, seed=1), "seconds": seconds}
+
+
+@pytest.mark.timeout(180)
+def test_grpo_example_generates_with_the_engine_and_trains_as_one_process(engine: tuple[str, str]) -> None:
+    """2 GRPO steps: the rewards count the completions' low tokens, loss and per-token log-probs equal one
+    process's on the same completions, and after the last sync the engine samples step 1's seed differently."""
+    from grpo_vllm import GROUP, LOW, NEW_TOKENS, PROMPTS
+
+    report = run_ranks(grpo, 2, *engine)[0]
+    errors = [(r["log_probs"] - e["log_probs"]).abs().max().item()
+              for r, e in zip(report["records"], report["expected"])]
+    print(f"GRPO: {report['seconds']:.1f} s for {GRPO_STEPS} steps; mean rewards",
+          [round(r["rewards"].mean().item(), 3) for r in report["records"]], "log-prob error", errors)
+    for record, expected in zip(report["records"], report["expected"]):
+        completions = record["completions"]
+        assert [len(group) for group in completions] == [GROUP] * len(PROMPTS)
+        assert all(len(c) == NEW_TOKENS for group in completions for c in group)
+        counts = torch.tensor([[float(sum(t < LOW for t in c)) for c in group] for group in completions])
+        assert torch.equal(record["rewards"], counts) and torch.equal(expected["rewards"], counts)
+        assert counts.std(1).gt(0).any()  # a learning signal
+        # the surrogate's value is -mean(advantage) with the ratio exactly 1 in the forward: equal bit for bit
+        assert record["loss"] == expected["loss"]
+    assert max(errors) <= GRPO_LOGPROB_ATOL, errors
+    assert report["records"][0]["completions"] != report["records"][1]["completions"]
+    assert report["again"] != report["records"][1]["completions"]  # step 1's seed, after step 1's update was sent

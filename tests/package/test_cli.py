@@ -164,3 +164,27 @@ def test_verify_shows_progress_and_relays_no_transformers_warnings(capsys, monke
     code, out, err, relayed = run_cli(capsys, monkeypatch, "verify", "bert", "--tp", "2", "--steps", "1")
     assert code == 0 and "OK:" in out and relayed == [], (out, relayed)
     assert "autotp verify: building bert" in err and "training 1 steps on 2 CPU ranks" in err, err
+
+
+def ep_bytes(rank: int, world: int, model_type: str) -> int:
+    torch.manual_seed(0)
+    model = autotp.wrap(build(load_config(model_type)), world, ep_size=world)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_plan_ep_bytes_equal_the_real_bytes_after_wrap(autotp_cli) -> None:
+    """`--ep 2` at tp 2: each rank's bytes (TP-sharded dense layers, half the experts whole) as wrap leaves them, and
+    the token all-to-alls of one step: 4 per MoE layer (out and back, forward and backward)."""
+    done = autotp_cli("plan", "qwen3_moe", "--tp", "2", "--ep", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    experts = info["experts"]
+    assert run_ranks(ep_bytes, 2, "qwen3_moe") == experts["param_bytes_per_rank"]
+    assert experts["expert_bytes_per_rank"] * 2 == experts["expert_bytes"]
+    config = load_config("qwen3_moe")
+    rows = 4 * 128 // 2 * config.num_experts_per_tok * config.hidden_size * 4  # batch x seq over tp 2, fp32
+    assert experts["all_to_alls_per_step"] == 4 * config.num_hidden_layers
+    assert experts["all_to_all_bytes_per_step"] == 4 * config.num_hidden_layers * rows // 2
+    assert not [c for c in info["collectives"] if "experts" in c["where"]]  # no TP reductions of the experts
+    text = autotp_cli("plan", "qwen3_moe", "--tp", "2", "--ep", "2")
+    assert text.returncode == 0 and "at tp 2 x ep 2: experts" in text.stdout

@@ -1,0 +1,148 @@
+"""The expert-parallel parity harness (a helper module beside tests/ep's tests): MoE models of every family, one
+process's run on the whole batch, and the README's DP loop at tp x ep on each rank.
+
+Tolerances (fp32) as in test_parity: EP moves whole tokens and runs whole experts, so only the order of sums changes
+(the experts' matmuls on other row counts, the slot sums in another association). Loss 1e-5 absolute; gradients
+after the sync 1e-5 of the tensor's largest reference entry (floored at 1e-3, `grad_error`); parameters after 3
+AdamW steps 3e-5 absolute. Routing ties: the inputs do not avoid them by construction; `check` compares every MoE
+layer's top-k indices with one process's on every step instead, so a flipped near-tie fails by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import transformers as tf
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+import autotp
+from autotp.testing import tiny_config
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, full_tensor, grad_error
+from models import batch
+
+GLOBAL = batch(size=(4, 16))
+STEPS = 3
+CLIP = 0.5
+
+HAND_WRITTEN = {  # families whose tiny builder fails on transformers 5.24 (MLA head sizes, head_dim None, clip_qkv)
+    "deepseek_v3": lambda: tf.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64, use_cache=False),
+    "hunyuan_v1_moe": lambda: tf.HunYuanMoEV1Config(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=4, moe_topk=2, max_position_embeddings=64, use_cache=False),
+    "dbrx": lambda: tf.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=256, use_cache=False,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+}
+
+
+def moe_config(family: str, **overrides) -> PretrainedConfig:
+    config = HAND_WRITTEN[family]() if family in HAND_WRITTEN else tiny_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def moe_model(family: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(moe_config(family, **overrides), dtype=torch.float32)
+
+
+def record_routing(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every experts call's top-k indices, in call order (the model's own router picks them)."""
+    seen: list[torch.Tensor] = []
+    for name, module in model.named_modules():
+        if name.endswith(".experts") and hasattr(module, "_is_expert_parallel"):
+            module.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().clone()))
+    return seen
+
+
+def single_process(family: str, clip: bool = False, config: dict | None = None) -> dict:
+    model = moe_model(family, **(config or {}))
+    routing = record_routing(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses, grads, norms = [], {}, []
+    for step in range(STEPS):
+        loss = model(input_ids=GLOBAL, labels=GLOBAL).loss
+        loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    return {"losses": losses, "grads": grads, "routing": routing, "expert_bytes": experts, "norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def whole(tensor: torch.Tensor, param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Tensor:
+    """The full tensor behind this rank's part: experts all-gathered over EP, TP shards over TP."""
+    if hasattr(param, "autotp_expert"):
+        parts = [torch.empty_like(tensor) for _ in range(autotp.ep_size(model))]
+        dist.all_gather(parts, tensor.detach().contiguous(), group=autotp.ep_group(model))
+        return torch.cat(parts)
+    return full_tensor(tensor, param, autotp.tp_group(model))
+
+
+def wrong_sync(model: torch.nn.Module, mode: str) -> None:
+    """The controls: expert gradients averaged over DP like dense ones, or summed but never divided."""
+    if mode == "dp_average":
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=autotp.dp_group(model))
+                p.grad /= autotp.dp_size(model)
+        return
+    autotp.allreduce_gradients(model)
+    for p in model.parameters():
+        if hasattr(p, "autotp_expert"):
+            p.grad *= autotp.dp_size(model)
+
+
+def ep_rank_run(rank: int, world: int, family: str, tp: int, ep: int, mode: str = "right",
+                config: dict | None = None) -> dict:
+    """The README's DP loop at tp x ep: this replica's rows of the global batch, gradients synced, AdamW."""
+    model = autotp.wrap(moe_model(family, **(config or {})), tp, ep_size=ep)
+    assert autotp.ep_size(model) == ep and autotp.ep_rank(model) == rank % ep
+    routing = record_routing(model)
+    replicas = autotp.dp_size(model)
+    rows = GLOBAL.shape[0] // replicas
+    mine = GLOBAL[autotp.dp_rank(model) * rows:(autotp.dp_rank(model) + 1) * rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses, grads, norms = [], {}, []
+    for step in range(STEPS):
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        autotp.allreduce_gradients(model) if mode in ("right", "clip") else wrong_sync(model, mode)
+        if mode == "clip":
+            norms.append(autotp.clip_grad_norm_(model, CLIP).item())
+        if step == 0:
+            grads = {n: whole(p.grad, p, model) for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=autotp.dp_group(model))
+        losses.append(mean.item() / replicas)
+    experts = sum(p.numel() * p.element_size() for p in model.parameters() if hasattr(p, "autotp_expert"))
+    return {"losses": losses, "grads": grads, "routing": routing, "rows": (autotp.dp_rank(model) * rows, rows),
+            "expert_bytes": experts, "norms": norms, "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
+
+
+def check(report: dict, expected: dict) -> None:
+    """Parity with one process, the routing included; raises AssertionError naming the worst tensor."""
+    first, rows = report["rows"]
+    seq = GLOBAL.shape[1]
+    assert len(report["routing"]) == len(expected["routing"]), "not every experts call was seen"
+    for ours, theirs in zip(report["routing"], expected["routing"]):
+        assert torch.equal(ours, theirs[first * seq:(first + rows) * seq]), "top-k differs from one process's"
+    loss = max(abs(a - b) for a, b in zip(report["losses"], expected["losses"]))
+    assert loss <= LOSS_ATOL, f"loss differs by {loss:.3g}"
+    worst = max((grad_error(report["grads"][n], g), n) for n, g in expected["grads"].items())
+    assert worst[0] <= GRAD_RTOL, f"gradient of {worst[1]} differs by {worst[0]:.3g}"
+    worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
+    assert worst[0] <= PARAM_ATOL, f"{worst[1]} differs by {worst[0]:.3g} after AdamW steps"

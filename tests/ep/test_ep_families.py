@@ -1,0 +1,60 @@
+"""Expert parallelism on every MoE causal-LM family transformers 5.24 builds, against one process (the harness and
+its tolerances: ep_workers.py): ep 2 on 2 ranks at tp 1, and tp 2 x ep 2 on 4 ranks (EP takes the TP ranks first,
+expert-DP 2); the router's load-balancing loss at dp 1; the families autotp refuses, by name.
+
+The quick tier keeps one family per way of holding experts that autotp/ep/regions.py meets: gpt-oss (found by
+structure; interleaved gate|up, biases), DBRX (found by structure; flat [experts * width, hidden] tensors, a 3-D
+input) and DeepSeek-V3 (shared experts, grouped top-k with a correction bias, dense first layer). The rest, and every
+family's 4-rank case, are `slow` (about 2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import autotp
+from autotp.testing import run_ranks
+from ep_workers import check, ep_rank_run, moe_model, single_process
+
+QUICK = ["gpt_oss", "dbrx", "deepseek_v3"]
+SLOW = ["qwen2_moe", "phimoe", "glm4_moe", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe",
+        "minimax", "jamba", "flex_olmo", "exaone_moe", "solar_open", "nemotron_h", "afmoe", "qwen3_next",
+        "qwen3_5_moe_text"]
+FOUR_RANKS = ["qwen3_moe", "mixtral", "olmoe", *QUICK, *SLOW]
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("family", [*QUICK, *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW)])
+def test_ep2_on_two_ranks_equals_one_process(family: str) -> None:
+    expected = single_process(family)
+    for report in run_ranks(ep_rank_run, 2, family, 1, 2):
+        check(report, expected)
+        assert report["expert_bytes"] * 2 == expected["expert_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FOUR_RANKS)
+def test_tp2_ep2_on_four_ranks_equals_one_process(family: str) -> None:
+    expected = single_process(family)
+    for report in run_ranks(ep_rank_run, 4, family, 2, 2):
+        check(report, expected)
+        assert report["expert_bytes"] * 2 == expected["expert_bytes"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_load_balancing_loss_at_dp1_equals_one_process(family: str) -> None:
+    """tp 2 x ep 2 on 2 ranks (dp 1): the router runs on every token on each TP rank, before the experts split the
+    tokens, so transformers' load-balancing loss reads every token's router logits, as one process does."""
+    expected, plain = single_process(family, config=AUX), single_process(family)
+    assert min(a - b for a, b in zip(expected["losses"], plain["losses"])) > 0.1, "the aux loss must count"
+    for report in run_ranks(ep_rank_run, 2, family, 2, 2, "right", AUX):
+        check(report, expected)
+
+
+@pytest.mark.parametrize("family,module", [("llama4_text", "Llama4TextExperts"), ("jetmoe", "JetMoeMoA")])
+def test_families_autotp_cannot_dispatch_to_are_refused_by_name(family: str, module: str) -> None:
+    """Llama 4's experts take every token scaled by its score ([experts * tokens, hidden], no top-k indices);
+    JetMoE's mixture of attention heads is called with its own routing. Refused before any group exists."""
+    with pytest.raises(NotImplementedError, match=f"ep_size=2: .*experts \\({module}\\) is not called as experts"):
+        autotp.explain(moe_model(family), 1, ep_size=2)

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import autotp
 from autotp.testing import run_ranks, tiny_config
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, full_tensor, grad_error
+from ep_workers import moe_model as family_model, single_process as family_single_process
 from models import batch
 
 GLOBAL = batch(size=(4, 16))
@@ -67,10 +68,10 @@ def whole(tensor: torch.Tensor, param: torch.nn.Parameter, model: torch.nn.Modul
     return full_tensor(tensor, param, autotp.tp_group(model))
 
 
-def ep_fsdp_run(rank: int, world: int, tp: int, ep: int, clip: bool = False) -> dict:
+def ep_fsdp_run(rank: int, world: int, tp: int, ep: int, clip: bool = False, family: str = "qwen3_moe") -> dict:
     """The README's FSDP loop at tp x ep: wrap, autotp.fully_shard, this replica's rows, AdamW (no gradient sync:
     FSDP reduces the dense gradients over DP x CP and the experts' over expert-DP)."""
-    model = autotp.fully_shard(autotp.wrap(moe_model(), tp, ep_size=ep))
+    model = autotp.fully_shard(autotp.wrap(family_model(family), tp, ep_size=ep))
     routing = record_routing(model)
     replicas = autotp.dp_size(model)
     rows = GLOBAL.shape[0] // replicas
@@ -127,6 +128,19 @@ def test_fully_shard_at_ep2_on_four_ranks_equals_one_process(tp: int, ep: int) -
     norms 1e-5 relative, as in test_expert_parallel)."""
     expected = single_process(clip=True)
     for report in run_ranks(ep_fsdp_run, 4, tp, ep, True):
+        assert report["expert_dtensors"]
+        check(report, expected)
+        for ours, theirs in zip(report["norms"], expected["norms"]):
+            assert abs(ours - theirs) <= 1e-5 * theirs, (report["norms"], expected["norms"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "gpt_oss", "dbrx", "deepseek_v3"])
+def test_fully_shard_at_ep2_for_other_families(family: str) -> None:
+    """gpt-oss (expert biases), DBRX (flat per-expert blocks, dotted names), DeepSeek-V3 (shared experts beside the
+    routed ones): dense over DP, experts over expert-DP, clipped; the harness of tests/ep/ep_workers.py's families."""
+    expected = family_single_process(family, clip=True)
+    for report in run_ranks(ep_fsdp_run, 2, 1, 2, True, family):
         assert report["expert_dtensors"]
         check(report, expected)
         for ours, theirs in zip(report["norms"], expected["norms"]):

@@ -56,6 +56,21 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
         state.regions.append(part)  # gathered mode: every expert on every rank
     state.ep = experts
     guard_expert_slots(model, [layout.path for layout in layouts], experts.size)
+    if callable(getattr(model, "generate", None)):
+        model.generate = SyncedGenerate(model.generate)
+
+
+class SyncedGenerate:
+    """`model.generate` at ep > 1, with `synced_gpus=True` unless the caller says otherwise: every EP rank must join
+    every step's all-to-all, so a rank whose sequences ended first keeps stepping until all have (transformers' own
+    switch) instead of leaving its peers waiting in the all-to-all until the timeout."""
+
+    def __init__(self, generate):
+        self.generate = generate
+
+    def __call__(self, *args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return self.generate(*args, **kwargs)
 
 
 def broadcast_experts(model: nn.Module, state: TPState) -> None:

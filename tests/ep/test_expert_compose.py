@@ -168,6 +168,24 @@ def generate_at_ep(rank: int, world: int, tp: int, ep: int) -> torch.Tensor:
     return generated(model, PROMPTS[first:first + rows], synced_gpus=True)
 
 
+def generate_ending_early(rank: int, world: int, eos: int) -> torch.Tensor:
+    """Rank 0's sequence meets `eos` first; `generate` is called as a user would, without `synced_gpus`."""
+    model = autotp.wrap(moe_model(), 1, ep_size=2, timeout=30).eval()
+    return generated(model, PROMPTS[rank:rank + 1], eos_token_id=eos)
+
+
+def test_generate_at_ep2_keeps_a_finished_rank_stepping_without_synced_gpus() -> None:
+    """One rank's sequence ends before the other's: without `synced_gpus` it would leave generate early and its EP
+    peer would wait in the all-to-all until the timeout. autotp defaults it on, and each rank's tokens are one
+    process's for its own prompt."""
+    alone = [generated(moe_model().eval(), PROMPTS[r:r + 1])[0, PROMPTS.shape[1]:].tolist() for r in range(2)]
+    eos = next(t for t in alone[0][:-1] if t not in alone[1])  # ends rank 0's row early, never rank 1's
+    outputs = run_ranks(generate_ending_early, 2, eos)
+    for rank, tokens in enumerate(outputs):
+        assert torch.equal(tokens, generated(moe_model().eval(), PROMPTS[rank:rank + 1], eos_token_id=eos)), rank
+    assert outputs[0].shape[1] < outputs[1].shape[1]  # rank 0 really finished first
+
+
 @pytest.mark.parametrize("tp,world", [(1, 2), (2, 4)], ids=["dp2-ep2", "tp2-ep2"])
 def test_greedy_generate_at_ep2_equals_one_process(tp: int, world: int) -> None:
     """Greedy tokens, exactly: the logits differ only in the order of sums (no near-ties on these prompts)."""

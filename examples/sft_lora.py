@@ -6,8 +6,8 @@ A tiny Llama built from a config, an in-memory tokenizer and dataset. PEFT's LoR
 its adapters start as they would in one process), then `autotp.wrap` shards the model inside the
 PeftModel, and `autotp.hf_trainer.tp_trainer(SFTTrainer)` is SFTTrainer with AutoTPTrainer's data
 parallel x tensor parallel behaviour. TRL computes the loss with a fused LM head that reads
-`lm_head.weight` itself, so the model is wrapped with `vocab_parallel=False` (autotp refuses the
-combination otherwise).
+`lm_head.weight` itself; with `--vocab-parallel` autotp replaces it by its own head over the vocabulary
+shards (`autotp.integrations.fused_head`), which never builds the full-vocabulary logits.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--output", default="out/autotp-sft")
     parser.add_argument("--losses-out", help="write the per-step losses as JSON (rank 0)")
-    parser.add_argument("--vocab-parallel", action="store_true", help="show the error TRL's fused LM head gets")
+    parser.add_argument("--vocab-parallel", action="store_true", help="split the LM head by vocabulary (autotp's fused head)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # the same base weights and adapters on every rank, and as in one process

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 import transformers as tf
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -82,8 +83,9 @@ def single_process(family: str, clip: bool = False, config: dict | None = None) 
 
 
 def whole(tensor: torch.Tensor, param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Tensor:
-    """The full tensor behind this rank's part: experts all-gathered over EP, TP shards over TP."""
+    """The full tensor behind this rank's part: experts all-gathered over EP (FSDP's rows first), TP shards over TP."""
     if hasattr(param, "autotp_expert"):
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         parts = [torch.empty_like(tensor) for _ in range(autotp.ep_size(model))]
         dist.all_gather(parts, tensor.detach().contiguous(), group=autotp.ep_group(model))
         return torch.cat(parts)

@@ -11,61 +11,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing import run_ranks, tiny_config
-from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, full_tensor, grad_error
-from ep_workers import moe_model as family_model, single_process as family_single_process
-from models import batch
+from autotp.testing import run_ranks
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, grad_error
+from ep_workers import CLIP, GLOBAL, STEPS, moe_model as family_model, record_routing, single_process, whole
 
-GLOBAL = batch(size=(4, 16))
-STEPS = 3
-CLIP = 0.5
 pytestmark = pytest.mark.timeout(300)
 
 
-def moe_model(family: str = "qwen3_moe") -> torch.nn.Module:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
-
-
-def record_routing(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every experts call's top-k indices, in call order (the model's own router picks them)."""
-    seen: list[torch.Tensor] = []
-    for name, module in model.named_modules():
-        if name.endswith("mlp.experts"):
-            module.register_forward_pre_hook(lambda m, args: seen.append(args[1].detach().clone()))
-    return seen
-
-
-def single_process(clip: bool = False) -> dict:
-    model = moe_model()
-    routing = record_routing(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    losses, grads, norms = [], {}, []
-    for step in range(STEPS):
-        loss = model(input_ids=GLOBAL, labels=GLOBAL).loss
-        loss.backward()
-        if clip:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "routing": routing, "norms": norms,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-
-
-def whole(tensor: torch.Tensor, param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Tensor:
-    """The full tensor behind this rank's part: FSDP's rows gathered, experts over EP, TP shards over TP."""
-    if hasattr(param, "autotp_expert"):
-        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        parts = [torch.empty_like(tensor) for _ in range(autotp.ep_size(model))]
-        dist.all_gather(parts, tensor.detach().contiguous(), group=autotp.ep_group(model))
-        return torch.cat(parts)
-    return full_tensor(tensor, param, autotp.tp_group(model))
+def moe_model() -> torch.nn.Module:
+    return family_model("qwen3_moe")
 
 
 def ep_fsdp_run(rank: int, world: int, tp: int, ep: int, clip: bool = False, family: str = "qwen3_moe") -> dict:
@@ -115,7 +71,7 @@ def check(report: dict, expected: dict) -> None:
 
 def test_fully_shard_at_ep2_on_two_ranks_equals_one_process() -> None:
     """world == ep: each expert-DP group is one rank, so FSDP keeps the experts whole and only divides by dp 2."""
-    expected = single_process()
+    expected = single_process("qwen3_moe")
     for report in run_ranks(ep_fsdp_run, 2, 1, 2):
         assert report["expert_dtensors"]
         check(report, expected)
@@ -126,7 +82,7 @@ def test_fully_shard_at_ep2_on_two_ranks_equals_one_process() -> None:
 def test_fully_shard_at_ep2_on_four_ranks_equals_one_process(tp: int, ep: int) -> None:
     """Dense parameters over DP, experts over expert-DP (2 ranks each); clipped by the whole model's norm (gradient
     norms 1e-5 relative, as in test_expert_parallel)."""
-    expected = single_process(clip=True)
+    expected = single_process("qwen3_moe", clip=True)
     for report in run_ranks(ep_fsdp_run, 4, tp, ep, True):
         assert report["expert_dtensors"]
         check(report, expected)
@@ -139,7 +95,7 @@ def test_fully_shard_at_ep2_on_four_ranks_equals_one_process(tp: int, ep: int) -
 def test_fully_shard_at_ep2_for_other_families(family: str) -> None:
     """gpt-oss (expert biases), DBRX (flat per-expert blocks, dotted names), DeepSeek-V3 (shared experts beside the
     routed ones): dense over DP, experts over expert-DP, clipped; the harness of tests/ep/ep_workers.py's families."""
-    expected = family_single_process(family, clip=True)
+    expected = single_process(family, clip=True)
     for report in run_ranks(ep_fsdp_run, 2, 1, 2, True, family):
         assert report["expert_dtensors"]
         check(report, expected)
@@ -311,7 +267,7 @@ def test_torch_compile_at_ep2_equals_one_process() -> None:
     """Compiled forward and backward at ep 2 (tolerances as above: inductor reorders sums further, within 1e-5).
     The graph breaks are all in the token dispatch (the counts' `bincount` and `tolist`: data-dependent sizes of the
     all-to-all), one process's model compiles whole."""
-    expected = single_process()
+    expected = single_process("qwen3_moe")
     for report in run_ranks(compiled_at_ep2, 2):
         assert report["breaks"] > 0 and report["where"] == {"ep/dispatch.py"}, report["where"]
         assert abs(report["loss"] - expected["losses"][0]) <= LOSS_ATOL

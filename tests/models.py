@@ -9,10 +9,14 @@ sys.path, so a test in another package imports them too.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import transformers as tf
 from torch import nn
+from safetensors import safe_open
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -193,3 +197,31 @@ class Sequences(Dataset):
 
     def index_of(self, rows: torch.Tensor) -> list[int]:
         return [int((self.ids == row).all(1).nonzero()[0]) for row in rows.cpu()]
+
+
+def tensors(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """file name -> {tensor name: tensor} of every safetensors file in `directory`."""
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out[file.name] = {name: f.get_tensor(name) for name in f.keys()}
+    return out
+
+
+def assert_same_checkpoint(ours: Path, theirs: Path, config: bool = True) -> None:
+    """The same files, each with the same tensors in the same order (names, shapes, dtypes, values), the same index
+    and (unless `config=False`) the same config."""
+    mine, expected = tensors(ours), tensors(theirs)
+    assert list(mine) == list(expected)
+    for file, named in expected.items():
+        assert list(mine[file]) == list(named), file
+        for name, tensor in named.items():
+            got = mine[file][name]
+            assert (got.dtype, got.shape) == (tensor.dtype, tensor.shape), name
+            assert torch.equal(got, tensor), name
+    index = "model.safetensors.index.json"
+    assert (ours / index).exists() == (theirs / index).exists()
+    if (theirs / index).exists():
+        assert json.loads((ours / index).read_text()) == json.loads((theirs / index).read_text())
+    if config:
+        assert json.loads((ours / "config.json").read_text()) == json.loads((theirs / "config.json").read_text())

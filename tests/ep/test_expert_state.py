@@ -12,55 +12,24 @@ each hold their EP rank's experts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import autotp
 import autotp.io.hf.load as hf_load
-from autotp.testing import run_ranks, tiny_config
+from autotp.testing import run_ranks
 from autotp.testing.parity import full_tensor
+from ep_workers import moe_model
+from models import assert_same_checkpoint, tensors
 from resume_workers import check_resume, resume_model, resume_steps, resume_training, straight_run
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
 SMALL = "40KB"  # several files for every tiny model
 pytestmark = pytest.mark.timeout(240)
-
-
-def moe_model(family: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
-
-
-def tensors(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """file name -> {tensor name: tensor} of every safetensors file in `directory`."""
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out[file.name] = {name: f.get_tensor(name) for name in f.keys()}
-    return out
-
-
-def assert_same_checkpoint(ours: Path, theirs: Path, config: bool = True) -> None:
-    """The same files, each with the same tensors (names, shapes, dtypes, values), the same index and config."""
-    mine, expected = tensors(ours), tensors(theirs)
-    assert list(mine) == list(expected)
-    for file, named in expected.items():
-        assert list(mine[file]) == list(named), file
-        for name, tensor in named.items():
-            got = mine[file][name]
-            assert (got.dtype, got.shape) == (tensor.dtype, tensor.shape) and torch.equal(got, tensor), name
-    index = "model.safetensors.index.json"
-    assert (ours / index).exists() == (theirs / index).exists()
-    if (theirs / index).exists():
-        assert json.loads((ours / index).read_text()) == json.loads((theirs / index).read_text())
-    if config:
-        assert json.loads((ours / "config.json").read_text()) == json.loads((theirs / "config.json").read_text())
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

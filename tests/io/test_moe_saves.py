@@ -5,19 +5,17 @@ reloads it. Each expert's tensor is gathered alone, also under `autotp.fully_sha
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.io.hf.save import write_hf_checkpoint
 from autotp.testing import tiny_config
 from autotp.testing.spawn import run_ranks
-from models import batch
+from models import assert_same_checkpoint, batch
 
 MOE = ["deepseek_v3", "granitemoe", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
 # tiny_config's DeepSeek-V3 does not run (the sweep lists it as not built): MLA wants as many KV heads as heads and a
@@ -53,32 +51,6 @@ def save_wrapped(rank: int, world: int, model_type: str, target: str, config: di
     autotp.save_pretrained(model, Path(target) / "whole")
     autotp.save_pretrained(model, Path(target) / "small", max_shard_size=SMALL)
     return [name for name, p in model.named_parameters() if ".experts." in name and hasattr(p, "autotp_shard")]
-
-
-def tensors(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """file name -> {tensor name: tensor} of every safetensors file in `directory`."""
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out[file.name] = {name: f.get_tensor(name) for name in f.keys()}
-    return out
-
-
-def assert_same_checkpoint(ours: Path, theirs: Path) -> None:
-    """The same files, each with the same tensors (names, shapes, dtypes, values), the same index and config."""
-    mine, expected = tensors(ours), tensors(theirs)
-    assert list(mine) == list(expected)
-    for file, named in expected.items():
-        assert sorted(mine[file]) == sorted(named), file
-        for name, tensor in named.items():
-            got = mine[file][name]
-            assert (got.dtype, got.shape) == (tensor.dtype, tensor.shape), name
-            assert torch.equal(got, tensor), name
-    index = "model.safetensors.index.json"
-    assert (ours / index).exists() == (theirs / index).exists()
-    if (theirs / index).exists():
-        assert json.loads((ours / index).read_text()) == json.loads((theirs / index).read_text())
-    assert json.loads((ours / "config.json").read_text()) == json.loads((theirs / "config.json").read_text())
 
 
 def check_save(tmp_path: Path, model_type: str, tp: int, dp: int = 1, **config: int) -> None:

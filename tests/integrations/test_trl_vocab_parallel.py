@@ -77,7 +77,7 @@ def test_rloo_refuses_normalize_advantages_at_tp2(tmp_path: Path) -> None:
         assert "normalize_advantages=True" in message and "normalize_advantages=False" in message, message
 
 
-@pytest.mark.slow  # generation on 2 ranks and one process: ~30 s on 2 cores
+@pytest.mark.slow  # generation on 2 ranks and one process: 5 s idle, 30 s on the loaded 2-core machine
 @pytest.mark.timeout(300)
 def test_rloo_with_vocab_parallel_head_at_tp2_samples_and_trains_as_one_process(tmp_path: Path) -> None:
     from autotp.testing.spawn import run_ranks

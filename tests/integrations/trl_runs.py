@@ -2,9 +2,9 @@
 head, for tests/integrations/test_trl_vocab_parallel.py (a helper module beside it, not a test module).
 
 Each run returns what the test compares with one process: every step's loss, what TRL logged at each step, the trained
-weights (as `save_model` writes them: autotp's full checkpoint, or PEFT's full-size adapter) and the sizes of every tensor an
-op created while TRL computed per-token log-probabilities and trained on them (`Sizes`): under vocab parallelism the
-rank's 128 vocabulary rows appear there, the whole vocabulary's 256 never.
+weights (as `save_model` writes them: autotp's full checkpoint, or PEFT's full-size adapter) and the sizes of every
+tensor an op created while TRL computed per-token log-probabilities and trained on them (`Sizes`): under vocab
+parallelism the rank's 128 vocabulary rows appear there, the whole vocabulary's 256 never.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Sizes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.paused:
-            self.dims.update(n for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() >= 2 for n in t.shape)
+            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+            self.dims.update(n for t in tensors for n in t.shape)
         return out
 
     def pausing(self, function: Any) -> Any:

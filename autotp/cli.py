@@ -117,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON summary) for `args.model` at `args.tp`."""
     from .api import explain
     from .ep.regions import expert_layouts
-    from .planning.report import context_cost, expert_cost, summary
+    from .planning.report import context_cost, expert_cost, expert_zero_bytes, summary
 
     config, policy = load_config(args.model), read_policy(args.policy)
     with quiet_transformers():
@@ -129,14 +129,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     info = {"dtype": args.dtype, **summary(model, dense, args.batch, args.seq, args.dp)}
     if args.ep > 1:
         layouts = [(e.path, e.names) for e in expert_layouts(model, plan, args.ep)]
-        info["experts"] = expert_cost(model, plan, layouts, args.ep, args.batch, args.seq)
+        info["experts"] = e = expert_cost(model, plan, layouts, args.ep, args.batch, args.seq)
+        world = args.tp * args.dp * args.cp  # experts are split over EP and copied over expert-DP = world / ep
+        info["zero_bytes_per_rank"] = expert_zero_bytes(max(e["param_bytes_per_rank"]) - e["expert_bytes_per_rank"],
+                                                        e["expert_bytes_per_rank"], args.dp * args.cp,
+                                                        max(1, world // args.ep))
+        info["param_bytes_per_rank"] = e["param_bytes_per_rank"]  # the summary's held every expert whole
+        info["train_state_bytes_per_rank"] = [4 * b for b in e["param_bytes_per_rank"]]
     if args.cp > 1:
         info["context"] = [context_cost(model, plan, args.batch, args.seq, cp) for cp in sorted({1, args.cp})]
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-    print(plan.describe(model))
+    if args.ep > 1:  # the experts whole, split by expert: the dense plan's lines, then the experts' and EP's bytes
+        print(dense.describe())
+        for path, names in layouts:
+            for name in names:
+                shape = tuple(model.get_submodule(path).get_parameter(name).shape)
+                print(f"  {'experts':<10} {path}.{name}  {shape} -> {shape[0] // args.ep} whole experts per rank "
+                      f"(split by expert over ep {args.ep})")
+        print(f"  parameter bytes per rank: {' / '.join(mib(b) for b in info['param_bytes_per_rank'])}"
+              f" (unsharded {mib(info['unsharded_param_bytes'])})")
+    else:
+        print(plan.describe(model))
     print(f"  sizes in {args.dtype} (--dtype)")
     print(f"  with gradients and Adam moments: {' / '.join(mib(b) for b in info['train_state_bytes_per_rank'])}")
     print(f"  collectives per training step at batch {args.batch} x seq {args.seq}:")
@@ -145,8 +161,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"    total {mib(info['collective_bytes_per_step'])} per step")
     if args.dp > 1 or args.zero is not None:
         gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-        print(f"  per rank at tp {args.tp} x dp {args.dp} (largest TP rank; parameters, gradients, Adam moments in the "
-              f"parameter dtype, no activations):")
+        at = f"tp {args.tp} x dp {args.dp}" + (f" x cp {args.cp}" if args.cp > 1 else "") + \
+            (f", experts over ep {args.ep} x expert-DP {max(1, args.tp * args.dp * args.cp // args.ep)}" if args.ep > 1
+             else "")
+        print(f"  per rank at {at} (largest TP rank; parameters, gradients, Adam moments in the parameter dtype, no "
+              f"activations):")
         stages = sorted({0, args.zero}) if args.zero is not None else [0, 1, 2, 3]
         for stage in stages:
             z = info["zero_bytes_per_rank"][stage]

@@ -85,6 +85,18 @@ def zero_bytes(param_bytes: int, dp: int) -> dict[int, dict]:
     return out
 
 
+def expert_zero_bytes(dense: int, experts: int, dp: int, expert_dp: int) -> dict[int, dict]:
+    """`zero_bytes` of one rank at ep > 1: its dense bytes split over DP, its experts over expert-DP (the ranks
+    holding the same experts, over which `autotp.fully_shard` shards them). DDP is refused at ep > 1, so stage 0 is
+    `autotp.allreduce_gradients`."""
+    dense_z, expert_z = zero_bytes(dense, dp), zero_bytes(experts, expert_dp)
+    out = {}
+    for stage, (_, runs) in ZERO.items():
+        out[stage] = {k: dense_z[stage][k] + expert_z[stage][k] for k in ("params", "grads", "optimizer", "total")}
+        out[stage]["runs"] = "autotp.allreduce_gradients (DDP is refused at ep > 1)" if stage == 0 else runs
+    return out
+
+
 def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> dict:
     """Everything `autotp plan` prints, as data."""
     per_rank = plan.param_bytes(model)

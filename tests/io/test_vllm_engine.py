@@ -6,6 +6,7 @@ prompt log-probs equal transformers' from the one-process model trained the same
 makes the other trainer rank fail at once, leaves the engine serving the previous round's weights, and a new
 `vllm_sync` resends. examples/grpo_vllm.py's GRPO loop (the engine samples, tp=2 trains and sends) gives one
 process's rewards, loss and log-probs on the same completions, and the engine samples differently after a sync.
+docs/rl.md's vLLM block runs as written against the same engine.
 
 Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for the module, started once.
 """
@@ -191,6 +192,49 @@ def test_tp2_dp2_rounds_reach_the_engine(engine: tuple[str, str], tmp_path: Path
     """tp=2 x dp=2: rank 0 sends; the other replica's TP rank 0 gets the tensors too and drops them."""
     reports = run_ranks(rounds, 4, *engine, str(tmp_path), False, (3, 2))[0]
     assert_rounds(reports, checksums=True)
+
+
+GUIDE, GUIDE_URL = Path(__file__).resolve().parents[2] / "docs" / "rl.md", "http://127.0.0.1:8000"
+
+
+def guide_block() -> str:
+    """docs/rl.md's ```python block that calls `vllm_sync`, as written."""
+    blocks = [part.split("\n```")[0] for part in GUIDE.read_text().split("```python\n")[1:]]
+    return next(block for block in blocks if "from autotp.rollout import vllm_sync" in block)
+
+
+def guide(rank: int, world: int, url: str, model_dir: str, out: str, code: str, steps: int) -> dict:
+    """The guide's block on each trainer rank (the names it leaves to the user: `DIR`, `batches`, `train_step`);
+    then rank 0 checks the engine against the save of the block's model and the one-process model."""
+    def train_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        autotp.allreduce_gradients(model)
+        torch.optim.SGD(model.parameters(), lr=LR).step()  # plain SGD keeps no state between steps
+        model.zero_grad()
+
+    namespace = {"DIR": model_dir, "batches": [batch(vocab=VOCAB)] * steps, "train_step": train_step}
+    exec(compile(code.replace(GUIDE_URL, url), str(GUIDE), "exec"), namespace)
+    autotp.save_pretrained(namespace["model"], out)
+    report = {}
+    if rank == 0:
+        ref = build(model_dir, False)
+        train(ref, steps, wrapped=False)
+        report = check(url, ref, out)
+    dist.barrier()
+    return report
+
+
+@pytest.mark.timeout(300)
+def test_the_rl_guide_block_runs_against_the_engine(engine: tuple[str, str], tmp_path: Path) -> None:
+    """docs/rl.md's vLLM block, as written, on 2 trainer ranks at tp=2: the engine's weights are the trainer's
+    save, and its completions one process's after the same 2 steps."""
+    code = guide_block()
+    assert GUIDE_URL in code and "tp_size=2" in code, code
+    report = run_ranks(guide, 2, *engine, str(tmp_path / "guide"), code, 2)[0]
+    tokens, expected = report["tokens"]
+    assert tokens == expected, report["tokens"]
+    assert report["logprob_error"] <= LOGPROB_ATOL, report["logprob_error"]
+    assert len(report["sent"]) >= 5 and report["sent"] == report["saved"], report["sent"]
 
 
 class Stopping(WeightSource):

@@ -188,3 +188,23 @@ def test_plan_ep_bytes_equal_the_real_bytes_after_wrap(autotp_cli) -> None:
     assert not [c for c in info["collectives"] if "experts" in c["where"]]  # no TP reductions of the experts
     text = autotp_cli("plan", "qwen3_moe", "--tp", "2", "--ep", "2")
     assert text.returncode == 0 and "at tp 2 x ep 2: experts" in text.stdout
+
+
+def test_plan_at_ep_prices_the_experts_split_by_expert(autotp_cli) -> None:
+    """`--tp 1 --ep 2 --dp 4`: the per-rank bytes, the training state and every ZeRO row hold half the experts
+    (FSDP shards them over expert-DP, 4 / 2 = 2 ranks; the dense layers over DP 4), and the text shows the experts
+    whole, split by expert, where the plan at ep 1 would slice each by width."""
+    done = autotp_cli("plan", "qwen3_moe", "--tp", "1", "--ep", "2", "--dp", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    experts = info["experts"]
+    held = experts["param_bytes_per_rank"][0]
+    assert info["param_bytes_per_rank"] == [held] and info["train_state_bytes_per_rank"] == [4 * held]
+    assert held < info["unsharded_param_bytes"] - experts["expert_bytes_per_rank"] // 2
+    dense, mine = held - experts["expert_bytes_per_rank"], experts["expert_bytes_per_rank"]
+    zero = {int(k): v for k, v in info["zero_bytes_per_rank"].items()}
+    assert zero[0]["total"] == 4 * held and "allreduce_gradients" in zero[0]["runs"]
+    assert zero[3]["total"] == 4 * (-(-dense // 4) + -(-mine // 2)), zero[3]
+    text = autotp_cli("plan", "qwen3_moe", "--tp", "1", "--ep", "2", "--dp", "4")
+    assert "whole experts per rank (split by expert over ep 2)" in text.stdout, text.stdout
+    assert "width" not in text.stdout and "experts over ep 2 x expert-DP 2" in text.stdout, text.stdout

@@ -19,7 +19,7 @@ from ep_workers import check, ep_rank_run, moe_model, single_process
 QUICK = ["gpt_oss", "dbrx", "deepseek_v3"]
 SLOW = ["qwen2_moe", "phimoe", "glm4_moe", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe",
         "minimax", "jamba", "flex_olmo", "exaone_moe", "solar_open", "nemotron_h", "afmoe", "qwen3_next",
-        "qwen3_5_moe_text"]
+        "qwen3_5_moe_text", "deepseek_v2", "glm_moe_dsa", "dots1", "lfm2_moe", "granitemoehybrid"]
 FOUR_RANKS = ["qwen3_moe", "mixtral", "olmoe", *QUICK, *SLOW]
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 pytestmark = pytest.mark.timeout(240)

@@ -45,10 +45,11 @@ HAND_WRITTEN = {  # families whose tiny builder fails on transformers 5.24 (MLA 
         num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=2, topk_group=1, kv_lora_rank=16,
         q_lora_rank=32, qk_rope_head_dim=16, head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
         max_position_embeddings=64, use_cache=False),
-    # MLA, and a dense shortcut beside the experts in every layer (2 sub-layers each)
+    # MLA, a dense shortcut beside the experts in every layer (2 sub-layers each), and zero-computation experts
+    # (half as many as the routed ones, as LongCat-Flash's 256 beside 512) that the router picks among them
     "longcat_flash": lambda: tf.LongcatFlashConfig(
         vocab_size=256, hidden_size=64, ffn_hidden_size=128, expert_ffn_hidden_size=32, num_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, zero_expert_num=0, moe_topk=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
         kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
         max_position_embeddings=64, use_cache=False),
     # MLA with DeepSeek sparse attention's indexer; its defaults make the first 3 layers dense

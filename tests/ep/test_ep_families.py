@@ -52,9 +52,16 @@ def test_load_balancing_loss_at_dp1_equals_one_process(family: str) -> None:
         check(report, expected)
 
 
-@pytest.mark.parametrize("family,module", [("llama4_text", "Llama4TextExperts"), ("jetmoe", "JetMoeMoA")])
-def test_families_autotp_cannot_dispatch_to_are_refused_by_name(family: str, module: str) -> None:
+@pytest.mark.parametrize("family,module,why", [
+    ("llama4_text", "Llama4TextExperts", "is not called as experts"),
+    ("jetmoe", "JetMoeMoA", "is not called as experts"),
+    ("longcat_flash", "LongcatFlashExperts", "has no integer num_experts"),
+])
+def test_families_autotp_cannot_dispatch_to_are_refused_by_name(family: str, module: str, why: str) -> None:
     """Llama 4's experts take every token scaled by its score ([experts * tokens, hidden], no top-k indices);
-    JetMoE's mixture of attention heads is called with its own routing. Refused before any group exists."""
-    with pytest.raises(NotImplementedError, match=f"ep_size=2: .*experts \\({module}\\) is not called as experts"):
+    JetMoE's mixture of attention heads is called with its own routing. LongCat-Flash's router picks among the routed
+    experts and zero-computation ones, which its experts module runs as identities (indices past the routed experts;
+    its gate_up_proj holds rows for both, its down_proj for the routed ones): no token of those may leave the rank,
+    and the module has no `num_experts`. Refused before any group exists."""
+    with pytest.raises(NotImplementedError, match=f"ep_size=2: .*experts \\({module}\\) {why}"):
         autotp.explain(moe_model(family), 1, ep_size=2)

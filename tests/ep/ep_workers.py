@@ -59,6 +59,20 @@ HAND_WRITTEN = {  # families whose tiny builder fails on transformers 5.24 (MLA 
         num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, head_dim=16, qk_nope_head_dim=16,
         v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=4, max_position_embeddings=64,
         use_cache=False),
+    # MLA; the tiny builder's head sizes do not fit its rope
+    "glm4_moe_lite": lambda: tf.Glm4MoeLiteConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        mlp_layer_types=["dense", "sparse"], num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, use_cache=False),
+    # MLA with the sparse-attention indexer; its defaults make the first 3 layers dense (no experts in the tiny model)
+    # and split the 4 experts into 8 groups
+    "deepseek_v32": lambda: tf.DeepseekV32Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16,
+        head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=4,
+        max_position_embeddings=64, use_cache=False),
     # defaults leave the expert counts unset
     "dots1": lambda: tf.Dots1Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
@@ -75,6 +89,15 @@ HAND_WRITTEN = {  # families whose tiny builder fails on transformers 5.24 (MLA 
         layer_types=["linear_attention", "attention"], num_attention_heads=4, num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
         mamba_n_groups=1, mamba_chunk_size=16, max_position_embeddings=64, use_cache=False),
+    # Kimi delta attention and MLA layers: the tiny builder keeps 32 linear heads of 128 (a minute a test, on the
+    # reference kernel) and no MLA layer
+    "kimi_linear": lambda: tf.KimiLinearConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], mlp_layer_types=["dense", "sparse",
+        "sparse"], num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, linear_num_heads=4, linear_head_dim=16, max_position_embeddings=64, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, use_cache=False),
 }
 
 

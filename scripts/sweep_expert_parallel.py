@@ -49,9 +49,8 @@ def names_experts(model_type: str) -> bool:
         config = tf.AutoConfig.for_model(model_type)
     except Exception:  # defaults its own checks refuse: nothing to tell from
         return False
-    subs = [config, *(v for v in vars(config).values() if isinstance(v, (tf.PretrainedConfig, dict)))]
-    get = lambda c, k: c.get(k) if isinstance(c, dict) else getattr(c, k, None)  # noqa: E731
-    return any(isinstance(get(c, k), int) and get(c, k) > 1 for c in subs for k in EXPERT_COUNTS)
+    subs = [config.to_dict(), *(v for v in config.to_dict().values() if isinstance(v, dict))]  # DBRX's ffn_config
+    return any(isinstance(sub.get(k), int) and sub[k] > 1 for sub in subs for k in EXPERT_COUNTS)
 
 
 def first_clause(err: Exception) -> str:

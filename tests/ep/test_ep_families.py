@@ -5,7 +5,7 @@ expert-DP 2); the router's load-balancing loss at dp 1; the families autotp refu
 The quick tier keeps one family per way of holding experts that autotp/ep/regions.py meets: gpt-oss (found by
 structure; interleaved gate|up, biases), DBRX (found by structure; flat [experts * width, hidden] tensors, a 3-D
 input) and DeepSeek-V3 (shared experts, grouped top-k with a correction bias, dense first layer). The rest, and every
-family's 4-rank case, are `slow` (about 2 minutes on 2 cores). scripts/sweep_expert_parallel.py runs the same harness
+family's 4-rank case, are `slow` (about 2.5 minutes on 2 cores). scripts/sweep_expert_parallel.py runs the same harness
 over every causal-LM type for docs/supported-models.md's "ep 2" column; the last test keeps that column to what
 these tests check.
 """

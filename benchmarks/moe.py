@@ -105,6 +105,7 @@ def build(name: str, path: str, world: int):
 
 def rank_main(rank: int, world: int, name: str, path: str, port: int, steps: int, warmup: int, out) -> None:
     torch.set_num_threads(1)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark: on a GPU machine transformers would pick NCCL
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if name != "transformers EP":  # transformers starts the process group itself
@@ -165,6 +166,9 @@ def main() -> None:
                     continue
                 ranks = [r for _, r in sorted(out.get() for _ in range(world))]
                 results.setdefault((world, name), []).append(ranks)
+                print(f"{name} at {world} ranks: {max(r['median'] for r in ranks):.3f} s/step, "  # kept if cut off
+                      f"{max(r['experts'] for r in ranks) / 2**20:.1f} expert MiB, "
+                      f"{max(r['sent'] for r in ranks) / 2**20:.1f} MiB sent", flush=True)
         print(f"round {round_index + 1} done", flush=True)
     print(f"\nQwen3-MoE hidden 512, 4 layers, 32 experts of width 128, top-4; batch {GLOBAL[0]} x {GLOBAL[1]} "
           f"(global), fp32, SGD; {args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up; "

@@ -27,7 +27,10 @@ def generates(trainer: Trainer) -> bool:
 
 def check_trl_setup(trainer: Trainer) -> None:
     """At construction: a fused LM head under vocab parallelism made vocab-parallel (the policy's and a wrapped
-    reference model's); count DP replicas only in GRPO's generation batch."""
+    reference model's); count DP replicas only in GRPO's and RLOO's generation batch; the TP size where TRL's DPO,
+    KTO, SFT and reward trainers divide their token count by it (they read it from accelerate, which knows no TP)."""
+    if hasattr(trainer, "_tp_size"):
+        trainer._tp_size = trainer.get_tp_size()
     for candidate in (trainer.model, getattr(trainer, "ref_model", None)):
         model = wrapped_model(candidate) if candidate is not None else None
         forward = vars(model).get("forward") if model is not None else None
@@ -38,17 +41,20 @@ def check_trl_setup(trainer: Trainer) -> None:
 
 
 def _count_replicas_in_generation_batch(trainer: Trainer) -> None:
-    """TRL's GRPO counted every process as a replica in `generation_batch_size`: DP replicas only. Its gathers
-    over every process then hold each replica's rewards tp times, right per whole prompt group only."""
+    """TRL's GRPO and RLOO counted every process as a replica in `generation_batch_size`: DP replicas only. Their
+    gathers over every process then hold each replica's rewards tp times, right per whole prompt group only."""
     args, local = trainer.args, trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
     args.generation_batch_size = local * dp_size(trainer.model)
-    whole = getattr(args, "scale_rewards", None) == "batch" or (
-        getattr(args, "multi_objective_aggregation", None) == "normalize_then_sum")
+    whole = [f"{name}={value!r}" for name, value, std in (
+        ("scale_rewards", getattr(args, "scale_rewards", None), "batch"),
+        ("multi_objective_aggregation", getattr(args, "multi_objective_aggregation", None), "normalize_then_sum"),
+        ("normalize_advantages", getattr(args, "normalize_advantages", None), True)) if value == std]
     if trainer.get_tp_size() > 1 and (whole or local % trainer.num_generations):
-        raise ValueError("autotp: TRL's GRPO gathers rewards over every process, where TP ranks repeat their "
-                         "replica's: " + ("scale_rewards='batch' and multi_objective_aggregation='normalize_then_"
-                         "sum' take a std over all of them; use scale_rewards='group' (the default)" if whole else
-                         f"each replica's {local} completions at a time (per_device_train_batch_size x steps_per_"
+        name = type(trainer).__name__
+        raise ValueError(f"autotp: TRL's {name} gathers rewards over every process, where TP ranks repeat their "
+                         "replica's: " + (f"{' and '.join(whole)} take a std over all of them (GRPO: use "
+                         "scale_rewards='group', the default; RLOO: normalize_advantages=False, the default)" if whole
+                         else f"each replica's {local} completions at a time (per_device_train_batch_size x steps_per_"
                          f"generation) must hold whole groups of num_generations={trainer.num_generations}"))
 
 

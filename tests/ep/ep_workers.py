@@ -153,17 +153,22 @@ def whole(tensor: torch.Tensor, param: torch.nn.Parameter, model: torch.nn.Modul
 
 
 def wrong_sync(model: torch.nn.Module, mode: str) -> None:
-    """The controls: expert gradients averaged over DP like dense ones, or summed but never divided."""
+    """The controls: expert gradients averaged over DP like dense ones, summed but never divided, summed over the
+    whole world instead of expert-DP (`world`: other experts' gradients mixed in), or never summed over expert-DP
+    (`no_expert_dp`: the other EP groups' tokens left out, the same as the right sync where expert-DP is 1 rank)."""
     if mode == "dp_average":
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=autotp.dp_group(model))
                 p.grad /= autotp.dp_size(model)
         return
+    mine = {p: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # before the sync: this EP group's tokens
+            for p in model.parameters() if hasattr(p, "autotp_expert")}
     autotp.allreduce_gradients(model)
-    for p in model.parameters():
-        if hasattr(p, "autotp_expert"):
-            p.grad *= autotp.dp_size(model)
+    for p, grad in mine.items():
+        if mode == "world":
+            dist.all_reduce(grad)  # every rank's experts, whichever they are
+        p.grad = p.grad * autotp.dp_size(model) if mode == "no_division" else grad / autotp.dp_size(model)
 
 
 def ep_rank_run(rank: int, world: int, family: str, tp: int, ep: int, mode: str = "right",

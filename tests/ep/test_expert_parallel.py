@@ -1,7 +1,8 @@
 """Expert parallelism (`ep_size`) against one process: the README's DP loop on each rank, the whole batch in one
 (the harness and its tolerances: tests/ep/ep_workers.py; the other families: test_ep_families.py).
 Controls: expert gradients averaged over the DP group as plain data parallelism would (different experts mixed), and
-summed without the division by the replicas (a spurious factor of dp), each fail those tolerances.
+summed without the division by the replicas (a spurious factor of dp), each fail those tolerances; on 8 ranks
+(expert-DP 2), expert gradients summed over the whole world, or not over expert-DP, fail them too.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def test_a_wrong_expert_gradient_sync_fails_the_tolerance(mode: str) -> None:
     expected = single_process("qwen3_moe")
     for report in run_ranks(ep_rank_run, 2, "qwen3_moe", 1, 2, mode):
         with pytest.raises(AssertionError, match="differs"):  # the loss, a gradient or the routing
+            check(report, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["world", "no_expert_dp"])
+def test_a_wrong_expert_dp_sum_fails_the_tolerance_on_eight_ranks(mode: str) -> None:
+    """tp 2 x ep 4 on 8 ranks, whose right sync passes (test_ep_families.py): each expert's gradient must be summed
+    over its expert-DP group {r, r + 4}, the one other rank holding that expert, and nowhere else."""
+    expected = single_process("qwen3_moe")
+    for report in run_ranks(ep_rank_run, 8, "qwen3_moe", 2, 4, mode):
+        with pytest.raises(AssertionError, match="differs"):
             check(report, expected)
 
 

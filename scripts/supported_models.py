@@ -29,6 +29,8 @@ TASKS = {
     "masked-lm": ("sweep_results_masked_lm.json", "masked-LM", "masked-lm"),
 }
 TP4 = "sweep_results_tp4.json"  # causal LMs only
+EP = "sweep_results_ep.json"  # causal LMs with routed experts only (scripts/sweep_expert_parallel.py)
+EP_VERDICTS = ["matched", "refused", "run-time error", "MISMATCH", "not built", "no experts found"]
 
 INTRO = """\
 # Supported models
@@ -64,6 +66,13 @@ trains on an image plus text; `--task seq2seq` every `AutoModelForSeq2SeqLM` typ
 labels; `--task masked-lm` every `AutoModelForMaskedLM` type. For composite models the note says
 which sub-models got something sharded. Which plan a model gets, the shipped policies and the
 layouts they cover are in [Writing a policy](policy.md).
+
+The causal-LM column "ep 2" is expert parallelism (`scripts/sweep_expert_parallel.py`, the harness of
+`tests/ep/test_ep_families.py`, which tests every type matched there): each type whose config names
+routed experts, built tiny (from a hand-written config in `tests/ep/ep_workers.py` where the defaults do
+not build small), trained 3 AdamW steps at ep 2 on 2 CPU ranks and at tp 2 x ep 2 on 4, against one
+process: loss, gradients, parameters and every MoE layer's top-k. "refused" gives autotp's reason, "-"
+is a dense model. See [Mixture of experts](moe.md).
 """
 
 
@@ -111,17 +120,37 @@ def summary() -> list[str]:
     return lines
 
 
-def table(results: dict[str, dict], tp4: dict[str, dict] | None = None) -> list[str]:
+def expert_parallel(r: dict | None) -> str:
+    """A type's "ep 2" cell: "-" for a dense model, the verdict, and autotp's reason where it is not matched."""
+    if r is None:
+        return "-"
+    return r["result"] if r["result"] == "matched" else f"{r['result']}: {r['note']}".replace("|", "/")
+
+
+def ep_counts(ep: dict[str, dict]) -> str:
+    tally = {v: sum(r["result"] == v for r in ep.values()) for v in EP_VERDICTS}
+    return (f"{len(ep)} types with routed experts at ep 2: "
+            + ", ".join(f"{n} {verdict}" for verdict, n in tally.items())
+            + ". Reproduce with `python scripts/sweep_expert_parallel.py`.")
+
+
+def table(results: dict[str, dict], tp4: dict[str, dict] | None = None, ep: dict[str, dict] | None = None
+          ) -> list[str]:
     head = f"| model type | result | plan from | from_pretrained plan = wrap plan | {LOADS} = wrap | {SAVES} | note |"
     rule = "|---|---|---|---|---|---|---|"
     if tp4 is not None:
         head = head.replace("| result |", "| result | at tp=4 |")
+        rule += "---|"
+    if ep is not None:
+        head = head.replace("| plan from |", "| ep 2 | plan from |")
         rule += "---|"
     lines = [head, rule]
     for model_type, r in sorted(results.items()):
         cells = [model_type, r["result"]]
         if tp4 is not None:
             cells.append(tp4[model_type]["result"] if model_type in tp4 else "")
+        if ep is not None:
+            cells.append(expert_parallel(ep.get(model_type)))
         cells += [r.get("plan", ""), r.get("meta plan = wrap plan", ""), r.get(LOADS, ""),
                   r.get(SAVES, "").replace("|", "/"), r.get("note", "").replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -136,7 +165,10 @@ def render() -> str:
                   f"{len(results)} types at tp=2: {counts(results)}. {reloads(results)} "
                   f"Reproduce with `python scripts/sweep_architectures.py --task {flag}`"
                   + (" (add `--tp 4` for the tp=4 column)." if task == "causal-lm" else "."), ""]
-        parts += table(results, load(TP4) if task == "causal-lm" else None) + [""]
+        if task == "causal-lm":
+            parts += [ep_counts(load(EP)), "", *table(results, load(TP4), load(EP)), ""]
+        else:
+            parts += table(results) + [""]
     return "\n".join(parts)
 
 

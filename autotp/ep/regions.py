@@ -6,7 +6,8 @@ experts modules, `experts(hidden_states, top_k_index, top_k_weights)` after the 
 `@use_experts_implementation` classes, gpt-oss's biased and interleaved experts, DBRX's). Each of its parameters must
 hold its experts as equal consecutive blocks of dim 0: one entry per expert (fused 3-D tensors, gpt-oss's biases), or
 `rows / experts` rows for a 2-D one (DBRX's flat [experts * width, hidden] tensors). A module that keeps its experts some other way is refused by name: Llama
-4's take every token scaled by its score, JetMoE's mixture of attention heads and per-expert module lists.
+4's take every token scaled by its score, JetMoE's mixture of attention heads, LongCat-Flash's experts that also
+run the router's zero-computation (identity) experts, and per-expert module lists.
 """
 
 from __future__ import annotations
@@ -59,10 +60,15 @@ def expert_layouts(model: nn.Module, plan: Plan, ep: int) -> list[ExpertLayout]:
     layouts = []
     for path, module in _candidates(model, plan).items():
         experts = getattr(module, "num_experts", None)
-        if not isinstance(experts, int) or not takes_routing(module):
+        if not takes_routing(module):
             raise NotImplementedError(f"ep_size={ep}: {path} ({type(module).__name__}) is not called as "
                                       f"experts(hidden_states, top_k_index, top_k_weights) after the model's router; "
                                       f"autotp cannot dispatch tokens to it")
+        if not isinstance(experts, int):
+            raise NotImplementedError(f"ep_size={ep}: {path} ({type(module).__name__}) has no integer num_experts, so "
+                                      f"autotp cannot tell which of the router's indices are experts it can move "
+                                      f"(LongCat-Flash's router also picks zero-computation experts, which the module "
+                                      f"runs as identities); autotp cannot split it by expert")
         names = tuple(name for name, _ in module.named_parameters())
         wrong = [name for name, p in module.named_parameters()
                  if (p.shape[0] % experts if p.dim() == 2 else p.shape[0] != experts)]

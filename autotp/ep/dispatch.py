@@ -53,7 +53,14 @@ class ExpertRegion:
         if self.state.is_gathered():  # whole experts: the module as one process runs it
             return self.own_forward(hidden_states, top_k_index, top_k_weights, **kwargs)
         shape = hidden_states.shape  # [tokens, hidden], or DBRX's [batch, seq, hidden]
-        hidden_states = hidden_states.reshape(-1, shape[-1])
+        return self._dispatch(hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights).view(shape)
+
+    @torch.compiler.disable
+    def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The dispatch, run eagerly under torch.compile: its buffers follow the routed counts (`bincount`, then
+        `tolist` for the all-to-all's splits), data-dependent sizes dynamo would break on several times a layer;
+        one break a MoE layer leaves the rest of each block in whole graphs."""
         rows, slots = hidden_states.shape[0], top_k_index.shape[-1]
         hidden, weights = split_rows((hidden_states, top_k_weights), self.tp_group)
         mine = own_rows(rows, self.tp_group)
@@ -69,7 +76,7 @@ class ExpertRegion:
         output = exchange(self._run_local(tokens, local_ids), receive, send, self.experts.group)
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
-        return gather_rows(combined, rows, self.tp_group).view(shape)
+        return gather_rows(combined, rows, self.tp_group)
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole tensor: its block of dim 0 (one row per expert, or DBRX's width rows)."""

@@ -259,17 +259,19 @@ def compiled_at_ep2(rank: int, world: int) -> dict:
     mean = loss.detach().clone()
     dist.all_reduce(mean)
     return {"breaks": explained.graph_break_count, "where": where, "loss": mean.item() / world,
+            "reasons": {"ExpertRegion._dispatch" in reason.reason for reason in explained.break_reasons},
             "grads": {n: whole(p.grad, p, model) for n, p in model.named_parameters()}}
 
 
 @pytest.mark.slow
 def test_torch_compile_at_ep2_equals_one_process() -> None:
     """Compiled forward and backward at ep 2 (tolerances as above: inductor reorders sums further, within 1e-5).
-    The graph breaks are all in the token dispatch (the counts' `bincount` and `tolist`: data-dependent sizes of the
-    all-to-all), one process's model compiles whole."""
+    The graph breaks are all at the token dispatch, which runs eagerly (`torch.compiler.disable`: its sizes follow the
+    routed counts), and nowhere else; one process's model compiles whole."""
     expected = single_process("qwen3_moe")
     for report in run_ranks(compiled_at_ep2, 2):
         assert report["breaks"] > 0 and report["where"] == {"ep/dispatch.py"}, report["where"]
+        assert report["reasons"] == {True}, "a graph break other than the dispatch's"
         assert abs(report["loss"] - expected["losses"][0]) <= LOSS_ATOL
         worst = max((grad_error(report["grads"][n], g), n) for n, g in expected["grads"].items())
         assert worst[0] <= GRAD_RTOL, f"gradient of {worst[1]} differs by {worst[0]:.3g}"

@@ -31,12 +31,9 @@ def refuse_unsupported(model: nn.Module, plan: Plan, options: WrapOptions) -> No
     if not expert_layouts(model, plan, ep):
         raise ValueError(f"ep_size={ep}: {type(model).__name__} has no routed experts autotp can find (a dense "
                          f"model); expert parallelism splits the experts of MoE layers. Leave ep_size at 1")
-    for given, why in ((options.cp_size > 1, f"cp_size={options.cp_size}"),
-                       (options.sequence_parallel, "sequence_parallel"),
-                       (options.tp_group is not None, "tp_group=")):
-        if given:
-            raise NotImplementedError(f"ep_size={ep} with {why}: not supported yet; expert parallelism composes with "
-                                      f"tp_size and data parallelism only so far")
+    if options.tp_group is not None:
+        raise NotImplementedError(f"ep_size={ep} with tp_group=: not supported yet; expert parallelism folds its "
+                                  f"groups over autotp's own grid")
 
 
 def dense_plan(plan: Plan, options: WrapOptions) -> Plan:

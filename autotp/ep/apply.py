@@ -36,6 +36,14 @@ def refuse_unsupported(model: nn.Module, plan: Plan, options: WrapOptions) -> No
                                   f"groups over autotp's own grid")
 
 
+def expert_paths(model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[str, ...]:
+    """The experts modules the EP step splits (none at ep 1): sequence parallelism runs their MoE blocks on its
+    chunk of the tokens (`autotp.sp.sequence.sequence_layout`)."""
+    if options.ep_size == 1:
+        return ()
+    return tuple(layout.path for layout in expert_layouts(model, plan, options.ep_size))
+
+
 def dense_plan(plan: Plan, options: WrapOptions) -> Plan:
     """The plan tensor parallelism applies: without the expert regions when the EP step takes them."""
     return plan if options.ep_size == 1 else replace(plan, regions=())
@@ -47,8 +55,11 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
     if experts is None:
         return
     layouts = expert_layouts(model, plan, experts.size)
+    # the TP ranks hold the same tokens, each dispatching its share; under sequence parallelism each already holds
+    # its own chunk, so nothing is split again
+    tokens = None if state.options.sequence_parallel else state.tp_group
     for layout in layouts:
-        part = ExpertRegion(model.get_submodule(layout.path), list(layout.names), experts, state.tp_group, state)
+        part = ExpertRegion(model.get_submodule(layout.path), list(layout.names), experts, tokens, state)
         experts.regions.append(part)
         state.regions.append(part)  # gathered mode: every expert on every rank
     state.ep = experts

@@ -63,7 +63,7 @@ def ep_cp_run(rank: int, world: int, family: str, tp: int, cp: int, ep: int, seq
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=autotp.dp_group(model))
         losses.append(mean.item() / replicas)
-    return {"losses": losses, "grads": grads, "rows": (first, rows),
+    return {"losses": losses, "grads": grads, "rows": (first, rows), "tp_rank": autotp.tp_rank(model),
             "routing": routing, "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
 
 
@@ -123,3 +123,35 @@ def test_cp2_on_four_ranks_equals_one_process(family: str, tp: int, ep: int, con
     expected = single_process(family, config=config)
     for report in run_ranks(ep_cp_run, 4, family, tp, 2, ep, False, config):
         check(report, expected)
+
+
+# --- sequence parallelism -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,config", [("qwen3_moe", AUX), ("mixtral", None)], ids=["qwen3_moe-aux", "mixtral"])
+def test_sequence_parallel_tp2_ep2_on_two_ranks_equals_one_process(family: str, config: dict | None) -> None:
+    """The MoE block sits between SP's blocks, so it runs on this TP rank's chunk of the tokens: the router there,
+    the chunk dispatched as it is (not split over TP again), the routers' logits gathered over TP for the
+    load-balancing loss and their gradients summed over TP like the norms'."""
+    expected = single_process(family, config=config)
+    for report in run_ranks(ep_cp_run, 2, family, 2, 1, 2, True, config):
+        check(report, expected)
+        assert report["routing"][0][2] == (2, report["tp_rank"])  # the experts saw this TP rank's chunk
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("cp,ep,config", [(1, 2, None), (2, 2, AUX), (2, 4, AUX)],
+                         ids=["dp2-tp2-ep2", "tp2-cp2-ep2-aux", "tp2-cp2-ep4-aux"])
+def test_sequence_parallel_on_four_ranks_equals_one_process(family: str, cp: int, ep: int,
+                                                            config: dict | None) -> None:
+    """Sequence parallelism at tp 2 with DP, and inside CP (each CP chunk split again over TP), at ep 2 and 4."""
+    expected = single_process(family, config=config)
+    for report in run_ranks(ep_cp_run, 4, family, 2, cp, ep, True, config):
+        check(report, expected)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_sequence_parallel_with_tp_shared_experts_is_refused(family: str) -> None:
+    """Shared experts planned as a TP block inside the MoE block would put SP's gather and reduce-scatter inside it."""
+    with pytest.raises(ValueError, match="tensor-parallel block inside a MoE block .*shared"):
+        autotp.explain(moe_model(family), 2, ep_size=2, sequence_parallel=True)

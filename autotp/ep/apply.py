@@ -32,8 +32,9 @@ def refuse_unsupported(model: nn.Module, plan: Plan, options: WrapOptions) -> No
         raise ValueError(f"ep_size={ep}: {type(model).__name__} has no routed experts autotp can find (a dense "
                          f"model); expert parallelism splits the experts of MoE layers. Leave ep_size at 1")
     if options.tp_group is not None:
-        raise NotImplementedError(f"ep_size={ep} with tp_group=: not supported yet; expert parallelism folds its "
-                                  f"groups over autotp's own grid")
+        raise NotImplementedError(f"ep_size={ep} with tp_group=: not supported; expert parallelism folds its EP "
+                                  f"groups over consecutive ranks of the world, TP ranks first (autotp.ep.groups), "
+                                  f"which a TP group of the caller's need not be; leave tp_group out")
 
 
 def expert_paths(model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
 from .sp.sequence import sequence_layout
 from .runtime.agreement import check_agreement, check_sizes
-from .ep.apply import refuse_unsupported as refuse_ep
+from .ep.apply import dense_plan, expert_paths, refuse_unsupported as refuse_ep
 from .state import TPState, find_state
 
 log = logging.getLogger("autotp")
@@ -195,9 +195,9 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     """The plan, and every refusal that needs no process group; nothing is changed."""
     refuse_quantized(model)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
-    if options.sequence_parallel:
-        sequence_layout(model, plan)
     refuse_ep(model, plan, options)
+    if options.sequence_parallel:
+        sequence_layout(model, dense_plan(plan, options), expert_paths(model, plan, options))
     cp = options.cp_size
     if cp > 1:
         context.refuse_unsupported(model, cp)

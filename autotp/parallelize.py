@@ -32,7 +32,7 @@ from typing import Callable
 from torch import nn
 
 from .compat.torch import ddp_ignored, set_ddp_ignored
-from .ep.apply import broadcast_experts, dense_plan, expert_parallel
+from .ep.apply import broadcast_experts, dense_plan, expert_parallel, expert_paths
 from .integrations.guards import ContextDDPGuard, DDPGuard, InputCheck, MeshGuard, SwapGuard
 from .integrations.hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .io.rollout.adapters import slice_adapters_on_load
@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions,
         dense = dense_plan(plan, options)
         state = tensor_parallel(model, dense, mesh, options)
         vocab_parallel(model, dense, state)
-        snapshot.track(sequence_parallel(model, dense, state, options))
+        snapshot.track(sequence_parallel(model, dense, state, options, expert_paths(model, plan, options)))
         expert_parallel(model, plan, mesh, state)
         if materialize is not None:
             materialize(state)
@@ -81,10 +81,11 @@ def tensor_parallel(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptio
     return apply_plan(model, plan, mesh, options)
 
 
-def sequence_parallel(model: nn.Module, plan: Plan, state: TPState, options: WrapOptions) -> list[Removable]:
+def sequence_parallel(model: nn.Module, plan: Plan, state: TPState, options: WrapOptions,
+                      experts: tuple[str, ...]) -> list[Removable]:
     if not options.sequence_parallel:
         return []
-    return apply_sequence_parallel(model, plan, state.tp_group, state)
+    return apply_sequence_parallel(model, plan, state.tp_group, state, experts)
 
 
 def context_parallel(model: nn.Module, state: TPState, options: WrapOptions) -> list[Removable]:

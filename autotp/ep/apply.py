@@ -31,12 +31,18 @@ def refuse_unsupported(model: nn.Module, plan: Plan, options: WrapOptions) -> No
     if not expert_layouts(model, plan, ep):
         raise ValueError(f"ep_size={ep}: {type(model).__name__} has no routed experts autotp can find (a dense "
                          f"model); expert parallelism splits the experts of MoE layers. Leave ep_size at 1")
-    for given, why in ((options.cp_size > 1, f"cp_size={options.cp_size}"),
-                       (options.sequence_parallel, "sequence_parallel"),
-                       (options.tp_group is not None, "tp_group=")):
-        if given:
-            raise NotImplementedError(f"ep_size={ep} with {why}: not supported yet; expert parallelism composes with "
-                                      f"tp_size and data parallelism only so far")
+    if options.tp_group is not None:
+        raise NotImplementedError(f"ep_size={ep} with tp_group=: not supported; expert parallelism folds its EP "
+                                  f"groups over consecutive ranks of the world, TP ranks first (autotp.ep.groups), "
+                                  f"which a TP group of the caller's need not be; leave tp_group out")
+
+
+def expert_paths(model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[str, ...]:
+    """The experts modules the EP step splits (none at ep 1): sequence parallelism runs their MoE blocks on its
+    chunk of the tokens (`autotp.sp.sequence.sequence_layout`)."""
+    if options.ep_size == 1:
+        return ()
+    return tuple(layout.path for layout in expert_layouts(model, plan, options.ep_size))
 
 
 def dense_plan(plan: Plan, options: WrapOptions) -> Plan:
@@ -50,8 +56,11 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
     if experts is None:
         return
     layouts = expert_layouts(model, plan, experts.size)
+    # the TP ranks hold the same tokens, each dispatching its share; under sequence parallelism each already holds
+    # its own chunk, so nothing is split again
+    tokens = None if state.options.sequence_parallel else state.tp_group
     for layout in layouts:
-        part = ExpertRegion(model.get_submodule(layout.path), list(layout.names), experts, state.tp_group, state)
+        part = ExpertRegion(model.get_submodule(layout.path), list(layout.names), experts, tokens, state)
         experts.regions.append(part)
         state.regions.append(part)  # gathered mode: every expert on every rank
     state.ep = experts

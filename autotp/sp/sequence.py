@@ -28,23 +28,34 @@ from ..tp.layers import LinearAllreduce
 from ..planning.plan import Plan
 
 
-def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[str]]:
-    """(decoder layer list path, block paths, layer-level norm parameter names) or a clear refusal: every weight
-    between the sharded blocks must be per-channel (1-D), since that code sees one chunk of the sequence."""
+def sequence_layout(model: nn.Module, plan: Plan, experts: tuple[str, ...] = ()
+                    ) -> tuple[str, list[str], list[str]]:
+    """(decoder layer list path, block paths, names of the layer-level weights whose gradients are partial over TP)
+    or a clear refusal: every weight between the sharded blocks must be per-channel (1-D), since that code sees one
+    chunk of the sequence. `experts`: the experts modules expert parallelism splits (`autotp.ep`); their MoE blocks
+    (router, top-k, token dispatch) are per-token code, so they run on the chunk too: the router's gradients are
+    partial like the norms', the experts' are expert parallelism's to sync."""
     if plan.regions or plan.head_inputs:
         raise ValueError("sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
                          "or per-head inputs (ALiBi)")
     blocks = sorted({layer.block for layer in plan.layers if layer.block and (plan.vocab is None or
                                                                                layer.path != plan.vocab.head)})
+    moe = tuple(f"{path.rpartition('.')[0]}." for path in experts)
+    nested = [b for b in blocks if b.startswith(moe)]
+    if nested:  # its gather and reduce-scatter would sit inside the MoE block, beside a router on the chunk
+        raise ValueError(f"sequence_parallel at ep_size > 1 with a tensor-parallel block inside a MoE block "
+                         f"({nested[0]}: shared experts) is not supported; use sequence_parallel=False")
     lists = {b.rsplit(".", 2)[0] for b in blocks}
     if len(lists) != 1 or not isinstance(model.get_submodule(next(iter(lists))), nn.ModuleList):
         raise ValueError(f"sequence_parallel needs every sharded block directly inside one list of decoder layers; "
                          f"found blocks under {sorted(lists)}")
     list_path = next(iter(lists))
     inside = {name for b in blocks for name, _ in model.get_submodule(b).named_parameters(prefix=b)}
+    moe = tuple(prefix for prefix in moe if prefix.count(".") > list_path.count(".") + 2)  # not a whole layer
+    split = tuple(f"{path}." for path in experts)
     outside = [(name, p) for name, p in model.get_submodule(list_path).named_parameters(prefix=list_path)
-               if name not in inside]
-    mixers = [f"{name} {list(p.shape)}" for name, p in outside if p.dim() > 1]
+               if name not in inside and not name.startswith(split)]
+    mixers = [f"{name} {list(p.shape)}" for name, p in outside if p.dim() > 1 and not name.startswith(moe)]
     if mixers:  # a replicated attention, MLP, convolution or state-space mixer would see one chunk of the sequence
         raise ValueError(
             f"sequence_parallel runs what sits between the sharded blocks on a chunk of the sequence, which is right "
@@ -54,10 +65,11 @@ def sequence_layout(model: nn.Module, plan: Plan) -> tuple[str, list[str], list[
     return list_path, blocks, [name for name, _ in outside]
 
 
-def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -> list[GradHook | LayerScope]:
+def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state, experts: tuple[str, ...] = ()
+                            ) -> list[GradHook | LayerScope]:
     """Install the sequence split; returns what `remove()` undoes it on the layers (their scopes) and on the tensors
     (the gradient hooks on the layers' own norms and row biases)."""
-    list_path, blocks, norms = sequence_layout(model, plan)
+    list_path, blocks, norms = sequence_layout(model, plan, experts)
     layers = model.get_submodule(list_path)
     chunked = Chunked()
     dropout = ChunkDropout(chunked, group, _config_dropout(model.config),
@@ -86,8 +98,9 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state) -
 
 
 class WholeHiddenStates:
-    """The hidden states HF collects for `output_hidden_states=True` are the decoder layers' inputs and outputs, which
-    under sequence parallelism are this rank's chunks (token-major, so not even a batch of samples): they are
+    """The hidden states HF collects for `output_hidden_states=True` (and, at ep_size > 1, the routers' logits for the
+    load-balancing loss) are the decoder layers' inputs and outputs, which under sequence parallelism are this rank's
+    chunks (token-major, so not even a batch of samples): they are
     gathered back into whole sequences, differentiably, before the user sees them. The whole input's shape is
     recorded as the first layer splits it, so a chunk is told by its shape."""
 
@@ -104,6 +117,8 @@ class WholeHiddenStates:
         if isinstance(output, dict):  # a ModelOutput: its hidden-state tuples (hidden_states, decoder_hidden_states...)
             for key in [k for k in output.keys() if k.endswith("hidden_states") and k != "last_hidden_state"]:
                 output[key] = self._whole(output[key])
+            if isinstance(output.get("router_logits"), tuple):  # EP's routers ran on the chunk: the aux loss reads all
+                output["router_logits"] = self._whole_rows(output["router_logits"])
             return output
         if isinstance(output, tuple):  # return_dict=False: the hidden-state tuples are tuples of tensors
             return tuple(self._whole(item) if isinstance(item, tuple) else item for item in output)
@@ -114,6 +129,13 @@ class WholeHiddenStates:
             return states
         return tuple(gather_from_seq(h, self.group) if torch.is_tensor(h) and h.shape == self.chunk_shape else h
                      for h in states)
+
+    def _whole_rows(self, logits: tuple) -> tuple:
+        """Per-token rows of the chunk's tokens ([tokens, ...]: the routers' logits), gathered into the whole batch's;
+        the backward keeps this rank's rows, as every TP rank computes the same loss from them."""
+        rows = None if self.chunk_shape is None else self.chunk_shape[0] * self.chunk_shape[1]
+        return tuple(gather_from_seq(x, self.group, 0) if torch.is_tensor(x) and x.shape[0] == rows else x
+                     for x in logits)
 
 
 class Chunked:

@@ -171,22 +171,21 @@ def wrong_sync(model: torch.nn.Module, mode: str) -> None:
         p.grad = p.grad * autotp.dp_size(model) if mode == "no_division" else grad / autotp.dp_size(model)
 
 
-def ep_rank_run(rank: int, world: int, family: str, tp: int, ep: int, mode: str = "right",
-                config: dict | None = None) -> dict:
-    """The README's DP loop at tp x ep: this replica's rows of the global batch, gradients synced, AdamW."""
-    model = autotp.wrap(moe_model(family, **(config or {})), tp, ep_size=ep)
-    assert autotp.ep_size(model) == ep and autotp.ep_rank(model) == rank % ep
-    routing = record_routing(model)
+def dp_loop(model: torch.nn.Module, sync, clip: bool = False) -> dict:
+    """The README's DP loop on this replica's rows of the global batch: STEPS AdamW steps, the gradients synced by
+    `sync()` (then clipped: `clip`); the losses (mean over replicas), the first step's gradients and the last
+    parameters (whole), the clipped norms and this replica's rows."""
     replicas = autotp.dp_size(model)
     rows = GLOBAL.shape[0] // replicas
-    mine = GLOBAL[autotp.dp_rank(model) * rows:(autotp.dp_rank(model) + 1) * rows]
+    first = autotp.dp_rank(model) * rows
+    mine = GLOBAL[first:first + rows]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     losses, grads, norms = [], {}, []
     for step in range(STEPS):
         loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
-        autotp.allreduce_gradients(model) if mode in ("right", "clip") else wrong_sync(model, mode)
-        if mode == "clip":
+        sync()
+        if clip:
             norms.append(autotp.clip_grad_norm_(model, CLIP).item())
         if step == 0:
             grads = {n: whole(p.grad, p, model) for n, p in model.named_parameters() if p.grad is not None}
@@ -195,9 +194,21 @@ def ep_rank_run(rank: int, world: int, family: str, tp: int, ep: int, mode: str 
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=autotp.dp_group(model))
         losses.append(mean.item() / replicas)
+    return {"losses": losses, "grads": grads, "norms": norms, "rows": (first, rows),
+            "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
+
+
+def ep_rank_run(rank: int, world: int, family: str, tp: int, ep: int, mode: str = "right",
+                config: dict | None = None) -> dict:
+    """The README's DP loop at tp x ep: this replica's rows of the global batch, gradients synced, AdamW."""
+    model = autotp.wrap(moe_model(family, **(config or {})), tp, ep_size=ep)
+    assert autotp.ep_size(model) == ep and autotp.ep_rank(model) == rank % ep
+    routing = record_routing(model)
+    sync = (lambda: autotp.allreduce_gradients(model)) if mode in ("right", "clip") else (
+        lambda: wrong_sync(model, mode))
+    report = dp_loop(model, sync, clip=mode == "clip")
     experts = sum(p.numel() * p.element_size() for p in model.parameters() if hasattr(p, "autotp_expert"))
-    return {"losses": losses, "grads": grads, "routing": routing, "rows": (autotp.dp_rank(model) * rows, rows),
-            "expert_bytes": experts, "norms": norms, "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
+    return {**report, "routing": routing, "expert_bytes": experts}
 
 
 def check(report: dict, expected: dict) -> None:

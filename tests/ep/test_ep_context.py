@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autotp
 from autotp.state import state_of
 from autotp.testing import run_ranks
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, grad_error
-from ep_workers import GLOBAL, STEPS, moe_model, single_process, whole
+from ep_workers import GLOBAL, dp_loop, moe_model, single_process
 
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 pytestmark = pytest.mark.timeout(300)
@@ -46,25 +45,8 @@ def ep_cp_run(rank: int, world: int, family: str, tp: int, cp: int, ep: int, seq
     model = autotp.wrap(moe_model(family, **(config or {})), tp, ep_size=ep, cp_size=cp,
                         sequence_parallel=sequence_parallel)
     routing = record_local_routing(model, sequence_parallel)
-    replicas = autotp.dp_size(model)
-    rows = GLOBAL.shape[0] // replicas
-    first = autotp.dp_rank(model) * rows
-    mine = GLOBAL[first:first + rows]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        autotp.allreduce_gradients(model)
-        if step == 0:
-            grads = {n: whole(p.grad, p, model) for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=autotp.dp_group(model))
-        losses.append(mean.item() / replicas)
-    return {"losses": losses, "grads": grads, "rows": (first, rows), "tp_rank": autotp.tp_rank(model),
-            "routing": routing, "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
+    report = dp_loop(model, lambda: autotp.allreduce_gradients(model))
+    return {**report, "tp_rank": autotp.tp_rank(model), "routing": routing}
 
 
 def expected_routing(theirs: torch.Tensor, first: int, rows: int, local: torch.Tensor | None,

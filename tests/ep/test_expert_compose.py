@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import autotp
 from autotp.testing import run_ranks
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, grad_error
-from ep_workers import CLIP, GLOBAL, STEPS, moe_model as family_model, record_routing, single_process, whole
+from ep_workers import GLOBAL, STEPS, dp_loop, moe_model as family_model, record_routing, single_process, whole
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,27 +29,9 @@ def ep_fsdp_run(rank: int, world: int, tp: int, ep: int, clip: bool = False, fam
     FSDP reduces the dense gradients over DP x CP and the experts' over expert-DP)."""
     model = autotp.fully_shard(autotp.wrap(family_model(family), tp, ep_size=ep))
     routing = record_routing(model)
-    replicas = autotp.dp_size(model)
-    rows = GLOBAL.shape[0] // replicas
-    mine = GLOBAL[autotp.dp_rank(model) * rows:(autotp.dp_rank(model) + 1) * rows]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    losses, grads, norms = [], {}, []
-    for step in range(STEPS):
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        autotp.allreduce_gradients(model)  # a no-op under FSDP, for experts too
-        if clip:
-            norms.append(autotp.clip_grad_norm_(model, CLIP).item())
-        if step == 0:
-            grads = {n: whole(p.grad, p, model) for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=autotp.dp_group(model))
-        losses.append(mean.item() / replicas)
+    report = dp_loop(model, lambda: autotp.allreduce_gradients(model), clip)  # a no-op under FSDP, experts too
     experts = [p for p in model.parameters() if hasattr(p, "autotp_expert")]
-    return {"losses": losses, "grads": grads, "routing": routing, "rows": (autotp.dp_rank(model) * rows, rows),
-            "norms": norms, "params": {n: whole(p, p, model) for n, p in model.named_parameters()},
+    return {**report, "routing": routing,
             "expert_dtensors": all(isinstance(p, DTensor) for p in experts) and len(experts) > 0}
 
 

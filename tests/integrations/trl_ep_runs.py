@@ -30,7 +30,7 @@ def _as_rank(rank: int, world: int) -> None:
     PartialState._reset_state()
 
 
-def _moe(tp: int, ep: int, adapters: bool = False) -> torch.nn.Module:
+def _moe(tp: int, ep: int, adapters: bool = False, timeout: float | None = None) -> torch.nn.Module:
     """tests/ep's tiny qwen3_moe (seed 0), LoRA on attention first when `adapters` (seed 1, lora_B non-zero), then
     `autotp.wrap` at tp x ep inside it (ep 0: one process, not wrapped)."""
     import autotp
@@ -43,7 +43,8 @@ def _moe(tp: int, ep: int, adapters: bool = False) -> torch.nn.Module:
         torch.manual_seed(1)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION, lora_dropout=0.0))
     if ep:
-        autotp.wrap(model.base_model.model if adapters else model, tp, ep_size=ep)
+        options = {} if timeout is None else {"timeout": timeout}
+        autotp.wrap(model.base_model.model if adapters else model, tp, ep_size=ep, **options)
     return model
 
 
@@ -51,7 +52,6 @@ def _params(model: torch.nn.Module, ep: int, trainable: bool = False) -> dict[st
     """Every (trainable) parameter as a full tensor, under its one-process name."""
     from ep_workers import whole
 
-    import autotp
     from autotp.state import wrapped_model
 
     inner = wrapped_model(model) if ep else None
@@ -106,11 +106,13 @@ def sft_run(rank: int, world: int, output: str, tp: int, ep: int, aux: bool = Tr
     return {"losses": trainer.losses, "logs": logs, "params": _params(model, ep)}
 
 
-def grpo_run(rank: int, world: int, output: str, tp: int, ep: int) -> dict:
+def grpo_run(rank: int, world: int, output: str, tp: int, ep: int, eos: int | None = None) -> dict:
     """examples/grpo_lora.py's GRPO (8 completions a step, 2 prompts x 4, sampled by the model itself at temperature
     0.1; KL against the starting adapter; fp32) on the tiny MoE with LoRA on attention: plain GRPOTrainer in one
-    process (ep 0), or `tp_trainer(GRPOTrainer)` at tp x ep. Records losses, completions, logs, the adapters, and
-    what every `generate` call was given for `synced_gpus` (TRL calls it with its own keyword arguments)."""
+    process (ep 0), or `tp_trainer(GRPOTrainer)` at tp x ep. With `eos`: one greedy step (top_k 1) of one prompt x 2
+    per replica, `t{eos}` ending a completion, and a 60 s collective timeout (a rank left waiting fails, not hangs).
+    Records losses, completions, logs, the adapters, and what autotp's `generate` passed on for `synced_gpus` (TRL
+    calls `generate` with keyword arguments of its own)."""
     from grpo_lora import Recorder, config, dataset, low_tokens, tokenizer
     from trl import GRPOTrainer
 
@@ -118,9 +120,9 @@ def grpo_run(rank: int, world: int, output: str, tp: int, ep: int) -> dict:
 
     _as_rank(rank, world)
     torch.manual_seed(0)
-    model = _moe(tp, ep, adapters=True)
+    model = _moe(tp, ep, adapters=True, timeout=60 if eos is not None else None)
     synced: list[Any] = []
-    if ep:  # autotp's SyncedGenerate around transformers' generate: what it passes on for synced_gpus
+    if ep:  # autotp's SyncedGenerate around transformers' generate
         synced_generate = model.base_model.model.generate
         original = synced_generate.generate
 
@@ -129,10 +131,15 @@ def grpo_run(rank: int, world: int, output: str, tp: int, ep: int) -> dict:
             return original(*args, **kwargs)
 
         synced_generate.generate = recording
+    args, words = config(output, STEPS), tokenizer(model.config.vocab_size)
+    if eos is not None:
+        args.max_steps, args.per_device_train_batch_size, args.num_generations = 1, 2, 2
+        args.generation_kwargs = {"top_k": 1}
+        words.eos_token = f"t{eos}"
     base = tp_trainer(GRPOTrainer) if ep else GRPOTrainer
     trainer = type("RecordingGRPO", (Recorder, base), {})(
-        model=model, reward_funcs=low_tokens, args=config(output, STEPS), train_dataset=dataset(model.config.vocab_size),
-        processing_class=tokenizer(model.config.vocab_size))
+        model=model, reward_funcs=low_tokens, args=args, train_dataset=dataset(model.config.vocab_size),
+        processing_class=words)
     trainer.train()
     logs = [log for log in trainer.state.log_history if "kl" in log]
     return {"losses": trainer.losses, "completions": trainer.completions, "logs": logs, "synced": synced,

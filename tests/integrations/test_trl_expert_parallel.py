@@ -91,7 +91,8 @@ def test_grpo_at_dp2_ep2_keeps_a_rank_whose_completions_ended_stepping(tmp_path:
     """At dp 2 x ep 2 each replica generates for its own prompts, so one rank's completions can end first; its EP peer
     still needs it in every step's all-to-all. One greedy step records each rank's completion; then the end-of-text
     token becomes one that rank 0 generates first and rank 1 never: rank 0 stops after one token, rank 1 generates
-    all 8, and the step completes (a rank left waiting would fail at the 60 s collective timeout)."""
+    all 8, and the step completes (with `synced_gpus=False` forced, rank 0 went on to TRL's gather while rank 1 waited
+    in the all-to-all, and the run failed at the 60 s collective timeout: checked by hand)."""
     first = run_ranks(grpo_run, 2, str(tmp_path / "first"), 1, 2, 1)
     ours, theirs = (rank["completions"][0][0] for rank in first)
     eos = ours[0]

@@ -247,7 +247,7 @@ class AutoTPTrainer(Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages
-        (for TRL's SFT with a MoE load-balancing loss, its token count over the DP size instead: see `adds_aux_loss`)."""
+        (TRL's SFT with a MoE load-balancing loss: its token count over the DP size instead, see `adds_aux_loss`)."""
         shared = self.args.average_tokens_across_devices and num_items_in_batch is not None and adds_aux_loss(self)
         count = num_items_in_batch / dp_size(self.model) if shared else num_items_in_batch
         with self._no_world_token_average() as average:

@@ -32,7 +32,7 @@ from transformers.trainer_pt_utils import find_batch_size
 from ..runtime.collectives import all_gather
 from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
 from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
-from .trl import check_trl_setup, generates, generation_loader, grpo_eval_loader
+from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 from ..dp.fsdp import fully_shard as autotp_fully_shard
 from ..mesh import group_size, named_failure
 from ..runtime.rng import sync_replicated_stream
@@ -246,9 +246,14 @@ class AutoTPTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages."""
+        """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages
+        (TRL's SFT with a MoE load-balancing loss: its token count over the DP size instead, see `adds_aux_loss`)."""
+        shared = self.args.average_tokens_across_devices and num_items_in_batch is not None and adds_aux_loss(self)
+        count = num_items_in_batch / dp_size(self.model) if shared else num_items_in_batch
         with self._no_world_token_average() as average:
-            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            result = super().compute_loss(model, inputs, return_outputs, count)
+        if shared:
+            return result
         if average and num_items_in_batch is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func):
             scale = dp_size(self.model)
             result = (result[0] * scale, result[1]) if return_outputs else result * scale

@@ -58,6 +58,14 @@ def _count_replicas_in_generation_batch(trainer: Trainer) -> None:
                          f"generation) must hold whole groups of num_generations={trainer.num_generations}"))
 
 
+def adds_aux_loss(trainer: Trainer) -> bool:
+    """TRL's SFTTrainer on a MoE model with its load-balancing loss on: it divides the summed token losses by
+    `num_items_in_batch`, then adds the aux loss, a mean over this replica's tokens. Scaling that sum by the DP size
+    (as DDP's average needs of the token part) would scale the aux loss too, and weigh it DP times one process's."""
+    return bool(getattr(trainer, "aux_loss_enabled", False)) and any(
+        cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+
+
 def generation_loader(trainer: Trainer, dataset: Dataset, sampler: Sampler) -> DataLoader:
     """GRPO's training data: `sampler`'s generation batches (`steps_per_generation` steps each), dealt over DP."""
     size = trainer_compat.train_batch_size(trainer) * trainer.args.steps_per_generation

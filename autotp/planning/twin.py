@@ -7,6 +7,11 @@ key/value head counts, layer counts and layer kinds are exactly those of the mod
 width that was a multiple of another stays one (q = heads x head_dim, gate|up = 2 x width). The
 algebra that verification checks (do the partial outputs of the shards sum to the block's
 output?) depends on the code and the head grouping, not on the widths.
+
+A model with many routed experts (Qwen3-235B-A22B: 128 experts x 94 layers) is still too large once narrowed; its
+twin also holds fewer experts (`fewer_experts`), since that algebra is per expert and the expert count changes no
+block's code. Expert parallelism's checks (`autotp.ep.regions`) read the model itself, never the twin, so the twin's
+count need not divide any `ep_size`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .probe import IMAGE_TOKEN_KEYS
+from .probe import IMAGE_TOKEN_KEYS, probe_inputs
 
 log = logging.getLogger("autotp")
 
@@ -29,6 +34,10 @@ _WIDTHS = {"hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d
 _MIN_HEAD_DIM = 8  # keeps partial rotary fractions (1/4, 1/2) whole and even
 _TWIN_VOCAB = 512
 _MAX_TWIN_PARAMS = 400_000_000  # ~1.6 GB in fp32: beyond this the twin is not built
+# Routed-expert counts and experts per token, by the names transformers' MoE configs give them (DBRX's ffn_config,
+# Llama 4's and the vision-language MoEs' text_config are sub-configs, handled as parts).
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "moe_top_k", "top_k_experts")
 
 
 def width_fields(config) -> dict[str, int]:
@@ -107,6 +116,42 @@ def twin_config(config, factor: int | None = None):
     return twin
 
 
+def fewer_experts(config):
+    """`config` (a twin's) with each routed-expert count cut to `_fewest_experts`, or None if none can be cut.
+    Parts (sub-configs) are cut alike; one that names no experts per token is left as it is (its routing is unknown)."""
+    cut = copy.deepcopy(config)
+    changed = False
+    for part in [cut, *sub_configs(cut).values()]:
+        fewest = _fewest_experts(vars(part))
+        for name in _EXPERT_COUNTS if fewest else ():
+            value = getattr(part, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > fewest:
+                setattr(part, name, fewest)
+                changed = True
+    return cut if changed else None
+
+
+def _fewest_experts(fields: dict) -> int | None:
+    """The fewest experts routing still takes (None without a top-k field): two, and each token's top-k; for
+    DeepSeek-style grouped routing (`n_group` groups, `topk_group` chosen) whole groups of at least two (a group is
+    scored by its top two) whose chosen groups hold the top-k."""
+    top = max([k for name in _TOP_K for k in (fields[name] if isinstance(fields.get(name), list) else [fields.get(name)])
+               if isinstance(k, int) and not isinstance(k, bool)], default=None)
+    if top is None:
+        return None
+    groups = fields.get("n_group")
+    if not isinstance(groups, int) or groups <= 1:
+        return max(2, top)
+    chosen = fields.get("topk_group")
+    chosen = chosen if isinstance(chosen, int) and 0 < chosen <= groups else groups
+    return groups * max(2, -(-top // chosen))
+
+
+def _parameter_count(model: nn.Module, config) -> int:
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return sum(p.numel() for p in type(model)(config).parameters())
+
+
 def structural_twin(model: nn.Module) -> nn.Module | None:
     """A narrow real-weight copy of `model`'s architecture (None, with the reason logged, if it cannot be built).
 
@@ -115,15 +160,19 @@ def structural_twin(model: nn.Module) -> nn.Module | None:
     """
     config = twin_config(model.config)
     try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            shape_only = type(model)(config)
-        count = sum(p.numel() for p in shape_only.parameters())
+        count = _parameter_count(model, config)
+        fewer = fewer_experts(config) if count > _MAX_TWIN_PARAMS else None
+        if fewer is not None:
+            config, count = fewer, _parameter_count(model, fewer)
         if count > _MAX_TWIN_PARAMS:
             log.info("autotp: no structural twin of %s: %d parameters even when narrowed", type(model).__name__, count)
             return None
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(0)  # the same twin whatever ran before: a plan depends on the config only
             twin = type(model)(config).float()
+            if fewer is not None:  # a cut its code cannot run (routing the fields above do not describe) is no twin
+                with torch.no_grad():
+                    twin.eval()(**probe_inputs(twin))
     except Exception as err:  # any failure means the twin cannot stand in for the model
         log.info("autotp: no structural twin of %s (%s: %s)", type(model).__name__, type(err).__name__, err)
         return None

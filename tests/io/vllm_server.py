@@ -1,5 +1,6 @@
-"""One `vllm serve` of a tiny model (a Llama unless given a config) for a test module (vLLM's own venv only): the model is written, the server
-started with the autotp-gloo backend and its RL routes, polled until healthy, and stopped when the module ends."""
+"""One `vllm serve` of a tiny model (a Llama unless given a config) for a test module (vLLM's own venv only): the
+model is written, the server started with the autotp-gloo backend and its RL routes, polled until healthy, and
+stopped when the module ends."""
 
 from __future__ import annotations
 

@@ -144,7 +144,8 @@ class _CpuExpertPrepack:
         self.layers, self.done = [], set()
         for layer in model.modules():
             experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-            if type(experts) is CPUUnquantizedExperts and not experts._use_zentorch:  # the "vec" kernel, prepacked
+            zentorch = getattr(experts, "_use_zentorch", False)  # zentorch keeps the checkpoint layout
+            if type(experts) is CPUUnquantizedExperts and not zentorch:  # the "vec" kernel, prepacked
                 self.layers.append((layer, experts))
 
     def __enter__(self) -> None:

@@ -1,5 +1,6 @@
-"""One `vllm serve` of a tiny Llama for a test module (vLLM's own venv only): the model is written, the server
-started with the autotp-gloo backend and its RL routes, polled until healthy, and stopped when the module ends."""
+"""One `vllm serve` of a tiny model (a Llama unless given a config) for a test module (vLLM's own venv only): the
+model is written, the server started with the autotp-gloo backend and its RL routes, polled until healthy, and
+stopped when the module ends."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Iterator
 import pytest
 import requests
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from autotp.testing.spawn import free_port
 
@@ -24,12 +25,14 @@ EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855
 
 
 @contextmanager
-def serve(vocab: int, *extra: str, env: dict[str, str] | None = None, label: str = "") -> Iterator[tuple[str, str]]:
-    """(url, initial model dir) of a running engine; head_dim 32, as vLLM's CPU attention refuses 16."""
+def serve(vocab: int, *extra: str, env: dict[str, str] | None = None, label: str = "",
+          config: PretrainedConfig | None = None) -> Iterator[tuple[str, str]]:
+    """(url, initial model dir) of a running engine of `config` (default: a tiny Llama of `vocab` tokens); head_dim
+    32, as vLLM's CPU attention refuses 16."""
     with tempfile.TemporaryDirectory() as tmp:
-        config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=32, vocab_size=vocab, max_position_embeddings=256,
-                             tie_word_embeddings=False)
+        config = config or LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=vocab,
+                                       max_position_embeddings=256, tie_word_embeddings=False)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(f"{tmp}/model")
         port = free_port()

@@ -8,6 +8,8 @@ The stream is `autotp.sync_weights`' (a header, then one flat buffer per bucket;
 `finish_weight_update`, once every declared tensor has arrived: vLLM's layerwise reload does not roll back, so a
 round cut off midway (a trainer rank died, the link broke) leaves the engine serving the previous round's weights,
 whole. The cost is one checkpoint-format copy of the model in each worker's host memory during a round.
+vLLM 0.32's CPU MoE experts are prepacked into its grouped-GEMM layout on the first load only: a weight update
+leaves them in checkpoint layout, read as packed (silently wrong experts), so the worker prepacks them again.
 The server's processes register the backend through vLLM's general-plugin entry point (pyproject.toml's
 `vllm.general_plugins`), the trainer through `vllm_sync`.
 """
@@ -115,15 +117,55 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         if self.staged is None:
             raise RuntimeError(f"{BACKEND}: finish_weight_update without a complete round received")
         staged, self.staged = self.staged, None
-        initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check():
-            self.model.load_weights(staged)
-        finalize_layerwise_reload(self.model, self.model_config)
+        unpacked = _CpuExpertPrepack(self.model)
+        with unpacked:
+            initialize_layerwise_reload(self.model)
+            with disable_mtp_completeness_check():
+                self.model.load_weights(staged)
+            finalize_layerwise_reload(self.model, self.model_config)
+        unpacked.prepack()
 
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.abort()
             self.group = None
+
+
+class _CpuExpertPrepack:
+    """The CPU MoE experts a load leaves unpacked. vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel` runs the
+    experts' `process_weights_after_loading` (the CPU prepack of `w13_weight` / `w2_weight`) on the first load
+    only; on a weight update it copies the checkpoint layout in and skips it, and the kernel then reads those
+    values as packed. While loading, each CPU experts kernel's prepack records the layers it ran for; `prepack()`
+    then prepacks, in place, every layer it did not run for (none, once vLLM runs it on updates)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        self.layers, self.done = [], set()
+        for layer in model.modules():
+            experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            zentorch = getattr(experts, "_use_zentorch", False)  # zentorch keeps the checkpoint layout
+            if type(experts) is CPUUnquantizedExperts and not zentorch:  # the "vec" kernel, prepacked
+                self.layers.append((layer, experts))
+
+    def __enter__(self) -> None:
+        for layer, experts in self.layers:
+            def recorded(target: torch.nn.Module, run=experts.process_weights_after_loading) -> None:
+                self.done.add(id(target))
+                run(target)
+            experts.process_weights_after_loading = recorded  # this instance only, until __exit__
+
+    def __exit__(self, *_: object) -> None:
+        for _, experts in self.layers:
+            del experts.process_weights_after_loading
+
+    def prepack(self) -> None:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        for layer, experts in self.layers:
+            if id(layer) not in self.done:
+                for weight in (layer.w13_weight, layer.w2_weight):
+                    weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
 
 
 @dataclass

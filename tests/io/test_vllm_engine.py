@@ -122,12 +122,13 @@ def train(model: torch.nn.Module, steps: int, wrapped: bool) -> None:
 
 
 def check(url: str, ref: torch.nn.Module, saved: str | None) -> dict:
-    """On trainer rank 0, after a round: the engine against the trainer's save and the one-process model."""
+    """On trainer rank 0, after a round: the engine as the sync left it against the one-process model (completions
+    first: they cover the linear layers the digests miss), then its digests against the trainer's save reloaded."""
     report = {"sent": digests(url)}
+    got, expected = completions(url), reference(ref)
     if saved is not None:
         reload(url, saved)
         report["saved"] = digests(url)
-    got, expected = completions(url), reference(ref)
     report["tokens"] = ([t for t, _ in got], [t for t, _ in expected])
     report["logprobs"] = [g for _, g in got]
     report["logprob_error"] = max(abs(a - b) for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e))

@@ -139,9 +139,11 @@ class _CpuExpertPrepack:
     then prepacks, in place, every layer it did not run for (none, once vLLM runs it on updates)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
         self.layers, self.done = [], set()
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        except ImportError:  # a vLLM without that kernel has nothing of it to prepack
+            return
         for layer in model.modules():
             experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             zentorch = getattr(experts, "_use_zentorch", False)  # zentorch keeps the checkpoint layout

@@ -22,7 +22,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM leg runs this module in its own venv")
 
-import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
@@ -33,15 +32,12 @@ import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
 from models import batch  # noqa: E402
-from vllm_server import EMPTY_DIGEST, serve  # noqa: E402
+from vllm_server import LR, completions, digests, reference, reload, serve, train as train_steps  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = pytest.mark.slow
 
 VOCAB = 512  # a multiple of 64: vLLM pads its vocabulary to one, and then holds the checkpoint's rows exactly
-PROMPTS = [[1, 5, 9, 22], [300, 17, 4, 88, 250, 6], [42, 42, 7]]
-NEW_TOKENS = 8
-LR = 0.05
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], lora_dropout=0.0,
             init_lora_weights=False)
 # Prompt log-probs, engine vs transformers: fp32 on both sides; the engine's oneDNN kernels and the TP-trained
@@ -57,49 +53,6 @@ def engine() -> Iterator[tuple[str, str]]:
         yield running
 
 
-def digests(url: str) -> dict[str, str]:
-    """vLLM's per-tensor sha256 of the engine's weights. Its CPU build drops each linear layer's weight once packed
-    for oneDNN (empty digest), so these cover the embedding, the norms and the LM head; the completions and
-    log-probs below cover the linear layers."""
-    response = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60)
-    response.raise_for_status()
-    return {name: digest for name, digest in response.json()["checksums"].items() if digest != EMPTY_DIGEST}
-
-
-def reload(url: str, path: str) -> None:
-    """The engine's own loader reads a transformers checkpoint into the running engine."""
-    response = requests.post(f"{url}/collective_rpc", timeout=120,
-                             json={"method": "reload_weights", "kwargs": {"weights_path": path}})
-    response.raise_for_status()
-
-
-def completions(url: str) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and prompt log-probs (of tokens 1...) for each prompt, from the engine."""
-    out, model = [], requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    for prompt in PROMPTS:
-        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                "return_token_ids": True, "prompt_logprobs": 0}
-        response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
-        response.raise_for_status()
-        choice = response.json()["choices"][0]
-        logprobs = [entry[str(token)]["logprob"] for token, entry in zip(prompt[1:], choice["prompt_logprobs"][1:])]
-        out.append((choice["token_ids"], logprobs))
-    return out
-
-
-def reference(model: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
-    """The same from transformers on the one-process model."""
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            tokens = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-            out.append((tokens.tolist(), logprobs.tolist()))
-    return out
-
-
 def build(model_dir: str, lora: bool) -> torch.nn.Module:
     """The engine's initial model, as a user loads it (LoRA: PEFT's adapters, non-zero from the start)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -107,18 +60,6 @@ def build(model_dir: str, lora: bool) -> torch.nn.Module:
         torch.manual_seed(1)
         model = get_peft_model(model, LoraConfig(**LORA))
     return model
-
-
-def train(model: torch.nn.Module, steps: int, wrapped: bool) -> None:
-    """`steps` SGD steps on one batch, every DP replica on the same rows (so one process's steps are the same)."""
-    ids = batch(vocab=VOCAB)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    for _ in range(steps):
-        model(input_ids=ids, labels=ids).loss.backward()
-        if wrapped:
-            autotp.allreduce_gradients(model)
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def check(url: str, ref: torch.nn.Module, saved: str | None) -> dict:
@@ -144,9 +85,9 @@ def rounds(rank: int, world: int, url: str, model_dir: str, out: str, lora: bool
     engine = vllm_sync(model, url, timeout_s=60)
     reports = []
     for i, count in enumerate(steps):
-        train(model, count, wrapped=True)
+        train_steps(model, count, True, VOCAB)
         if ref is not None:
-            train(ref, count, wrapped=False)
+            train_steps(ref, count, False, VOCAB)
         started = time.monotonic()
         engine.send_weights()
         seconds = time.monotonic() - started
@@ -219,7 +160,7 @@ def guide(rank: int, world: int, url: str, model_dir: str, out: str, code: str, 
     report = {}
     if rank == 0:
         ref = build(model_dir, False)
-        train(ref, steps, wrapped=False)
+        train_steps(ref, steps, False, VOCAB)
         report = check(url, ref, out)
     dist.barrier()
     return report
@@ -261,12 +202,12 @@ class Stopping(WeightSource):
 def failed_round(rank: int, world: int, url: str, model_dir: str, out: str) -> dict:
     """A good round, then one where rank 0 fails mid-send, then a new connection and a resend."""
     model = autotp.wrap(build(model_dir, False), tp_size=2)
-    train(model, 1, wrapped=True)
+    train_steps(model, 1, True, VOCAB)
     engine = vllm_sync(model, url, timeout_s=30, bucket_bytes=BUCKET)
     engine.send_weights()
     report = {"before": digests(url) if rank == 0 else None}
     before = completions(url) if rank == 0 else None
-    train(model, 1, wrapped=True)
+    train_steps(model, 1, True, VOCAB)
     if rank == 0:
         engine.source = Stopping(engine.source, after=6)  # the embedding's and a layer's buckets have gone
     started = time.monotonic()

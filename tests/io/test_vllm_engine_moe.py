@@ -29,7 +29,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM leg runs this module in its own venv")
 
-import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -39,8 +38,7 @@ from vllm._custom_ops import cpu_prepack_moe_weight  # noqa: E402
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
-from models import batch  # noqa: E402
-from vllm_server import EMPTY_DIGEST, serve  # noqa: E402
+from vllm_server import completions, digests, reference, reload, serve, train as train_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +46,6 @@ VOCAB = 512  # a multiple of 64: vLLM pads its vocabulary to one, and then holds
 CONFIG = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=VOCAB,
               max_position_embeddings=256, tie_word_embeddings=False, norm_topk_prob=True)
-PROMPTS = [[1, 5, 9, 22], [300, 17, 4, 88, 250, 6], [42, 42, 7]]
-NEW_TOKENS = 8
-LR = 0.05
 # Prompt log-probs, engine vs transformers: fp32 on both sides; the engine's kernels (oneDNN linears, its fused-MoE
 # CPU path) and the EP-trained weights (within 1e-7 of one process's) move them by ~1e-6 (observed 5e-7); the router
 # picks the same experts unless two logits tie that closely. Two experts swapped, or experts left unpacked, move
@@ -63,15 +58,6 @@ def engine() -> Iterator[tuple[str, str]]:
     """(url, initial model dir): one `vllm serve` of the tiny Qwen3-MoE for the whole module; start-up printed."""
     with serve(VOCAB, config=Qwen3MoeConfig(**CONFIG), label=" (Qwen3-MoE)") as running:
         yield running
-
-
-def digests(url: str) -> dict[str, str]:
-    """vLLM's per-tensor sha256 of the engine's weights, less the empty ones: its CPU build drops each linear
-    layer's weight once packed for oneDNN (qkv, o, the router's gate), so these are the embedding, the LM head,
-    the norms (q and k norms too) and each layer's experts (`w13_weight`, `w2_weight`, as prepacked)."""
-    response = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60)
-    response.raise_for_status()
-    return {name: digest for name, digest in response.json()["checksums"].items() if digest != EMPTY_DIGEST}
 
 
 def expert_digests(saved: str) -> dict[str, str]:
@@ -89,52 +75,6 @@ def expert_digests(saved: str) -> dict[str, str]:
             out[f"dp0:pp0:pcp0:tp0:model.layers.{i}.mlp.experts.routed_experts.{name}"] = hashlib.sha256(
                 packed.view(-1).view(torch.uint8).numpy()).hexdigest()
     return out
-
-
-def reload(url: str, path: str) -> None:
-    """The engine's own loader reads a transformers checkpoint into the running engine."""
-    response = requests.post(f"{url}/collective_rpc", timeout=120,
-                             json={"method": "reload_weights", "kwargs": {"weights_path": path}})
-    response.raise_for_status()
-
-
-def completions(url: str) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and prompt log-probs (of tokens 1...) for each prompt, from the engine."""
-    out, model = [], requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    for prompt in PROMPTS:
-        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                "return_token_ids": True, "prompt_logprobs": 0}
-        response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
-        response.raise_for_status()
-        choice = response.json()["choices"][0]
-        logprobs = [entry[str(token)]["logprob"] for token, entry in zip(prompt[1:], choice["prompt_logprobs"][1:])]
-        out.append((choice["token_ids"], logprobs))
-    return out
-
-
-def reference(model: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
-    """The same from transformers on the one-process model."""
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            tokens = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-            out.append((tokens.tolist(), logprobs.tolist()))
-    return out
-
-
-def train(model: torch.nn.Module, steps: int, wrapped: bool) -> None:
-    """`steps` SGD steps on one batch, every DP replica on the same rows (so one process's steps are the same)."""
-    ids = batch(vocab=VOCAB)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(steps):
-        model(input_ids=ids, labels=ids).loss.backward()
-        if wrapped:
-            autotp.allreduce_gradients(model)
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def swap_experts(model: torch.nn.Module) -> None:
@@ -156,9 +96,9 @@ def rounds(rank: int, world: int, url: str, model_dir: str, out: str, tp: int, s
     engine = vllm_sync(model, url, timeout_s=60)
     reports = []
     for i, count in enumerate(steps):
-        train(model, count, wrapped=True)
+        train_steps(model, count, True, VOCAB)
         if ref is not None:
-            train(ref, count, wrapped=False)
+            train_steps(ref, count, False, VOCAB)
         if swap:
             swap_experts(model)
         started = time.monotonic()

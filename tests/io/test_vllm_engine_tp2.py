@@ -25,15 +25,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
-from models import batch  # noqa: E402
-from vllm_server import EMPTY_DIGEST, serve  # noqa: E402
+from vllm_server import EMPTY_DIGEST, NEW_TOKENS, PROMPTS, serve, train as train_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 VOCAB, ROWS = 500, 256  # vLLM's rows per rank: 512 padded rows / 2
-PROMPTS = [[1, 5, 9, 22], [300, 17, 4, 88, 250, 6], [42, 42, 7]]
-NEW_TOKENS = 8
-LR, STEPS = 0.05, 2
+STEPS = 2
 CPUS = sorted(os.sched_getaffinity(0))
 
 
@@ -70,23 +67,11 @@ def greedy(url: str) -> list[list[int]]:
     return [choice["token_ids"] for choice in sorted(response.json()["choices"], key=lambda c: c["index"])]
 
 
-def train(model: torch.nn.Module, wrapped: bool) -> None:
-    """STEPS SGD steps on one batch, the same on every rank and in one process."""
-    ids = batch(vocab=VOCAB)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(STEPS):
-        model(input_ids=ids, labels=ids).loss.backward()
-        if wrapped:
-            autotp.allreduce_gradients(model)
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def send(rank: int, world: int, url: str, model_dir: str) -> dict:
     """Trainer ranks at tp=2: train, send the full tensors (each engine rank's loader cuts its rows), then export
     the rows of `EngineLayout.vllm(2)`; rank 0 compares them with the engine and its completions with one process's."""
     model = autotp.wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tp_size=2)
-    train(model, wrapped=True)
+    train_steps(model, STEPS, True, VOCAB)
     vllm_sync(model, url, timeout_s=60).send_weights()
     rows = list(autotp.export_weights(model, target=autotp.EngineLayout.vllm(2)))
     if rank != 0:
@@ -98,7 +83,7 @@ def send(rank: int, world: int, url: str, model_dir: str) -> dict:
             tensor = torch.cat([tensor, tensor.new_zeros(ROWS - tensor.shape[0], *tensor.shape[1:])])
         expected[f"tp{engine_rank}:{name}"] = sha256(tensor)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    train(ref, wrapped=False)
+    train_steps(ref, STEPS, False, VOCAB)
     with torch.no_grad():
         tokens = [ref.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):]
                   .tolist() for p in PROMPTS]

@@ -18,7 +18,9 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
+import autotp
 from autotp.testing.spawn import free_port
+from models import batch
 
 START_TIMEOUT_S = 240  # inside the first test's 300 s timeout (observed: 30 to 70 s)
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
@@ -61,3 +63,64 @@ def _healthy(url: str) -> bool:
         return requests.get(f"{url}/health", timeout=5).ok
     except requests.ConnectionError:
         return False
+
+
+# What the engine tests read and run, beside the engine (each module's prompts are these).
+PROMPTS = [[1, 5, 9, 22], [300, 17, 4, 88, 250, 6], [42, 42, 7]]
+NEW_TOKENS = 8
+LR = 0.05
+
+
+def digests(url: str) -> dict[str, str]:
+    """vLLM's per-tensor sha256 of the engine's weights, less the empty ones: its CPU build drops each linear layer's
+    weight once packed for oneDNN, so these cover the embedding, the norms, the LM head and (in a MoE) the
+    experts; the completions and log-probs cover the linear layers."""
+    response = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60)
+    response.raise_for_status()
+    return {name: digest for name, digest in response.json()["checksums"].items() if digest != EMPTY_DIGEST}
+
+
+def reload(url: str, path: str) -> None:
+    """The engine's own loader reads a transformers checkpoint into the running engine."""
+    response = requests.post(f"{url}/collective_rpc", timeout=120,
+                             json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+    response.raise_for_status()
+
+
+def completions(url: str) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and prompt log-probs (of tokens 1...) for each prompt, from the engine."""
+    out, model = [], requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                "return_token_ids": True, "prompt_logprobs": 0}
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        logprobs = [entry[str(token)]["logprob"] for token, entry in zip(prompt[1:], choice["prompt_logprobs"][1:])]
+        out.append((choice["token_ids"], logprobs))
+    return out
+
+
+def reference(model: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
+    """The same from transformers on the one-process model."""
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            tokens = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            out.append((tokens.tolist(), logprobs.tolist()))
+    return out
+
+
+def train(model: torch.nn.Module, steps: int, wrapped: bool, vocab: int) -> None:
+    """`steps` SGD steps on one batch, every DP replica on the same rows (so one process's steps are the same)."""
+    ids = batch(vocab=vocab)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        if wrapped:
+            autotp.allreduce_gradients(model)
+        optimizer.step()
+        optimizer.zero_grad()

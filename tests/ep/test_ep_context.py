@@ -15,8 +15,7 @@ import torch
 import autotp
 from autotp.state import state_of
 from autotp.testing import run_ranks
-from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, grad_error
-from ep_workers import GLOBAL, dp_loop, moe_model, single_process
+from ep_workers import GLOBAL, check_training, dp_loop, moe_model, single_process
 
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 pytestmark = pytest.mark.timeout(300)
@@ -68,12 +67,7 @@ def check(report: dict, expected: dict) -> None:
     for (ours, local, share), theirs in zip(report["routing"], expected["routing"]):
         assert torch.equal(ours, expected_routing(theirs, first, rows, local, share)), \
             "top-k differs from one process's"
-    loss = max(abs(a - b) for a, b in zip(report["losses"], expected["losses"]))
-    assert loss <= LOSS_ATOL, f"loss differs by {loss:.3g}"
-    worst = max((grad_error(report["grads"][n], g), n) for n, g in expected["grads"].items())
-    assert worst[0] <= GRAD_RTOL, f"gradient of {worst[1]} differs by {worst[0]:.3g}"
-    worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
-    assert worst[0] <= PARAM_ATOL, f"{worst[1]} differs by {worst[0]:.3g} after AdamW steps"
+    check_training(report, expected)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

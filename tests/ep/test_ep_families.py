@@ -52,12 +52,14 @@ def test_ep2_on_two_ranks_equals_one_process(family: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world,ep", [(4, 2), (8, 4)], ids=["tp2-ep2-on-4-ranks", "tp2-ep4-on-8-ranks"])
 @pytest.mark.parametrize("family", EVERY)
-def test_tp2_ep2_on_four_ranks_equals_one_process(family: str) -> None:
+def test_tp2_on_more_ranks_equals_one_process(family: str, world: int, ep: int) -> None:
+    """tp 2 x ep 2 on 4 ranks (expert-DP 2) and tp 2 x ep 4 on 8 (EP groups 0..3 and 4..7, expert-DP {r, r + 4})."""
     expected = single_process(family)
-    for report in run_ranks(ep_rank_run, 4, family, 2, 2):
+    for report in run_ranks(ep_rank_run, world, family, 2, ep):
         check(report, expected)
-        assert report["expert_bytes"] * 2 == expected["expert_bytes"]
+        assert report["expert_bytes"] * ep == expected["expert_bytes"]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -79,15 +81,6 @@ def test_families_autotp_cannot_dispatch_to_are_refused_by_name(family: str, mod
     and the module has no `num_experts`. Refused before any group exists."""
     with pytest.raises(NotImplementedError, match=f"ep_size=2: .*experts \\({module}\\) {why}"):
         autotp.explain(moe_model(family), 1, ep_size=2)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", EVERY)
-def test_tp2_ep4_on_eight_ranks_equals_one_process(family: str) -> None:
-    expected = single_process(family)
-    for report in run_ranks(ep_rank_run, 8, family, 2, 4):
-        check(report, expected)
-        assert report["expert_bytes"] * 4 == expected["expert_bytes"]
 
 
 def test_the_supported_models_ep_column_claims_only_what_these_tests_check() -> None:

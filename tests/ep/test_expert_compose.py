@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import autotp
 from autotp.testing import run_ranks
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, grad_error
-from ep_workers import GLOBAL, STEPS, dp_loop, moe_model as family_model, record_routing, single_process, whole
+from ep_workers import GLOBAL, STEPS, check, dp_loop, moe_model as family_model, record_routing, single_process, whole
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,20 +33,6 @@ def ep_fsdp_run(rank: int, world: int, tp: int, ep: int, clip: bool = False, fam
     experts = [p for p in model.parameters() if hasattr(p, "autotp_expert")]
     return {**report, "routing": routing,
             "expert_dtensors": all(isinstance(p, DTensor) for p in experts) and len(experts) > 0}
-
-
-def check(report: dict, expected: dict) -> None:
-    """Parity with one process, the routing included; raises AssertionError naming the worst tensor."""
-    first, rows = report["rows"]
-    seq = GLOBAL.shape[1]
-    for ours, theirs in zip(report["routing"], expected["routing"]):
-        assert torch.equal(ours, theirs[first * seq:(first + rows) * seq]), "top-k differs from one process's"
-    loss = max(abs(a - b) for a, b in zip(report["losses"], expected["losses"]))
-    assert loss <= LOSS_ATOL, f"loss differs by {loss:.3g}"
-    worst = max((grad_error(report["grads"][n], g), n) for n, g in expected["grads"].items())
-    assert worst[0] <= GRAD_RTOL, f"gradient of {worst[1]} differs by {worst[0]:.3g}"
-    worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
-    assert worst[0] <= PARAM_ATOL, f"{worst[1]} differs by {worst[0]:.3g} after AdamW steps"
 
 
 # --- FSDP2 ----------------------------------------------------------------------------------------------------------

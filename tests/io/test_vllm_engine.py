@@ -32,7 +32,8 @@ import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
 from models import batch  # noqa: E402
-from vllm_server import LR, completions, digests, reference, reload, serve, train as train_steps  # noqa: E402
+from vllm_server import (LR, completions, digests, reference, reload, serve, train as train_steps,  # noqa: E402
+                         train_and_send)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = pytest.mark.slow
@@ -85,12 +86,7 @@ def rounds(rank: int, world: int, url: str, model_dir: str, out: str, lora: bool
     engine = vllm_sync(model, url, timeout_s=60)
     reports = []
     for i, count in enumerate(steps):
-        train_steps(model, count, True, VOCAB)
-        if ref is not None:
-            train_steps(ref, count, False, VOCAB)
-        started = time.monotonic()
-        engine.send_weights()
-        seconds = time.monotonic() - started
+        seconds = train_and_send(model, ref, engine, count, VOCAB)
         saved = None if lora else f"{out}/round{i}"
         if saved is not None:
             autotp.save_pretrained(model, saved)

@@ -21,7 +21,6 @@ Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for 
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -38,7 +37,7 @@ from vllm._custom_ops import cpu_prepack_moe_weight  # noqa: E402
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
-from vllm_server import completions, digests, reference, reload, serve, train as train_steps  # noqa: E402
+from vllm_server import completions, digests, reference, reload, serve, train_and_send  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -96,14 +95,7 @@ def rounds(rank: int, world: int, url: str, model_dir: str, out: str, tp: int, s
     engine = vllm_sync(model, url, timeout_s=60)
     reports = []
     for i, count in enumerate(steps):
-        train_steps(model, count, True, VOCAB)
-        if ref is not None:
-            train_steps(ref, count, False, VOCAB)
-        if swap:
-            swap_experts(model)
-        started = time.monotonic()
-        engine.send_weights()
-        seconds = time.monotonic() - started
+        seconds = train_and_send(model, ref, engine, count, VOCAB, (lambda: swap_experts(model)) if swap else None)
         saved = f"{out}/round{i}"
         autotp.save_pretrained(model, saved)
         if rank == 0:

@@ -124,3 +124,17 @@ def train(model: torch.nn.Module, steps: int, wrapped: bool, vocab: int) -> None
             autotp.allreduce_gradients(model)
         optimizer.step()
         optimizer.zero_grad()
+
+
+def train_and_send(model: torch.nn.Module, ref: torch.nn.Module | None, engine, steps: int, vocab: int,
+                   before_send=None) -> float:
+    """One round: `steps` on the trainer and on the one-process `ref` (rank 0's), `before_send()` if given, then
+    the engine's `send_weights`; its seconds."""
+    train(model, steps, True, vocab)
+    if ref is not None:
+        train(ref, steps, False, vocab)
+    if before_send is not None:
+        before_send()
+    started = time.monotonic()
+    engine.send_weights()
+    return time.monotonic() - started

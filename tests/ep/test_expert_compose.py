@@ -163,25 +163,13 @@ def ep_run_with(rank: int, world: int, tp: int, ep: int, mode: str) -> dict:
         model.train()
     else:
         model = lora(model, ATTENTION)
-    replicas = autotp.dp_size(model)
-    rows = GLOBAL.shape[0] // replicas
-    mine = GLOBAL[autotp.dp_rank(model) * rows:(autotp.dp_rank(model) + 1) * rows]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
+    calls = []
+
+    def sync() -> None:  # after each backward: the experts calls seen so far (the first step's: forward + recompute)
+        calls.append(len(routing))
         autotp.allreduce_gradients(model)
-        if step == 0:
-            calls = len(routing)
-            grads = {n: whole(p.grad, p, model) for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=autotp.dp_group(model))
-        losses.append(mean.item() / replicas)
-    return {"losses": losses, "grads": grads, "routing": [], "rows": (autotp.dp_rank(model) * rows, rows),
-            "calls": calls, "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
+
+    return {**dp_loop(model, sync), "routing": [], "calls": calls[0]}
 
 
 @pytest.mark.parametrize("mode", ["checkpointing", "lora"])

@@ -130,10 +130,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.ep > 1:
         layouts = [(e.path, e.names) for e in expert_layouts(model, plan, args.ep)]
         info["experts"] = e = expert_cost(model, plan, layouts, args.ep, args.batch, args.seq)
-        world = args.tp * args.dp * args.cp  # experts are split over EP and copied over expert-DP = world / ep
+        # experts are split over EP and copied over expert-DP = world / ep
+        e["expert_dp_size"] = max(1, args.tp * args.dp * args.cp // args.ep)
         info["zero_bytes_per_rank"] = expert_zero_bytes(max(e["param_bytes_per_rank"]) - e["expert_bytes_per_rank"],
                                                         e["expert_bytes_per_rank"], args.dp * args.cp,
-                                                        max(1, world // args.ep))
+                                                        e["expert_dp_size"])
         info["param_bytes_per_rank"] = e["param_bytes_per_rank"]  # the summary's held every expert whole
         info["train_state_bytes_per_rank"] = [4 * b for b in e["param_bytes_per_rank"]]
     if args.cp > 1:
@@ -162,8 +163,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.dp > 1 or args.zero is not None:
         gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
         at = f"tp {args.tp} x dp {args.dp}" + (f" x cp {args.cp}" if args.cp > 1 else "") + \
-            (f", experts over ep {args.ep} x expert-DP {max(1, args.tp * args.dp * args.cp // args.ep)}" if args.ep > 1
-             else "")
+            (f", experts over ep {args.ep} x expert-DP {info['experts']['expert_dp_size']}" if args.ep > 1 else "")
         print(f"  per rank at {at} (largest TP rank; parameters, gradients, Adam moments in the parameter dtype, no "
               f"activations):")
         stages = sorted({0, args.zero}) if args.zero is not None else [0, 1, 2, 3]

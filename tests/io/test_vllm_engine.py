@@ -13,12 +13,14 @@ Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for 
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+import requests
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM leg runs this module in its own venv")
 
@@ -30,7 +32,7 @@ from vllm.distributed.weight_transfer import WeightSource  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
-from autotp.testing.spawn import run_ranks  # noqa: E402
+from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
 from models import batch  # noqa: E402
 from vllm_server import (LR, completions, digests, reference, reload, serve, train as train_steps,  # noqa: E402
                          train_and_send)
@@ -290,3 +292,69 @@ def test_grpo_example_generates_with_the_engine_and_trains_as_one_process(engine
     assert max(errors) <= GRPO_LOGPROB_ATOL, errors
     assert report["records"][0]["completions"] != report["records"][1]["completions"]
     assert report["again"] != report["records"][1]["completions"]  # step 1's seed, after step 1's update was sent
+
+
+# The weight channel's edges: its token (docs/rl.md's Security), a trainer the server cannot reach, a stalled
+# sender, a channel another client took. Each trainer here is one rank at tp=1 unless the item needs two.
+def _post(url: str, route: str, body: dict | None = None) -> int:
+    return requests.post(f"{url}/{route}", json=body, timeout=120).status_code
+
+
+def intrude(url: str, model_dir: str, names: list[str], out) -> None:
+    """A third process that knows the URL and the protocol, not the token: it asks the workers to join a store of
+    its own, then sends a round of other weights through `vllm_sync` with a guessed token, then asks the workers
+    to receive a round on the channel they hold (which would wait on the trainer) and to load it."""
+    codes = {"init": _post(url, "init_weight_transfer_engine", {"init_info": dict(
+        master_address="127.0.0.1", master_port=free_port(), world_size=2, timeout_s=5.0)})}
+    other = autotp.wrap(build(model_dir, False), tp_size=1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    try:
+        vllm_sync(other, url, token="a guess", timeout_s=20).send_weights()
+        codes["vllm_sync"] = "sent"
+    except Exception as error:  # noqa: BLE001 (the report names it)
+        codes["vllm_sync"] = f"{type(error).__name__}: {error}"
+    codes["start"] = _post(url, "start_weight_update")
+    codes["update"] = _post(url, "update_weights", {"update_info": {"names": names}})
+    codes["finish"] = _post(url, "finish_weight_update")
+    out.send(codes)
+
+
+def guarded(rank: int, world: int, url: str, model_dir: str) -> dict:
+    """A trainer with the token sends a round, an intruder tries its ways in (in a process of its own, forked
+    here), then the trainer sends the next round on the channel it opened."""
+    model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
+    engine = vllm_sync(model, url, timeout_s=30)
+    train_and_send(model, ref, engine, 1, VOCAB)
+    before, served = digests(url), completions(url)
+    receiving, sending = mp.get_context("fork").Pipe(duplex=False)
+    started = time.monotonic()
+    intruder = mp.get_context("fork").Process(target=intrude, args=(url, model_dir,
+                                                                     [m.name for m in engine.source.metadata()],
+                                                                     sending))
+    intruder.start()
+    codes = receiving.recv()
+    intruder.join(timeout=60)
+    report = {"codes": codes, "intruder_s": time.monotonic() - started, "kept": digests(url) == before,
+              "serving": completions(url) == served}
+    train_and_send(model, ref, engine, 1, VOCAB)
+    return {**report, **check(url, ref, None), "changed": digests(url) != before}
+
+
+@pytest.mark.timeout(300)
+def test_a_client_without_the_token_cannot_change_the_engines_weights(engine: tuple[str, str]) -> None:
+    """Item 19: the intruder's init, its `vllm_sync` with a guessed token, its start/update/finish: each refused,
+    in seconds; the engine's weights and completions are the trainer's last round's, and the trainer's channel
+    still carries its next round (completions as one process's)."""
+    report = run_ranks(guarded, 1, *engine)[0]
+    codes = report["codes"]
+    print(f"intruder: {codes} in {report['intruder_s']:.1f} s")
+    assert codes["init"] == codes["update"] == codes["finish"] == 500, codes
+    assert "refused to open the transfer channel" in codes["vllm_sync"], codes
+    assert "AUTOTP_SYNC_TOKEN" in codes["vllm_sync"], codes
+    assert report["intruder_s"] < 30, report["intruder_s"]
+    assert report["kept"] and report["serving"]
+    tokens, expected = report["tokens"]
+    assert tokens == expected and report["logprob_error"] <= LOGPROB_ATOL, report
+    assert report["changed"]

@@ -5,6 +5,7 @@ stopped when the module ends."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import autotp
 from autotp.testing.spawn import free_port
 from models import batch
 
+TOKEN_ENV = "AUTOTP_SYNC_TOKEN"  # the weight channel's shared secret (autotp.io.rollout.vllm_gloo.TOKEN_ENV)
 START_TIMEOUT_S = 240  # inside the first test's 300 s timeout (observed: 30 to 70 s)
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
 
@@ -30,7 +32,8 @@ EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855
 def serve(vocab: int, *extra: str, env: dict[str, str] | None = None, label: str = "",
           config: PretrainedConfig | None = None) -> Iterator[tuple[str, str]]:
     """(url, initial model dir) of a running engine of `config` (default: a tiny Llama of `vocab` tokens); head_dim
-    32, as vLLM's CPU attention refuses 16."""
+    32, as vLLM's CPU attention refuses 16. The server's log is `server.log` beside the model dir. A fresh token is
+    in the server's environment and, meanwhile, this process's (the trainer ranks forked from here read it)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = config or LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=vocab,
@@ -41,7 +44,9 @@ def serve(vocab: int, *extra: str, env: dict[str, str] | None = None, label: str
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", f"{tmp}/model",
                    "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "256",
                    "--enforce-eager", *extra, "--weight-transfer-config", '{"backend": "autotp-gloo"}']
-        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        token, before = secrets.token_hex(16), os.environ.get(TOKEN_ENV)
+        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: token,
+                       **(env or {})}
         started = time.monotonic()
         with open(f"{tmp}/server.log", "w") as log:
             server = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
@@ -52,10 +57,15 @@ def serve(vocab: int, *extra: str, env: dict[str, str] | None = None, label: str
                     pytest.fail(f"vLLM did not start:\n{Path(tmp, 'server.log').read_text()[-4000:]}")
                 time.sleep(2)
             print(f"\nvLLM engine{label} start-up: {time.monotonic() - started:.1f} s")
+            os.environ[TOKEN_ENV] = token
             yield url, f"{tmp}/model"
         finally:
             server.terminate()
             server.wait(timeout=60)
+            if before is None:
+                os.environ.pop(TOKEN_ENV, None)
+            else:
+                os.environ[TOKEN_ENV] = before
 
 
 def _healthy(url: str) -> bool:

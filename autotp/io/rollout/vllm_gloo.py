@@ -12,15 +12,25 @@ vLLM 0.32's CPU MoE experts are prepacked into its grouped-GEMM layout on the fi
 leaves them in checkpoint layout, read as packed (silently wrong experts), so the worker prepacks them again.
 The server's processes register the backend through vLLM's general-plugin entry point (pyproject.toml's
 `vllm.general_plugins`), the trainer through `vllm_sync`.
+The channel is authenticated: every init and round carries a shared secret, compared with the server's
+`AUTOTP_SYNC_TOKEN` before the worker touches its group or weights (vLLM's dev-mode routes have no auth of their
+own), and the trainer's store listens on the one address that faces the engine.
 """
 
 from __future__ import annotations
 
 import datetime
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+import errno
+import hmac
+import os
+import socket
+import threading
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Self
 
+import requests
 import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer import (
@@ -32,6 +42,11 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransfe
 from .sync import receive_weights, send_tensors
 
 BACKEND = "autotp-gloo"
+TOKEN_ENV = "AUTOTP_SYNC_TOKEN"  # the shared secret: the server's environment, and the trainer's (or vllm_sync(token=))
+# How long a worker tries to reach the trainer's store and join its group. The engine serves nothing while its
+# worker waits, so a trainer it cannot reach fails the init within this, not within the transfer's timeout_s.
+CONNECT_S = 10.0
+_TAKEN = "taken"  # set in a trainer's store by a worker that another client's init moved to a new channel
 
 
 def register() -> None:
@@ -44,11 +59,59 @@ def register() -> None:
             pass
 
 
-def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
-    """The trainer (rank 0, the store's host) and the workers, outside either side's own world."""
+def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float, channel: str = "",
+               connect_s: float | None = None) -> tuple[dist.Store, dist.ProcessGroup]:
+    """The trainer (rank 0, the store's host) and the workers, outside either side's own world: the channel's
+    store (its keys under the channel's id) and group. Rank 0's store listens on `address` alone. `connect_s`:
+    how long this rank tries to reach the store and join the group (default `timeout_s`); every later wait,
+    a transfer's included, is `timeout_s`."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(BACKEND, store), rank, world_size, timeout)
+    connect = datetime.timedelta(seconds=min(connect_s or timeout_s, timeout_s))
+    fd = _listening(address, port) if rank == 0 else None
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=connect, master_listen_fd=fd)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    store = dist.PrefixStore(f"{BACKEND}/{channel}", store)
+    group = dist.ProcessGroupGloo(store, rank, world_size, connect)
+    store.set_timeout(timeout)
+    group._set_default_timeout(timeout)
+    return store, group
+
+
+def _listening(address: str, port: int) -> int:
+    """A socket listening on `address` only, its descriptor handed to the store (which closes it): torch's own
+    listens on every interface. An address that is not this host's (a NAT's, forwarded here) gets every interface,
+    as nothing narrower receives it."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((address, port))
+        except OSError as error:
+            if error.errno != errno.EADDRNOTAVAIL:
+                raise
+            listener.bind(("", port))
+        listener.listen()
+    except BaseException:
+        listener.close()
+        raise
+    return listener.detach()
+
+
+def check_token(token: str, what: str) -> None:
+    """The worker's gate: `token` must equal the server's `AUTOTP_SYNC_TOKEN` (compared in constant time), else
+    `what` is refused before anything changes."""
+    expected = os.environ.get(TOKEN_ENV, "")
+    if not expected:
+        raise PermissionError(f"{BACKEND}: {what} refused: the server has no {TOKEN_ENV} in its environment; start "
+                              f"it with the shared secret the trainer passes to vllm_sync (token= or {TOKEN_ENV})")
+    if not hmac.compare_digest(token.encode(), expected.encode()):
+        raise PermissionError(f"{BACKEND}: {what} refused: its token is not the server's {TOKEN_ENV}; the engine "
+                              f"keeps its weights and its transfer channel")
 
 
 @dataclass
@@ -60,6 +123,8 @@ class AutotpGlooInitInfo(WeightTransferInitInfo):
     world_size: int
     rank_offset: int = 1
     timeout_s: float = 300.0
+    token: str = ""
+    channel: str = ""
 
 
 @dataclass
@@ -67,6 +132,8 @@ class AutotpGlooUpdateInfo(WeightTransferUpdateInfo):
     """One round: the names the trainer declared (its source's `metadata()`), so a worker applies only a whole one."""
 
     names: list[str]
+    token: str = ""
+    channel: str = ""
 
 
 class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGlooUpdateInfo]):
@@ -79,20 +146,49 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         super().__init__(*args)
         self.group: dist.ProcessGroup | None = None
         self.staged: list[tuple[str, torch.Tensor]] | None = None
+        self.store: dist.Store | None = None
+        self.channel: str | None = None
 
     def init_transfer_engine(self, init_info: AutotpGlooInitInfo) -> None:
-        self.shutdown()  # a trainer reconnecting after a failed round: the old group is dead
+        check_token(init_info.token, "init_weight_transfer_engine")  # a refused client leaves the channel as it was
+        address = f"{init_info.master_address}:{init_info.master_port}"
+        self._hand_over(address)  # a trainer reconnecting after a failed round, or another client taking over
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
-        self.group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                init_info.timeout_s)
+        try:
+            self.store, self.group = gloo_group(init_info.master_address, init_info.master_port, rank,
+                                                init_info.world_size, init_info.timeout_s, init_info.channel,
+                                                connect_s=CONNECT_S)
+        except Exception as error:
+            raise RuntimeError(f"{BACKEND}: this engine worker could not join the trainer's transfer group at "
+                               f"{address} within {CONNECT_S:g} s ({type(error).__name__}: {error}); is that "
+                               f"address reachable from the server? vllm_sync(master_address=...) sets it") from error
+        self.channel = init_info.channel
+
+    def _hand_over(self, to: str) -> None:
+        """Close the current channel, first marking it taken in its trainer's store, so that trainer's next round
+        says another client took it (rather than gloo's "Connection closed by peer")."""
+        if self.group is not None:
+            try:
+                self.store.set_timeout(datetime.timedelta(seconds=2))
+                self.store.set(_TAKEN, to)
+            except Exception:  # noqa: BLE001 (that trainer is gone: no one to tell)
+                pass
+        self.shutdown()
+        self.store = None
 
     def start_weight_update(self) -> None:
         self.staged = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """The base class's, without its `torch.accelerator.synchronize()` (which raises on CPU torch)."""
-        self.receive_weights(self.parse_update_info(update_info))
+        """The base class's, without its `torch.accelerator.synchronize()` (which raises on CPU torch), refused
+        unless the round carries the server's token and is for the channel this worker holds."""
+        info = self.parse_update_info(update_info)
+        check_token(info.token, "update_weights")
+        if self.group is not None and info.channel != self.channel:
+            raise RuntimeError(f"{BACKEND}: update_weights refused: another client took the transfer channel "
+                               f"(re-initialised it) after this round's trainer opened it; the weights are unchanged")
+        self.receive_weights(info)
 
     def receive_weights(self, update_info: AutotpGlooUpdateInfo) -> None:
         if self.group is None:
@@ -173,7 +269,8 @@ class _CpuExpertPrepack:
 @dataclass
 class AutotpGlooTrainerInitInfo(TrainerInitInfo):
     """Trainer side: where the sender hosts the group's store, the group's size (1 + the engine's workers across
-    its DP replicas), the bucket size of the stream, and how long any rank waits on another."""
+    its DP replicas), the bucket size of the stream, how long any rank waits on another, and the shared secret
+    (the server's `AUTOTP_SYNC_TOKEN`)."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -182,6 +279,7 @@ class AutotpGlooTrainerInitInfo(TrainerInitInfo):
     world_size: int
     bucket_bytes: int = 256 << 20
     timeout_s: float = 300.0
+    token: str = ""
 
 
 class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitInfo]):
@@ -190,29 +288,41 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
     init_info_cls = AutotpGlooTrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, timeout_s: float = 300.0, token: str = "") -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.timeout_s, self.token = bucket_bytes, timeout_s, token
         self.group: dist.ProcessGroup | None = None
+        self.store: dist.Store | None = None
+        self.channel = uuid.uuid4().hex  # this connection's id: a round for another client's channel is refused
 
     @classmethod
     def trainer_init(cls, init_info: AutotpGlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: WeightSource | None = None) -> Self:
         if source is None:
             raise ValueError(f"{BACKEND}: the trainer engine needs a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes,
+                     timeout_s=init_info.timeout_s, token=init_info.token)
         if not engine.is_sender:
             return engine
+        address = f"{init_info.master_address}:{init_info.master_port}"
         worker = dict(master_address=init_info.master_address, master_port=init_info.master_port,
-                      world_size=init_info.world_size, rank_offset=1, timeout_s=init_info.timeout_s)
-        exe = ThreadPoolExecutor(max_workers=2)  # the workers join inside the RPC; the trainer joins meanwhile
+                      world_size=init_info.world_size, rank_offset=1, timeout_s=init_info.timeout_s,
+                      token=init_info.token, channel=engine.channel)
+        exe = ThreadPoolExecutor(max_workers=1)  # the workers join inside the RPC; the trainer joins meanwhile
         try:
             rpc = exe.submit(client.init_weight_transfer_engine, worker)
-            group = exe.submit(gloo_group, init_info.master_address, init_info.master_port, 0,
-                               init_info.world_size, init_info.timeout_s)
+            group = _in_background(gloo_group, init_info.master_address, init_info.master_port, 0,
+                                   init_info.world_size, init_info.timeout_s, engine.channel)
             wait([rpc, group], return_when=FIRST_EXCEPTION)
-            rpc.result()  # the server's refusal (an unknown backend, say) before waiting out the rendezvous
-            engine.group = group.result()
+            try:
+                rpc.result()  # the server's refusal (an unknown backend, say) before waiting out the rendezvous
+            except requests.HTTPError as error:
+                raise RuntimeError(
+                    f"{BACKEND}: the server refused to open the transfer channel ({error}); its log says why. Either "
+                    f"its {TOKEN_ENV} is unset or not this trainer's token (vllm_sync(token=) or {TOKEN_ENV}), or "
+                    f"its workers could not reach this trainer's store at {address} within {CONNECT_S:g} s (pass "
+                    f"vllm_sync(master_address=) an address of this host that the server reaches)") from error
+            engine.store, engine.group = group.result()
         finally:
             exe.shutdown(wait=False)
         return engine
@@ -232,11 +342,18 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
         self.client.start_weight_update()
         exe = ThreadPoolExecutor(max_workers=1)
         try:
-            receiving = exe.submit(self.client.update_weights, {"names": [m.name for m in meta]})
+            receiving = exe.submit(self.client.update_weights, {"names": [m.name for m in meta], "token": self.token,
+                                                                "channel": self.channel})
             send_tensors(_checked(self.source, meta), self.group, bucket_bytes=self.bucket_bytes)
             receiving.result()
-        except BaseException:
+        except BaseException as error:
+            taken = self._taken()
             self.shutdown()
+            if taken is not None:
+                raise RuntimeError(f"{BACKEND}: another client took the engine's transfer channel (it re-initialised "
+                                   f"it, with its store at {taken}), so this round was refused and the engine keeps "
+                                   f"its weights; call autotp.rollout.vllm_sync again (on every trainer rank) to "
+                                   f"take it back") from error
             raise
         finally:
             exe.shutdown(wait=False)
@@ -246,6 +363,28 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
         if self.group is not None:
             self.group.abort()
             self.group = None
+
+    def _taken(self) -> str | None:
+        """Where the client that took this channel hosts its store, if a worker marked it taken (read in 2 s)."""
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=2))
+            return self.store.get(_TAKEN).decode() if self.store.check([_TAKEN]) else None
+        except Exception:  # noqa: BLE001 (no store, or it is gone: nothing to read)
+            return None
+
+
+def _in_background(fn, *args) -> Future:
+    """`fn(*args)` in a daemon thread: a rendezvous the server refused does not hold the trainer's process open
+    at exit until it times out."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 (handed to the caller)
+            future.set_exception(error)
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def _checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,9 +10,12 @@ the tensors (the others get none), so only global rank 0 (vLLM's sender) may be 
 
 from __future__ import annotations
 
+import datetime
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
@@ -25,11 +28,13 @@ from ..hf.parts import saved_layout
 class AutotpWeightSource(WeightSource):
     """`export_weights(model, merge_lora=, dtype=, bucket_bytes=)` each time it is iterated, as vLLM's
     `WeightSource`. `target=` (an engine's TP rows) is not taken: vLLM's loaders cut full checkpoint tensors
-    themselves."""
+    themselves. `timeout_s`: while it is iterated, the most any of this rank's gloo groups waits on another rank
+    (`vllm_sync`'s), so a trainer rank stalled mid-round fails the others within it."""
 
     def __init__(self, model: nn.Module, *, merge_lora: bool = True, dtype: torch.dtype | None = None,
-                 bucket_bytes: int = 256 << 20) -> None:
+                 bucket_bytes: int = 256 << 20, timeout_s: float | None = None) -> None:
         self.model, self.merge_lora, self.dtype, self.bucket_bytes = model, merge_lora, dtype, bucket_bytes
+        self.timeout_s = timeout_s
 
     def metadata(self) -> list[ParamMeta]:
         """Every tensor the export yields, in its order, with its full shape and wire dtype; read from the shards'
@@ -41,10 +46,31 @@ class AutotpWeightSource(WeightSource):
         return [ParamMeta(name, self.dtype or saved.dtype, tuple(saved.shape)) for name, saved in layout.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(export_weights(self.model, merge_lora=self.merge_lora, dtype=self.dtype,
-                                   bucket_bytes=self.bucket_bytes))
+        with _bounded(self.timeout_s):
+            yield from export_weights(self.model, merge_lora=self.merge_lora, dtype=self.dtype,
+                                      bucket_bytes=self.bucket_bytes)
 
     def held_names(self) -> None:
         """None: every tensor. Under TP each exporting rank takes part in every tensor's gather, so none holds a
         part of the model alone (vLLM's meaning of the question: pipeline or expert parallel producers)."""
         return None
+
+
+@contextmanager
+def _bounded(timeout_s: float | None) -> Iterator[None]:
+    """Every gloo group of this rank waits at most `timeout_s` meanwhile, then gets its own timeout back: the
+    training group's (often 30 min) would otherwise bound a round whose sender stalled. NCCL groups are left as
+    they are (their timeout aborts the process)."""
+    lowered = []
+    if timeout_s is not None and dist.is_initialized():
+        bound, cpu = datetime.timedelta(seconds=timeout_s), torch.device("cpu")
+        for group in list(dist.distributed_c10d._world.pg_map):
+            backend = group._get_backend(cpu) if cpu in group._device_types else None
+            if isinstance(backend, dist.ProcessGroupGloo) and backend.options._timeout > bound:
+                lowered.append((backend, backend.options._timeout))
+                backend._set_default_timeout(bound)
+    try:
+        yield
+    finally:
+        for backend, timeout in lowered:
+            backend._set_default_timeout(timeout)

@@ -1,8 +1,9 @@
 """GRPO with a running vLLM server generating and autotp training at tp=2, on CPU, no downloads.
 
     python examples/grpo_vllm.py --init /tmp/tiny          # a tiny Llama (head_dim 32: vLLM's CPU attention)
+    export AUTOTP_SYNC_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')   # the channel's secret
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model /tmp/tiny --port 8000 \
-        --dtype float32 --skip-tokenizer-init --enforce-eager --weight-transfer-config '{"backend": "autotp-gloo"}'
+        --host 127.0.0.1 --dtype float32 --skip-tokenizer-init --enforce-eager --weight-transfer-config '{"backend": "autotp-gloo"}'
     torchrun --nproc-per-node 2 examples/grpo_vllm.py --model /tmp/tiny --url http://127.0.0.1:8000
 
 Why this and not TRL's GRPOTrainer: TRL 1.16's vLLM client refuses a non-CUDA device, so on CPU the loop is

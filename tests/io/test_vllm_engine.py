@@ -14,11 +14,15 @@ Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 import sys
 import time
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
+import psutil
 import pytest
 import requests
 
@@ -34,7 +38,7 @@ import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
 from models import batch  # noqa: E402
-from vllm_server import (LR, completions, digests, reference, reload, serve, train as train_steps,  # noqa: E402
+from vllm_server import (LR, TOKEN_ENV, completions, digests, reference, reload, serve, train as train_steps,  # noqa: E402
                          train_and_send)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -191,10 +195,20 @@ class Stopping(WeightSource):
         try:
             for i, pair in enumerate(pairs):
                 if i == self.after:
-                    raise RuntimeError("the test's trainer failure, mid-send")
+                    self.fail()
                 yield pair
         finally:
             pairs.close()
+
+    def fail(self) -> None:
+        raise RuntimeError("the test's trainer failure, mid-send")
+
+
+class Stalling(Stopping):
+    """A sender that stops (SIGSTOP) after `after` tensors of a round, until another process resumes it."""
+
+    def fail(self) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def failed_round(rank: int, world: int, url: str, model_dir: str, out: str) -> dict:
@@ -326,6 +340,9 @@ def guarded(rank: int, world: int, url: str, model_dir: str) -> dict:
     here), then the trainer sends the next round on the channel it opened."""
     model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
     engine = vllm_sync(model, url, timeout_s=30)
+    port = engine.store.underlying_store.port
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
     train_and_send(model, ref, engine, 1, VOCAB)
     before, served = digests(url), completions(url)
     receiving, sending = mp.get_context("fork").Pipe(duplex=False)
@@ -336,7 +353,7 @@ def guarded(rank: int, world: int, url: str, model_dir: str) -> dict:
     intruder.start()
     codes = receiving.recv()
     intruder.join(timeout=60)
-    report = {"codes": codes, "intruder_s": time.monotonic() - started, "kept": digests(url) == before,
+    report = {"listening": listening, "codes": codes, "intruder_s": time.monotonic() - started, "kept": digests(url) == before,
               "serving": completions(url) == served}
     train_and_send(model, ref, engine, 1, VOCAB)
     return {**report, **check(url, ref, None), "changed": digests(url) != before}
@@ -349,7 +366,8 @@ def test_a_client_without_the_token_cannot_change_the_engines_weights(engine: tu
     still carries its next round (completions as one process's)."""
     report = run_ranks(guarded, 1, *engine)[0]
     codes = report["codes"]
-    print(f"intruder: {codes} in {report['intruder_s']:.1f} s")
+    print(f"intruder: {codes} in {report['intruder_s']:.1f} s; the trainer's store listens on {report['listening']}")
+    assert report["listening"] == {"127.0.0.1"}, report["listening"]  # the address toward the server, not all
     assert codes["init"] == codes["update"] == codes["finish"] == 500, codes
     assert "refused to open the transfer channel" in codes["vllm_sync"], codes
     assert "AUTOTP_SYNC_TOKEN" in codes["vllm_sync"], codes
@@ -358,3 +376,105 @@ def test_a_client_without_the_token_cannot_change_the_engines_weights(engine: tu
     tokens, expected = report["tokens"]
     assert tokens == expected and report["logprob_error"] <= LOGPROB_ATOL, report
     assert report["changed"]
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_the_server_cannot_reach_fails_the_init_in_seconds_while_it_serves(
+        engine: tuple[str, str]) -> None:
+    """Item 6: an init naming a closed port (a trainer address the server cannot reach back), with the token and a
+    transfer timeout of 120 s: the workers give up within seconds, naming the address in the server's log, and a
+    completion asked meanwhile is answered within them too (the engine serves nothing while its worker waits)."""
+    url, model_dir = engine
+    port = free_port()  # nothing listens there
+    info = dict(master_address="127.0.0.1", master_port=port, world_size=2, timeout_s=120.0,
+                token=os.environ[TOKEN_ENV], channel="unreachable")
+    with ThreadPoolExecutor(max_workers=1) as exe:
+        started = time.monotonic()
+        init = exe.submit(_post, url, "init_weight_transfer_engine", {"init_info": info})
+        time.sleep(1)
+        asked = time.monotonic()
+        completions(url)
+        answered_s = time.monotonic() - asked
+        code = init.result()
+        failed_s = time.monotonic() - started
+    log = (Path(model_dir).parent / "server.log").read_text()
+    print(f"unreachable trainer: init {code} after {failed_s:.1f} s; a completion meanwhile in {answered_s:.1f} s")
+    assert code == 500 and failed_s < 15, (code, failed_s)  # 5 s to reach the trainer, and a busy machine's slack
+    assert answered_s < 15, answered_s
+    assert f"could not join the trainer's transfer group at 127.0.0.1:{port} within 5 s" in log
+
+
+STALL_TIMEOUT_S = 10  # vllm_sync's; the training group's is autotp.testing.spawn.COLLECTIVE_TIMEOUT (60 s)
+
+
+def stalled(rank: int, world: int, url: str, model_dir: str) -> dict:
+    """tp=2: a round, then one whose sender (rank 0) is stopped after 6 tensors; rank 1 times its failure, then
+    resumes rank 0, which checks the engine kept the first round."""
+    model = autotp.wrap(build(model_dir, False), tp_size=2)
+    engine = vllm_sync(model, url, timeout_s=STALL_TIMEOUT_S, bucket_bytes=BUCKET)
+    engine.send_weights()
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    before = digests(url) if rank == 0 else None
+    train_steps(model, 1, True, VOCAB)
+    if rank == 0:
+        engine.source = Stalling(engine.source, after=6)
+    started = time.monotonic()
+    try:
+        engine.send_weights()
+        report = {"error": None}
+    except Exception as error:  # noqa: BLE001 (the report names it)
+        report = {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        report_s = time.monotonic() - started
+        if rank == 1:
+            os.kill(pids[0], signal.SIGCONT)
+    report["failed_after_s"] = report_s
+    if rank == 0:
+        report["kept"] = digests(url) == before
+    return report
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_sender_fails_the_other_trainer_ranks_within_timeout_s(engine: tuple[str, str]) -> None:
+    """Item 7: rank 0 stopped mid-round (SIGSTOP): rank 1 fails within vllm_sync's timeout_s (10 s), not the
+    training group's (60 s), and the engine keeps the previous round."""
+    sender, other = run_ranks(stalled, 2, *engine)
+    print(f"stalled sender: rank 1 {other['error']!r} after {other['failed_after_s']:.1f} s; rank 0 "
+          f"{sender['error']!r}")
+    assert other["error"] is not None and other["failed_after_s"] < 2 * STALL_TIMEOUT_S, other
+    assert sender["error"] is not None and sender["kept"], sender
+
+
+def taken(rank: int, world: int, url: str, model_dir: str) -> dict:
+    """A client sends a round; a second one (with the token) connects; the first one's next round, then the
+    second's."""
+    model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
+    first = vllm_sync(model, url, timeout_s=30)
+    train_and_send(model, ref, first, 1, VOCAB)
+    second = vllm_sync(model, url, timeout_s=30)
+    before = digests(url)
+    train_steps(model, 1, True, VOCAB)
+    train_steps(ref, 1, False, VOCAB)
+    try:
+        first.send_weights()
+        report = {"error": None}
+    except Exception as error:  # noqa: BLE001 (the report names it)
+        report = {"error": f"{type(error).__name__}: {error}"}
+    report["kept"] = digests(url) == before
+    second.send_weights()
+    return {**report, **check(url, ref, None)}
+
+
+@pytest.mark.timeout(300)
+def test_a_round_on_a_channel_another_client_took_says_so(engine: tuple[str, str]) -> None:
+    """Item 14: the first client's round after a second `vllm_sync` raises "another client took the engine's
+    transfer channel ... call autotp.rollout.vllm_sync again", the engine unchanged; the second client's round
+    lands (completions as one process's)."""
+    report = run_ranks(taken, 1, *engine)[0]
+    print(f"taken channel: {report['error']!r}")
+    assert "another client took the engine's transfer channel" in report["error"], report["error"]
+    assert "call autotp.rollout.vllm_sync again" in report["error"], report["error"]
+    assert report["kept"]
+    tokens, expected = report["tokens"]
+    assert tokens == expected and report["logprob_error"] <= LOGPROB_ATOL, report

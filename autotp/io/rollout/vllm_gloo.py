@@ -305,9 +305,9 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
     init_info_cls = AutotpGlooTrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
-                 bucket_bytes: int, timeout_s: float = 300.0, token: str = "") -> None:
+                 bucket_bytes: int, token: str = "") -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.bucket_bytes, self.timeout_s, self.token = bucket_bytes, timeout_s, token
+        self.bucket_bytes, self.token = bucket_bytes, token
         self.group: dist.ProcessGroup | None = None
         self.store: dist.Store | None = None
         self.channel = uuid.uuid4().hex  # this connection's id: a round for another client's channel is refused
@@ -318,7 +318,7 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
         if source is None:
             raise ValueError(f"{BACKEND}: the trainer engine needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes,
-                     timeout_s=init_info.timeout_s, token=init_info.token)
+                     token=init_info.token)
         if not engine.is_sender:
             return engine
         address = f"{init_info.master_address}:{init_info.master_port}"

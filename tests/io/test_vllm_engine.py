@@ -316,16 +316,17 @@ def _post(url: str, route: str, body: dict | None = None) -> int:
 
 def intrude(url: str, model_dir: str, names: list[str], out) -> None:
     """A third process that knows the URL and the protocol, not the token: it asks the workers to join a store of
-    its own, then sends a round of other weights through `vllm_sync` with a guessed token, then asks the workers
-    to receive a round on the channel they hold (which would wait on the trainer) and to load it."""
+    its own, then sends a round of other weights through `vllm_sync` with a guessed `AUTOTP_SYNC_TOKEN`, then asks
+    the workers to receive a round on the channel they hold (which would wait on the trainer) and to load it."""
     codes = {"init": _post(url, "init_weight_transfer_engine", {"init_info": dict(
         master_address="127.0.0.1", master_port=free_port(), world_size=2, timeout_s=5.0)})}
     other = autotp.wrap(build(model_dir, False), tp_size=1)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(1.0)
+    os.environ[TOKEN_ENV] = "a guess"  # this process's only (forked): not the server's
     try:
-        vllm_sync(other, url, token="a guess", timeout_s=20).send_weights()
+        vllm_sync(other, url, timeout_s=20).send_weights()
         codes["vllm_sync"] = "sent"
     except Exception as error:  # noqa: BLE001 (the report names it)
         codes["vllm_sync"] = f"{type(error).__name__}: {error}"
@@ -340,9 +341,6 @@ def guarded(rank: int, world: int, url: str, model_dir: str) -> dict:
     here), then the trainer sends the next round on the channel it opened."""
     model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
     engine = vllm_sync(model, url, timeout_s=30)
-    port = engine.store.underlying_store.port
-    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
     train_and_send(model, ref, engine, 1, VOCAB)
     before, served = digests(url), completions(url)
     receiving, sending = mp.get_context("fork").Pipe(duplex=False)
@@ -353,10 +351,13 @@ def guarded(rank: int, world: int, url: str, model_dir: str) -> dict:
     intruder.start()
     codes = receiving.recv()
     intruder.join(timeout=60)
-    report = {"listening": listening, "codes": codes, "intruder_s": time.monotonic() - started, "kept": digests(url) == before,
+    report = {"codes": codes, "intruder_s": time.monotonic() - started, "kept": digests(url) == before,
               "serving": completions(url) == served}
     train_and_send(model, ref, engine, 1, VOCAB)
-    return {**report, **check(url, ref, None), "changed": digests(url) != before}
+    port = engine.store.underlying_store.port
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {**report, **check(url, ref, None), "changed": digests(url) != before, "listening": listening}
 
 
 @pytest.mark.timeout(300)

@@ -228,8 +228,9 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     sizes = (tuple(options.sizes(tp_size).items()), options.tp_group is not None)
     with nullcontext() if group is None else named_failure(
             group, f"comparing the ranks' sizes and plans in {call}",
-            f"Every rank must call {call} with the same tp_size and cp_size: a rank at tp_size=1 and cp_size=1 "
-            f"without tp_group runs no collective, and goes on alone. Nothing was changed."):
+            f"Every rank must call {call} with the same {options.size_words(tp_size)}: a rank at "
+            f"{options.size_words(tp_size, 1)} without tp_group runs no collective, and goes on alone. Nothing was "
+            f"changed."):
         failed, sizes_by_rank = outcomes(error, group, sizes)
     check_sizes(sizes_by_rank, call)
     agree(error, group, f"{call} stopped on every rank because planning",

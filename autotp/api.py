@@ -26,7 +26,7 @@ from .mesh import (
     DEFAULT_TIMEOUT, Mesh, build_mesh, device_of, group_size, init_from_env, is_global_rank0, launched_by_torchrun,
     named_failure, world_mesh, world_timeout,
 )
-from .integrations.guards import refuse_adapters, refuse_quantized
+from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized
 from .compat import check_versions
 from .compat.hf import build_model
 from .cp import apply as context
@@ -175,6 +175,8 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     """
     error, plan = None, None
     try:
+        if materialize is None:  # from_pretrained's model is on the meta device until `materialize`
+            refuse_meta(model, call)
         plan = _plan(model, tp_size, options)
     except Exception as err:  # every rank must still hear of it below
         error = err

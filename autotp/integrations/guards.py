@@ -208,6 +208,22 @@ def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         guard.check()
 
 
+def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
+    """Refuse a model whose parameters or buffers are still on the meta device (built under `torch.device("meta")`,
+    `init_empty_weights`, or loaded with `device_map="meta"`), naming them: `call` shards and broadcasts real values,
+    and a meta tensor has none. Before, such a model was wrapped without an error, or broadcast failed in gloo
+    ("unsupported device type meta", or a rank that skipped its meta tensors left the others waiting)."""
+    names = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise ValueError(
+        f"autotp: {type(model).__name__} has {len(names)} parameters and buffers on the meta device ({shown}), which "
+        f"hold no values to shard. Load the weights before {call} (build the model on a real device, or call "
+        f"model.to_empty(device=...) and then load_state_dict), or let autotp.from_pretrained(path, tp_size) read "
+        f"each rank's shards straight from the checkpoint. Nothing was changed.")
+
+
 def refuse_quantized(model: nn.Module) -> None:
     """Refuse a quantised model (bitsandbytes, GPTQ, AWQ, ...: QLoRA's base) before anything changes: its linears
     hold packed integer blocks with per-block scales, which splitting rows or columns would tear apart."""

@@ -134,3 +134,35 @@ def test_a_rank_refused_in_planning_stops_every_rank_at_once() -> None:
     assert message_1.startswith("ValueError: policy") and "shards nothing in LlamaForCausalLM" in message_1
     assert "rank 1: ValueError: policy" in message_0 and "shards nothing in LlamaForCausalLM" in message_0, message_0
     assert elapsed_0 < 10 and elapsed_1 < 10, (elapsed_0, elapsed_1)  # a few seconds at most; the timeout is 20 s
+
+
+def meta_on_rank_1(rank: int, world: int) -> str:
+    """Rank 1 built its model on the meta device (as to load rank 0's weights later), rank 0 on the CPU."""
+    with torch.device("meta" if rank == 1 else "cpu"):
+        model = tiny_model("llama")
+    modules = [(n, type(m)) for n, m in model.named_modules()]
+    before = snapshot(model) if rank == 0 else None
+    with pytest.raises(Exception) as err:
+        autotp.wrap(model, world, timeout=20)
+    assert [(n, type(m)) for n, m in model.named_modules()] == modules and not hasattr(model, "autotp_state")
+    if rank == 0:
+        assert_unchanged(before, model)
+    return f"{type(err.value).__name__}: {err.value}"
+
+
+@pytest.mark.timeout(120)  # before: rank 0 failed in the broadcast ("Connection closed by peer"), rank 1 wrapped
+def test_a_model_on_the_meta_device_is_refused_naming_its_parameters_on_every_rank() -> None:
+    on_cpu, on_meta = run_ranks(meta_on_rank_1, 2)
+    assert on_meta.startswith("ValueError: autotp: LlamaForCausalLM has 23 parameters and buffers on the meta device "
+                              "(model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight"), on_meta
+    assert "model.to_empty(device=...)" in on_meta and "autotp.from_pretrained(path, tp_size)" in on_meta
+    assert "planning failed on rank 1: ValueError: autotp: LlamaForCausalLM has 23 parameters" in on_cpu, on_cpu
+
+
+def test_a_model_on_the_meta_device_is_refused_at_tp1(no_launcher) -> None:
+    """At tp 1 (no collective) too: before, wrap accepted it and the first forward failed on a meta tensor."""
+    with torch.device("meta"):
+        model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"23 parameters and buffers on the meta device \(model\.embed_tokens"):
+        autotp.wrap(model, 1)
+    assert not hasattr(model, "autotp_state") and not autotp.tp.apply.parallel_layers(model)

@@ -26,7 +26,7 @@ from .mesh import (
     DEFAULT_TIMEOUT, Mesh, build_mesh, device_of, group_size, init_from_env, is_global_rank0, launched_by_torchrun,
     named_failure, world_mesh, world_timeout,
 )
-from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized
+from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
 from .compat import check_versions
 from .compat.hf import build_model
 from .cp import apply as context
@@ -196,6 +196,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
 def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     """The plan, and every refusal that needs no process group; nothing is changed."""
     refuse_quantized(model)
+    refuse_torchao(model)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     refuse_ep(model, plan, options)
     if options.sequence_parallel:

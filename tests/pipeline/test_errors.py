@@ -166,3 +166,19 @@ def test_a_model_on_the_meta_device_is_refused_at_tp1(no_launcher) -> None:
     with pytest.raises(ValueError, match=r"23 parameters and buffers on the meta device \(model\.embed_tokens"):
         autotp.wrap(model, 1)
     assert not hasattr(model, "autotp_state") and not autotp.tp.apply.parallel_layers(model)
+
+
+def test_a_torchao_float8_model_is_refused_by_name_before_it_changes(no_launcher) -> None:
+    """torchao's convert_to_float8_training: before, wrap replaced its Float8Linear layers by autotp's, and the model
+    trained in fp32 without a word (at tp 2 its loss equalled the plain model's). Needs torchao, not a dependency:
+    skipped without it."""
+    float8 = pytest.importorskip("torchao.float8")
+    model = tiny_model("llama")
+    float8.convert_to_float8_training(model)
+    before = snapshot(model)
+    named = r"model\.layers\.0\.self_attn\.q_proj is torchao's Float8Linear .*and 14 more.*convert_to_float8_training"
+    for call, tp_size in (autotp.wrap, 1), (autotp.explain, 2):
+        with pytest.raises(NotImplementedError, match=named):
+            call(model, tp_size)
+    assert_unchanged(before, model)
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"

@@ -182,3 +182,25 @@ def test_a_torchao_float8_model_is_refused_by_name_before_it_changes(no_launcher
             call(model, tp_size)
     assert_unchanged(before, model)
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"
+
+
+def test_a_transformers_experts_kernel_failure_is_named_with_its_fix() -> None:
+    """cohere2_moe at an expert width of 37 fails inside transformers' grouped_mm (16-byte strides), in one process
+    too. Before, autotp called it a failed probe and pointed at example_inputs, the wrong fix."""
+    config = tiny_config("cohere2_moe")
+    config.intermediate_size = 37
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(3, 100, (1, 8))
+    with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes"):
+        model(ids)  # the model's own failure, without autotp
+    before = snapshot(model)
+    with pytest.raises(ValueError) as err:
+        autotp.explain(model, 2)
+    message = str(err.value)
+    assert "failed inside transformers' grouped_mm experts kernel, not in autotp: RuntimeError: strides should be " \
+           "multiple of 16 bytes (raised in " in message, message
+    assert 'Load it with experts_implementation="eager"' in message and "example_inputs" not in message
+    assert_unchanged(before, model)
+    model.set_experts_implementation("eager")  # the fix named works
+    assert autotp.explain(model, 2).layers

@@ -42,10 +42,10 @@ class GatherReplacedLayerParams:
         if not self.enabled:
             return self.model
         if self.state is None:
-            self._standalone = [layer for layer in parallel_layers(self.model) if not layer.gathered]
+            self._standalone = [layer for layer in parallel_layers(self.model) if not layer.is_gathered()]
             for layer in self._standalone:
                 layer.gather_()
-            self._guard_steps({id(p) for layer in self._standalone for p in layer._sharded_params()})
+            self._guard_steps({id(p) for layer in self._standalone for p in layer.parameters() if hasattr(p, "autotp_shard")})
         elif not self.state.is_gathered():
             self._stepped_on = {id(p) for p in self.model.parameters() if hasattr(p, "autotp_shard") or self.state.fsdp}
             if self.state.fsdp:  # FSDP's DP rows first become each rank's TP shard (autotp.dp.fsdp.Unsharded)

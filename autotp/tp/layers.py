@@ -98,8 +98,7 @@ class ParallelLinear(nn.Linear):
         vars(self).pop("forward", None)
         self._set_features()
 
-    @property
-    def gathered(self) -> bool:
+    def is_gathered(self) -> bool:
         """Whether the layer holds its full weight now (after `gather_`, until `partition_`), not this rank's shard."""
         return "forward" in vars(self)
 
@@ -125,7 +124,7 @@ class ParallelLinear(nn.Linear):
         return [p for p in (self.weight, self.bias) if p is not None and hasattr(p, "autotp_shard")]
 
     def extra_repr(self) -> str:
-        state = "gathered" if self.gathered else f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+        state = "gathered" if self.is_gathered() else f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
         kind = ", conv1d" if self.transposed else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -99,7 +99,7 @@ def standalone_gather(rank: int, world: int) -> dict:
     report = {}
     with autotp.GatherReplacedLayerParams(model):
         report["shapes_inside"] = [tuple(p.shape) for p in model.parameters()]
-        report["gathered"] = [layer.gathered for layer in model]
+        report["gathered"] = [layer.is_gathered() for layer in model]
         report["output_inside"] = (model(x) - reference(x)).abs().max().item()
         model(x).sum().backward()
         with pytest.raises(RuntimeError) as err:

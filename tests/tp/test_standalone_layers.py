@@ -49,6 +49,11 @@ def column_then_row(rank: int, world: int) -> dict:
             "grads": {k: ((got - want).abs().max() / want.abs().max()).item() for k, (got, want) in grads.items()},
             "shard": tuple(layer.weight.shape),
         }
+    layer.gather_()
+    report["gathered"] = (layer.is_gathered(), tuple(layer.weight.shape),
+                          torch.equal(layer.full_tensor("weight"), reference[0].weight.detach()))
+    layer.partition_()
+    report["partitioned"] = (layer.is_gathered(), tuple(layer.weight.shape))
     return report
 
 
@@ -56,6 +61,7 @@ def test_standalone_layers_turn_overlap_off_and_gather_full_weights_and_grads() 
     """Before, overlap could be turned off only through an entry built by hand (BlockEntry, not exported), and the
     full weight or gradient of a shard only through testing helpers."""
     for report in run_ranks(column_then_row, 2):
+        assert report.pop("gathered") == (True, (6, 8), True) and report.pop("partitioned") == (False, (3, 8))
         assert report["default"]["overlap"] and report["default"]["node"] == "_DeferredColumnLinearBackward"
         for name in "off", "off by setter":
             assert not report[name]["overlap"] and report[name]["node"] != "_DeferredColumnLinearBackward", report

@@ -118,7 +118,9 @@ class ParallelLinear(nn.Linear):
         if tensor is None:
             return None
         shard = held_shard(param)  # None: not sharded, or gathered whole
-        return tensor.clone() if shard is None else all_gather_full(tensor, shard.partition, self.group)
+        if shard is None or self.tp_size == 1:
+            return tensor.clone()
+        return all_gather_full(tensor, shard.partition, self.group)
 
     def _sharded_params(self) -> list[nn.Parameter]:
         return [p for p in (self.weight, self.bias) if p is not None and hasattr(p, "autotp_shard")]

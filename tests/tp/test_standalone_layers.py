@@ -71,9 +71,13 @@ def test_standalone_layers_turn_overlap_off_and_gather_full_weights_and_grads() 
             assert max(got["grads"].values()) <= GRAD_RTOL, (name, got["grads"])
 
 
-def test_overlap_and_an_entry_that_disagree_are_refused() -> None:
+def test_overlap_and_an_entry_that_disagree_are_refused_and_full_tensor_copies_at_tp1() -> None:
     entry = autotp.tp.block_entry.BlockEntry(None, overlap=True)
     with pytest.raises(ValueError, match="overlap=False but the entry given has overlap=True"):
         autotp.LinearLayer(nn.Linear(4, 6), autotp.Partition.even(0, 6, 1), None, entry=entry, overlap=False)
+    layer = autotp.LinearLayer(nn.Linear(4, 6), autotp.Partition.even(0, 6, 1), None)
     with pytest.raises(ValueError, match="full_tensor takes 'weight' or 'bias'"):
-        autotp.LinearLayer(nn.Linear(4, 6), autotp.Partition.even(0, 6, 1), None).full_tensor("other")
+        layer.full_tensor("other")
+    full = layer.full_tensor("weight")  # tp 1: a copy, never the parameter's own storage
+    assert torch.equal(full, layer.weight) and full.data_ptr() != layer.weight.data_ptr()
+    assert layer.full_tensor("weight", grad=True) is None  # no backward yet

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -111,10 +112,21 @@ def test_an_incomplete_checkpoint_is_skipped_for_the_older_complete_one(root: Pa
     assert str(damaged) in message and named in message, message
 
 
-def test_a_checkpoint_itself_as_root_is_refused_with_its_parent(root: Path) -> None:
-    with pytest.raises(ValueError, match=f"{root / 'step-6'} is itself a training checkpoint; pass the directory "
-                                         f"that holds your checkpoints \\({root}\\)"):
+def refused_on_each_rank(rank: int, world: int, root: str) -> str:
+    with pytest.raises(Exception) as err:
+        autotp.latest_checkpoint(root)
+    return f"{type(err.value).__name__}: {err.value}"
+
+
+def test_a_checkpoint_itself_as_root_is_refused_with_its_parent_on_every_rank(root: Path) -> None:
+    expected = f"{root / 'step-6'} is itself a training checkpoint; pass the directory that holds your checkpoints " \
+               f"({root})"
+    with pytest.raises(ValueError, match=re.escape(expected)):
         autotp.latest_checkpoint(root / "step-6")
+    first, second = run_ranks(refused_on_each_rank, 2, str(root / "step-6"))
+    assert first.startswith("ValueError: ") and expected in first, first
+    assert second.startswith("RuntimeError: autotp.latest_checkpoint failed on rank 0: ValueError: "), second
+    assert expected in second, second
 
 
 def test_the_older_per_rank_format_counts_when_every_rank_wrote_its_files(tmp_path: Path) -> None:
@@ -150,7 +162,7 @@ def launch(root: Path, kill: str | None, logs: Path) -> tuple[list[int], str]:
                                           stderr=subprocess.STDOUT, env={**env, "RANK": str(rank),
                                                                          "LOCAL_RANK": str(rank)}))
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120  # a launch takes 15 s on 2 idle cores, 60 s on busy ones
         while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
         if any(p.poll() not in (None, 0) for p in procs):

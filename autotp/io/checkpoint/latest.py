@@ -34,19 +34,23 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     An `async_save` of this process still being written is waited for first, and counts."""
     wait_for_pending()
     group = world()
-    box: list = [None]
+    box: list = [(None, None)]  # (the newest, rank 0's error)
+    error = None
     if group is None or is_global_rank0():
         try:
-            box[0] = ("ok", _newest(Path(root)))
-        except (OSError, ValueError) as err:  # every rank must still receive rank 0's outcome
-            box[0] = ("failed", type(err), str(err))
+            box[0] = (_newest(Path(root)), None)
+        except Exception as err:  # every rank must still receive rank 0's outcome
+            error, box[0] = err, (None, f"{type(err).__name__}: {err}")
     if group is not None:
         with named_failure(group, "autotp.latest_checkpoint's broadcast of rank 0's choice",
                            "autotp.latest_checkpoint is collective: call it on every rank."):
             dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "failed":
-        raise box[0][1](box[0][2])
-    return box[0][1]
+    newest, failed = box[0]
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise RuntimeError(f"autotp.latest_checkpoint failed on rank 0: {failed}")
+    return newest
 
 
 def _newest(root: Path) -> Path | None:
@@ -63,21 +67,33 @@ def _newest(root: Path) -> Path | None:
         if entry.name.startswith(".") or not entry.is_dir() or not any(f.exists() for f in markers):
             continue  # a save in progress or cut off (hidden), or not a training checkpoint
         try:
-            found.append((entry, *_complete(entry)))
+            found.append((entry, read_meta(entry)))
         except CheckpointError as err:
-            warnings.warn(f"autotp.latest_checkpoint: skipping {entry}, not a complete checkpoint: {err}", stacklevel=3)
-    if not found:
-        return None
-    by_step = all(isinstance(step, int) and not isinstance(step, bool) for _, step, _ in found)
-    return max(found, key=lambda c: (c[1], c[2], c[0].name) if by_step else (c[2], c[0].name))[0]
+            _skip(entry, err)
+    by_step = all(_step(meta) is not None for _, meta in found)
+
+    def order(candidate: tuple[Path, dict]) -> tuple:
+        entry, meta = candidate
+        began = meta.get("saved_at", (entry / META).stat().st_mtime)  # checkpoints of older autotp lack it
+        return (_step(meta) if by_step else 0, began, entry.name)
+
+    for entry, meta in sorted(found, key=order, reverse=True):  # newest first: usually one index is read
+        try:
+            if meta["format"] == FORMAT:
+                read_index(entry)
+            else:
+                legacy.check_files(entry, meta)
+            return entry
+        except CheckpointError as err:
+            _skip(entry, err)
+    return None
 
 
-def _complete(directory: Path) -> tuple[object, float]:
-    """(the step its state records, when its save began) of a complete checkpoint; a `CheckpointError` otherwise."""
-    meta = read_meta(directory)
-    if meta["format"] == FORMAT:
-        read_index(directory)
-    else:
-        legacy.check_files(directory, meta)
-    state = meta["state"] if isinstance(meta["state"], dict) else {}
-    return state.get("step"), meta.get("saved_at", (directory / META).stat().st_mtime)
+def _step(meta: dict) -> int | None:
+    """The integer `step` of the checkpoint's user state, if it has one."""
+    step = meta["state"].get("step") if isinstance(meta["state"], dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _skip(entry: Path, err: CheckpointError) -> None:
+    warnings.warn(f"autotp.latest_checkpoint: skipping {entry}, not a complete checkpoint: {err}", stacklevel=4)

@@ -148,7 +148,16 @@ def test_the_older_per_rank_format_counts_when_every_rank_wrote_its_files(tmp_pa
 
 def launch(root: Path, kill: str | None, logs: Path) -> tuple[list[int], str]:
     """Both ranks of `requeue_job.py`, started as torchrun starts them. When one dies the other is killed, as torchrun
-    and schedulers stop a job whose rank failed. Returns the exit codes and rank 0's output."""
+    and schedulers stop a job whose rank failed. Returns the exit codes and rank 0's output. A free port taken by
+    another process before rank 0 bound it is retried on a new one, as `run_ranks` does."""
+    for _ in range(3):
+        codes, out = launch_once(root, kill, logs)
+        if "address already in use" not in out.lower():
+            break
+    return codes, out
+
+
+def launch_once(root: Path, kill: str | None, logs: Path) -> tuple[list[int], str]:
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}
     env.pop("REQUEUE_KILL", None)

@@ -134,25 +134,33 @@ def test_logits_read_after_allreduce_gradients_leave_the_step_allowed() -> None:
         assert report["param"] <= parity.PARAM_ATOL, report
 
 
-def _logits_on_one_rank(rank: int, world: int) -> str:
-    """Rank 0 alone reads a training forward's logits (to log a metric); both then run the next forward."""
+def _logits_on_one_rank(rank: int, world: int, then: str) -> str:
+    """Rank 0 alone reads a training forward's logits (to log a metric); both `then` run the next forward, or the
+    backward of the loss."""
     _, model = _pair()
     ids = batch()
     out = model(input_ids=ids, labels=ids)
 
-    def read_then_forward():
+    def read_then_go_on():
         if rank == 0:
             out.logits.sum()
-        model(input_ids=ids, labels=ids)
+        if then == "backward":
+            out.loss.backward()
+        else:
+            model(input_ids=ids, labels=ids)
 
-    return _error(read_then_forward)
+    return _error(read_then_go_on)
 
 
 @pytest.mark.timeout(120)
-def test_logits_read_on_one_cp_rank_only_is_named_on_every_rank() -> None:
-    """Before: the reader hung in its gather until gloo's timeout (or a collective mismatch), unnamed."""
-    for message in run_ranks(_logits_on_one_rank, 2):
-        assert "some began a forward, others read a forward's logits" in message, message
+@pytest.mark.parametrize("then", ["forward", "backward"])
+def test_logits_read_on_one_cp_rank_only_is_named_on_every_rank(then: str) -> None:
+    """Before: the reader hung in its gather until gloo's timeout (or a collective mismatch), unnamed; so it did with
+    the other rank gone on to its backward (issue 39: past 300 s at torch's default timeout; 60 s here)."""
+    calls = {"forward": "some began a forward, others read a forward's logits",
+             "backward": "some read a forward's logits (.logits), others began a backward"}
+    for message in run_ranks(_logits_on_one_rank, 2, then):
+        assert calls[then] in message, message
         assert "is a collective" in message and "every CP rank or on none" in message
 
 

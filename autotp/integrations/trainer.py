@@ -147,8 +147,9 @@ class AutoTPTrainer(Trainer):
             return generation_loader(self, dataset, sampler)
         batches = _EpochBatches(self._get_train_sampler(dataset), trainer_compat.train_batch_size(self),
                                 self.args.dataloader_drop_last)
-        if type(self)._get_train_sampler is not AutoTPTrainer._get_train_sampler and dp_size(self.model) > 1:
-            batches = _DealtBatches(batches, dp_size(self.model), dp_rank(self.model), even_batches=False)
+        own = getattr(self._get_train_sampler, "__func__", None) is not AutoTPTrainer._get_train_sampler
+        if own and dp_size(self.model) > 1:
+            batches = _DealtBatches(batches, dp_size(self.model), dp_rank(self.model))
         return _EpochLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, "training"),
                             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 

@@ -320,3 +320,20 @@ def test_trl_sft_at_cp2_trains_as_one_process(tmp_path, packing: bool, data: str
         assert [log.keys() for log in got["logs"]] == [log.keys() for log in one["logs"]]
         for mine, theirs in zip(got["logs"], one["logs"]):
             assert not {k: (mine[k], v) for k, v in theirs.items() if abs(mine[k] - v) > TOL}, (mine, theirs)
+
+
+@pytest.mark.slow  # TRL's trainer, four times
+@pytest.mark.timeout(300)
+def test_trl_sft_at_cp2_in_bf16_is_as_close_to_fp32_as_one_process(tmp_path) -> None:
+    """SFTConfig's default bf16 autocast, issue 39's setup unpacked (where the issue saw the first loss 1.5e-4 off):
+    CP differs from one process by bf16 rounding, not by a fault of its own. Its losses, gradients and parameters are
+    as far from one process's fp32 run as one process's own bf16 run is (measured: 0.3-1x; allowed 1.5x), and both
+    bf16 runs are measurably off it (autocast ran)."""
+    paths = [str(tmp_path / name) for name in ("fp32", "one", "cp")]
+    (fp32,) = run_ranks(_sft_run, 1, paths[0], False, ISSUE_LENGTHS, True)
+    (one,) = run_ranks(_sft_run, 1, paths[1], False, ISSUE_LENGTHS, True, True)
+    one_off = _sft_difference(one, fp32)
+    assert min(one_off.values()) > 1e-5, one_off
+    for got in run_ranks(_sft_run, 2, paths[2], False, ISSUE_LENGTHS, True, True):
+        off = _sft_difference(got, fp32)
+        assert all(off[k] <= 1.5 * one_off[k] for k in off), (off, one_off)

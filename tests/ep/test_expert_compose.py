@@ -252,7 +252,7 @@ def trainer_run(path: str, ep: int, accumulation: int = 1, fsdp: bool = False, a
         losses: list[float] = []
         norms: list[float] = []
 
-        def _get_train_sampler(self, train_dataset=None):  # one process only: AutoTPTrainer replaces it
+        def _get_train_sampler(self, train_dataset=None):  # AutoTPTrainer deals its batches over the DP replicas
             return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
 
         def training_step(self, *args, **kwargs):

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from accelerate.data_loader import BatchSamplerShard
 import torch
 import torch.distributed as dist
+from accelerate.data_loader import BatchSamplerShard
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler

@@ -26,8 +26,9 @@ class ExpertRegion:
     equal consecutive blocks of dim 0: `autotp.ep.regions`); they carry `autotp_expert` (this object), which the
     gradient sync, the norm and the state paths read (`held`: this rank's rows as a `Shard` over the EP group)."""
 
-    def __init__(self, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
-        self.module, self.names, self.experts, self.tp_group, self.state = module, names, experts, tp_group, state
+    def __init__(self, path: str, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
+        self.path, self.module, self.names, self.experts, self.tp_group = path, module, names, experts, tp_group
+        self.state = state
         self.total = module.num_experts
         self.local = self.total // experts.size
         self.first = experts.rank * self.local

@@ -10,6 +10,7 @@ from transformers import AutoModelForSeq2SeqLM
 
 import autotp
 from autotp.testing import run_ranks, tiny_config
+from ep_workers import GLOBAL, moe_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,3 +61,40 @@ def test_per_expert_modules_are_refused_by_name_before_the_model_changes(family:
     for report in run_ranks(wrap_per_expert, 2, family):
         assert expected in report["message"] and "Leave ep_size at 1" in report["message"], report["message"]
         assert report["unchanged"]
+
+
+def backward_inside_gather(rank: int, world: int) -> dict:
+    model = autotp.wrap(moe_model("qwen3_moe"), 1, ep_size=2)
+    before = snapshot(model)
+    refused, grads = [], []
+    for call in (lambda: model(input_ids=GLOBAL[:2], labels=GLOBAL[:2]).loss,  # the model's outputs
+                 lambda: model.model(input_ids=GLOBAL[:2]).last_hidden_state.sum()):  # a submodule called on its own
+        with autotp.GatherReplacedLayerParams(model):
+            loss = call()
+            try:
+                loss.backward()
+                refused.append("accepted")
+            except RuntimeError as err:
+                refused.append(str(err))
+        grads.append([n for n, p in model.named_parameters() if p.grad is not None])
+        model.zero_grad()
+    return {"refused": refused, "unchanged": unchanged(model, before), "grads": grads[0],
+            "expert_grads": [n for n in grads[1] if ".experts." in n]}
+
+
+def test_backward_inside_gather_at_ep2_is_refused_by_name() -> None:
+    """Inside the context every rank holds all 4 experts; a gradient computed there kept the full (4, ...) shape
+    against the parameter's (2, ...), and AdamW failed on it after the context. The refusal runs at the model's
+    outputs, the first node of the backward, so no gradient lands."""
+    experts = moe_model("qwen3_moe").model.layers[0].mlp.experts
+    gate_up, down = tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)
+    held = (gate_up[0] // 2, *gate_up[1:])
+    for report in run_ranks(backward_inside_gather, 2):
+        for message in report["refused"]:
+            assert "backward inside autotp.GatherReplacedLayerParams at ep_size=2" in message, message
+        assert f"model.layers.0.mlp.experts.gate_up_proj: {gate_up}, of which this rank holds {held}, 2 of the 4 " \
+               f"experts" in report["refused"][0], report["refused"][0]
+        assert report["unchanged"] and report["grads"] == [], report["grads"]
+        # called on its own, the decoder reaches the first expert parameter's hook: named, and no expert gradient
+        assert f".mlp.experts.down_proj: {down}, of which this rank holds {(2, *down[1:])}" in report["refused"][1]
+        assert report["expert_grads"] == [], report["expert_grads"]

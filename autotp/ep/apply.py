@@ -17,6 +17,7 @@ from ..options import WrapOptions
 from ..planning.plan import Plan
 from .dispatch import ExpertRegion
 from .gathered import GatheredBackwardRefusal
+from .modality import modality_groups
 from .grads import expert_params
 from .guard import guard_expert_slots
 from .groups import ExpertGroups
@@ -64,6 +65,7 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
         part = ExpertRegion(layout.path, model.get_submodule(layout.path), list(layout.names), experts, tokens, state)
         experts.regions.append(part)
         state.regions.append(part)  # gathered mode: every expert on every rank
+    modality_groups(model, experts.regions)  # several experts modules in one block: each run on every EP rank
     state.regions.append(GatheredBackwardRefusal(model, experts))  # after the regions: their gathered shapes
     state.ep = experts
     guard_expert_slots(model, [layout.path for layout in layouts], experts.size)

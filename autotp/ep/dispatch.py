@@ -28,7 +28,8 @@ class ExpertRegion:
 
     def __init__(self, path: str, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
         self.path, self.module, self.names, self.experts, self.tp_group = path, module, names, experts, tp_group
-        self.state = state
+        self.state, self.modality = state, None  # modality: its `autotp.ep.modality.ModalityGroup`, if any
+        self.fed = False  # called on tokens of this rank's, with grad, since the last gradient sync (`autotp.ep.grads`)
         self.total = module.num_experts
         self.local = self.total // experts.size
         self.first = experts.rank * self.local
@@ -53,6 +54,9 @@ class ExpertRegion:
                 **kwargs) -> torch.Tensor:
         if self.state.is_gathered():  # whole experts: the module as one process runs it
             return self.own_forward(hidden_states, top_k_index, top_k_weights, **kwargs)
+        if self.modality is not None:
+            self.modality.before(self, hidden_states)
+        self.fed |= hidden_states.numel() > 0 and torch.is_grad_enabled()
         shape = hidden_states.shape  # [tokens, hidden], or DBRX's [batch, seq, hidden]
         return self._dispatch(hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights).view(shape)
 
@@ -78,6 +82,14 @@ class ExpertRegion:
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
         return gather_rows(combined, rows, self.tp_group)
+
+    def dispatch_nothing(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The dispatch with no token of this rank's (`autotp.ep.modality`): its all-to-alls still pair with the
+        peers', and its experts still run on the tokens they send. Zero rows of `hidden_states`, so the backward
+        reaches the tokens' all-to-all as the peers' does; called as the module, so FSDP gathers its experts."""
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])[:0]
+        index = torch.zeros((0, 1), dtype=torch.long, device=rows.device)
+        return self.module(rows, index, rows.new_zeros((0, 1)))
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole tensor: its block of dim 0 (one row per expert, or DBRX's width rows)."""

@@ -58,7 +58,10 @@ class ExpertRegion:
             self.modality.before(self, hidden_states)
         self.fed |= hidden_states.numel() > 0 and torch.is_grad_enabled()
         shape = hidden_states.shape  # [tokens, hidden], or DBRX's [batch, seq, hidden]
-        return self._dispatch(hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights).view(shape)
+        out = self._dispatch(hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
+        # never a view: an in-place op on a view an FSDP2 module returned would drop FSDP's pre-backward hook (torch
+        # warns of it); DBRX's 3-D output costs one copy of the layer's output
+        return out if out.shape == shape else out.view(shape).clone()
 
     @torch.compiler.disable
     def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

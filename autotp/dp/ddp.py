@@ -35,7 +35,9 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     with one replica. Under expert parallelism the experts' gradients are summed over their expert-DP group instead
     and divided by the same DP x CP size (`autotp.ep.grads`). With gradient accumulation, call it once per optimizer step: the gradients accumulated over
     the micro-batches are synchronised together. Under `autotp.fully_shard` it does nothing: FSDP has already
-    reduce-scattered them over DP x CP, and the experts over expert-DP (`autotp.ep.fsdp`).
+    reduce-scattered them over DP x CP, and the experts over expert-DP (`autotp.ep.fsdp`). A parameter that some
+    replica's batch reached and this one's did not (the vision router of a text-only replica) gets a zero gradient
+    first, so every rank reduces the same tensors and the average is one process's.
     """
     group = dp_cp_group(model)
     size = group_size(group)

@@ -20,7 +20,8 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `tp`, `tp.overlap`, `tp.glu`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.lora`, `tp.lora_lift`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`, `sp`, `sp.sequence`, `cp`, `cp.layout`, `cp.dropout`,
    `cp.attention`, `cp.loss`, `cp.apply`, `dp`, `dp.row_gather`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
-   `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.apply`
+   `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
+   `ep.apply`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,

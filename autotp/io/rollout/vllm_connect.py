@@ -16,15 +16,17 @@ import requests
 import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer import (
-    HTTPVLLMWeightSyncClient, TrainerWeightTransferEngine, WeightTransferTrainerFactory,
+    TrainerWeightTransferEngine, WeightTransferTrainerFactory,
 )
 
+from .vllm_client import EngineClient
 from .vllm_gloo import BACKEND, AutotpGlooTrainerInitInfo, register
 from .vllm_source import AutotpWeightSource
 
 
 def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_address: str | None = None,
-              master_port: int | None = None, timeout_s: float = 300.0, **export_kwargs) -> TrainerWeightTransferEngine:
+              master_port: int | None = None, timeout_s: float = 300.0, pause: bool = True,
+              **export_kwargs) -> TrainerWeightTransferEngine:
     """Connect the trainer to the vLLM server at `url`: call it on every trainer rank, once (again after a failed
     round), then `.send_weights()` on every rank each round.
 
@@ -32,10 +34,12 @@ def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_addr
     take part in the gathers. `export_kwargs` are `merge_lora`, `dtype`, `bucket_bytes` (`export_weights`' own).
     `master_address` / `master_port`: where rank 0 hosts the transfer group's store (default: this host's address
     toward the server, a free port). `timeout_s`: how long anyone waits on another side before failing.
+    `pause`: load each round with the server's generation paused (`/pause?mode=wait`, then `/resume`), so every
+    request comes out of one round's weights; False for a caller that drains the engine itself.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     source = AutotpWeightSource(model, **export_kwargs)
-    client = HTTPVLLMWeightSyncClient(url, timeout=timeout_s)
+    client = EngineClient(url, timeout=timeout_s, pause=pause)
     register()
     world = address = port = None  # read on the sender only: the others never touch the transfer group
     if rank == 0:

@@ -6,7 +6,10 @@ prompt log-probs equal transformers' from the one-process model trained the same
 makes the other trainer rank fail at once, leaves the engine serving the previous round's weights, and a new
 `vllm_sync` resends. examples/grpo_vllm.py's GRPO loop (the engine samples, tp=2 trains and sends) gives one
 process's rewards, loss and log-probs on the same completions, and the engine samples differently after a sync.
-docs/rl.md's vLLM block runs as written against the same engine.
+docs/rl.md's vLLM block runs as written against the same engine. Rounds that do not fit the engine's model (1 layer
+of 2, intermediate 96, vocabulary 500, an extra layer) are refused by name before loading, the engine serving the
+previous round whole; 8 requests generating during a sync each come out of the old round's weights, token by token
+(`send_weights` pauses the engine's generation for the load).
 
 Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for the module, started once.
 """

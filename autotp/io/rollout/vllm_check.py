@@ -25,7 +25,17 @@ SHOWN = 4  # names quoted per kind of mismatch
 
 def expected_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]] | None:
     """Checkpoint name -> full shape of every tensor a round for a model of `config` holds; None (with a warning in
-    the server's log) where transformers cannot build that model, which then goes unchecked."""
+    the server's log) where transformers cannot build that model, which then goes unchecked. Built once per config
+    (a 70B Llama's takes seconds), which the cache holds, so its id stays its own."""
+    if id(config) not in _built:
+        _built[id(config)] = config, _shapes(config)
+    return _built[id(config)][1]
+
+
+_built: dict[int, tuple[PretrainedConfig, dict[str, tuple[int, ...]] | None]] = {}
+
+
+def _shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]] | None:
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm.distributed.weight_transfer import WeightSource  # noqa: E402
 
 import autotp  # noqa: E402
+from autotp.io.rollout.vllm_client import EngineClient  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
 from models import batch  # noqa: E402
@@ -317,6 +318,11 @@ def misfits(rank: int, world: int, url: str, model_dir: str) -> dict:
         model = autotp.wrap(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tp_size=1)
         report[label] = refusal(model, url)
         report[f"{label} kept"] = (digests(url), completions(url)) == before
+    try:  # a load that fails while generation is paused: no round was started
+        EngineClient(url, timeout=30).finish_weight_update()
+    except RuntimeError as error:
+        report["finish alone"] = str(error)
+    report["paused after"] = requests.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
     model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
     train_steps(model, 1, True, VOCAB)
     train_steps(ref, 1, False, VOCAB)
@@ -329,14 +335,16 @@ def misfits(rank: int, world: int, url: str, model_dir: str) -> dict:
 def test_a_round_that_does_not_fit_the_engine_is_refused_by_name(engine: tuple[str, str]) -> None:
     """Rounds of 1 layer into the 2-layer engine, of intermediate 96 against 256, of vocabulary 500 against 512,
     and of an extra layer: each is refused before anything is loaded, the trainer's error naming the tensors and
-    shapes; the engine keeps serving the previous round, whole (digests and completions), and stays up: a fitting
-    round then completes as one process."""
+    shapes; the engine keeps serving the previous round, whole (digests and completions), and stays up. A load
+    that fails while generation is paused leaves it resumed, and a fitting round then completes as one process."""
     report = run_ranks(misfits, 1, *engine)[0]
     for label, (_, named) in MISFITS.items():
         print(f"{label}: ...{report[label].partition('previous weights: ')[2][:200]}")
         assert "refused /update_weights" in report[label] and named in report[label], report[label]
         assert "does not fit the engine's model (LlamaForCausalLM)" in report[label], report[label]
         assert report[f"{label} kept"], label
+    assert "refused /finish_weight_update" in report["finish alone"], report["finish alone"]
+    assert report["paused after"] is False  # resumed after the failed load
     tokens, expected = report["after"]["tokens"]
     assert tokens == expected and report["after"]["logprob_error"] <= LOGPROB_ATOL, report["after"]
 

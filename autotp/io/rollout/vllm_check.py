@@ -5,8 +5,9 @@ Why: vLLM's loaders check little. A round that leaves a layer out (a 1-layer tra
 loaded as new layer 0 beside the old layer 1, with one server-log line; a name the engine lacks or a smaller tensor
 raises midway through the layerwise reload, which leaves meta tensors behind and kills the engine at its next
 forward (EngineDeadError); a larger tensor can be cut to size by a loader's TP `narrow`, silently. The expected list
-is `AutotpWeightSource.metadata()` of a transformers model built from the engine's config on the meta device: the
-checkpoint names and full shapes the trainer declares for the same model, without any memory.
+is `AutotpWeightSource.metadata()` of a transformers model built from the engine's config on the meta device (the
+class its `architectures` names): the checkpoint names and full shapes the trainer declares for the same model,
+without any memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 from typing import Sequence
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from .vllm_source import AutotpWeightSource
@@ -36,9 +38,11 @@ _built: dict[int, tuple[PretrainedConfig, dict[str, tuple[int, ...]] | None]] = 
 
 
 def _shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]] | None:
+    """The class the config names (the checkpoint's, which vLLM serves), else transformers' causal LM for it."""
+    named = getattr(transformers, (config.architectures or [""])[0], None)
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = named(config) if isinstance(named, type) else AutoModelForCausalLM.from_config(config)
     except Exception as error:  # noqa: BLE001 (any failure to build the reference means: not checked)
         logger.warning("autotp: the rounds' names and shapes go unchecked: transformers cannot build this engine's "
                        "model (%s: %s)", type(error).__name__, error)

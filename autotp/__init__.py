@@ -20,11 +20,12 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `tp`, `tp.overlap`, `tp.glu`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.lora`, `tp.lora_lift`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`, `sp`, `sp.sequence`, `cp`, `cp.layout`, `cp.dropout`,
    `cp.attention`, `cp.loss`, `cp.apply`, `dp`, `dp.row_gather`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
-   `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.apply`
+   `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
+   `ep.apply`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
-   `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.export`, `io.rollout.sync`,
+   `io.checkpoint.latest`, `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.export`, `io.rollout.sync`,
    `io.rollout.vllm_source`, `io.rollout.vllm_gloo`, `io.rollout.vllm_connect`, `io.rollout.vllm_check`,
    `io.rollout.vllm_client`
 7. the integrations and the entry points: `integrations`, `integrations.guards`, `integrations.gather`,
@@ -48,6 +49,7 @@ from .io.errors import CheckpointError
 from .io.checkpoint.save import save_checkpoint
 from .io.checkpoint.consolidate import consolidate
 from .io.checkpoint.restore import load_checkpoint
+from .io.checkpoint.latest import latest_checkpoint
 from .io.rollout.export import EngineLayout, export_adapters, export_weights
 from .io.hf.save import save_pretrained
 from .io.rollout.sync import receive_weights, sync_weights
@@ -64,7 +66,7 @@ __all__ = [
     "data_parallel_sampler", "dp_cp_group", "dp_group", "dp_rank", "ep_group", "ep_rank", "ep_size",
     "dp_mesh", "dp_size", "finish", "fully_shard", "tp_group", "tp_rank", "tp_size",
     "CheckpointError", "EngineLayout", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
-    "Shard", "build_plan", "check_replicas", "consolidate", "explain", "export_adapters", "export_weights", "from_pretrained", "load_checkpoint", "receive_weights", "save_checkpoint",
+    "Shard", "build_plan", "check_replicas", "consolidate", "explain", "export_adapters", "export_weights", "from_pretrained", "latest_checkpoint", "load_checkpoint", "receive_weights", "save_checkpoint",
     "save_pretrained", "sync_weights", "wrap",
 ]
 __version__ = "0.1.0"

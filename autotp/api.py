@@ -26,7 +26,7 @@ from .mesh import (
     DEFAULT_TIMEOUT, Mesh, build_mesh, device_of, group_size, init_from_env, is_global_rank0, launched_by_torchrun,
     named_failure, world_mesh, world_timeout,
 )
-from .integrations.guards import refuse_adapters, refuse_quantized
+from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
 from .compat import check_versions
 from .compat.hf import build_model
 from .cp import apply as context
@@ -175,6 +175,8 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     """
     error, plan = None, None
     try:
+        if materialize is None:  # from_pretrained's model is on the meta device until `materialize`
+            refuse_meta(model, call)
         plan = _plan(model, tp_size, options)
     except Exception as err:  # every rank must still hear of it below
         error = err
@@ -194,6 +196,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
 def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     """The plan, and every refusal that needs no process group; nothing is changed."""
     refuse_quantized(model)
+    refuse_torchao(model)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     refuse_ep(model, plan, options)
     if options.sequence_parallel:
@@ -228,8 +231,9 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     sizes = (tuple(options.sizes(tp_size).items()), options.tp_group is not None)
     with nullcontext() if group is None else named_failure(
             group, f"comparing the ranks' sizes and plans in {call}",
-            f"Every rank must call {call} with the same tp_size and cp_size: a rank at tp_size=1 and cp_size=1 "
-            f"without tp_group runs no collective, and goes on alone. Nothing was changed."):
+            f"Every rank must call {call} with the same {options.size_words(tp_size)}: a rank at "
+            f"{options.size_words(tp_size, 1)} without tp_group runs no collective, and goes on alone. Nothing was "
+            f"changed."):
         failed, sizes_by_rank = outcomes(error, group, sizes)
     check_sizes(sizes_by_rank, call)
     agree(error, group, f"{call} stopped on every rank because planning",

@@ -117,9 +117,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON summary) for `args.model` at `args.tp`."""
     from .api import explain
     from .ep.regions import expert_layouts
+    from .mesh import check_world
+    from .options import WrapOptions
     from .planning.report import context_cost, expert_cost, expert_zero_bytes, summary
 
     config, policy = load_config(args.model), read_policy(args.policy)
+    # the layout wrap would refuse at this world (tp x cp x dp ranks), with wrap's own error
+    check_world(WrapOptions(cp_size=args.cp, ep_size=args.ep).sizes(args.tp), args.tp * args.cp * args.dp)
     with quiet_transformers():
         progress("plan", f"building {config.model_type} on the meta device in {args.dtype}")
         model = build(config, "meta", args.task, DTYPES[args.dtype])

@@ -203,20 +203,11 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
     rest, or around the user's `tp_group` (every other axis 1). Collective: every rank calls it with the same sizes,
     which `autotp.runtime.agreement.check_sizes` made sure of."""
     world = dist.get_world_size()
+    check_world(sizes, world, dense=tp_group is None)
     shape = [sizes.get(axis, 1) for axis in AXES[1:]]
-    if tp_group is not None:
-        grid = _grid_around(tp_group)
-    elif world % math.prod(shape):
-        named = " x ".join(f"{axis}_size={n}" for axis, n in sizes.items() if n > 1 or axis == "tp")
-        raise ValueError(f"{named} must divide the world size {world} (world = data parallel x "
-                         + " x ".join(_TITLES[axis] for axis in AXES[1:] if sizes.get(axis, 1) > 1
-                                      or axis == "tp") + ")")
-    else:
-        grid = torch.arange(world).reshape(world // math.prod(shape), *shape)
+    grid = (_grid_around(tp_group) if tp_group is not None
+            else torch.arange(world).reshape(world // math.prod(shape), *shape))
     ep = sizes.get("ep", 1)
-    if world % ep:
-        raise ValueError(f"ep_size={ep} must divide the world size {world}: the experts are split over ep_size "
-                         f"consecutive ranks and the rest of the world holds copies of them (expert data parallel)")
     mesh = Mesh(grid, experts=torch.arange(world).reshape(world // ep, ep) if ep > 1 else None)
     made: dict[tuple[int, ...], Group] = {}
     for axes in _VIEWS + ([("ep",), ("edp",)] if ep > 1 else []):
@@ -225,6 +216,22 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
         elif axes in (("dp",), GRAD, ("ep",), ("edp",)) or mesh.grid.shape[AXES.index(axes[0])] > 1:
             mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
     return mesh
+
+
+def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
+    """Raise, naming the sizes, unless a mesh of `sizes` (`WrapOptions.sizes`) fits `world` ranks: the dense grid's
+    sizes (`dense`: not around a user's tp_group) and ep_size must each divide it. `build_mesh` and `autotp plan`
+    (at world = dp x cp x tp) both refuse here, so the planner accepts exactly the layouts wrap does."""
+    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
+    if dense and world % math.prod(shape):
+        named = " x ".join(f"{axis}_size={n}" for axis, n in sizes.items() if n > 1 or axis == "tp")
+        raise ValueError(f"{named} must divide the world size {world} (world = data parallel x "
+                         + " x ".join(_TITLES[axis] for axis in AXES[1:] if sizes.get(axis, 1) > 1
+                                      or axis == "tp") + ")")
+    ep = sizes.get("ep", 1)
+    if world % ep:
+        raise ValueError(f"ep_size={ep} must divide the world size {world}: the experts are split over ep_size "
+                         f"consecutive ranks and the rest of the world holds copies of them (expert data parallel)")
 
 
 def world_mesh() -> Mesh:

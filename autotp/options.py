@@ -63,6 +63,12 @@ class WrapOptions:
         return {"tp": tp_size, **{f.name.removesuffix("_size"): getattr(self, f.name) for f in fields(self)
                                   if f.name.endswith("_size")}}
 
+    def size_words(self, tp_size: int, value: int | None = None) -> str:
+        """Every size of `sizes` named in a sentence ("tp_size, cp_size and ep_size"), each `=value` if given: an
+        error about sizes that differ between ranks names them all, since any one of them may be the one."""
+        names = [f"{axis}_size" + ("" if value is None else f"={value}") for axis in self.sizes(tp_size)]
+        return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+
     def __post_init__(self) -> None:
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -133,3 +135,18 @@ def avoid_grouped_mm(module: nn.Module, widths: Iterable[int], dtype: torch.dtyp
     module.config = copy.copy(config)
     module.config._experts_implementation_internal = "batched_mm"  # not the setter: it also writes shared sub-configs
     return True
+
+
+def failed_experts_kernel(model: nn.Module, err: BaseException) -> str | None:
+    """The experts implementation ("grouped_mm", "batched_mm") whose transformers kernel raised `err`, or None.
+
+    Such a failure is the model's own, in one process too (grouped_mm's 16-byte strides at an expert width of 37):
+    `experts_implementation="eager"` is its fix, not other inputs. Read from the traceback, which must pass through
+    transformers' experts kernels (`transformers/integrations/moe.py`)."""
+    inside = any(Path(frame.filename).parts[-3:] == ("transformers", "integrations", "moe.py")
+                 for frame in traceback.extract_tb(err.__traceback__))
+    if not inside:
+        return None
+    configs = [getattr(model, "config", None)] + [getattr(m, "config", None) for m in model.modules()]
+    names = [getattr(c, "_experts_implementation", None) for c in configs]
+    return next((n for n in names if isinstance(n, str) and n != "eager"), "its experts implementation")

@@ -10,21 +10,27 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.collectives import all_reduce
+from ..runtime.input_agreement import BACKWARD, check_same_read
 from .layout import LAYOUT_KWARG
 from ..mesh import group_size
 
 class _SumOverCP(torch.autograd.Function):
-    """The loss's sum over CP: all-reduce forward; backward passes C times the gradient on (see the module doc)."""
+    """The loss's sum over CP: all-reduce forward; backward passes C times the gradient on (see the module doc). The
+    backward, the first of the CP backward (the loss is its root), first checks that every CP rank began it: a rank
+    still reading the forward's logits (a collective, `check_same_read`) is named on every rank, not left hanging."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.size = group_size(group)
+        ctx.size, ctx.group = group_size(group), group
+        ctx.check = not torch.compiler.is_compiling()  # compiled: logits are gathered in the forward, never read later
         x = x.clone()
         all_reduce(x, group)
         return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.check:
+            check_same_read(ctx.group, grad.device, BACKWARD)
         return grad * ctx.size, None
 
 

@@ -17,14 +17,15 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
-from ..runtime.collectives import buckets
+from ..runtime.collectives import any_rank, buckets
 from ..planning.placement import Box
 from ..runtime.rows import local_rows
 from ..accessors import dp_cp_group, dp_rank, dp_size
-from ..mesh import group_size, named_failure
+from ..mesh import device_of, group_size, named_failure
 from ..state import refuse_torch_fsdp, state_of, wrapped_model
 
 _BUCKET_BYTES = 25 << 20
+_WHAT = "autotp.allreduce_gradients' all-reduce of the gradients"
 
 
 def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
@@ -34,7 +35,9 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     with one replica. Under expert parallelism the experts' gradients are summed over their expert-DP group instead
     and divided by the same DP x CP size (`autotp.ep.grads`). With gradient accumulation, call it once per optimizer step: the gradients accumulated over
     the micro-batches are synchronised together. Under `autotp.fully_shard` it does nothing: FSDP has already
-    reduce-scattered them over DP x CP, and the experts over expert-DP (`autotp.ep.fsdp`).
+    reduce-scattered them over DP x CP, and the experts over expert-DP (`autotp.ep.fsdp`). A parameter that some
+    replica's batch reached and this one's did not (the vision router of a text-only replica) gets a zero gradient
+    first, so every rank reduces the same tensors and the average is one process's.
     """
     group = dp_cp_group(model)
     size = group_size(group)
@@ -45,10 +48,14 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
         state.ep.sync_gradients(model, size, average)
     if size == 1 or state.fsdp:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None and not hasattr(p, "autotp_expert")]
+    params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "autotp_expert")]
+    for p, used in zip(params, any_rank([p.grad is not None for p in params], [group], device_of(group), _WHAT)):
+        if used and p.grad is None:  # unused by this replica's batch only (a router of modality experts): its
+            p.grad = torch.zeros_like(p)  # zero joins the average, as one process sums no term for those rows
+    grads = [p.grad for p in params if p.grad is not None]
     for bucket in buckets(grads, _BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
-        with named_failure(group, "autotp.allreduce_gradients' all-reduce of the gradients"):
+        with named_failure(group, _WHAT):
             dist.all_reduce(flat, group=group)
         if average:
             flat /= size

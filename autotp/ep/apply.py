@@ -16,6 +16,8 @@ from ..mesh import Mesh
 from ..options import WrapOptions
 from ..planning.plan import Plan
 from .dispatch import ExpertRegion
+from .gathered import GatheredBackwardRefusal
+from .modality import modality_groups
 from .grads import expert_params
 from .guard import guard_expert_slots
 from .groups import ExpertGroups
@@ -60,9 +62,11 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
     # its own chunk, so nothing is split again
     tokens = None if state.options.sequence_parallel else state.tp_group
     for layout in layouts:
-        part = ExpertRegion(model.get_submodule(layout.path), list(layout.names), experts, tokens, state)
+        part = ExpertRegion(layout.path, model.get_submodule(layout.path), list(layout.names), experts, tokens, state)
         experts.regions.append(part)
         state.regions.append(part)  # gathered mode: every expert on every rank
+    modality_groups(model, experts.regions)  # several experts modules in one block: each run on every EP rank
+    state.regions.append(GatheredBackwardRefusal(model, experts))  # after the regions: their gathered shapes
     state.ep = experts
     guard_expert_slots(model, [layout.path for layout in layouts], experts.size)
     if callable(getattr(model, "generate", None)):

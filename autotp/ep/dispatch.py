@@ -26,8 +26,10 @@ class ExpertRegion:
     equal consecutive blocks of dim 0: `autotp.ep.regions`); they carry `autotp_expert` (this object), which the
     gradient sync, the norm and the state paths read (`held`: this rank's rows as a `Shard` over the EP group)."""
 
-    def __init__(self, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
-        self.module, self.names, self.experts, self.tp_group, self.state = module, names, experts, tp_group, state
+    def __init__(self, path: str, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
+        self.path, self.module, self.names, self.experts, self.tp_group = path, module, names, experts, tp_group
+        self.state, self.modality = state, None  # modality: its `autotp.ep.modality.ModalityGroup`, if any
+        self.fed = False  # called on tokens of this rank's, with grad, since the last gradient sync (`autotp.ep.grads`)
         self.total = module.num_experts
         self.local = self.total // experts.size
         self.first = experts.rank * self.local
@@ -52,8 +54,14 @@ class ExpertRegion:
                 **kwargs) -> torch.Tensor:
         if self.state.is_gathered():  # whole experts: the module as one process runs it
             return self.own_forward(hidden_states, top_k_index, top_k_weights, **kwargs)
+        if self.modality is not None:
+            self.modality.before(self, hidden_states)
+        self.fed |= hidden_states.numel() > 0 and torch.is_grad_enabled()
         shape = hidden_states.shape  # [tokens, hidden], or DBRX's [batch, seq, hidden]
-        return self._dispatch(hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights).view(shape)
+        out = self._dispatch(hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
+        # never a view: an in-place op on a view an FSDP2 module returned would drop FSDP's pre-backward hook (torch
+        # warns of it); DBRX's 3-D output costs one copy of the layer's output
+        return out if out.shape == shape else out.view(shape).clone()
 
     @torch.compiler.disable
     def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -77,6 +85,14 @@ class ExpertRegion:
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
         return gather_rows(combined, rows, self.tp_group)
+
+    def dispatch_nothing(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The dispatch with no token of this rank's (`autotp.ep.modality`): its all-to-alls still pair with the
+        peers', and its experts still run on the tokens they send. Zero rows of `hidden_states`, so the backward
+        reaches the tokens' all-to-all as the peers' does; called as the module, so FSDP gathers its experts."""
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])[:0]
+        index = torch.zeros((0, 1), dtype=torch.long, device=rows.device)
+        return self.module(rows, index, rows.new_zeros((0, 1)))
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole tensor: its block of dim 0 (one row per expert, or DBRX's width rows)."""

@@ -21,6 +21,13 @@ def shard_experts(experts, options: dict[str, Any], replicas: int) -> dict[int, 
     sharded around them; returns {id of FSDP's new parameter: its `autotp_expert` region} to tag them again."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+    grouped = next((region.modality for region in experts.regions if region.modality is not None), None)
+    if grouped is not None:  # FSDP2 reduces the gradients this rank's batch reached: replicas would pair others
+        raise NotImplementedError(
+            f"autotp.fully_shard at ep_size={experts.size}: {grouped.path} runs its experts modules "
+            f"({', '.join(region.path for region in grouped.regions)}) only on the batches holding their modality's "
+            f"tokens, so the replicas' FSDP reductions would differ (a router unused by one replica); train it with "
+            f"autotp.allreduce_gradients, which first agrees on the gradients some replica reached")
     mesh = DeviceMesh.from_group(experts.data, device_of(experts.data).type)
     tags = {}
     for region in experts.regions:

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..runtime.collectives import buckets
+from ..runtime.collectives import any_rank, buckets
 from ..runtime.rows import local_rows
-from ..mesh import group_size, named_failure
+from ..mesh import device_of, group_size, named_failure
 
 _BUCKET_BYTES = 25 << 20
 
@@ -28,12 +28,23 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
     An expert's gradient already sums the tokens of every rank of its EP group (the all-to-all's backward), so the
     sum over expert-DP covers the world's tokens once, as the dense gradients' sum over dp x cp does; both are then
     divided by the same count of replicas. At world == ep nothing is summed, but the division still applies.
-    A parameter that got no gradient gets a zero one, so the all-reduces and the optimizers agree across ranks.
+    A parameter that got no gradient gets a zero one, so the all-reduces and the optimizers agree across ranks;
+    but the experts modules that no rank called on a token since the last sync (the vision experts of a text-only
+    step) get none on every rank, as one process's never called module gets none, so AdamW skips them there too.
     """
-    params = [p for p in expert_params(model) if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    fed = any_rank([region.fed for region in experts.regions], [experts.group, experts.data], device_of(experts.group),
+                   "autotp.allreduce_gradients' all-reduce of which experts modules ran")
+    idle = [region for region, used in zip(experts.regions, fed) if not used]
+    for region in experts.regions:
+        region.fed = False
+    params = []
+    for p in expert_params(model):
+        if p.autotp_expert in idle:
+            p.grad = None
+        elif p.requires_grad:
+            params.append(p)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     if group_size(experts.data) > 1:
         for bucket in buckets(grads, _BUCKET_BYTES):

@@ -7,7 +7,8 @@ experts modules, `experts(hidden_states, top_k_index, top_k_weights)` after the 
 hold its experts as equal consecutive blocks of dim 0: one entry per expert (fused 3-D tensors, gpt-oss's biases), or
 `rows / experts` rows for a 2-D one (DBRX's flat [experts * width, hidden] tensors). A module that keeps its experts some other way is refused by name: Llama
 4's take every token scaled by its score, JetMoE's mixture of attention heads, LongCat-Flash's experts that also
-run the router's zero-computation (identity) experts, and per-expert module lists.
+run the router's zero-computation (identity) experts, and per-expert modules
+(module lists, or switch_transformers' and nllb-moe's `nn.ModuleDict` of `expert_<i>` modules).
 """
 
 from __future__ import annotations
@@ -52,11 +53,17 @@ def _candidates(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
 
 def expert_layouts(model: nn.Module, plan: Plan, ep: int) -> list[ExpertLayout]:
     """Every experts module expert parallelism splits at `ep_size=ep`; raises, naming the module, for one it cannot."""
-    lists = [name for name, module in model.named_modules()
-             if name.endswith("experts") and isinstance(module, nn.ModuleList)]
-    if lists:
-        raise NotImplementedError(f"ep_size={ep}: {type(model).__name__} keeps its experts as per-expert module lists "
-                                  f"({lists[0]}, ...); expert parallelism splits fused experts tensors only so far")
+    lists = [(name, module) for name, module in model.named_modules()
+             if name.endswith("experts") and isinstance(module, (nn.ModuleList, nn.ModuleDict))]
+    if lists:  # Mixtral-era lists, switch_transformers' and nllb-moe's dicts (expert_0, ...) routed by one-hot masks
+        path, module = lists[0]
+        family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise NotImplementedError(f"ep_size={ep}: {type(model).__name__} ({family}) keeps its experts as per-expert "
+                                  f"modules: {path} ({type(module).__name__}) is an nn."
+                                  f"{'ModuleList' if isinstance(module, nn.ModuleList) else 'ModuleDict'} of "
+                                  f"{getattr(module, 'num_experts', len(module))} expert modules ({len(lists)} such experts modules); expert "
+                                  f"parallelism splits fused experts tensors only so far. Leave ep_size at 1 (tensor "
+                                  f"parallelism shards each expert's layers)")
     layouts = []
     for path, module in _candidates(model, plan).items():
         experts = getattr(module, "num_experts", None)

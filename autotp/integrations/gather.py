@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..tp.apply import set_gathered
+from ..tp.apply import parallel_layers, set_gathered
+from ..tp.layers import ParallelLinear
 from ..dp.fsdp import Unsharded
 from ..state import find_state, wrapped_model
 
@@ -21,6 +22,10 @@ class GatherReplacedLayerParams:
     state to full-sized weights, so it is refused: step after leaving. Under `autotp.fully_shard` the
     model holds plain full parameters inside (FSDP paused, `autotp.dp.fsdp.Unsharded`) and FSDP's own
     parameters, with whatever the weights and gradients became, come back on exit.
+
+    A module that `wrap` did not shard but that holds standalone layers (`autotp.LinearLayer` and
+    `autotp.LinearAllreduce` built directly, Megatron-style) has each of them gathered the same way, those not
+    gathered already; every rank of each layer's group must enter together.
     """
 
     def __init__(self, model: nn.Module, enabled: bool = True):
@@ -30,27 +35,44 @@ class GatherReplacedLayerParams:
         self._step_guard = None
         self._unsharded: Unsharded | None = None
         self._stepped_on: set[int] = set()
+        self._standalone: list[ParallelLinear] = []  # the layers gathered here, without a wrapped model's state
         self.enabled = enabled
 
     def __enter__(self) -> nn.Module:
-        if self.enabled and self.state is not None and not self.state.is_gathered():
+        if not self.enabled:
+            return self.model
+        if self.state is None:
+            self._standalone = [layer for layer in parallel_layers(self.model) if not layer.is_gathered()]
+            for layer in self._standalone:
+                layer.gather_()
+            self._guard_steps({id(p) for layer in self._standalone for p in layer.parameters() if hasattr(p, "autotp_shard")})
+        elif not self.state.is_gathered():
             self._stepped_on = {id(p) for p in self.model.parameters() if hasattr(p, "autotp_shard") or self.state.fsdp}
             if self.state.fsdp:  # FSDP's DP rows first become each rank's TP shard (autotp.dp.fsdp.Unsharded)
                 self._unsharded = Unsharded(wrapped_model(self.model))
                 self._unsharded.__enter__()
             set_gathered(self.model, self.state, True)
-            self._active = True
-            self._step_guard = register_optimizer_step_pre_hook(self._refuse_step)
+            self._guard_steps(self._stepped_on)
         return self.model
 
+    def _guard_steps(self, params: set[int]) -> None:
+        self._stepped_on, self._active = params, True
+        self._step_guard = register_optimizer_step_pre_hook(self._refuse_step)
+
     def __exit__(self, *exc) -> None:
-        if self._active:
-            self._step_guard.remove()
-            set_gathered(self.model, self.state, False)
-            if self._unsharded is not None:
-                self._unsharded.__exit__(*exc)
-                self._unsharded = None
-            self._active = False
+        if not self._active:
+            return
+        self._step_guard.remove()
+        self._active = False
+        if self.state is None:
+            for layer in self._standalone:
+                layer.partition_()
+            self._standalone = []
+            return
+        set_gathered(self.model, self.state, False)
+        if self._unsharded is not None:
+            self._unsharded.__exit__(*exc)
+            self._unsharded = None
 
     def _refuse_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if any(id(p) in self._stepped_on for group in optimizer.param_groups for p in group["params"]):

@@ -208,6 +208,44 @@ def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         guard.check()
 
 
+def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
+    """Refuse a model whose parameters or buffers are still on the meta device (built under `torch.device("meta")`,
+    `init_empty_weights`, or loaded with `device_map="meta"`), naming them: `call` shards and broadcasts real values,
+    and a meta tensor has none. Before, such a model was wrapped without an error, or broadcast failed in gloo
+    ("unsupported device type meta", or a rank that skipped its meta tensors left the others waiting)."""
+    names = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise ValueError(
+        f"autotp: {type(model).__name__} has {len(names)} parameters and buffers on the meta device ({shown}), which "
+        f"hold no values to shard. Load the weights before {call} (build the model on a real device, or call "
+        f"model.to_empty(device=...) and then load_state_dict), or let autotp.from_pretrained(path, tp_size) read "
+        f"each rank's shards straight from the checkpoint. Nothing was changed.")
+
+
+def refuse_torchao(model: nn.Module) -> None:
+    """Refuse a model holding torchao's training layers or tensors (`convert_to_float8_training`'s `Float8Linear`,
+    a quantised weight subclass), by name and before anything changes. wrap would replace such a linear with its own,
+    which computes in the parameter's dtype: float8 lost silently, the loss equal to the plain model's. torchao is
+    not a dependency, so they are found by the module their class is defined in, not by importing it."""
+    found = [(name, type(module)) for name, module in model.named_modules() if _from_torchao(type(module))]
+    found += [(name, type(p)) for name, p in model.named_parameters() if _from_torchao(type(p))]
+    if not found:
+        return
+    (path, cls), more = found[0], len(found) - 1
+    raise NotImplementedError(
+        f"autotp: {path} is torchao's {cls.__name__} ({cls.__module__}.{cls.__qualname__})"
+        f"{f', and {more} more modules or parameters' if more else ''}: the model was converted by torchao "
+        f"(Float8Linear: convert_to_float8_training). autotp's sharded linears would replace these and compute in the "
+        f"parameter dtype, so float8 would be lost silently. autotp does not shard torchao layers "
+        f"yet: wrap the model without the conversion. Nothing was changed.")
+
+
+def _from_torchao(cls: type) -> bool:
+    return any(c.__module__ == "torchao" or c.__module__.startswith("torchao.") for c in cls.__mro__)
+
+
 def refuse_quantized(model: nn.Module) -> None:
     """Refuse a quantised model (bitsandbytes, GPTQ, AWQ, ...: QLoRA's base) before anything changes: its linears
     hold packed integer blocks with per-block scales, which splitting rows or columns would tear apart."""

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from accelerate.data_loader import BatchSamplerShard
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
@@ -62,6 +63,13 @@ class _EpochBatches(BatchSampler):
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+
+class _DealtBatches(BatchSamplerShard):
+    """Batches dealt over DP replicas in turn (accelerate's shard), forwarding `set_epoch` as `_EpochBatches` does."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
 
 
 class _EpochLoader(DataLoader):
@@ -130,13 +138,18 @@ class AutoTPTrainer(Trainer):
         return data_parallel_sampler(dataset, self.model, shuffle=True, seed=self.args.seed)
 
     def get_train_dataloader(self) -> DataLoader:
-        """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again."""
+        """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again. A
+        subclass's own `_get_train_sampler` (Trainer's hook: a fixed order, say) is read as Trainer reads it, its
+        batches dealt over DP replicas in turn as accelerate deals them over processes."""
         dataset = self.train_dataset
         if generates(self):
             sampler = trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset)
             return generation_loader(self, dataset, sampler)
-        batches = _EpochBatches(self.train_sampler(dataset), trainer_compat.train_batch_size(self),
+        batches = _EpochBatches(self._get_train_sampler(dataset), trainer_compat.train_batch_size(self),
                                 self.args.dataloader_drop_last)
+        own = getattr(self._get_train_sampler, "__func__", None) is not AutoTPTrainer._get_train_sampler
+        if own and dp_size(self.model) > 1:
+            batches = _DealtBatches(batches, dp_size(self.model), dp_rank(self.model))
         return _EpochLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, "training"),
                             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
 

@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 
 from ..compat import trainer as trainer_compat
-from ..accessors import dp_rank, dp_size
+from ..accessors import cp_size, dp_rank, dp_size
 from ..state import find_state, wrapped_model
 from .fused_head import make_vocab_parallel
 
@@ -27,10 +27,11 @@ def generates(trainer: Trainer) -> bool:
 
 def check_trl_setup(trainer: Trainer) -> None:
     """At construction: a fused LM head under vocab parallelism made vocab-parallel (the policy's and a wrapped
-    reference model's); count DP replicas only in GRPO's and RLOO's generation batch; the TP size where TRL's DPO,
-    KTO, SFT and reward trainers divide their token count by it (they read it from accelerate, which knows no TP)."""
+    reference model's); count DP replicas only in GRPO's and RLOO's generation batch; TP x CP (the ranks that read
+    one batch) where TRL's DPO, KTO, SFT and reward trainers divide their `num_tokens` metric, summed over every
+    process, by the TP size (they read it from accelerate, which knows neither)."""
     if hasattr(trainer, "_tp_size"):
-        trainer._tp_size = trainer.get_tp_size()
+        trainer._tp_size = trainer.get_tp_size() * cp_size(trainer.model)
     for candidate in (trainer.model, getattr(trainer, "ref_model", None)):
         model = wrapped_model(candidate) if candidate is not None else None
         forward = vars(model).get("forward") if model is not None else None

@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import traceback
 from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from ..compat.hf import is_conv1d, is_transformers_class
+from ..compat.hf import failed_experts_kernel, is_conv1d, is_transformers_class
 from .plan import Plan, Replicated, Why
 from .policy import Origin
 from .probe import probe_inputs
@@ -165,10 +166,23 @@ def _unverifiable(model: nn.Module, plan: Plan, example: Mapping[str, Any] | Non
     except (TypeError, ValueError):
         signature = "(...)"
     tried = "autotp's probe inputs (token ids)" if example is None else "your example_inputs"
+    kernel = failed_experts_kernel(model, err)
+    if kernel is not None:
+        return (f"{type(model).__name__}: the forward that verifies the plan from the {plan.origin.value} failed "
+                f"inside transformers' {kernel} experts kernel, not in autotp: {_what(err, 300)} ({_raised_at(err)}). "
+                f"The model fails the same way in one process. Load it with experts_implementation=\"eager\" "
+                f"(from_pretrained(..., experts_implementation=\"eager\"), or model.set_experts_implementation("
+                f"\"eager\")), then wrap it. Nothing was changed.")
     return (f"{type(model).__name__}: the plan from the {plan.origin.value} shards blocks that autotp must verify by "
             f"running the model once, and that forward on {tried} failed ({_what(err, 160)}). "
             f"{type(model).__name__}.forward takes {signature}: pass example_inputs={{name: tensor, ...}} (forward "
             f"keyword arguments for a small batch) to autotp.wrap or autotp.from_pretrained. Nothing was changed.")
+
+
+def _raised_at(err: BaseException) -> str:
+    """Where `err` was raised: the innermost frame of its traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"raised in {frames[-1].name}, {frames[-1].filename}:{frames[-1].lineno}" if frames else "raised"
 
 
 def _what(err: Exception, width: int) -> str:

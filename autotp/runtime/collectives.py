@@ -201,3 +201,16 @@ def buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.
         used += size
     if bucket:
         yield bucket
+
+
+def any_rank(flags: list[bool], groups: list[Group], device: torch.device, what: str) -> list[bool]:
+    """Each of `flags` or'ed over every rank of `groups` (one MAX all-reduce each, a failure named as `what`): which
+    parameters some rank's batch reached, when the ranks' batches take different paths through the model."""
+    if not flags or all(group_size(group) == 1 for group in groups):
+        return flags
+    agreed = torch.tensor(flags, dtype=torch.int32, device=device)
+    for group in groups:
+        if group_size(group) > 1:
+            with named_failure(group, what):
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return agreed.bool().tolist()

@@ -7,7 +7,8 @@ forward's tensors over one group with one all-reduce of six integers (what the r
 shapes and dtypes, and a checksum of the contents computed where the tensors are); only when they differ do the
 ranks' descriptions travel, so that every rank names the first difference. A rank reading a CP forward's logits (a
 gather over CP) exchanges as many integers first, so one that reads them while another begins its next forward is
-named on both, where it would otherwise hang in the gather or die in a mismatched collective.
+named on both, where it would otherwise hang in the gather or die in a mismatched collective; so does a CP backward
+before its first collective (a rank that reads them while another goes on to its backward).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def checksum(x: torch.Tensor) -> torch.Tensor:
     return total & _MASK
 
 
-FORWARD, READ = 1, 2  # what a rank is doing at an exchange: checking a forward's inputs, or reading its logits
-_DOING = {FORWARD: "began a forward", READ: "read a forward's logits (.logits)"}
+# what a rank is doing at an exchange: checking a forward's inputs, reading its logits, or beginning its backward
+FORWARD, READ, BACKWARD = 1, 2, 3
+_DOING = {FORWARD: "began a forward", READ: "read a forward's logits (.logits)", BACKWARD: "began a backward"}
 
 
 def _exchange(group: Group, doing: int, values: torch.Tensor, what: str) -> bool:
@@ -58,11 +60,13 @@ def _exchange(group: Group, doing: int, values: torch.Tensor, what: str) -> bool
     return high[1:] == [-v for v in low[1:]]
 
 
-def check_same_read(group: Group, device: torch.device) -> None:
-    """Before gathering a forward's logits over CP: every rank of `group` is reading them (else every rank raises,
-    naming it, rather than one hanging in the gather while another runs on)."""
+def check_same_read(group: Group, device: torch.device, doing: int = READ) -> None:
+    """Before gathering a forward's logits over CP (`doing` READ), or before a CP backward's first collective
+    (BACKWARD): every rank of `group` is doing it (else every rank raises, naming both calls, rather than one hanging
+    in the gather while another runs on into its backward's collectives)."""
     if group_size(group) > 1:
-        _exchange(group, READ, torch.zeros(2, dtype=torch.int64, device=device), "reading a forward's logits")
+        _exchange(group, doing, torch.zeros(2, dtype=torch.int64, device=device),
+                  "reading a forward's logits" if doing == READ else "beginning a backward")
 
 
 def check_same_batch(group: Group, named: list[tuple[str, torch.Tensor]], kind: str) -> None:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .block_entry import BlockEntry
-from ..runtime.collectives import copy_to_tp, reduce_from_tp
-from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
+from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
+from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
 from .glu import glu_linear, match
 from ..mesh import Group, group_rank, group_size
 from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
@@ -98,11 +98,35 @@ class ParallelLinear(nn.Linear):
         vars(self).pop("forward", None)
         self._set_features()
 
+    def is_gathered(self) -> bool:
+        """Whether the layer holds its full weight now (after `gather_`, until `partition_`), not this rank's shard."""
+        return "forward" in vars(self)
+
+    def full_tensor(self, name: str = "weight", grad: bool = False) -> torch.Tensor | None:
+        """The whole parameter `name` ("weight" or "bias"), as one process holds it, or its whole gradient (`grad`;
+        None where the parameter has none): each rank's shard gathered over the group, the layer left as it is.
+
+        Collective over the layer's group: every rank calls it, and with `grad` every rank holds a gradient or none
+        does. A new tensor, not autograd-tracked; a bias that is not sharded (a row layer's) is copied as held.
+        """
+        if name not in ("weight", "bias"):
+            raise ValueError(f"full_tensor takes 'weight' or 'bias', got {name!r}")
+        param = getattr(self, name)
+        if param is None:
+            raise ValueError(f"{type(self).__name__} has no {name}")
+        tensor = param.grad if grad else param.detach()
+        if tensor is None:
+            return None
+        shard = held_shard(param)  # None: not sharded, or gathered whole
+        if shard is None or self.tp_size == 1:
+            return tensor.clone()
+        return all_gather_full(tensor, shard.partition, self.group)
+
     def _sharded_params(self) -> list[nn.Parameter]:
         return [p for p in (self.weight, self.bias) if p is not None and hasattr(p, "autotp_shard")]
 
     def extra_repr(self) -> str:
-        state = "gathered" if "forward" in vars(self) else f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+        state = "gathered" if self.is_gathered() else f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
         kind = ", conv1d" if self.transposed else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -111,15 +135,33 @@ class ParallelLinear(nn.Linear):
 
 
 class LinearLayer(ParallelLinear):
-    """Column-parallel linear: weight split on the output dim, output left sharded, dL/dX all-reduced."""
+    """Column-parallel linear: weight split on the output dim, output left sharded, dL/dX all-reduced.
 
-    def __init__(self, linear: nn.Module, partition: Partition, group: Group, entry: BlockEntry | None = None):
+    `overlap` (default: the entry's, else on) computes the weight gradient while dL/dX's all-reduce runs
+    (Megatron's overlap, `wrap(overlap=...)`); `entry` is shared by sibling layers reading the same input.
+    """
+
+    def __init__(self, linear: nn.Module, partition: Partition, group: Group, entry: BlockEntry | None = None, *,
+                 overlap: bool | None = None):
         super().__init__(linear, partition, group)
         expected = 1 if self.transposed else 0
         if partition.dim != expected:
             raise ValueError(f"a column-parallel weight is split on its output dim ({expected})")
-        self.entry = entry or BlockEntry(group)  # shared with the sibling layers reading the same block input
+        if entry is not None and overlap is not None and overlap != entry.overlap:
+            raise ValueError(f"overlap={overlap} but the entry given has overlap={entry.overlap}; pass one of them")
+        # shared with the sibling layers reading the same block input
+        self.entry = entry or BlockEntry(group, overlap=True if overlap is None else overlap)
         self.entry.add_reader(self)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the weight gradient is computed during dL/dX's all-reduce; set it to turn overlap off or on, for
+        every layer sharing this layer's entry (they read one input, whose gradient is all-reduced once)."""
+        return self.entry.overlap
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        self.entry.overlap = value
 
     def _bias_partition(self) -> Partition:
         return self.partition.with_dim(0)

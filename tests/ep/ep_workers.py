@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 import transformers as tf
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 import autotp
 from autotp.testing import tiny_config
@@ -101,6 +101,19 @@ HAND_WRITTEN = {  # families whose tiny builder fails on transformers 5.24 (MLA 
 }
 
 
+def _ernie_vl() -> PretrainedConfig:
+    """Ernie 4.5 VL's modality experts (text_moe and vision_moe per MoE layer); the tiny builder's M-RoPE sections
+    do not fit its head size, and its expert widths stay at 1536 and 512."""
+    config = tiny_config("ernie4_5_vl_moe")
+    config.text_config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}
+    config.text_config.moe_intermediate_size = [32, 16]
+    return config
+
+
+HAND_WRITTEN["ernie4_5_vl_moe"] = _ernie_vl
+IMAGE_TEXT = {"ernie4_5_vl_moe"}  # built with AutoModelForImageTextToText, not as a causal LM
+
+
 def moe_config(family: str, **overrides) -> PretrainedConfig:
     config = HAND_WRITTEN[family]() if family in HAND_WRITTEN else tiny_config(family)
     for key, value in overrides.items():
@@ -110,7 +123,8 @@ def moe_config(family: str, **overrides) -> PretrainedConfig:
 
 def moe_model(family: str, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(moe_config(family, **overrides), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if family in IMAGE_TEXT else AutoModelForCausalLM
+    return auto.from_config(moe_config(family, **overrides), dtype=torch.float32)
 
 
 def record_routing(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -122,13 +136,14 @@ def record_routing(model: torch.nn.Module) -> list[torch.Tensor]:
     return seen
 
 
-def single_process(family: str, clip: bool = False, config: dict | None = None) -> dict:
+def single_process(family: str, clip: bool = False, config: dict | None = None, inputs: dict | None = None) -> dict:
+    """One process's STEPS on the whole batch; `inputs`: more per-row inputs of the whole batch, beside the ids."""
     model = moe_model(family, **(config or {}))
     routing = record_routing(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     losses, grads, norms = [], {}, []
     for step in range(STEPS):
-        loss = model(input_ids=GLOBAL, labels=GLOBAL).loss
+        loss = model(input_ids=GLOBAL, labels=GLOBAL, **(inputs or {})).loss
         loss.backward()
         if clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
@@ -171,18 +186,19 @@ def wrong_sync(model: torch.nn.Module, mode: str) -> None:
         p.grad = p.grad * autotp.dp_size(model) if mode == "no_division" else grad / autotp.dp_size(model)
 
 
-def dp_loop(model: torch.nn.Module, sync, clip: bool = False) -> dict:
-    """The README's DP loop on this replica's rows of the global batch: STEPS AdamW steps, the gradients synced by
-    `sync()` (then clipped: `clip`); the losses (mean over replicas), the first step's gradients and the last
-    parameters (whole), the clipped norms and this replica's rows."""
+def dp_loop(model: torch.nn.Module, sync, clip: bool = False, inputs: dict | None = None) -> dict:
+    """The README's DP loop on this replica's rows of the global batch (and of `inputs`, more per-row inputs):
+    STEPS AdamW steps, the gradients synced by `sync()` (then clipped: `clip`); the losses (mean over replicas), the
+    first step's gradients and the last parameters (whole), the clipped norms and this replica's rows."""
     replicas = autotp.dp_size(model)
     rows = GLOBAL.shape[0] // replicas
     first = autotp.dp_rank(model) * rows
     mine = GLOBAL[first:first + rows]
+    extra = {name: tensor[first:first + rows] for name, tensor in (inputs or {}).items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     losses, grads, norms = [], {}, []
     for step in range(STEPS):
-        loss = model(input_ids=mine, labels=mine).loss
+        loss = model(input_ids=mine, labels=mine, **extra).loss
         loss.backward()
         sync()
         if clip:
@@ -199,14 +215,14 @@ def dp_loop(model: torch.nn.Module, sync, clip: bool = False) -> dict:
 
 
 def ep_rank_run(rank: int, world: int, family: str, tp: int, ep: int, mode: str = "right",
-                config: dict | None = None) -> dict:
+                config: dict | None = None, inputs: dict | None = None) -> dict:
     """The README's DP loop at tp x ep: this replica's rows of the global batch, gradients synced, AdamW."""
     model = autotp.wrap(moe_model(family, **(config or {})), tp, ep_size=ep)
     assert autotp.ep_size(model) == ep and autotp.ep_rank(model) == rank % ep
     routing = record_routing(model)
     sync = (lambda: autotp.allreduce_gradients(model)) if mode in ("right", "clip") else (
         lambda: wrong_sync(model, mode))
-    report = dp_loop(model, sync, clip=mode == "clip")
+    report = dp_loop(model, sync, clip=mode == "clip", inputs=inputs)
     experts = sum(p.numel() * p.element_size() for p in model.parameters() if hasattr(p, "autotp_expert"))
     return {**report, "routing": routing, "expert_bytes": experts}
 

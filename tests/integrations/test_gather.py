@@ -83,3 +83,40 @@ def step_inside_gather(rank: int, world: int) -> str:
 def test_optimizer_step_inside_gather_is_refused() -> None:
     for message in run_ranks(step_inside_gather, 2):
         assert "inside GatherReplacedLayerParams" in message and "Leave the context first" in message
+
+
+def standalone_gather(rank: int, world: int) -> dict:
+    """A module of standalone layers, built directly (Megatron-style), not by wrap: a column then a row layer."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 6), torch.nn.Linear(6, 8)
+    reference = torch.nn.Sequential(copy.deepcopy(first), copy.deepcopy(second))
+    group = torch.distributed.group.WORLD
+    model = torch.nn.Sequential(LinearLayer(first, autotp.Partition.even(0, 6, world), group),
+                                LinearAllreduce(second, autotp.Partition.even(1, 6, world), group))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    shards = [p.detach().clone() for p in model.parameters()]
+    report = {}
+    with autotp.GatherReplacedLayerParams(model):
+        report["shapes_inside"] = [tuple(p.shape) for p in model.parameters()]
+        report["output_inside"] = (model(x) - reference(x)).abs().max().item()
+        model(x).sum().backward()
+        with pytest.raises(RuntimeError) as err:
+            opt.step()
+        report["step_refused"] = str(err.value)
+    reference(x).sum().backward()
+    report["shapes_after"] = [tuple(p.shape) for p in model.parameters()]
+    report["shards_back"] = all(torch.equal(a, p.detach()) for a, p in zip(shards, model.parameters()))
+    report["grads"] = max(grad_error(full(p.grad, p, group), r.grad)
+                          for p, r in zip(model.parameters(), reference.parameters()))
+    return report
+
+
+def test_gather_replaced_layer_params_gathers_standalone_layers() -> None:
+    """Before, the context did nothing on a module holding standalone layers: the weight stayed (3, 8) inside."""
+    for report in run_ranks(standalone_gather, 2):
+        assert report["shapes_inside"] == [(6, 8), (6,), (8, 6), (8,)], report["shapes_inside"]
+        assert report["output_inside"] <= 1e-6, report["output_inside"]  # the same ops on the same full weights
+        assert "inside GatherReplacedLayerParams" in report["step_refused"]
+        assert report["shapes_after"] == [(3, 8), (3,), (8, 3), (8,)] and report["shards_back"]
+        assert report["grads"] <= GRAD_RTOL, report["grads"]  # gradients computed inside, sliced onto the shards

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, SequentialSampler
 from transformers import Trainer, TrainingArguments
 
 import autotp
@@ -68,6 +68,22 @@ def test_a_resume_inside_the_second_epoch_reads_that_epochs_samples(tmp_path: Pa
     assert resumed_read == read[3:], (resumed_read, read)
     # the same ranks, data and reductions; only the save and reload lie between: equal to fp32 rounding
     assert len(resumed_losses) == 1 and abs(resumed_losses[0] - losses[3]) <= 1e-6, (resumed_losses, losses)
+
+
+def sequential_reads(rank: int, world: int, path: str) -> list[list[int]]:
+    """Two steps at tp 1 x dp `world` of a trainer given its own `_get_train_sampler` (the data in order)."""
+    trainer = reading_trainer(path, 1, 2)
+    trainer._get_train_sampler = lambda train_dataset=None: SequentialSampler(trainer.train_dataset)
+    trainer.train()
+    return trainer.read
+
+
+@pytest.mark.timeout(120)
+def test_a_trainers_own_sampler_is_dealt_over_dp_replicas(tmp_path: Path) -> None:
+    """Before: AutoTPTrainer ignored a `_get_train_sampler` of the user's for its shuffled DP sampler, silently. Now
+    its batches are dealt over the DP replicas in turn, as accelerate deals a plain Trainer's over processes."""
+    for rank, read in enumerate(run_ranks(sequential_reads, 2, str(tmp_path))):
+        assert read == [list(range(4 * rank, 4 * rank + 4))] * 2, (rank, read)
 
 
 def resume_model_only(rank: int, world: int, path: str) -> list[float]:

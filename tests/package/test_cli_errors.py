@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import autotp
-from autotp.cli import build_parser, main
+from autotp.cli import build_parser, cli_wording, main
+from autotp.testing import run_ranks
+from ep_workers import moe_model
 from models import tiny_model
 
 
@@ -148,3 +150,28 @@ def test_cli_max_shard_size_is_checked_by_the_parser(capsys, tmp_path: Path) -> 
         main(["consolidate", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "5 gigs"])
     err = capsys.readouterr().err
     assert "argument --max-shard-size: a size such as 5GB" in err and "'5 gigs'" in err, err
+
+
+# --- plan refuses the layouts wrap refuses ------------------------------------------------------------------------------
+
+
+def wrap_refusal(rank: int, world: int, tp: int, ep: int) -> str:
+    """wrap's own refusal of tp x ep on this world, the model left as it was."""
+    model = moe_model("qwen3_moe")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as err:
+        autotp.wrap(model, tp, ep_size=ep, timeout=20)
+    assert not autotp.tp.apply.parallel_layers(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return str(err.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp, ep, dp", [(1, 2, 3), (2, 4, 1)], ids=["ep2-world3", "ep4-world2"])
+def test_plan_refuses_an_ep_layout_wrap_refuses_with_wraps_error(autotp_cli, tp: int, ep: int, dp: int) -> None:
+    """Before, `plan --ep 2 --dp 3` (world 3) and `--tp 2 --ep 4 --dp 1` (world 2) printed a plan that wrap refuses."""
+    refusals = set(run_ranks(wrap_refusal, tp * dp, tp, ep))
+    assert len(refusals) == 1 and f"ep_size={ep} must divide the world size {tp * dp}" in next(iter(refusals))
+    line = one_line_error(autotp_cli("plan", "qwen3_moe", "--tp", str(tp), "--ep", str(ep), "--dp", str(dp)), "plan")
+    assert line == f"autotp plan: {cli_wording(next(iter(refusals)))}", line
+    assert f"--ep {ep} must divide the world size {tp * dp}" in line

@@ -16,6 +16,7 @@ from autotp.options import WrapOptions
 from autotp.options import AGREED_OPTIONS, PER_RANK_OPTIONS
 from autotp.testing import run_ranks
 from cp_workers import CP_FAMILIES
+from ep_workers import moe_model
 from models import tiny_model
 
 
@@ -93,12 +94,13 @@ def test_ranks_with_different_sizes_are_refused_before_any_group_is_built(sizes:
         assert elapsed < 10, elapsed  # a few seconds at most; the timeout is 20 s
 
 
-def alone_at_tp1(rank: int, world: int) -> str:
-    """Rank 1 wraps at tp 1 and cp 1, which runs no collective (some ranks only may), and goes on; rank 0 at cp 2."""
-    model = tiny_model("llama", **CP_FAMILIES["llama"])
+def alone_at_tp1(rank: int, world: int, axis: str = "cp") -> str:
+    """Rank 1 wraps at every size 1, which runs no collective (some ranks only may), and goes on; rank 0 at
+    `axis`_size 2 (cp: a dense model; ep: a MoE model)."""
+    model = moe_model("qwen3_moe") if axis == "ep" else tiny_model("llama", **CP_FAMILIES["llama"])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
-        autotp.wrap(model, 1, cp_size=2 if rank == 0 else 1, timeout=20)
+        autotp.wrap(model, 1, **{f"{axis}_size": 2 if rank == 0 else 1}, timeout=20)
         return "wrapped"
     except RuntimeError as err:
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -106,8 +108,11 @@ def alone_at_tp1(rank: int, world: int) -> str:
 
 
 @pytest.mark.timeout(120)  # rank 0 fails when rank 1 leaves (at once here), else at the world's 60 s timeout
-def test_a_rank_waiting_for_one_that_wrapped_alone_at_tp1_is_told_the_likely_cause() -> None:
-    waiting, alone = run_ranks(alone_at_tp1, 2)
+@pytest.mark.parametrize("axis", ["cp", "ep"])
+def test_a_rank_waiting_for_one_that_wrapped_alone_at_tp1_is_told_the_likely_cause(axis: str) -> None:
+    """Every size of WrapOptions.sizes is named, ep_size too (before: only tp_size and cp_size, though ep differed)."""
+    waiting, alone = run_ranks(alone_at_tp1, 2, axis)
     assert alone == "wrapped"
     assert "comparing the ranks' sizes and plans in wrap over ranks [0, 1] failed" in waiting, waiting
-    assert "Every rank must call wrap with the same tp_size and cp_size: a rank at tp_size=1 and cp_size=1" in waiting
+    assert ("Every rank must call wrap with the same tp_size, cp_size and ep_size: a rank at tp_size=1, cp_size=1 and "
+            "ep_size=1 without tp_group runs no collective") in waiting, waiting

@@ -96,6 +96,14 @@ class Reader:
         return self.meta["state"]
 
 
+def check_files(directory: Path, meta: dict[str, Any]) -> None:
+    """Raise a `CheckpointError` naming the first file a rank's `Reader` needs that is missing."""
+    for rank in range(meta["world_size"]):
+        for name in ("model.safetensors", "rng.safetensors", "state.json"):
+            if not (_rank_dir(directory, rank) / name).is_file():
+                raise CheckpointError(f"{_rank_dir(directory, rank) / name}: missing")
+
+
 def _read_json(file: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     """A JSON object from `file` holding `keys`, or a `CheckpointError` that names the file."""
     try:

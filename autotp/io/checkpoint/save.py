@@ -1,7 +1,8 @@
 """Training checkpoints on `torch.distributed.checkpoint` (DCP): saved at one layout, loaded at any other.
 
     directory/
-      autotp_checkpoint.json    format, the layout saved at, the user's state, the optimizer's parameter names
+      autotp_checkpoint.json    format, the layout saved at, the user's state, the optimizer's parameter names,
+                                when the save began
       config.json               the model config, so `consolidate` needs no model code
       .metadata, __R_0.distcp   DCP's index and each rank's data
 
@@ -20,6 +21,7 @@ import errno
 import json
 import os
 import pickle
+import time
 import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -246,7 +248,7 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
         tp_state.refuse_gathered(what)
     meta = {"format": FORMAT, **layout(model), "model_class": type(model).__name__, "state": state,
             "optimizer_params": optimizer_names(model, optimizer), "scheduler": scheduler is not None,
-            "weights": weights, "rng": rng}
+            "weights": weights, "rng": rng, "saved_at": time.time()}  # when it began: latest_checkpoint's order
     staging = ExitStack()
     tmp = staging.enter_context(staged_directory(directory, overwrite, what=what))
     try:

@@ -15,7 +15,8 @@ def vllm_sync(model: nn.Module, url: str, *, backend: str = "autotp-gloo", **kwa
     """vLLM's trainer engine for `model`, connected to the `vllm serve` server at `url`: call this once on every
     trainer rank, then `.send_weights()` on every trainer rank each round. `backend`: "autotp-gloo" (CPU) or
     "nccl" (GPUs); `kwargs`: `master_address`, `master_port`, `timeout_s`, and `export_weights`' `merge_lora`,
-    `dtype`, `bucket_bytes`. Needs vLLM installed; docs/rl.md shows the server's flags."""
+    `dtype`, `bucket_bytes`. Needs vLLM installed; docs/rl.md shows the server's flags. `pause=False` loads each
+    round without pausing the server's generation (by default requests in flight finish on the old weights first)."""
     from .io.rollout.vllm_connect import vllm_sync as connect
 
     return connect(model, url, backend=backend, **kwargs)

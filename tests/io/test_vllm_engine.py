@@ -6,17 +6,22 @@ prompt log-probs equal transformers' from the one-process model trained the same
 makes the other trainer rank fail at once, leaves the engine serving the previous round's weights, and a new
 `vllm_sync` resends. examples/grpo_vllm.py's GRPO loop (the engine samples, tp=2 trains and sends) gives one
 process's rewards, loss and log-probs on the same completions, and the engine samples differently after a sync.
-docs/rl.md's vLLM block runs as written against the same engine.
+docs/rl.md's vLLM block runs as written against the same engine. Rounds that do not fit the engine's model (1 layer
+of 2, intermediate 96, vocabulary 500, an extra layer) are refused by name before loading, the engine serving the
+previous round whole; 8 requests generating during a sync each come out of the old round's weights, token by token
+(`send_weights` pauses the engine's generation for the load).
 
 Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for the module, started once.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -24,22 +29,23 @@ from typing import Iterator
 
 import psutil
 import pytest
-import requests
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: .ci/run's vLLM leg runs this module in its own venv")
 
+import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm.distributed.weight_transfer import WeightSource  # noqa: E402
 
 import autotp  # noqa: E402
+from autotp.io.rollout.vllm_client import EngineClient  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
 from models import batch  # noqa: E402
-from vllm_server import (LR, TOKEN_ENV, completions, digests, reference, reload, serve, train as train_steps,  # noqa: E402
-                         train_and_send)
+from vllm_server import (LR, TOKEN_ENV, against, completions, digests, refusal, reload, serve,  # noqa: E402
+                         train as train_steps, train_and_send)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = pytest.mark.slow
@@ -72,14 +78,10 @@ def build(model_dir: str, lora: bool) -> torch.nn.Module:
 def check(url: str, ref: torch.nn.Module, saved: str | None) -> dict:
     """On trainer rank 0, after a round: the engine as the sync left it against the one-process model (completions
     first: they cover the linear layers the digests miss), then its digests against the trainer's save reloaded."""
-    report = {"sent": digests(url)}
-    got, expected = completions(url), reference(ref)
+    report = {"sent": digests(url), **against(url, ref)}
     if saved is not None:
         reload(url, saved)
         report["saved"] = digests(url)
-    report["tokens"] = ([t for t, _ in got], [t for t, _ in expected])
-    report["logprobs"] = [g for _, g in got]
-    report["logprob_error"] = max(abs(a - b) for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e))
     return report
 
 
@@ -306,6 +308,135 @@ def test_grpo_example_generates_with_the_engine_and_trains_as_one_process(engine
     assert max(errors) <= GRPO_LOGPROB_ATOL, errors
     assert report["records"][0]["completions"] != report["records"][1]["completions"]
     assert report["again"] != report["records"][1]["completions"]  # step 1's seed, after step 1's update was sent
+
+
+# A trainer's config against the engine's (2 layers, intermediate 256, vocabulary 512), and what the refusal names.
+MISFITS = {
+    "one layer of two": (dict(num_hidden_layers=1), "left out (model.layers.1.self_attn.q_proj.weight (128, 128)"),
+    "intermediate 96": (dict(intermediate_size=96),
+                        "model.layers.0.mlp.gate_proj.weight sent (96, 128) where the engine holds (256, 128)"),
+    "vocabulary 500": (dict(vocab_size=500),
+                       "model.embed_tokens.weight sent (500, 128) where the engine holds (512, 128)"),
+    "an extra layer": (dict(num_hidden_layers=3), "lacks (model.layers.2.self_attn.q_proj.weight (128, 128)"),
+}
+
+
+def misfits(rank: int, world: int, url: str, model_dir: str) -> dict:
+    """One trainer rank: a round of a model of the engine's config with each change, the engine's digests and
+    completions after each; then a fitting round, against one process."""
+    before = (digests(url), completions(url))
+    report = {}
+    for label, (change, _) in MISFITS.items():
+        config = AutoConfig.from_pretrained(model_dir)
+        config.update(change)
+        torch.manual_seed(0)
+        model = autotp.wrap(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tp_size=1)
+        report[label] = refusal(model, url)
+        report[f"{label} kept"] = (digests(url), completions(url)) == before
+    try:  # a load that fails while generation is paused: no round was started
+        EngineClient(url, timeout=30).finish_weight_update()
+    except RuntimeError as error:
+        report["finish alone"] = str(error)
+    report["paused after"] = requests.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
+    model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
+    train_steps(model, 1, True, VOCAB)
+    train_steps(ref, 1, False, VOCAB)
+    vllm_sync(model, url, timeout_s=30).send_weights()
+    report["after"] = against(url, ref)
+    return report
+
+
+@pytest.mark.timeout(300)
+def test_a_round_that_does_not_fit_the_engine_is_refused_by_name(engine: tuple[str, str]) -> None:
+    """Rounds of 1 layer into the 2-layer engine, of intermediate 96 against 256, of vocabulary 500 against 512,
+    and of an extra layer: each is refused before anything is loaded, the trainer's error naming the tensors and
+    shapes; the engine keeps serving the previous round, whole (digests and completions), and stays up. A load
+    that fails while generation is paused leaves it resumed, and a fitting round then completes as one process."""
+    report = run_ranks(misfits, 1, *engine)[0]
+    for label, (_, named) in MISFITS.items():
+        print(f"{label}: ...{report[label].partition('previous weights: ')[2][:200]}")
+        assert "refused /update_weights" in report[label] and named in report[label], report[label]
+        assert "does not fit the engine's model (LlamaForCausalLM)" in report[label], report[label]
+        assert report[f"{label} kept"], label
+    assert "refused /finish_weight_update" in report["finish alone"], report["finish alone"]
+    assert report["paused after"] is False  # resumed after the failed load
+    tokens, expected = report["after"]["tokens"]
+    assert tokens == expected and report["after"]["logprob_error"] <= LOGPROB_ATOL, report["after"]
+
+
+IN_FLIGHT, LONG = 8, 240  # requests in flight during a sync, each LONG greedy tokens (the engine's 256 less a prompt)
+# An engine token is the reference model's greedy pick if its log-prob is within this of the best: fp32 on both sides
+# moves log-probs by ~1e-6 (the tolerance covers near-ties only); a token of the other round's weights is not.
+GREEDY_ATOL = 1e-3
+
+
+class Streamed:
+    """One streamed greedy request, read on a thread: its tokens, and when its first and last ones came."""
+
+    def __init__(self, url: str, model: str, prompt: list[int]) -> None:
+        self.tokens, self.first, self.last = [], None, None
+        body = {"model": model, "prompt": prompt, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "stream": True}
+        self.thread = threading.Thread(target=self.read, args=(url, body))
+        self.thread.start()
+
+    def read(self, url: str, body: dict) -> None:
+        with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: {"):
+                    self.tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                    self.first = self.first or time.monotonic()
+        self.last = time.monotonic()
+
+
+def greedy_under(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> bool:
+    """Whether each of `tokens` is `model`'s greedy pick after the prompt and the tokens before it."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    picked = logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    return bool((picked >= logprobs.max(-1).values - GREEDY_ATOL).all())
+
+
+def in_flight(rank: int, world: int, url: str, model_dir: str, pause: bool) -> dict:
+    """One trainer rank: a round (1 step), then IN_FLIGHT long requests and, once each has its first token, the
+    next round (3 more steps); each answer checked against the one-process models of both rounds."""
+    model = autotp.wrap(build(model_dir, False), tp_size=1)
+    old, new = build(model_dir, False), build(model_dir, False)
+    engine = vllm_sync(model, url, timeout_s=60, pause=pause)
+    train_steps(model, 1, True, VOCAB)
+    engine.send_weights()
+    train_steps(old, 1, False, VOCAB)
+    train_steps(new, 4, False, VOCAB)
+    train_steps(model, 3, True, VOCAB)
+    served = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    prompts = [[7 + 40 * i, 3, 90 + i] for i in range(IN_FLIGHT)]
+    streams = [Streamed(url, served, prompt) for prompt in prompts]
+    while not all(s.first for s in streams) and all(s.thread.is_alive() for s in streams):
+        time.sleep(0.01)
+    started = time.monotonic()
+    engine.send_weights()
+    synced = time.monotonic()
+    for s in streams:
+        s.thread.join()
+    return {"lengths": [len(s.tokens) for s in streams], "sync": (started, synced),
+            "spans": [(s.first, s.last) for s in streams],
+            "old": [greedy_under(old, p, s.tokens) for p, s in zip(prompts, streams)],
+            "new": [greedy_under(new, p, s.tokens) for p, s in zip(prompts, streams)]}
+
+
+@pytest.mark.timeout(300)
+def test_requests_in_flight_during_a_sync_each_come_out_of_one_round(engine: tuple[str, str]) -> None:
+    """8 greedy requests of 240 tokens, all generating when `send_weights` starts: `send_weights` pauses the
+    engine (`/pause?mode=wait`) before loading, so each answer is the previous round's greedy continuation to the
+    end (one process's, token by token), none the new round's; without the pause they come out part old, part new."""
+    report = run_ranks(in_flight, 1, *engine, True)[0]
+    started, synced = report["sync"]
+    print(f"sync {synced - started:.2f} s with {IN_FLIGHT} requests in flight; answers of the old round:",
+          report["old"], "of the new:", report["new"])
+    assert report["lengths"] == [LONG] * IN_FLIGHT, report["lengths"]
+    assert all(first < started < last for first, last in report["spans"]), report  # all in flight at the sync
+    assert all(report["old"]) and not any(report["new"]), report
 
 
 # The weight channel's edges: its token (docs/rl.md's Security), a trainer the server cannot reach, a stalled

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 import autotp
+from autotp.rollout import vllm_sync
 from autotp.testing.spawn import free_port
 from models import batch
 
@@ -122,6 +123,25 @@ def reference(model: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
             logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
             out.append((tokens.tolist(), logprobs.tolist()))
     return out
+
+
+def against(url: str, ref: torch.nn.Module) -> dict:
+    """The engine's greedy tokens (and transformers'), its prompt log-probs, and their largest distance from
+    transformers' on the one-process `ref`."""
+    got, expected = completions(url), reference(ref)
+    return {"tokens": ([t for t, _ in got], [t for t, _ in expected]), "logprobs": [g for _, g in got],
+            "logprob_error": max(abs(a - b) for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e))}
+
+
+def refusal(model: torch.nn.Module, url: str) -> str:
+    """The error `send_weights` of `model` raises (a round the engine should refuse), on a fresh connection; "sent"
+    if the round went in."""
+    engine = vllm_sync(model, url, timeout_s=30)
+    try:
+        engine.send_weights()
+    except Exception as error:  # noqa: BLE001 (the caller checks what it names)
+        return f"{type(error).__name__}: {error}"
+    return "sent"
 
 
 def train(model: torch.nn.Module, steps: int, wrapped: bool, vocab: int) -> None:

@@ -17,15 +17,16 @@ import requests
 import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer import (
-    HTTPVLLMWeightSyncClient, TrainerWeightTransferEngine, WeightTransferTrainerFactory,
+    TrainerWeightTransferEngine, WeightTransferTrainerFactory,
 )
 
+from .vllm_client import EngineClient
 from .vllm_gloo import BACKEND, TOKEN_ENV, AutotpGlooTrainerInitInfo, register
 from .vllm_source import AutotpWeightSource
 
 
 def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_address: str | None = None,
-              master_port: int | None = None, timeout_s: float = 300.0, token: str | None = None,
+              master_port: int | None = None, timeout_s: float = 300.0, token: str | None = None, pause: bool = True,
               **export_kwargs) -> TrainerWeightTransferEngine:
     """Connect the trainer to the vLLM server at `url`: call it on every trainer rank, once (again after a failed
     round), then `.send_weights()` on every rank each round.
@@ -37,6 +38,8 @@ def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_addr
     on another side before failing (the trainer ranks on each other too, during a round).
     `token`: the shared secret the server's workers check on every init and round ("autotp-gloo"; default: this
     process's `AUTOTP_SYNC_TOKEN`); it must equal the server's `AUTOTP_SYNC_TOKEN`.
+    `pause`: load each round with the server's generation paused (`/pause?mode=wait`, then `/resume`), so every
+    request comes out of one round's weights; False for a caller that drains the engine itself.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     token = token or os.environ.get(TOKEN_ENV, "")
@@ -44,7 +47,7 @@ def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_addr
         raise ValueError(f"autotp.rollout.vllm_sync: no token: pass token= or set {TOKEN_ENV}, the shared secret "
                          f"the server's environment holds as {TOKEN_ENV} (its workers refuse rounds without it)")
     source = AutotpWeightSource(model, timeout_s=timeout_s, **export_kwargs)
-    client = HTTPVLLMWeightSyncClient(url, timeout=timeout_s)
+    client = EngineClient(url, timeout=timeout_s, pause=pause)
     register()
     world = address = port = None  # read on the sender only: the others never touch the transfer group
     if rank == 0:

@@ -10,6 +10,9 @@ round cut off midway (a trainer rank died, the link broke) leaves the engine ser
 whole. The cost is one checkpoint-format copy of the model in each worker's host memory during a round.
 vLLM 0.32's CPU MoE experts are prepacked into its grouped-GEMM layout on the first load only: a weight update
 leaves them in checkpoint layout, read as packed (silently wrong experts), so the worker prepacks them again.
+Its layerwise reload also skips the post-load processing of a layer that gets no weight of its own, a tied LM head,
+whose CPU build keeps a packed copy of the embedding: the worker runs that processing again for those layers.
+A round whose names or shapes do not fit the engine's model is refused before loading (`vllm_check`).
 The server's processes register the backend through vLLM's general-plugin entry point (pyproject.toml's
 `vllm.general_plugins`), the trainer through `vllm_sync`.
 The channel is authenticated: every init and round carries a shared secret, compared with the server's
@@ -41,6 +44,7 @@ from vllm.distributed.weight_transfer import (
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from .sync import receive_weights, send_tensors
+from .vllm_check import check_round, expected_shapes
 
 BACKEND = "autotp-gloo"
 TOKEN_ENV = "AUTOTP_SYNC_TOKEN"  # the shared secret: the server's environment, and the trainer's (or vllm_sync(token=))
@@ -221,6 +225,9 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
             missing = sorted(set(update_info.names) - set(names))[:3]
             raise RuntimeError(f"{BACKEND}: the round brought {len(names)} tensors, not the {len(update_info.names)} "
                                f"declared (missing e.g. {missing}); the model keeps its previous weights")
+        expected = expected_shapes(self.model_config.hf_config)
+        if expected is not None:
+            check_round(staged, expected, type(self.model).__name__)
         self.staged = staged
 
     def finish_weight_update(self) -> None:
@@ -235,8 +242,10 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
             initialize_layerwise_reload(self.model)
             with disable_mtp_completeness_check():
                 self.model.load_weights(staged)
+            skipped = _unprocessed_layers(self.model)
             finalize_layerwise_reload(self.model, self.model_config)
         unpacked.prepack()
+        _process_tied(self.model, skipped)
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -281,6 +290,34 @@ class _CpuExpertPrepack:
             if id(layer) not in self.done:
                 for weight in (layer.w13_weight, layer.w2_weight):
                     weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+
+
+def _unprocessed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers with post-load processing that this reload has given no weight (before `finalize_layerwise_reload`,
+    which puts their tensors back unprocessed): a tied LM head, whose weight is the embedding's."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return [layer for layer in model.modules()
+            if isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase)
+            and (info := LAYERWISE_INFO.get(layer)) is not None and info.can_load() and info.load_numel <= 0
+            and info.load_numel_total and not is_deferred_attention_layer(layer)]
+
+
+def _process_tied(model: torch.nn.Module, skipped: list[torch.nn.Module]) -> None:
+    """Runs the post-load processing vLLM skipped (its layerwise reload's limitation 2: "tied parameters will only
+    reflect processing from one of the parent layers") for each of `skipped` whose weight another, loaded, layer
+    holds too: on CPU it rebuilds the LM head's packed copy of the new embedding, which vLLM 0.32 keeps from the
+    first load (new weights, old head). Only those: processing a layer twice would pack packed weights."""
+    def storages(layer: torch.nn.Module) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False) if p.numel()}
+
+    others = {id(layer) for layer in skipped}
+    loaded = set().union(*(storages(layer) for layer in model.modules() if id(layer) not in others))
+    for layer in skipped:
+        if storages(layer) & loaded:
+            layer.quant_method.process_weights_after_loading(layer)
 
 
 @dataclass
@@ -333,9 +370,9 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
             wait([rpc, group], return_when=FIRST_EXCEPTION)
             try:
                 rpc.result()  # the server's refusal (an unknown backend, say) before waiting out the rendezvous
-            except requests.HTTPError as error:
+            except (requests.HTTPError, RuntimeError) as error:  # vLLM's client, or autotp's EngineClient
                 raise RuntimeError(
-                    f"{BACKEND}: the server refused to open the transfer channel ({error}); its log says why. Either "
+                    f"{BACKEND}: the server refused to open the transfer channel ({error}). Either "
                     f"its {TOKEN_ENV} is unset or not this trainer's token (vllm_sync(token=) or {TOKEN_ENV}), or "
                     f"its workers could not reach this trainer's store at {address} within {CONNECT_S:g} s (pass "
                     f"vllm_sync(master_address=) an address of this host that the server reaches)") from error

@@ -10,6 +10,7 @@
 | `dist.reduce_scatter_single` / `reduce_scatter_tensor`   | the one-tensor reduce-scatter (renamed)  | 2.13       |
 | `Tensor._make_wrapper_subclass`, `_disabled_torch_function_impl` | a tensor DCP sees, holding no data (as DTensor) | 2.13 |
 | `torch.testing._internal.distributed.fake_pg.FakeStore` | one rank of a larger world (benchmarks) | 2.13 |
+| `distributed_c10d._world.pg_map`, `ProcessGroupGloo._set_default_timeout` | every gloo group bounded during a weight sync | 2.13 |
 
 torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
 frame read returns None instead, as `autotp.integrations.guards.DDPGuard` then checks the group at DDP's first forward.
@@ -18,8 +19,9 @@ frame read returns None instead, as `autotp.integrations.guards.DDPGuard` then c
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,25 @@ def backend_timeout(group: Any = None) -> timedelta | None:
         return None
     timeout = require(getattr(backend, "options", None), "_timeout", "torch.distributed.Backend.Options._timeout")
     return timeout if isinstance(timeout, timedelta) else None
+
+
+@contextmanager
+def gloo_timeouts_at_most(seconds: float | None) -> Iterator[None]:
+    """Every gloo group of this process waits at most `seconds` meanwhile, then gets its own timeout back (None:
+    nothing changes). NCCL groups are left as they are: their timeout aborts the process."""
+    lowered = []
+    if seconds is not None and dist.is_initialized():
+        bound, cpu = timedelta(seconds=seconds), torch.device("cpu")
+        for group in list(dist.distributed_c10d._world.pg_map):
+            backend = group._get_backend(cpu) if cpu in group._device_types else None
+            if isinstance(backend, dist.ProcessGroupGloo) and backend.options._timeout > bound:
+                lowered.append((backend, backend.options._timeout))
+                backend._set_default_timeout(bound)
+    try:
+        yield
+    finally:
+        for backend, timeout in lowered:
+            backend._set_default_timeout(timeout)
 
 
 def ddp_under_construction(frames_up: int) -> DistributedDataParallel | None:

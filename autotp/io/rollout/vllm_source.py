@@ -10,16 +10,14 @@ the tensors (the others get none), so only global rank 0 (vLLM's sender) may be 
 
 from __future__ import annotations
 
-import datetime
-from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
 from ...compat.peft import base_keys, peft_inner
+from ...compat.torch import gloo_timeouts_at_most
 from ...state import outside_module_holders
 from .export import export_weights
 from ..hf.parts import saved_layout
@@ -46,7 +44,7 @@ class AutotpWeightSource(WeightSource):
         return [ParamMeta(name, self.dtype or saved.dtype, tuple(saved.shape)) for name, saved in layout.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        with _bounded(self.timeout_s):
+        with gloo_timeouts_at_most(self.timeout_s):  # the training group's (often 30 min) would bound a stall
             yield from export_weights(self.model, merge_lora=self.merge_lora, dtype=self.dtype,
                                       bucket_bytes=self.bucket_bytes)
 
@@ -54,23 +52,3 @@ class AutotpWeightSource(WeightSource):
         """None: every tensor. Under TP each exporting rank takes part in every tensor's gather, so none holds a
         part of the model alone (vLLM's meaning of the question: pipeline or expert parallel producers)."""
         return None
-
-
-@contextmanager
-def _bounded(timeout_s: float | None) -> Iterator[None]:
-    """Every gloo group of this rank waits at most `timeout_s` meanwhile, then gets its own timeout back: the
-    training group's (often 30 min) would otherwise bound a round whose sender stalled. NCCL groups are left as
-    they are (their timeout aborts the process)."""
-    lowered = []
-    if timeout_s is not None and dist.is_initialized():
-        bound, cpu = datetime.timedelta(seconds=timeout_s), torch.device("cpu")
-        for group in list(dist.distributed_c10d._world.pg_map):
-            backend = group._get_backend(cpu) if cpu in group._device_types else None
-            if isinstance(backend, dist.ProcessGroupGloo) and backend.options._timeout > bound:
-                lowered.append((backend, backend.options._timeout))
-                backend._set_default_timeout(bound)
-    try:
-        yield
-    finally:
-        for backend, timeout in lowered:
-            backend._set_default_timeout(timeout)

@@ -7,7 +7,7 @@ leg (constraints.txt); the newest-releases leg runs the fast tier on whatever is
 |----------------------------------------------|-------------------------------------------------|------------|
 | `Trainer._wrap_model`                        | replaced: DDP over the DP group, not the world  | 5.19, 5.24 |
 | `Trainer._get_num_items_in_batch`            | replaced (and called): tokens summed over DP    | 5.19, 5.24 |
-| `Trainer._get_train_sampler`                 | replaced: the DP-aware sampler                  | 5.19, 5.24 |
+| `Trainer._get_train_sampler`                 | replaced: the DP-aware sampler; a subclass's own is called | 5.19, 5.24 |
 | `Trainer._save`                              | replaced: every rank takes part in the gather   | 5.19, 5.24 |
 | `Trainer._save_optimizer_and_scheduler`      | replaced: optimizer state as a DCP directory    | 5.19, 5.24 |
 | `Trainer._load_optimizer_and_scheduler`      | replaced: this rank's part of it, at any layout | 5.19, 5.24 |
@@ -60,6 +60,14 @@ def replaced(trainer: Trainer, cls: type, method: str) -> Callable[..., Any]:
     `trainer`'s method order have it (Trainer's own, or a subclass's such as TRL's), bound to `trainer`."""
     private = REPLACED[method]
     return require(super(cls, trainer), private, f"transformers.Trainer.{private}")
+
+
+def train_sampler(trainer: Trainer, cls: type, dataset: Any) -> tuple[Any, bool]:
+    """The sampler `trainer`'s `_get_train_sampler` gives `dataset`, and whether it is a subclass's own (a fixed
+    order, say) rather than `cls`'s replacement of it (`REPLACED`)."""
+    private = REPLACED["train_sampler"]
+    method = require(trainer, private, f"transformers.Trainer.{private}")
+    return method(dataset), getattr(method, "__func__", None) is not vars(cls)["train_sampler"]
 
 
 def own_clipping(trainer: Trainer) -> None:

@@ -145,9 +145,8 @@ class AutoTPTrainer(Trainer):
         if generates(self):
             sampler = trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset)
             return generation_loader(self, dataset, sampler)
-        batches = _EpochBatches(self._get_train_sampler(dataset), trainer_compat.train_batch_size(self),
-                                self.args.dataloader_drop_last)
-        own = getattr(self._get_train_sampler, "__func__", None) is not AutoTPTrainer._get_train_sampler
+        sampler, own = trainer_compat.train_sampler(self, AutoTPTrainer, dataset)
+        batches = _EpochBatches(sampler, trainer_compat.train_batch_size(self), self.args.dataloader_drop_last)
         if own and dp_size(self.model) > 1:
             batches = _DealtBatches(batches, dp_size(self.model), dp_rank(self.model))
         return _EpochLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, "training"),

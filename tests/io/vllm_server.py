@@ -24,7 +24,7 @@ from autotp.rollout import vllm_sync
 from autotp.testing.spawn import free_port
 from models import batch
 
-TOKEN_ENV = "AUTOTP_SYNC_TOKEN"  # the weight channel's shared secret (autotp.io.rollout.vllm_gloo.TOKEN_ENV)
+TOKEN_ENV = "AUTOTP_SYNC_TOKEN"  # the weight channel's shared secret (autotp.io.rollout.vllm_channel.TOKEN_ENV)
 START_TIMEOUT_S = 240  # inside the first test's 300 s timeout (observed: 30 to 70 s)
 EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes
 

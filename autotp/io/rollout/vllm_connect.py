@@ -21,7 +21,8 @@ from vllm.distributed.weight_transfer import (
 )
 
 from .vllm_client import EngineClient
-from .vllm_gloo import BACKEND, TOKEN_ENV, AutotpGlooTrainerInitInfo, register
+from .vllm_channel import BACKEND, TOKEN_ENV
+from .vllm_gloo import AutotpGlooTrainerInitInfo, register
 from .vllm_source import AutotpWeightSource
 
 

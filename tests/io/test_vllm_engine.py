@@ -536,6 +536,41 @@ def test_a_trainer_the_server_cannot_reach_fails_the_init_in_seconds_while_it_se
     assert f"could not join the trainer's transfer group at 127.0.0.1:{port} within 5 s" in log
 
 
+def idle(rank: int, world: int, url: str, model_dir: str) -> dict:
+    """A trainer connects and sends a round, then sits idle while a client with the token starts a round on its
+    channel that no one sends: a completion asked meanwhile, then the trainer's next round on a new channel."""
+    model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
+    engine = vllm_sync(model, url, timeout_s=120)
+    train_and_send(model, ref, engine, 1, VOCAB)
+    info = {"names": [m.name for m in engine.source.metadata()], "token": os.environ[TOKEN_ENV],
+            "channel": engine.channel}
+    codes = {"start": _post(url, "start_weight_update"), "update": _post(url, "update_weights", {"update_info": info})}
+    asked = time.monotonic()
+    served = completions(url)
+    report = {"codes": codes, "answered_s": time.monotonic() - asked}
+    codes["again"] = _post(url, "update_weights", {"update_info": info})  # the stream is the waiting receive's
+    train_steps(model, 1, True, VOCAB)
+    train_steps(ref, 1, False, VOCAB)
+    vllm_sync(model, url, timeout_s=120).send_weights()
+    return {**report, "served_before": served, **check(url, ref, None)}
+
+
+@pytest.mark.timeout(300)
+def test_a_round_started_while_the_trainer_sits_idle_does_not_stop_serving(engine: tuple[str, str]) -> None:
+    """Item 6's third trigger: `start` and `update_weights` on a connected trainer's channel that never sends (a
+    transfer timeout of 120 s): the engine answers a completion within seconds (the round is received off the
+    serving path), a second update on that channel is refused while the first waits, and the trainer's next
+    `vllm_sync` round lands (completions as one process's), closing the update session the first left open (as a
+    trainer killed between the two calls of its round leaves it)."""
+    report = run_ranks(idle, 1, *engine)[0]
+    print(f"idle trainer: {report['codes']}; a completion meanwhile in {report['answered_s']:.1f} s")
+    assert report["codes"]["start"] == report["codes"]["update"] == 200, report["codes"]
+    assert report["codes"]["again"] == 500, report["codes"]
+    assert report["answered_s"] < 15, report["answered_s"]
+    tokens, expected = report["tokens"]
+    assert tokens == expected and report["logprob_error"] <= LOGPROB_ATOL, report
+
+
 STALL_TIMEOUT_S = 10  # vllm_sync's; the training group's is autotp.testing.spawn.COLLECTIVE_TIMEOUT (60 s)
 
 

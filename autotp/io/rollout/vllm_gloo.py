@@ -5,7 +5,8 @@ Why: none of vLLM's own backends (nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n,
 the base worker engine's `update_weights` calls `torch.accelerator.synchronize()`, which raises on CPU torch.
 The stream is `autotp.sync_weights`' (a header, then one flat buffer per bucket; `send_tensors` and
 `receive_weights`). The worker stages the whole round and loads it into the model only at
-`finish_weight_update`, once every declared tensor has arrived: vLLM's layerwise reload does not roll back, so a
+`finish_weight_update`, once every declared tensor has arrived (received in a thread, so the engine serves
+meanwhile): vLLM's layerwise reload does not roll back, so a
 round cut off midway (a trainer rank died, the link broke) leaves the engine serving the previous round's weights,
 whole. The cost is one checkpoint-format copy of the model in each worker's host memory during a round.
 vLLM 0.32's CPU MoE experts are prepacked into its grouped-GEMM layout on the first load only: a weight update
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Self
 
@@ -40,6 +42,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransfe
 from .sync import receive_weights, send_tensors
 from .vllm_channel import BACKEND, CONNECT_S, TOKEN_ENV, check_token, gloo_group, in_background
 from .vllm_check import check_round, expected_shapes
+from .vllm_reload import CpuExpertPrepack, process_tied, unprocessed_layers
 
 _TAKEN = "taken"  # set in a trainer's store by a worker that another client's init moved to a new channel
 
@@ -74,6 +77,8 @@ class AutotpGlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     token: str = ""
     channel: str = ""
+    collect: bool = False  # the second call of a round: wait for the receive the first one started, and check it
+    abandon: bool = False  # instead, a failed trainer's: close the channel's stream and fail (vLLM ends the session)
 
 
 class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGlooUpdateInfo]):
@@ -85,9 +90,11 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.group: dist.ProcessGroup | None = None
+        self.receiving: Future | None = None  # this round's staged tensors, received off the serving path
         self.staged: list[tuple[str, torch.Tensor]] | None = None
         self.store: dist.Store | None = None
         self.channel: str | None = None
+        self.timeout_s = 300.0
 
     def init_transfer_engine(self, init_info: AutotpGlooInitInfo) -> None:
         check_token(init_info.token, "init_weight_transfer_engine")  # a refused client leaves the channel as it was
@@ -103,7 +110,7 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
             raise RuntimeError(f"{BACKEND}: this engine worker could not join the trainer's transfer group at "
                                f"{address} within {CONNECT_S:g} s ({type(error).__name__}: {error}); is that "
                                f"address reachable from the server? vllm_sync(master_address=...) sets it") from error
-        self.channel = init_info.channel
+        self.channel, self.timeout_s = init_info.channel, init_info.timeout_s
 
     def _hand_over(self, to: str) -> None:
         """Close the current channel, first marking it taken in its trainer's store, so that trainer's next round
@@ -114,30 +121,54 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
                 self.store.set(_TAKEN, to)
             except Exception:  # noqa: BLE001 (that trainer is gone: no one to tell)
                 pass
+        self._close()
+
+    def _close(self) -> None:
+        """Abort the channel's group (a receive still waiting on it fails at once) and forget its store and round."""
         self.shutdown()
-        self.store = None
+        self.store, self.receiving = None, None
 
     def start_weight_update(self) -> None:
         self.staged = None
+        if self.receiving is None or self.receiving.done():  # a receive still waiting keeps the channel's stream
+            self.receiving = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """The base class's, without its `torch.accelerator.synchronize()` (which raises on CPU torch), refused
-        unless the round carries the server's token and is for the channel this worker holds."""
+        unless the round carries the server's token and is for the channel this worker holds. A round is two calls.
+        The first starts receiving it in a thread, off the serving path, and returns: the engine goes on answering
+        requests while it waits on the trainer (whose other ranks may still be finishing their step). The second
+        (`collect`), sent once the trainer has streamed the whole round, waits for it and checks it; its failure
+        ends vLLM's update session, as a failed update must."""
         info = self.parse_update_info(update_info)
         check_token(info.token, "update_weights")
         if self.group is not None and info.channel != self.channel:
             raise RuntimeError(f"{BACKEND}: update_weights refused: another client took the transfer channel "
                                f"(re-initialised it) after this round's trainer opened it; the weights are unchanged")
-        self.receive_weights(info)
-
-    def receive_weights(self, update_info: AutotpGlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError(f"{BACKEND}: no transfer group (never initialised, or closed by a failed round); the "
                                f"trainer calls autotp.rollout.vllm_sync again to rebuild it")
+        if info.abandon:
+            self._close()
+            raise RuntimeError(f"{BACKEND}: the trainer abandoned this round; the model keeps its previous weights")
+        if info.collect:
+            self.staged = self._collect()
+            return
+        if self.receiving is not None and not self.receiving.done():
+            raise RuntimeError(f"{BACKEND}: update_weights refused: a round is still being received on this channel "
+                               f"(an update_weights its trainer never sent to, waiting up to {self.timeout_s:g} s); "
+                               f"call autotp.rollout.vllm_sync again to open a new channel")
+        self.receiving = in_background(self.receive_weights, info, self.group)
+
+    def receive_weights(self, update_info: AutotpGlooUpdateInfo,
+                        group: dist.ProcessGroup) -> list[tuple[str, torch.Tensor]]:
+        """The round from `group`, whole and checked against the engine's model, staged in host memory."""
         try:
-            staged = [(name, tensor.clone()) for name, tensor in receive_weights(self.group)]
+            staged = [(name, tensor.clone()) for name, tensor in receive_weights(group)]
         except BaseException:
-            self.shutdown()  # the stream is cut: nothing more can be read from this group
+            group.abort()  # the stream is cut: nothing more can be read from this group
+            if self.group is group:
+                self.group = None
             raise
         names = [name for name, _ in staged]
         if names != update_info.names:
@@ -147,7 +178,18 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         expected = expected_shapes(self.model_config.hf_config)
         if expected is not None:
             check_round(staged, expected, type(self.model).__name__)
-        self.staged = staged
+        return staged
+
+    def _collect(self) -> list[tuple[str, torch.Tensor]]:
+        """The round the first call began receiving (what is left once the trainer has sent it: its last bucket)."""
+        receiving, self.receiving = self.receiving, None
+        if receiving is None:
+            raise RuntimeError(f"{BACKEND}: no round is being received on this channel; the model keeps its weights")
+        try:
+            return receiving.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise RuntimeError(f"{BACKEND}: the round had not arrived after {self.timeout_s:g} s; the model keeps its "
+                               f"previous weights") from None
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -156,87 +198,20 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         if self.staged is None:
             raise RuntimeError(f"{BACKEND}: finish_weight_update without a complete round received")
         staged, self.staged = self.staged, None
-        unpacked = _CpuExpertPrepack(self.model)
+        unpacked = CpuExpertPrepack(self.model)
         with unpacked:
             initialize_layerwise_reload(self.model)
             with disable_mtp_completeness_check():
                 self.model.load_weights(staged)
-            skipped = _unprocessed_layers(self.model)
+            skipped = unprocessed_layers(self.model)
             finalize_layerwise_reload(self.model, self.model_config)
         unpacked.prepack()
-        _process_tied(self.model, skipped)
+        process_tied(self.model, skipped)
 
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.abort()
             self.group = None
-
-
-class _CpuExpertPrepack:
-    """The CPU MoE experts a load leaves unpacked. vLLM 0.32's `UnquantizedFusedMoEMethod._setup_kernel` runs the
-    experts' `process_weights_after_loading` (the CPU prepack of `w13_weight` / `w2_weight`) on the first load
-    only; on a weight update it copies the checkpoint layout in and skips it, and the kernel then reads those
-    values as packed. While loading, each CPU experts kernel's prepack records the layers it ran for; `prepack()`
-    then prepacks, in place, every layer it did not run for (none, once vLLM runs it on updates)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.layers, self.done = [], set()
-        try:
-            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-        except ImportError:  # a vLLM without that kernel has nothing of it to prepack
-            return
-        for layer in model.modules():
-            experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-            zentorch = getattr(experts, "_use_zentorch", False)  # zentorch keeps the checkpoint layout
-            if type(experts) is CPUUnquantizedExperts and not zentorch:  # the "vec" kernel, prepacked
-                self.layers.append((layer, experts))
-
-    def __enter__(self) -> None:
-        for layer, experts in self.layers:
-            def recorded(target: torch.nn.Module, run=experts.process_weights_after_loading) -> None:
-                self.done.add(id(target))
-                run(target)
-            experts.process_weights_after_loading = recorded  # this instance only, until __exit__
-
-    def __exit__(self, *_: object) -> None:
-        for _, experts in self.layers:
-            del experts.process_weights_after_loading
-
-    def prepack(self) -> None:
-        from vllm._custom_ops import cpu_prepack_moe_weight
-
-        for layer, experts in self.layers:
-            if id(layer) not in self.done:
-                for weight in (layer.w13_weight, layer.w2_weight):
-                    weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
-
-
-def _unprocessed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The layers with post-load processing that this reload has given no weight (before `finalize_layerwise_reload`,
-    which puts their tensors back unprocessed): a tied LM head, whose weight is the embedding's."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    return [layer for layer in model.modules()
-            if isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase)
-            and (info := LAYERWISE_INFO.get(layer)) is not None and info.can_load() and info.load_numel <= 0
-            and info.load_numel_total and not is_deferred_attention_layer(layer)]
-
-
-def _process_tied(model: torch.nn.Module, skipped: list[torch.nn.Module]) -> None:
-    """Runs the post-load processing vLLM skipped (its layerwise reload's limitation 2: "tied parameters will only
-    reflect processing from one of the parent layers") for each of `skipped` whose weight another, loaded, layer
-    holds too: on CPU it rebuilds the LM head's packed copy of the new embedding, which vLLM 0.32 keeps from the
-    first load (new weights, old head). Only those: processing a layer twice would pack packed weights."""
-    def storages(layer: torch.nn.Module) -> set[int]:
-        return {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False) if p.numel()}
-
-    others = {id(layer) for layer in skipped}
-    loaded = set().union(*(storages(layer) for layer in model.modules() if id(layer) not in others))
-    for layer in skipped:
-        if storages(layer) & loaded:
-            layer.quant_method.process_weights_after_loading(layer)
 
 
 @dataclass
@@ -312,16 +287,19 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
         if self.group is None:
             raise RuntimeError(f"{BACKEND}: the transfer group was closed by a failed round; call "
                                f"autotp.rollout.vllm_sync again (on every trainer rank) before the next send")
-        self.client.start_weight_update()
+        info = {"names": [m.name for m in meta], "token": self.token, "channel": self.channel}
+        self._start(info)
         exe = ThreadPoolExecutor(max_workers=1)
         try:
-            receiving = exe.submit(self.client.update_weights, {"names": [m.name for m in meta], "token": self.token,
-                                                                "channel": self.channel})
+            receiving = exe.submit(self.client.update_weights, info)  # returns once the workers began receiving
             send_tensors(_checked(self.source, meta), self.group, bucket_bytes=self.bucket_bytes)
             receiving.result()
+            self.client.update_weights({**info, "collect": True})
         except BaseException as error:
             taken = self._taken()
             self.shutdown()
+            if taken is None:  # a taken channel's session is the other client's now
+                self._close_session({**info, "abandon": True})
             if taken is not None:
                 raise RuntimeError(f"{BACKEND}: another client took the engine's transfer channel (it re-initialised "
                                    f"it, with its store at {taken}), so this round was refused and the engine keeps "
@@ -336,6 +314,26 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
         if self.group is not None:
             self.group.abort()
             self.group = None
+
+    def _start(self, info: dict[str, Any]) -> None:
+        """vLLM's `start_weight_update`, after closing an update session a failed trainer left open (killed between
+        the two calls of its round): vLLM refuses a new session until an update call fails or a finish runs."""
+        try:
+            self.client.start_weight_update()
+        except RuntimeError as error:
+            if "already active" not in str(error):  # vLLM's words for an open session
+                raise
+            self._close_session({**info, "collect": True})  # no round is being received: it fails at once
+            self.client.start_weight_update()
+
+    def _close_session(self, info: dict[str, Any]) -> None:
+        """End the engine's update session of a failed round with an update call that fails (vLLM ends a session on
+        a failed update): `abandon` (the workers close this channel's stream, so their receive stops now, not at its
+        timeout), or `collect` where the workers have no round to collect."""
+        try:
+            self.client.update_weights(info)
+        except Exception:  # noqa: BLE001 (its failure is the point)
+            pass
 
     def _taken(self) -> str | None:
         """Where the client that took this channel hosts its store, if a worker marked it taken (read in 2 s)."""

@@ -276,9 +276,10 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
         return engine
 
     def send_weights(self) -> None:
-        """One round: every trainer rank iterates the source; the sender streams it while the workers receive
-        (`update_weights` runs beside the stream), then has them load it. On any failure the sender aborts the
-        group, so the workers stop waiting at once and keep their previous weights; call `vllm_sync` again."""
+        """One round: every trainer rank iterates the source; the sender has the workers begin receiving (they do it
+        off the engine's serving path), streams the round, has them check it, then load it. On any failure the
+        sender aborts the group and the round, so the workers stop waiting at once and keep their previous weights;
+        call `vllm_sync` again."""
         meta = self.source.metadata()
         if not self.is_sender:
             for _ in self.source:
@@ -289,25 +290,20 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
                                f"autotp.rollout.vllm_sync again (on every trainer rank) before the next send")
         info = {"names": [m.name for m in meta], "token": self.token, "channel": self.channel}
         self._start(info)
-        exe = ThreadPoolExecutor(max_workers=1)
         try:
-            receiving = exe.submit(self.client.update_weights, info)  # returns once the workers began receiving
+            self.client.update_weights(info)  # returns once the workers began receiving: a refusal is heard now
             send_tensors(_checked(self.source, meta), self.group, bucket_bytes=self.bucket_bytes)
-            receiving.result()
             self.client.update_weights({**info, "collect": True})
         except BaseException as error:
             taken = self._taken()
             self.shutdown()
-            if taken is None:  # a taken channel's session is the other client's now
-                self._close_session({**info, "abandon": True})
-            if taken is not None:
+            if taken is not None:  # the channel's session is the other client's now: leave it
                 raise RuntimeError(f"{BACKEND}: another client took the engine's transfer channel (it re-initialised "
                                    f"it, with its store at {taken}), so this round was refused and the engine keeps "
                                    f"its weights; call autotp.rollout.vllm_sync again (on every trainer rank) to "
                                    f"take it back") from error
+            self._close_session({**info, "abandon": True})
             raise
-        finally:
-            exe.shutdown(wait=False)
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:

@@ -59,7 +59,7 @@ from .runtime.replicas import check_replicas
 from .planning.planner import build_plan
 from .planning.policy import Origin
 from .planning.sharding import Partition, Shard
-from . import rollout  # vLLM-free: autotp.rollout.vllm_sync imports vLLM when called
+from . import rollout as rollout  # vLLM-free: autotp.rollout.vllm_sync imports vLLM when called
 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "cp_group", "cp_rank", "cp_size",

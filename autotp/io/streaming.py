@@ -193,7 +193,7 @@ class FullStream:
     def _rows(self, first: int, last: int, view: memoryview, base: dict[int, int], posted: dict) -> list[memoryview]:
         """Outer indices [first, last) of the full tensor, once come: each the runs of every holder side by side,
         as the buffers of one `pwritev` (assembling them would copy them once more)."""
-        for m, (sender, at, n) in enumerate(self._messages):
+        for m, (sender, at, _n) in enumerate(self._messages):
             if m in posted and at == first * self._local[sender]:
                 posted.pop(m).wait()
         views = {self._dst: self._view, **{s: view[base[s]:base[s] + self._shard_bytes[s]] for s in base}}

@@ -14,7 +14,6 @@ from torch import nn
 
 from ..compat.hf import failed_experts_kernel, is_conv1d, is_transformers_class
 from .plan import Plan, Replicated, Why
-from .policy import Origin
 from .probe import probe_inputs
 
 

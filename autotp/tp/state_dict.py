@@ -90,7 +90,7 @@ class _Layout:
         metadata = getattr(state_dict, "_metadata", None) or {}
         for path, module in _owners(model, prefix):
             record = metadata.get(path, {}).get(_KEY)
-            for key, param, shard in _sharded(module, f"{path}." if path else ""):
+            for key, _param, shard in _sharded(module, f"{path}." if path else ""):
                 if key in state_dict:
                     _check(key, state_dict[key], shard, record, local_metadata)
 
@@ -99,7 +99,7 @@ class _Layout:
         if self._idle():
             return
         record = local_metadata.get(_KEY)
-        for key, param, shard in _sharded(module, prefix):
+        for key, _param, shard in _sharded(module, prefix):
             if key in state_dict and _check(key, state_dict[key], shard, record, local_metadata):
                 state_dict[key] = shard.partition.shard(state_dict[key], shard.rank)
 

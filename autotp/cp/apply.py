@@ -1,7 +1,7 @@
 """Context parallelism (CP): the sequence split over the CP group, the script unchanged.
 
 Every rank of a CP group is given the same whole batch. A forward pre-hook on the model keeps this rank's
-tokens (`context_attention.Layout`: two zigzag chunks, positions those of the whole sequence), so the
+tokens (`cp.layout.Layout`: two zigzag chunks, positions those of the whole sequence), so the
 embedding, norms, MLPs and LM head all run on S/C tokens; attention gathers K/V over CP. The loss
 (`CPLoss`) shifts the whole batch's labels before taking this rank's targets, sums its tokens' losses, adds
 the sums over CP (one all-reduce) and divides by the whole batch's target count: every rank returns the loss

@@ -95,7 +95,7 @@ class ParallelLinear(nn.Linear):
         """Back to this rank's shard, keeping whatever the full weight became meanwhile."""
         for param in self._sharded_params():
             partition_parameter_(param)
-        vars(self).pop("forward", None)
+        self.__dict__.pop("forward", None)  # the instance's own forward; vars() is typed read-only
         self._set_features()
 
     def is_gathered(self) -> bool:

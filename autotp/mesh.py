@@ -2,8 +2,9 @@
 
 `Mesh` is built once per wrap from one grid: TP innermost (consecutive ranks), CP next, DP outermost; the
 flattened view dp x cp (`grad`) is where gradients average and FSDP shards. Every other module reads groups from
-it by name, so a new dimension (ep next) is one more axis here. `new_group` is collective over the world, so
-every function here that creates groups must be called by every rank, in the same order. A TP or CP group of
+it by name; EP's edp x ep grid folds over the same ranks (`EXPERT_AXES`), and a new dimension is one more axis
+here. `new_group` is collective over the world, so every function here that creates groups must be called by every
+rank, in the same order. A TP or CP group of
 `None` means that axis has size 1; the DP group is a real group at every size (one rank when there is one
 replica), so a collective over it never reaches the world. Also here: which device a group's collectives use
 (`device_of`) and the error a failed collective raises (`named_failure`), which every autotp collective goes
@@ -17,14 +18,14 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from .compat.torch import backend_timeout
 
-Group = dist.ProcessGroup | None
+Group: TypeAlias = dist.ProcessGroup | None
 
 # How long a collective may wait for a peer before failing, when neither the user's
 # init_process_group nor wrap(..., timeout=) says otherwise (torch's own default is 30 minutes).
@@ -39,7 +40,7 @@ def group_size(group: Group) -> int:
 
 
 def group_rank(group: Group) -> int:
-    """This process's rank inside a TP group (0 without one)."""
+    """This process's rank inside `group`; `None` (an axis of size 1, or no torch.distributed) is rank 0."""
     return 0 if group is None else dist.get_rank(group)
 
 

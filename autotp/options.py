@@ -75,7 +75,7 @@ class WrapOptions:
 
 
 # Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
-# tests/pipeline/test_rank_agreement.py fails on a field on neither side):
+# tests/parallelize/test_rank_agreement.py fails on a field on neither side):
 AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
                             "cp_size", "ep_size"})  # compared as given: ranks that differ would shard or synchronise apart
 PER_RANK_OPTIONS = frozenset({

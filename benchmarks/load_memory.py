@@ -75,7 +75,7 @@ def main() -> None:
                            start_method="spawn")
         rows += sorted(results.get() for _ in range(2))
     gib = 2**30
-    print(f"\n| method | rank | baseline | peak RSS | shard | (peak - baseline) / shard | target <= 1.3 |")
+    print("\n| method | rank | baseline | peak RSS | shard | (peak - baseline) / shard | target <= 1.3 |")
     print("|---|---|---|---|---|---|---|")
     for method, rank, baseline, peak, shard in rows:
         ratio = (peak - baseline) / shard

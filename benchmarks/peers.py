@@ -65,7 +65,7 @@ def param_mb(model) -> float:
 def sgd_step(model, opt, ids, backward=None):
     def step():
         loss = model(input_ids=ids, labels=ids).loss
-        (backward or (lambda l: l.backward()))(loss)
+        (backward or (lambda out: out.backward()))(loss)
         opt.step()
         opt.zero_grad()
         return loss.item()

@@ -126,7 +126,8 @@ class Worker:
     def checkpoint(self, target: str, mode: str) -> dict[str, float]:
         self.with_optimizer()
         if self.world == 1:
-            state = lambda: {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            def state() -> dict:
+                return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
             return self.timed(lambda: torch.save(state(), Path(target) / "checkpoint.pt"))
         import autotp
         from autotp.io.checkpoint.save import wait_for_pending  # what the next save and autotp.finish() wait for

@@ -20,12 +20,12 @@ import os
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from data import PatternDataset
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autotp
 from autotp.testing.parity import full_tensor
-from data import PatternDataset
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -50,7 +50,7 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch, sampler=autotp.data_parallel_sampler(dataset, shuffle=False))
     rank = dist.get_rank() if dist.is_initialized() else 0
     losses = []
-    for step, batch in zip(range(args.steps), loader):
+    for _step, batch in zip(range(args.steps), loader):
         loss = model(**batch).loss
         accelerator.backward(loss)
         autotp.allreduce_gradients(model)
@@ -72,7 +72,7 @@ def check_against_one_process(reference, dataset, args, losses, params, replicas
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     loader = DataLoader(dataset, batch_size=args.batch * replicas, shuffle=False)
     expected = []
-    for step, batch in zip(range(args.steps), loader):
+    for _step, batch in zip(range(args.steps), loader):
         # DistributedSampler deals samples round-robin; the global batch is the same set of rows.
         loss = reference(**batch).loss
         loss.backward()

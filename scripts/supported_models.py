@@ -110,7 +110,7 @@ def saves(results: dict[str, dict]) -> str:
 def summary() -> list[str]:
     """One line per task, shared by the page and the README so that their figures agree."""
     lines = []
-    for task, (name, title, _) in TASKS.items():
+    for name, title, _ in TASKS.values():
         results = load(name)
         matched = sum(r["result"] == "matched" for r in results.values())
         lines.append(f"- {title}: {matched} of {len(results)} types matched at tp=2 ({counts(results)})."

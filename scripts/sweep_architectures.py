@@ -145,7 +145,7 @@ def classify(model_type: str, task: str) -> dict:
     note = f"{report['sharded']} sharded tensors"
     parts = components(model)
     if parts:
-        sharded_in = [path for path, _ in parts if any(l.path.startswith(path + ".") for l in plan.layers)]
+        sharded_in = [path for path, _ in parts if any(layer.path.startswith(path + ".") for layer in plan.layers)]
         note += f" in {', '.join(sharded_in) or 'no sub-model'} of {len(parts)} sub-models"
         note += "; vocab-parallel" if plan.vocab is not None else ""
     if not ok:  # rounding that this model amplifies past the fp32 tolerance vanishes in fp64; a real error does not

@@ -1,7 +1,7 @@
 """Context parallelism (CP): the sequence split over the CP group, the script unchanged.
 
 Every rank of a CP group is given the same whole batch. A forward pre-hook on the model keeps this rank's
-tokens (`context_attention.Layout`: two zigzag chunks, positions those of the whole sequence), so the
+tokens (`cp.layout.Layout`: two zigzag chunks, positions those of the whole sequence), so the
 embedding, norms, MLPs and LM head all run on S/C tokens; attention gathers K/V over CP. The loss
 (`CPLoss`) shifts the whole batch's labels before taking this rank's targets, sums its tokens' losses, adds
 the sums over CP (one all-reduce) and divides by the whole batch's target count: every rank returns the loss
@@ -26,16 +26,21 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..compat.hf import (FLASH_VARLEN_KWARGS, FUSED_LM_HEAD_KWARG, attn_implementation, passed_cache,
-                         set_config_attn_implementation)
-from .layout import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
-from .dropout import WholeSequenceDropout, dropout_on
-from .attention import CPAttention, is_varlen
-from .loss import CPLoss
+from ..compat.hf import (
+    FLASH_VARLEN_KWARGS,
+    FUSED_LM_HEAD_KWARG,
+    attn_implementation,
+    passed_cache,
+    set_config_attn_implementation,
+)
 from ..mesh import Group, group_size
 from ..runtime.input_agreement import check_same_batch, check_same_read
-from ..runtime.rng import sync_replicated_stream
 from ..runtime.lazy_logits import lazy_logits
+from ..runtime.rng import sync_replicated_stream
+from .attention import CPAttention, is_varlen
+from .dropout import WholeSequenceDropout, dropout_on
+from .layout import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
+from .loss import CPLoss
 
 _SUPPORTED = ("sdpa", "eager")
 _SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",

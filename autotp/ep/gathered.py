@@ -21,7 +21,8 @@ class GatheredBackwardRefusal:
     for a submodule called on its own, on every trainable expert parameter."""
 
     def __init__(self, model: nn.Module, experts):
-        self.model, self.experts, self.hooks = model, experts, []
+        self.model, self.experts = model, experts
+        self.hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def gather_(self) -> None:
         trainable = [(region, name) for region in self.experts.regions for name in region.names

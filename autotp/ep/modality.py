@@ -21,7 +21,8 @@ class ModalityGroup:
 
     def __init__(self, path: str, block: nn.Module, regions: list):
         self.path, self.regions = path, regions
-        self.ran, self.skipped, self.anchor, self.skipping = 0, [], None, False
+        self.ran, self.anchor, self.skipping = 0, None, False
+        self.skipped: list[torch.Tensor] = []
         block.register_forward_pre_hook(self._start, with_kwargs=True)
         block.register_forward_hook(self._finish)
         for region in regions:

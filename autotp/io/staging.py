@@ -94,11 +94,11 @@ def staged_directory(target: str | os.PathLike, overwrite: bool, *, what: str = 
         error = error or err
     try:
         failed = failures(error, group)
-    except RuntimeError:  # a peer died or hung: nothing is put in place
+    except RuntimeError as lost:  # a peer died or hung: nothing is put in place
         if is_global_rank0():
             _remove(tmp)
         if error is not None:
-            raise error
+            raise error from lost
         raise
     finish_error = None
     if is_global_rank0():

@@ -20,9 +20,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..runtime.collectives import gather_full_to
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition
+from ..runtime.collectives import gather_full_to
 
 STREAM_CHUNK_BYTES = 8 << 20  # one message: gloo moves 4-8 MiB ones at memcpy speed, 64 MiB ones at 2/3 of it
 _STREAM_TAG = 0x41545346  # apart from a user's point-to-point tags (0 by default) and the staging entry check's
@@ -193,7 +193,7 @@ class FullStream:
     def _rows(self, first: int, last: int, view: memoryview, base: dict[int, int], posted: dict) -> list[memoryview]:
         """Outer indices [first, last) of the full tensor, once come: each the runs of every holder side by side,
         as the buffers of one `pwritev` (assembling them would copy them once more)."""
-        for m, (sender, at, n) in enumerate(self._messages):
+        for m, (sender, at, _n) in enumerate(self._messages):
             if m in posted and at == first * self._local[sender]:
                 posted.pop(m).wait()
         views = {self._dst: self._view, **{s: view[base[s]:base[s] + self._shard_bytes[s]] for s in base}}

@@ -70,7 +70,7 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
 
     return replace(
         plan,
-        layers=tuple(replace(l, path=move(l.path), block=move(l.block) if l.block else "") for l in plan.layers),
+        layers=tuple(replace(layer, path=move(layer.path), block=move(layer.block) if layer.block else "") for layer in plan.layers),
         regions=tuple(replace(r, path=move(r.path)) for r in plan.regions),
         attrs=tuple(replace(a, path=move(a.path)) for a in plan.attrs),
         head_norms=tuple(move(h) for h in plan.head_norms),
@@ -86,12 +86,12 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
     Its origin is that of the component holding the input embeddings (the language model): what the
     vocabulary decisions read. `source` names every component's origin.
     """
-    planned = {l.path for _, p in parts for l in p.layers} | {path for _, p in parts for path, _ in p.replicated}
+    planned = {layer.path for _, p in parts for layer in p.layers} | {path for _, p in parts for path, _ in p.replicated}
     outside = tuple((name, Why(Replicated.OUTSIDE_COMPONENTS))
                     for name, m in model.named_modules() if is_linear(m) and name not in planned)
     return Plan(
         tp_size, _text_origin(model, parts), "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),
-        layers=tuple(l for _, p in parts for l in p.layers),
+        layers=tuple(layer for _, p in parts for layer in p.layers),
         regions=tuple(r for _, p in parts for r in p.regions),
         attrs=tuple(a for _, p in parts for a in p.attrs),
         head_norms=tuple(h for _, p in parts for h in p.head_norms),

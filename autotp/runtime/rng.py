@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_reduce
 from ..mesh import Group, group_size, named_failure
+from .collectives import all_reduce
+
 
 def capture(cuda: bool | None = None) -> list[torch.Tensor]:
     """The CPU generator's state, and the current CUDA device's: by default when CUDA is initialised (before

@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .block_entry import BlockEntry
-from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
-from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
-from .glu import glu_linear, match
-from ..mesh import Group, group_rank, group_size
-from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
 from ..compat.hf import is_conv1d
+from ..mesh import Group, group_rank, group_size
 from ..planning.sharding import Partition
+from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
+from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
+from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
+from .block_entry import BlockEntry
+from .glu import glu_linear, match
 
 
 class ParallelLinear(nn.Linear):
@@ -95,7 +95,7 @@ class ParallelLinear(nn.Linear):
         """Back to this rank's shard, keeping whatever the full weight became meanwhile."""
         for param in self._sharded_params():
             partition_parameter_(param)
-        vars(self).pop("forward", None)
+        self.__dict__.pop("forward", None)  # the instance's own forward; vars() is typed read-only
         self._set_features()
 
     def is_gathered(self) -> bool:

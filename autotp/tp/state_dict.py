@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ..planning.sharding import Shard
-from .layers import ParallelLinear
 from ..state import TPState
+from .layers import ParallelLinear
 
 _KEY = "autotp"  # in a module's `_metadata` entry: {"tp_rank": r, "tp_size": n}
 _HOW = ("Save and load with autotp.save_checkpoint / autotp.load_checkpoint (every rank its own rows), load each "
@@ -90,7 +90,7 @@ class _Layout:
         metadata = getattr(state_dict, "_metadata", None) or {}
         for path, module in _owners(model, prefix):
             record = metadata.get(path, {}).get(_KEY)
-            for key, param, shard in _sharded(module, f"{path}." if path else ""):
+            for key, _param, shard in _sharded(module, f"{path}." if path else ""):
                 if key in state_dict:
                     _check(key, state_dict[key], shard, record, local_metadata)
 
@@ -99,7 +99,7 @@ class _Layout:
         if self._idle():
             return
         record = local_metadata.get(_KEY)
-        for key, param, shard in _sharded(module, prefix):
+        for key, _param, shard in _sharded(module, prefix):
             if key in state_dict and _check(key, state_dict[key], shard, record, local_metadata):
                 state_dict[key] = shard.partition.shard(state_dict[key], shard.rank)
 

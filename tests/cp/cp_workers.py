@@ -1,5 +1,5 @@
 """Context parallelism: the rank workers, inputs and model pairs of tests/cp/ (a helper module beside the CP tests;
-pytest's `pythonpath` puts this folder on sys.path, for tests/pipeline/ which uses `CP_FAMILIES`)."""
+pytest's `pythonpath` puts this folder on sys.path, for tests/parallelize/ which uses `CP_FAMILIES`)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ from transformers import AutoModelForImageTextToText
 
 import autotp
 from autotp.planning.probe import probe_inputs
-from autotp.testing import assert_parity, run_ranks, tiny_config
-from autotp.testing import parity
+from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 
 # (model type, sub-model path of the vision tower, of the language model)
 VLMS = {

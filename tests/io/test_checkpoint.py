@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
+from models import batch, tiny_model
 
 
 def train_and_save(rank: int, world: int, family: str, target: str, max_shard_size: str) -> dict | None:
@@ -50,7 +50,8 @@ def test_save_loads_in_plain_transformers(tmp_path: Path, family: str, tp: int, 
     plain = tiny_model(family)
     plain.load_state_dict(gathered)
     plain.save_pretrained(expected, max_shard_size=max_shard_size)
-    weights = lambda d: sorted(p.name for p in d.iterdir() if "safetensors" in p.name)
+    def weights(d: Path) -> list[str]:
+        return sorted(p.name for p in d.iterdir() if "safetensors" in p.name)
     assert weights(target) == weights(expected)
     if max_shard_size == "60KB":
         assert len(weights(target)) > 2, "the small shard size should force several files"

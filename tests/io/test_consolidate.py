@@ -11,7 +11,6 @@ import torch
 import autotp
 from autotp.testing.spawn import run_ranks
 
-
 TASK_CLASSES = {"bert": "AutoModelForSequenceClassification", "t5": "AutoModelForSeq2SeqLM",
                 "llava": "AutoModelForImageTextToText"}
 

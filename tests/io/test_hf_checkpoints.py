@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
-import transformers
 from transformers import CONFIG_MAPPING
 
 from autotp.compat.hf import TASKS
@@ -20,8 +20,8 @@ from autotp.compat.hf_conversion import ConvertedSource, checkpoint_sources
 from autotp.io.errors import CheckpointError
 from autotp.io.hf.load import checkpoint_files
 from autotp.testing import tiny_config
-from autotp.testing.spawn import run_ranks
 from autotp.testing.parity import compare_loading
+from autotp.testing.spawn import run_ranks
 from models import tiny_model
 
 MOE = ["granitemoe", "minimax", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
@@ -178,7 +178,7 @@ def test_checkpoint_sources_of_per_expert_moe_keys(tmp_path: Path) -> None:
     sources = checkpoint_sources(model, checkpoint_files(tmp_path))
     assert set(sources) == set(model.state_dict())
     for layer in range(2):
-        per_expert = lambda w: tuple(expert.format(layer, e, w) for e in range(12))  # noqa: E731
+        per_expert = lambda w, layer=layer: tuple(expert.format(layer, e, w) for e in range(12))  # noqa: E731
         assert sources[f"model.layers.{layer}.mlp.gate.weight"] == f"model.layers.{layer}.block_sparse_moe.gate.weight"
         assert sources[f"model.layers.{layer}.mlp.experts.gate_up_proj"] == ConvertedSource(
             (per_expert("w1"), per_expert("w3")), (".experts.*.w1.weight", ".experts.*.w3.weight"), None,

@@ -65,7 +65,7 @@ def expert_digests(saved: str) -> dict[str, str]:
     grouped-GEMM kernel (the one it picks for fp32)."""
     tensors, out = load_file(f"{saved}/model.safetensors"), {}
     for i in range(CONFIG["num_hidden_layers"]):
-        def experts(kind: str) -> torch.Tensor:
+        def experts(kind: str, i: int = i) -> torch.Tensor:
             return torch.stack([tensors[f"model.layers.{i}.mlp.experts.{e}.{kind}_proj.weight"]
                                 for e in range(CONFIG["num_experts"])])
         fused = {"w13_weight": torch.cat([experts("gate"), experts("up")], dim=1), "w2_weight": experts("down")}

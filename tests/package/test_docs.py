@@ -75,7 +75,7 @@ def test_readme_is_at_most_300_lines() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
 
 
-@pytest.mark.parametrize("page", [ROOT / "README.md", *PAGES], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *PAGES], ids=lambda p: p.name)
 def test_relative_links_point_to_existing_files(page: Path) -> None:
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code is not links
     targets = re.findall(r"\]\(([^)\s]+)\)", text)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 import tomllib
 from pathlib import Path
@@ -119,18 +120,34 @@ def resolves(dotted: str) -> bool:
         if hasattr(found, part):
             found = getattr(found, part)
             continue
+        module = ".".join(["autotp", *parts[:i + 1]])
         try:
-            found = importlib.import_module(".".join(["autotp", *parts[:i + 1]]))
-        except ImportError:
-            return False
+            found = importlib.import_module(module)
+        except ImportError:  # a short name reaches the vLLM modules too: they exist here, but import vLLM
+            return i == len(parts) - 1 and importlib.util.find_spec(module) is not None
     return True
 
 
+def named_in(text: str) -> set[str]:
+    """The autotp names a text gives: full `autotp.x.y` paths, and short ones in backticks that start at one of the
+    package's sub-packages (`ep.dispatch`, `io.rollout.export`), read as `autotp.` + the name."""
+    packages = {d.name for d in PACKAGE.iterdir() if (d / "__init__.py").is_file()}
+    short = {f"autotp.{name}" for name in re.findall(r"`(\w+(?:\.\w+)+)", text) if name.split(".")[0] in packages}
+    return set(re.findall(r"\bautotp(?:\.\w+)+", text)) | short
+
+
 def test_every_autotp_name_in_the_source_and_docs_resolves() -> None:
-    files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "docs").glob("*.md")]
+    files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "docs").glob("*.md"), PACKAGE.parent / "CONTRIBUTING.md"]
     stale = sorted({f"{f.relative_to(PACKAGE.parent)}: {name}" for f in files
-                    for name in re.findall(r"\bautotp(?:\.\w+)+", f.read_text()) if not resolves(name)})
+                    for name in named_in(f.read_text()) if not resolves(name)})
     assert stale == [], "name the module where it lives now"
+
+
+def test_short_dotted_names_resolve_too() -> None:
+    """A short name is checked like a full one: a stale `ep.dispatch` fails as `autotp.ep.dispatch` would."""
+    assert named_in("`ep.dispatch` and `io.rollout.export.export_weights`, not `state.ep` or `x.y`") == {
+        "autotp.ep.dispatch", "autotp.io.rollout.export.export_weights"}
+    assert resolves("autotp.io.rollout.export") and not resolves("autotp.ep.no_such_module")
 
 
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",

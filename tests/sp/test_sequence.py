@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import gc
-
 from types import SimpleNamespace
 
 import pytest
@@ -17,12 +16,11 @@ from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.runtime.seq_collectives import SavedChunk
-from autotp.tp.layers import ParallelLinear
 from autotp.sp.sequence import ChunkDropout
-from autotp.testing import parity
+from autotp.testing import assert_parity, parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config
-from autotp.testing import assert_parity
+from autotp.tp.layers import ParallelLinear
 from models import CONFIGS, batch, labels_with_ignored, tiny_model
 
 

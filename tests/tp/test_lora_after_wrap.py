@@ -64,7 +64,7 @@ def test_adapters_added_after_wrap_are_the_one_process_adapters_before_any_forwa
     """Bit-equal, gathered: both adapters on every target, lora_B of PEFT's default init included (zeros), and
     nn.Linear's own draw of both halves (init_lora_weights=False). Outside the context each rank holds its rows."""
     model_config = {"num_key_value_heads": 2} if tp == 4 else {}  # at tp 4, k/v rows replicated on 2 ranks
-    for rank, report in enumerate(run_ranks(before_any_forward, tp, init, model_config)):
+    for report in run_ranks(before_any_forward, tp, init, model_config):
         assert report["names"] and report["count"] == 2 * 2 * 2 * len(LLAMA_ALL), report
         assert report["differ"] == [], report
         (a_shape, a_split), (b_shape, b_split) = report["q"]  # column layer: lora_A whole, lora_B this rank's rows

@@ -17,11 +17,10 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing import parity
+from autotp.planning.sharding import Partition
+from autotp.testing import assert_parity, parity
 from autotp.testing.spawn import run_ranks
 from autotp.vocab.layers import VocabParallelLoss, _VocabParallelCrossEntropy
-from autotp.planning.sharding import Partition
-from autotp.testing import assert_parity
 from models import batch, labels_with_ignored, tiny_model
 
 
@@ -75,7 +74,7 @@ def logits_shapes(rank: int, world: int) -> dict:
 
 
 def test_logits_stay_sharded_only_for_a_training_loss() -> None:
-    for rank, shapes in enumerate(run_ranks(logits_shapes, 2)):
+    for shapes in run_ranks(logits_shapes, 2):
         # read after a training loss, the logits are gathered then (issue 23 item 10): never this rank's half
         assert shapes["train_with_labels"] == shapes["train_without_labels"] == shapes["eval_with_labels"] == (2, 16, 250)
 

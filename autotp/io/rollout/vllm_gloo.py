@@ -34,8 +34,13 @@ import requests
 import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer import (
-    ParamMeta, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource, WeightTransferEngine,
-    WeightTransferEngineFactory, WeightTransferTrainerFactory,
+    ParamMeta,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
 )
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 

@@ -32,7 +32,7 @@ class CpuExpertPrepack:
                 self.layers.append((layer, experts))
 
     def __enter__(self) -> None:
-        for layer, experts in self.layers:
+        for _layer, experts in self.layers:
             def recorded(target: torch.nn.Module, run=experts.process_weights_after_loading) -> None:
                 self.done.add(id(target))
                 run(target)

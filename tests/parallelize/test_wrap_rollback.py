@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-
-import autotp
-from autotp.testing import run_ranks
-from models import CONFIGS, batch, tiny_model
 from transformers import AutoModelForCausalLM
 
-from autotp.testing import tiny_config
-
+import autotp
+from autotp.testing import run_ranks, tiny_config
+from models import CONFIGS, batch, tiny_model
 
 STAGES = ["autotp.tp.apply.LinearAllreduce.__init__", "autotp.parallelize.apply_sequence_parallel",
           "autotp.parallelize.register_grad_hooks", "autotp.parallelize.DDPGuard",

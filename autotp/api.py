@@ -21,36 +21,26 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
+from .tp.apply import parallel_layers
+from .mesh import (
+    DEFAULT_TIMEOUT, Mesh, build_mesh, device_of, group_size, init_from_env, is_global_rank0, launched_by_torchrun,
+    named_failure, world_mesh, world_timeout,
+)
+from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
 from .compat import check_versions
 from .compat.hf import build_model
 from .cp import apply as context
-from .ep.apply import dense_plan, expert_paths
-from .ep.apply import refuse_unsupported as refuse_ep
-from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
+from .tp import lora_lift
+from .parallelize import parallelize
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.hf.load import checkpoint_files, load_params
-from .mesh import (
-    DEFAULT_TIMEOUT,
-    Mesh,
-    build_mesh,
-    device_of,
-    group_size,
-    init_from_env,
-    is_global_rank0,
-    launched_by_torchrun,
-    named_failure,
-    world_mesh,
-    world_timeout,
-)
 from .options import WrapOptions
-from .parallelize import parallelize
 from .planning.plan import Plan
 from .planning.planner import PolicyArg, build_plan
-from .runtime.agreement import check_agreement, check_sizes
 from .sp.sequence import sequence_layout
+from .runtime.agreement import check_agreement, check_sizes
+from .ep.apply import dense_plan, expert_paths, refuse_unsupported as refuse_ep
 from .state import TPState, find_state
-from .tp import lora_lift
-from .tp.apply import parallel_layers
 
 log = logging.getLogger("autotp")
 

@@ -32,21 +32,21 @@ from typing import Callable
 from torch import nn
 
 from .compat.torch import ddp_ignored, set_ddp_ignored
-from .cp import apply as context
 from .ep.apply import broadcast_experts, dense_plan, expert_parallel, expert_paths
 from .integrations.guards import ContextDDPGuard, DDPGuard, InputCheck, MeshGuard, SwapGuard
 from .integrations.hf_methods import ResizeTokenEmbeddings, SavePretrained
 from .io.rollout.adapters import slice_adapters_on_load
+from .cp import apply as context
+from .tp.apply import apply_plan, register_grad_hooks
 from .mesh import Mesh
-from .options import WrapOptions
-from .planning.plan import Plan
 from .runtime.replicas import broadcast_replicated
-from .runtime.rollback import Removable, Snapshot
+from .runtime.rollback import Snapshot, Removable
 from .sp.sequence import apply_sequence_parallel
 from .state import TPState, detach
-from .tp.apply import apply_plan, register_grad_hooks
 from .tp.state_dict import guard_state_dicts
 from .vocab.apply import vocab_parallel
+from .options import WrapOptions
+from .planning.plan import Plan
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions,

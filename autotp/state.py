@@ -12,8 +12,8 @@ import gc
 import os
 import weakref
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, TypeVar
+from datetime import timedelta
 
 from torch import nn
 from transformers import PreTrainedModel

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autotp.testing.spawn import run_ranks
 from autotp.tp.overlap import DeferredWeights
+from autotp.testing.spawn import run_ranks
 
 CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=8000, tie_word_embeddings=False)

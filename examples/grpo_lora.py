@@ -29,12 +29,12 @@ if missing := [name for name in ("datasets", "peft", "trl") if importlib.util.fi
 import torch  # noqa: E402  (after the check above)
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.hf_trainer import tp_trainer  # noqa: E402
+from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 
 
 def tokenizer(vocab: int) -> PreTrainedTokenizerFast:

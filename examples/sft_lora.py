@@ -33,15 +33,15 @@ def require_sft_extra() -> None:
 require_sft_extra()
 
 import torch  # noqa: E402  (after the check above)
-from data import PatternDataset  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
-from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.hf_trainer import tp_trainer  # noqa: E402
+from data import PatternDataset  # noqa: E402
+from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 
 
 def tokenizer(vocab: int) -> PreTrainedTokenizerFast:

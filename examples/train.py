@@ -16,11 +16,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from data import pattern_batch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autotp
+from data import pattern_batch
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,12 +20,12 @@ import os
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from data import PatternDataset
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autotp
 from autotp.testing.parity import full_tensor
+from data import PatternDataset
 
 
 def tiny_llama() -> torch.nn.Module:

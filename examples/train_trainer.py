@@ -17,11 +17,12 @@ import os
 import warnings
 
 import torch
-from data import PatternDataset
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
 import autotp
 from autotp.hf_trainer import AutoTPTrainer
+from data import PatternDataset
+
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

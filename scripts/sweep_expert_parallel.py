@@ -33,9 +33,8 @@ import transformers as tf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ep")]
 
-import supported_models  # noqa: E402
-
 import autotp  # noqa: E402
+import supported_models  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
 from ep_workers import HAND_WRITTEN, check, ep_rank_run, moe_model, single_process  # noqa: E402
 

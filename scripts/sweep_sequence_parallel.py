@@ -17,10 +17,10 @@ import sys
 import time
 
 import torch
-from sweep_architectures import auto, batch, build, buildable, within_tolerance
 
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
+from sweep_architectures import auto, batch, build, buildable, within_tolerance
 
 TASK = "causal-lm"
 

@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers as tf
-from safetensors import safe_open
 from torch import nn
+from safetensors import safe_open
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
-from autotp.testing import parity, tiny_config
+from autotp.testing import tiny_config
+from autotp.testing import parity
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)

@@ -20,7 +20,6 @@ from torch import nn
 
 from .hf import internal
 
-
 def keys_to_ignore_on_save(model: nn.Module) -> set[str]:
     """State-dict keys transformers leaves out of a saved checkpoint."""
     return set(getattr(model, "_keys_to_ignore_on_save", None) or ())

@@ -26,21 +26,16 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..compat.hf import (
-    FLASH_VARLEN_KWARGS,
-    FUSED_LM_HEAD_KWARG,
-    attn_implementation,
-    passed_cache,
-    set_config_attn_implementation,
-)
+from ..compat.hf import (FLASH_VARLEN_KWARGS, FUSED_LM_HEAD_KWARG, attn_implementation, passed_cache,
+                         set_config_attn_implementation)
+from .layout import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
+from .dropout import WholeSequenceDropout, dropout_on
+from .attention import CPAttention, is_varlen
+from .loss import CPLoss
 from ..mesh import Group, group_size
 from ..runtime.input_agreement import check_same_batch, check_same_read
-from ..runtime.lazy_logits import lazy_logits
 from ..runtime.rng import sync_replicated_stream
-from .attention import CPAttention, is_varlen
-from .dropout import WholeSequenceDropout, dropout_on
-from .layout import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
-from .loss import CPLoss
+from ..runtime.lazy_logits import lazy_logits
 
 _SUPPORTED = ("sdpa", "eager")
 _SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",

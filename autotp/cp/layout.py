@@ -20,6 +20,7 @@ from torch import nn
 from ..mesh import Group, group_rank, group_size
 from ..runtime.seq_collectives import all_gather_dim0, start_all_gather
 
+
 LAYOUT_KWARG = "autotp_cp_layout"  # the forward keyword argument carrying a CP forward's `Layout` down to attention
 
 

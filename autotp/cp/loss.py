@@ -9,11 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import group_size
 from ..runtime.collectives import all_reduce
 from ..runtime.input_agreement import BACKWARD, check_same_read
 from .layout import LAYOUT_KWARG
-
+from ..mesh import group_size
 
 class _SumOverCP(torch.autograd.Function):
     """The loss's sum over CP: all-reduce forward; backward passes C times the gradient on (see the module doc). The

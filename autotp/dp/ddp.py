@@ -17,11 +17,11 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
+from ..runtime.collectives import any_rank, buckets
+from ..planning.placement import Box
+from ..runtime.rows import local_rows
 from ..accessors import dp_cp_group, dp_rank, dp_size
 from ..mesh import device_of, group_size, named_failure
-from ..planning.placement import Box
-from ..runtime.collectives import any_rank, buckets
-from ..runtime.rows import local_rows
 from ..state import refuse_torch_fsdp, state_of, wrapped_model
 
 _BUCKET_BYTES = 25 << 20

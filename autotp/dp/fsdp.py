@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..runtime.rows import local_rows
+from ..mesh import device_of, group_size
 from ..compat.hf import adapter_module
 from ..compat.torch import is_fsdp_hook
-from ..mesh import device_of, group_size
-from ..runtime.rows import local_rows
 from ..state import TPState, state_of, wrapped_model
 
 

@@ -11,18 +11,18 @@ from dataclasses import replace
 
 from torch import nn
 
+from ..runtime.replicas import broadcast_tensors
 from ..mesh import Mesh
 from ..options import WrapOptions
 from ..planning.plan import Plan
-from ..runtime.replicas import broadcast_tensors
-from ..state import TPState
 from .dispatch import ExpertRegion
 from .gathered import GatheredBackwardRefusal
-from .grads import expert_params
-from .groups import ExpertGroups
-from .guard import guard_expert_slots
 from .modality import modality_groups
+from .grads import expert_params
+from .guard import guard_expert_slots
+from .groups import ExpertGroups
 from .regions import expert_layouts
+from ..state import TPState
 
 
 def refuse_unsupported(model: nn.Module, plan: Plan, options: WrapOptions) -> None:

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..mesh import device_of, group_size, named_failure
 from ..runtime.collectives import any_rank, buckets
 from ..runtime.rows import local_rows
+from ..mesh import device_of, group_size, named_failure
 
 _BUCKET_BYTES = 25 << 20
 

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..dp.fsdp import Unsharded
-from ..state import find_state, wrapped_model
 from ..tp.apply import parallel_layers, set_gathered
 from ..tp.layers import ParallelLinear
+from ..dp.fsdp import Unsharded
+from ..state import find_state, wrapped_model
 
 
 class GatherReplacedLayerParams:

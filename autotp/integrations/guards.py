@@ -23,15 +23,15 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..mesh import group_size
+from ..runtime.input_agreement import check_same_batch
+from ..dp.fsdp import check_mesh
 from ..compat.hf import adapter_module
 from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
-from ..dp.fsdp import check_mesh
-from ..mesh import group_size
-from ..runtime.input_agreement import check_same_batch
+from ..tp.lora import adapt
 from ..runtime.replicas import check_replicas
 from ..state import TPState, find_state, refuse_torch_fsdp, state_of
-from ..tp.lora import adapt
 
 REPLICA_CHECK_EVERY = 100
 

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..io.hf.save import save_pretrained
-from ..planning.planner import with_vocab
-from ..runtime.replicas import broadcast_tensors
-from ..runtime.shards import forget_shard
-from ..state import TPState
-from ..tp.layers import ParallelLinear
 from ..vocab.apply import apply_vocab
 from .guards import SwapGuard
+from ..io.hf.save import save_pretrained
+from ..runtime.shards import forget_shard
+from ..tp.layers import ParallelLinear
+from ..planning.planner import with_vocab
+from ..runtime.replicas import broadcast_tensors
+from ..state import TPState
 
 
 class SavePretrained:

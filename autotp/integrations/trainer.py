@@ -30,24 +30,25 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
+from ..runtime.collectives import all_gather
 from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
+from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
+from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
+from ..dp.fsdp import fully_shard as autotp_fully_shard
+from ..mesh import group_size, named_failure
+from ..runtime.rng import sync_replicated_stream
 from ..compat import check_versions
 from ..compat import trainer as trainer_compat
 from ..compat.hf import adapter_module
-from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
-from ..dp.fsdp import fully_shard as autotp_fully_shard
+from ..io.errors import CheckpointError
+from ..io.hf.load import checkpoint_files, load_params
+from ..io.checkpoint.save import write
 from ..io.checkpoint.legacy import as_params
 from ..io.checkpoint.legacy_optimizer import OPTIMIZER_FILE, layout_difference
 from ..io.checkpoint.restore import read
-from ..io.checkpoint.save import write
-from ..io.errors import CheckpointError
-from ..io.hf.load import checkpoint_files, load_params
 from ..io.hf.save import save_pretrained
-from ..mesh import group_size, named_failure
-from ..runtime.collectives import all_gather
-from ..runtime.rng import sync_replicated_stream
 from ..state import find_state, wrapped_model
-from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
+
 
 _SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
 _OPTIMIZER = "optimizer"  # the optimizer state's checkpoint directory, inside Trainer's checkpoint-N/

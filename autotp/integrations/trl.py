@@ -14,8 +14,8 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from ..accessors import cp_size, dp_rank, dp_size
 from ..compat import trainer as trainer_compat
+from ..accessors import cp_size, dp_rank, dp_size
 from ..state import find_state, wrapped_model
 from .fused_head import make_vocab_parallel
 

@@ -20,9 +20,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..runtime.collectives import gather_full_to
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition
-from ..runtime.collectives import gather_full_to
 
 STREAM_CHUNK_BYTES = 8 << 20  # one message: gloo moves 4-8 MiB ones at memcpy speed, 64 MiB ones at 2/3 of it
 _STREAM_TAG = 0x41545346  # apart from a user's point-to-point tags (0 by default) and the staging entry check's

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..compat.hf import is_causal_lm
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
+from ..compat.hf import is_causal_lm
 from .linears import features, is_linear, weight_dim
 from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, Plan, RegionPlan, Replicated, VocabPlan, Why
 from .policy import Policy, Rule, as_policy, find_policy

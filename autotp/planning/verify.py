@@ -16,6 +16,7 @@ from ..compat.hf import failed_experts_kernel, is_conv1d, is_transformers_class
 from .plan import Plan, Replicated, Why
 from .probe import probe_inputs
 
+
 Verdicts = dict[tuple[str, type], str | None]  # (block pattern, class) -> None if exact, else why not
 
 

@@ -10,15 +10,16 @@ included) from DP rank 0 of the same TP rank, as DDP does within its group.
 
 from __future__ import annotations
 
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..mesh import Group, group_size, named_failure
-from ..state import find_state, state_of
 from .collectives import all_gather, buckets
 from .rows import local_rows
+from ..mesh import Group, group_size, named_failure
+from ..state import find_state, state_of
 
 _BUCKET_BYTES = 64 << 20
 

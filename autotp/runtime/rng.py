@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import Group, group_size, named_failure
 from .collectives import all_reduce
-
+from ..mesh import Group, group_size, named_failure
 
 def capture(cuda: bool | None = None) -> list[torch.Tensor]:
     """The CPU generator's state, and the current CUDA device's: by default when CUDA is initialised (before

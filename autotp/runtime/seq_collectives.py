@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..compat import torch as torch_compat
-from ..mesh import Group, group_size, named_failure
 from .collectives import weight_grad
+from ..mesh import Group, group_size, named_failure
 
 
 def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[int]:

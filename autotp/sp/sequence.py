@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..mesh import Group, group_size
-from ..planning.plan import Plan
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook
 from ..runtime.seq_collectives import all_gather_seq_to_tp, gather_from_seq, own_chunk, scatter_to_seq
+from ..mesh import Group, group_size
 from ..tp.layers import LinearAllreduce
+from ..planning.plan import Plan
 
 
 def sequence_layout(model: nn.Module, plan: Plan, experts: tuple[str, ...] = ()

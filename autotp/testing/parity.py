@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..api import wrap
-from ..mesh import Group
-from ..planning.probe import image_token, probe_inputs
 from ..runtime.collectives import all_gather_full
 from ..runtime.rows import dp_full
+from ..mesh import Group
+from ..planning.probe import image_token, probe_inputs
 from ..state import state_of
 
 # fp32 tolerances: tensor parallelism changes only the order of sums. Loss: absolute. Gradients: relative to

@@ -14,17 +14,17 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..compat.hf import avoid_grouped_mm
-from ..mesh import Mesh, build_subgroups, group_rank
-from ..options import WrapOptions
-from ..planning.plan import AttrPlan, HeadInputPlan, Plan
-from ..planning.sharding import Partition
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
-from ..runtime.rng import sync_replicated_stream
-from ..state import TPState, attach
-from .block_entry import BlockEntry
+from ..mesh import Mesh, build_subgroups, group_rank
 from .heads import AttentionWeights, tag_heads
+from .block_entry import BlockEntry
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
+from ..options import WrapOptions
+from ..planning.sharding import Partition
+from ..planning.plan import AttrPlan, HeadInputPlan, Plan
+from ..runtime.rng import sync_replicated_stream
 from .streams import install_sharded_streams
+from ..state import TPState, attach
 
 
 def apply_plan(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions) -> TPState:

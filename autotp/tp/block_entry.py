@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..mesh import Group, group_size
 from ..runtime.collectives import copy_to_tp
-from ..runtime.seq_collectives import SavedChunk
+from ..mesh import Group, group_size
 from .overlap import DeferredWeights, copy_to_tp_joined, deferred_column_linear
+from ..runtime.seq_collectives import SavedChunk
 
 
 class BlockEntry:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.collectives import gather_from_tp
 from ..mesh import Group
 from ..planning.plan import HeadsPlan
-from ..runtime.collectives import gather_from_tp
 
 _TAG = "autotp_heads"
 

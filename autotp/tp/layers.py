@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat.hf import is_conv1d
-from ..mesh import Group, group_rank, group_size
-from ..planning.sharding import Partition
-from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
-from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
-from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
 from .block_entry import BlockEntry
+from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
+from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
 from .glu import glu_linear, match
+from ..mesh import Group, group_rank, group_size
+from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
+from ..compat.hf import is_conv1d
+from ..planning.sharding import Partition
 
 
 class ParallelLinear(nn.Linear):

@@ -32,15 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat import peft as peft_compat
-from ..planning.sharding import Partition, Shard
 from ..runtime.collectives import reduce_from_tp_joined
 from ..runtime.grad_hooks import GradHook, replica_grad_hook
-from ..runtime.replicas import broadcast_tensors
 from ..runtime.shards import gather_parameter_, partition_parameter_
-from ..state import TPState, find_state
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear
+from ..runtime.replicas import broadcast_tensors
 from .streams import shared_draws
+from ..compat import peft as peft_compat
+from ..planning.sharding import Partition, Shard
+from ..state import TPState, find_state
 
 
 def is_lora_linear(module: nn.Module | None, layer: nn.Module) -> bool:

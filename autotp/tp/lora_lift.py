@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..state import TPState
 from .layers import LinearAllreduce, LinearLayer
 from .lora import TPLora, is_lora_linear
+from ..state import TPState
 
 
 def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

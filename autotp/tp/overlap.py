@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..mesh import Group, group_size
 from ..runtime.collectives import all_reduce_packed, weight_grad
+from ..mesh import Group, group_size
 
 
 class DeferredWeights:

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ..planning.sharding import Shard
-from ..state import TPState
 from .layers import ParallelLinear
+from ..state import TPState
 
 _KEY = "autotp"  # in a module's `_metadata` entry: {"tp_rank": r, "tp_size": n}
 _HOW = ("Save and load with autotp.save_checkpoint / autotp.load_checkpoint (every rank its own rows), load each "

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import Group, group_rank, group_size
-from ..planning.sharding import Partition
 from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
+from ..mesh import Group, group_rank, group_size
 from ..runtime.lazy_logits import lazy_logits
 from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
+from ..planning.sharding import Partition
 
 
 class VocabParallelEmbedding:

@@ -21,19 +21,8 @@ from autotp.cp.layout import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from cp_workers import (
-    CP_FAMILIES,
-    assert_cp_parity,
-    cp_aux_with_padding,
-    cp_compiled,
-    cp_ddp,
-    cp_deepcopy,
-    cp_dropout_parity,
-    cp_held_bytes,
-    cp_lora_parity,
-    cp_parity_cases,
-    cp_parity_in_blocks,
-    cp_per_token_input,
-    cp_unsynced_step,
+    CP_FAMILIES, assert_cp_parity, cp_aux_with_padding, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity,
+    cp_held_bytes, cp_lora_parity, cp_parity_cases, cp_parity_in_blocks, cp_per_token_input, cp_unsynced_step,
     cp_weights_aligned,
 )
 from models import batch, tiny_model

@@ -9,6 +9,7 @@ reduction order differs (attention over gathered keys in blocks, the loss summed
 
 from __future__ import annotations
 
+
 import pytest
 import torch
 import transformers as tf

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import transformers as tf
 from torch.distributed.tensor import DTensor
+import transformers as tf
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 import autotp

@@ -17,8 +17,7 @@ from torch.distributed.tensor import DTensor
 import autotp
 from autotp.testing import run_ranks
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, grad_error
-from ep_workers import GLOBAL, STEPS, check, dp_loop, record_routing, single_process, whole
-from ep_workers import moe_model as family_model
+from ep_workers import GLOBAL, STEPS, check, dp_loop, moe_model as family_model, record_routing, single_process, whole
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -352,7 +351,6 @@ def test_checkpoints_under_fully_shard_at_ep2_resume_in_one_process_and_at_ep2(t
     each as 6 straight steps of one process go (tolerances of tests/io/test_reshard_resume.py: loss 1e-5,
     parameters 3e-5). `save_pretrained` of the same weights equals `consolidate` of the checkpoint, exactly."""
     from safetensors.torch import load_file
-
     from resume_workers import check_resume, straight_run
 
     path = str(tmp_path / "ckpt")

@@ -8,7 +8,8 @@ import torch
 import transformers as tf
 
 import autotp
-from autotp.testing import assert_parity, parity, run_ranks, tiny_config
+from autotp.testing import assert_parity, run_ranks, tiny_config
+from autotp.testing import parity
 
 SEQ2SEQ = ["bart", "blenderbot", "blenderbot-small", "m2m_100", "marian", "mbart", "pegasus", "plbart", "t5", "whisper"]
 ENCODERS = {"bert": tf.AutoModelForSequenceClassification, "roberta": tf.AutoModelForMaskedLM,

@@ -10,7 +10,8 @@ from transformers import AutoModelForImageTextToText
 
 import autotp
 from autotp.planning.probe import probe_inputs
-from autotp.testing import assert_parity, parity, run_ranks, tiny_config
+from autotp.testing import assert_parity, run_ranks, tiny_config
+from autotp.testing import parity
 
 # (model type, sub-model path of the vision tower, of the language model)
 VLMS = {

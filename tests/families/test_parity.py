@@ -17,8 +17,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 from autotp.tp.layers import LinearLayer
+from autotp.testing import assert_parity, run_ranks, tiny_config
+from autotp.testing import parity
 from models import LLAMA_FAMILY, batch, family_parity, tiny_model
 
 SLOW = pytest.mark.slow

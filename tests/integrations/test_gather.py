@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import autotp
-from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, grad_error
-from autotp.testing.parity import full_tensor as full
-from autotp.testing.spawn import run_ranks
 from autotp.tp.layers import LinearAllreduce, LinearLayer
 from models import batch, tiny_model
+from autotp.testing.spawn import run_ranks
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor as full, grad_error
 
 
 def gather_cycle(rank: int, world: int, family: str) -> dict:

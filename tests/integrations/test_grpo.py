@@ -21,12 +21,12 @@ def build_at_tp2(rank: int, world: int, output: str) -> dict:
     import os
 
     from accelerate.state import PartialState
-    from grpo_lora import config, dataset, low_tokens, tokenizer
-    from train_trainer import tiny_llama, with_lora
-    from trl import GRPOTrainer
 
     import autotp
     from autotp.hf_trainer import tp_trainer
+    from grpo_lora import config, dataset, low_tokens, tokenizer
+    from train_trainer import tiny_llama, with_lora
+    from trl import GRPOTrainer
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     PartialState._reset_state()  # accelerate's process state, as a fresh process under torchrun finds it

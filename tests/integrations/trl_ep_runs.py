@@ -50,8 +50,9 @@ def _moe(tp: int, ep: int, adapters: bool = False, timeout: float | None = None)
 
 def _params(model: torch.nn.Module, ep: int, trainable: bool = False) -> dict[str, torch.Tensor]:
     """Every (trainable) parameter as a full tensor, under its one-process name."""
-    from autotp.state import wrapped_model
     from ep_workers import whole
+
+    from autotp.state import wrapped_model
 
     inner = wrapped_model(model) if ep else None
     return {n: (whole(p, p, inner) if ep else p.detach().clone()) for n, p in model.named_parameters()
@@ -62,7 +63,6 @@ def sft_data(vocab: int, alike: bool = False):
     """Already tokenized sequences of several lengths (SFTTrainer then skips tokenizing), no pad or eos token; with
     `alike`, the first one 12 times (every replica's rows then have the whole batch's router statistics)."""
     from datasets import Dataset
-
     from models import batch
 
     rows = [batch(vocab, size=(1, n), seed=0 if alike else i)[0].clamp(min=2).tolist()

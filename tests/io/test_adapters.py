@@ -4,6 +4,7 @@ numbers (an adapter on a shard sees only that rank's rows, and its update is nev
 
 from __future__ import annotations
 
+
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model

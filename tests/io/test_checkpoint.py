@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
+from autotp.testing.spawn import run_ranks
 
 
 def train_and_save(rank: int, world: int, family: str, target: str, max_shard_size: str) -> dict | None:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.filesystem import FileSystem
+from safetensors.torch import save_file
 
 import autotp
 from autotp.testing.spawn import run_ranks

@@ -11,6 +11,7 @@ import torch
 import autotp
 from autotp.testing.spawn import run_ranks
 
+
 TASK_CLASSES = {"bert": "AutoModelForSequenceClassification", "t5": "AutoModelForSeq2SeqLM",
                 "llava": "AutoModelForImageTextToText"}
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
+import transformers
 from transformers import CONFIG_MAPPING
 
 from autotp.compat.hf import TASKS
@@ -20,8 +20,8 @@ from autotp.compat.hf_conversion import ConvertedSource, checkpoint_sources
 from autotp.io.errors import CheckpointError
 from autotp.io.hf.load import checkpoint_files
 from autotp.testing import tiny_config
-from autotp.testing.parity import compare_loading
 from autotp.testing.spawn import run_ranks
+from autotp.testing.parity import compare_loading
 from models import tiny_model
 
 MOE = ["granitemoe", "minimax", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]

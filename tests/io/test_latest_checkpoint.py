@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import autotp
-import requeue_job
 from autotp.testing import parity
 from autotp.testing.spawn import free_port, run_ranks
 from models import tiny_model, trained_llama
+import requeue_job
 
 pytestmark = pytest.mark.timeout(120)
 

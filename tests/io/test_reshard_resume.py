@@ -17,16 +17,8 @@ import torch
 import autotp
 from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL
 from autotp.testing.spawn import run_ranks
-from resume_workers import (
-    check_resume,
-    first_half,
-    full_params,
-    resume_model,
-    resume_steps,
-    resume_training,
-    second_half,
-    straight_run,
-)
+from resume_workers import (check_resume, first_half, full_params, resume_model, resume_steps, resume_training,
+                            second_half, straight_run)
 
 LAYOUTS = {  # label -> (world, tp, fully_shard)
     "tp=4": (4, 4, False),

@@ -23,8 +23,8 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import psutil
@@ -44,8 +44,8 @@ from autotp.io.rollout.vllm_client import EngineClient  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
 from models import batch  # noqa: E402
-from vllm_server import LR, TOKEN_ENV, against, completions, digests, refusal, reload, serve, train_and_send  # noqa: E402
-from vllm_server import train as train_steps
+from vllm_server import (LR, TOKEN_ENV, against, completions, digests, refusal, reload, serve,  # noqa: E402
+                         train as train_steps, train_and_send)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = pytest.mark.slow

@@ -25,8 +25,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
-from vllm_server import EMPTY_DIGEST, NEW_TOKENS, PROMPTS, serve  # noqa: E402
-from vllm_server import train as train_steps
+from vllm_server import EMPTY_DIGEST, NEW_TOKENS, PROMPTS, serve, train as train_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -140,9 +140,8 @@ def test_plan_sizes_follow_dtype_not_the_configs_torch_dtype(capsys, monkeypatch
     """A released config says torch_dtype bfloat16: the default sizes stay float32, and --dtype chooses."""
     import json
 
-    from transformers import AutoModelForCausalLM
-
     from autotp.testing import tiny_config
+    from transformers import AutoModelForCausalLM
 
     config = tiny_config("llama")
     config.dtype = torch.bfloat16

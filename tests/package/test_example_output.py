@@ -11,6 +11,7 @@ import pytest
 
 import autotp
 
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

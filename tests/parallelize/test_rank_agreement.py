@@ -12,11 +12,13 @@ import pytest
 import torch
 
 import autotp
-from autotp.options import AGREED_OPTIONS, PER_RANK_OPTIONS, WrapOptions
+from autotp.options import WrapOptions
+from autotp.options import AGREED_OPTIONS, PER_RANK_OPTIONS
 from autotp.testing import run_ranks
 from cp_workers import CP_FAMILIES
 from ep_workers import moe_model
 from models import tiny_model
+
 
 DISAGREEMENTS = {  # rank 1's difference -> what the error names
     "intermediate_size": ({"config": {"intermediate_size": 128}}, "config key intermediate_size is 96 on rank 0 but 128"),

@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing import run_ranks, tiny_config
+from autotp.testing import run_ranks
 from models import CONFIGS, batch, tiny_model
+from transformers import AutoModelForCausalLM
+
+from autotp.testing import tiny_config
+
 
 STAGES = ["autotp.tp.apply.LinearAllreduce.__init__", "autotp.parallelize.apply_sequence_parallel",
           "autotp.parallelize.register_grad_hooks", "autotp.parallelize.DDPGuard",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+
 from types import SimpleNamespace
 
 import pytest
@@ -16,11 +17,12 @@ from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.runtime.seq_collectives import SavedChunk
+from autotp.tp.layers import ParallelLinear
 from autotp.sp.sequence import ChunkDropout
-from autotp.testing import assert_parity, parity
+from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config
-from autotp.tp.layers import ParallelLinear
+from autotp.testing import assert_parity
 from models import CONFIGS, batch, labels_with_ignored, tiny_model
 
 

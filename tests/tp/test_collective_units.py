@@ -17,21 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autotp.mesh import Mesh
-from autotp.planning.sharding import HeadLayout, Partition, layout_partition
 from autotp.runtime.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
+
 from autotp.runtime.grad_hooks import grad_allreduce_hook, replica_grad_hook
-from autotp.runtime.seq_collectives import (
-    SavedChunk,
-    all_gather_dim0,
-    all_gather_seq_to_tp,
-    gather_from_seq,
-    reduce_scatter_dim0,
-    reduce_scatter_seq_from_tp,
-    scatter_to_seq,
-    seq_parallel_column_linear,
-)
+from autotp.mesh import Mesh
 from autotp.state import TPState
+
+from autotp.runtime.seq_collectives import (
+    SavedChunk, all_gather_dim0, all_gather_seq_to_tp, gather_from_seq, reduce_scatter_dim0, reduce_scatter_seq_from_tp,
+    scatter_to_seq, seq_parallel_column_linear,
+)
+from autotp.planning.sharding import HeadLayout, Partition, layout_partition
 from autotp.testing import run_ranks
 
 WORLD = 2

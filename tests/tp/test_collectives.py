@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import autotp
 from autotp.planning.report import summary
-from autotp.testing.spawn import run_ranks
 from models import batch, tiny_model
+from autotp.testing.spawn import run_ranks
 
 COLLECTIVES = tuple(name for name in (  # the *_single names are torch 2.13's; GPU users may run an older torch
     "all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all", "all_gather_into_tensor",

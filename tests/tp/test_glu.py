@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
+from autotp.tp.block_entry import BlockEntry
+from autotp.tp.glu import match
 from autotp.planning.sharding import Partition
 from autotp.testing.memory import KeptForBackward
 from autotp.testing.parity import full_tensor
 from autotp.testing.spawn import run_ranks
-from autotp.tp.block_entry import BlockEntry
-from autotp.tp.glu import match
 from models import batch, tiny_model
 
 IDS = (2, 16)

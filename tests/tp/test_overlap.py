@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 import autotp
 from autotp.runtime import seq_collectives
+from autotp.tp.overlap import DeferredWeights
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor, grad_error
 from autotp.testing.spawn import run_ranks
-from autotp.tp.overlap import DeferredWeights
 from models import batch, tiny_model
 
 

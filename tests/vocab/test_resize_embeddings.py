@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing import assert_parity, parity, run_ranks
+from autotp.testing import assert_parity, run_ranks
+from autotp.testing import parity
 from models import batch, tiny_model
 
 

@@ -17,10 +17,11 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.planning.sharding import Partition
-from autotp.testing import assert_parity, parity
+from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from autotp.vocab.layers import VocabParallelLoss, _VocabParallelCrossEntropy
+from autotp.planning.sharding import Partition
+from autotp.testing import assert_parity
 from models import batch, labels_with_ignored, tiny_model
 
 

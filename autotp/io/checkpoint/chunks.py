@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ...compat.torch import no_torch_function, storageless_tensor
-from ...planning.sharding import Shard
 from ...runtime.rows import local_rows, placement
+from ...planning.sharding import Shard
 
 
 @dataclass(frozen=True)

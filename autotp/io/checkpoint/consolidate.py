@@ -19,11 +19,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from ...compat.hf import build_model
 from ...compat.peft import is_peft_key
 from ...mesh import global_rank
+from . import legacy
+from .save import FORMAT, read_index, read_meta, run_dcp
 from ..errors import CheckpointError
 from ..hf.save import write_hf_checkpoint
 from ..staging import staged_directory
-from . import legacy
-from .save import FORMAT, read_index, read_meta, run_dcp
 
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard_size: int | str = "5GB",

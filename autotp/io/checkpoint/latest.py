@@ -23,9 +23,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ...mesh import is_global_rank0, named_failure
-from ..errors import CheckpointError, world
 from . import legacy
 from .save import FORMAT, META, read_index, read_meta, wait_for_pending
+from ..errors import CheckpointError, world
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:

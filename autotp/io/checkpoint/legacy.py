@@ -20,14 +20,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...runtime.rows import local_rows
 from ...mesh import global_rank
 from ...planning.placement import Placement
 from ...planning.sharding import Partition
-from ...runtime.rows import local_rows
-from ..errors import CheckpointError
-from ..hf.safetensors import NAMES, open_tensors, read_header, read_tensors
 from . import rng_state
 from .save import layout
+from ..errors import CheckpointError
+from ..hf.safetensors import NAMES, open_tensors, read_header, read_tensors
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

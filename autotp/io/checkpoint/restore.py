@@ -22,19 +22,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ...mesh import global_rank, group_rank
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
+from . import legacy
+from . import rng_state
+from .save import (FORMAT, Chunks, layout, model_entries, optimizer_names, read_index,
+                         read_meta, run_dcp, wait_for_pending)
 from ..errors import CheckpointError, describe, failures, world
-from . import legacy, rng_state
-from .save import (
-    FORMAT,
-    Chunks,
-    layout,
-    model_entries,
-    optimizer_names,
-    read_index,
-    read_meta,
-    run_dcp,
-    wait_for_pending,
-)
 
 _LAYOUT = ("tp_size", "world_size", "fsdp", "cp_size")
 

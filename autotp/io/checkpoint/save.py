@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...mesh import at_finish, global_rank, group_size, new_group, world_timeout
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
-from ..errors import CheckpointError, agree, world
-from ..staging import staged_directory
 from . import rng_state
 from .chunks import Chunks
+from ..errors import CheckpointError, agree, world
+from ..staging import staged_directory
 
 META = "autotp_checkpoint.json"
 FORMAT = "autotp-checkpoint/2"

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ...compat.hf_conversion import ConvertedSource, checkpoint_sources, initialised_if_missing
-from ...planning.placement import window
 from ...runtime.rows import local_rows
 from ...runtime.shards import held_part
+from ...compat.hf_conversion import ConvertedSource, checkpoint_sources, initialised_if_missing
+from ...planning.placement import window
 from ...state import find_state
 from ..errors import CheckpointError, describe, failures
 from .safetensors import read_header, read_rows

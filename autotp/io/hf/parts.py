@@ -14,18 +14,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...compat.hf_conversion import (
-    SavedPart,
-    SavedTensor,
-    checkpoint_layout,
-    keys_to_ignore_on_save,
-    remove_tied_weights,
-)
+from ...compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, keys_to_ignore_on_save,
+                                    remove_tied_weights)
+from ...runtime.rows import dp_full, local_rows
 from ...mesh import named_failure
+from ...runtime.shards import held_part
 from ...planning.placement import Placement, window
 from ...planning.sharding import Partition, Shard
-from ...runtime.rows import dp_full, local_rows
-from ...runtime.shards import held_part
 from ..streaming import gather_after_streams
 
 

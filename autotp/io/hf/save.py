@@ -24,14 +24,14 @@ from tqdm.auto import tqdm
 
 from ...compat.hf import adapter_module
 from ...compat.hf_conversion import SavedPart, SavedTensor
-from ...mesh import Group, global_rank, is_global_rank0
 from ...runtime.rows import dp_full
+from ...mesh import Group, global_rank, is_global_rank0
 from ...runtime.shards import held_part, holders
 from ...state import find_state, outside_module_holders
-from ..staging import staged_directory
-from ..streaming import stream_full_to
 from .parts import full_shape, gather_part, saved_layout
 from .safetensors import SafetensorsWriter, write_rows
+from ..staging import staged_directory
+from ..streaming import stream_full_to
 
 
 def save_pretrained(

@@ -24,9 +24,9 @@ from torch import nn
 
 from ...compat.peft import AdapterRequest, patch_update_layer
 from ...mesh import is_global_rank0
-from ...state import TPState, find_state, wrapped_model
-from ...tp.lora import adapt_all, adapter_partition, build_adapter, sharded_loras, trainable_copies
 from ..errors import describe, failures, world
+from ...tp.lora import adapt_all, adapter_partition, build_adapter, sharded_loras, trainable_copies
+from ...state import TPState, find_state, wrapped_model
 
 
 @contextmanager

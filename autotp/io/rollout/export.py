@@ -22,16 +22,16 @@ from torch.distributed.tensor import DTensor
 
 from ...compat.hf_conversion import SavedTensor
 from ...compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
-from ...dp.row_gather import RowRequest, dp_full_many, gather_rows_to
 from ...mesh import Group, device_of
-from ...options import WrapOptions
-from ...planning.placement import window
-from ...planning.planner import build_plan
-from ...planning.sharding import Partition
-from ...runtime.collectives import all_reduce, buckets
 from ...runtime.shards import held_part, held_shard, holders
-from ...state import find_state, outside_module_holders
 from ...tp.lora import adapt_all
+from ...runtime.collectives import all_reduce, buckets
+from ...dp.row_gather import RowRequest, dp_full_many, gather_rows_to
+from ...state import find_state, outside_module_holders
+from ...options import WrapOptions
+from ...planning.planner import build_plan
+from ...planning.placement import window
+from ...planning.sharding import Partition
 from ..hf.parts import finish_part, full_shape, local_part, saved_layout
 from .vllm_layout import vllm_partitions
 

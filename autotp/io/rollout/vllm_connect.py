@@ -17,12 +17,11 @@ import requests
 import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer import (
-    TrainerWeightTransferEngine,
-    WeightTransferTrainerFactory,
+    TrainerWeightTransferEngine, WeightTransferTrainerFactory,
 )
 
-from .vllm_channel import BACKEND, TOKEN_ENV
 from .vllm_client import EngineClient
+from .vllm_channel import BACKEND, TOKEN_ENV
 from .vllm_gloo import AutotpGlooTrainerInitInfo, register
 from .vllm_source import AutotpWeightSource
 

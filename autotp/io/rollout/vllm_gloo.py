@@ -34,13 +34,8 @@ import requests
 import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer import (
-    ParamMeta,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-    WeightTransferEngine,
-    WeightTransferEngineFactory,
-    WeightTransferTrainerFactory,
+    ParamMeta, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource, WeightTransferEngine,
+    WeightTransferEngineFactory, WeightTransferTrainerFactory,
 )
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 

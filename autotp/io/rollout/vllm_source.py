@@ -19,8 +19,8 @@ from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 from ...compat.peft import base_keys, peft_inner
 from ...compat.torch import gloo_timeouts_at_most
 from ...state import outside_module_holders
-from ..hf.parts import saved_layout
 from .export import export_weights
+from ..hf.parts import saved_layout
 
 
 class AutotpWeightSource(WeightSource):

@@ -141,8 +141,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     _planned_everywhere(error, tp_size, options, call)
     mesh, timeout = _mesh(tp_size, options)
     if mesh.grid is not None:  # at tp 1 (and every size 1) no collective: some ranks only may wrap
-        groups = [("TP", mesh.tp), ("CP", mesh.cp), ("DP", mesh.grad), ("EP", mesh.group("ep"))]
-        check_agreement(model, tp_size, options, plan, groups, call)
+        check_agreement(model, tp_size, options, plan, mesh.compared(), call)
     state = parallelize(model, plan, mesh, replace(options, timeout=timeout), materialize)
     if is_global_rank0():
         log.info(plan.summary())

@@ -12,6 +12,7 @@ import pytest
 import autotp
 from autotp import options as options_module
 from autotp.options import OPTION_NAMES, WrapKwargs, WrapOptions
+from autotp.testing import run_ranks
 from models import tiny_model
 
 
@@ -48,3 +49,46 @@ def test_an_unknown_keyword_is_refused_naming_it_and_the_options(entry: str) -> 
     assert f"{entry}() got an unexpected keyword argument 'cp_sise' (did you mean 'cp_size'?)" in message
     assert all(name in message for name in OPTION_NAMES)
     assert autotp.state.find_state(model) is None
+
+
+def test_the_generic_accessors_read_the_mesh_and_the_named_ones_are_their_aliases() -> None:
+    """At tp_size 1 without torch.distributed: every group None, every rank 0 and size 1, whichever way asked."""
+    model = autotp.wrap(tiny_model("llama"), 1)
+    for axis in "tp", "cp", "dp", "ep":
+        named = [getattr(autotp, f"{axis}_{kind}")(model) for kind in ("group", "rank", "size")]
+        assert named == [autotp.group(model, axis), autotp.rank(model, axis), autotp.size(model, axis)]
+        assert named == [autotp.group(axis), autotp.rank(axis), autotp.size(axis)] == [None, 0, 1]
+    assert autotp.dp_cp_group(model) is autotp.group(model, "dp", "cp") is None
+
+
+@pytest.mark.parametrize("axes", [("xp",), ("pp",), (), ("cp", "dp")])
+def test_an_unknown_axis_is_refused_naming_the_valid_ones(axes: tuple[str, ...]) -> None:
+    model = autotp.wrap(tiny_model("llama"), 1)
+    for accessor in autotp.group, autotp.rank, autotp.size:
+        with pytest.raises(ValueError) as err:
+            accessor(model, *axes)
+        assert all(f"'{name}'" in str(err.value) for name in ("dp", "cp", "tp", "ep")), str(err.value)
+
+
+def accessor_answers(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    model = autotp.wrap(tiny_model("llama"), world)
+    mesh = model.autotp_state.mesh
+    return {"tp": (dist.get_process_group_ranks(autotp.group(model, "tp")), autotp.rank("tp"), autotp.size("tp"),
+                   autotp.tp_rank(model)),
+            "dp": (autotp.size(model, "dp"), autotp.dp_size(), autotp.size(model, "dp", "cp")),
+            "compared": [(label, None if group is None else dist.get_process_group_ranks(group))
+                         for label, group in mesh.compared()],
+            "repr": repr(mesh)}
+
+
+@pytest.mark.timeout(60)
+def test_the_accessors_and_the_mesh_table_on_two_ranks() -> None:
+    """tp 2 on 2 ranks: the TP group is both ranks; the agreement compares over TP, CP, DP (DP x CP) and EP in that
+    order, as `autotp.api` listed them by hand before."""
+    for rank, answer in enumerate(run_ranks(accessor_answers, 2)):
+        assert answer["tp"] == ([0, 1], rank, 2, rank)
+        assert answer["dp"] == (1, 1, 1)
+        assert answer["compared"] == [("TP", [0, 1]), ("CP", None), ("DP", [rank]), ("EP", None)]
+        assert answer["repr"] == "Mesh(dp=1, cp=1, tp=2, ep=1)"

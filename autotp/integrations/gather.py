@@ -16,8 +16,8 @@ class GatherReplacedLayerParams:
     """Inside, every column-parallel (`LinearLayer`) and row-parallel (`LinearAllreduce`) layer holds its full weight.
 
     There each runs as a plain `nn.Linear`. Every rank of the TP group must enter together (the gather is
-    collective). On exit each rank keeps its slice of whatever the full weights became, so weights loaded inside persist, and
-    gradients computed inside are sliced onto the shards. The Parameter objects stay the same, so
+    collective). On exit each rank keeps its slice of whatever the full weights became, so weights loaded
+    inside persist, and gradients computed inside are sliced onto the shards. The Parameter objects stay the same, so
     optimizers keep tracking them; but an optimizer step inside would apply shard-sized optimizer
     state to full-sized weights, so it is refused: step after leaving. Under `autotp.fully_shard` the
     model holds plain full parameters inside (FSDP paused, `autotp.dp.fsdp.Unsharded`) and FSDP's own

@@ -14,7 +14,7 @@ from .state import state_of
 
 # The axes a user asks for, and the flattened view DP x CP; not edp, which is no group at ep 1 (the experts' copies
 # then span the whole world, so None there would read as size 1).
-_ACCESSIBLE = [(name,) for name, axis in AXIS_TABLE.items() if axis.compared_over is not None] + [GRAD]
+_ACCESSIBLE: list[tuple[str, ...]] = [(name,) for name, axis in AXIS_TABLE.items() if axis.compared_over is not None] + [GRAD]
 
 
 def group(model: nn.Module | str | None = None, *axes: str) -> Group:
@@ -22,10 +22,10 @@ def group(model: nn.Module | str | None = None, *axes: str) -> Group:
     model alive; `group(model, "dp", "cp")` for DP x CP. None for an axis of size 1, but for "dp" and DP x CP: groups
     at every size (None only for a tp_size=1 wrap without torch.distributed initialised). An unknown axis is refused
     with the valid ones named."""
-    if isinstance(model, str):
-        model, axes = None, (model, *axes)
+    if isinstance(model, str):  # group("ep"): no model given
+        return group(None, model, *axes)
     if axes not in _ACCESSIBLE:
-        valid = ", ".join(repr(name) for name, in _ACCESSIBLE[:-1])
+        valid = ", ".join(repr(view[0]) for view in _ACCESSIBLE if len(view) == 1)
         raise ValueError(f"no axis {', '.join(map(repr, axes)) or '(none given)'} in autotp's mesh: name one of {valid}, "
                          f"or {', '.join(map(repr, GRAD))} for DP x CP")
     return state_of(model).mesh.group(*axes)

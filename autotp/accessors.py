@@ -1,20 +1,49 @@
 """The accessors: a wrapped model's groups, ranks and sizes along each axis of its mesh (`autotp.mesh`).
 
-Each takes the model; without one it uses the only wrapped model alive in the process (`autotp.state.state_of`),
-and refuses when there are several rather than guess.
+`group`, `rank` and `size` take an axis by name (`autotp.mesh.AXIS_TABLE`); the named ones (`tp_group`, `ep_size`,
+...) are aliases of them. Each takes the model; without one it uses the only wrapped model alive in the process
+(`autotp.state.state_of`), and refuses when there are several rather than guess.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .mesh import Group, group_rank, group_size
+from .mesh import AXIS_TABLE, GRAD, Group, group_rank, group_size
 from .state import state_of
+
+# The axes a user asks for, and the flattened view DP x CP; not edp, which is no group at ep 1 (the experts' copies
+# then span the whole world, so None there would read as size 1).
+_ACCESSIBLE: list[tuple[str, ...]] = [(name,) for name, axis in AXIS_TABLE.items() if axis.compared_over is not None] + [GRAD]
+
+
+def group(model: nn.Module | str | None = None, *axes: str) -> Group:
+    """This rank's group along an axis of `model`'s mesh: `group(model, "ep")`, or `group("ep")` for the only wrapped
+    model alive; `group(model, "dp", "cp")` for DP x CP. None for an axis of size 1, but for "dp" and DP x CP: groups
+    at every size (None only for a tp_size=1 wrap without torch.distributed initialised). An unknown axis is refused
+    with the valid ones named."""
+    if isinstance(model, str):  # group("ep"): no model given
+        return group(None, model, *axes)
+    if axes not in _ACCESSIBLE:
+        valid = ", ".join(repr(view[0]) for view in _ACCESSIBLE if len(view) == 1)
+        raise ValueError(f"no axis {', '.join(map(repr, axes)) or '(none given)'} in autotp's mesh: name one of {valid}, "
+                         f"or {', '.join(map(repr, GRAD))} for DP x CP")
+    return state_of(model).mesh.group(*axes)
+
+
+def rank(model: nn.Module | str | None = None, *axes: str) -> int:
+    """This rank's index in `group(model, *axes)`; 0 where that is None."""
+    return group_rank(group(model, *axes))
+
+
+def size(model: nn.Module | str | None = None, *axes: str) -> int:
+    """The number of ranks in `group(model, *axes)`; 1 where that is None."""
+    return group_size(group(model, *axes))
 
 
 def tp_group(model: nn.Module | None = None) -> Group:
     """The TP group of `model` (or of the only wrapped model alive in this process); None when tp=1."""
-    return state_of(model).tp_group
+    return group(model, "tp")
 
 
 def dp_group(model: nn.Module | None = None) -> Group:
@@ -23,52 +52,52 @@ def dp_group(model: nn.Module | None = None) -> Group:
     parallelism it is also the group holding the same shards, for `DistributedDataParallel(model,
     process_group=dp_group(model))`; with it, use `dp_cp_group`. None only for a tp_size=1 wrap without
     torch.distributed initialised."""
-    return state_of(model).dp_group
+    return group(model, "dp")
 
 
 def dp_cp_group(model: nn.Module | None = None) -> Group:
     """The ranks holding the same shards, DP x CP: gradients are averaged over it (`allreduce_gradients`, DDP's
     `process_group`), and `autotp.fully_shard` shards over it. Equals `dp_group` at cp_size 1."""
-    return state_of(model).grad_group
+    return group(model, *GRAD)
 
 
 def cp_group(model: nn.Module | None = None) -> Group:
     """The context-parallel group: the ranks splitting one sequence; None at cp_size 1."""
-    return state_of(model).cp_group
+    return group(model, "cp")
 
 
 def cp_rank(model: nn.Module | None = None) -> int:
-    return group_rank(cp_group(model))
+    return rank(model, "cp")
 
 
 def cp_size(model: nn.Module | None = None) -> int:
-    return group_size(cp_group(model))
+    return size(model, "cp")
 
 
 def tp_rank(model: nn.Module | None = None) -> int:
-    return group_rank(tp_group(model))
+    return rank(model, "tp")
 
 
 def tp_size(model: nn.Module | None = None) -> int:
-    return group_size(tp_group(model))
+    return size(model, "tp")
 
 
 def dp_rank(model: nn.Module | None = None) -> int:
-    return group_rank(dp_group(model))
+    return rank(model, "dp")
 
 
 def dp_size(model: nn.Module | None = None) -> int:
-    return group_size(dp_group(model))
+    return size(model, "dp")
 
 
 def ep_group(model: nn.Module | None = None) -> Group:
     """The expert-parallel group: the ranks splitting each MoE layer's experts (`autotp.ep`); None at ep_size 1."""
-    return state_of(model).mesh.group("ep")
+    return group(model, "ep")
 
 
 def ep_rank(model: nn.Module | None = None) -> int:
-    return group_rank(ep_group(model))
+    return rank(model, "ep")
 
 
 def ep_size(model: nn.Module | None = None) -> int:
-    return group_size(ep_group(model))
+    return size(model, "ep")

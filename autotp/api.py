@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import nullcontext
-from dataclasses import fields, replace
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Unpack
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,9 @@ from .tp import lora_lift
 from .parallelize import parallelize
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.hf.load import checkpoint_files, load_params
-from .options import WrapOptions
+from .options import OPTION_NAMES, WrapKwargs, WrapOptions, takes_wrap_options, wrap_options
 from .planning.plan import Plan
-from .planning.planner import PolicyArg, build_plan
+from .planning.planner import build_plan
 from .sp.sequence import sequence_layout
 from .runtime.agreement import check_agreement, check_sizes
 from .ep.apply import dense_plan, expert_paths, refuse_unsupported as refuse_ep
@@ -45,22 +45,8 @@ from .state import TPState, find_state
 log = logging.getLogger("autotp")
 
 
-def wrap(
-    model: nn.Module,
-    tp_size: int,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    policy: PolicyArg = None,
-    vocab_parallel: bool = True,
-    sequence_parallel: bool = False,
-    check_inputs: bool = False,
-    timeout: timedelta | float | None = None,
-    overlap: bool = True,
-    recompute_glu: bool = True,
-    example_inputs: Mapping[str, Any] | None = None,
-    cp_size: int = 1,
-    ep_size: int = 1,
-) -> nn.Module:
+@takes_wrap_options
+def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
     """Shard `model` over `tp_size` ranks in place and return it.
 
     TP groups are consecutive ranks; the rest of the world is data parallel. Under torchrun or
@@ -69,7 +55,7 @@ def wrap(
     touched, so a refused call leaves it unchanged. The keyword options are documented once, on
     `autotp.options.WrapOptions`.
     """
-    options = _options(tp_size, locals())
+    options = _options("wrap", tp_size, kw)
     check_versions()
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
@@ -87,35 +73,21 @@ def wrap(
     return model
 
 
-def from_pretrained(
-    path: str | Path,
-    tp_size: int,
-    *,
-    dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-    policy: PolicyArg = None,
-    vocab_parallel: bool = True,
-    sequence_parallel: bool = False,
-    check_inputs: bool = False,
-    timeout: timedelta | float | None = None,
-    task: str | None = None,
-    overlap: bool = True,
-    recompute_glu: bool = True,
-    example_inputs: Mapping[str, Any] | None = None,
-    cp_size: int = 1,
-    ep_size: int = 1,
-    **hf_kwargs: Any,
-) -> nn.Module:
+@takes_wrap_options
+def from_pretrained(path: str | Path, tp_size: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None, task: str | None = None, **hf_kwargs: Any) -> nn.Module:
     """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
 
     The model is built on the meta device, planned like `wrap` plans it, and each rank reads only
     its rows of every sharded tensor (including its parts of fused ones). Only safetensors load.
     `task` is a key of `autotp.compat.hf.TASKS` ("causal-lm", "seq2seq", "image-text", ...); by
     default the one of the class named in the checkpoint's `config.architectures`. `dtype` and `device`
-    place the shards; the other options are `wrap`'s (`autotp.options.WrapOptions`).
+    place the shards; the keywords that are `wrap`'s options (`autotp.options.WrapKwargs`) are taken as `wrap` takes
+    them, and the others (`hf_kwargs`) passed to transformers' `AutoConfig.from_pretrained`. (Typed `Any`: a type
+    checker cannot type both; `help(autotp.from_pretrained)` lists the options.)
     """
-    options = _options(tp_size, locals())
+    options = _options("from_pretrained", tp_size, {k: v for k, v in hf_kwargs.items() if k in OPTION_NAMES})
+    hf_kwargs = {k: v for k, v in hf_kwargs.items() if k not in OPTION_NAMES}
     check_versions()
     path = Path(path)
     if not path.is_dir():
@@ -141,29 +113,15 @@ def from_pretrained(
     return model
 
 
-def explain(
-    model: nn.Module,
-    tp_size: int,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
-    policy: PolicyArg = None,
-    vocab_parallel: bool = True,
-    sequence_parallel: bool = False,
-    check_inputs: bool = False,
-    timeout: timedelta | float | None = None,
-    overlap: bool = True,
-    recompute_glu: bool = True,
-    example_inputs: Mapping[str, Any] | None = None,
-    cp_size: int = 1,
-    ep_size: int = 1,
-) -> Plan:
+@takes_wrap_options
+def explain(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> Plan:
     """The plan `wrap` would apply given the same arguments, without a process group; works on a meta-device model.
 
     It raises every refusal of `wrap`'s planning (`sequence_parallel` or `cp_size` the model cannot take included),
     so a call to `wrap` can be checked as is, before a launch. `tp_group`, `check_inputs`, `timeout`, `overlap` and
     `recompute_glu` shape the wrapped layers, not the plan: they are accepted and change nothing here.
     """
-    return _plan(model, tp_size, _options(tp_size, locals()))
+    return _plan(model, tp_size, _options("explain", tp_size, kw))
 
 
 def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
@@ -183,8 +141,7 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
     _planned_everywhere(error, tp_size, options, call)
     mesh, timeout = _mesh(tp_size, options)
     if mesh.grid is not None:  # at tp 1 (and every size 1) no collective: some ranks only may wrap
-        groups = [("TP", mesh.tp), ("CP", mesh.cp), ("DP", mesh.grad), ("EP", mesh.group("ep"))]
-        check_agreement(model, tp_size, options, plan, groups, call)
+        check_agreement(model, tp_size, options, plan, mesh.compared(), call)
     state = parallelize(model, plan, mesh, replace(options, timeout=timeout), materialize)
     if is_global_rank0():
         log.info(plan.summary())
@@ -241,11 +198,11 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
           f"named. Nothing was changed.", failed)
 
 
-def _options(tp_size: int, arguments: dict[str, Any]) -> WrapOptions:
-    """The entry point's keyword arguments (its `locals()` on entry) as `WrapOptions`, its sizes checked: an option is
-    a keyword of `wrap`, `from_pretrained` and `explain` and a field of `WrapOptions`, and nothing else."""
-    options = WrapOptions(**{f.name: arguments[f.name] for f in fields(WrapOptions)})
-    for axis, size in options.sizes(tp_size).items():
+def _options(call: str, tp_size: int, keywords: Mapping[str, Any]) -> WrapOptions:
+    """The entry point's `tp_size` and keyword options as `WrapOptions` (`autotp.options.wrap_options`: a keyword that
+    is no field is refused), its sizes checked."""
+    options = wrap_options(call, tp_size, keywords)
+    for axis, size in options.sizes().items():
         if isinstance(size, bool) or not isinstance(size, int):
             raise TypeError(f"{axis}_size must be an int, got {type(size).__name__} {size!r}")
         if size < 1:
@@ -256,7 +213,7 @@ def _options(tp_size: int, arguments: dict[str, Any]) -> WrapOptions:
 def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
     """This rank's mesh and the timeout of its groups; torch.distributed was initialised from launcher variables, if
     needed, by `_planned_everywhere`."""
-    timeout, tp_group, sizes = options.timeout, options.tp_group, options.sizes(tp_size)
+    timeout, tp_group, sizes = options.timeout, options.tp_group, options.sizes()
     if not dist.is_initialized():
         if tp_group is not None or any(n > 1 for n in sizes.values()):
             needs = next((f"{axis}_size={n}" for axis, n in reversed(sizes.items()) if n > 1), f"tp_size={tp_size}")
@@ -273,4 +230,4 @@ def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
         return world_mesh(), timeout
     if tp_group is not None and group_size(tp_group) != tp_size:
         raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
-    return build_mesh(options.sizes(tp_size), timeout, tp_group), timeout
+    return build_mesh(sizes, timeout, tp_group), timeout

@@ -123,7 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     config, policy = load_config(args.model), read_policy(args.policy)
     # the layout wrap would refuse at this world (tp x cp x dp ranks), with wrap's own error
-    check_world(WrapOptions(cp_size=args.cp, ep_size=args.ep).sizes(args.tp), args.tp * args.cp * args.dp)
+    check_world(WrapOptions(tp_size=args.tp, cp_size=args.cp, ep_size=args.ep).sizes(), args.tp * args.cp * args.dp)
     with quiet_transformers():
         progress("plan", f"building {config.model_type} on the meta device in {args.dtype}")
         model = build(config, "meta", args.task, DTYPES[args.dtype])

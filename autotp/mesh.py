@@ -2,9 +2,9 @@
 
 `Mesh` is built once per wrap from one grid: TP innermost (consecutive ranks), CP next, DP outermost; the
 flattened view dp x cp (`grad`) is where gradients average and FSDP shards. Every other module reads groups from
-it by name; EP's edp x ep grid folds over the same ranks (`EXPERT_AXES`), and a new dimension is one more axis
-here. `new_group` is collective over the world, so every function here that creates groups must be called by every
-rank, in the same order. A TP or CP group of
+it by name; EP's edp x ep grid folds over the same ranks (`EXPERT_AXES`), and a new dimension is one more entry
+of `AXIS_TABLE` here. `new_group` is collective over the world, so every function here that creates groups must
+be called by every rank, in the same order. A TP or CP group of
 `None` means that axis has size 1; the DP group is a real group at every size (one rank when there is one
 replica), so a collective over it never reaches the world. Also here: which device a group's collectives use
 (`device_of`) and the error a failed collective raises (`named_failure`), which every autotp collective goes
@@ -140,11 +140,30 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-AXES = ("dp", "cp", "tp")  # the grid's axes, outermost first
 GRAD = ("dp", "cp")  # the ranks holding the same shards: gradients average here, FSDP shards here
-EXPERT_AXES = ("edp", "ep")  # the experts' grid folded over the same ranks: ep consecutive ranks (TP ranks first)
-_TITLES = {"dp": "data parallel", "cp": "context parallel", "tp": "tensor parallel"}
-_LABELS = {("ep",): "EP group", ("edp",): "expert-DP group"}
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of the mesh, as messages and groups name it."""
+
+    grid: str  # "dense": an axis of `grid` (dp x cp x tp); "experts": of the folded expert grid `experts` (edp x ep)
+    title: str  # in sentences: "world = data parallel x tensor parallel"
+    label: str  # in group names: "TP group", "DP x CP group"
+    compared_over: tuple[str, ...] | None  # the view over which wrap's ranks agree for this axis (`Mesh.compared`);
+    # None: derived from the others (edp is the world over ep), so neither compared nor shown by `Mesh.__repr__`
+
+
+AXIS_TABLE = {  # every axis of the mesh, outermost first within each grid; a new dimension is one more entry here
+    "dp": Axis("dense", "data parallel", "DP", GRAD),
+    "cp": Axis("dense", "context parallel", "CP", ("cp",)),
+    "tp": Axis("dense", "tensor parallel", "TP", ("tp",)),
+    "edp": Axis("experts", "expert data parallel", "expert-DP", None),
+    "ep": Axis("experts", "expert parallel", "EP", ("ep",)),
+}
+AXES = tuple(name for name, axis in AXIS_TABLE.items() if axis.grid == "dense")  # the grid's axes, outermost first
+EXPERT_AXES = tuple(name for name, axis in AXIS_TABLE.items() if axis.grid == "experts")  # the experts' grid folded
+# over the same ranks: ep consecutive ranks (TP ranks first)
 _VIEWS = [(axis,) for axis in reversed(AXES)] + [GRAD]  # the groups every mesh has, in the order they are made
 
 
@@ -194,8 +213,16 @@ class Mesh:
         width = math.prod(grid.shape[names.index(axis)] for axis in axes)
         return [tuple(row) for row in grid.permute(order).reshape(-1, width).tolist()]
 
+    def compared(self) -> list[tuple[str, Group]]:
+        """This rank's group for each axis that wrap's ranks compare their configs, options and plans over
+        (`autotp.runtime.agreement.check_agreement`), labelled, innermost first; together they span the world."""
+        innermost = [*reversed(AXES), *reversed(EXPERT_AXES)]
+        return [(AXIS_TABLE[name].label, self.group(*over)) for name in innermost
+                if (over := AXIS_TABLE[name].compared_over) is not None]
+
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{axis}={self.size(axis)}" for axis in AXES + EXPERT_AXES[1:])
+        sizes = ", ".join(f"{name}={self.size(name)}" for name, axis in AXIS_TABLE.items()
+                          if axis.compared_over is not None)
         return f"Mesh({sizes})"
 
 
@@ -226,8 +253,8 @@ def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
     shape = [sizes.get(axis, 1) for axis in AXES[1:]]
     if dense and world % math.prod(shape):
         named = " x ".join(f"{axis}_size={n}" for axis, n in sizes.items() if n > 1 or axis == "tp")
-        raise ValueError(f"{named} must divide the world size {world} (world = data parallel x "
-                         + " x ".join(_TITLES[axis] for axis in AXES[1:] if sizes.get(axis, 1) > 1
+        raise ValueError(f"{named} must divide the world size {world} (world = {AXIS_TABLE[AXES[0]].title} x "
+                         + " x ".join(AXIS_TABLE[axis].title for axis in AXES[1:] if sizes.get(axis, 1) > 1
                                       or axis == "tp") + ")")
     ep = sizes.get("ep", 1)
     if world % ep:
@@ -247,7 +274,7 @@ def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
     rank, mine = dist.get_rank(), None
     for ranks in mesh.rows(*axes):
         if ranks not in made:
-            made[ranks] = new_group(list(ranks), timeout, _LABELS.get(axes, " x ".join(a.upper() for a in axes) + " group"))
+            made[ranks] = new_group(list(ranks), timeout, " x ".join(AXIS_TABLE[a].label for a in axes) + " group")
         if rank in ranks:
             mine = made[ranks]
     return mine

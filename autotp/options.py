@@ -1,16 +1,21 @@
-"""`WrapOptions`: every option of `wrap` and `from_pretrained`, documented once, shared by the whole pipeline.
+"""`WrapOptions`: every option of `wrap`, `from_pretrained` and `explain`, documented once, shared by the whole pipeline.
 
-The entry points keep their keyword signatures and build one of these, by keyword (its fields are keyword-only, so
-a field added in the middle cannot shift the others); `apply_plan` fixes the options into the layers and block entries
-it builds, and the wrapped model's state keeps them. Every field is either compared between the ranks before sharding
-or named per-rank, with the reason, in `autotp.runtime.agreement`.
+The entry points take `tp_size` and `**kw: Unpack[WrapKwargs]` (its other fields, typed for IDEs and type
+checkers), and `takes_wrap_options` spells those keywords out in their runtime signature (`help`, `inspect`), so a new
+option is one field here and one key of `WrapKwargs` (tests/package/test_options.py holds the two alike). They build
+one `WrapOptions` by keyword (its fields are keyword-only, so a field added in the middle cannot shift the others);
+`apply_plan` fixes the options into the layers and block entries it builds, and the wrapped model's state keeps them.
+Every field is either compared between the ranks before sharding or named per-rank, with the reason, in
+`autotp.runtime.agreement`.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypedDict, TypeVar
 
 PolicyArg = Any  # a TOML path, a dict, or None (autotp.planning.planner.PolicyArg)
 
@@ -19,6 +24,8 @@ PolicyArg = Any  # a TOML path, a dict, or None (autotp.planning.planner.PolicyA
 class WrapOptions:
     """How a model is sharded; every field has the default `wrap` gives it.
 
+    - `tp_size`: tensor parallelism, each layer split over that many consecutive ranks (the entry points' second
+      positional argument; 1: no tensor parallelism).
     - `tp_group`: a process group to shard over, instead of consecutive ranks of the world; the DP
       groups are then built to match.
     - `policy`: a TOML path or a dict naming each module's style; by default a shipped policy,
@@ -45,6 +52,7 @@ class WrapOptions:
       (`autotp.ep`). The dense layers keep dp x cp x tp.
     """
 
+    tp_size: int = 1
     tp_group: Any = None  # torch.distributed.ProcessGroup; not imported here: planning has no torch.distributed
     policy: PolicyArg = None
     vocab_parallel: bool = True
@@ -57,13 +65,15 @@ class WrapOptions:
     cp_size: int = 1
     ep_size: int = 1
 
-    def sizes(self, tp_size: int) -> dict[str, int]:
-        """Every mesh axis's size but DP's, by axis name: `tp_size`, then each `<axis>_size` field (an axis of
-        `autotp.mesh.AXES`). The ranks agree on these before any group is built."""
-        return {"tp": tp_size, **{f.name.removesuffix("_size"): getattr(self, f.name) for f in fields(self)
-                                  if f.name.endswith("_size")}}
+    def sizes(self, tp_size: int | None = None) -> dict[str, int]:
+        """Every mesh axis's size but DP's, by axis name: each `<axis>_size` field (an axis of `autotp.mesh.AXES`),
+        `tp_size` first. The ranks agree on these before any group is built. A `tp_size` given here is the field's
+        value, which `autotp.api`'s callers pass."""
+        sizes = {f.name.removesuffix("_size"): getattr(self, f.name) for f in fields(self) if f.name.endswith("_size")}
+        assert tp_size in (None, sizes["tp"]), (tp_size, sizes)
+        return sizes
 
-    def size_words(self, tp_size: int, value: int | None = None) -> str:
+    def size_words(self, tp_size: int | None = None, value: int | None = None) -> str:
         """Every size of `sizes` named in a sentence ("tp_size, cp_size and ep_size"), each `=value` if given: an
         error about sizes that differ between ranks names them all, since any one of them may be the one."""
         names = [f"{axis}_size" + ("" if value is None else f"={value}") for axis in self.sizes(tp_size)]
@@ -76,7 +86,7 @@ class WrapOptions:
 
 # Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
 # tests/parallelize/test_rank_agreement.py fails on a field on neither side):
-AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
+AGREED_OPTIONS = frozenset({"tp_size", "vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
                             "cp_size", "ep_size"})  # compared as given: ranks that differ would shard or synchronise apart
 PER_RANK_OPTIONS = frozenset({
     "tp_group",  # a process group: each rank holds its own object, of its own members
@@ -84,3 +94,49 @@ PER_RANK_OPTIONS = frozenset({
     "policy",  # a path or dict, which may differ between ranks: the plan, compared below, holds its effect
     "example_inputs",  # each rank's own tensors: the plan verified on them, compared below, holds their effect
 })
+
+
+class WrapKwargs(TypedDict, total=False):
+    """The keyword options of `wrap`, `from_pretrained` and `explain`: every field of `WrapOptions` but `tp_size` (their
+    second positional argument), with its type; the defaults and the meaning are `WrapOptions`'."""
+
+    tp_group: Any
+    policy: PolicyArg
+    vocab_parallel: bool
+    sequence_parallel: bool
+    check_inputs: bool
+    timeout: timedelta | float | None
+    overlap: bool
+    recompute_glu: bool
+    example_inputs: Mapping[str, Any] | None
+    cp_size: int
+    ep_size: int
+
+
+OPTION_NAMES = tuple(f.name for f in fields(WrapOptions) if f.name != "tp_size")  # the keywords, in the fields' order
+Entry = TypeVar("Entry", bound=Callable[..., Any])
+
+
+def takes_wrap_options(entry: Entry) -> Entry:
+    """Give an entry point whose last parameter is `**kw: Unpack[WrapKwargs]` a runtime signature (`help`,
+    `inspect.signature`, a notebook's tooltip) that names each option, typed and with `WrapOptions`' default, in place
+    of `**kw`; another `**` parameter stays after them (`from_pretrained`'s `**hf_kwargs`)."""
+    signature = inspect.signature(entry)
+    *named, rest = signature.parameters.values()
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in fields(WrapOptions) if f.name in OPTION_NAMES]
+    keep = [] if "WrapKwargs" in str(rest.annotation) else [rest]
+    entry.__signature__ = signature.replace(parameters=[*named, *options, *keep])  # type: ignore[attr-defined]
+    return entry
+
+
+def wrap_options(call: str, tp_size: int, keywords: Mapping[str, Any]) -> WrapOptions:
+    """`WrapOptions` from an entry point's `tp_size` and keyword options; a keyword that is no option is refused,
+    as Python refuses an unexpected keyword, with the options named."""
+    unknown = [name for name in keywords if name not in OPTION_NAMES]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], OPTION_NAMES, n=1)
+        raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + f"; its options are tp_size and {', '.join(OPTION_NAMES)} (autotp.options.WrapOptions)")
+    return WrapOptions(tp_size=tp_size, **keywords)

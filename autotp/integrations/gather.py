@@ -13,11 +13,11 @@ from ..state import find_state, wrapped_model
 
 
 class GatherReplacedLayerParams:
-    """Inside, every replaced layer holds its full weight and runs as a plain `nn.Linear`.
+    """Inside, every column-parallel (`LinearLayer`) and row-parallel (`LinearAllreduce`) layer holds its full weight.
 
-    Every rank of the TP group must enter together (the gather is collective). On exit each rank
-    keeps its slice of whatever the full weights became, so weights loaded inside persist, and
-    gradients computed inside are sliced onto the shards. The Parameter objects stay the same, so
+    There each runs as a plain `nn.Linear`. Every rank of the TP group must enter together (the gather is
+    collective). On exit each rank keeps its slice of whatever the full weights became, so weights loaded
+    inside persist, and gradients computed inside are sliced onto the shards. The Parameter objects stay the same, so
     optimizers keep tracking them; but an optimizer step inside would apply shard-sized optimizer
     state to full-sized weights, so it is refused: step after leaving. Under `autotp.fully_shard` the
     model holds plain full parameters inside (FSDP paused, `autotp.dp.fsdp.Unsharded`) and FSDP's own

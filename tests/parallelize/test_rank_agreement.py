@@ -62,12 +62,13 @@ def test_wrap_explain_and_from_pretrained_take_wrap_options_by_keyword() -> None
     each of its fields, under its name and with its default."""
     with pytest.raises(TypeError):
         WrapOptions(None)
-    options = {f.name: f.default for f in fields(WrapOptions)}
+    options = {f.name: f.default for f in fields(WrapOptions) if f.name != "tp_size"}  # tp_size: positional, below
     assert MISSING not in options.values()
     for entry in autotp.wrap, autotp.explain, autotp.from_pretrained:
-        taken = {name: p.default for name, p in inspect.signature(entry).parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        parameters = inspect.signature(entry).parameters
+        taken = {name: p.default for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
         assert {name: taken.get(name, "(absent)") for name in options} == options, entry.__name__
+        assert list(parameters)[1] == "tp_size", entry.__name__
 
 
 def different_sizes(rank: int, world: int, sizes: tuple[tuple[int, int], ...]) -> tuple[float, str]:

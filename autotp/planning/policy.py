@@ -1,4 +1,4 @@
-"""Declarative per-family sharding policies (the TOML files in `autotp/policies/`).
+"""Declarative per-family sharding policies (the TOML files in `policies/`).
 
 A policy names, per block pattern, which child linears are column- or row-parallel and the row
 layout of each (see `autotp.planning.sharding` for layout strings), and which expert tensors shard inside
@@ -67,7 +67,8 @@ class Policy:
 
 
 def _policy_dir() -> Path:
-    return Path(__file__).parent.parent / "policies"  # autotp/policies, in the source tree and the wheel
+    installed = Path(__file__).parent.parent / "policies"  # where the wheel puts them (autotp/policies)
+    return installed if installed.is_dir() else Path(__file__).parents[2] / "policies"
 
 
 _RULE_KEYS = {"match", "column", "row", "params", "heads", "kv_heads", "when", "head_norms", "head_inputs",

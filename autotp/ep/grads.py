@@ -8,13 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..runtime.collectives import any_rank, buckets
+from ..runtime.collectives import all_reduce_bucketed, any_rank
 from ..runtime.rows import local_rows
 from ..mesh import device_of, group_size, named_failure
-
-_BUCKET_BYTES = 25 << 20
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
@@ -45,17 +42,8 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
             params.append(p)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if group_size(experts.data) > 1:
-        for bucket in buckets(grads, _BUCKET_BYTES):
-            flat = _flatten_dense_tensors(bucket)
-            with named_failure(experts.data, "autotp.allreduce_gradients' all-reduce of the expert gradients"):
-                dist.all_reduce(flat, group=experts.data)
-            for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(synced)
-    if average and replicas > 1:
-        for grad in grads:
-            grad.div_(replicas)
+    all_reduce_bucketed([p.grad for p in params], experts.data,
+                        "autotp.allreduce_gradients' all-reduce of the expert gradients", replicas if average else 1)
 
 
 def expert_norm(params: list[nn.Parameter], experts, norm_type: float, sharded: bool = False) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition
@@ -201,6 +202,26 @@ def buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.
         used += size
     if bucket:
         yield bucket
+
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket: few collectives, no full flat copy of the model
+
+
+def all_reduce_bucketed(tensors: list[torch.Tensor], group: Group, what: str, divisor: int = 1) -> None:
+    """Sum each of `tensors` over `group` in place, flattened into ~25 MB `buckets` (one all-reduce each, a failure
+    named as `what`), then divide by `divisor` (an average over replicas); the gradient syncs of DP and EP share it."""
+    if group_size(group) == 1:
+        for tensor in tensors if divisor != 1 else ():
+            tensor.div_(divisor)
+        return
+    for bucket in buckets(tensors, BUCKET_BYTES):
+        flat = _flatten_dense_tensors(bucket)
+        with named_failure(group, what):
+            dist.all_reduce(flat, group=group)
+        if divisor != 1:
+            flat /= divisor
+        for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(synced)
 
 
 def any_rank(flags: list[bool], groups: list[Group], device: torch.device, what: str) -> list[bool]:

@@ -4,7 +4,7 @@ gathered bucket by bucket, LoRA merged on the fly, optionally cut to the engine'
 Why: an RL trainer sends its weights to the engine after every step. Saving and reloading from disk is slow, and
 gathering one parameter at a time is thousands of collectives. `export_weights` reuses `save_pretrained`'s layout
 (`autotp.io.hf.parts`: names, MoE experts one per expert, tied weights left out) and gathers each bucket of tensors in
-one message per rank (`autotp.dp.row_gather`). Every bucket opens with a one-int agreement over the ranks
+one message per rank (`autotp.io.rollout.row_gather`). Every bucket opens with a one-int agreement over the ranks
 taking part, so a rank that stops iterating early (a `break`, `close()`) makes the others raise, not hang.
 """
 
@@ -26,7 +26,7 @@ from ...mesh import Group, device_of
 from ...runtime.shards import held_part, held_shard, holders
 from ...tp.lora import adapt_all
 from ...runtime.collectives import all_reduce, buckets
-from ...dp.row_gather import RowRequest, dp_full_many, gather_rows_to
+from .row_gather import RowRequest, dp_full_many, gather_rows_to
 from ...state import find_state, outside_module_holders
 from ...options import WrapOptions
 from ...planning.planner import build_plan

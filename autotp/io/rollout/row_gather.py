@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
-from ..runtime.rows import local_rows
-from ..mesh import Group, group_rank, group_size, named_failure
-from ..runtime.seq_collectives import all_gather_dim0
-from ..planning.placement import Box, Placement
-from ..planning.sharding import Partition, Run
+from ...runtime.rows import local_rows
+from ...mesh import Group, group_rank, group_size, named_failure
+from ...runtime.seq_collectives import all_gather_dim0
+from ...planning.placement import Box, Placement
+from ...planning.sharding import Partition, Run
 
 _TAG = 0x41544257  # apart from the streaming gather's tag and a user's point-to-point tags
 _ALIGN = 16  # every piece starts on this many bytes, so it can be viewed as any dtype

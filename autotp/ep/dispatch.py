@@ -76,12 +76,12 @@ class ExpertRegion:
         expert_ids = index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
         counts = torch.bincount(expert_ids, minlength=self.total).view(self.experts.size, self.local)
-        received_counts = exchange_counts(counts, self.experts.group)
+        received_counts = exchange_counts(counts, self.experts.ep)
         send, receive = counts.sum(1).tolist(), received_counts.sum(1).tolist()
-        tokens = exchange(hidden[order // slots], send, receive, self.experts.group)
+        tokens = exchange(hidden[order // slots], send, receive, self.experts.ep)
         local_ids = torch.arange(self.local, device=tokens.device).repeat(self.experts.size)
         local_ids = local_ids.repeat_interleave(received_counts.reshape(-1), output_size=tokens.shape[0])
-        output = exchange(self._run_local(tokens, local_ids), receive, send, self.experts.group)
+        output = exchange(self._run_local(tokens, local_ids), receive, send, self.experts.ep)
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
         return gather_rows(combined, rows, self.tp_group)
@@ -120,8 +120,8 @@ class ExpertRegion:
         for name in self.names:
             param = self.module.get_parameter(name)
             parts = [torch.empty_like(param.data) for _ in range(self.experts.size)]
-            with named_failure(self.experts.group, "the all-gather of the experts"):
-                dist.all_gather(parts, param.data.contiguous(), group=self.experts.group)
+            with named_failure(self.experts.ep, "the all-gather of the experts"):
+                dist.all_gather(parts, param.data.contiguous(), group=self.experts.ep)
             param.data = torch.cat(parts)
 
     def partition_(self) -> None:

@@ -1,6 +1,6 @@
 """Expert gradients: summed over the expert-DP group only, and their part of the whole model's gradient norm.
 
-`experts` is the model's `autotp.ep.groups.ExpertGroups` (its EP `group` and expert-DP `data` group).
+`experts` is the model's `autotp.ep.groups.ExpertGroups` (its `ep` and `edp` groups: `autotp.mesh.EXPERT_AXES`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
     but the experts modules that no rank called on a token since the last sync (the vision experts of a text-only
     step) get none on every rank, as one process's never called module gets none, so AdamW skips them there too.
     """
-    fed = any_rank([region.fed for region in experts.regions], [experts.group, experts.data], device_of(experts.group),
+    fed = any_rank([region.fed for region in experts.regions], [experts.ep, experts.edp], device_of(experts.ep),
                    "autotp.allreduce_gradients' all-reduce of which experts modules ran")
     idle = [region for region, used in zip(experts.regions, fed) if not used]
     for region in experts.regions:
@@ -42,7 +42,7 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
             params.append(p)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-    all_reduce_bucketed([p.grad for p in params], experts.data,
+    all_reduce_bucketed([p.grad for p in params], experts.edp,
                         "autotp.allreduce_gradients' all-reduce of the expert gradients", replicas if average else 1)
 
 
@@ -55,9 +55,9 @@ def expert_norm(params: list[nn.Parameter], experts, norm_type: float, sharded: 
         grad = local_rows(p.grad.detach())[0].double()
         part = part + grad.pow(2).sum() if norm_type == 2.0 else torch.maximum(part, grad.abs().max())
     op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-    with named_failure(experts.group, "autotp.clip_grad_norm_'s all-reduce of the experts' gradient norm"):
-        dist.all_reduce(part, op=op, group=experts.group)
-    if sharded and group_size(experts.data) > 1:
-        with named_failure(experts.data, "autotp.clip_grad_norm_'s all-reduce of the experts' norm over expert-DP"):
-            dist.all_reduce(part, op=op, group=experts.data)
+    with named_failure(experts.ep, "autotp.clip_grad_norm_'s all-reduce of the experts' gradient norm"):
+        dist.all_reduce(part, op=op, group=experts.ep)
+    if sharded and group_size(experts.edp) > 1:
+        with named_failure(experts.edp, "autotp.clip_grad_norm_'s all-reduce of the experts' norm over expert-DP"):
+            dist.all_reduce(part, op=op, group=experts.edp)
     return part

@@ -160,8 +160,8 @@ class _Gathers:
         self.groups, self.writers = groups, {}  # group -> its ranks that get the tensors (else its rank 0)
         if state is not None and state.ep is not None:
             firsts = set(state.mesh.grid[..., 0].flatten().tolist())  # TP rank 0 of every TP group (TP innermost)
-            ranks = dist.get_process_group_ranks(state.ep.group)
-            self.writers[state.ep.group] = [i for i, rank in enumerate(ranks) if rank in firsts]
+            ranks = dist.get_process_group_ranks(state.ep.ep)
+            self.writers[state.ep.ep] = [i for i, rank in enumerate(ranks) if rank in firsts]
 
     def key(self, name: str) -> int:
         """Tensors gathered over one group go in one bucket."""

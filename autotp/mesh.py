@@ -204,11 +204,9 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
     which `autotp.runtime.agreement.check_sizes` made sure of."""
     world = dist.get_world_size()
     check_world(sizes, world, dense=tp_group is None)
-    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
-    grid = (_grid_around(tp_group) if tp_group is not None
-            else torch.arange(world).reshape(world // math.prod(shape), *shape))
+    grid = _grid_around(tp_group) if tp_group is not None else dense_grid(sizes, world)
     ep = sizes.get("ep", 1)
-    mesh = Mesh(grid, experts=torch.arange(world).reshape(world // ep, ep) if ep > 1 else None)
+    mesh = Mesh(grid, experts=expert_grid(sizes, world))
     made: dict[tuple[int, ...], Group] = {}
     for axes in _VIEWS + ([("ep",), ("edp",)] if ep > 1 else []):
         if axes == ("tp",) and tp_group is not None:
@@ -216,6 +214,19 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
         elif axes in (("dp",), GRAD, ("ep",), ("edp",)) or mesh.grid.shape[AXES.index(axes[0])] > 1:
             mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
     return mesh
+
+
+def dense_grid(sizes: dict[str, int], world: int) -> torch.Tensor:
+    """The dense grid dp x cp x tp over `world` ranks: rank (d * cp + c) * tp + t, TP innermost, DP taking the rest."""
+    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
+    return torch.arange(world).reshape(world // math.prod(shape), *shape)
+
+
+def expert_grid(sizes: dict[str, int], world: int) -> torch.Tensor | None:
+    """The experts' grid edp x ep folded over the same `world` ranks: EP groups of `ep` consecutive ranks (so TP ranks
+    first), expert-DP strided across them; None at ep 1."""
+    ep = sizes.get("ep", 1)
+    return torch.arange(world).reshape(world // ep, ep) if ep > 1 else None
 
 
 def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:

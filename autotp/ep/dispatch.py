@@ -11,7 +11,7 @@ and sum over the slots as transformers sums them; the TP ranks' tokens gathered 
 Notation of the shape comments (as Megatron's token dispatcher writes them):
 
     T    tokens of the layer's input, the same on every TP rank of this one
-    t    this TP rank's share of them, T / tp rounded up or down (`own_rows`; t = T without TP)
+    t    this TP rank's share of them, T / tp rounded up or down (`dim0_share`; t = T without TP)
     H    hidden size
     k    slots per token: the router's top-k
     E    experts of the layer; each of the `ep` EP ranks holds E / ep consecutive ones (`local`)
@@ -26,8 +26,11 @@ from torch import nn
 
 from ..mesh import named_failure
 from ..planning.sharding import Partition, Shard
-from .collectives import exchange, exchange_counts, gather_rows, own_rows, split_rows
+from ..runtime.seq_collectives import dim0_share, gather_dim0_shares, keep_dim0_share
+from .collectives import exchange, exchange_counts
 from .groups import ExpertGroups
+
+_OVER_TP = " of the expert-parallel tokens over TP"
 
 
 class ExpertRegion:
@@ -81,8 +84,8 @@ class ExpertRegion:
         `tolist` for the all-to-all's splits), data-dependent sizes dynamo would break on several times a layer;
         one break a MoE layer leaves the rest of each block in whole graphs."""
         rows, slots = hidden_states.shape[0], top_k_index.shape[-1]  # T, k
-        hidden, weights = split_rows((hidden_states, top_k_weights), self.tp_group)  # [t, H], [t, k]
-        mine = own_rows(rows, self.tp_group)
+        hidden, weights = keep_dim0_share((hidden_states, top_k_weights), self.tp_group, of=_OVER_TP)  # [t, H], [t, k]
+        mine = dim0_share(rows, self.tp_group)
         expert_ids = top_k_index[mine.start:mine.stop].reshape(-1)  # [S]: pair p is token p // k's slot p % k
         order = torch.argsort(expert_ids, stable=True)  # [S]: the pairs by expert, so by destination rank
         counts = torch.bincount(expert_ids, minlength=self.total).view(self.experts.size, self.local)  # [ep, E/ep]
@@ -98,7 +101,7 @@ class ExpertRegion:
         # by the inverse permutation (argsort of `order`: inverse[order[i]] = i) puts pair p back at row p.
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])  # [t, k, H]
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)  # [t, H]
-        return gather_rows(combined, rows, self.tp_group)  # [T, H]
+        return gather_dim0_shares(combined, rows, self.tp_group, of=_OVER_TP)  # [T, H]
 
     def dispatch_nothing(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The dispatch with no token of this rank's (`autotp.ep.modality`): its all-to-alls still pair with the

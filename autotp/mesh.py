@@ -95,7 +95,7 @@ def build_subgroups(rank_sets: Iterable[tuple[int, ...]], mesh: Mesh,
     mine = tuple(dist.get_process_group_ranks(mesh.tp))
     out = {}
     for subset in rank_sets:
-        for tp_ranks in mesh.rows("tp"):
+        for tp_ranks in mesh.rank_groups("tp"):
             group = new_group([tp_ranks[i] for i in subset], timeout, "replica group")
             if tp_ranks == mine:
                 out[subset] = group
@@ -185,7 +185,7 @@ class Mesh:
     def size(self, *axes: str) -> int:
         return group_size(self.group(*axes))
 
-    def rows(self, *axes: str) -> list[tuple[int, ...]]:
+    def rank_groups(self, *axes: str) -> list[tuple[int, ...]]:
         """Every group along `axes` in the world, as global ranks, in the order every rank creates them."""
         grid, names = (self.experts, EXPERT_AXES) if axes[0] in EXPERT_AXES else (self.grid, AXES)
         rest = [a for a in names if a not in axes]
@@ -255,7 +255,7 @@ def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
                 made: dict[tuple[int, ...], Group]) -> Group:
     """Create every group along `axes` (the same ranks as a view made before share its group); return this rank's."""
     rank, mine = dist.get_rank(), None
-    for ranks in mesh.rows(*axes):
+    for ranks in mesh.rank_groups(*axes):
         if ranks not in made:
             made[ranks] = new_group(list(ranks), timeout, _LABELS.get(axes, " x ".join(a.upper() for a in axes) + " group"))
         if rank in ranks:
@@ -264,11 +264,11 @@ def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
 
 
 def _grid_around(tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """The grid whose TP rows are the user's TP groups (learnt from every rank: one all-gather); other axes 1."""
+    """The grid whose TP groups are the user's (learnt from every rank: one all-gather); other axes 1."""
     mine = tuple(dist.get_process_group_ranks(tp_group))
     everyone: list = [None] * dist.get_world_size()
     with named_failure(dist.group.WORLD, "learning every rank's tp_group to build the mesh around it",
                        "Every rank must call wrap with its own tp_group."):
         dist.all_gather_object(everyone, mine)
-    rows = sorted(set(everyone))
-    return torch.tensor(rows).reshape(len(rows), *[1] * (len(AXES) - 2), len(mine))
+    groups = sorted(set(everyone))
+    return torch.tensor(groups).reshape(len(groups), *[1] * (len(AXES) - 2), len(mine))

@@ -23,12 +23,12 @@ def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
 
 
 def exchange(tokens: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """`send[i]` rows of `tokens` to EP rank i, `receive[j]` rows back from rank j (dropless: buffers follow counts)."""
+    """`send[i]` of `tokens` to EP rank i, `receive[j]` tokens back from rank j (dropless: buffers follow counts)."""
     return _AllToAll.apply(tokens, send, receive, group)
 
 
 class _AllToAll(torch.autograd.Function):
-    """All-to-all of rows forward / the reverse all-to-all backward."""
+    """All-to-all of tokens forward / the reverse all-to-all backward."""
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup):

@@ -83,9 +83,9 @@ class ExpertRegion:
         """The dispatch, run eagerly under torch.compile: its buffers follow the routed counts (`bincount`, then
         `tolist` for the all-to-all's splits), data-dependent sizes dynamo would break on several times a layer;
         one break a MoE layer leaves the rest of each block in whole graphs."""
-        rows, slots = hidden_states.shape[0], top_k_index.shape[-1]  # T, k
+        n_tokens, slots = hidden_states.shape[0], top_k_index.shape[-1]  # T, k
         hidden, weights = keep_dim0_share((hidden_states, top_k_weights), self.tp_group, of=_OVER_TP)  # [t, H], [t, k]
-        mine = dim0_share(rows, self.tp_group)
+        mine = dim0_share(n_tokens, self.tp_group)
         expert_ids = top_k_index[mine.start:mine.stop].reshape(-1)  # [S]: pair p is token p // k's slot p % k
         order = torch.argsort(expert_ids, stable=True)  # [S]: the pairs by expert, so by destination rank
         counts = torch.bincount(expert_ids, minlength=self.total).view(self.experts.size, self.local)  # [ep, E/ep]
@@ -101,15 +101,15 @@ class ExpertRegion:
         # by the inverse permutation (argsort of `order`: inverse[order[i]] = i) puts pair p back at row p.
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])  # [t, k, H]
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)  # [t, H]
-        return gather_dim0_shares(combined, rows, self.tp_group, of=_OVER_TP)  # [T, H]
+        return gather_dim0_shares(combined, n_tokens, self.tp_group, of=_OVER_TP)  # [T, H]
 
     def dispatch_nothing(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The dispatch with no token of this rank's (`autotp.ep.modality`): its all-to-alls still pair with the
-        peers', and its experts still run on the tokens they send. Zero rows of `hidden_states`, so the backward
+        peers', and its experts still run on the tokens they send. Zero tokens of `hidden_states`, so the backward
         reaches the tokens' all-to-all as the peers' does; called as the module, so FSDP gathers its experts."""
-        rows = hidden_states.reshape(-1, hidden_states.shape[-1])[:0]
-        index = torch.zeros((0, 1), dtype=torch.long, device=rows.device)
-        return self.module(rows, index, rows.new_zeros((0, 1)))
+        none = hidden_states.reshape(-1, hidden_states.shape[-1])[:0]
+        index = torch.zeros((0, 1), dtype=torch.long, device=none.device)
+        return self.module(none, index, none.new_zeros((0, 1)))
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole tensor: its block of dim 0 (one row per expert, or DBRX's width rows)."""
@@ -121,7 +121,7 @@ class ExpertRegion:
         setattr(self.module.get_submodule(owner) if owner else self.module, attr, param)
 
     def _run_local(self, tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """The local experts on the received rows, each row top-1 with weight 1 (the weights are the sender's)."""
+        """The local experts on the received tokens, each top-1 with weight 1 (the weights are the sender's)."""
         if tokens.shape[0] == 0:  # still in the graph, so the reverse all-to-all runs; zero gradients, not None
             anchor = sum(self.module.get_parameter(name).reshape(-1)[:0].sum() for name in self.names)
             return tokens * 0 + anchor

@@ -1,8 +1,10 @@
 """The tensor-parallel collectives: primitives, Megatron's f/g pair, and the gathers behind full weights.
 
 Every collective on the autograd path is one short `torch.autograd.Function` with its forward and
-backward side by side (Megatron-LM's f / g operators). Each helper takes the process group
-explicitly; a group of `None` or of size 1 returns its input at once, so tp=1 runs the same code.
+backward side by side (Megatron-LM's f / g operators). The code between a column-parallel entry and
+its row-parallel exit, where activations are split over the TP group, is a TP span (Megatron's "region"; in
+autotp a region is a module sharded as one unit: `ShardedRegion`, `ExpertRegion`, the plan's `regions`). Each
+helper takes the process group explicitly; a group of `None` or of size 1 returns its input at once, so tp=1 runs the same code.
 
 Full tensors for a file travel point to point instead (`autotp.io.streaming`): that protocol writes files.
 """
@@ -78,7 +80,7 @@ class _CopyToTP(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Enter a column-parallel region: gradients of `x` are summed over the TP group."""
+    """Enter a TP span (column-parallel): gradients of `x` are summed over the TP group."""
     if group_size(group) == 1:
         return x
     return _CopyToTP.apply(x, group)
@@ -100,7 +102,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def reduce_from_tp(y: torch.Tensor, group: Group) -> torch.Tensor:
-    """Leave a row-parallel region: partial results are summed over the TP group."""
+    """Leave a TP span (row-parallel): partial results are summed over the TP group."""
     if group_size(group) == 1:
         return y
     return _ReduceFromTP.apply(y, group)
@@ -127,7 +129,7 @@ def reduce_from_tp_joined(partials: list[torch.Tensor], group: Group) -> list[to
 
 
 class _GatherFromTP(torch.autograd.Function):
-    """Leave a sharded region for replicated code (logits for a user): all-gather forward, keep own slice backward."""
+    """Leave a TP span for replicated code (logits for a user): all-gather forward, keep own slice backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, partition: Partition, group: dist.ProcessGroup) -> torch.Tensor:

@@ -217,7 +217,7 @@ def dp_full_many(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for rank in range(world):
                 for box in Placement.fsdp(tuple(shape), None, 0, world, rank).boxes():
                     begin = rank * mine.numel() + at
-                    box.region(full).copy_(gathered[begin:begin + box.sizes[0] * n].view(box.sizes))
+                    box.in_full(full).copy_(gathered[begin:begin + box.sizes[0] * n].view(box.sizes))
             out[i] = full
             at += size
     return out

@@ -18,6 +18,7 @@ Notation of the shape comments (as Megatron's token dispatcher writes them):
     S    (token, slot) pairs this rank sends: t k
     R    (token, slot) pairs this rank receives from the EP group, to run on its experts
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autotp.runtime.seq_collectives import dim0_share, gather_dim0_shares, keep_dim0_share
+from autotp.runtime.seq_collectives import (
+    dim0_share,
+    gather_dim0_shares,
+    keep_dim0_share,
+)
 from autotp.testing import run_ranks
 
 WORLD = 2
@@ -44,7 +48,7 @@ def pair(rank: int, world: int) -> dict:
 @pytest.mark.timeout(120)
 def test_keep_and_gather_dim0_shares_even_and_uneven() -> None:
     reports = run_ranks(pair, WORLD)
-    for length, shares in zip(LENGTHS, [(range(0, 2), range(2, 4)), (range(0, 3), range(3, 5))]):
+    for length, shares in zip(LENGTHS, [(range(2), range(2, 4)), (range(3), range(3, 5))]):
         rows = [full(length)[s.start:s.stop] for s in shares]
         for rank, report in enumerate(reports):
             got = report[length]

@@ -19,13 +19,13 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
    `tp`, `tp.overlap`, `tp.glu`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.lora`, `tp.lora_lift`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`, `sp`, `sp.sequence`, `cp`, `cp.layout`, `cp.dropout`,
-   `cp.attention`, `cp.loss`, `cp.apply`, `dp`, `dp.row_gather`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
+   `cp.attention`, `cp.loss`, `cp.apply`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
    `ep.apply`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
-   `io.checkpoint.latest`, `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.export`, `io.rollout.sync`,
+   `io.checkpoint.latest`, `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.row_gather`, `io.rollout.export`, `io.rollout.sync`,
    `io.rollout.vllm_source`, `io.rollout.vllm_channel`, `io.rollout.vllm_reload`, `io.rollout.vllm_gloo`, `io.rollout.vllm_connect`, `io.rollout.vllm_check`,
    `io.rollout.vllm_client`
 7. the integrations and the entry points: `integrations`, `integrations.guards`, `integrations.gather`,

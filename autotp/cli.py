@@ -224,15 +224,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"NOTHING SHARDED: every layer of {args.model} stays replicated at tp={args.tp}, so the comparison is "
               f"trivially equal; wrap's log above says why (`autotp plan {args.model} --tp {args.tp}` shows the plan)")
         return 1
-    rows = [(err / GRAD_RTOL, "gradient", name, err) for name, err in report["grad"].items()]
-    rows += [(err / PARAM_ATOL, f"param after {args.steps} steps", name, err) for name, err in report["param"].items()]
-    rows.sort(reverse=True)
+    entries = [(err / GRAD_RTOL, "gradient", name, err) for name, err in report["grad"].items()]
+    entries += [(err / PARAM_ATOL, f"param after {args.steps} steps", name, err) for name, err in report["param"].items()]
+    entries.sort(reverse=True)
     print(f"autotp verify: tp={args.tp}, {args.steps} AdamW steps, fp32; loss differs by {report['loss']:.3g} "
           f"(tolerance {LOSS_ATOL})")
     print(f"{'ratio to tolerance':>18}  {'what':<22} {'error':>10}  parameter")
-    for ratio, what, name, err in rows[: args.top]:
+    for ratio, what, name, err in entries[: args.top]:
         print(f"{ratio:>18.3g}  {what:<22} {err:>10.3g}  {name}")
-    bad = [row for row in rows if row[0] > 1] + ([("loss",)] if report["loss"] > LOSS_ATOL else [])
+    bad = [row for row in entries if row[0] > 1] + ([("loss",)] if report["loss"] > LOSS_ATOL else [])
     if bad:
         first = bad[0]
         print(f"MISMATCH: {len(bad)} checks over tolerance; worst: {first[1] if len(first) > 1 else 'loss'} of "

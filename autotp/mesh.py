@@ -96,7 +96,7 @@ def build_subgroups(rank_sets: Iterable[tuple[int, ...]], mesh: Mesh,
     mine = tuple(dist.get_process_group_ranks(mesh.tp))
     out = {}
     for subset in rank_sets:
-        for tp_ranks in mesh.rows("tp"):
+        for tp_ranks in mesh.rank_groups("tp"):
             group = new_group([tp_ranks[i] for i in subset], timeout, "replica group")
             if tp_ranks == mine:
                 out[subset] = group
@@ -205,7 +205,7 @@ class Mesh:
     def size(self, *axes: str) -> int:
         return group_size(self.group(*axes))
 
-    def rows(self, *axes: str) -> list[tuple[int, ...]]:
+    def rank_groups(self, *axes: str) -> list[tuple[int, ...]]:
         """Every group along `axes` in the world, as global ranks, in the order every rank creates them."""
         grid, names = (self.experts, EXPERT_AXES) if axes[0] in EXPERT_AXES else (self.grid, AXES)
         rest = [a for a in names if a not in axes]
@@ -232,11 +232,9 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
     which `autotp.runtime.agreement.check_sizes` made sure of."""
     world = dist.get_world_size()
     check_world(sizes, world, dense=tp_group is None)
-    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
-    grid = (_grid_around(tp_group) if tp_group is not None
-            else torch.arange(world).reshape(world // math.prod(shape), *shape))
+    grid = _grid_around(tp_group) if tp_group is not None else dense_grid(sizes, world)
     ep = sizes.get("ep", 1)
-    mesh = Mesh(grid, experts=torch.arange(world).reshape(world // ep, ep) if ep > 1 else None)
+    mesh = Mesh(grid, experts=expert_grid(sizes, world))
     made: dict[tuple[int, ...], Group] = {}
     for axes in _VIEWS + ([("ep",), ("edp",)] if ep > 1 else []):
         if axes == ("tp",) and tp_group is not None:
@@ -244,6 +242,19 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
         elif axes in (("dp",), GRAD, ("ep",), ("edp",)) or mesh.grid.shape[AXES.index(axes[0])] > 1:
             mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
     return mesh
+
+
+def dense_grid(sizes: dict[str, int], world: int) -> torch.Tensor:
+    """The dense grid dp x cp x tp over `world` ranks: rank (d * cp + c) * tp + t, TP innermost, DP taking the rest."""
+    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
+    return torch.arange(world).reshape(world // math.prod(shape), *shape)
+
+
+def expert_grid(sizes: dict[str, int], world: int) -> torch.Tensor | None:
+    """The experts' grid edp x ep folded over the same `world` ranks: EP groups of `ep` consecutive ranks (so TP ranks
+    first), expert-DP strided across them; None at ep 1."""
+    ep = sizes.get("ep", 1)
+    return torch.arange(world).reshape(world // ep, ep) if ep > 1 else None
 
 
 def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
@@ -272,7 +283,7 @@ def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
                 made: dict[tuple[int, ...], Group]) -> Group:
     """Create every group along `axes` (the same ranks as a view made before share its group); return this rank's."""
     rank, mine = dist.get_rank(), None
-    for ranks in mesh.rows(*axes):
+    for ranks in mesh.rank_groups(*axes):
         if ranks not in made:
             made[ranks] = new_group(list(ranks), timeout, " x ".join(AXIS_TABLE[a].label for a in axes) + " group")
         if rank in ranks:
@@ -281,11 +292,11 @@ def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
 
 
 def _grid_around(tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """The grid whose TP rows are the user's TP groups (learnt from every rank: one all-gather); other axes 1."""
+    """The grid whose TP groups are the user's (learnt from every rank: one all-gather); other axes 1."""
     mine = tuple(dist.get_process_group_ranks(tp_group))
     everyone: list = [None] * dist.get_world_size()
     with named_failure(dist.group.WORLD, "learning every rank's tp_group to build the mesh around it",
                        "Every rank must call wrap with its own tp_group."):
         dist.all_gather_object(everyone, mine)
-    rows = sorted(set(everyone))
-    return torch.tensor(rows).reshape(len(rows), *[1] * (len(AXES) - 2), len(mine))
+    groups = sorted(set(everyone))
+    return torch.tensor(groups).reshape(len(groups), *[1] * (len(AXES) - 2), len(mine))

@@ -14,17 +14,15 @@ import itertools
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.data import Dataset, DistributedSampler
 
-from ..runtime.collectives import any_rank, buckets
+from ..runtime.collectives import all_reduce_bucketed, any_rank
 from ..planning.placement import Box
 from ..runtime.rows import local_rows
 from ..accessors import dp_cp_group, dp_rank, dp_size
 from ..mesh import device_of, group_size, named_failure
 from ..state import refuse_torch_fsdp, state_of, wrapped_model
 
-_BUCKET_BYTES = 25 << 20
 _WHAT = "autotp.allreduce_gradients' all-reduce of the gradients"
 
 
@@ -52,15 +50,7 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     for p, used in zip(params, any_rank([p.grad is not None for p in params], [group], device_of(group), _WHAT)):
         if used and p.grad is None:  # unused by this replica's batch only (a router of modality experts): its
             p.grad = torch.zeros_like(p)  # zero joins the average, as one process sums no term for those rows
-    grads = [p.grad for p in params if p.grad is not None]
-    for bucket in buckets(grads, _BUCKET_BYTES):
-        flat = _flatten_dense_tensors(bucket)
-        with named_failure(group, _WHAT):
-            dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(synced)
+    all_reduce_bucketed([p.grad for p in params if p.grad is not None], group, _WHAT, size if average else 1)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -89,4 +89,4 @@ class SyncedGenerate:
 def broadcast_experts(model: nn.Module, state: TPState) -> None:
     """Every expert from the first rank holding it (expert-DP rank 0), as the dense weights come from DP rank 0."""
     if state.ep is not None:
-        broadcast_tensors([p.data for p in expert_params(model)], state.ep.data)
+        broadcast_tensors([p.data for p in expert_params(model)], state.ep.edp)

@@ -3,10 +3,20 @@
 transformers' experts modules (`@use_experts_implementation`: qwen3_moe, mixtral, olmoe, ...) take
 `experts(hidden_states, top_k_index, top_k_weights)` after the model's own router, so routing stays the model's: its
 gate, top-k and normalisation. `ExpertRegion` keeps this rank's experts (whole, consecutive) and replaces the module's
-forward by: this TP rank's rows; permute the (token, slot) pairs by expert; all-to-all of the counts, then of the
+forward by: this TP rank's tokens; permute the (token, slot) pairs by expert; all-to-all of the counts, then of the
 tokens (dropless: buffers follow the counts); the local experts by the module's own implementation (`grouped_mm`,
 `batched_mm` or its loop), top-1 with unit weights; the reverse all-to-all; un-permute, weight by the routing weights
-and sum over the slots as transformers sums them; the TP ranks' rows gathered back.
+and sum over the slots as transformers sums them; the TP ranks' tokens gathered back.
+
+Notation of the shape comments (as Megatron's token dispatcher writes them):
+
+    T    tokens of the layer's input, the same on every TP rank of this one
+    t    this TP rank's share of them, T / tp rounded up or down (`dim0_share`; t = T without TP)
+    H    hidden size
+    k    slots per token: the router's top-k
+    E    experts of the layer; each of the `ep` EP ranks holds E / ep consecutive ones (`local`)
+    S    (token, slot) pairs this rank sends: t k
+    R    (token, slot) pairs this rank receives from the EP group, to run on its experts
 """
 
 from __future__ import annotations
@@ -17,8 +27,11 @@ from torch import nn
 
 from ..mesh import named_failure
 from ..planning.sharding import Partition, Shard
-from .collectives import exchange, exchange_counts, gather_rows, own_rows, split_rows
+from ..runtime.seq_collectives import dim0_share, gather_dim0_shares, keep_dim0_share
+from .collectives import exchange, exchange_counts
 from .groups import ExpertGroups
+
+_OVER_TP = " of the expert-parallel tokens over TP"
 
 
 class ExpertRegion:
@@ -34,6 +47,8 @@ class ExpertRegion:
         self.local = self.total // experts.size
         self.first = experts.rank * self.local
         self.own_forward = type(module).forward.__get__(module)  # the class's: transformers' implementation dispatch
+        # the same on this rank's experts: E / ep of them, passed through a view (`_LocalExperts`), the module untouched
+        self.local_forward = type(module).forward.__get__(_LocalExperts(module, self.local))
         for name in names:
             old = module.get_parameter(name)
             new = nn.Parameter(self._mine(old.data).clone(), requires_grad=old.requires_grad)
@@ -69,30 +84,33 @@ class ExpertRegion:
         """The dispatch, run eagerly under torch.compile: its buffers follow the routed counts (`bincount`, then
         `tolist` for the all-to-all's splits), data-dependent sizes dynamo would break on several times a layer;
         one break a MoE layer leaves the rest of each block in whole graphs."""
-        rows, slots = hidden_states.shape[0], top_k_index.shape[-1]
-        hidden, weights = split_rows((hidden_states, top_k_weights), self.tp_group)
-        mine = own_rows(rows, self.tp_group)
-        index = top_k_index[mine.start:mine.stop]
-        expert_ids = index.reshape(-1)
-        order = torch.argsort(expert_ids, stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.total).view(self.experts.size, self.local)
-        received_counts = exchange_counts(counts, self.experts.group)
-        send, receive = counts.sum(1).tolist(), received_counts.sum(1).tolist()
-        tokens = exchange(hidden[order // slots], send, receive, self.experts.group)
-        local_ids = torch.arange(self.local, device=tokens.device).repeat(self.experts.size)
-        local_ids = local_ids.repeat_interleave(received_counts.reshape(-1), output_size=tokens.shape[0])
-        output = exchange(self._run_local(tokens, local_ids), receive, send, self.experts.group)
-        by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])
-        combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
-        return gather_rows(combined, rows, self.tp_group)
+        n_tokens, slots = hidden_states.shape[0], top_k_index.shape[-1]  # T, k
+        hidden, weights = keep_dim0_share((hidden_states, top_k_weights), self.tp_group, of=_OVER_TP)  # [t, H], [t, k]
+        mine = dim0_share(n_tokens, self.tp_group)
+        expert_ids = top_k_index[mine.start:mine.stop].reshape(-1)  # [S]: pair p is token p // k's slot p % k
+        order = torch.argsort(expert_ids, stable=True)  # [S]: the pairs by expert, so by destination rank
+        counts = torch.bincount(expert_ids, minlength=self.total).view(self.experts.size, self.local)  # [ep, E/ep]
+        received_counts = exchange_counts(counts, self.experts.ep)  # [ep, E/ep]: row j, what rank j sends here
+        send, receive = counts.sum(1).tolist(), received_counts.sum(1).tolist()  # [ep] each: S and R in total
+        tokens = exchange(hidden[order // slots], send, receive, self.experts.ep)  # [S, H] sent -> [R, H]
+        # Received layout: rank 0's pairs, then rank 1's, ...; each rank's run is sorted by expert (its `order`), so it
+        # is received_counts[j, 0] pairs for local expert 0, then received_counts[j, 1] for expert 1, ...
+        local_ids = torch.arange(self.local, device=tokens.device).repeat(self.experts.size)  # [ep E/ep]
+        local_ids = local_ids.repeat_interleave(received_counts.reshape(-1), output_size=tokens.shape[0])  # [R]
+        output = exchange(self._run_local(tokens, local_ids), receive, send, self.experts.ep)  # [R, H] -> [S, H]
+        # The reverse all-to-all returns each pair's output where it was sent from: row i is pair order[i]. Indexing
+        # by the inverse permutation (argsort of `order`: inverse[order[i]] = i) puts pair p back at row p.
+        by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])  # [t, k, H]
+        combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)  # [t, H]
+        return gather_dim0_shares(combined, n_tokens, self.tp_group, of=_OVER_TP)  # [T, H]
 
     def dispatch_nothing(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The dispatch with no token of this rank's (`autotp.ep.modality`): its all-to-alls still pair with the
-        peers', and its experts still run on the tokens they send. Zero rows of `hidden_states`, so the backward
+        peers', and its experts still run on the tokens they send. Zero tokens of `hidden_states`, so the backward
         reaches the tokens' all-to-all as the peers' does; called as the module, so FSDP gathers its experts."""
-        rows = hidden_states.reshape(-1, hidden_states.shape[-1])[:0]
-        index = torch.zeros((0, 1), dtype=torch.long, device=rows.device)
-        return self.module(rows, index, rows.new_zeros((0, 1)))
+        none = hidden_states.reshape(-1, hidden_states.shape[-1])[:0]
+        index = torch.zeros((0, 1), dtype=torch.long, device=none.device)
+        return self.module(none, index, none.new_zeros((0, 1)))
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole tensor: its block of dim 0 (one row per expert, or DBRX's width rows)."""
@@ -104,24 +122,20 @@ class ExpertRegion:
         setattr(self.module.get_submodule(owner) if owner else self.module, attr, param)
 
     def _run_local(self, tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """The local experts on the received rows, each row top-1 with weight 1 (the weights are the sender's)."""
+        """The local experts on the received tokens, each top-1 with weight 1 (the weights are the sender's)."""
         if tokens.shape[0] == 0:  # still in the graph, so the reverse all-to-all runs; zero gradients, not None
             anchor = sum(self.module.get_parameter(name).reshape(-1)[:0].sum() for name in self.names)
             return tokens * 0 + anchor
-        self.module.num_experts = self.local
-        try:
-            ones = tokens.new_ones(tokens.shape[0], 1)
-            return self.own_forward(tokens, local_ids.unsqueeze(-1), ones).reshape(tokens.shape)
-        finally:
-            self.module.num_experts = self.total
+        ones = tokens.new_ones(tokens.shape[0], 1)
+        return self.local_forward(tokens, local_ids.unsqueeze(-1), ones).reshape(tokens.shape)
 
     def gather_(self) -> None:
         """Every expert on every rank (GatherReplacedLayerParams): all-gathered over the EP group."""
         for name in self.names:
             param = self.module.get_parameter(name)
             parts = [torch.empty_like(param.data) for _ in range(self.experts.size)]
-            with named_failure(self.experts.group, "the all-gather of the experts"):
-                dist.all_gather(parts, param.data.contiguous(), group=self.experts.group)
+            with named_failure(self.experts.ep, "the all-gather of the experts"):
+                dist.all_gather(parts, param.data.contiguous(), group=self.experts.ep)
             param.data = torch.cat(parts)
 
     def partition_(self) -> None:
@@ -129,3 +143,13 @@ class ExpertRegion:
             param = self.module.get_parameter(name)
             param.data = self._mine(param.data).clone()
 
+
+class _LocalExperts:
+    """An experts module as its own forward sees it on this rank's experts only: `num_experts` is the local count (the
+    implementations size their per-expert counts by it), every other attribute is the module's."""
+
+    def __init__(self, module: nn.Module, num_experts: int):
+        self._experts_module, self.num_experts = module, num_experts
+
+    def __getattr__(self, name: str):
+        return getattr(self._experts_module, name)

@@ -17,7 +17,7 @@ from ..mesh import device_of, group_size
 
 
 def shard_experts(experts, options: dict[str, Any], replicas: int) -> dict[int, Any]:
-    """`fully_shard` each expert region's module over `experts.data` (expert-DP), before the decoder layers are
+    """`fully_shard` each expert region's module over `experts.edp` (expert-DP), before the decoder layers are
     sharded around them; returns {id of FSDP's new parameter: its `autotp_expert` region} to tag them again."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -28,7 +28,7 @@ def shard_experts(experts, options: dict[str, Any], replicas: int) -> dict[int, 
             f"({', '.join(region.path for region in grouped.regions)}) only on the batches holding their modality's "
             f"tokens, so the replicas' FSDP reductions would differ (a router unused by one replica); train it with "
             f"autotp.allreduce_gradients, which first agrees on the gradients some replica reached")
-    mesh = DeviceMesh.from_group(experts.data, device_of(experts.data).type)
+    mesh = DeviceMesh.from_group(experts.edp, device_of(experts.edp).type)
     tags = {}
     for region in experts.regions:
         shared = [name for name, _ in region.module.named_parameters() if name not in region.names]
@@ -38,7 +38,7 @@ def shard_experts(experts, options: dict[str, Any], replicas: int) -> dict[int, 
                                       f"experts module over expert-DP only when every parameter in it is an expert's")
         module = torch_fully_shard(region.module, **{**options, "mesh": mesh})
         module.set_gradient_divide_factor(float(replicas))
-        if group_size(experts.data) > 1:  # a sum, then the division (gloo has no PREMUL_SUM); not on one rank,
+        if group_size(experts.edp) > 1:  # a sum, then the division (gloo has no PREMUL_SUM); not on one rank,
             module.set_force_sum_reduction_for_comms(True)  # where torch 2.13 would then divide twice
         for name in region.names:
             tags[id(region.module.get_parameter(name))] = region

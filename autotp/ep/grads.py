@@ -1,6 +1,6 @@
 """Expert gradients: summed over the expert-DP group only, and their part of the whole model's gradient norm.
 
-`experts` is the model's `autotp.ep.groups.ExpertGroups` (its EP `group` and expert-DP `data` group).
+`experts` is the model's `autotp.ep.groups.ExpertGroups` (its `ep` and `edp` groups: `autotp.mesh.EXPERT_AXES`).
 """
 
 from __future__ import annotations
@@ -8,13 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..runtime.collectives import any_rank, buckets
+from ..runtime.collectives import all_reduce_bucketed, any_rank
 from ..runtime.rows import local_rows
 from ..mesh import device_of, group_size, named_failure
-
-_BUCKET_BYTES = 25 << 20
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
@@ -32,7 +29,7 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
     but the experts modules that no rank called on a token since the last sync (the vision experts of a text-only
     step) get none on every rank, as one process's never called module gets none, so AdamW skips them there too.
     """
-    fed = any_rank([region.fed for region in experts.regions], [experts.group, experts.data], device_of(experts.group),
+    fed = any_rank([region.fed for region in experts.regions], [experts.ep, experts.edp], device_of(experts.ep),
                    "autotp.allreduce_gradients' all-reduce of which experts modules ran")
     idle = [region for region, used in zip(experts.regions, fed) if not used]
     for region in experts.regions:
@@ -45,17 +42,8 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
             params.append(p)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if group_size(experts.data) > 1:
-        for bucket in buckets(grads, _BUCKET_BYTES):
-            flat = _flatten_dense_tensors(bucket)
-            with named_failure(experts.data, "autotp.allreduce_gradients' all-reduce of the expert gradients"):
-                dist.all_reduce(flat, group=experts.data)
-            for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                grad.copy_(synced)
-    if average and replicas > 1:
-        for grad in grads:
-            grad.div_(replicas)
+    all_reduce_bucketed([p.grad for p in params], experts.edp,
+                        "autotp.allreduce_gradients' all-reduce of the expert gradients", replicas if average else 1)
 
 
 def expert_norm(params: list[nn.Parameter], experts, norm_type: float, sharded: bool = False) -> torch.Tensor:
@@ -67,9 +55,9 @@ def expert_norm(params: list[nn.Parameter], experts, norm_type: float, sharded: 
         grad = local_rows(p.grad.detach())[0].double()
         part = part + grad.pow(2).sum() if norm_type == 2.0 else torch.maximum(part, grad.abs().max())
     op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-    with named_failure(experts.group, "autotp.clip_grad_norm_'s all-reduce of the experts' gradient norm"):
-        dist.all_reduce(part, op=op, group=experts.group)
-    if sharded and group_size(experts.data) > 1:
-        with named_failure(experts.data, "autotp.clip_grad_norm_'s all-reduce of the experts' norm over expert-DP"):
-            dist.all_reduce(part, op=op, group=experts.data)
+    with named_failure(experts.ep, "autotp.clip_grad_norm_'s all-reduce of the experts' gradient norm"):
+        dist.all_reduce(part, op=op, group=experts.ep)
+    if sharded and group_size(experts.edp) > 1:
+        with named_failure(experts.edp, "autotp.clip_grad_norm_'s all-reduce of the experts' norm over expert-DP"):
+            dist.all_reduce(part, op=op, group=experts.edp)
     return part

@@ -28,17 +28,18 @@ from .grads import expert_norm, sync_expert_gradients
 
 @dataclass
 class ExpertGroups:
-    """This rank's expert grid: `group` (EP: the ranks splitting the experts), `data` (expert-DP: the ranks holding
-    the same experts), and the expert regions built over them (`autotp.ep.dispatch.ExpertRegion`)."""
+    """This rank's groups along the mesh's expert axes: `ep` (the ranks splitting the experts) and `edp` (expert-DP:
+    the ranks holding the same experts), and the expert regions built over them (`autotp.ep.dispatch.ExpertRegion`)."""
 
-    size: int
-    group: dist.ProcessGroup
-    data: dist.ProcessGroup
+    size: int  # of `ep`
+    ep: dist.ProcessGroup
+    edp: dist.ProcessGroup
     regions: list = field(default_factory=list)
 
     @property
     def rank(self) -> int:
-        return group_rank(self.group)
+        """This rank's place in its `ep` group: which block of experts it holds."""
+        return group_rank(self.ep)
 
     @classmethod
     def of(cls, mesh: Mesh) -> ExpertGroups | None:

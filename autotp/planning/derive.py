@@ -76,22 +76,22 @@ def _heads(config) -> tuple[int | None, int | None, int | None]:
     return heads, kv, head_dim
 
 
-def _block_rule(model: nn.Module, block: str, columns: dict[str, str], rows: list[str]) -> tuple[str, dict] | None:
+def _block_rule(model: nn.Module, block: str, columns: dict[str, str], row_layers: list[str]) -> tuple[str, dict] | None:
     """An attention or MLP rule for one block pattern, from its children's shapes; None if unclear."""
     config = model.config
     heads, kv, head_dim = _heads(config)
     modules = dict(model.named_modules())
     instance = next((m for name, m in modules.items() if fnmatchcase(name, block)), None)
-    if instance is None or len(rows) != 1:
+    if instance is None or len(row_layers) != 1:
         return None
     try:
-        children = {name: instance.get_submodule(name) for name in [*columns, *rows]}
+        children = {name: instance.get_submodule(name) for name in [*columns, *row_layers]}
     except AttributeError:
         return None
     if not all(is_linear(m) for m in children.values()):
         return None
     outs = {name: features(children[name])[0] for name in columns}
-    row_in = features(children[rows[0]])[1]
+    row_in = features(children[row_layers[0]])[1]
     looks_like_attention = any(h in block.rsplit(".", 1)[-1].lower() for h in _ATTENTION_HINTS)
     if looks_like_attention and heads and head_dim and row_in == heads * head_dim:
         layout = {}
@@ -99,12 +99,12 @@ def _block_rule(model: nn.Module, block: str, columns: dict[str, str], rows: lis
             if columns[name] != "w" or out not in (heads * head_dim, kv * head_dim):
                 return None
             layout[name] = "q" if out == heads * head_dim else "k"
-        rule = {"match": block, "column": layout, "row": {rows[0]: "q"},
+        rule = {"match": block, "column": layout, "row": {row_layers[0]: "q"},
                 "heads": "num_attention_heads", "kv_heads": kv}
         return "attention", rule
     parts = {name: 2 if columns[name] == "w | w" else 1 for name in columns}
     if all(out == row_in * parts[name] for name, out in outs.items()):
-        return "mlp", {"match": block, "column": dict(columns), "row": list(rows)}
+        return "mlp", {"match": block, "column": dict(columns), "row": list(row_layers)}
     return None
 
 

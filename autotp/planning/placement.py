@@ -40,7 +40,7 @@ class Box(NamedTuple):
             local = local.narrow(dim, at, size)
         return local
 
-    def region(self, full: torch.Tensor) -> torch.Tensor:
+    def in_full(self, full: torch.Tensor) -> torch.Tensor:
         """The box in a full tensor, to write it there."""
         for dim, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
             full = full.narrow(dim, offset, size)

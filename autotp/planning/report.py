@@ -42,8 +42,8 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
             parent = layer.path.rpartition(".")[0] or layer.path  # the LM head sits at the top
             column_blocks.setdefault(parent, tokens * in_features * element)
         for _, length, _ in layer.partition.replicas(0):
-            rows = module.weight.numel() // module.weight.shape[layer.partition.dim]
-            out.append(Collective(f"{layer.path} (replicated KV rows)", "backward", 1, length * rows * element))
+            row_size = module.weight.numel() // module.weight.shape[layer.partition.dim]
+            out.append(Collective(f"{layer.path} (replicated KV rows)", "backward", 1, length * row_size * element))
     out += [Collective(f"{parent} (input gradient)", "backward", 1, size) for parent, size in column_blocks.items()]
     hidden = getattr(model.config, "hidden_size", 0)
     top_k = getattr(model.config, "num_experts_per_tok", 1)
@@ -170,8 +170,8 @@ def expert_cost(model: nn.Module, plan: Plan, experts: list[tuple[str, tuple[str
     dense = [b - whole for b in replace(plan, regions=()).param_bytes(model)]
     tokens = -(-batch * seq // plan.tp_size)
     top_k = getattr(model.config, "num_experts_per_tok", 1)
-    rows = tokens * top_k * getattr(model.config, "hidden_size", 0) * element
+    routed = tokens * top_k * getattr(model.config, "hidden_size", 0) * element
     return {"ep_size": ep, "expert_bytes": whole, "expert_bytes_per_rank": whole // ep,
             "param_bytes_per_rank": [b + whole // ep for b in dense],
             "all_to_alls_per_step": 4 * len(experts),
-            "all_to_all_bytes_per_step": 4 * len(experts) * rows * (ep - 1) // ep}
+            "all_to_all_bytes_per_step": 4 * len(experts) * routed * (ep - 1) // ep}

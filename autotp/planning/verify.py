@@ -124,7 +124,7 @@ def _record(model: nn.Module, blocks: set[str], plan: Plan,
     if any(p.device.type == "meta" for p in model.parameters()):
         return {}, "the model is on the meta device, so nothing could be run"
     modules = dict(model.named_modules())
-    rows = {layer.block: layer.path for layer in plan.layers if layer.style == "row" and layer.block in blocks}
+    row_layers = {layer.block: layer.path for layer in plan.layers if layer.style == "row" and layer.block in blocks}
     records: dict[str, dict] = {b: {} for b in blocks}
     handles = []
     for block in blocks:
@@ -132,10 +132,10 @@ def _record(model: nn.Module, blocks: set[str], plan: Plan,
             if "output" not in records[block]:
                 records[block].update(args=args, kwargs=kwargs, output=_first_tensor(output))
         handles.append(modules[block].register_forward_hook(on_block, with_kwargs=True))
-        if block in rows:
+        if block in row_layers:
             def on_row(module, args, output, block=block):
                 records[block].setdefault("row_output", output)
-            handles.append(modules[rows[block]].register_forward_hook(on_row))
+            handles.append(modules[row_layers[block]].register_forward_hook(on_row))
     try:
         with torch.no_grad():
             inputs = probe_inputs(model) if example is None else _on_device(example, model)

@@ -1,8 +1,10 @@
 """The tensor-parallel collectives: primitives, Megatron's f/g pair, and the gathers behind full weights.
 
 Every collective on the autograd path is one short `torch.autograd.Function` with its forward and
-backward side by side (Megatron-LM's f / g operators). Each helper takes the process group
-explicitly; a group of `None` or of size 1 returns its input at once, so tp=1 runs the same code.
+backward side by side (Megatron-LM's f / g operators). The code between a column-parallel entry and
+its row-parallel exit, where activations are split over the TP group, is a TP span (Megatron's "region"; in
+autotp a region is a module sharded as one unit: `ShardedRegion`, `ExpertRegion`, the plan's `regions`). Each
+helper takes the process group explicitly; a group of `None` or of size 1 returns its input at once, so tp=1 runs the same code.
 
 Full tensors for a file travel point to point instead (`autotp.io.streaming`): that protocol writes files.
 """
@@ -13,6 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition
@@ -77,7 +80,7 @@ class _CopyToTP(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Enter a column-parallel region: gradients of `x` are summed over the TP group."""
+    """Enter a TP span (column-parallel): gradients of `x` are summed over the TP group."""
     if group_size(group) == 1:
         return x
     return _CopyToTP.apply(x, group)
@@ -99,7 +102,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 def reduce_from_tp(y: torch.Tensor, group: Group) -> torch.Tensor:
-    """Leave a row-parallel region: partial results are summed over the TP group."""
+    """Leave a TP span (row-parallel): partial results are summed over the TP group."""
     if group_size(group) == 1:
         return y
     return _ReduceFromTP.apply(y, group)
@@ -126,7 +129,7 @@ def reduce_from_tp_joined(partials: list[torch.Tensor], group: Group) -> list[to
 
 
 class _GatherFromTP(torch.autograd.Function):
-    """Leave a sharded region for replicated code (logits for a user): all-gather forward, keep own slice backward."""
+    """Leave a TP span for replicated code (logits for a user): all-gather forward, keep own slice backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, partition: Partition, group: dist.ProcessGroup) -> torch.Tensor:
@@ -201,6 +204,26 @@ def buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.
         used += size
     if bucket:
         yield bucket
+
+
+BUCKET_BYTES = 25 << 20  # DDP's default bucket: few collectives, no full flat copy of the model
+
+
+def all_reduce_bucketed(tensors: list[torch.Tensor], group: Group, what: str, divisor: int = 1) -> None:
+    """Sum each of `tensors` over `group` in place, flattened into ~25 MB `buckets` (one all-reduce each, a failure
+    named as `what`), then divide by `divisor` (an average over replicas); the gradient syncs of DP and EP share it."""
+    if group_size(group) == 1:
+        for tensor in tensors if divisor != 1 else ():
+            tensor.div_(divisor)
+        return
+    for bucket in buckets(tensors, BUCKET_BYTES):
+        flat = _flatten_dense_tensors(bucket)
+        with named_failure(group, what):
+            dist.all_reduce(flat, group=group)
+        if divisor != 1:
+            flat /= divisor
+        for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(synced)
 
 
 def any_rank(flags: list[bool], groups: list[Group], device: torch.device, what: str) -> list[bool]:

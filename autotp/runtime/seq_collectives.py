@@ -1,10 +1,13 @@
-"""The dim-0 all-gather / reduce-scatter pair, and the sequence-parallel collectives built on it.
+"""The dim-0 collective pairs, and the sequence-parallel collectives built on them.
 
-An all-gather along dim 0 in forward has a reduce-scatter as its backward, and vice versa
-(`all_gather_dim0` / `reduce_scatter_dim0`): the one pair that SP's block entry and exit, CP's keys
-and values and the FSDP row gathers share. Token-major sequence chunks (`own_chunk`) make the sequence
-gathers this pair plus a view. `SavedChunk` lets the column layers reading one gathered input keep only
-this rank's chunk, gathered again once in backward.
+Two pairs, each autograd function beside its dual. An all-gather along dim 0 in forward has a reduce-scatter as its
+backward, and vice versa (`all_gather_dim0` / `reduce_scatter_dim0`): SP's block entry and exit, CP's keys and
+values and the FSDP row gathers share it. Keeping this rank's share of dim 0 has the all-gather of the shares'
+gradients as its backward, and the all-gather of the shares keeps this rank's share of the gradient
+(`keep_dim0_share` / `gather_dim0_shares`, shares uneven where the group size does not divide dim 0): SP's entry to
+and exit from the sequence-sharded stream, and EP's tokens split over TP, share it. Token-major sequence chunks
+(`own_chunk`) make the sequence collectives these pairs plus a view. `SavedChunk` lets the column layers reading one
+gathered input keep only this rank's chunk, gathered again once in backward.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch.distributed as dist
 
 from ..compat import torch as torch_compat
 from .collectives import weight_grad
-from ..mesh import Group, group_size, named_failure
+from ..mesh import Group, group_rank, group_size, named_failure
+from ..planning.sharding import split_ranges
 
 
 def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[int]:
@@ -36,11 +40,21 @@ def own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int, copy: bool = 
     memory order (batch-major), shaped as `x` with the sequence `dim` divided. Token-major chunks make the
     collectives copy-free: the gathered tensor is the ranks' chunks one after another. Every op between blocks is
     per token (norms, residual adds)."""
+    rows = _chunk_rows(x, group, dim)
+    share = dim0_share(rows.shape[0], group)
+    return _copied(rows[share.start:share.stop], copy)
+
+
+def _chunk_rows(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """`x` viewed (copied if not contiguous) as the ranks' token-major chunks one after another along dim 0."""
     shape = _chunk_shape(x, group, dim)
-    flat = x.reshape(-1)
-    count = flat.numel() // group_size(group)
-    chunk = flat.narrow(0, dist.get_rank(group) * count, count).view(shape)
-    return chunk.clone() if copy else chunk
+    return x.reshape(group_size(group) * shape[0], *shape[1:])
+
+
+def dim0_share(length: int, group: Group) -> range:
+    """This rank's rows of a dim 0 of `length` split over `group`: consecutive, the first `length % size` ranks
+    holding one more (`split_ranges`)."""
+    return split_ranges(length, group_size(group))[group_rank(group)]
 
 
 def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0, async_op: bool = False,
@@ -126,38 +140,83 @@ def reduce_scatter_dim0(y: torch.Tensor, group: Group, of: str = "",
     return y if group_size(group) == 1 else _ReduceScatterDim0.apply(y, group, of, prefetch)
 
 
-class _ScatterToSeq(torch.autograd.Function):
-    """Enter the sequence-sharded residual stream: keep this rank's chunk forward, all-gather backward."""
+class _KeepDim0Share(torch.autograd.Function):
+    """This rank's share of dim 0 forward / all-gather of the shares' gradients backward (the dual of
+    `_GatherDim0Shares`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return own_chunk(x, group, dim)
+    def forward(ctx, group: dist.ProcessGroup, copy: bool, of: str, *tensors: torch.Tensor):
+        ctx.group, ctx.of, ctx.length = group, of, tensors[0].shape[0]
+        share = dim0_share(ctx.length, group)
+        return tuple(_copied(t[share.start:share.stop], copy) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return (None, None, None, *(None if g is None else _gather_shares(g, ctx.length, ctx.group, ctx.of)
+                                    for g in grads))
+
+
+class _GatherDim0Shares(torch.autograd.Function):
+    """All-gather of the ranks' shares of dim 0 forward / this rank's share of the gradient backward (the dual of
+    `_KeepDim0Share`): the gathered tensor feeds code every rank runs alike, so its gradient is already whole on every
+    rank, and summing it would count it once per rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, length: int, group: dist.ProcessGroup, copy: bool, of: str) -> torch.Tensor:
+        ctx.share, ctx.copy = dim0_share(length, group), copy
+        return _gather_shares(x, length, group, of)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_gather_seq(grad, ctx.group, ctx.dim), None, None
+        return _copied(grad[ctx.share.start:ctx.share.stop], ctx.copy), None, None, None, None
+
+
+def keep_dim0_share(tensors: tuple[torch.Tensor, ...], group: Group, copy: bool = False,
+                    of: str = "") -> tuple[torch.Tensor, ...]:
+    """This rank's share (`dim0_share`) of each of `tensors`, which every rank of `group` holds whole and alike (views
+    of them, copies with `copy`); their gradients are all-gathered in backward. `of` names what travels."""
+    return tensors if group_size(group) == 1 else _KeepDim0Share.apply(group, copy, of, *tensors)
+
+
+def gather_dim0_shares(x: torch.Tensor, length: int, group: Group, copy: bool = False, of: str = "") -> torch.Tensor:
+    """Every rank's share (`dim0_share`) of a dim 0 of `length`, `x` being this rank's, joined in rank order; the
+    gradient is this rank's share of the whole one (a copy with `copy`). `of` names what travels, for a failure."""
+    return x if group_size(group) == 1 else _GatherDim0Shares.apply(x, length, group, copy, of)
+
+
+def _gather_shares(x: torch.Tensor, length: int, group: dist.ProcessGroup, of: str) -> torch.Tensor:
+    """The all-gather of `gather_dim0_shares`: straight into the result when the shares are equal, else of the shares
+    padded to the longest (every rank sends one shape), the padding dropped after."""
+    size = group_size(group)
+    if length % size == 0:
+        return start_all_gather(x, group, of=of)()
+    shares = split_ranges(length, size)
+    padded = x.new_zeros((max(len(share) for share in shares), *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in shares]
+    with named_failure(group, f"all-gather{of}"):
+        dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:len(share)] for part, share in zip(parts, shares)])
+
+
+def _copied(x: torch.Tensor, copy: bool) -> torch.Tensor:
+    return x.clone() if copy else x
 
 
 def scatter_to_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    return x if group_size(group) == 1 else _ScatterToSeq.apply(x, group, dim)
-
-
-class _GatherFromSeq(torch.autograd.Function):
-    """Leave the sequence-sharded stream for replicated code: all-gather forward, keep own chunk backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather_seq(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return own_chunk(grad, ctx.group, ctx.dim), None, None
+    """Enter the sequence-sharded residual stream: keep this rank's chunk (`own_chunk`) forward, all-gather backward."""
+    if group_size(group) == 1:
+        return x
+    return keep_dim0_share((_chunk_rows(x, group, dim),), group, copy=True)[0]
 
 
 def gather_from_seq(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    return x if group_size(group) == 1 else _GatherFromSeq.apply(x, group, dim)
+    """Leave the sequence-sharded stream for replicated code: all-gather forward, keep own chunk backward."""
+    if group_size(group) == 1:
+        return x
+    shape = list(x.shape)
+    shape[dim] *= group_size(group)
+    return gather_dim0_shares(x, group_size(group) * x.shape[0], group, copy=True).view(shape)
 
 
 def all_gather_seq_to_tp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:

@@ -43,7 +43,7 @@ def held_part(tensor: torch.Tensor) -> Shard | None:
 def holders(tensor: torch.Tensor, tp_group: Group) -> Group:
     """The group over which `held_part(tensor)` splits it: the EP group for experts, else `tp_group`."""
     region = getattr(tensor, "autotp_expert", None)
-    return tp_group if region is None else region.experts.group
+    return tp_group if region is None else region.experts.ep
 
 
 def gather_parameter_(param: nn.Parameter, group: Group) -> None:

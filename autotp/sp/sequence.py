@@ -221,7 +221,7 @@ class ChunkDropout(TorchFunctionMode):
     """Dropout under sequence parallelism, `nn.Dropout` or `nn.functional.dropout` alike (StarCoder2 and Falcon call
     the function). On a chunk it draws the whole tensor's mask from the TP group's shared stream, as torch's dropout
     does, and keeps its own tokens' part: a chunk-size draw would give every rank the same mask. Elsewhere (the
-    gathered block input, a sharded region) it is torch's dropout.
+    gathered block input, a TP span) it is torch's dropout.
 
     `LayerScope` enters it around each decoder layer's forward (recomputations included), in training and only where
     a dropout can be on (a dropout setting above 0 in the config, or an `nn.Dropout` whose p is): it sees every torch

@@ -1,4 +1,4 @@
-"""`BlockEntry`: where a block's input enters the tensor-parallel region, once for every column layer reading it.
+"""`BlockEntry`: where a block's input enters the TP span, once for every column layer reading it.
 
 q/k/v (or gate/up) all read the block input; summing their input gradients locally and then
 all-reducing once is what keeps a block at one backward all-reduce. The entry also carries what the
@@ -60,7 +60,7 @@ class BlockEntry:
         self._joining[:] = [w for w in self._joining if all(w is not other for other in weights)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` entered into the TP region: the same tensor for every reader of the same `x` in this call."""
+        """`x` entered into the TP span: the same tensor for every reader of the same `x` in this call."""
         if x is self._copy:  # already inside (a LoRA wrapper entered for its base layer and adapter)
             return x
         if x is not self._source:
@@ -112,7 +112,7 @@ class BlockEntry:
         return self._saved
 
     def weight(self, weight: nn.Parameter) -> torch.Tensor:
-        """A replicated weight as used inside the region entered last: its partial gradient is summed in the input
+        """A replicated weight as used inside the span entered last: its partial gradient is summed in the input
         gradient's all-reduce, or alone if it did not enter with the input."""
         joined = self._joined.get(id(weight)) if self._joined else None  # (as in `linear`: no id() guard)
         return joined if joined is not None else copy_to_tp(weight, self.group)

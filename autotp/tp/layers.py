@@ -6,7 +6,7 @@ replaced `Conv1D` keeps its transposed [in, out] weight, so `state_dict` shapes 
 Each sharded parameter carries a `Shard` (partition and rank) in its `autotp_shard` attribute.
 
 `ShardedRegion` covers modules that are not linears but whose parameters shard the same way (MoE
-experts stored as 3-D tensors): its float inputs enter the TP region and its output is reduced.
+experts stored as 3-D tensors): its float inputs enter a TP span and its output is reduced.
 
 Gathered (`gather_`), a layer holds its full weight and its `forward` is the original layer's, with
 no collective, until `partition_`: the mode is which forward runs, not a flag every path checks.
@@ -228,7 +228,7 @@ class LinearAllreduce(ParallelLinear):
 
 
 class ShardedRegion:
-    """A module computed on sharded parameters (MoE experts): float inputs enter the TP region, the output is reduced.
+    """A module computed on sharded parameters (MoE experts): float inputs enter a TP span, the output is reduced.
 
     The module keeps its class, forward and parameter names; hooks add the two collectives, and do nothing while the
     model is gathered (`state.sharded_only`).

@@ -2,7 +2,7 @@
 
 Column layer (`LinearLayer`, weight split by output rows):
     lora_A replicated, lora_B split by the base weight's rows (fused and replicated-KV layouts included).
-    The input enters the TP region once for the base layer and every adapter, and lora_A's weight
+    The input enters the TP span once for the base layer and every adapter, and lora_A's weight
     enters with it: its gradient (partial, as each rank sees only its rows of lora_B) is summed in the
     same backward all-reduce as dL/dX, which the block's sibling layers share.
 Row layer (`LinearAllreduce`, weight split by input columns):

@@ -94,7 +94,7 @@ def copy_to_tp_joined(x: torch.Tensor, weights: list[torch.Tensor], group: Group
                       deferred: list[torch.Tensor] = (), transposed: list[bool] = ()
                       ) -> tuple[list[torch.Tensor], DeferredWeights | None]:
     """`copy_to_tp` of `x`, and `weights` (replicated, each rank's gradient partial) entering with it: ([x, *weights,
-    *deferred] as used inside the region, the DeferredWeights). The weights' gradients are summed over the TP group
+    *deferred] as used inside the span, the DeferredWeights). The weights' gradients are summed over the TP group
     in the same all-reduce as x's; the `deferred` weights' (the column layers', `transposed` when stored [in, out])
     are computed while it runs, from what `deferred_column_linear` leaves."""
     if group_size(group) == 1:

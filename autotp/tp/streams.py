@@ -1,4 +1,4 @@
-"""Per-rank random streams inside sharded regions (dropout on heads and columns), around tp's layers.
+"""Per-rank random streams inside TP spans (dropout on heads and columns), around tp's layers.
 
 Each sharded block runs under a seed drawn from the shared stream (`autotp.runtime.rng`) and offset by
 the TP rank, and the shared stream is restored afterwards; the seed depends only on the shared stream's
@@ -20,9 +20,9 @@ from .layers import LinearAllreduce, LinearLayer
 _OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
 
 class ShardedStream:
-    """Runs one sharded region under a per-rank seed drawn from the shared stream, then restores the shared one.
+    """Runs one TP span under a per-rank seed drawn from the shared stream, then restores the shared one.
 
-    A region starts at its first column layer (or a sharded module's entry) and ends when its row
+    A span starts at its first column layer (or a sharded module's entry) and ends when its row
     layer (or the module) returns, so a dropout applied to the block's reduced output (GPT-2's
     resid_dropout) still draws from the shared stream, as replicated code must.
     """
@@ -46,7 +46,7 @@ class ShardedStream:
 
     @contextmanager
     def shared(self) -> Iterator[None]:
-        """Draw from the shared stream inside the region (dropout on a replicated tensor there), advancing it."""
+        """Draw from the shared stream inside the span (dropout on a replicated tensor there), advancing it."""
         if self._saved is None:
             yield
             return
@@ -61,7 +61,7 @@ class ShardedStream:
 
 @contextmanager
 def shared_draws(layer: nn.Module) -> Iterator[None]:
-    """Random draws made inside come from the TP group's shared stream, even inside `layer`'s sharded region."""
+    """Random draws made inside come from the TP group's shared stream, even inside `layer`'s TP span."""
     stream = getattr(layer, "autotp_stream", None)
     with stream.shared() if stream is not None else nullcontext():
         yield
@@ -78,7 +78,7 @@ def _has_dropout(block: nn.Module) -> bool:
 
 
 def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[str], group: Group, state) -> None:
-    """Per-rank streams for the sharded regions that draw random numbers at all (dropout), and the check that the
+    """Per-rank streams for the TP spans (blocks, and the `regions`: experts modules) that draw random numbers at all (dropout), and the check that the
     shared stream stays shared (`StreamCheck`)."""
     if group_size(group) == 1:
         return

@@ -168,8 +168,8 @@ def test_fsdp_rows_of_a_shard_are_boxes_of_the_full_tensor(part: Partition, shap
             local = shard.narrow(0, first, rows)
             assert tuple(local.shape) == placement.local_shape
             for box in placement.boxes():
-                assert torch.equal(box.region(full), box.view(local))
-                box.region(rebuilt).copy_(box.view(local))
+                assert torch.equal(box.in_full(full), box.view(local))
+                box.in_full(rebuilt).copy_(box.view(local))
     assert torch.equal(rebuilt, full)
 
 

@@ -4,7 +4,7 @@ gathered bucket by bucket, LoRA merged on the fly, optionally cut to the engine'
 Why: an RL trainer sends its weights to the engine after every step. Saving and reloading from disk is slow, and
 gathering one parameter at a time is thousands of collectives. `export_weights` reuses `save_pretrained`'s layout
 (`autotp.io.hf.parts`: names, MoE experts one per expert, tied weights left out) and gathers each bucket of tensors in
-one message per rank (`autotp.dp.row_gather`). Every bucket opens with a one-int agreement over the ranks
+one message per rank (`autotp.io.rollout.row_gather`). Every bucket opens with a one-int agreement over the ranks
 taking part, so a rank that stops iterating early (a `break`, `close()`) makes the others raise, not hang.
 """
 
@@ -26,7 +26,7 @@ from ...mesh import Group, device_of
 from ...runtime.shards import held_part, held_shard, holders
 from ...tp.lora import adapt_all
 from ...runtime.collectives import all_reduce, buckets
-from ...dp.row_gather import RowRequest, dp_full_many, gather_rows_to
+from .row_gather import RowRequest, dp_full_many, gather_rows_to
 from ...state import find_state, outside_module_holders
 from ...options import WrapOptions
 from ...planning.planner import build_plan
@@ -160,8 +160,8 @@ class _Gathers:
         self.groups, self.writers = groups, {}  # group -> its ranks that get the tensors (else its rank 0)
         if state is not None and state.ep is not None:
             firsts = set(state.mesh.grid[..., 0].flatten().tolist())  # TP rank 0 of every TP group (TP innermost)
-            ranks = dist.get_process_group_ranks(state.ep.group)
-            self.writers[state.ep.group] = [i for i, rank in enumerate(ranks) if rank in firsts]
+            ranks = dist.get_process_group_ranks(state.ep.ep)
+            self.writers[state.ep.ep] = [i for i, rank in enumerate(ranks) if rank in firsts]
 
     def key(self, name: str) -> int:
         """Tensors gathered over one group go in one bucket."""

@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
-from ..runtime.rows import local_rows
-from ..mesh import Group, group_rank, group_size, named_failure
-from ..runtime.seq_collectives import all_gather_dim0
-from ..planning.placement import Box, Placement
-from ..planning.sharding import Partition, Run
+from ...runtime.rows import local_rows
+from ...mesh import Group, group_rank, group_size, named_failure
+from ...runtime.seq_collectives import all_gather_dim0
+from ...planning.placement import Box, Placement
+from ...planning.sharding import Partition, Run
 
 _TAG = 0x41544257  # apart from the streaming gather's tag and a user's point-to-point tags
 _ALIGN = 16  # every piece starts on this many bytes, so it can be viewed as any dtype
@@ -217,7 +217,7 @@ def dp_full_many(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for rank in range(world):
                 for box in Placement.fsdp(tuple(shape), None, 0, world, rank).boxes():
                     begin = rank * mine.numel() + at
-                    box.region(full).copy_(gathered[begin:begin + box.sizes[0] * n].view(box.sizes))
+                    box.in_full(full).copy_(gathered[begin:begin + box.sizes[0] * n].view(box.sizes))
             out[i] = full
             at += size
     return out

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..mesh import named_failure
 from ..planning.sharding import Partition, Shard
+from ..runtime.process_hooks import patch_attribute
 from .collectives import exchange, exchange_counts, gather_rows, own_rows, split_rows
 from .groups import ExpertGroups
 
@@ -40,7 +41,7 @@ class ExpertRegion:
             new.autotp_expert = self
             self._set(name, new)
         self.blocks = {p.shape[0]: p.shape[0] // self.local for p in map(module.get_parameter, names)}
-        module.forward = self.forward
+        patch_attribute(module, "forward", self.forward)
         module.autotp_region = self
 
     def held(self, tensor: torch.Tensor) -> Shard | None:

@@ -126,12 +126,13 @@ def _flush() -> None:
 
 
 def hold(key: str, owner: object, install: Callable[[], tuple[Callable[[], None], list[Effect]]],
-         safe: Callable[[], bool] = lambda: True) -> Hold:
-    """The process-wide effect `key` held by `owner` (installed by `install` if no one holds it yet)."""
+         safe: Callable[[], bool] = lambda: True, kind: type[Hold] = Hold) -> Hold:
+    """The process-wide effect `key` held by `owner` (installed by `install` if no one holds it yet; removed, once
+    no one does, when `safe()`)."""
     _flush()
     if key not in _SHARED:
         _SHARED[key] = _Shared(key, install, safe)
-    return Hold(_SHARED[key], owner)
+    return kind(_SHARED[key], owner)
 
 
 # --- the optimizer-step pre-hook -----------------------------------------------------------------------------------
@@ -160,11 +161,7 @@ def _install_step_hook() -> tuple[Callable[[], None], list[Effect]]:
 def watch_optimizer_steps(owner: Owner, check: Callable[[Owner, torch.optim.Optimizer], None]) -> Hold:
     """`check(owner, optimizer)` before every optimizer step of the process while `owner` lives, through the one
     process-wide pre-hook, registered once (a check raises to refuse the step)."""
-    _flush()
-    if OPTIMIZER_STEP_PRE_HOOK not in _SHARED:
-        _SHARED[OPTIMIZER_STEP_PRE_HOOK] = _Shared(OPTIMIZER_STEP_PRE_HOOK, _install_step_hook,
-                                                   lambda: not optimizer_step_running())
-    watch = _StepWatch(_SHARED[OPTIMIZER_STEP_PRE_HOOK], owner)
+    watch = hold(OPTIMIZER_STEP_PRE_HOOK, owner, _install_step_hook, lambda: not optimizer_step_running(), _StepWatch)
     _STEP_CHECKS[watch] = (weakref.ref(owner), check)
     return watch
 
@@ -194,10 +191,14 @@ def register_attention(owner: object, name: str, attention: Callable[..., Any], 
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def install() -> tuple[Callable[[], None], list[Effect]]:
-        undo = [register_function(ALL_ATTENTION_FUNCTIONS, name, attention),
-                register_function(ALL_MASK_ATTENTION_FUNCTIONS, name, mask)]
-        return (lambda: [u() for u in reversed(undo)] and None,
-                [Effect(ATTENTION_FUNCTION, name, attention), Effect(MASK_FUNCTION, name, mask)])
+        unregister_attention = register_function(ALL_ATTENTION_FUNCTIONS, name, attention)
+        unregister_mask = register_function(ALL_MASK_ATTENTION_FUNCTIONS, name, mask)
+
+        def undo() -> None:
+            unregister_mask()
+            unregister_attention()
+
+        return undo, [Effect(ATTENTION_FUNCTION, name, attention), Effect(MASK_FUNCTION, name, mask)]
 
     return hold(f"{ATTENTION_FUNCTION} {name}", owner, install)
 

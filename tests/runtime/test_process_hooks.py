@@ -135,3 +135,34 @@ def failing_wrap(rank: int, world: int, case: str) -> dict:
 def test_a_wrap_failing_late_leaves_nothing_process_wide(case: str) -> None:
     for report in run_ranks(failing_wrap, 2, case):
         assert report["left"] == {} and report["loss"] > 0, report
+
+
+class Owner:
+    """Something a process-wide effect is held for (a CP model's state, a mesh guard)."""
+
+
+def test_one_step_hook_for_every_owner_removed_after_a_step_in_which_the_last_was_collected() -> None:
+    """The step hook is registered once, whatever the owners; an owner collected while a step runs the hooks (here
+    by a later hook) takes it out only after that step: removing it mid-iteration would break the step."""
+    from autotp.runtime import process_hooks
+
+    before = list(torch_optimizer._global_optimizer_pre_hooks.values())
+    owners, checked = [Owner(), Owner()], []
+    for owner in owners:
+        process_hooks.watch_optimizer_steps(owner, lambda o, optimizer: checked.append(type(o)))
+    del owner  # the list holds them alone
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == len(before) + 1
+
+    def drop(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owners.clear()
+        gc.collect()
+
+    handles = [torch_optimizer.register_optimizer_step_pre_hook(drop),
+               torch_optimizer.register_optimizer_step_pre_hook(lambda *args: None)]  # iterated after the drop
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    optimizer.step()
+    for handle in handles:
+        handle.remove()
+    assert len(checked) == 2
+    assert not [e for e in process_hooks.live() if e.kind == process_hooks.OPTIMIZER_STEP_PRE_HOOK]
+    assert list(torch_optimizer._global_optimizer_pre_hooks.values()) == before

@@ -28,8 +28,9 @@ from __future__ import annotations
 import copy
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn

@@ -6,10 +6,13 @@ after a wrap that fails in its last step, none of the process-wide ones stays.""
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from ep_workers import moe_model
+from models import tiny_model
 from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
@@ -21,14 +24,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import autotp
 from autotp.compat.torch import ddp_ignored
 from autotp.testing import run_ranks
-from ep_workers import moe_model
-from models import tiny_model
 
 # name: (build the model, wrap's arguments); every dimension: TP, vocab and SP; CP; EP
 CASES: dict[str, tuple[Callable[[], nn.Module], dict]] = {
-    "tp_vocab_sp": (lambda: tiny_model("llama"), dict(tp_size=2, sequence_parallel=True, check_inputs=True)),
-    "cp": (lambda: tiny_model("llama", attn_implementation="sdpa"), dict(tp_size=1, cp_size=2)),
-    "ep": (lambda: moe_model("qwen3_moe"), dict(tp_size=1, ep_size=2)),
+    "tp_vocab_sp": (lambda: tiny_model("llama"), {"tp_size": 2, "sequence_parallel": True, "check_inputs": True}),
+    "cp": (lambda: tiny_model("llama", attn_implementation="sdpa"), {"tp_size": 1, "cp_size": 2}),
+    "ep": (lambda: moe_model("qwen3_moe"), {"tp_size": 1, "ep_size": 2}),
 }
 # where transformers' `loss_function` setter and torch's DDP keep what was set
 STORED_AS = {"_loss_function": "loss_function", "_ddp_params_and_buffers_to_ignore": "DDP's ignore list"}

@@ -31,7 +31,7 @@ from typing import Callable
 
 from torch import nn
 
-from .compat.torch import ddp_ignored, set_ddp_ignored
+from .compat.torch import ddp_ignored
 from .ep.apply import broadcast_experts, dense_plan, expert_parallel, expert_paths
 from .integrations.guards import ContextDDPGuard, DDPGuard, InputCheck, MeshGuard, SwapGuard
 from .integrations.hf_methods import ResizeTokenEmbeddings, SavePretrained
@@ -39,6 +39,7 @@ from .io.rollout.adapters import slice_adapters_on_load
 from .cp import apply as context
 from .tp.apply import apply_plan, register_grad_hooks
 from .mesh import Mesh
+from .runtime.process_hooks import patch_attribute, replace_ddp_ignored
 from .runtime.replicas import broadcast_replicated
 from .runtime.rollback import Snapshot, Removable
 from .sp.sequence import apply_sequence_parallel
@@ -94,13 +95,13 @@ def context_parallel(model: nn.Module, state: TPState, options: WrapOptions) -> 
 
 
 def hf_methods(model: nn.Module, state: TPState) -> None:
-    model.save_pretrained = SavePretrained(model, state)
-    model.resize_token_embeddings = ResizeTokenEmbeddings(model, state)
+    patch_attribute(model, "save_pretrained", SavePretrained(model, state))
+    patch_attribute(model, "resize_token_embeddings", ResizeTokenEmbeddings(model, state))
 
 
 def ddp_guard(model: nn.Module, state: TPState) -> None:
     guard = DDPGuard if state.cp_group is None else ContextDDPGuard
-    set_ddp_ignored(model, guard(model, ddp_ignored(model)))
+    replace_ddp_ignored(model, guard(model, ddp_ignored(model)))
 
 
 def input_check(model: nn.Module, options: WrapOptions) -> None:

@@ -82,6 +82,24 @@ def attn_implementation(config: PretrainedConfig) -> str | None:
     return config._attn_implementation
 
 
+def register_function(interface: Any, key: str, function: Callable[..., Any]) -> Callable[[], None]:
+    """`function` under `key` in a transformers function registry (`ALL_ATTENTION_FUNCTIONS`,
+    `ALL_MASK_ATTENTION_FUNCTIONS`: class-wide, `register`); returns what takes it out again (transformers has no
+    public unregister: its class-wide `_global_mapping`), putting back what `key` held before."""
+    mapping = type(interface)._global_mapping
+    had, before = key in mapping, mapping.get(key)
+    type(interface).register(key, function)
+
+    def unregister() -> None:
+        if mapping.get(key) is function:
+            if had:
+                mapping[key] = before
+            else:
+                del mapping[key]
+
+    return unregister
+
+
 def set_config_attn_implementation(config: PretrainedConfig, name: str) -> None:
     """Select `name` on one config object alone: `model.set_attn_implementation` does not reach config copies that
     modules hold of their own (autotp gives attention modules one with their rank's head counts)."""

@@ -10,6 +10,7 @@
 | `dist.reduce_scatter_single` / `reduce_scatter_tensor`   | the one-tensor reduce-scatter (renamed)  | 2.13       |
 | `Tensor._make_wrapper_subclass`, `_disabled_torch_function_impl` | a tensor DCP sees, holding no data (as DTensor) | 2.13 |
 | `torch.testing._internal.distributed.fake_pg.FakeStore` | one rank of a larger world (benchmarks) | 2.13 |
+| `sys._current_frames`: torch's optimizer `step` wrapper  | a global step hook not removed mid-step  | 2.13       |
 | `distributed_c10d._world.pg_map`, `ProcessGroupGloo._set_default_timeout` | every gloo group bounded during a weight sync | 2.13 |
 
 torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
@@ -83,9 +84,35 @@ def ddp_ignored(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, _DDP_IGNORE, ()) or ())
 
 
-def set_ddp_ignored(model: nn.Module, names: Iterable[str]) -> None:
-    """What DDP will iterate as the names to leave out of `model` while it is built (any iterable of str)."""
+def set_ddp_ignored(model: nn.Module, names: Iterable[str]) -> Callable[[], None]:
+    """What DDP will iterate as the names to leave out of `model` while it is built (any iterable of str); returns
+    what puts back the model's own (or none), unless it was replaced since."""
+    had, before = _DDP_IGNORE in vars(model), vars(model).get(_DDP_IGNORE)
     setattr(model, _DDP_IGNORE, names)
+
+    def restore() -> None:
+        if vars(model).get(_DDP_IGNORE) is names:
+            if had:
+                setattr(model, _DDP_IGNORE, before)
+            else:
+                delattr(model, _DDP_IGNORE)
+
+    return restore
+
+
+_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *args: None).__code__
+
+
+def optimizer_step_running() -> bool:
+    """Whether a thread is inside torch's optimizer `step` wrapper (`Optimizer.profile_hook_step`), which iterates
+    the process-wide step pre-hooks: removing one then would break that step. False where frames cannot be read."""
+    frames = getattr(sys, "_current_frames", None)
+    for frame in (frames() if frames is not None else {}).values():
+        while frame is not None:
+            if frame.f_code is _STEP_WRAPPER:
+                return True
+            frame = frame.f_back
+    return False
 
 
 def is_fsdp_hook(hook: Any) -> bool:

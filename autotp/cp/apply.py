@@ -15,14 +15,11 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -36,6 +33,7 @@ from ..mesh import Group, group_size
 from ..runtime.input_agreement import check_same_batch, check_same_read
 from ..runtime.rng import sync_replicated_stream
 from ..runtime.lazy_logits import lazy_logits
+from ..runtime.process_hooks import patch_attribute, register_attention, watch_optimizer_steps
 
 _SUPPORTED = ("sdpa", "eager")
 _SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",
@@ -117,19 +115,15 @@ class ContextParallel:
         # the layout rides down with transformers' keyword arguments where the forward takes them (for recomputation)
         self.pass_layout = any(p.kind is inspect.Parameter.VAR_KEYWORD
                                for p in inspect.signature(model.forward).parameters.values())
-        _LIVE.add(self)
-        _check_steps()
         self.calls = 0
         self.name = f"autotp_cp_{original}"
-        AttentionInterface.register(self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS))
-        masks = ALL_MASK_ATTENTION_FUNCTIONS
-        ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, _mask_function(masks[original] if original in masks else None))
+        self._hold()
         self.modules = attention_modules(model)
         for module in self.modules:
             module.autotp_context = self
             module.autotp_eager = sys.modules[type(module).__module__].eager_attention_forward
         self.inner_loss = model.loss_function
-        model.loss_function = CPLoss(self, self.inner_loss)
+        self.loss = patch_attribute(model, "loss_function", CPLoss(self, self.inner_loss))
         only = state.sharded_only
         self.hooks = [model.register_forward_pre_hook(only(self.enter), with_kwargs=True),
                       model.register_forward_hook(self.leave, with_kwargs=True, always_call=True)]
@@ -138,6 +132,14 @@ class ContextParallel:
             self.hooks.append(base.register_forward_hook(only(self._whole_base_outputs)))
         model.set_attn_implementation(self.name)
         self._per_module_configs(self.name)
+
+    def _hold(self) -> None:
+        """The process-wide effects this CP model needs while it lives: the optimizer-step check, its attention and
+        mask functions in transformers' registries (`autotp.runtime.process_hooks`)."""
+        masks, original = ALL_MASK_ATTENTION_FUNCTIONS, self.original
+        self.holds = [watch_optimizer_steps(self, _refuse_unsynced_step),
+                      register_attention(self, self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS),
+                                         _mask_function(masks[original] if original in masks else None))]
 
     def _per_module_configs(self, name: str) -> None:
         """Attention modules given a config copy of their own (their rank's head counts, `apply_plan`) read the
@@ -153,10 +155,10 @@ class ContextParallel:
         new = copy.copy(self)
         memo[id(self)] = new
         for name, value in vars(self).items():
-            if name != "hooks":
+            if name not in ("hooks", "holds"):
                 setattr(new, name, copy.deepcopy(value, memo))
         new.hooks = []
-        _LIVE.add(new)
+        new._hold()
         return new
 
     def remove(self) -> None:
@@ -164,9 +166,11 @@ class ContextParallel:
             hook.remove()
         for module in self.modules:
             del module.autotp_context, module.autotp_eager
-        self.model.loss_function = self.inner_loss
+        self.loss.remove()
         self.model.set_attn_implementation(self.original)
         self._per_module_configs(self.original)
+        for hold in self.holds:
+            hold.remove()
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Keep this rank's tokens of the whole batch; a forward with a cache (generation) runs whole."""
@@ -333,20 +337,10 @@ class ContextParallel:
                                       "not pass on; pack without padding, or leave output_router_logits off")
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # every ContextParallel alive, for the optimizer-step check
-_STEP_CHECK: list = []  # the handle of the one optimizer step pre-hook
-
-
-def _check_steps() -> None:
-    """Register, once per process, the optimizer step pre-hook that refuses a step on CP gradients not summed."""
-    if not _STEP_CHECK:
-        _STEP_CHECK.append(register_optimizer_step_pre_hook(_refuse_unsynced_step))
-
-
-def _refuse_unsynced_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _refuse_unsynced_step(context: ContextParallel, optimizer: torch.optim.Optimizer) -> None:
     """Each CP rank's gradients are C times its own tokens' share until summed over CP: a step on them would train
     the CP ranks apart, silently. Costs nothing while every CP model's gradients are synchronised."""
-    for context in [c for c in _LIVE if c.unsynced and not c.synced_by_ddp and not c.state.fsdp]:
+    if context.unsynced and not context.synced_by_ddp and not context.state.fsdp:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if any(id(p) in held for p in context.model.parameters()):
             raise RuntimeError("autotp: optimizer.step() on gradients of a context-parallel model that were not "

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from ..runtime.process_hooks import patch_attribute
 from ..runtime.replicas import broadcast_tensors
 from ..mesh import Mesh
 from ..options import WrapOptions
@@ -70,7 +71,7 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
     state.ep = experts
     guard_expert_slots(model, [layout.path for layout in layouts], experts.size)
     if callable(getattr(model, "generate", None)):
-        model.generate = SyncedGenerate(model.generate)
+        patch_attribute(model, "generate", SyncedGenerate(model.generate))
 
 
 class SyncedGenerate:

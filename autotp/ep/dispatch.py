@@ -27,6 +27,7 @@ from torch import nn
 
 from ..mesh import named_failure
 from ..planning.sharding import Partition, Shard
+from ..runtime.process_hooks import patch_attribute
 from ..runtime.seq_collectives import dim0_share, gather_dim0_shares, keep_dim0_share
 from .collectives import exchange, exchange_counts
 from .groups import ExpertGroups
@@ -55,7 +56,7 @@ class ExpertRegion:
             new.autotp_expert = self
             self._set(name, new)
         self.blocks = {p.shape[0]: p.shape[0] // self.local for p in map(module.get_parameter, names)}
-        module.forward = self.forward
+        patch_attribute(module, "forward", self.forward)
         module.autotp_region = self
 
     def held(self, tensor: torch.Tensor) -> Shard | None:

@@ -19,9 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..mesh import group_size
 from ..runtime.input_agreement import check_same_batch
@@ -31,6 +29,8 @@ from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
 from ..tp.lora import adapt
 from ..runtime.replicas import check_replicas
+from ..runtime.process_hooks import module_forward_pre_hook, watch_optimizer_steps
+from ..runtime.slot_guard import SlotGuard
 from ..state import TPState, find_state, refuse_torch_fsdp, state_of
 
 REPLICA_CHECK_EVERY = 100
@@ -80,7 +80,7 @@ class DDPGuard:
         if ddp is not None:
             self.check(ddp.process_group)
         elif self._pending is None:
-            self._pending = register_module_forward_pre_hook(self._on_forward)
+            self._pending = module_forward_pre_hook(self, DDPGuard._on_forward)
         return iter(self.ignored)
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
@@ -157,8 +157,7 @@ class MeshGuard:
 
     Inside a forward FSDP's parameters are plain tensors; before a step they are DTensors again, so the mesh is
     checked there, once per parameter object, before any weight changes. The model's state keeps its guard alive;
-    one process-wide step hook, registered once and never removed, visits the live guards (`_GUARDS`, held weakly):
-    removing a hook while torch iterates them would break every optimizer step of the process.
+    the process-wide step hook (`autotp.runtime.process_hooks.watch_optimizer_steps`) visits it while it lives.
     """
 
     def __init__(self, model: nn.Module):
@@ -166,7 +165,7 @@ class MeshGuard:
         self._checked: weakref.ref | None = None
         model.register_forward_pre_hook(self.on_forward)
         self.state.mesh_guard = self
-        _watch(self)
+        self.watch = watch_optimizer_steps(self, MeshGuard.before_step)
 
     def __deepcopy__(self, memo: dict) -> MeshGuard:
         """The guard of a deep-copied model (its forward hook is this guard's bound method, copied with it); a part of
@@ -177,10 +176,13 @@ class MeshGuard:
         new = MeshGuard.__new__(MeshGuard)
         memo[id(self)] = new
         new.model, new.state, new._checked = copy.deepcopy(self.model, memo), state, None
-        _watch(new)
+        new.watch = watch_optimizer_steps(new, MeshGuard.before_step)
         return new
 
     def on_forward(self, module: nn.Module, args: tuple) -> None:
+        self.check()
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.check()
 
     def check(self) -> None:
@@ -191,21 +193,6 @@ class MeshGuard:
         check_mesh(first, self.state.tp_group)
         refuse_torch_fsdp(self.model, self.state, deep=True)
         self._checked = weakref.ref(first)  # FSDP swaps the parameter objects, so any change is seen again
-
-
-_GUARDS: weakref.WeakSet[MeshGuard] = weakref.WeakSet()
-_STEP_HOOK = []  # the one optimizer-step pre-hook handle, once registered
-
-
-def _watch(guard: MeshGuard) -> None:
-    _GUARDS.add(guard)
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
-
-
-def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for guard in list(_GUARDS):
-        guard.check()
 
 
 def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
@@ -262,56 +249,33 @@ def refuse_quantized(model: nn.Module) -> None:
         f"dtype=torch.bfloat16), wrap it, then add LoRA: each rank then holds 1/tp of the weights")
 
 
-class SwapGuard:
-    """Forward pre-hook watching the slots of sharded modules: adapts PEFT's LoRA put around a sharded linear after
-    wrap (`autotp.tp.lora`), and refuses to run once one was replaced by anything else.
+class SwapGuard(SlotGuard):
+    """Watches the slots of sharded modules (`autotp.runtime.slot_guard`): adapts PEFT's LoRA put around a sharded
+    linear after wrap (`autotp.tp.lora`), and refuses to run once one was replaced by anything else."""
 
-    Hooks sit on the parent blocks, not on the model: PEFT calls the model's `forward` directly, which skips
-    the model's own hooks, while blocks are still called as modules. Slots of the model itself (the LM head)
-    are watched from the input embedding, which every forward runs first. A check is one dict lookup a slot.
-    """
+    recheck = "autotp_lora"  # a LoRA-adapted layer in place is still looked at (`adapt` may release it)
 
-    def __init__(self, parent: nn.Module, parent_path: str, slots: dict[str, nn.Module], state: TPState,
-                 carrier: nn.Module):
-        self.parent, self.parent_path, self.slots, self.state = parent, parent_path, slots, state
-        self.handle = carrier.register_forward_pre_hook(self)
+    def __init__(self, parent: nn.Module, parent_path: str, slots: dict[str, nn.Module], carrier: nn.Module,
+                 state: TPState):
+        super().__init__(parent, parent_path, slots, carrier)
+        self.state = state
         state.swap_guards.append(self)
 
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        for name, layer in self.slots.items():
-            current = self.parent._modules.get(name)
-            if current is layer and not hasattr(layer, "autotp_lora"):  # nothing to adapt or release (`adapt`)
-                continue  # and no path built: torch.compile would guard on each block's own string and recompile
-            path = self._path(name)
-            if adapt(current, layer, path, self.state):
-                continue
-            found = adapter_module(current) if current is not None else None
-            why = PEFT_UNSUPPORTED if found else (
-                "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
-            raise RuntimeError(f"autotp: {path} was replaced after wrap by "
-                               f"{type(current).__module__}.{type(current).__qualname__}. {why}")
-
-    def _path(self, name: str) -> str:
-        return f"{self.parent_path}.{name}" if self.parent_path else name
-
-    @classmethod
-    def install(cls, model: nn.Module, modules: dict[str, nn.Module], state: TPState) -> None:
-        """Guard every sharded module (path -> module) from its parent block."""
-        by_parent: dict[str, dict[str, nn.Module]] = {}
-        for path, module in modules.items():
-            parent, _, name = path.rpartition(".")
-            by_parent.setdefault(parent, {})[name] = module
-        for parent, slots in by_parent.items():
-            block = model.get_submodule(parent)
-            carrier = (model.get_input_embeddings() or model) if block is model else block
-            cls(block, parent, slots, state, carrier)
+    def changed(self, path: str, current: nn.Module | None, original: nn.Module) -> None:
+        if adapt(current, original, path, self.state):
+            return
+        found = adapter_module(current) if current is not None else None
+        why = PEFT_UNSUPPORTED if found else (
+            "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
+        raise RuntimeError(f"autotp: {path} was replaced after wrap by "
+                           f"{type(current).__module__}.{type(current).__qualname__}. {why}")
 
     @classmethod
     def refresh(cls, model: nn.Module, state: TPState, paths: list[str]) -> None:
         """Guard `paths` anew: autotp itself rebuilt their modules (a vocabulary resize)."""
         for guard in list(state.swap_guards):
             for name in list(guard.slots):
-                if guard._path(name) in paths:
+                if guard.path(name) in paths:
                     del guard.slots[name]
             if not guard.slots:
                 guard.handle.remove()

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from torch import nn
 
+from . import process_hooks
 from .rng import capture, restore
 
 
@@ -25,6 +26,7 @@ class Snapshot:
     def __init__(self, model: nn.Module):
         self._modules = [(vars(m), dict(vars(m)), _containers(m)) for m in model.modules()]
         self._rng = capture()
+        self._mark = process_hooks.mark()  # what it installs outside the model, undone first
         self._handles: list[Removable] = []
 
     def track(self, handles: list[Removable]) -> None:
@@ -32,6 +34,7 @@ class Snapshot:
         self._handles += handles
 
     def restore(self) -> None:
+        process_hooks.undo_since(self._mark)
         for handle in reversed(self._handles):
             handle.remove()
         for attributes, saved, containers in self._modules:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook
+from ..runtime.process_hooks import patch_attribute
 from ..runtime.seq_collectives import all_gather_seq_to_tp, gather_from_seq, own_chunk, scatter_to_seq
 from ..mesh import Group, group_size
 from ..tp.layers import LinearAllreduce
@@ -165,7 +166,7 @@ class LayerScope:
         self.layer, self.chunked, self.dropout, self.state = layer, chunked, dropout, state
         self.original = type(layer)
         layer.autotp_sequence_scope = self
-        layer.__class__ = _scoped_class(self.original)
+        self.scoped = patch_attribute(layer, "__class__", _scoped_class(self.original))
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
@@ -177,7 +178,7 @@ class LayerScope:
             yield
 
     def remove(self) -> None:
-        self.layer.__class__ = self.original
+        self.scoped.remove()
         del self.layer.autotp_sequence_scope
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..mesh import Group
 from ..planning.plan import Plan, VocabPlan
+from ..runtime.process_hooks import patch_attribute
 from ..state import TPState
 from ..tp.block_entry import BlockEntry
 from ..tp.layers import LinearLayer
@@ -34,7 +35,7 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
         if vocab.tied:  # one shard serves both, as one parameter served both
             head.weight = embedding.weight
     loss = VocabParallelLoss(vocab.partition, tp_group, state.full_loss)
-    model.loss_function = loss
+    patch_attribute(model, "loss_function", loss)
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
     state.vocab_hooks += [model.register_forward_pre_hook(gate.before, with_kwargs=True),
                           model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),

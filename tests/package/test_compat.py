@@ -38,7 +38,7 @@ DEPENDENCY_PRIVATES = {
     "_get_collator_with_removed_columns", "_train_batch_size", "_models", "_check_forward_args",
     "_cast_input_dtype", "_timeout", "_getframe", "_get_backend", "_ddp_params_and_buffers_to_ignore",
     "_attn_implementation", "_experts_implementation_internal", "_make_wrapper_subclass",
-    "_disabled_torch_function_impl", "_load_rng_state", "_get_eval_sampler",
+    "_disabled_torch_function_impl", "_load_rng_state", "_get_eval_sampler", "_global_mapping", "_current_frames",
 }
 NN_MODULE_OWN = {name for name in dir(nn.Module) if name.startswith("_")}  # _modules, _load_from_state_dict, ...
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...compat.peft import AdapterRequest, patch_update_layer
 from ...mesh import is_global_rank0
+from ...runtime.process_hooks import CLASS_ATTRIBUTE, Effect, Hold, patch_class_attribute
 from ..errors import describe, failures, world
 from ...tp.lora import adapt_all, adapter_partition, build_adapter, sharded_loras, trainable_copies
 from ...state import TPState, find_state, wrapped_model
@@ -81,42 +82,37 @@ def _save_pretrained(original: Any) -> Any:
 class _PeftPatch:
     """While any model that autotp wrapped lives (a PEFT model holds the one it adapts): `PeftModel.save_pretrained`
     wrapped, and PEFT's `update_layer` building adapters around sharded layers at full size, then splitting them
-    (`autotp.tp.lora.build_adapter`); PEFT's own again once the last of them is garbage-collected."""
+    (`autotp.tp.lora.build_adapter`); PEFT's own again once the last of them is garbage-collected or rolled back
+    (a process-wide effect of `autotp.runtime.process_hooks`)."""
 
     def __init__(self) -> None:
-        self.models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self.live = 0  # counted apart: the set may drop a model before its finalizer runs
-        self.original: Any = None
-        self.restore_update_layer: Callable[[], None] | None = None
+        self.models: weakref.WeakKeyDictionary[nn.Module, Hold] = weakref.WeakKeyDictionary()
 
     def watch(self, model: nn.Module) -> None:
         """Wrap PEFT's methods while `model` lives, if PEFT is installed (imported here so no later import misses it)."""
-        if importlib.util.find_spec("peft") is None or model in self.models:
+        if importlib.util.find_spec("peft") is None or (model in self.models and not self.models[model].removed):
             return
         from peft import PeftModel
 
-        if self.live == 0:
-            self.original = PeftModel.save_pretrained
-            PeftModel.save_pretrained = _save_pretrained(self.original)
-            self.restore_update_layer = patch_update_layer(self.build)
-        self.models.add(model)
-        self.live += 1
-        weakref.finalize(model, self.release).atexit = False
+        self.models[model] = patch_class_attribute(model, "PEFT's methods", self.install, [
+            Effect(CLASS_ATTRIBUTE, "save_pretrained", PeftModel), Effect(CLASS_ATTRIBUTE, "update_layer", "peft lora.Linear")])
+
+    def install(self) -> Callable[[], None]:
+        from peft import PeftModel
+
+        original = PeftModel.save_pretrained
+        PeftModel.save_pretrained = _save_pretrained(original)
+        restore_update_layer = patch_update_layer(self.build)
+
+        def restore() -> None:
+            if getattr(PeftModel.save_pretrained, "__wrapped__", None) is original:  # not replaced since by others
+                PeftModel.save_pretrained = original
+            restore_update_layer()
+
+        return restore
 
     def build(self, request: AdapterRequest, build: Callable[[], None]) -> None:
-        build_adapter(request, build, list(self.models))
-
-    def release(self) -> None:
-        self.live -= 1
-        if self.live:
-            return
-        from peft import PeftModel
-
-        if getattr(PeftModel.save_pretrained, "__wrapped__", None) is self.original:  # not replaced since by others
-            PeftModel.save_pretrained = self.original
-        self.original = None
-        self.restore_update_layer()
-        self.restore_update_layer = None
+        build_adapter(request, build, [model for model, hold in list(self.models.items()) if not hold.removed])
 
 
 watch_peft = _PeftPatch()

@@ -21,8 +21,7 @@ class ContextParallelism(Dimension):
 
     name = "cp"
 
-    def __init__(self) -> None:
-        self.context: ContextParallel | None = None
+    context: ContextParallel  # set by `apply` when active: the hooks run only then
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         cp = options.cp_size
@@ -39,11 +38,12 @@ class ContextParallelism(Dimension):
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         """After vocabulary parallelism's loss, which it wraps."""
-        self.context = install(model, state.cp_group, state, state.options.cp_size)
-        if self.context is None:
+        context = install(model, state.cp_group, state, state.options.cp_size)
+        if context is None:
             return []
+        self.context = context
         state.dims[self.name] = self
-        return [self.context]
+        return [context]
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         self.context.unsynced = False  # summed over CP here (or by FSDP)

@@ -24,8 +24,7 @@ class ExpertParallelism(Dimension):
     name = "ep"
     allows_ddp = False
 
-    def __init__(self) -> None:
-        self.experts: ExpertGroups | None = None
+    experts: ExpertGroups  # set by `apply` when active: the hooks run only then
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         refuse_unsupported(model, plan, options)
@@ -36,8 +35,9 @@ class ExpertParallelism(Dimension):
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         """Before loading, so that a load reads only this rank's experts."""
-        self.experts = expert_parallel(model, plan, state.mesh, state)
-        if self.experts is not None:
+        experts = expert_parallel(model, plan, state.mesh, state)
+        if experts is not None:
+            self.experts = experts
             state.dims[self.name] = self
         return []
 

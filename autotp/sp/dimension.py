@@ -21,4 +21,4 @@ class SequenceParallelism(Dimension):
         if not state.options.sequence_parallel:
             return []
         state.dims[self.name] = self
-        return apply_sequence_parallel(model, state.plan, state.tp_group, state, state.whole)
+        return list(apply_sequence_parallel(model, state.plan, state.tp_group, state, state.whole))

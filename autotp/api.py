@@ -29,9 +29,8 @@ from .mesh import (
 from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
 from .compat import check_versions
 from .compat.hf import build_model
-from .cp import apply as context
 from .tp import lora_lift
-from .parallelize import parallelize
+from .parallelize import dimensions as pipeline_dimensions, parallelize
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.hf.load import checkpoint_files, load_params
 from .options import OPTION_NAMES, WrapKwargs, WrapOptions, takes_wrap_options, wrap_options
@@ -39,7 +38,7 @@ from .planning.plan import Plan
 from .planning.planner import build_plan
 from .sp.sequence import sequence_layout
 from .runtime.agreement import check_agreement, check_sizes
-from .ep.apply import dense_plan, expert_paths, refuse_unsupported as refuse_ep
+from .runtime.dimension import base_plan
 from .state import TPState, find_state
 
 log = logging.getLogger("autotp")
@@ -138,6 +137,9 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         plan = _plan(model, tp_size, options)
     except Exception as err:  # every rank must still hear of it below
         error = err
+    if options.tp_group is not None or any(n > 1 for n in options.sizes(tp_size).values()):
+        if not dist.is_initialized() and launched_by_torchrun():  # the ranks then compare their plans over the world
+            init_from_env(options.timeout or DEFAULT_TIMEOUT)
     _planned_everywhere(error, tp_size, options, call)
     mesh, timeout = _mesh(tp_size, options)
     if mesh.grid is not None:  # at tp 1 (and every size 1) no collective: some ranks only may wrap
@@ -155,19 +157,11 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     refuse_quantized(model)
     refuse_torchao(model)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
-    refuse_ep(model, plan, options)
+    dimensions = pipeline_dimensions()
+    for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
+        dimension.refuse(model, plan, options)
     if options.sequence_parallel:
-        sequence_layout(model, dense_plan(plan, options), expert_paths(model, plan, options))
-    cp = options.cp_size
-    if cp > 1:
-        context.refuse_unsupported(model, cp)
-        if options.tp_group is not None:
-            raise NotImplementedError(f"cp_size={cp} with tp_group=: context parallelism builds its own groups; leave "
-                                      f"tp_group out")
-        if options.sequence_parallel and context.dropout_on(model):
-            raise NotImplementedError(f"cp_size={cp} with sequence_parallel and dropout: sequence parallelism's masks "
-                                      f"would be drawn for this rank's chunk, not as one process draws them; set the "
-                                      f"dropout to 0 or leave sequence_parallel off")
+        sequence_layout(model, *base_plan(dimensions, model, plan, options))
     return plan
 
 
@@ -182,8 +176,6 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     tp_group there is no collective (some ranks only may wrap), so the others can only name the likely cause.
     """
     collective = options.tp_group is not None or any(n > 1 for n in options.sizes(tp_size).values())
-    if collective and not dist.is_initialized() and launched_by_torchrun():
-        init_from_env(options.timeout or DEFAULT_TIMEOUT)
     group = world() if collective else None
     sizes = (tuple(options.sizes(tp_size).items()), options.tp_group is not None)
     with nullcontext() if group is None else named_failure(
@@ -212,7 +204,7 @@ def _options(call: str, tp_size: int, keywords: Mapping[str, Any]) -> WrapOption
 
 def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
     """This rank's mesh and the timeout of its groups; torch.distributed was initialised from launcher variables, if
-    needed, by `_planned_everywhere`."""
+    needed, by `_shard`."""
     timeout, tp_group, sizes = options.timeout, options.tp_group, options.sizes()
     if not dist.is_initialized():
         if tp_group is not None or any(n > 1 for n in sizes.values()):

@@ -24,6 +24,7 @@ from .planning.plan import Plan
 
 _ATTR = "autotp_state"
 Hook = TypeVar("Hook", bound=Callable)
+D = TypeVar("D")
 _live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapped model -> the pid that wrapped it
 
 
@@ -47,8 +48,22 @@ class TPState:
     root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
     mesh_guard: Any = None  # autotp.integrations.guards.MeshGuard, kept alive by the model it watches
-    context: Any = None  # autotp.cp.apply.ContextParallel, at cp_size > 1
-    ep: Any = None  # autotp.ep.groups.ExpertGroups, at ep_size > 1
+    dims: dict = field(default_factory=dict)  # the active dimensions by axis (autotp.runtime.dimension.Dimension)
+    whole: tuple[str, ...] = ()  # modules a dimension keeps whole and splits itself (the experts at ep > 1)
+
+    def dim(self, kind: type[D]) -> D | None:
+        """The active dimension of class `kind` (None: inactive), typed for its own package's use."""
+        found = self.dims.get(getattr(kind, "name"))
+        return found if isinstance(found, kind) else None
+
+    def split_groups(self) -> list[Group]:
+        """The groups the active dimensions split their own tensors over besides TP (the experts' EP group), which
+        saving and exporting gather over."""
+        return [group for group in (d.split_group() for d in self.dims.values()) if group is not None]
+
+    def allows_ddp(self) -> bool:
+        """Whether DDP can sync every gradient (not under expert parallelism: `autotp.allreduce_gradients` must)."""
+        return all(d.allows_ddp for d in self.dims.values())
 
     @property
     def tp_group(self) -> Group:

@@ -40,10 +40,8 @@ def allreduce_gradients(model: nn.Module, average: bool = True) -> None:
     group = dp_cp_group(model)
     size = group_size(group)
     state = state_of(model)
-    if state.context is not None:
-        state.context.unsynced = False  # summed over CP here (or by FSDP)
-    if state.ep is not None and not state.fsdp:  # the experts over their own replicas (autotp.ep.grads)
-        state.ep.sync_gradients(model, size, average)
+    for dimension in state.dims.values():  # CP: marked summed; the experts over their own replicas (autotp.ep.grads)
+        dimension.sync_gradients(model, state, size, average)
     if size == 1 or state.fsdp:
         return
     params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "autotp_expert")]
@@ -70,10 +68,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     device = params[0].grad.device
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
-    dense, experts = params, None
-    if state.ep is not None:  # each EP rank's experts once: their own all-reduces over EP (and expert-DP under FSDP)
-        experts = state.ep.norm([p for p in params if hasattr(p, "autotp_expert")], norm_type, state.fsdp)
-        dense = [p for p in params if not hasattr(p, "autotp_expert")]
+    dense, own = params, []
+    for dimension in state.dims.values():  # the experts: each EP rank's once, complete over every rank (autotp.ep)
+        dense, part = dimension.norm(dense, norm_type, state)
+        own += [] if part is None else [part]
     for p in dense:
         grad, first = local_rows(p.grad.detach())  # under FSDP, this rank's rows of its TP shard
         grad = grad.double()
@@ -102,8 +100,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         with named_failure(state.grad_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over DP"):
             for part in (sharded, replicated):
                 dist.all_reduce(part, op=op, group=state.grad_group)
-    if experts is not None:
-        replicated = replicated + experts if norm_type == 2.0 else torch.maximum(replicated, experts)
+    for part in own:
+        replicated = replicated + part if norm_type == 2.0 else torch.maximum(replicated, part)
     norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1:

@@ -68,7 +68,9 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
                "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
     shards = {name: p.autotp_shard for name, p in root.named_parameters(remove_duplicate=False)
               if hasattr(p, "autotp_shard")}
-    experts = {} if state.ep is None else state.ep.fully_shard(options, group_size(state.grad_group))
+    experts: dict = {}  # each dimension's own (the experts, over expert-DP: autotp.ep.fsdp), before the layers
+    for dimension in state.dims.values():
+        experts.update(dimension.fully_shard(options, state))
     for unit in decoder_layers(root, state):
         torch_fully_shard(unit, **options)
     torch_fully_shard(root, **options)

@@ -53,11 +53,12 @@ def dense_plan(plan: Plan, options: WrapOptions) -> Plan:
     return plan if options.ep_size == 1 else replace(plan, regions=())
 
 
-def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) -> None:
-    """Keep this EP rank's experts of every region of `plan` and dispatch tokens to them (`ExpertRegion`)."""
+def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) -> ExpertGroups | None:
+    """Keep this EP rank's experts of every region of `plan` and dispatch tokens to them (`ExpertRegion`); returns
+    the expert grid (None at ep 1)."""
     experts = ExpertGroups.of(mesh)
     if experts is None:
-        return
+        return None
     layouts = expert_layouts(model, plan, experts.size)
     # the TP ranks hold the same tokens, each dispatching its share; under sequence parallelism each already holds
     # its own chunk, so nothing is split again
@@ -68,10 +69,10 @@ def expert_parallel(model: nn.Module, plan: Plan, mesh: Mesh, state: TPState) ->
         state.regions.append(part)  # gathered mode: every expert on every rank
     modality_groups(model, experts.regions)  # several experts modules in one block: each run on every EP rank
     state.regions.append(GatheredBackwardRefusal(model, experts))  # after the regions: their gathered shapes
-    state.ep = experts
     guard_expert_slots(model, [layout.path for layout in layouts], experts.size)
     if callable(getattr(model, "generate", None)):
         patch_attribute(model, "generate", SyncedGenerate(model.generate))
+    return experts
 
 
 class SyncedGenerate:
@@ -87,7 +88,6 @@ class SyncedGenerate:
         return self.generate(*args, **kwargs)
 
 
-def broadcast_experts(model: nn.Module, state: TPState) -> None:
+def broadcast_experts(model: nn.Module, experts: ExpertGroups) -> None:
     """Every expert from the first rank holding it (expert-DP rank 0), as the dense weights come from DP rank 0."""
-    if state.ep is not None:
-        broadcast_tensors([p.data for p in expert_params(model)], state.ep.edp)
+    broadcast_tensors([p.data for p in expert_params(model)], experts.edp)

@@ -2,8 +2,8 @@
 
 - TP or CP ranks of one replica fed different batches (`check_same_inputs`, `wrap(..., check_inputs=True)`).
 - DistributedDataParallel over a group that holds two ranks of one TP group, which would average
-  different shards together (`DDPGuard`), or, under context parallelism, one that leaves out CP ranks
-  (`ContextDDPGuard`).
+  different shards together, or, under context parallelism, one that leaves out CP ranks (`DDPGuard`, which asks
+  each dimension: `autotp.runtime.dimension.Dimension.check_ddp`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.tp.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
 - torch's own `fully_shard` on a wrapped model (use `autotp.fully_shard`), and FSDP over a mesh that holds two ranks
@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..mesh import group_size
 from ..runtime.input_agreement import check_same_batch
 from ..dp.fsdp import check_mesh
 from ..compat.hf import adapter_module
@@ -31,7 +30,7 @@ from ..tp.lora import adapt
 from ..runtime.replicas import check_replicas
 from ..runtime.process_hooks import module_forward_pre_hook, watch_optimizer_steps
 from ..runtime.slot_guard import SlotGuard
-from ..state import TPState, find_state, refuse_torch_fsdp, state_of
+from ..state import TPState, refuse_torch_fsdp, state_of
 
 REPLICA_CHECK_EVERY = 100
 
@@ -90,41 +89,11 @@ class DDPGuard:
             self.check(module.process_group)
 
     def check(self, group: dist.ProcessGroup | None) -> None:
-        """Refuse a data-parallel group that contains two ranks of this model's TP group, and any under expert
-        parallelism: DDP would average each EP rank's experts with other experts."""
-        experts = state_of(self.model).ep
-        if experts is not None:
-            raise NotImplementedError(f"DistributedDataParallel at ep_size={experts.size}: DDP would average different "
-                                      f"experts together. Use autotp.allreduce_gradients(model), which sums the "
-                                      f"expert gradients over their own replicas")
-        tp = state_of(self.model).tp_group
-        if group is None or group_size(tp) == 1:
-            return
-        members = set(dist.get_process_group_ranks(group))
-        shared = sorted(members & set(dist.get_process_group_ranks(tp)))
-        if len(shared) > 1:
-            raise RuntimeError(
-                f"DistributedDataParallel over ranks {sorted(members)} would average different tensor-parallel "
-                f"shards together (ranks {shared} hold different shards of the same tensors). Pass "
-                f"process_group=autotp.dp_group(model), or use autotp.allreduce_gradients(model)."
-            )
-
-
-class ContextDDPGuard(DDPGuard):
-    """Under context parallelism, DDP must average over DP x CP: over the DP group alone it would leave each CP
-    rank with its own tokens' share of the gradient, and the replicas would train apart."""
-
-    def check(self, group: dist.ProcessGroup | None) -> None:
-        super().check(group)
-        state = find_state(self.model)
-        if group is None or state is None or state.cp_group is None:
-            return
-        members, cp = set(dist.get_process_group_ranks(group)), dist.get_process_group_ranks(state.cp_group)
-        if not members >= set(cp):
-            raise RuntimeError(f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
-                               f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
-                               f"autotp.allreduce_gradients(model)")
-        state.context.synced_by_ddp = True  # DDP sums over CP (and averages over DP) in backward
+        """Refuse a data-parallel group that would mix what a dimension splits: two ranks of this model's TP group,
+        one leaving out CP ranks, any under expert parallelism (each dimension's `check_ddp`)."""
+        state = state_of(self.model)
+        for dimension in state.dims.values():
+            dimension.check_ddp(group, state)
 
 
 def _ddp_under_construction() -> DistributedDataParallel | None:

@@ -126,7 +126,7 @@ class AutoTPTrainer(Trainer):
             self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         group = dp_cp_group(model)  # DP x CP: the average sums over CP (each CP rank's share counts C times)
         state = find_state(model)  # FSDP reduces gradients over DP x CP itself; under EP, `training_step` syncs them
-        if group_size(group) > 1 and not state.fsdp and state.ep is None:
+        if group_size(group) > 1 and not state.fsdp and state.allows_ddp():
             device = next(model.parameters()).device
             return DistributedDataParallel(model, process_group=group,
                                            device_ids=[device] if device.type == "cuda" else None)
@@ -276,7 +276,7 @@ class AutoTPTrainer(Trainer):
         expert parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before
         Trainer clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if find_state(self.model).ep is not None and self.accelerator.sync_gradients:
+        if not find_state(self.model).allows_ddp() and self.accelerator.sync_gradients:
             allreduce_gradients(wrapped_model(self.model))
         group = dp_group(self.model)
         if group_size(group) > 1:

@@ -15,28 +15,26 @@ from transformers import PreTrainedModel
 
 from ..compat.hf import avoid_grouped_mm
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
-from ..mesh import Mesh, build_subgroups, group_rank
+from ..mesh import build_subgroups
 from .heads import AttentionWeights, tag_heads
 from .block_entry import BlockEntry
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
 from ..options import WrapOptions
 from ..planning.sharding import Partition
-from ..planning.plan import AttrPlan, HeadInputPlan, Plan
+from ..planning.plan import AttrPlan, HeadInputPlan
 from ..runtime.rng import sync_replicated_stream
 from .streams import install_sharded_streams
 from ..state import TPState, attach
 
 
-def apply_plan(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions) -> TPState:
-    """Rewrite `model` in place to follow `plan` on this rank (on the meta device too), with `options` fixed in every
-    layer and block entry it builds (`options.timeout` is the resolved one).
+def apply_plan(model: nn.Module, state: TPState) -> None:
+    """Rewrite `model` in place to follow `state.plan` on this rank (on the meta device too), with `state.options`
+    fixed in every layer and block entry it builds (`options.timeout` is the resolved one); attaches `state`.
 
     The gradient hooks come later (`register_grad_hooks`), once loading has replaced any meta
     parameters: a hook belongs to one Parameter object.
     """
-    tp_group = mesh.tp
-    rank = group_rank(tp_group)
-    state = TPState(plan, mesh, rank, options)
+    plan, options, tp_group, rank = state.plan, state.options, state.tp_group, state.tp_rank
     modules = dict(model.named_modules())
     entries: dict[str, BlockEntry] = {}
     head = plan.vocab.head if plan.vocab is not None else None
@@ -80,7 +78,6 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions) -
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
     attach(model, state)
-    return state
 
 
 def _experts_path(module: nn.Module, partitions: Iterable[Partition]) -> None:

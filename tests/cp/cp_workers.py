@@ -264,7 +264,10 @@ def cp_deepcopy(rank: int, world: int) -> tuple[float, float, bool]:
     model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 1, cp_size=world)
     twin = copy.deepcopy(model)
     ids = batch()
-    own = twin.autotp_state.context is not model.autotp_state.context and twin.loss_function.context.model is twin
+    from autotp.cp.dimension import ContextParallelism
+
+    mine, theirs = (m.autotp_state.dim(ContextParallelism).context for m in (model, twin))
+    own = theirs is not mine and twin.loss_function.context.model is twin
     return model(input_ids=ids, labels=ids).loss.item(), twin(input_ids=ids, labels=ids).loss.item(), own
 
 

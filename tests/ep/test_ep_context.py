@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.cp.dimension import ContextParallelism
 from autotp.state import state_of
 from autotp.testing import run_ranks
 from ep_workers import GLOBAL, check_training, dp_loop, moe_model, single_process
@@ -29,7 +30,8 @@ def record_local_routing(model: torch.nn.Module, sequence_parallel: bool) -> lis
     seen: list[tuple] = []
 
     def hook(module, args):
-        layout = None if state.context is None else state.context.layout
+        cp = state.dim(ContextParallelism)
+        layout = None if cp is None else cp.context.layout
         seen.append((args[1].detach().clone(), None if layout is None else layout.local.clone(), share))
 
     for name, module in model.named_modules():

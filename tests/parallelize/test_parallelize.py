@@ -30,8 +30,11 @@ def steps_run(rank: int, world: int, path: str) -> list[str]:
         return run
 
     for name in documented_steps():
-        if hasattr(pipeline, name):
-            setattr(pipeline, name, spy(name, getattr(pipeline, name)))
+        step = getattr(pipeline, name, None)
+        if isinstance(step, type):  # a step object of `pipeline.parallelisms`: its `apply`
+            step.apply = spy(name, step.apply)
+        elif step is not None:  # an integration
+            setattr(pipeline, name, spy(name, step))
     real = api.parallelize
     api.parallelize = lambda model, plan, groups, options, materialize: real(
         model, plan, groups, options, spy("materialize", materialize))

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from autotp.testing import tiny_config
 
 
-STAGES = ["autotp.tp.apply.LinearAllreduce.__init__", "autotp.parallelize.apply_sequence_parallel",
-          "autotp.parallelize.register_grad_hooks", "autotp.parallelize.DDPGuard",
+STAGES = ["autotp.tp.apply.LinearAllreduce.__init__", "autotp.sp.dimension.apply_sequence_parallel",
+          "autotp.tp.dimension.register_grad_hooks", "autotp.parallelize.DDPGuard",
           "autotp.parallelize.broadcast_replicated"]
 
 
@@ -77,7 +77,7 @@ def test_wrap_failing_at_any_stage_leaves_the_model_as_it_was(stage: str) -> Non
         assert report["tensors"] and report["loss"] == 0.0 and not report["wrapped"]
 
 
-@pytest.mark.parametrize("stage", ["autotp.parallelize.register_grad_hooks", "autotp.parallelize.broadcast_experts"])
+@pytest.mark.parametrize("stage", ["autotp.tp.dimension.register_grad_hooks", "autotp.ep.dimension.broadcast_experts"])
 def test_wrap_at_ep2_failing_after_the_experts_are_split_leaves_the_model_as_it_was(stage: str) -> None:
     """The expert step replaces each experts module's parameters and forward: undone too (tp 1, ep 2)."""
     for report in run_ranks(failing_wrap, 2, stage, "qwen3_moe", {"tp": 1, "ep_size": 2}):

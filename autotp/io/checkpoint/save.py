@@ -55,9 +55,11 @@ def layout(model: nn.Module) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
-    ep = 1 if state is None or state.ep is None else state.ep.size  # a record: experts are stored whole, as boxes
-    return {"tp_size": tp, "cp_size": cp, "ep_size": ep, "world_size": world_size, "dp_size": world_size // (tp * cp),
-            "fsdp": state is not None and state.fsdp}
+    record = {"tp_size": tp, "cp_size": cp, "ep_size": 1, "world_size": world_size,
+              "dp_size": world_size // (tp * cp), "fsdp": state is not None and state.fsdp}
+    for dimension in [] if state is None else state.dims.values():  # ep_size: a record, experts are stored whole
+        record.update(dimension.layout())
+    return record
 
 
 def model_entries(model: nn.Module) -> dict[str, Chunks]:

@@ -67,8 +67,8 @@ def save_pretrained(
         """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts)."""
         return fsdp or global_rank() == 0 or (group is not None and 0 in dist.get_process_group_ranks(group))
 
-    experts = None if state is None or state.ep is None else state.ep.ep
-    in_writer_group = writes(tp_group) or (experts is not None and writes(experts))
+    splits = [] if state is None else state.split_groups()
+    in_writer_group = writes(tp_group) or any(writes(group) for group in splits)  # the experts: over EP
 
     def fetch(name: str) -> torch.Tensor | None:
         group = holders(params[name], tp_group)

@@ -90,9 +90,8 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     check_bucket_bytes(bucket_bytes, "autotp.export_weights")
     root = peft_inner(outside_module_holders(model))
     state = find_state(root)
-    if state is not None and state.ep is not None and target is not None:
-        raise NotImplementedError(f"autotp.export_weights(target=...) at ep_size={state.ep.size}: sending each engine "
-                                  f"rank its rows of the experts is not supported yet; export without target")
+    for dimension in [] if state is None or target is None else state.dims.values():
+        dimension.refuse_export(target)
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
     raw = root.state_dict(keep_vars=True)
@@ -141,7 +140,7 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
         return nbytes * (target.tp_size if replicated else 1)
 
     tp_group = None if state is None else state.tp_group
-    everyone = state is not None and (state.fsdp or state.ep is not None)
+    everyone = state is not None and (state.fsdp or bool(state.split_groups()))
     agree_group = (dist.group.WORLD if everyone else tp_group) if state is not None else None
     groups = {name: {holders(params[part.source], tp_group) for part in saved.parts} for name, saved in items}
     mixed = [name for name, held in groups.items() if len(held) > 1]
@@ -158,10 +157,10 @@ class _Gathers:
 
     def __init__(self, state, groups: dict[str, Group]):
         self.groups, self.writers = groups, {}  # group -> its ranks that get the tensors (else its rank 0)
-        if state is not None and state.ep is not None:
+        for group in [] if state is None else state.split_groups():  # a dimension's own split (the experts over EP)
             firsts = set(state.mesh.grid[..., 0].flatten().tolist())  # TP rank 0 of every TP group (TP innermost)
-            ranks = dist.get_process_group_ranks(state.ep.ep)
-            self.writers[state.ep.ep] = [i for i, rank in enumerate(ranks) if rank in firsts]
+            ranks = dist.get_process_group_ranks(group)
+            self.writers[group] = [i for i, rank in enumerate(ranks) if rank in firsts]
 
     def key(self, name: str) -> int:
         """Tensors gathered over one group go in one bucket."""

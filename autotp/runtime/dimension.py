@@ -1,0 +1,89 @@
+"""A parallel dimension as one unit: its axis, its refusals, its pipeline step, and its part of each operation that
+spans the dimensions.
+
+Each dimension package (`autotp.tp`, `autotp.vocab`, `autotp.sp`, `autotp.cp`, `autotp.ep`) defines one `Dimension`;
+`autotp.parallelize` lists them in order, and each one's `apply` records it in `TPState.dims` when it is active. The
+gradient sync and norm (`autotp.dp.ddp`), FSDP (`autotp.dp.fsdp`), the DDP guard, the saved and exported layouts and
+the Trainer loop over `TPState.dims` instead of branching on one dimension. Every hook does nothing by default, so a
+dimension implements only the parts it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..mesh import Group
+from ..options import WrapOptions
+from ..planning.plan import Plan
+from ..state import TPState
+from .rollback import Removable
+
+
+class Step(Protocol):
+    """One step of `autotp.parallelize`: it changes the model and returns what only it can undo (hooks on tensors the
+    model keeps); `runtime.rollback.Snapshot` puts back the rest."""
+
+    def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]: ...
+
+
+class Dimension:
+    """A parallelism: `name` is its mesh axis (its key in `TPState.dims`). `plan` is always the full plan; the part
+    tensor parallelism applies is `state.plan` (`base_plan`)."""
+
+    name: str = ""
+    allows_ddp: bool = True  # whether DDP may sync its gradients (else `autotp.allreduce_gradients` must, each step)
+
+    def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
+        """Raise, naming the reason, for options this model cannot take: at planning time, with no process group."""
+
+    def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:
+        """The plan left to tensor parallelism, and the modules this dimension keeps whole and splits itself."""
+        return plan, ()
+
+    def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
+        """Its pipeline step; records itself in `state.dims` when active."""
+        return []
+
+    def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
+        """Its part of `autotp.allreduce_gradients` (`replicas`: the DP x CP size the dense gradients average over)."""
+
+    def norm(self, params: list[nn.Parameter], norm_type: float, state: TPState
+             ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
+        """Its part of `autotp.clip_grad_norm_`: the parameters it leaves to the dense norm, and its own part (None:
+        none), complete over every rank."""
+        return params, None
+
+    def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
+        """Its part of `autotp.fully_shard` (`options`: torch's `fully_shard` keywords over DP x CP), before the
+        decoder layers: the parameters it sharded itself, by id, with the tag they keep."""
+        return {}
+
+    def check_ddp(self, group: Group, state: TPState) -> None:
+        """Refuse `DistributedDataParallel` over `group` when it would mix what this dimension splits."""
+
+    def broadcast_replicas(self, model: nn.Module, state: TPState) -> None:
+        """Its part of the last step: make the copies it holds on several ranks equal."""
+
+    def split_group(self) -> Group:
+        """The group its own tensors are split over besides TP, which saving and exporting gather over (None: none)."""
+        return None
+
+    def layout(self) -> dict[str, int]:
+        """What a training checkpoint records of it (`autotp.io.checkpoint.save.layout`)."""
+        return {}
+
+    def refuse_export(self, target: Any) -> None:
+        """Raise if `autotp.export_weights` cannot send its tensors to the engine layout `target`."""
+
+
+def base_plan(dimensions: list[Dimension], model: nn.Module, plan: Plan, options: WrapOptions
+              ) -> tuple[Plan, tuple[str, ...]]:
+    """The plan tensor parallelism applies, and the modules the dimensions keep whole (each one's `split_plan`)."""
+    whole: tuple[str, ...] = ()
+    for dimension in dimensions:
+        plan, kept = dimension.split_plan(model, plan, options)
+        whole += kept
+    return plan, whole

@@ -1,0 +1,24 @@
+"""Sequence parallelism as a `Dimension` (`autotp.runtime.dimension`): the split around the parallel decoder layers."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..planning.plan import Plan
+from ..runtime.dimension import Dimension
+from ..runtime.rollback import Removable
+from ..state import TPState
+from .sequence import apply_sequence_parallel
+
+
+class SequenceParallelism(Dimension):
+    """Over the TP group, under `sequence_parallel=True`. The modules another dimension keeps whole (`state.whole`:
+    the experts at ep > 1) run on this rank's chunk of the tokens."""
+
+    name = "sp"
+
+    def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
+        if not state.options.sequence_parallel:
+            return []
+        state.dims[self.name] = self
+        return list(apply_sequence_parallel(model, state.plan, state.tp_group, state, state.whole))

@@ -145,7 +145,7 @@ def test_every_autotp_name_in_the_source_and_docs_resolves() -> None:
 
 def test_short_dotted_names_resolve_too() -> None:
     """A short name is checked like a full one: a stale `ep.dispatch` fails as `autotp.ep.dispatch` would."""
-    assert named_in("`ep.dispatch` and `io.rollout.export.export_weights`, not `state.ep` or `x.y`") == {
+    assert named_in("`ep.dispatch` and `io.rollout.export.export_weights`, not `model.config` or `x.y`") == {
         "autotp.ep.dispatch", "autotp.io.rollout.export.export_weights"}
     assert resolves("autotp.io.rollout.export") and not resolves("autotp.ep.no_such_module")
 

@@ -43,7 +43,7 @@ from .accessors import (
     tp_group, tp_rank, tp_size,
 )
 from .dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
-from .dp.fsdp import dp_mesh, fully_shard
+from .dp.fsdp import dp_cp_mesh, dp_mesh, fully_shard
 from .integrations.gather import GatherReplacedLayerParams
 from .mesh import finish
 from .integrations.guards import check_same_inputs
@@ -66,7 +66,7 @@ from . import rollout as rollout  # vLLM-free: autotp.rollout.vllm_sync imports 
 __all__ = [
     "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "cp_group", "cp_rank", "cp_size",
     "data_parallel_sampler", "dp_cp_group", "dp_group", "dp_rank", "ep_group", "ep_rank", "ep_size",
-    "dp_mesh", "dp_size", "finish", "fully_shard", "group", "rank", "size", "tp_group", "tp_rank", "tp_size",
+    "dp_cp_mesh", "dp_mesh", "dp_size", "finish", "fully_shard", "group", "rank", "size", "tp_group", "tp_rank", "tp_size",
     "CheckpointError", "EngineLayout", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
     "Shard", "build_plan", "check_replicas", "consolidate", "explain", "export_adapters", "export_weights", "from_pretrained", "latest_checkpoint", "load_checkpoint", "receive_weights", "save_checkpoint",
     "save_pretrained", "sync_weights", "wrap",

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from .mesh import AXIS_TABLE, GRAD, Group, group_rank, group_size
+from .mesh import AXIS_TABLE, DP_CP, Group, group_rank, group_size
 from .state import state_of
 
 # The axes a user asks for, and the flattened view DP x CP; not edp, which is no group at ep 1 (the experts' copies
 # then span the whole world, so None there would read as size 1).
-_ACCESSIBLE: list[tuple[str, ...]] = [(name,) for name, axis in AXIS_TABLE.items() if axis.compared_over is not None] + [GRAD]
+_ACCESSIBLE: list[tuple[str, ...]] = [(name,) for name, axis in AXIS_TABLE.items() if axis.compared_over is not None] + [DP_CP]
 
 
 def group(model: nn.Module | str | None = None, *axes: str) -> Group:
@@ -27,7 +27,7 @@ def group(model: nn.Module | str | None = None, *axes: str) -> Group:
     if axes not in _ACCESSIBLE:
         valid = ", ".join(repr(view[0]) for view in _ACCESSIBLE if len(view) == 1)
         raise ValueError(f"no axis {', '.join(map(repr, axes)) or '(none given)'} in autotp's mesh: name one of {valid}, "
-                         f"or {', '.join(map(repr, GRAD))} for DP x CP")
+                         f"or {', '.join(map(repr, DP_CP))} for DP x CP")
     return state_of(model).mesh.group(*axes)
 
 
@@ -58,7 +58,7 @@ def dp_group(model: nn.Module | None = None) -> Group:
 def dp_cp_group(model: nn.Module | None = None) -> Group:
     """The ranks holding the same shards, DP x CP: gradients are averaged over it (`allreduce_gradients`, DDP's
     `process_group`), and `autotp.fully_shard` shards over it. Equals `dp_group` at cp_size 1."""
-    return group(model, *GRAD)
+    return group(model, *DP_CP)
 
 
 def cp_group(model: nn.Module | None = None) -> Group:

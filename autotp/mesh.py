@@ -1,7 +1,7 @@
 """The mesh: one rank grid dp x cp x tp with named axes, a process group per axis and per flattened view.
 
 `Mesh` is built once per wrap from one grid: TP innermost (consecutive ranks), CP next, DP outermost; the
-flattened view dp x cp (`grad`) is where gradients average and FSDP shards. Every other module reads groups from
+flattened view dp x cp (`dp_cp`) is where gradients average and FSDP shards. Every other module reads groups from
 it by name; EP's edp x ep grid folds over the same ranks (`EXPERT_AXES`), and a new dimension is one more entry
 of `AXIS_TABLE` here. `new_group` is collective over the world, so every function here that creates groups must
 be called by every rank, in the same order. A TP or CP group of
@@ -140,7 +140,7 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-GRAD = ("dp", "cp")  # the ranks holding the same shards: gradients average here, FSDP shards here
+DP_CP = ("dp", "cp")  # the ranks holding the same shards: gradients average here, FSDP shards here
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class Axis:
 
 
 AXIS_TABLE = {  # every axis of the mesh, outermost first within each grid; a new dimension is one more entry here
-    "dp": Axis("dense", "data parallel", "DP", GRAD),
+    "dp": Axis("dense", "data parallel", "DP", DP_CP),
     "cp": Axis("dense", "context parallel", "CP", ("cp",)),
     "tp": Axis("dense", "tensor parallel", "TP", ("tp",)),
     "edp": Axis("experts", "expert data parallel", "expert-DP", None),
@@ -164,7 +164,7 @@ AXIS_TABLE = {  # every axis of the mesh, outermost first within each grid; a ne
 AXES = tuple(name for name, axis in AXIS_TABLE.items() if axis.grid == "dense")  # the grid's axes, outermost first
 EXPERT_AXES = tuple(name for name, axis in AXIS_TABLE.items() if axis.grid == "experts")  # the experts' grid folded
 # over the same ranks: ep consecutive ranks (TP ranks first)
-_VIEWS = [(axis,) for axis in reversed(AXES)] + [GRAD]  # the groups every mesh has, in the order they are made
+_VIEWS = [(axis,) for axis in reversed(AXES)] + [DP_CP]  # the groups every mesh has, in the order they are made
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,9 @@ class Mesh:
         return self.group("dp")
 
     @property
-    def grad(self) -> Group:
+    def dp_cp(self) -> Group:
         """DP x CP: every rank holding this rank's shards. Gradients are averaged (summed over CP) and FSDP shards here."""
-        return self.group(*GRAD)
+        return self.group(*DP_CP)
 
     def size(self, *axes: str) -> int:
         return group_size(self.group(*axes))
@@ -239,7 +239,7 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
     for axes in _VIEWS + ([("ep",), ("edp",)] if ep > 1 else []):
         if axes == ("tp",) and tp_group is not None:
             mesh.groups[axes] = tp_group
-        elif axes in (("dp",), GRAD, ("ep",), ("edp",)) or mesh.grid.shape[AXES.index(axes[0])] > 1:
+        elif axes in (("dp",), DP_CP, ("ep",), ("edp",)) or mesh.grid.shape[AXES.index(axes[0])] > 1:
             mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
     return mesh
 
@@ -276,7 +276,7 @@ def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
 def world_mesh() -> Mesh:
     """A tp 1 wrap's mesh: no collective at wrap, so some ranks only may wrap; the DP group is the world."""
     world = dist.group.WORLD if dist.is_initialized() else None
-    return Mesh(None, {} if world is None else {("dp",): world, GRAD: world})
+    return Mesh(None, {} if world is None else {("dp",): world, DP_CP: world})
 
 
 def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,

@@ -132,7 +132,7 @@ def guards(model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
 def replica_broadcast(model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
     """Replicated tensors from the group's first rank: over TP, and over DP x CP whenever any group exists; then each
     dimension's own copies (each expert from the first rank of its expert-DP group)."""
-    broadcast_replicated(model, state.tp_group, state.grad_group if state.mesh.grid is not None else None)
+    broadcast_replicated(model, state.tp_group, state.dp_cp_group if state.mesh.grid is not None else None)
     for dimension in state.dims.values():
         dimension.broadcast_replicas(model, state)
     return []

@@ -43,7 +43,7 @@ class TPState:
     vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
     forwards: int = 0  # the model's forwards running now (`entered`); outside them its LM head gathers its logits
-    dp_mesh: Any = None  # the DeviceMesh over grad_group (autotp.dp.fsdp.dp_mesh), built when first asked for
+    dp_cp_mesh: Any = None  # the DeviceMesh over dp_cp_group (autotp.dp.fsdp.dp_cp_mesh), built when first asked for
     fsdp: bool = False  # autotp.fully_shard applied: parameters are DTensors sharded over DP
     root: weakref.ref | None = None  # the wrapped model (`attach`), to tell a copy of the model from one of a part
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
@@ -80,9 +80,9 @@ class TPState:
         return self.mesh.dp
 
     @property
-    def grad_group(self) -> Group:
+    def dp_cp_group(self) -> Group:
         """DP x CP, the ranks holding the same shards: gradients average here and FSDP shards here."""
-        return self.mesh.grad
+        return self.mesh.dp_cp
 
     @property
     def timeout(self) -> timedelta:
@@ -106,7 +106,7 @@ class TPState:
         if root is None or id(root) not in memo:
             return self
         self.refuse_gathered("copy.deepcopy of a wrapped model")
-        for shared in (self.mesh, *self.mesh.groups.values(), self.dp_mesh, *self.replica_groups.values()):
+        for shared in (self.mesh, *self.mesh.groups.values(), self.dp_cp_mesh, *self.replica_groups.values()):
             memo[id(shared)] = shared
         new = copy.copy(self)
         memo[id(self)] = new

@@ -96,10 +96,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if group_size(state.tp_group) > 1:
         with named_failure(state.tp_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over TP"):
             dist.all_reduce(sharded, op=op, group=state.tp_group)
-    if state.fsdp and group_size(state.grad_group) > 1:  # each DP rank holds its rows of every tensor
-        with named_failure(state.grad_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over DP"):
+    if state.fsdp and group_size(state.dp_cp_group) > 1:  # each DP rank holds its rows of every tensor
+        with named_failure(state.dp_cp_group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over DP"):
             for part in (sharded, replicated):
-                dist.all_reduce(part, op=op, group=state.grad_group)
+                dist.all_reduce(part, op=op, group=state.dp_cp_group)
     for part in own:
         replicated = replicated + part if norm_type == 2.0 else torch.maximum(replicated, part)
     norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)

@@ -1,6 +1,6 @@
 """2-D parallelism on PyTorch's FSDP2: each TP shard is sharded again over the data-parallel group.
 
-`fully_shard` applies `torch.distributed.fsdp.fully_shard` over the DP mesh (`dp_mesh`) to each
+`fully_shard` applies `torch.distributed.fsdp.fully_shard` over the DP mesh (`dp_cp_mesh`) to each
 decoder layer, then to the root, exactly as a user would; nothing of FSDP is reimplemented. Under context
 parallelism the mesh is DP x CP (the ranks holding the same TP shard), as torchtitan shards: FSDP's average over
 it sums each CP rank's gradient share (`autotp.cp.apply`) and averages over DP. The
@@ -26,14 +26,17 @@ from ..compat.torch import is_fsdp_hook
 from ..state import TPState, state_of, wrapped_model
 
 
-def dp_mesh(model: nn.Module | None = None) -> DeviceMesh:
+def dp_cp_mesh(model: nn.Module | None = None) -> DeviceMesh:
     """The 1-D device mesh over the ranks holding `model`'s shards, which `autotp.fully_shard` shards over (DTensor
     work over DP can use it too): the data-parallel group, or DP x CP (`autotp.dp_cp_group`) under context
     parallelism. torch's own `fully_shard` on a wrapped model is refused: use `autotp.fully_shard`."""
     state = state_of(model)
-    if state.dp_mesh is None:
-        state.dp_mesh = DeviceMesh.from_group(state.grad_group, device_of(state.grad_group).type)
-    return state.dp_mesh
+    if state.dp_cp_mesh is None:
+        state.dp_cp_mesh = DeviceMesh.from_group(state.dp_cp_group, device_of(state.dp_cp_group).type)
+    return state.dp_cp_mesh
+
+
+dp_mesh = dp_cp_mesh  # its name before DP x CP had one name everywhere; kept for scripts that use it
 
 
 def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_policy: Any = None,
@@ -63,7 +66,7 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
         raise NotImplementedError(f"autotp.fully_shard: {found[0]} is a {found[1]}; PEFT adapters under FSDP are not "
                                   f"supported yet. An adapter's trainable state is small: train it with DDP over "
                                   f"autotp.dp_group (AutoTPTrainer does)")
-    mesh = dp_mesh(root)
+    mesh = dp_cp_mesh(root)
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
                "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
     shards = {name: p.autotp_shard for name, p in root.named_parameters(remove_duplicate=False)

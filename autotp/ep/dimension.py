@@ -53,7 +53,7 @@ class ExpertParallelism(Dimension):
         return [p for p in params if not hasattr(p, "autotp_expert")], experts
 
     def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
-        return self.experts.fully_shard(options, group_size(state.grad_group))
+        return self.experts.fully_shard(options, group_size(state.dp_cp_group))
 
     def check_ddp(self, group: Group, state: TPState) -> None:
         raise NotImplementedError(f"DistributedDataParallel at ep_size={self.experts.size}: DDP would average "

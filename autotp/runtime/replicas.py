@@ -111,7 +111,7 @@ def check_replicas(model: nn.Module, group: Group | None = None) -> None:
              "rank 0)")
     if state is not None and state.tp_group is not None and not state.fsdp:
         named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
-        _compare(named, state.grad_group, "DP",
+        _compare(named, state.dp_cp_group, "DP",
                  "Average every gradient over the DP group (autotp.allreduce_gradients, or DDP over autotp.dp_group) "
                  "and step every replica alike; autotp.wrap made them equal (it broadcasts from DP rank 0)")
 

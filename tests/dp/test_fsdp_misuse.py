@@ -27,7 +27,7 @@ def torch_fully_shard_then(rank: int, world: int, first_use: str, path: str) -> 
     from torch.distributed.fsdp import fully_shard
 
     model = autotp.wrap(tiny_model("llama"), 2)
-    fully_shard(model, mesh=autotp.dp_mesh(model))  # the do-it-yourself path the docs used to offer
+    fully_shard(model, mesh=autotp.dp_cp_mesh(model))  # the do-it-yourself path the docs used to offer
     before = {n: full_tensor(p, p, None).clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     uses = {
@@ -77,7 +77,7 @@ def mesh_message(rank: int, world: int) -> str:
 def test_the_mesh_refusal_recommends_autotp_fully_shard_only() -> None:
     for message in run_ranks(mesh_message, 2):
         assert "FSDP over ranks [0, 1]" in message and "autotp.fully_shard(model)" in message, message
-        assert "dp_mesh" not in message and "mesh=" not in message, message
+        assert "dp_cp_mesh" not in message and "mesh=" not in message, message
 
 
 # optimizer steps after a wrapped model was garbage-collected

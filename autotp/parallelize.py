@@ -24,7 +24,16 @@ between them), then `INTEGRATIONS`, which act on the model all dimensions made. 
     makes the CP ranks' weights equal; the experts over their expert-DP group (each dimension's part).
 
 The active dimensions are kept by axis in `TPState.dims`, which the gradient sync, the norm, FSDP, the DDP guard,
-saving and exporting loop over. `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step:
+saving and exporting loop over.
+
+What the steps install outside the model's modules and parameters goes through `autotp.runtime.process_hooks`,
+whose `live()` lists it; a rollback undoes it and none of it outlives the model:
+- process-wide: one optimizer-step pre-hook (step 7's unsynced-step refusal, step 11's `MeshGuard`), CP's entries in
+  transformers' attention and mask registries (step 7), torch's module forward pre-hook (step 9's `DDPGuard`, when
+  DDP's constructor frame cannot be read), PEFT's `save_pretrained` and `update_layer` (step 11's adapters);
+- on the model's objects: `generate` and the experts' `forward` (step 4), the decoder layers' `__class__` (step 3),
+  `loss_function` (steps 2 and 7), `save_pretrained` and `resize_token_embeddings` (step 8), DDP's ignore list
+  (step 9). `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step:
 `autotp.fully_shard(model)` stays the user's own call after `wrap`, as torch's `fully_shard` is.
 """
 

@@ -137,11 +137,11 @@ def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
         plan = _plan(model, tp_size, options)
     except Exception as err:  # every rank must still hear of it below
         error = err
-    if options.tp_group is not None or any(n > 1 for n in options.sizes(tp_size).values()):
+    if options.tp_group is not None or any(n > 1 for n in options.sizes().values()):
         if not dist.is_initialized() and launched_by_torchrun():  # the ranks then compare their plans over the world
             init_from_env(options.timeout or DEFAULT_TIMEOUT)
-    _planned_everywhere(error, tp_size, options, call)
-    mesh, timeout = _mesh(tp_size, options)
+    _planned_everywhere(error, options, call)
+    mesh, timeout = _mesh(options)
     if mesh.grid is not None:  # at tp 1 (and every size 1) no collective: some ranks only may wrap
         check_agreement(model, tp_size, options, plan, mesh.compared(), call)
     state = parallelize(model, plan, mesh, replace(options, timeout=timeout), materialize)
@@ -165,7 +165,7 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     return plan
 
 
-def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOptions, call: str) -> None:
+def _planned_everywhere(error: Exception | None, options: WrapOptions, call: str) -> None:
     """Raise on every rank if the ranks' sizes differ, or planning failed on any (`error`: this rank's), before the
     groups are created.
 
@@ -175,13 +175,13 @@ def _planned_everywhere(error: Exception | None, tp_size: int, options: WrapOpti
     names them, else the failed rank raises its own error, the others one that names it. At tp 1 and cp 1 without a
     tp_group there is no collective (some ranks only may wrap), so the others can only name the likely cause.
     """
-    collective = options.tp_group is not None or any(n > 1 for n in options.sizes(tp_size).values())
+    collective = options.tp_group is not None or any(n > 1 for n in options.sizes().values())
     group = world() if collective else None
-    sizes = (tuple(options.sizes(tp_size).items()), options.tp_group is not None)
+    sizes = (tuple(options.sizes().items()), options.tp_group is not None)
     with nullcontext() if group is None else named_failure(
             group, f"comparing the ranks' sizes and plans in {call}",
-            f"Every rank must call {call} with the same {options.size_words(tp_size)}: a rank at "
-            f"{options.size_words(tp_size, 1)} without tp_group runs no collective, and goes on alone. Nothing was "
+            f"Every rank must call {call} with the same {options.size_words()}: a rank at "
+            f"{options.size_words(1)} without tp_group runs no collective, and goes on alone. Nothing was "
             f"changed."):
         failed, sizes_by_rank = outcomes(error, group, sizes)
     check_sizes(sizes_by_rank, call)
@@ -202,13 +202,13 @@ def _options(call: str, tp_size: int, keywords: Mapping[str, Any]) -> WrapOption
     return options
 
 
-def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
+def _mesh(options: WrapOptions) -> tuple[Mesh, timedelta]:
     """This rank's mesh and the timeout of its groups; torch.distributed was initialised from launcher variables, if
     needed, by `_shard`."""
     timeout, tp_group, sizes = options.timeout, options.tp_group, options.sizes()
     if not dist.is_initialized():
         if tp_group is not None or any(n > 1 for n in sizes.values()):
-            needs = next((f"{axis}_size={n}" for axis, n in reversed(sizes.items()) if n > 1), f"tp_size={tp_size}")
+            needs = next((f"{axis}_size={n}" for axis, n in reversed(sizes.items()) if n > 1), f"tp_size={options.tp_size}")
             raise RuntimeError(
                 f"{needs} needs torch.distributed, which is "
                 f"not initialised and no "
@@ -220,6 +220,6 @@ def _mesh(tp_size: int, options: WrapOptions) -> tuple[Mesh, timedelta]:
     timeout = timeout or world_timeout()
     if tp_group is None and all(n == 1 for n in sizes.values()):  # no group and no collective: some ranks only may wrap
         return world_mesh(), timeout
-    if tp_group is not None and group_size(tp_group) != tp_size:
-        raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={tp_size}")
+    if tp_group is not None and group_size(tp_group) != options.tp_size:
+        raise ValueError(f"tp_group has {group_size(tp_group)} ranks but tp_size={options.tp_size}")
     return build_mesh(sizes, timeout, tp_group), timeout

@@ -65,18 +65,15 @@ class WrapOptions:
     cp_size: int = 1
     ep_size: int = 1
 
-    def sizes(self, tp_size: int | None = None) -> dict[str, int]:
+    def sizes(self) -> dict[str, int]:
         """Every mesh axis's size but DP's, by axis name: each `<axis>_size` field (an axis of `autotp.mesh.AXES`),
-        `tp_size` first. The ranks agree on these before any group is built. A `tp_size` given here is the field's
-        value, which `autotp.api`'s callers pass."""
-        sizes = {f.name.removesuffix("_size"): getattr(self, f.name) for f in fields(self) if f.name.endswith("_size")}
-        assert tp_size in (None, sizes["tp"]), (tp_size, sizes)
-        return sizes
+        `tp_size` first. The ranks agree on these before any group is built."""
+        return {f.name.removesuffix("_size"): getattr(self, f.name) for f in fields(self) if f.name.endswith("_size")}
 
-    def size_words(self, tp_size: int | None = None, value: int | None = None) -> str:
+    def size_words(self, value: int | None = None) -> str:
         """Every size of `sizes` named in a sentence ("tp_size, cp_size and ep_size"), each `=value` if given: an
         error about sizes that differ between ranks names them all, since any one of them may be the one."""
-        names = [f"{axis}_size" + ("" if value is None else f"={value}") for axis in self.sizes(tp_size)]
+        names = [f"{axis}_size" + ("" if value is None else f"={value}") for axis in self.sizes()]
         return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
 
     def __post_init__(self) -> None:
@@ -86,8 +83,9 @@ class WrapOptions:
 
 # Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
 # tests/parallelize/test_rank_agreement.py fails on a field on neither side):
-AGREED_OPTIONS = frozenset({"tp_size", "vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu",
-                            "cp_size", "ep_size"})  # compared as given: ranks that differ would shard or synchronise apart
+AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu"} | {
+    f.name for f in fields(WrapOptions) if f.name.endswith("_size")})  # compared as given: ranks that differ would
+# shard or synchronise apart; every axis's size among them, so a new dimension's field needs no entry here
 PER_RANK_OPTIONS = frozenset({
     "tp_group",  # a process group: each rank holds its own object, of its own members
     "timeout",  # how long this rank waits; ranks may wait differently without training apart

@@ -115,5 +115,9 @@ def test_a_rank_waiting_for_one_that_wrapped_alone_at_tp1_is_told_the_likely_cau
     waiting, alone = run_ranks(alone_at_tp1, 2, axis)
     assert alone == "wrapped"
     assert "comparing the ranks' sizes and plans in wrap over ranks [0, 1] failed" in waiting, waiting
-    assert ("Every rank must call wrap with the same tp_size, cp_size and ep_size: a rank at tp_size=1, cp_size=1 and "
-            "ep_size=1 without tp_group runs no collective") in waiting, waiting
+    names = [f.name for f in fields(WrapOptions) if f.name.endswith("_size")]  # every axis's size, a new one too
+    assert len(names) >= 3 and {"tp_size", "cp_size", "ep_size"} <= set(names)
+    listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+    at_one = ", ".join(f"{n}=1" for n in names[:-1]) + f" and {names[-1]}=1"
+    assert (f"Every rank must call wrap with the same {listed}: a rank at {at_one} without tp_group runs no "
+            "collective") in waiting, waiting

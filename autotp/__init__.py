@@ -37,38 +37,93 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.trainer`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
 """
 
-from .api import explain, from_pretrained, wrap
+from . import rollout as rollout  # vLLM-free: autotp.rollout.vllm_sync imports vLLM when called
 from .accessors import (
-    cp_group, cp_rank, cp_size, dp_cp_group, dp_group, dp_rank, dp_size, ep_group, ep_rank, ep_size, group, rank, size,
-    tp_group, tp_rank, tp_size,
+    cp_group,
+    cp_rank,
+    cp_size,
+    dp_cp_group,
+    dp_group,
+    dp_rank,
+    dp_size,
+    ep_group,
+    ep_rank,
+    ep_size,
+    group,
+    rank,
+    size,
+    tp_group,
+    tp_rank,
+    tp_size,
 )
+from .api import explain, from_pretrained, wrap
 from .dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
 from .dp.fsdp import dp_cp_mesh, dp_mesh, fully_shard
 from .integrations.gather import GatherReplacedLayerParams
-from .mesh import finish
 from .integrations.guards import check_same_inputs
-from .io.errors import CheckpointError
-from .io.checkpoint.save import save_checkpoint
 from .io.checkpoint.consolidate import consolidate
-from .io.checkpoint.restore import load_checkpoint
 from .io.checkpoint.latest import latest_checkpoint
-from .io.rollout.export import EngineLayout, export_adapters, export_weights
+from .io.checkpoint.restore import load_checkpoint
+from .io.checkpoint.save import save_checkpoint
+from .io.errors import CheckpointError
 from .io.hf.save import save_pretrained
+from .io.rollout.export import EngineLayout, export_adapters, export_weights
 from .io.rollout.sync import receive_weights, sync_weights
-from .tp.layers import LinearAllreduce, LinearLayer
+from .mesh import finish
 from .planning.plan import Plan
-from .runtime.replicas import check_replicas
 from .planning.planner import build_plan
 from .planning.policy import Origin
 from .planning.sharding import Partition, Shard
-from . import rollout as rollout  # vLLM-free: autotp.rollout.vllm_sync imports vLLM when called
+from .runtime.replicas import check_replicas
+from .tp.layers import LinearAllreduce, LinearLayer
 
 __all__ = [
-    "allreduce_gradients", "check_same_inputs", "clip_grad_norm_", "cp_group", "cp_rank", "cp_size",
-    "data_parallel_sampler", "dp_cp_group", "dp_group", "dp_rank", "ep_group", "ep_rank", "ep_size",
-    "dp_cp_mesh", "dp_mesh", "dp_size", "finish", "fully_shard", "group", "rank", "size", "tp_group", "tp_rank", "tp_size",
-    "CheckpointError", "EngineLayout", "GatherReplacedLayerParams", "LinearAllreduce", "LinearLayer", "Origin", "Partition", "Plan",
-    "Shard", "build_plan", "check_replicas", "consolidate", "explain", "export_adapters", "export_weights", "from_pretrained", "latest_checkpoint", "load_checkpoint", "receive_weights", "save_checkpoint",
-    "save_pretrained", "sync_weights", "wrap",
+    "allreduce_gradients",
+    "check_same_inputs",
+    "clip_grad_norm_",
+    "cp_group",
+    "cp_rank",
+    "cp_size",
+    "data_parallel_sampler",
+    "dp_cp_group",
+    "dp_group",
+    "dp_rank",
+    "ep_group",
+    "ep_rank",
+    "ep_size",
+    "dp_cp_mesh",
+    "dp_mesh",
+    "dp_size",
+    "finish",
+    "fully_shard",
+    "group",
+    "rank",
+    "size",
+    "tp_group",
+    "tp_rank",
+    "tp_size",
+    "CheckpointError",
+    "EngineLayout",
+    "GatherReplacedLayerParams",
+    "LinearAllreduce",
+    "LinearLayer",
+    "Origin",
+    "Partition",
+    "Plan",
+    "Shard",
+    "build_plan",
+    "check_replicas",
+    "consolidate",
+    "explain",
+    "export_adapters",
+    "export_weights",
+    "from_pretrained",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "receive_weights",
+    "save_checkpoint",
+    "save_pretrained",
+    "sync_weights",
+    "wrap",
 ]
 __version__ = "0.1.0"

@@ -14,7 +14,9 @@ from .state import state_of
 
 # The axes a user asks for, and the flattened view DP x CP; not edp, which is no group at ep 1 (the experts' copies
 # then span the whole world, so None there would read as size 1).
-_ACCESSIBLE: list[tuple[str, ...]] = [(name,) for name, axis in AXIS_TABLE.items() if axis.compared_over is not None] + [DP_CP]
+_ACCESSIBLE: list[tuple[str, ...]] = [
+    (name,) for name, axis in AXIS_TABLE.items() if axis.compared_over is not None
+] + [DP_CP]
 
 
 def group(model: nn.Module | str | None = None, *axes: str) -> Group:
@@ -26,8 +28,10 @@ def group(model: nn.Module | str | None = None, *axes: str) -> Group:
         return group(None, model, *axes)
     if axes not in _ACCESSIBLE:
         valid = ", ".join(repr(view[0]) for view in _ACCESSIBLE if len(view) == 1)
-        raise ValueError(f"no axis {', '.join(map(repr, axes)) or '(none given)'} in autotp's mesh: name one of {valid}, "
-                         f"or {', '.join(map(repr, DP_CP))} for DP x CP")
+        raise ValueError(
+            f"no axis {', '.join(map(repr, axes)) or '(none given)'} in autotp's mesh: name one of {valid}, "
+            f"or {', '.join(map(repr, DP_CP))} for DP x CP"
+        )
     return state_of(model).mesh.group(*axes)
 
 

@@ -21,25 +21,35 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
-from .tp.apply import parallel_layers
-from .mesh import (
-    DEFAULT_TIMEOUT, Mesh, build_mesh, device_of, group_size, init_from_env, is_global_rank0, launched_by_torchrun,
-    named_failure, world_mesh, world_timeout,
-)
-from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
 from .compat import check_versions
 from .compat.hf import build_model
-from .tp import lora_lift
-from .parallelize import dimensions as pipeline_dimensions, parallelize
+from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.hf.load import checkpoint_files, load_params
+from .mesh import (
+    DEFAULT_TIMEOUT,
+    Mesh,
+    build_mesh,
+    device_of,
+    group_size,
+    init_from_env,
+    is_global_rank0,
+    launched_by_torchrun,
+    named_failure,
+    world_mesh,
+    world_timeout,
+)
 from .options import OPTION_NAMES, WrapKwargs, WrapOptions, takes_wrap_options, wrap_options
+from .parallelize import dimensions as pipeline_dimensions
+from .parallelize import parallelize
 from .planning.plan import Plan
 from .planning.planner import build_plan
-from .sp.sequence import sequence_layout
 from .runtime.agreement import check_agreement, check_sizes
 from .runtime.dimension import base_plan
+from .sp.sequence import sequence_layout
 from .state import TPState, find_state
+from .tp import lora_lift
+from .tp.apply import parallel_layers
 
 log = logging.getLogger("autotp")
 
@@ -73,8 +83,15 @@ def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
 
 
 @takes_wrap_options
-def from_pretrained(path: str | Path, tp_size: int, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None, task: str | None = None, **hf_kwargs: Any) -> nn.Module:
+def from_pretrained(
+    path: str | Path,
+    tp_size: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    task: str | None = None,
+    **hf_kwargs: Any,
+) -> nn.Module:
     """A tensor-parallel model read straight into shards; equal to `wrap(AutoModelFor<task>.from_pretrained(path))`.
 
     The model is built on the meta device, planned like `wrap` plans it, and each rank reads only
@@ -123,8 +140,13 @@ def explain(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> Plan:
     return _plan(model, tp_size, _options("explain", tp_size, kw))
 
 
-def _shard(model: nn.Module, tp_size: int, options: WrapOptions,
-           materialize: Callable[[TPState], None] | None = None, call: str = "wrap") -> TPState:
+def _shard(
+    model: nn.Module,
+    tp_size: int,
+    options: WrapOptions,
+    materialize: Callable[[TPState], None] | None = None,
+    call: str = "wrap",
+) -> TPState:
     """The one sharding pipeline, all or nothing: every check runs before `parallelize` changes the model, and a
     failure in it puts the model back as it was.
 
@@ -178,16 +200,27 @@ def _planned_everywhere(error: Exception | None, options: WrapOptions, call: str
     collective = options.tp_group is not None or any(n > 1 for n in options.sizes().values())
     group = world() if collective else None
     sizes = (tuple(options.sizes().items()), options.tp_group is not None)
-    with nullcontext() if group is None else named_failure(
-            group, f"comparing the ranks' sizes and plans in {call}",
+    with (
+        nullcontext()
+        if group is None
+        else named_failure(
+            group,
+            f"comparing the ranks' sizes and plans in {call}",
             f"Every rank must call {call} with the same {options.size_words()}: a rank at "
             f"{options.size_words(1)} without tp_group runs no collective, and goes on alone. Nothing was "
-            f"changed."):
+            f"changed.",
+        )
+    ):
         failed, sizes_by_rank = outcomes(error, group, sizes)
     check_sizes(sizes_by_rank, call)
-    agree(error, group, f"{call} stopped on every rank because planning",
-          f". Every rank must build the same model and call {call} with the same arguments: correct them on the rank "
-          f"named. Nothing was changed.", failed)
+    agree(
+        error,
+        group,
+        f"{call} stopped on every rank because planning",
+        f". Every rank must build the same model and call {call} with the same arguments: correct them on the rank "
+        f"named. Nothing was changed.",
+        failed,
+    )
 
 
 def _options(call: str, tp_size: int, keywords: Mapping[str, Any]) -> WrapOptions:
@@ -208,7 +241,9 @@ def _mesh(options: WrapOptions) -> tuple[Mesh, timedelta]:
     timeout, tp_group, sizes = options.timeout, options.tp_group, options.sizes()
     if not dist.is_initialized():
         if tp_group is not None or any(n > 1 for n in sizes.values()):
-            needs = next((f"{axis}_size={n}" for axis, n in reversed(sizes.items()) if n > 1), f"tp_size={options.tp_size}")
+            needs = next(
+                (f"{axis}_size={n}" for axis, n in reversed(sizes.items()) if n > 1), f"tp_size={options.tp_size}"
+            )
             raise RuntimeError(
                 f"{needs} needs torch.distributed, which is "
                 f"not initialised and no "

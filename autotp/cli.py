@@ -34,9 +34,12 @@ if TYPE_CHECKING:
 # keeps its traceback.
 INPUT_ERRORS = (ValueError, OSError)
 # The library's keyword arguments in messages raised by the functions the commands call -> the command line's flags
-FLAG_WORDING = ((re.compile(r"\boverwrite=True\b"), "--overwrite"), (re.compile(r"\btp_size=(\d+)"), r"--tp \1"),
-                (re.compile(r"\bep_size=(\d+)"), r"--ep \1"),
-                (re.compile(r"(?<!['\"])\btp_size\b(?!['\"])"), "--tp"))  # not a quoted key name
+FLAG_WORDING = (
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\btp_size=(\d+)"), r"--tp \1"),
+    (re.compile(r"\bep_size=(\d+)"), r"--ep \1"),
+    (re.compile(r"(?<!['\"])\btp_size\b(?!['\"])"), "--tp"),
+)  # not a quoted key name
 
 
 def load_config(spec: str) -> PretrainedConfig:
@@ -105,8 +108,9 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def build(config: PretrainedConfig, device: str | None = None, task: str | None = None,
-          dtype: torch.dtype = torch.float32) -> nn.Module:
+def build(
+    config: PretrainedConfig, device: str | None = None, task: str | None = None, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """The model of `config` for `task` (see `model_class`), random weights in `dtype` (or on the meta device), not
     in the config's own `torch_dtype`, so that the sizes printed are those of the dtype the command names."""
     with torch.device(device) if device else nullcontext():
@@ -136,9 +140,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         info["experts"] = e = expert_cost(model, plan, layouts, args.ep, args.batch, args.seq)
         # experts are split over EP and copied over expert-DP = world / ep
         e["expert_dp_size"] = max(1, args.tp * args.dp * args.cp // args.ep)
-        info["zero_bytes_per_rank"] = expert_zero_bytes(max(e["param_bytes_per_rank"]) - e["expert_bytes_per_rank"],
-                                                        e["expert_bytes_per_rank"], args.dp * args.cp,
-                                                        e["expert_dp_size"])
+        info["zero_bytes_per_rank"] = expert_zero_bytes(
+            max(e["param_bytes_per_rank"]) - e["expert_bytes_per_rank"],
+            e["expert_bytes_per_rank"],
+            args.dp * args.cp,
+            e["expert_dp_size"],
+        )
         info["param_bytes_per_rank"] = e["param_bytes_per_rank"]  # the summary's held every expert whole
         info["train_state_bytes_per_rank"] = [4 * b for b in e["param_bytes_per_rank"]]
     if args.cp > 1:
@@ -152,10 +159,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for path, names in layouts:
             for name in names:
                 shape = tuple(model.get_submodule(path).get_parameter(name).shape)
-                print(f"  {'experts':<10} {path}.{name}  {shape} -> {shape[0] // args.ep} whole experts per rank "
-                      f"(split by expert over ep {args.ep})")
-        print(f"  parameter bytes per rank: {' / '.join(mib(b) for b in info['param_bytes_per_rank'])}"
-              f" (unsharded {mib(info['unsharded_param_bytes'])})")
+                print(
+                    f"  {'experts':<10} {path}.{name}  {shape} -> {shape[0] // args.ep} whole experts per rank "
+                    f"(split by expert over ep {args.ep})"
+                )
+        print(
+            f"  parameter bytes per rank: {' / '.join(mib(b) for b in info['param_bytes_per_rank'])}"
+            f" (unsharded {mib(info['unsharded_param_bytes'])})"
+        )
     else:
         print(plan.describe(model))
     print(f"  sizes in {args.dtype} (--dtype)")
@@ -166,26 +177,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"    total {mib(info['collective_bytes_per_step'])} per step")
     if args.dp > 1 or args.zero is not None:
         gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-        at = f"tp {args.tp} x dp {args.dp}" + (f" x cp {args.cp}" if args.cp > 1 else "") + \
-            (f", experts over ep {args.ep} x expert-DP {info['experts']['expert_dp_size']}" if args.ep > 1 else "")
-        print(f"  per rank at {at} (largest TP rank; parameters, gradients, Adam moments in the parameter dtype, no "
-              f"activations):")
+        at = (
+            f"tp {args.tp} x dp {args.dp}"
+            + (f" x cp {args.cp}" if args.cp > 1 else "")
+            + (f", experts over ep {args.ep} x expert-DP {info['experts']['expert_dp_size']}" if args.ep > 1 else "")
+        )
+        print(
+            f"  per rank at {at} (largest TP rank; parameters, gradients, Adam moments in the parameter dtype, no "
+            f"activations):"
+        )
         stages = sorted({0, args.zero}) if args.zero is not None else [0, 1, 2, 3]
         for stage in stages:
             z = info["zero_bytes_per_rank"][stage]
-            print(f"    zero {stage}: params {gib(z['params'])} + grads {gib(z['grads'])} + optimizer "
-                  f"{gib(z['optimizer'])} = {gib(z['total'])}   ({z['runs']})")
+            print(
+                f"    zero {stage}: params {gib(z['params'])} + grads {gib(z['grads'])} + optimizer "
+                f"{gib(z['optimizer'])} = {gib(z['total'])}   ({z['runs']})"
+            )
     if args.ep > 1:
         e = info["experts"]
-        print(f"  at tp {args.tp} x ep {args.ep}: experts {mib(e['expert_bytes_per_rank'])} per rank (of "
-              f"{mib(e['expert_bytes'])}), parameters {' / '.join(mib(b) for b in e['param_bytes_per_rank'])} per rank; "
-              f"{e['all_to_alls_per_step']} token all-to-alls per step move {mib(e['all_to_all_bytes_per_step'])} off "
-              f"each rank at batch {args.batch} x seq {args.seq} (routing spread evenly)")
+        print(
+            f"  at tp {args.tp} x ep {args.ep}: experts {mib(e['expert_bytes_per_rank'])} per rank (of "
+            f"{mib(e['expert_bytes'])}), parameters {' / '.join(mib(b) for b in e['param_bytes_per_rank'])} per rank; "
+            f"{e['all_to_alls_per_step']} token all-to-alls per step move {mib(e['all_to_all_bytes_per_step'])} off "
+            f"each rank at batch {args.batch} x seq {args.seq} (routing spread evenly)"
+        )
     for c in info.get("context", []):
-        print(f"  at tp {args.tp} x cp {c['cp_size']}, batch {args.batch} x seq {c['seq']}: activations ~"
-              f"{mib(c['activation_bytes_per_rank'])} per rank (estimate); attention moves "
-              f"{mib(c['attention_bytes_per_step'])} per rank per step in {c['attention_collectives_per_step']} "
-              f"collectives (K/V all-gather forward, reduce-scatter backward)")
+        print(
+            f"  at tp {args.tp} x cp {c['cp_size']}, batch {args.batch} x seq {c['seq']}: activations ~"
+            f"{mib(c['activation_bytes_per_rank'])} per rank (estimate); attention moves "
+            f"{mib(c['attention_bytes_per_step'])} per rank per step in {c['attention_collectives_per_step']} "
+            f"collectives (K/V all-gather forward, reduce-scatter backward)"
+        )
     for item in info["replicated"]:
         print(f"  warning: {item['path']} stays replicated ({item['why']})")
     return 0
@@ -214,29 +236,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # Bad input fails here, in one line, rather than as a traceback from every rank.
     config, policy = load_config(args.model), read_policy(args.policy)
     with quiet_transformers():
-        progress("verify", f"building {config.model_type} on the meta device and planning at tp {args.tp}, "
-                           f"verifying each block on a small structural twin")
+        progress(
+            "verify",
+            f"building {config.model_type} on the meta device and planning at tp {args.tp}, "
+            f"verifying each block on a small structural twin",
+        )
         explain(build(config, "meta", args.task), args.tp, policy=policy)
     progress("verify", f"training {args.steps} steps on {args.tp} CPU ranks and in one process, fp32")
     torch.set_num_threads(1)  # the ranks are forked from this process
     report = run_ranks(_verify_rank, args.tp, args.model, args.steps, args.policy, args.task)[0]
     if report["sharded"] == 0:
-        print(f"NOTHING SHARDED: every layer of {args.model} stays replicated at tp={args.tp}, so the comparison is "
-              f"trivially equal; wrap's log above says why (`autotp plan {args.model} --tp {args.tp}` shows the plan)")
+        print(
+            f"NOTHING SHARDED: every layer of {args.model} stays replicated at tp={args.tp}, so the comparison is "
+            f"trivially equal; wrap's log above says why (`autotp plan {args.model} --tp {args.tp}` shows the plan)"
+        )
         return 1
     entries = [(err / GRAD_RTOL, "gradient", name, err) for name, err in report["grad"].items()]
-    entries += [(err / PARAM_ATOL, f"param after {args.steps} steps", name, err) for name, err in report["param"].items()]
+    entries += [
+        (err / PARAM_ATOL, f"param after {args.steps} steps", name, err) for name, err in report["param"].items()
+    ]
     entries.sort(reverse=True)
-    print(f"autotp verify: tp={args.tp}, {args.steps} AdamW steps, fp32; loss differs by {report['loss']:.3g} "
-          f"(tolerance {LOSS_ATOL})")
+    print(
+        f"autotp verify: tp={args.tp}, {args.steps} AdamW steps, fp32; loss differs by {report['loss']:.3g} "
+        f"(tolerance {LOSS_ATOL})"
+    )
     print(f"{'ratio to tolerance':>18}  {'what':<22} {'error':>10}  parameter")
     for ratio, what, name, err in entries[: args.top]:
         print(f"{ratio:>18.3g}  {what:<22} {err:>10.3g}  {name}")
     bad = [row for row in entries if row[0] > 1] + ([("loss",)] if report["loss"] > LOSS_ATOL else [])
     if bad:
         first = bad[0]
-        print(f"MISMATCH: {len(bad)} checks over tolerance; worst: {first[1] if len(first) > 1 else 'loss'} of "
-              f"{first[2] if len(first) > 2 else 'the model'}")
+        print(
+            f"MISMATCH: {len(bad)} checks over tolerance; worst: {first[1] if len(first) > 1 else 'loss'} of "
+            f"{first[2] if len(first) > 2 else 'the model'}"
+        )
         return 1
     print(f"OK: {len(report['grad'])} gradients and {len(report['param'])} parameters match one process")
     return 0
@@ -273,17 +306,33 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size")
     plan.add_argument("--batch", type=positive_int, default=4, help="batch size for the collective bytes")
     plan.add_argument("--seq", type=positive_int, default=128, help="sequence length for the collective bytes")
-    plan.add_argument("--dp", type=positive_int, default=1, help="data-parallel size, for the per-rank bytes by ZeRO stage")
-    plan.add_argument("--cp", type=positive_int, default=1, help="context-parallel size: activation memory per rank and "
-                      "the attention's bytes per step at --seq")
-    plan.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size: per-rank bytes with the "
-                      "experts split by expert, and the all-to-all bytes of one step")
+    plan.add_argument(
+        "--dp", type=positive_int, default=1, help="data-parallel size, for the per-rank bytes by ZeRO stage"
+    )
+    plan.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="context-parallel size: activation memory per rank and the attention's bytes per step at --seq",
+    )
+    plan.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert-parallel size: per-rank bytes with the "
+        "experts split by expert, and the all-to-all bytes of one step",
+    )
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage to price against DDP (default: all)")
-    plan.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                      help="parameter dtype for the sizes (default float32; a config's torch_dtype is not used)")
+    plan.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="parameter dtype for the sizes (default float32; a config's torch_dtype is not used)",
+    )
     plan.add_argument("--policy", help="a policy TOML file")
-    plan.add_argument("--task", choices=sorted(TASKS), help="model head to build (default: from config.architectures, "
-                                                            "else causal-lm)")
+    plan.add_argument(
+        "--task", choices=sorted(TASKS), help="model head to build (default: from config.architectures, else causal-lm)"
+    )
     plan.add_argument("--json", action="store_true", help="print a JSON summary instead of the text")
     plan.set_defaults(run=cmd_plan)
     verify = sub.add_parser("verify", help="train on N CPU ranks and on one process; compare everything")
@@ -291,14 +340,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size (CPU ranks)")
     verify.add_argument("--steps", type=positive_int, default=3, help="AdamW steps before comparing parameters")
     verify.add_argument("--policy", help="a policy TOML file")
-    verify.add_argument("--task", choices=sorted(TASKS), help="model head to build (default: from "
-                                                              "config.architectures, else causal-lm)")
+    verify.add_argument(
+        "--task", choices=sorted(TASKS), help="model head to build (default: from config.architectures, else causal-lm)"
+    )
     verify.add_argument("--top", type=positive_int, default=15, help="rows of the error table")
     verify.set_defaults(run=cmd_verify)
     cons = sub.add_parser("consolidate", help="turn a per-rank training checkpoint into a full HF checkpoint")
     cons.add_argument("checkpoint", help="directory written by autotp.save_checkpoint")
     cons.add_argument("out", help="where to write the HF checkpoint (config, safetensors, index)")
-    cons.add_argument("--max-shard-size", type=shard_size, default="5GB", help="largest safetensors file, such as 5GB or 500MB")
+    cons.add_argument(
+        "--max-shard-size", type=shard_size, default="5GB", help="largest safetensors file, such as 5GB or 500MB"
+    )
     cons.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     cons.set_defaults(run=cmd_consolidate)
     return parser

@@ -73,18 +73,22 @@ def new_group(ranks: list[int], timeout: timedelta, what: str, backend: str | No
 
 
 @contextmanager
-def named_failure(group: dist.ProcessGroup, what: str,
-                  fix: str = "Every rank must run the same training step.") -> Iterator[None]:
+def named_failure(
+    group: dist.ProcessGroup, what: str, fix: str = "Every rank must run the same training step."
+) -> Iterator[None]:
     """Re-raise a failed or timed-out collective with the group's ranks and `fix` (what to do) in the message."""
     try:
         yield
     except RuntimeError as err:
-        raise RuntimeError(f"autotp: {what} over ranks {dist.get_process_group_ranks(group)} failed ({err}); a rank "
-                           f"of that group failed, hung or never called it. {fix}") from err
+        raise RuntimeError(
+            f"autotp: {what} over ranks {dist.get_process_group_ranks(group)} failed ({err}); a rank "
+            f"of that group failed, hung or never called it. {fix}"
+        ) from err
 
 
-def build_subgroups(rank_sets: Iterable[tuple[int, ...]], mesh: Mesh,
-                    timeout: timedelta = DEFAULT_TIMEOUT) -> dict[tuple[int, ...], Group]:
+def build_subgroups(
+    rank_sets: Iterable[tuple[int, ...]], mesh: Mesh, timeout: timedelta = DEFAULT_TIMEOUT
+) -> dict[tuple[int, ...], Group]:
     """Process groups for sets of TP-group ranks (replica holders), in this rank's TP group.
 
     `new_group` is collective over the world, so every rank creates every TP group's subgroups, in the same order,
@@ -217,12 +221,16 @@ class Mesh:
         """This rank's group for each axis that wrap's ranks compare their configs, options and plans over
         (`autotp.runtime.agreement.check_agreement`), labelled, innermost first; together they span the world."""
         innermost = [*reversed(AXES), *reversed(EXPERT_AXES)]
-        return [(AXIS_TABLE[name].label, self.group(*over)) for name in innermost
-                if (over := AXIS_TABLE[name].compared_over) is not None]
+        return [
+            (AXIS_TABLE[name].label, self.group(*over))
+            for name in innermost
+            if (over := AXIS_TABLE[name].compared_over) is not None
+        ]
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{name}={self.size(name)}" for name, axis in AXIS_TABLE.items()
-                          if axis.compared_over is not None)
+        sizes = ", ".join(
+            f"{name}={self.size(name)}" for name, axis in AXIS_TABLE.items() if axis.compared_over is not None
+        )
         return f"Mesh({sizes})"
 
 
@@ -264,13 +272,17 @@ def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
     shape = [sizes.get(axis, 1) for axis in AXES[1:]]
     if dense and world % math.prod(shape):
         named = " x ".join(f"{axis}_size={n}" for axis, n in sizes.items() if n > 1 or axis == "tp")
-        raise ValueError(f"{named} must divide the world size {world} (world = {AXIS_TABLE[AXES[0]].title} x "
-                         + " x ".join(AXIS_TABLE[axis].title for axis in AXES[1:] if sizes.get(axis, 1) > 1
-                                      or axis == "tp") + ")")
+        raise ValueError(
+            f"{named} must divide the world size {world} (world = {AXIS_TABLE[AXES[0]].title} x "
+            + " x ".join(AXIS_TABLE[axis].title for axis in AXES[1:] if sizes.get(axis, 1) > 1 or axis == "tp")
+            + ")"
+        )
     ep = sizes.get("ep", 1)
     if world % ep:
-        raise ValueError(f"ep_size={ep} must divide the world size {world}: the experts are split over ep_size "
-                         f"consecutive ranks and the rest of the world holds copies of them (expert data parallel)")
+        raise ValueError(
+            f"ep_size={ep} must divide the world size {world}: the experts are split over ep_size "
+            f"consecutive ranks and the rest of the world holds copies of them (expert data parallel)"
+        )
 
 
 def world_mesh() -> Mesh:
@@ -279,8 +291,7 @@ def world_mesh() -> Mesh:
     return Mesh(None, {} if world is None else {("dp",): world, DP_CP: world})
 
 
-def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta,
-                made: dict[tuple[int, ...], Group]) -> Group:
+def _view_group(mesh: Mesh, axes: tuple[str, ...], timeout: timedelta, made: dict[tuple[int, ...], Group]) -> Group:
     """Create every group along `axes` (the same ranks as a view made before share its group); return this rank's."""
     rank, mine = dist.get_rank(), None
     for ranks in mesh.rank_groups(*axes):
@@ -295,8 +306,11 @@ def _grid_around(tp_group: dist.ProcessGroup) -> torch.Tensor:
     """The grid whose TP groups are the user's (learnt from every rank: one all-gather); other axes 1."""
     mine = tuple(dist.get_process_group_ranks(tp_group))
     everyone: list = [None] * dist.get_world_size()
-    with named_failure(dist.group.WORLD, "learning every rank's tp_group to build the mesh around it",
-                       "Every rank must call wrap with its own tp_group."):
+    with named_failure(
+        dist.group.WORLD,
+        "learning every rank's tp_group to build the mesh around it",
+        "Every rank must call wrap with its own tp_group.",
+    ):
         dist.all_gather_object(everyone, mine)
     groups = sorted(set(everyone))
     return torch.tensor(groups).reshape(len(groups), *[1] * (len(AXES) - 2), len(mine))

@@ -83,15 +83,19 @@ class WrapOptions:
 
 # Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
 # tests/parallelize/test_rank_agreement.py fails on a field on neither side):
-AGREED_OPTIONS = frozenset({"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu"} | {
-    f.name for f in fields(WrapOptions) if f.name.endswith("_size")})  # compared as given: ranks that differ would
+AGREED_OPTIONS = frozenset(
+    {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu"}
+    | {f.name for f in fields(WrapOptions) if f.name.endswith("_size")}
+)  # compared as given: ranks that differ would
 # shard or synchronise apart; every axis's size among them, so a new dimension's field needs no entry here
-PER_RANK_OPTIONS = frozenset({
-    "tp_group",  # a process group: each rank holds its own object, of its own members
-    "timeout",  # how long this rank waits; ranks may wait differently without training apart
-    "policy",  # a path or dict, which may differ between ranks: the plan, compared below, holds its effect
-    "example_inputs",  # each rank's own tensors: the plan verified on them, compared below, holds their effect
-})
+PER_RANK_OPTIONS = frozenset(
+    {
+        "tp_group",  # a process group: each rank holds its own object, of its own members
+        "timeout",  # how long this rank waits; ranks may wait differently without training apart
+        "policy",  # a path or dict, which may differ between ranks: the plan, compared below, holds its effect
+        "example_inputs",  # each rank's own tensors: the plan verified on them, compared below, holds their effect
+    }
+)
 
 
 class WrapKwargs(TypedDict, total=False):
@@ -121,8 +125,11 @@ def takes_wrap_options(entry: Entry) -> Entry:
     of `**kw`; another `**` parameter stays after them (`from_pretrained`'s `**hf_kwargs`)."""
     signature = inspect.signature(entry)
     *named, rest = signature.parameters.values()
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in fields(WrapOptions) if f.name in OPTION_NAMES]
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in fields(WrapOptions)
+        if f.name in OPTION_NAMES
+    ]
     keep = [] if "WrapKwargs" in str(rest.annotation) else [rest]
     entry.__signature__ = signature.replace(parameters=[*named, *options, *keep])  # type: ignore[attr-defined]
     return entry
@@ -134,7 +141,9 @@ def wrap_options(call: str, tp_size: int, keywords: Mapping[str, Any]) -> WrapOp
     unknown = [name for name in keywords if name not in OPTION_NAMES]
     if unknown:
         close = difflib.get_close_matches(unknown[0], OPTION_NAMES, n=1)
-        raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}"
-                        + (f" (did you mean {close[0]!r}?)" if close else "")
-                        + f"; its options are tp_size and {', '.join(OPTION_NAMES)} (autotp.options.WrapOptions)")
+        raise TypeError(
+            f"{call}() got an unexpected keyword argument {unknown[0]!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; its options are tp_size and {', '.join(OPTION_NAMES)} (autotp.options.WrapOptions)"
+        )
     return WrapOptions(tp_size=tp_size, **keywords)

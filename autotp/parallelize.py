@@ -63,8 +63,9 @@ from .tp.state_dict import guard_state_dicts
 from .vocab.dimension import VocabParallelism
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions,
-                materialize: Callable[[TPState], None] | None = None) -> TPState:
+def parallelize(
+    model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions, materialize: Callable[[TPState], None] | None = None
+) -> TPState:
     """Apply `plan` and every parallelism `options` asks for to `model`, in the order the module docstring gives;
     returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`)."""
     snapshot = Snapshot(model)
@@ -85,8 +86,15 @@ def parallelize(model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions,
 
 def parallelisms(materialize: Callable[[TPState], None] | None = None) -> list[Step]:
     """The dimensions' steps in order, new objects for one wrap: a dimension is one line here."""
-    return [TensorParallelism(), VocabParallelism(), SequenceParallelism(), ExpertParallelism(),
-            Materialize(materialize), GradientHooks(), ContextParallelism()]
+    return [
+        TensorParallelism(),
+        VocabParallelism(),
+        SequenceParallelism(),
+        ExpertParallelism(),
+        Materialize(materialize),
+        GradientHooks(),
+        ContextParallelism(),
+    ]
 
 
 def dimensions() -> list[Dimension]:

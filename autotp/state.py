@@ -12,8 +12,8 @@ import gc
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
 from datetime import timedelta
+from typing import Any, Callable, TypeVar
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -39,7 +39,9 @@ class TPState:
     gathered: bool = False
     regions: list = field(default_factory=list)  # ShardedRegion and VocabParallelEmbedding: gather_/partition_
     replica_groups: dict = field(default_factory=dict)  # TP ranks holding one replicated KV row -> their group
-    swap_guards: list = field(default_factory=list)  # autotp.integrations.guards.SwapGuard: the slots of sharded modules watched
+    swap_guards: list = field(
+        default_factory=list
+    )  # autotp.integrations.guards.SwapGuard: the slots of sharded modules watched
     vocab_hooks: list = field(default_factory=list)  # removable hooks vocab parallelism added
     full_loss: Callable | None = None  # the model's own loss function, for full-width logits
     forwards: int = 0  # the model's forwards running now (`entered`); outside them its LM head gathers its logits
@@ -53,7 +55,7 @@ class TPState:
 
     def dim(self, kind: type[D]) -> D | None:
         """The active dimension of class `kind` (None: inactive), typed for its own package's use."""
-        found = self.dims.get(getattr(kind, "name"))
+        found = self.dims.get(kind.name)
         return found if isinstance(found, kind) else None
 
     def split_groups(self) -> list[Group]:
@@ -134,8 +136,9 @@ class TPState:
     def refuse_gathered(self, action: str) -> None:
         """Stop `action`, which needs the sharded model, inside GatherReplacedLayerParams."""
         if self.gathered:
-            raise RuntimeError(f"{action} inside GatherReplacedLayerParams: call it outside the context, on the "
-                               f"sharded model")
+            raise RuntimeError(
+                f"{action} inside GatherReplacedLayerParams: call it outside the context, on the sharded model"
+            )
 
 
 class ShardedOnly:
@@ -208,7 +211,8 @@ def refuse_torch_fsdp(model: nn.Module, state: TPState, deep: bool = False) -> N
         f"That drops autotp's partition metadata (autotp_shard) from the parameters, so clip_grad_norm_, "
         f"save_pretrained and the tensor-parallel gradient corrections would be silently wrong. Wrap the model "
         f"again and call autotp.fully_shard(model) instead: it applies torch's fully_shard over the data-parallel "
-        f"group and keeps the metadata")
+        f"group and keeps the metadata"
+    )
 
 
 def wrapped_model(model: nn.Module) -> nn.Module | None:
@@ -251,9 +255,12 @@ def _only_wrapped_model() -> nn.Module:
     if count == 1:
         return _wrapped_here()[0]
     # no model in this frame: a caught error's traceback must not keep any of them alive
-    raise RuntimeError(f"{count} models wrapped by autotp are alive in this process; pass the model "
-                       f"(for example autotp.tp_group(model))" if count else
-                       "no model wrapped by autotp: call autotp.wrap first, or pass the wrapped model")
+    raise RuntimeError(
+        f"{count} models wrapped by autotp are alive in this process; pass the model "
+        f"(for example autotp.tp_group(model))"
+        if count
+        else "no model wrapped by autotp: call autotp.wrap first, or pass the wrapped model"
+    )
 
 
 def _wrapped_here() -> list[nn.Module]:

@@ -27,28 +27,64 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VOCAB = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=65536)
+VOCAB = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=65536,
+)
 VOCAB_BATCH = (4, 512)
-SEQUENCE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                num_key_value_heads=8, vocab_size=8000)  # issue 15's configuration
+SEQUENCE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=8000,
+)  # issue 15's configuration
 SEQUENCE_BATCH = (8, 256)
 
 RUNS = [  # (label, config, batch, wrap options); RUNS[int(sys.argv[1]):] with an argument
     ("vocab 64k: logits gathered (vocab_parallel=False)", VOCAB, VOCAB_BATCH, dict(vocab_parallel=False)),
     ("vocab 64k: sharded logits + vocab-parallel loss", VOCAB, VOCAB_BATCH, dict(vocab_parallel=True)),
-    ("hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=False", SEQUENCE, SEQUENCE_BATCH,
-     dict(sequence_parallel=False)),
-    ("hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
-     dict(sequence_parallel=True)),
-    ("same, recompute_glu=False, sequence_parallel=False", SEQUENCE, SEQUENCE_BATCH,
-     dict(sequence_parallel=False, recompute_glu=False)),
-    ("same, recompute_glu=False, sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
-     dict(sequence_parallel=True, recompute_glu=False)),
-    ("same, activation checkpointing, sequence_parallel=False", SEQUENCE, SEQUENCE_BATCH,
-     dict(sequence_parallel=False, checkpointing=True)),
-    ("same, activation checkpointing, sequence_parallel=True", SEQUENCE, SEQUENCE_BATCH,
-     dict(sequence_parallel=True, checkpointing=True)),
+    (
+        "hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=False",
+        SEQUENCE,
+        SEQUENCE_BATCH,
+        dict(sequence_parallel=False),
+    ),
+    (
+        "hidden 1024, 8 layers, 8 x 256 tokens: sequence_parallel=True",
+        SEQUENCE,
+        SEQUENCE_BATCH,
+        dict(sequence_parallel=True),
+    ),
+    (
+        "same, recompute_glu=False, sequence_parallel=False",
+        SEQUENCE,
+        SEQUENCE_BATCH,
+        dict(sequence_parallel=False, recompute_glu=False),
+    ),
+    (
+        "same, recompute_glu=False, sequence_parallel=True",
+        SEQUENCE,
+        SEQUENCE_BATCH,
+        dict(sequence_parallel=True, recompute_glu=False),
+    ),
+    (
+        "same, activation checkpointing, sequence_parallel=False",
+        SEQUENCE,
+        SEQUENCE_BATCH,
+        dict(sequence_parallel=False, checkpointing=True),
+    ),
+    (
+        "same, activation checkpointing, sequence_parallel=True",
+        SEQUENCE,
+        SEQUENCE_BATCH,
+        dict(sequence_parallel=True, checkpointing=True),
+    ),
 ]
 
 
@@ -124,8 +160,9 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     dist.destroy_process_group()
 
 
-def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]
-        ) -> list[tuple[int, int, int, int, int]]:
+def run(
+    config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]
+) -> list[tuple[int, int, int, int, int]]:
     """(rank, saved bytes, peak RSS growth, bytes sent, RSS held after forward) of each rank, spawned with `malloc` added to the environment."""
     from autotp.testing.spawn import free_port
 
@@ -134,8 +171,9 @@ def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, s
     before = dict(os.environ)
     os.environ.update(malloc)  # read by glibc when the spawned ranks start
     try:
-        mp.start_processes(rank_main, args=(2, config, shape, options, free_port(), out), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(
+            rank_main, args=(2, config, shape, options, free_port(), out), nprocs=2, start_method="spawn"
+        )
     finally:
         os.environ.clear()
         os.environ.update(before)
@@ -143,15 +181,20 @@ def run(config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, s
 
 
 def main() -> None:
-    print("| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth, glibc default "
-          "| peak RSS growth, `MALLOC_MMAP_THRESHOLD_=131072` | held after forward, live bytes | sent per rank per step |")
+    print(
+        "| configuration (tp=2, 2 CPU ranks) | saved for backward (rank 0 / 1) | peak RSS growth, glibc default "
+        "| peak RSS growth, `MALLOC_MMAP_THRESHOLD_=131072` | held after forward, live bytes | sent per rank per step |"
+    )
     print("|---|---|---|---|---|---|")
     mib = lambda rows, i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
-    for label, config, shape, options in RUNS[int(sys.argv[1]) if len(sys.argv) > 1 else 0:]:
+    for label, config, shape, options in RUNS[int(sys.argv[1]) if len(sys.argv) > 1 else 0 :]:
         default = run(config, shape, options, {})
         mapped = run(config, shape, options, {"MALLOC_MMAP_THRESHOLD_": "131072"})
-        print(f"| {label} | {mib(default, 1)} | {mib(default, 2)} | {mib(mapped, 2)} | {mib(mapped, 4)} | "
-              f"{mib(default, 3)} |", flush=True)
+        print(
+            f"| {label} | {mib(default, 1)} | {mib(default, 2)} | {mib(mapped, 2)} | {mib(mapped, 4)} | "
+            f"{mib(default, 3)} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,14 @@ from pathlib import Path
 
 import torch
 
-CONFIG = dict(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=8,
-              vocab_size=32000, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
 
 
 def rss(field: str = "VmRSS") -> int:
@@ -58,6 +64,7 @@ def rank_main(rank: int, world: int, layers: int, bucket: int) -> dict:
             for _, tensor in autotp.export_weights(model, dtype=dtype, bucket_bytes=bucket):
                 out["largest"] = max(out["largest"], tensor.nbytes)
                 del tensor
+
         return run
 
     for name, call in [("export fp32", export(None)), ("export bf16", export(torch.bfloat16))]:
@@ -80,11 +87,15 @@ def main() -> None:
     for world in (1, 2):
         reports = run_ranks(rank_main, world, args.layers, bucket)
         largest = reports[0]["largest"]
-        print(f"tp={world}  bucket {bucket >> 20} MiB, largest tensor {largest / 2**20:.0f} MiB, "
-              f"bound {(bucket + largest) / 2**20:.0f} MiB")
+        print(
+            f"tp={world}  bucket {bucket >> 20} MiB, largest tensor {largest / 2**20:.0f} MiB, "
+            f"bound {(bucket + largest) / 2**20:.0f} MiB"
+        )
         for name in [k for k in reports[0] if k != "largest"]:
-            cells = "  ".join(f"rank {r}: {rep[name][0]:6.2f} s, peak +{rep[name][1] / 2**20:6.0f} MiB"
-                              for r, rep in enumerate(reports))
+            cells = "  ".join(
+                f"rank {r}: {rep[name][0]:6.2f} s, peak +{rep[name][1] / 2**20:6.0f} MiB"
+                for r, rep in enumerate(reports)
+            )
             print(f"  {name:<30} {cells}")
 
 

@@ -19,8 +19,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CONFIG = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=2, vocab_size=8192, max_position_embeddings=256, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=8192,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 TP, DP = 2, 2
 
 
@@ -29,9 +37,11 @@ def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     size = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
     params = list(model.parameters())
-    return {"params": sum(size(p) for p in params),
-            "grads": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(size(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0)}
+    return {
+        "params": sum(size(p) for p in params),
+        "grads": sum(size(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(size(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0),
+    }
 
 
 def rank_main(rank: int, port: int, out) -> None:
@@ -60,8 +70,7 @@ def rank_main(rank: int, port: int, out) -> None:
     if rank == 0:
         full = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
         report["total"] = sum(p.numel() * p.element_size() for p in full.parameters())
-        report["replicated_full"] = sum(p.numel() * p.element_size() for n, p in full.named_parameters()
-                                        if "norm" in n)
+        report["replicated_full"] = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "norm" in n)
     out.put((rank, report))
     dist.destroy_process_group()
 
@@ -82,8 +91,10 @@ def main() -> None:
     # parameters + gradients + two moments: 4x the parameter bytes
     target = 4 * ((total - norms) / (TP * DP) + norms / DP)
     mib = lambda b: f"{b / 2**20:8.2f} MiB"  # noqa: E731
-    print(f"Llama hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, vocab {CONFIG['vocab_size']}: "
-          f"{total / 2**20:.1f} MiB of fp32 parameters; tp={TP} x dp={DP}")
+    print(
+        f"Llama hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, vocab {CONFIG['vocab_size']}: "
+        f"{total / 2**20:.1f} MiB of fp32 parameters; tp={TP} x dp={DP}"
+    )
     print(f"{'rank':>4} | {'DDP x TP':>12} | {'FSDP2 x TP':>12} | FSDP / DDP | FSDP / target ({mib(target).strip()})")
     worst = 0.0
     for rank in sorted(reports):

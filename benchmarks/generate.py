@@ -22,8 +22,15 @@ import torch.distributed as dist
 
 from autotp.testing.spawn import run_ranks
 
-CONFIG = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=4, vocab_size=512, max_position_embeddings=256)
+CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=344,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=512,
+    max_position_embeddings=256,
+)
 
 
 def build() -> torch.nn.Module:
@@ -53,6 +60,7 @@ def count_collectives(model: torch.nn.Module) -> int:
         def run(*args, **kwargs):
             calls.append(original)
             return original(*args, **kwargs)
+
         return run
 
     for name, original in originals.items():
@@ -99,8 +107,10 @@ def main() -> None:
     print(f"{'run':<14}{'ms/token':>10}{'tokens/s':>10}{'x one process':>15}")
     for label, ms in (("one process", one), ("tp=1", tp1["ms"]), ("tp=2", tp2["ms"])):
         print(f"{label:<14}{ms:>10.2f}{1e3 / ms:>10.1f}{ms / one:>15.2f}")
-    print(f"tp=2: {tp2['collectives']} collectives per token x {tp2['latency']:.3f} ms (a bare gloo all-reduce of one "
-          f"token's hidden state) = {floor:.2f} ms of latency alone, against a {tp2['ms']:.2f} ms step")
+    print(
+        f"tp=2: {tp2['collectives']} collectives per token x {tp2['latency']:.3f} ms (a bare gloo all-reduce of one "
+        f"token's hidden state) = {floor:.2f} ms of latency alone, against a {tp2['ms']:.2f} ms step"
+    )
 
 
 if __name__ == "__main__":

@@ -73,17 +73,49 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
-CP_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-            vocab_size=512, tie_word_embeddings=False)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+CP_MODEL = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
 
-LORA = dict(r=8, lora_alpha=32, lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+LORA = dict(
+    r=8,
+    lora_alpha=32,
+    lora_dropout=0.0,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+)
 PEAKS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0))  # bf16 dense TFLOP/s per GPU, first match by name
 GOAL_A = 0.97
 AUTOMODEL_LORA_8B = 12473  # tok/s, 1 x H100, Llama3-8B LoRA, bf16, seq 4096, MBS 2 (Automodel's performance page)
@@ -110,16 +142,42 @@ class Sizes:
     compile: bool
 
 
-FULL = Sizes(LLAMA_1B, LLAMA_8B, CP_MODEL, ("Llama-1B shape", "Llama-3-8B shape"), (4, 2048), (2, 4096), (1, 8192),
-             (2, 4096), 3, 8, {"a": 130, "b": 75, "c": 50, "d": 40, "e": 5}, True)
-SMOKE = Sizes(TINY, TINY, TINY, ("tiny Llama", "tiny Llama"), (2, 64), (2, 64), (1, 64), (2, 64), 1, 2,
-              {"a": 30, "b": 30, "c": 30, "d": 30, "e": 5}, False)
+FULL = Sizes(
+    LLAMA_1B,
+    LLAMA_8B,
+    CP_MODEL,
+    ("Llama-1B shape", "Llama-3-8B shape"),
+    (4, 2048),
+    (2, 4096),
+    (1, 8192),
+    (2, 4096),
+    3,
+    8,
+    {"a": 130, "b": 75, "c": 50, "d": 40, "e": 5},
+    True,
+)
+SMOKE = Sizes(
+    TINY,
+    TINY,
+    TINY,
+    ("tiny Llama", "tiny Llama"),
+    (2, 64),
+    (2, 64),
+    (1, 64),
+    (2, 64),
+    1,
+    2,
+    {"a": 30, "b": 30, "c": 30, "d": 30, "e": 5},
+    False,
+)
 
 
 # --- recording ----------------------------------------------------------------------------------------------------
 
+
 def environment(device: torch.device) -> dict[str, Any]:
     """What every line carries: versions, the device and the peak MFU is taken against."""
+
     def version(package: str) -> str:
         try:
             return importlib.metadata.version(package)
@@ -128,14 +186,26 @@ def environment(device: torch.device) -> dict[str, Any]:
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            or None
+        )
     except OSError:  # no git there
         commit = None
-    return {"torch": torch.__version__, "transformers": version("transformers"), "peft": version("peft"),
-            "accelerate": version("accelerate"), "python": platform.python_version(), "gpu": gpu,
-            "device": str(device), "cuda": torch.version.cuda, "peak_tflops": peak_tflops(gpu),
-            "commit": commit}
+    return {
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "peft": version("peft"),
+        "accelerate": version("accelerate"),
+        "python": platform.python_version(),
+        "gpu": gpu,
+        "device": str(device),
+        "cuda": torch.version.cuda,
+        "peak_tflops": peak_tflops(gpu),
+        "commit": commit,
+    }
 
 
 def peak_tflops(gpu: str) -> float | None:
@@ -165,8 +235,11 @@ class Recorder:
 
 
 def describe(record: dict[str, Any]) -> str:
-    figures = "".join(f", {label} {record[key]}" for key, label in (
-        ("tokens_per_s_per_gpu", "tok/s/GPU"), ("mfu", "MFU"), ("step_s", "s/step")) if record.get(key) is not None)
+    figures = "".join(
+        f", {label} {record[key]}"
+        for key, label in (("tokens_per_s_per_gpu", "tok/s/GPU"), ("mfu", "MFU"), ("step_s", "s/step"))
+        if record.get(key) is not None
+    )
     said = record["reason"] if "reason" in record else note(record)
     return f"[{record['section']}] {record['kind']}: {record['run']}{figures}; {said}".rstrip("; ")
 
@@ -186,9 +259,13 @@ def table(records: list[dict[str, Any]]) -> str:
         return ""
     env = records[0]
     peak = f"peak {env['peak_tflops']:g} TFLOP/s bf16" if env["peak_tflops"] else "peak unknown: no MFU"
-    lines = [f"torch {env['torch']}, transformers {env['transformers']}, PEFT {env['peft']}, {env['gpu']} ({peak}), "
-             f"commit {env['commit']}", "",
-             "| section | run | tokens/s per GPU | MFU | beside |", "|---|---|---|---|---|"]
+    lines = [
+        f"torch {env['torch']}, transformers {env['transformers']}, PEFT {env['peft']}, {env['gpu']} ({peak}), "
+        f"commit {env['commit']}",
+        "",
+        "| section | run | tokens/s per GPU | MFU | beside |",
+        "|---|---|---|---|---|",
+    ]
     for r in records:
         if r["kind"] == "env":
             continue
@@ -196,12 +273,15 @@ def table(records: list[dict[str, Any]]) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
         lines.append(f"| {r['section']} | {r['run']} | {rate} | {mfu} | {note(r)} |".replace("\n", " "))
     counted = {r["section"]: r for r in records if r.get("flops")}
-    lines += [""] + [f"- ({section}) FLOPs per token: {r['flops']} = {r['flops_per_token'] / 1e9:.4g} GFLOP"
-                     for section, r in counted.items()]
+    lines += [""] + [
+        f"- ({section}) FLOPs per token: {r['flops']} = {r['flops_per_token'] / 1e9:.4g} GFLOP"
+        for section, r in counted.items()
+    ]
     return "\n".join(lines).rstrip() + "\n"
 
 
 # --- time guards ----------------------------------------------------------------------------------------------------
+
 
 class SectionTimeout(Exception):
     pass
@@ -211,6 +291,7 @@ class SectionTimeout(Exception):
 def time_limit(seconds: float) -> Iterator[None]:
     """Raise SectionTimeout in the main thread once `seconds` pass (checked between Python bytecodes, so a CUDA
     call or a compile in progress finishes first)."""
+
     def expire(signum: int, frame: Any) -> None:
         raise SectionTimeout(f"past its budget of {seconds:.0f} s")
 
@@ -223,8 +304,9 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_section(rec: Recorder, section: str, fn: Callable[[Recorder, Sizes, torch.device], None], sizes: Sizes,
-                device: torch.device) -> None:
+def run_section(
+    rec: Recorder, section: str, fn: Callable[[Recorder, Sizes, torch.device], None], sizes: Sizes, device: torch.device
+) -> None:
     """One section under its time budget; a failure is written as a line naming it, and the run goes on."""
     start = time.perf_counter()
     try:
@@ -233,8 +315,9 @@ def run_section(rec: Recorder, section: str, fn: Callable[[Recorder, Sizes, torc
     except SectionTimeout as err:
         rec.write(section, "timeout", reason=str(err))
     except Exception as err:  # noqa: BLE001 - named in the output, then the next section
-        rec.write(section, "error", reason=f"{type(err).__name__}: {err}"[:2000],
-                  traceback=traceback.format_exc()[-4000:])
+        rec.write(
+            section, "error", reason=f"{type(err).__name__}: {err}"[:2000], traceback=traceback.format_exc()[-4000:]
+        )
     finally:
         free()
         if torch.distributed.is_initialized():  # (c)'s fake group, if the section stopped inside it
@@ -252,6 +335,7 @@ def free() -> None:
 
 # --- models, FLOPs, timing -----------------------------------------------------------------------------------------
 
+
 def build(config: dict, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """A Llama from `config` with random weights (seed 0), made on `device` in `dtype`, SDPA attention, and no KV
     cache (transformers' default would fill one in every training forward)."""
@@ -259,8 +343,9 @@ def build(config: dict, device: torch.device, dtype: torch.dtype = torch.bfloat1
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**config, use_cache=False), dtype=dtype,
-                                                 attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            LlamaConfig(**config, use_cache=False), dtype=dtype, attn_implementation="sdpa"
+        )
     return model.train()
 
 
@@ -282,8 +367,10 @@ def projections(config: dict) -> list[tuple[int, int]]:
 
 def matmul_weights(config: dict) -> int:
     """N: the weights every token multiplies, the LM head included (tied or not); the embedding is a lookup."""
-    return config["num_hidden_layers"] * sum(i * o for i, o in projections(config)) + \
-        config["vocab_size"] * config["hidden_size"]
+    return (
+        config["num_hidden_layers"] * sum(i * o for i, o in projections(config))
+        + config["vocab_size"] * config["hidden_size"]
+    )
 
 
 def attention_flops(config: dict, seq: int) -> int:
@@ -301,8 +388,10 @@ def full_flops(config: dict, seq: int) -> tuple[int, str]:
 def lora_flops(config: dict, seq: int, rank: int) -> tuple[int, str]:
     n = matmul_weights(config)
     adapters = 6 * rank * config["num_hidden_layers"] * sum(i + o for i, o in projections(config))
-    return (4 * n + attention_flops(config, seq) + adapters,
-            f"4N + 6LSHD + 6r(in + out) per adapter, N = {n:.4g} (frozen base: no weight-gradient GEMMs)")
+    return (
+        4 * n + attention_flops(config, seq) + adapters,
+        f"4N + 6LSHD + 6r(in + out) per adapter, N = {n:.4g} (frozen base: no weight-gradient GEMMs)",
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -310,8 +399,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_times(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, sizes: Sizes,
-               device: torch.device) -> list[float]:
+def step_times(
+    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, sizes: Sizes, device: torch.device
+) -> list[float]:
     """Seconds of each training step (forward, backward, optimizer) after the warm-up ones."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -327,8 +417,16 @@ def step_times(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim
     return times
 
 
-def figure(rec: Recorder, section: str, run: str, times: list[float], ids: torch.Tensor, flops: tuple[int, str],
-           ranks: int = 1, **fields: Any) -> dict[str, Any]:
+def figure(
+    rec: Recorder,
+    section: str,
+    run: str,
+    times: list[float],
+    ids: torch.Tensor,
+    flops: tuple[int, str],
+    ranks: int = 1,
+    **fields: Any,
+) -> dict[str, Any]:
     """Write a throughput line: the median step, tokens/s per GPU (a TP group's tokens shared by its `ranks`), the
     FLOPs per token stated, TFLOP/s per GPU and MFU against the card's peak."""
     step = statistics.median(times)
@@ -336,14 +434,27 @@ def figure(rec: Recorder, section: str, run: str, times: list[float], ids: torch
     achieved = per_gpu * flops[0] / 1e12
     peak = rec.env["peak_tflops"]
     memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    return rec.write(section, "figure", run, tokens_per_s_per_gpu=round(per_gpu, 1), step_s=round(step, 4),
-                     step_s_range=[round(min(times), 4), round(max(times), 4)], steps=len(times),
-                     tokens_per_step=ids.numel(), batch=list(ids.shape), flops_per_token=flops[0], flops=flops[1],
-                     tflops_per_gpu=round(achieved, 1), mfu=round(achieved / peak, 4) if peak else None,
-                     peak_memory_gib=memory and round(memory, 1), **fields)
+    return rec.write(
+        section,
+        "figure",
+        run,
+        tokens_per_s_per_gpu=round(per_gpu, 1),
+        step_s=round(step, 4),
+        step_s_range=[round(min(times), 4), round(max(times), 4)],
+        steps=len(times),
+        tokens_per_step=ids.numel(),
+        batch=list(ids.shape),
+        flops_per_token=flops[0],
+        flops=flops[1],
+        tflops_per_gpu=round(achieved, 1),
+        mfu=round(achieved / peak, 4) if peak else None,
+        peak_memory_gib=memory and round(memory, 1),
+        **fields,
+    )
 
 
 # --- the sections --------------------------------------------------------------------------------------------------
+
 
 def section_a(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
     """autotp.wrap(model, 1) against the plain model: full fine-tuning, eager then per-layer compiled."""
@@ -351,8 +462,10 @@ def section_a(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
 
     batch, seq = sizes.a
     ids, flops = tokens(sizes.small, batch, seq, device), full_flops(sizes.small, seq)
-    models = {"plain transformers": build(sizes.small, device),
-              "autotp.wrap(model, 1)": autotp.wrap(build(sizes.small, device), 1)}
+    models = {
+        "plain transformers": build(sizes.small, device),
+        "autotp.wrap(model, 1)": autotp.wrap(build(sizes.small, device), 1),
+    }
     optimizers = {name: adamw(model.parameters(), device) for name, model in models.items()}
     for mode in ("eager", "compiled"):
         if mode == "compiled":
@@ -368,10 +481,13 @@ def section_a(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
             extra = {}
             if plain is not None:
                 ratio = statistics.median(plain) / statistics.median(times)
-                extra = {"ratio_to_plain": round(ratio, 4), "goal": GOAL_A, "met": ratio >= GOAL_A,
-                         "beside": f"{ratio:.3f}x plain (goal {GOAL_A})"}
-            figure(rec, "a", f"{mode}, {name}, {sizes.names[0]}, {batch} x {seq}, AdamW", times, ids, flops,
-                   **extra)
+                extra = {
+                    "ratio_to_plain": round(ratio, 4),
+                    "goal": GOAL_A,
+                    "met": ratio >= GOAL_A,
+                    "beside": f"{ratio:.3f}x plain (goal {GOAL_A})",
+                }
+            figure(rec, "a", f"{mode}, {name}, {sizes.names[0]}, {batch} x {seq}, AdamW", times, ids, flops, **extra)
             plain = plain or times
 
 
@@ -391,17 +507,26 @@ def section_b(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
         times, checkpointing = fitting_step_times(model, ids, optimizer, sizes, device)
         name = "PEFT LoRA under autotp.wrap(model, 1)" if wrapped else "PEFT LoRA"
         rate = ids.numel() / statistics.median(times)
-        figure(rec, "b", f"{name}, {sizes.names[1]}, {batch} x {seq}, r {LORA['r']}, SDPA", times, ids, flops,
-               activation_checkpointing=checkpointing, ratio_to_automodel=round(rate / AUTOMODEL_LORA_8B, 4),
-               beside=f"{rate / AUTOMODEL_LORA_8B:.2f}x Automodel's {AUTOMODEL_LORA_8B:,} (1 x H100; Transformer "
-                      f"Engine + triton kernels, 16 micro-batches per step)"
-                      + ("; activation checkpointing (did not fit without)" if checkpointing else ""))
+        figure(
+            rec,
+            "b",
+            f"{name}, {sizes.names[1]}, {batch} x {seq}, r {LORA['r']}, SDPA",
+            times,
+            ids,
+            flops,
+            activation_checkpointing=checkpointing,
+            ratio_to_automodel=round(rate / AUTOMODEL_LORA_8B, 4),
+            beside=f"{rate / AUTOMODEL_LORA_8B:.2f}x Automodel's {AUTOMODEL_LORA_8B:,} (1 x H100; Transformer "
+            f"Engine + triton kernels, 16 micro-batches per step)"
+            + ("; activation checkpointing (did not fit without)" if checkpointing else ""),
+        )
         del model, optimizer
         free()
 
 
-def fitting_step_times(model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, sizes: Sizes,
-                       device: torch.device) -> tuple[list[float], bool]:
+def fitting_step_times(
+    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, sizes: Sizes, device: torch.device
+) -> tuple[list[float], bool]:
     """step_times, retried with activation checkpointing if the activations do not fit; (times, checkpointed)."""
     try:
         return step_times(model, ids, optimizer, sizes, device), False
@@ -425,11 +550,19 @@ def section_c(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
     optimizer = adamw(model.parameters(), device)
     times = step_times(model, ids, optimizer, sizes, device)
     rate = ids.numel() / statistics.median(times) / TP_C
-    figure(rec, "c", f"one rank of tp={TP_C}, fake process group, {sizes.names[1]}, {batch} x {seq}, AdamW, eager",
-           times, ids, flops, ranks=TP_C, upper_bound=True,
-           beside=f"upper bound (collectives cost nothing here); torchtitan 8B FSDP 8 x H100: "
-                  f"{TORCHTITAN_8B['eager']:,} eager ({rate / TORCHTITAN_8B['eager']:.2f}x), "
-                  f"{TORCHTITAN_8B['compiled']:,} compiled")
+    figure(
+        rec,
+        "c",
+        f"one rank of tp={TP_C}, fake process group, {sizes.names[1]}, {batch} x {seq}, AdamW, eager",
+        times,
+        ids,
+        flops,
+        ranks=TP_C,
+        upper_bound=True,
+        beside=f"upper bound (collectives cost nothing here); torchtitan 8B FSDP 8 x H100: "
+        f"{TORCHTITAN_8B['eager']:,} eager ({rate / TORCHTITAN_8B['eager']:.2f}x), "
+        f"{TORCHTITAN_8B['compiled']:,} compiled",
+    )
     del model, optimizer
     torch.distributed.destroy_process_group()
 
@@ -446,12 +579,20 @@ def section_d(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
     loss, grad = max(r["loss"] for r in reports), max(r["grad"] for r in reports)
     passed = loss <= LOSS_ATOL and grad <= GRAD_RTOL
     flash = "installed (not used)" if importlib.util.find_spec("flash_attn") else "not installed"
-    rec.write("d", "figure", f"cp=2 variable-length branch, 2 ranks on one {device.type} over gloo, fp32, packed "
-                             f"documents, {batch} x {seq}", attention="autotp.testing.varlen.varlen_reference: one "
-              f"torch SDPA call per packed segment (flash-attn {flash})", loss_diff=loss, grad_error=grad,
-              tolerances={"loss": LOSS_ATOL, "grad": GRAD_RTOL}, passed=passed, devices=reports[0]["devices"],
-              beside=f"{'matches' if passed else 'DIFFERS FROM'} one process's SDPA: loss {loss:.1e}, gradients "
-                     f"{grad:.1e} (fp32 tolerances {LOSS_ATOL:g}, {GRAD_RTOL:g}); SDPA per segment ran, not flash")
+    rec.write(
+        "d",
+        "figure",
+        f"cp=2 variable-length branch, 2 ranks on one {device.type} over gloo, fp32, packed documents, {batch} x {seq}",
+        attention="autotp.testing.varlen.varlen_reference: one "
+        f"torch SDPA call per packed segment (flash-attn {flash})",
+        loss_diff=loss,
+        grad_error=grad,
+        tolerances={"loss": LOSS_ATOL, "grad": GRAD_RTOL},
+        passed=passed,
+        devices=reports[0]["devices"],
+        beside=f"{'matches' if passed else 'DIFFERS FROM'} one process's SDPA: loss {loss:.1e}, gradients "
+        f"{grad:.1e} (fp32 tolerances {LOSS_ATOL:g}, {GRAD_RTOL:g}); SDPA per segment ran, not flash",
+    )
 
 
 def cp_varlen_check(rank: int, world: int, config: dict, batch: int, seq: int, device_type: str) -> dict[str, Any]:
@@ -480,14 +621,22 @@ def cp_varlen_check(rank: int, world: int, config: dict, batch: int, seq: int, d
     autotp.allreduce_gradients(model)
     expected = dict(reference.named_parameters())
     worst = max(grad_error(p.grad, expected[name].grad) for name, p in model.named_parameters())
-    return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst,
-            "devices": sorted({str(p.device) for p in model.parameters()})}
+    return {
+        "loss": abs(loss.item() - ref_loss.item()),
+        "grad": worst,
+        "devices": sorted({str(p.device) for p in model.parameters()}),
+    }
 
 
 def section_e(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
-    rec.write("e", "skip", "expert parallelism", reason="not measured: EP's dispatch sends each rank's token counts "
-              "over an all-to-all before the tokens, and the fake process group moves no data, so one rank alone "
-              "cannot stand for an EP rank's step; it needs real ranks (benchmarks/moe.py on CPU)")
+    rec.write(
+        "e",
+        "skip",
+        "expert parallelism",
+        reason="not measured: EP's dispatch sends each rank's token counts "
+        "over an all-to-all before the tokens, and the fake process group moves no data, so one rank alone "
+        "cannot stand for an EP rank's step; it needs real ranks (benchmarks/moe.py on CPU)",
+    )
 
 
 SECTIONS = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e}
@@ -495,13 +644,26 @@ SECTIONS = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e":
 
 # --- the gpu tests --------------------------------------------------------------------------------------------------
 
+
 def run_pytest(rec: Recorder, budget: float, log: Path) -> None:
     """`python -m pytest -m gpu tests` in its own process group, stopped with everything it started after `budget`
     seconds; each test's outcome (from -v's lines, so a stopped run keeps what finished) and the summary."""
-    argv = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-v", "-rfE", "-p", "no:cacheprovider",
-            "--continue-on-collection-errors"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "tests",
+        "-v",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=budget)
         stopped = False
@@ -516,13 +678,23 @@ def run_pytest(rec: Recorder, budget: float, log: Path) -> None:
         rec.write("pytest", "test", test, outcome=outcome)
     counts = {o: sum(1 for _, seen in outcomes if seen == o) for o in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
     summary = ", ".join(f"{n} {o.lower()}" for o, n in counts.items() if n) or "no test ran"
-    rec.write("pytest", "figure", "python -m pytest -m gpu tests", returncode=proc.returncode, stopped=stopped,
-              counts=counts, collection_errors=collection, log=str(log),
-              beside=summary + (f"; stopped after {budget:.0f} s" if stopped else "")
-              + (f"; {len(collection)} modules failed to import: {', '.join(collection)}" if collection else ""))
+    rec.write(
+        "pytest",
+        "figure",
+        "python -m pytest -m gpu tests",
+        returncode=proc.returncode,
+        stopped=stopped,
+        counts=counts,
+        collection_errors=collection,
+        log=str(log),
+        beside=summary
+        + (f"; stopped after {budget:.0f} s" if stopped else "")
+        + (f"; {len(collection)} modules failed to import: {', '.join(collection)}" if collection else ""),
+    )
 
 
 # --- main ----------------------------------------------------------------------------------------------------------
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -19,14 +19,21 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import autotp
 from autotp.testing.spawn import run_ranks
 
-CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=4, vocab_size=65536)  # benchmarks/activation_memory.py's VOCAB row
+CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=65536,
+)  # benchmarks/activation_memory.py's VOCAB row
 BATCH = (4, 512)
 
 
 def median_step(rank: int, world: int, lazy: bool) -> float:
     if not lazy:  # the old gate: the output keeps this rank's logit shard
         import autotp.vocab.layers as vocab
+
         vocab.lazy_logits = lambda output, gather: output
     torch.manual_seed(0)
     model = autotp.wrap(AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG)), world)

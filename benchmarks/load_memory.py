@@ -18,8 +18,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CONFIG = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=4, num_attention_heads=16,
-              num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
 
 
 def peak_rss() -> int:
@@ -71,16 +78,17 @@ def main() -> None:
     rows = []
     for method in ("autotp.from_pretrained", "load-then-wrap"):
         results = ctx.SimpleQueue()
-        mp.start_processes(rank_main, args=(2, method, args.dir, free_port(), results), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(rank_main, args=(2, method, args.dir, free_port(), results), nprocs=2, start_method="spawn")
         rows += sorted(results.get() for _ in range(2))
     gib = 2**30
     print("\n| method | rank | baseline | peak RSS | shard | (peak - baseline) / shard | target <= 1.3 |")
     print("|---|---|---|---|---|---|---|")
     for method, rank, baseline, peak, shard in rows:
         ratio = (peak - baseline) / shard
-        print(f"| {method} | {rank} | {baseline / gib:.2f} GiB | {peak / gib:.2f} GiB | {shard / gib:.2f} GiB | "
-              f"{ratio:.2f} | {'yes' if ratio <= 1.3 else 'no'} |")
+        print(
+            f"| {method} | {rank} | {baseline / gib:.2f} GiB | {peak / gib:.2f} GiB | {shard / gib:.2f} GiB | "
+            f"{ratio:.2f} | {'yes' if ratio <= 1.3 else 'no'} |"
+        )
 
 
 if __name__ == "__main__":

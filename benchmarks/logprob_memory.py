@@ -27,9 +27,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from activation_memory import VOCAB, VOCAB_BATCH, rss  # noqa: E402
 
-RUNS = [("`log_softmax(logits).gather`, logits gathered (vocab_parallel=False)", "gather", False),
-        ("TRL's fused LM head (vocab_parallel=False)", "trl", False),
-        ("autotp's vocab-parallel fused head (vocab_parallel=True)", "trl", True)]
+RUNS = [
+    ("`log_softmax(logits).gather`, logits gathered (vocab_parallel=False)", "gather", False),
+    ("TRL's fused LM head (vocab_parallel=False)", "trl", False),
+    ("autotp's vocab-parallel fused head (vocab_parallel=True)", "trl", True),
+]
 
 
 def rank_main(rank: int, world: int, how: str, vocab_parallel: bool, port: int, out) -> None:
@@ -85,8 +87,10 @@ def run(how: str, vocab_parallel: bool) -> list[tuple]:
 
 
 def main() -> None:
-    print("| per-token log-probs, Llama vocab 64k, 4 x 512 tokens, tp=2 | saved for backward (rank 0 / 1) "
-          "| peak RSS growth (rank 0 / 1) | largest log-prob difference from the first row |")
+    print(
+        "| per-token log-probs, Llama vocab 64k, 4 x 512 tokens, tp=2 | saved for backward (rank 0 / 1) "
+        "| peak RSS growth (rank 0 / 1) | largest log-prob difference from the first row |"
+    )
     print("|---|---|---|---|")
     mib = lambda rows, i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
     first = None

@@ -27,8 +27,15 @@ import autotp  # noqa: E402
 from autotp.testing.memory import KeptForBackward  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
 
-CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-              vocab_size=256, max_position_embeddings=1 << 20)
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=1 << 20,
+)
 BUDGET = 4 << 30
 
 
@@ -60,17 +67,23 @@ def main(lengths: list[int]) -> None:
     for cp in (1, 2, 4):
         for seq in lengths:
             reports = run_ranks(rank_run, cp, seq)
-            results.setdefault(cp, {})[seq] = {"held": max(r["held"] for r in reports),
-                                                "step": max(r["step"] for r in reports)}
+            results.setdefault(cp, {})[seq] = {
+                "held": max(r["held"] for r in reports),
+                "step": max(r["step"] for r in reports),
+            }
     print(f"{'seq':>6} {'cp':>3} {'held per rank':>14} {'vs cp 1':>8} {'step s':>8} {'vs cp 1':>8}")
     for seq in lengths:
         base = results[1][seq]
         for cp in (1, 2, 4):
             r = results[cp][seq]
-            print(f"{seq:>6} {cp:>3} {r['held'] / 2**20:>11.1f} MiB {r['held'] / base['held']:>7.2f}x "
-                  f"{r['step']:>8.3f} {r['step'] / base['step']:>7.2f}x")
-    print(f"longest sequence whose held activations fit {BUDGET >> 30} GiB per rank (a + b S fitted; they are linear "
-          f"in S: the [S/cp, S] masks are built per layer and recomputed, never held):")
+            print(
+                f"{seq:>6} {cp:>3} {r['held'] / 2**20:>11.1f} MiB {r['held'] / base['held']:>7.2f}x "
+                f"{r['step']:>8.3f} {r['step'] / base['step']:>7.2f}x"
+            )
+    print(
+        f"longest sequence whose held activations fit {BUDGET >> 30} GiB per rank (a + b S fitted; they are linear "
+        f"in S: the [S/cp, S] masks are built per layer and recomputed, never held):"
+    )
     for cp in (1, 2, 4):
         seqs = np.array(lengths, dtype=float)
         held = np.array([results[cp][s]["held"] for s in lengths], dtype=float)

@@ -36,12 +36,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-CONFIG = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=128, num_experts=32,
-              num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-              vocab_size=4000, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=128,
+    num_experts=32,
+    num_experts_per_tok=4,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=4000,
+    tie_word_embeddings=False,
+)
 GLOBAL = (8, 128)
-COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-           "broadcast")
+COUNTED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+)
 
 
 class Sent:
@@ -57,11 +73,15 @@ class Sent:
     def _counting(self, real):
         def call(*args, **kwargs):
             if self.on:
-                tensor = args[1] if real.__name__ in ("all_gather_into_tensor", "reduce_scatter_tensor",
-                                                      "all_to_all_single") else args[0]
+                tensor = (
+                    args[1]
+                    if real.__name__ in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+                    else args[0]
+                )
                 tensor = tensor[0] if isinstance(tensor, list) else tensor  # all_gather's output list: one part
                 self.bytes += tensor.numel() * tensor.element_size()
             return real(*args, **kwargs)
+
         return call
 
 
@@ -93,21 +113,27 @@ def build(name: str, path: str, world: int):
         config = DistributedConfig(fsdp_size=world, ep_size=world, ep_implementation="all_to_all")
         model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
         rows = GLOBAL[0] // world
-        return model, ids[dist.get_rank() * rows:(dist.get_rank() + 1) * rows], lambda: None
+        return model, ids[dist.get_rank() * rows : (dist.get_rank() + 1) * rows], lambda: None
     import autotp
 
     tp, ep = {"autotp EP": (1, world), "autotp TP": (world, 1), "autotp TP x EP": (world, world)}[name]
     model = autotp.from_pretrained(path, tp, ep_size=ep)
     rows = GLOBAL[0] // autotp.dp_size(model)
-    mine = ids[autotp.dp_rank(model) * rows:(autotp.dp_rank(model) + 1) * rows]
+    mine = ids[autotp.dp_rank(model) * rows : (autotp.dp_rank(model) + 1) * rows]
     return model, mine, lambda: autotp.allreduce_gradients(model)
 
 
 def rank_main(rank: int, world: int, name: str, path: str, port: int, steps: int, warmup: int, out) -> None:
     torch.set_num_threads(1)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark: on a GPU machine transformers would pick NCCL
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     if name != "transformers EP":  # transformers starts the process group itself
         dist.init_process_group("gloo", rank=rank, world_size=world)
     sent = Sent()
@@ -159,27 +185,38 @@ def main() -> None:
             for name in RUNS:
                 out = ctx.SimpleQueue()
                 try:
-                    mp.start_processes(rank_main, args=(world, name, path, free_port(), args.steps, args.warmup, out),
-                                       nprocs=world, start_method="spawn")
+                    mp.start_processes(
+                        rank_main,
+                        args=(world, name, path, free_port(), args.steps, args.warmup, out),
+                        nprocs=world,
+                        start_method="spawn",
+                    )
                 except Exception as err:  # a run that fails is reported with its reason, not fatal
                     print(f"{name} at {world} ranks failed: {str(err).strip().splitlines()[-1][:300]}")
                     continue
                 ranks = [r for _, r in sorted(out.get() for _ in range(world))]
                 results.setdefault((world, name), []).append(ranks)
-                print(f"{name} at {world} ranks: {max(r['median'] for r in ranks):.3f} s/step, "  # kept if cut off
-                      f"{max(r['experts'] for r in ranks) / 2**20:.1f} expert MiB, "
-                      f"{max(r['sent'] for r in ranks) / 2**20:.1f} MiB sent", flush=True)
+                print(
+                    f"{name} at {world} ranks: {max(r['median'] for r in ranks):.3f} s/step, "  # kept if cut off
+                    f"{max(r['experts'] for r in ranks) / 2**20:.1f} expert MiB, "
+                    f"{max(r['sent'] for r in ranks) / 2**20:.1f} MiB sent",
+                    flush=True,
+                )
         print(f"round {round_index + 1} done", flush=True)
-    print(f"\nQwen3-MoE hidden 512, 4 layers, 32 experts of width 128, top-4; batch {GLOBAL[0]} x {GLOBAL[1]} "
-          f"(global), fp32, SGD; {args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up; "
-          f"experts of the whole model: {whole / 2**20:.1f} MiB")
+    print(
+        f"\nQwen3-MoE hidden 512, 4 layers, 32 experts of width 128, top-4; batch {GLOBAL[0]} x {GLOBAL[1]} "
+        f"(global), fp32, SGD; {args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up; "
+        f"experts of the whole model: {whole / 2**20:.1f} MiB"
+    )
     print("| ranks | run | s/step, median (min-max) over rounds | expert MiB per rank | MiB sent per step per rank |")
     print("|---|---|---|---|---|")
     for (world, name), rounds in results.items():
         steps = [max(r["median"] for r in ranks) for ranks in rounds]
         last = rounds[-1]
-        print(f"| {world} | {name} | {statistics.median(steps):.3f} ({min(steps):.3f}-{max(steps):.3f}) | "
-              f"{max(r['experts'] for r in last) / 2**20:.1f} | {max(r['sent'] for r in last) / 2**20:.1f} |")
+        print(
+            f"| {world} | {name} | {statistics.median(steps):.3f} ({min(steps):.3f}-{max(steps):.3f}) | "
+            f"{max(r['experts'] for r in last) / 2**20:.1f} | {max(r['sent'] for r in last) / 2**20:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -23,11 +23,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autotp.tp.overlap import DeferredWeights
 from autotp.testing.spawn import run_ranks
+from autotp.tp.overlap import DeferredWeights
 
-CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=4, vocab_size=8000, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=8000,
+    tie_word_embeddings=False,
+)
 
 
 class _Timed:
@@ -78,7 +85,9 @@ def rank_main(rank: int, world: int, overlap: bool) -> list[float]:
             backward = time.perf_counter() - start
             model.zero_grad()
             if step >= 2:
-                steps.append([backward] + [sum(t for kind, t in log if kind == k) for k in ("matmuls", "wait", "blocked")])
+                steps.append(
+                    [backward] + [sum(t for kind, t in log if kind == k) for k in ("matmuls", "wait", "blocked")]
+                )
     finally:
         dist.all_reduce, DeferredWeights.grads = reduce, grads
     return [statistics.median(column) for column in zip(*steps)]
@@ -106,23 +115,35 @@ def traced(rank: int, world: int, overlap: bool) -> dict | None:
     events = [(e.name, e.thread, e.time_range.start, e.time_range.end) for e in prof.events()]
     reduces = [(start, end) for name, _, start, end in events if name == "gloo:all_reduce"]
     main_thread = next(thread for name, thread, *_ in events if name.startswith("aten::mm"))
-    inside = sum(max(0.0, min(end, r_end) - max(start, r_start)) for name, thread, start, end in events
-                 if name == "aten::mm" and thread == main_thread for r_start, r_end in reduces)
-    return {"reduces": len(reduces), "reduce_ms": sum(e - s for s, e in reduces) / 1e3, "mm_inside_ms": inside / 1e3,
-            "trace": str(path)}
+    inside = sum(
+        max(0.0, min(end, r_end) - max(start, r_start))
+        for name, thread, start, end in events
+        if name == "aten::mm" and thread == main_thread
+        for r_start, r_end in reduces
+    )
+    return {
+        "reduces": len(reduces),
+        "reduce_ms": sum(e - s for s, e in reduces) / 1e3,
+        "mm_inside_ms": inside / 1e3,
+        "trace": str(path),
+    }
 
 
 def main() -> None:
     for overlap in (False, True):
         backward, matmuls, wait, blocked = run_ranks(rank_main, 2, overlap)[0]
-        print(f"overlap={overlap}: backward {backward * 1e3:.1f} ms; weight-gradient matmuls while all-reduces run "
-              f"{matmuls * 1e3:.1f} ms, then waiting {wait * 1e3:.1f} ms; blocked in synchronous all-reduces "
-              f"{blocked * 1e3:.1f} ms")
+        print(
+            f"overlap={overlap}: backward {backward * 1e3:.1f} ms; weight-gradient matmuls while all-reduces run "
+            f"{matmuls * 1e3:.1f} ms, then waiting {wait * 1e3:.1f} ms; blocked in synchronous all-reduces "
+            f"{blocked * 1e3:.1f} ms"
+        )
     for overlap in (False, True):
         trace = run_ranks(traced, 2, overlap)[0]
-        print(f"torch.profiler, overlap={overlap}: {trace['reduces']} gloo:all_reduce in the backward, "
-              f"{trace['reduce_ms']:.1f} ms in all; aten::mm on the main thread inside them {trace['mm_inside_ms']:.1f} "
-              f"ms; trace {trace['trace']}")
+        print(
+            f"torch.profiler, overlap={overlap}: {trace['reduces']} gloo:all_reduce in the backward, "
+            f"{trace['reduce_ms']:.1f} ms in all; aten::mm on the main thread inside them {trace['mm_inside_ms']:.1f} "
+            f"ms; trace {trace['trace']}"
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CONFIG = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=4, vocab_size=8000, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=8000,
+    tie_word_embeddings=False,
+)
 BATCH = (4, 128)
 
 
@@ -69,6 +76,7 @@ def sgd_step(model, opt, ids, backward=None):
         opt.step()
         opt.zero_grad()
         return loss.item()
+
     return step
 
 
@@ -81,6 +89,7 @@ def measure(model, steps: int, warmup: int) -> dict:
 
 
 # ---- the peers: each runs on one rank of a 2-rank group and returns its measurements ----
+
 
 def run_autotp(path: str, steps: int, warmup: int) -> dict:
     import autotp
@@ -122,16 +131,24 @@ def run_autotp(path: str, steps: int, warmup: int) -> dict:
         timed, _ = time_steps(sgd_step(model, opt, ids), steps, 0)
     finally:
         dist.all_reduce = real
-    return {"median": median, "loss": loss, "param_mb": param_mb(model), "collectives": collectives,
-            "collective_bytes": moved, "blocked": counts["blocked"] / steps, "timed": timed}
+    return {
+        "median": median,
+        "loss": loss,
+        "param_mb": param_mb(model),
+        "collectives": collectives,
+        "collective_bytes": moved,
+        "blocked": counts["blocked"] / steps,
+        "timed": timed,
+    }
 
 
 def run_transformers(path: str, steps: int, warmup: int) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_size=2), dtype=torch.float32
+    )
     return measure(model, steps, warmup)
 
 
@@ -142,9 +159,15 @@ def run_torch(path: str, steps: int, warmup: int) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (2,))
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
     return measure(model, steps, warmup)
@@ -155,8 +178,12 @@ def run_deepspeed(path: str, steps: int, warmup: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    config = {"train_micro_batch_size_per_gpu": BATCH[0], "tensor_parallel": {"autotp_size": 2},
-              "zero_optimization": {"stage": 0}, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH[0],
+        "tensor_parallel": {"autotp_size": 2},
+        "zero_optimization": {"stage": 0},
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.train()
     ids = batch()
@@ -171,14 +198,25 @@ def run_deepspeed(path: str, steps: int, warmup: int) -> dict:
     return {"median": median, "loss": loss, "param_mb": param_mb(engine.module)}
 
 
-PEERS = {"autotp": (run_autotp, None), "transformers TP": (run_transformers, None),
-         "torch parallelize_module": (run_torch, None), "DeepSpeed AutoTP": (run_deepspeed, "deepspeed")}
+PEERS = {
+    "autotp": (run_autotp, None),
+    "transformers TP": (run_transformers, None),
+    "torch parallelize_module": (run_torch, None),
+    "DeepSpeed AutoTP": (run_deepspeed, "deepspeed"),
+}
 
 
 def rank_main(rank: int, world: int, name: str, path: str, port: int, steps: int, warmup: int, out) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        DS_ACCELERATOR="cpu",
+    )
     if name != "transformers TP":  # transformers starts the process group itself
         dist.init_process_group("gloo", rank=rank, world_size=world)
     result = PEERS[name][0](path, steps, warmup)
@@ -250,8 +288,12 @@ def main() -> None:
         for name in runnable:
             out = ctx.SimpleQueue()
             try:
-                mp.start_processes(rank_main, args=(2, name, path, free_port(), args.steps, args.warmup, out),
-                                   nprocs=2, start_method="spawn")
+                mp.start_processes(
+                    rank_main,
+                    args=(2, name, path, free_port(), args.steps, args.warmup, out),
+                    nprocs=2,
+                    start_method="spawn",
+                )
             except Exception as err:  # a peer that fails is reported, not fatal
                 print(f"{name} failed: {str(err).strip().splitlines()[-1][:200]}")
                 continue
@@ -262,8 +304,11 @@ def main() -> None:
         times["one process, 1 thread"] = [out.get()]
         process.join()
         rounds.append(times)
-        print(f"round {round_index + 1}: " + ", ".join(f"{n} {max(r['median'] for r in rs):.3f} s"
-                                                      for n, rs in times.items()), flush=True)
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(f"{n} {max(r['median'] for r in rs):.3f} s" for n, rs in times.items()),
+            flush=True,
+        )
 
     def step_times(name: str) -> list[float]:
         return [max(r["median"] for r in times[name]) for times in rounds if name in times]
@@ -273,51 +318,69 @@ def main() -> None:
 
     ours = step_times("autotp")
     base = statistics.median(ours)
-    print(f"\nLlama hidden 512, 4 layers, 8/4 heads, ffn 1408, vocab 8000; batch {BATCH[0]} x {BATCH[1]}, fp32, SGD; "
-          f"{args.rounds} interleaved rounds, each the median of {args.steps} steps after {args.warmup} warm-up")
-    print("| run | s/step, median (min-max) over rounds | ratio to autotp, per round | param MB per rank | "
-          "peak RSS MB per rank |")
+    print(
+        f"\nLlama hidden 512, 4 layers, 8/4 heads, ffn 1408, vocab 8000; batch {BATCH[0]} x {BATCH[1]}, fp32, SGD; "
+        f"{args.rounds} interleaved rounds, each the median of {args.steps} steps after {args.warmup} warm-up"
+    )
+    print(
+        "| run | s/step, median (min-max) over rounds | ratio to autotp, per round | param MB per rank | "
+        "peak RSS MB per rank |"
+    )
     print("|---|---|---|---|---|")
     for name in rounds[0]:
         mine = step_times(name)
         ratios = [a / b for a, b in zip(mine, ours)]
         last = rounds[-1][name]
         label = name if name.startswith("one process") else f"{name} (2 ranks x 1 thread)"
-        print(f"| {label} | {spread(mine, 3)} | {spread(ratios, 2)} | {last[0]['param_mb']:.1f} | "
-              f"{max(r['rss_mb'] for r in last):.0f} |")
+        print(
+            f"| {label} | {spread(mine, 3)} | {spread(ratios, 2)} | {last[0]['param_mb']:.1f} | "
+            f"{max(r['rss_mb'] for r in last):.0f} |"
+        )
     single = {"median": statistics.median(step_times("one process, 1 thread"))}
-    peers = [statistics.median([a / b for a, b in zip(ours, step_times(n))]) for n in rounds[0]
-             if n not in ("autotp", "one process, 1 thread")]
+    peers = [
+        statistics.median([a / b for a, b in zip(ours, step_times(n))])
+        for n in rounds[0]
+        if n not in ("autotp", "one process, 1 thread")
+    ]
     if peers:
         print(f"\nautotp against the best peer: {min(peers):.2f}x its step time (median of per-round ratios)")
     efficiency = single["median"] / (2 * base)
     ours = rounds[-1]["autotp"][0]
     minimum = 4 * CONFIG["num_hidden_layers"]
     per = BATCH[0] * BATCH[1] * CONFIG["hidden_size"] * 4
-    print(f"\nautotp parallel efficiency against one 1-thread process: {efficiency:.0%} "
-          f"(one-process time / (2 x autotp time))")
-    print(f"autotp all-reduces per step: {ours['collectives']} ({ours['collective_bytes'] / 2**20:.1f} MiB); "
-          f"the minimum for 4 layers is {minimum} of {per / 2**20:.1f} MiB ({minimum * per / 2**20:.1f} MiB), "
-          f"plus vocab parallelism's 4 (embedding, LM-head input gradient: {2 * per / 2**20:.1f} MiB; "
-          f"the loss's two: {BATCH[0] * BATCH[1] * 12 / 2**20:.2f} MiB)")
+    print(
+        f"\nautotp parallel efficiency against one 1-thread process: {efficiency:.0%} "
+        f"(one-process time / (2 x autotp time))"
+    )
+    print(
+        f"autotp all-reduces per step: {ours['collectives']} ({ours['collective_bytes'] / 2**20:.1f} MiB); "
+        f"the minimum for 4 layers is {minimum} of {per / 2**20:.1f} MiB ({minimum * per / 2**20:.1f} MiB), "
+        f"plus vocab parallelism's 4 (embedding, LM-head input gradient: {2 * per / 2**20:.1f} MiB; "
+        f"the loss's two: {BATCH[0] * BATCH[1] * 12 / 2**20:.2f} MiB)"
+    )
     slowest = max(rounds[-1]["autotp"], key=lambda r: r["timed"])
-    print(f"where autotp's step goes (last round, slower rank, {args.steps} more steps timed around its all-reduces): "
-          f"{slowest['timed']:.3f} s/step, of which {slowest['blocked']:.3f} s blocked in all-reduces (gloo's copies "
-          f"through loopback TCP, and waiting for the other rank); without that time the step would take "
-          f"{slowest['timed'] - slowest['blocked']:.3f} s, a parallel efficiency of "
-          f"{single['median'] / (2 * (slowest['timed'] - slowest['blocked'])):.0%}")
+    print(
+        f"where autotp's step goes (last round, slower rank, {args.steps} more steps timed around its all-reduces): "
+        f"{slowest['timed']:.3f} s/step, of which {slowest['blocked']:.3f} s blocked in all-reduces (gloo's copies "
+        f"through loopback TCP, and waiting for the other rank); without that time the step would take "
+        f"{slowest['timed'] - slowest['blocked']:.3f} s, a parallel efficiency of "
+        f"{single['median'] / (2 * (slowest['timed'] - slowest['blocked'])):.0%}"
+    )
 
     out = ctx.SimpleQueue()
-    mp.start_processes(save_rank, args=(2, path, free_port(), str(work / "saved-autotp"), out), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        save_rank, args=(2, path, free_port(), str(work / "saved-autotp"), out), nprocs=2, start_method="spawn"
+    )
     autotp_save = max(t for _, t in (out.get() for _ in range(2)))
     process = ctx.Process(target=plain_save, args=(path, str(work / "saved-plain"), out))
     process.start()
     plain = out.get()
     process.join()
     size = sum(f.stat().st_size for f in (work / "saved-plain").glob("*.safetensors")) / 2**20
-    print(f"save_pretrained of {size:.0f} MiB: autotp at tp=2 {autotp_save:.2f} s, one-process transformers "
-          f"{plain:.2f} s: throughput ratio {plain / autotp_save:.2f} (target >= 0.8)")
+    print(
+        f"save_pretrained of {size:.0f} MiB: autotp at tp=2 {autotp_save:.2f} s, one-process transformers "
+        f"{plain:.2f} s: throughput ratio {plain / autotp_save:.2f} (target >= 0.8)"
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 

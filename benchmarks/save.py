@@ -38,10 +38,24 @@ import torch
 import torch.distributed as dist
 
 SIZES = {  # Llama, fp32, untied; 1.007 GiB and 76.3 MiB of weights
-    "1 GiB": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=3, num_attention_heads=16,
-                  num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
-    "76 MiB": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=4, vocab_size=8000, tie_word_embeddings=False),
+    "1 GiB": dict(
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    ),
+    "76 MiB": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8000,
+        tie_word_embeddings=False,
+    ),
 }
 MiB = 2**20
 
@@ -69,6 +83,7 @@ def measured(call: Callable[[], Any]) -> dict[str, float]:
 
 
 # --- the processes ----------------------------------------------------------------------------------------
+
 
 class Worker:
     """The state one process keeps between commands: its models, optimizers and scratch directory."""
@@ -126,8 +141,10 @@ class Worker:
     def checkpoint(self, target: str, mode: str) -> dict[str, float]:
         self.with_optimizer()
         if self.world == 1:
+
             def state() -> dict:
                 return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
             return self.timed(lambda: torch.save(state(), Path(target) / "checkpoint.pt"))
         import autotp
         from autotp.io.checkpoint.save import wait_for_pending  # what the next save and autotp.finish() wait for
@@ -148,10 +165,12 @@ class Worker:
     def load(self, source: str, tp: int) -> dict[str, float]:
         self.with_optimizer()
         if self.world == 1:
+
             def load() -> None:
                 state = torch.load(Path(source) / "checkpoint.pt", weights_only=True)
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
+
             return self.timed(load)
         import autotp
 
@@ -221,6 +240,7 @@ class Team:
 
 # --- the comparisons --------------------------------------------------------------------------------------
 
+
 def rounds(count: int, runs: dict[str, Callable[[int], list[dict]]]) -> dict[str, list[list[dict]]]:
     """Every run once per round, in alternating order; round 0 is a warm-up, dropped."""
     out: dict[str, list[list[dict]]] = {name: [] for name in runs}
@@ -237,8 +257,14 @@ def row(label: str, results: list[list[dict]], peer: list[list[dict]] | None, ke
     times = [max(r[key] for r in ranks) for ranks in results]
     best, median = min(times), statistics.median(times)
     ratio = f"{min(max(r['s'] for r in ranks) for ranks in peer) / best:.2f}" if peer else ""
-    memory = "; ".join(f"{r['before'] / MiB:.0f} -> {r['peak'] / MiB:.0f} ({(r['peak'] - r['before']) / MiB:+.0f})"
-                       for r in results[-1]) if key == "s" else ""
+    memory = (
+        "; ".join(
+            f"{r['before'] / MiB:.0f} -> {r['peak'] / MiB:.0f} ({(r['peak'] - r['before']) / MiB:+.0f})"
+            for r in results[-1]
+        )
+        if key == "s"
+        else ""
+    )
     used = f"{min(sum(r['cpu'] for r in ranks) for ranks in results):.3f}" if key == "s" else ""
     return f"| {label} | {best:.3f} | {median:.3f} | {ratio} | {used} | {memory} |"
 
@@ -246,6 +272,7 @@ def row(label: str, results: list[list[dict]], peer: list[list[dict]] | None, ke
 def save_pretrained_rows(size: str, count: int, work: Path) -> list[str]:
     ours, theirs = Team(2, size, work), Team(1, size, work)
     try:
+
         def run(team: Team, who: str, overwrite: bool) -> Callable[[int], list[dict]]:
             def one(index: int) -> list[dict]:
                 target = work / f"{who}-{'over' if overwrite else index}"
@@ -253,6 +280,7 @@ def save_pretrained_rows(size: str, count: int, work: Path) -> list[str]:
                 if not overwrite:
                     team("remove", target)
                 return out
+
             return one
 
         new = rounds(count, {"autotp": run(ours, "autotp", False), "transformers": run(theirs, "plain", False)})
@@ -262,13 +290,15 @@ def save_pretrained_rows(size: str, count: int, work: Path) -> list[str]:
     finally:
         ours.close()
         theirs.close()
-    return [row(f"{size}: autotp.save_pretrained, new directory", new["autotp"], new["transformers"]),
-            row(f"{size}: transformers save_pretrained, new directory", new["transformers"], None),
-            row(f"{size}: autotp.save_pretrained, overwrite=True", over["autotp"], over["transformers"]),
-            row(f"{size}: transformers save_pretrained, over its files", over["transformers"], None),
-            f"| {size}: per rank: shard {shard / MiB:.0f} MiB, largest full tensor {largest / MiB:.0f} MiB; most "
-            f"RSS rose during a save: {extra / MiB:.0f} MiB ({'within' if extra <= largest else 'OVER'} one tensor) "
-            f"| | | | | |"]
+    return [
+        row(f"{size}: autotp.save_pretrained, new directory", new["autotp"], new["transformers"]),
+        row(f"{size}: transformers save_pretrained, new directory", new["transformers"], None),
+        row(f"{size}: autotp.save_pretrained, overwrite=True", over["autotp"], over["transformers"]),
+        row(f"{size}: transformers save_pretrained, over its files", over["transformers"], None),
+        f"| {size}: per rank: shard {shard / MiB:.0f} MiB, largest full tensor {largest / MiB:.0f} MiB; most "
+        f"RSS rose during a save: {extra / MiB:.0f} MiB ({'within' if extra <= largest else 'OVER'} one tensor) "
+        f"| | | | | |",
+    ]
 
 
 def checkpoint_rows(size: str, count: int, work: Path) -> list[str]:
@@ -277,33 +307,49 @@ def checkpoint_rows(size: str, count: int, work: Path) -> list[str]:
     import autotp
 
     if "async_save" not in inspect.signature(autotp.save_checkpoint).parameters:
-        return [f"| {size}: training checkpoints skipped: this autotp's save_checkpoint has no async_save (the DCP "
-                f"checkpoints) | | | | | |"]
+        return [
+            f"| {size}: training checkpoints skipped: this autotp's save_checkpoint has no async_save (the DCP "
+            f"checkpoints) | | | | | |"
+        ]
     ours, theirs = Team(2, size, work), Team(1, size, work)
     source, plain = work / "ckpt-tp2", work / "ckpt-plain"
     plain.mkdir(exist_ok=True)
     try:
-        saves = rounds(count, {
-            "sync": lambda i: ours("checkpoint", str(source), "sync"),
-            "async": lambda i: ours("checkpoint", str(source), "async"),
-            "torch.save": lambda i: theirs("checkpoint", str(plain), "sync")})
-        loads = rounds(count, {
-            "tp=2": lambda i: ours("load", str(source), 2),
-            "tp=1": lambda i: ours("load", str(source), 1),
-            "torch.load": lambda i: theirs("load", str(plain), 1)})
+        saves = rounds(
+            count,
+            {
+                "sync": lambda i: ours("checkpoint", str(source), "sync"),
+                "async": lambda i: ours("checkpoint", str(source), "async"),
+                "torch.save": lambda i: theirs("checkpoint", str(plain), "sync"),
+            },
+        )
+        loads = rounds(
+            count,
+            {
+                "tp=2": lambda i: ours("load", str(source), 2),
+                "tp=1": lambda i: ours("load", str(source), 1),
+                "torch.load": lambda i: theirs("load", str(plain), 1),
+            },
+        )
     finally:
         ours.close()
         theirs.close()
     files = sum(f.stat().st_size for f in source.rglob("*") if f.is_file()) / MiB
-    return [f"| {size}: model + AdamW, {files:.0f} MiB on disk at tp=2 | | | | | |",
-            row(f"{size}: autotp.save_checkpoint", saves["sync"], saves["torch.save"]),
-            row(f"{size}: autotp.save_checkpoint(async_save=True), blocked", saves["async"], saves["torch.save"],
-                key="blocked"),
-            row(f"{size}: autotp.save_checkpoint(async_save=True), until written", saves["async"], saves["torch.save"]),
-            row(f"{size}: torch.save, one process", saves["torch.save"], None),
-            row(f"{size}: autotp.load_checkpoint at tp=2", loads["tp=2"], loads["torch.load"]),
-            row(f"{size}: autotp.load_checkpoint at tp=1 (2 replicas)", loads["tp=1"], loads["torch.load"]),
-            row(f"{size}: torch.load + load_state_dict, one process", loads["torch.load"], None)]
+    return [
+        f"| {size}: model + AdamW, {files:.0f} MiB on disk at tp=2 | | | | | |",
+        row(f"{size}: autotp.save_checkpoint", saves["sync"], saves["torch.save"]),
+        row(
+            f"{size}: autotp.save_checkpoint(async_save=True), blocked",
+            saves["async"],
+            saves["torch.save"],
+            key="blocked",
+        ),
+        row(f"{size}: autotp.save_checkpoint(async_save=True), until written", saves["async"], saves["torch.save"]),
+        row(f"{size}: torch.save, one process", saves["torch.save"], None),
+        row(f"{size}: autotp.load_checkpoint at tp=2", loads["tp=2"], loads["torch.load"]),
+        row(f"{size}: autotp.load_checkpoint at tp=1 (2 replicas)", loads["tp=1"], loads["torch.load"]),
+        row(f"{size}: torch.load + load_state_dict, one process", loads["torch.load"], None),
+    ]
 
 
 def main() -> None:
@@ -311,8 +357,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the 76 MiB model only, 2 rounds (under a minute)")
     parser.add_argument("--rounds", type=int, default=None, help="counted rounds per comparison (default 5, quick 2)")
     parser.add_argument("--sizes", nargs="+", default=None, choices=list(SIZES), help="save_pretrained's models")
-    parser.add_argument("--checkpoint-sizes", nargs="*", default=["76 MiB"], choices=list(SIZES),
-                        help="models of (b) and (c); none to skip them")
+    parser.add_argument(
+        "--checkpoint-sizes",
+        nargs="*",
+        default=["76 MiB"],
+        choices=list(SIZES),
+        help="models of (b) and (c); none to skip them",
+    )
     args = parser.parse_args()
     count = args.rounds or (2 if args.quick else 5)
     sizes = args.sizes or (["76 MiB"] if args.quick else list(SIZES))
@@ -326,8 +377,10 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"\n2 ranks x 1 thread (gloo) against one process x 1 thread; {count} rounds after a warm-up; seconds")
-    print("| run | best s | median s | throughput ratio (peer s / autotp s, best of each) | CPU s, all ranks (least) | "
-          "RSS MiB per rank: before -> peak (+rise) |")
+    print(
+        "| run | best s | median s | throughput ratio (peer s / autotp s, best of each) | CPU s, all ranks (least) | "
+        "RSS MiB per rank: before -> peak (+rise) |"
+    )
     print("|---|---|---|---|---|---|")
     print("\n".join(lines))
 

@@ -27,8 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CONFIG = dict(hidden_size=2048, intermediate_size=5504, num_attention_heads=16, num_key_value_heads=8,
-              vocab_size=32000, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
 TRAINERS = 2
 
 
@@ -82,8 +88,10 @@ def rank_main(index: int, layers: int, bucket: int, rounds: int, ports: tuple[in
         engine = engine_group(0, ports[1]) if index == 0 else None
         torch.manual_seed(0)
         model = autotp.wrap(LlamaForCausalLM(LlamaConfig(**CONFIG, num_hidden_layers=layers)), TRAINERS)
-        ways = {"autotp": lambda: autotp.sync_weights(model, engine, bucket_bytes=bucket),
-                "trl": lambda: trl_way(model, engine)}
+        ways = {
+            "autotp": lambda: autotp.sync_weights(model, engine, bucket_bytes=bucket),
+            "trl": lambda: trl_way(model, engine),
+        }
         trainers = dist.group.WORLD
     else:
         from autotp import receive_weights
@@ -113,18 +121,28 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     world = TRAINERS + 1
-    mp.start_processes(rank_main, args=(args.layers, args.bucket_mib << 20, args.rounds, (free_port(), free_port()),
-                                        out), nprocs=world, start_method="spawn")
+    mp.start_processes(
+        rank_main,
+        args=(args.layers, args.bucket_mib << 20, args.rounds, (free_port(), free_port()), out),
+        nprocs=world,
+        start_method="spawn",
+    )
     ranks = dict(out.get() for _ in range(world))
-    print(f"Llama, hidden {CONFIG['hidden_size']}, {args.layers} layers, vocab {CONFIG['vocab_size']} (fp32), tp=2 "
-          f"trainer ranks -> 1 engine rank, gloo; bucket {args.bucket_mib} MiB; slowest of {args.rounds} rounds")
+    print(
+        f"Llama, hidden {CONFIG['hidden_size']}, {args.layers} layers, vocab {CONFIG['vocab_size']} (fp32), tp=2 "
+        f"trainer ranks -> 1 engine rank, gloo; bucket {args.bucket_mib} MiB; slowest of {args.rounds} rounds"
+    )
     print("| way | seconds (trainer 0 / trainer 1 / engine) | peak RSS growth (trainer 0 / trainer 1 / engine) |")
     print("|---|---|---|")
-    for name, label in (("autotp", "autotp `sync_weights` (buckets)"),
-                        ("trl", "TRL's way: each parameter gathered whole, then sent alone")):
+    for name, label in (
+        ("autotp", "autotp `sync_weights` (buckets)"),
+        ("trl", "TRL's way: each parameter gathered whole, then sent alone"),
+    ):
         rows = [ranks[r][name] for r in range(world)]
-        print(f"| {label} | {' / '.join(f'{s:.2f}' for s, _ in rows)} | "
-              f"{' / '.join(f'{m / 2**20:.0f} MiB' for _, m in rows)} |")
+        print(
+            f"| {label} | {' / '.join(f'{s:.2f}' for s, _ in rows)} | "
+            f"{' / '.join(f'{m / 2**20:.0f} MiB' for _, m in rows)} |"
+        )
 
 
 if __name__ == "__main__":

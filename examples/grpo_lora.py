@@ -22,19 +22,21 @@ import sys
 
 if missing := [name for name in ("datasets", "peft", "trl") if importlib.util.find_spec(name) is None]:
     if os.environ.get("RANK", "0") == "0":  # printed once, before an import fails on every rank
-        print(f"examples/grpo_lora.py needs the sft extra ({', '.join(missing)} not installed): "
-              f"pip install -e '.[sft]'", file=sys.stderr)
+        print(
+            f"examples/grpo_lora.py needs the sft extra ({', '.join(missing)} not installed): pip install -e '.[sft]'",
+            file=sys.stderr,
+        )
     sys.exit(1)
 
 import torch  # noqa: E402  (after the check above)
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.hf_trainer import tp_trainer  # noqa: E402
-from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 
 
 def tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -60,10 +62,26 @@ def config(output: str, steps: int) -> GRPOConfig:
     untrained model's next-token distribution is almost flat, so the sampling temperature sharpens it (what is
     sampled then depends on the model), and a KL term (beta) holds the policy near its starting adapter. fp32
     (GRPOConfig defaults to bf16), as the one-process run it is compared with."""
-    return GRPOConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=4,
-                      num_generations=4, max_completion_length=8, temperature=0.1, beta=0.04, learning_rate=1e-2,
-                      adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no", disable_tqdm=True,
-                      use_cpu=not torch.cuda.is_available(), bf16=False, gradient_checkpointing=False)
+    return GRPOConfig(
+        output_dir=output,
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        temperature=0.1,
+        beta=0.04,
+        learning_rate=1e-2,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        gradient_checkpointing=False,
+    )
 
 
 class Recorder(LossRecorder):
@@ -104,9 +122,14 @@ def main() -> None:
     model = with_lora(tiny_llama())
     autotp.wrap(model.base_model.model, tp_size=args.tp, vocab_parallel=args.vocab_parallel)
     vocab = model.config.vocab_size
-    trainer = RecordingGRPO(model=model, reward_funcs=low_tokens, args=config(args.output, args.steps),
-                            train_dataset=dataset(vocab), eval_dataset=dataset(vocab, 4, seed=2),
-                            processing_class=tokenizer(vocab))
+    trainer = RecordingGRPO(
+        model=model,
+        reward_funcs=low_tokens,
+        args=config(args.output, args.steps),
+        train_dataset=dataset(vocab),
+        eval_dataset=dataset(vocab, 4, seed=2),
+        processing_class=tokenizer(vocab),
+    )
     trainer.train()
     evaluation = trainer.evaluate()  # 4 held-out prompts, 4 completions each
     trainer.save_model()  # PEFT's adapter, full size
@@ -115,13 +138,22 @@ def main() -> None:
         completions = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(completions, trainer.completions)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        rewards = [sum(low_tokens(step)) / len(step) for step in trainer.completions[:args.steps]]
-        print(f"GRPO with LoRA at tp={args.tp}: losses {[round(x, 4) for x in trainer.losses]}, mean reward per step "
-              f"{[round(r, 3) for r in rewards]}, held-out reward {evaluation['eval_reward']:.3f}; saved {args.output}")
+        rewards = [sum(low_tokens(step)) / len(step) for step in trainer.completions[: args.steps]]
+        print(
+            f"GRPO with LoRA at tp={args.tp}: losses {[round(x, 4) for x in trainer.losses]}, mean reward per step "
+            f"{[round(r, 3) for r in rewards]}, held-out reward {evaluation['eval_reward']:.3f}; saved {args.output}"
+        )
         if args.record_out:
             with open(args.record_out, "w") as f:
-                json.dump({"losses": trainer.losses, "metrics": step_metrics(trainer), "evaluation": evaluation,
-                           "completions": completions}, f)
+                json.dump(
+                    {
+                        "losses": trainer.losses,
+                        "metrics": step_metrics(trainer),
+                        "evaluation": evaluation,
+                        "completions": completions,
+                    },
+                    f,
+                )
     autotp.finish()
 
 

@@ -44,9 +44,17 @@ CLIP = 0.2  # PPO's clipping range; one update per generation batch, so the rati
 
 def save_tiny_model(path: str) -> None:
     """The model the server loads and the trainers start from: a tiny Llama built from a config."""
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 
@@ -54,12 +62,20 @@ def save_tiny_model(path: str) -> None:
 def generate(url: str, prompts: list[list[int]], seed: int) -> list[list[list[int]]]:
     """`GROUP` sampled completions (token ids) of each prompt from the server, seeded: [prompt][sample][token]."""
     model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "prompt": prompts, "n": GROUP, "max_tokens": NEW_TOKENS, "temperature": TEMPERATURE,
-            "seed": seed, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompts,
+        "n": GROUP,
+        "max_tokens": NEW_TOKENS,
+        "temperature": TEMPERATURE,
+        "seed": seed,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     response = requests.post(f"{url}/v1/completions", json=body, timeout=300)
     response.raise_for_status()
     choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])  # prompt-major
-    return [[choice["token_ids"] for choice in choices[i * GROUP:(i + 1) * GROUP]] for i in range(len(prompts))]
+    return [[choice["token_ids"] for choice in choices[i * GROUP : (i + 1) * GROUP]] for i in range(len(prompts))]
 
 
 def reward(completion: list[int]) -> float:
@@ -72,13 +88,14 @@ def advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
 
 
-def grpo_step(model: nn.Module, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
-              completions: list[list[list[int]]]) -> dict:
+def grpo_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, prompts: list[list[int]], completions: list[list[list[int]]]
+) -> dict:
     """One GRPO update on one generation batch; returns the rewards, the loss and the completion log-probs."""
     rewards = torch.tensor([[reward(c) for c in group] for group in completions])
     advantage = advantages(rewards).flatten()[:, None]
     ids = torch.tensor([prompt + c for prompt, group in zip(prompts, completions) for c in group])
-    log_probs = token_log_probs(model, ids, temperature=TEMPERATURE)[:, len(prompts[0]) - 1:]  # completion tokens
+    log_probs = token_log_probs(model, ids, temperature=TEMPERATURE)[:, len(prompts[0]) - 1 :]  # completion tokens
     ratio = torch.exp(log_probs - log_probs.detach())  # against the sampling policy: these same weights
     surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - CLIP, 1 + CLIP) * advantage)
     loss = -surrogate.mean()
@@ -119,8 +136,15 @@ def main() -> None:
     model = autotp.wrap(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), tp_size=args.tp)
     for step, record in enumerate(train(model, args.url, args.steps, args.lr)):
         if dist.get_rank() == 0:
-            print(json.dumps({"step": step, "mean_reward": round(record["rewards"].mean().item(), 3),
-                              "mean_log_prob": round(record["log_probs"].mean().item(), 4)}))
+            print(
+                json.dumps(
+                    {
+                        "step": step,
+                        "mean_reward": round(record["rewards"].mean().item(), 3),
+                        "mean_log_prob": round(record["log_probs"].mean().item(), 4),
+                    }
+                )
+            )
     dist.destroy_process_group()
 
 

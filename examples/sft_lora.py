@@ -25,23 +25,26 @@ def require_sft_extra() -> None:
     missing = [name for name in ("datasets", "peft", "trl") if importlib.util.find_spec(name) is None]
     if missing:
         if os.environ.get("RANK", "0") == "0":
-            print(f"examples/sft_lora.py needs the sft extra ({', '.join(missing)} not installed): "
-                  f"pip install -e '.[sft]'", file=sys.stderr)
+            print(
+                f"examples/sft_lora.py needs the sft extra ({', '.join(missing)} not installed): "
+                f"pip install -e '.[sft]'",
+                file=sys.stderr,
+            )
         sys.exit(1)
 
 
 require_sft_extra()
 
 import torch  # noqa: E402  (after the check above)
+from data import PatternDataset  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
+from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import autotp  # noqa: E402
 from autotp.hf_trainer import tp_trainer  # noqa: E402
-from data import PatternDataset  # noqa: E402
-from train_trainer import LossRecorder, tiny_llama, with_lora  # noqa: E402
 
 
 def tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -57,10 +60,21 @@ def dataset(vocab: int, size: int = 32, seq: int = 32) -> Dataset:
 
 
 def config(output: str, steps: int) -> SFTConfig:
-    return SFTConfig(output_dir=output, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
-                     adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no",
-                     use_cpu=not torch.cuda.is_available(), max_length=32, disable_tqdm=True,
-                     bf16=False)  # SFTConfig defaults to bf16 autocast; fp32 here, so the test compares to 1e-5
+    return SFTConfig(
+        output_dir=output,
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+        max_length=32,
+        disable_tqdm=True,
+        bf16=False,
+    )  # SFTConfig defaults to bf16 autocast; fp32 here, so the test compares to 1e-5
 
 
 class RecordingSFT(LossRecorder, tp_trainer(SFTTrainer)):
@@ -73,15 +87,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--output", default="out/autotp-sft")
     parser.add_argument("--losses-out", help="write the per-step losses as JSON (rank 0)")
-    parser.add_argument("--vocab-parallel", action="store_true", help="split the LM head by vocabulary (autotp's fused head)")
+    parser.add_argument(
+        "--vocab-parallel", action="store_true", help="split the LM head by vocabulary (autotp's fused head)"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)  # the same base weights and adapters on every rank, and as in one process
     model = with_lora(tiny_llama())
     autotp.wrap(model.base_model.model, tp_size=args.tp, vocab_parallel=args.vocab_parallel)
     vocab = model.config.vocab_size
-    trainer = RecordingSFT(model=model, args=config(args.output, args.steps), train_dataset=dataset(vocab),
-                           processing_class=tokenizer(vocab))
+    trainer = RecordingSFT(
+        model=model,
+        args=config(args.output, args.steps),
+        train_dataset=dataset(vocab),
+        processing_class=tokenizer(vocab),
+    )
     trainer.train()
     losses = trainer.losses
     trainer.save_model()  # PEFT's adapter, full size

@@ -16,32 +16,47 @@ import os
 
 import torch
 import torch.distributed as dist
+from data import pattern_batch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autotp
-from data import pattern_batch
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local HF model directory (default: a tiny Llama built from a config)")
-    parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
-                        help="tensor-parallel size (default: every launched process)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=int(os.environ.get("WORLD_SIZE", "1")),
+        help="tensor-parallel size (default: every launched process)",
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--adam-epsilon", type=float, default=1e-8,
-                        help="AdamW's eps (the tests take 1e-6: see autotp.testing.parity.compare_training)")
+    parser.add_argument(
+        "--adam-epsilon",
+        type=float,
+        default=1e-8,
+        help="AdamW's eps (the tests take 1e-6: see autotp.testing.parity.compare_training)",
+    )
     parser.add_argument("--output", default="out/autotp-demo")
     parser.add_argument("--losses-out", help="write each step's loss over the global batch as JSON (rank 0)")
     return parser.parse_args()
 
 
 def tiny_llama() -> torch.nn.Module:
-    config = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=8,
-                         num_key_value_heads=4, vocab_size=512, max_position_embeddings=256)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -91,8 +106,10 @@ def main() -> None:
         with torch.no_grad():
             plain_logits = plain(input_ids=probe.cpu()).logits
         diff = (plain_logits - tp_logits).abs().max().item()
-        print(f"saved {args.output}; final loss {losses[-1]:.4f}; "
-              f"plain-transformers reload vs TP logits: max |diff| = {diff:.2e}")
+        print(
+            f"saved {args.output}; final loss {losses[-1]:.4f}; "
+            f"plain-transformers reload vs TP logits: max |diff| = {diff:.2e}"
+        )
         # fp32: only the order of the TP partial sums differs.
         if diff > 1e-4:
             raise SystemExit(f"logits differ by {diff:.2e}")

@@ -20,17 +20,24 @@ import os
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from data import PatternDataset
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import autotp
 from autotp.testing.parity import full_tensor
-from data import PatternDataset
 
 
 def tiny_llama() -> torch.nn.Module:
-    config = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -81,8 +88,10 @@ def check_against_one_process(reference, dataset, args, losses, params, replicas
         expected.append(loss.item())
     loss_diff = max(abs(a - b) for a, b in zip(losses, expected))
     param_diff = max((params[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
-    print(f"one process: losses {[round(x, 4) for x in expected]}; max |loss diff| {loss_diff:.2e}, "
-          f"max |param diff| {param_diff:.2e}")
+    print(
+        f"one process: losses {[round(x, 4) for x in expected]}; max |loss diff| {loss_diff:.2e}, "
+        f"max |param diff| {param_diff:.2e}"
+    )
     if loss_diff > 1e-5 or param_diff > 3e-5:
         raise SystemExit("parity with one process FAILED")
     print("parity with one process: ok")

@@ -17,12 +17,11 @@ import os
 import warnings
 
 import torch
+from data import PatternDataset
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 
 import autotp
 from autotp.hf_trainer import AutoTPTrainer
-from data import PatternDataset
-
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -37,8 +36,15 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def tiny_llama() -> torch.nn.Module:
-    config = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -73,9 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-steps", type=int, help="write a resumable Trainer checkpoint every N steps")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--grad-ckpt", action="store_true", help="activation (gradient) checkpointing")
-    parser.add_argument("--best-at-end", action="store_true",
-                        help="evaluate and save every --save-steps, keep 1 checkpoint, load the best at the end")
-    parser.add_argument("--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))")
+    parser.add_argument(
+        "--best-at-end",
+        action="store_true",
+        help="evaluate and save every --save-steps, keep 1 checkpoint, load the best at the end",
+    )
+    parser.add_argument(
+        "--resume", help="a checkpoint directory to resume from (trainer.train(resume_from_checkpoint=))"
+    )
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT, added before wrap) only")
     parser.add_argument("--fsdp", action="store_true", help="AutoTPTrainer(fully_shard=True): FSDP2 over the DP group")
     parser.add_argument("--losses-out", help="write the per-step losses (and eval loss, head dtypes) as JSON (rank 0)")
@@ -90,15 +101,28 @@ def checkpointing_argument() -> str:
 
 
 def training_arguments(args: argparse.Namespace) -> TrainingArguments:
-    return TrainingArguments(output_dir=args.output, per_device_train_batch_size=args.batch,
-                             max_steps=args.steps, learning_rate=1e-3, adam_epsilon=args.adam_epsilon,
-                             logging_steps=1, seed=0, bf16=args.bf16, per_device_eval_batch_size=args.batch,
-                             use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
-                             save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-                             gradient_accumulation_steps=args.grad_accum, **{checkpointing_argument(): args.grad_ckpt},
-                             load_best_model_at_end=args.best_at_end, save_total_limit=1 if args.best_at_end else None,
-                             eval_strategy="steps" if args.best_at_end else "no", eval_steps=args.save_steps,
-                             report_to=[], disable_tqdm=False)
+    return TrainingArguments(
+        output_dir=args.output,
+        per_device_train_batch_size=args.batch,
+        max_steps=args.steps,
+        learning_rate=1e-3,
+        adam_epsilon=args.adam_epsilon,
+        logging_steps=1,
+        seed=0,
+        bf16=args.bf16,
+        per_device_eval_batch_size=args.batch,
+        use_cpu=not torch.cuda.is_available(),  # CPU ranks: accelerate then sees MULTI_CPU
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        gradient_accumulation_steps=args.grad_accum,
+        **{checkpointing_argument(): args.grad_ckpt},
+        load_best_model_at_end=args.best_at_end,
+        save_total_limit=1 if args.best_at_end else None,
+        eval_strategy="steps" if args.best_at_end else "no",
+        eval_steps=args.save_steps,
+        report_to=[],
+        disable_tqdm=False,
+    )
 
 
 def main() -> None:
@@ -113,8 +137,9 @@ def main() -> None:
     training = training_arguments(args)
     dataset = PatternDataset(size=args.samples, seq=32, vocab=model.config.vocab_size)
     held_out = PatternDataset(size=16, seq=32, vocab=model.config.vocab_size, seed=1) if args.eval else None
-    trainer = RecordingTrainer(model=model, args=training, train_dataset=dataset, eval_dataset=held_out,
-                               fully_shard=args.fsdp)
+    trainer = RecordingTrainer(
+        model=model, args=training, train_dataset=dataset, eval_dataset=held_out, fully_shard=args.fsdp
+    )
     dtypes = []  # the LM head's output dtype at each forward: shows whether bf16 autocast is on
     model.get_output_embeddings().register_forward_hook(lambda m, i, out: dtypes.append(str(out.dtype)))
     trainer.train(resume_from_checkpoint=args.resume)
@@ -125,9 +150,12 @@ def main() -> None:
         record["eval_dtypes"] = sorted(set(dtypes))
     trainer.save_model()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(f"total train batch size {trainer.get_total_train_batch_size(training)}, "
-              f"losses {[round(x, 4) for x in trainer.losses]}"
-              + (f", eval loss {record['eval_loss']:.4f}" if args.eval else "") + f"; saved {args.output}")
+        print(
+            f"total train batch size {trainer.get_total_train_batch_size(training)}, "
+            f"losses {[round(x, 4) for x in trainer.losses]}"
+            + (f", eval loss {record['eval_loss']:.4f}" if args.eval else "")
+            + f"; saved {args.output}"
+        )
         if args.losses_out:
             with open(args.losses_out, "w") as f:
                 json.dump(record, f)

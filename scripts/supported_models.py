@@ -103,8 +103,9 @@ def saves(results: dict[str, dict]) -> str:
         return ""
     same = sum(r[SAVES] == "yes" for r in wrapped)
     refused = sum(r[SAVES].startswith("refused") for r in wrapped)
-    return (f"autotp.save_pretrained = transformers' save for {same} of {len(wrapped)} wrapped types"
-            + (f" ({refused} refused, naming the tensor)." if refused else "."))
+    return f"autotp.save_pretrained = transformers' save for {same} of {len(wrapped)} wrapped types" + (
+        f" ({refused} refused, naming the tensor)." if refused else "."
+    )
 
 
 def summary() -> list[str]:
@@ -113,8 +114,10 @@ def summary() -> list[str]:
     for name, title, _ in TASKS.values():
         results = load(name)
         matched = sum(r["result"] == "matched" for r in results.values())
-        lines.append(f"- {title}: {matched} of {len(results)} types matched at tp=2 ({counts(results)})."
-                     + (f" {saves(results)}" if saves(results) else ""))
+        lines.append(
+            f"- {title}: {matched} of {len(results)} types matched at tp=2 ({counts(results)})."
+            + (f" {saves(results)}" if saves(results) else "")
+        )
     tp4 = load(TP4)
     lines.append(f"- causal-LM at tp=4: {counts(tp4)}.")
     return lines
@@ -129,13 +132,14 @@ def expert_parallel(r: dict | None) -> str:
 
 def ep_counts(ep: dict[str, dict]) -> str:
     tally = {v: sum(r["result"] == v for r in ep.values()) for v in EP_VERDICTS}
-    return (f"{len(ep)} types with routed experts at ep 2: "
-            + ", ".join(f"{n} {verdict}" for verdict, n in tally.items())
-            + ". Reproduce with `python scripts/sweep_expert_parallel.py`.")
+    return (
+        f"{len(ep)} types with routed experts at ep 2: "
+        + ", ".join(f"{n} {verdict}" for verdict, n in tally.items())
+        + ". Reproduce with `python scripts/sweep_expert_parallel.py`."
+    )
 
 
-def table(results: dict[str, dict], tp4: dict[str, dict] | None = None, ep: dict[str, dict] | None = None
-          ) -> list[str]:
+def table(results: dict[str, dict], tp4: dict[str, dict] | None = None, ep: dict[str, dict] | None = None) -> list[str]:
     head = f"| model type | result | plan from | from_pretrained plan = wrap plan | {LOADS} = wrap | {SAVES} | note |"
     rule = "|---|---|---|---|---|---|---|"
     if tp4 is not None:
@@ -151,8 +155,13 @@ def table(results: dict[str, dict], tp4: dict[str, dict] | None = None, ep: dict
             cells.append(tp4[model_type]["result"] if model_type in tp4 else "")
         if ep is not None:
             cells.append(expert_parallel(ep.get(model_type)))
-        cells += [r.get("plan", ""), r.get("meta plan = wrap plan", ""), r.get(LOADS, ""),
-                  r.get(SAVES, "").replace("|", "/"), r.get("note", "").replace("|", "/")]
+        cells += [
+            r.get("plan", ""),
+            r.get("meta plan = wrap plan", ""),
+            r.get(LOADS, ""),
+            r.get(SAVES, "").replace("|", "/"),
+            r.get("note", "").replace("|", "/"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -161,10 +170,14 @@ def render() -> str:
     parts = [INTRO, f"Swept on transformers {TRANSFORMERS}:", "", *summary(), ""]
     for task, (name, title, flag) in TASKS.items():
         results = load(name)
-        parts += [f"## {title[0].upper() + title[1:]}", "",
-                  f"{len(results)} types at tp=2: {counts(results)}. {reloads(results)} "
-                  f"Reproduce with `python scripts/sweep_architectures.py --task {flag}`"
-                  + (" (add `--tp 4` for the tp=4 column)." if task == "causal-lm" else "."), ""]
+        parts += [
+            f"## {title[0].upper() + title[1:]}",
+            "",
+            f"{len(results)} types at tp=2: {counts(results)}. {reloads(results)} "
+            f"Reproduce with `python scripts/sweep_architectures.py --task {flag}`"
+            + (" (add `--tp 4` for the tp=4 column)." if task == "causal-lm" else "."),
+            "",
+        ]
         if task == "causal-lm":
             parts += [ep_counts(load(EP)), "", *table(results, load(TP4), load(EP)), ""]
         else:
@@ -174,8 +187,9 @@ def render() -> str:
 
 def readme_block(text: str) -> str:
     """`text` (the README) with its support summary between the `support` markers regenerated."""
-    block = "\n".join(["<!-- support:start -->", f"Swept on transformers {TRANSFORMERS}:", "", *summary(),
-                       "<!-- support:end -->"])
+    block = "\n".join(
+        ["<!-- support:start -->", f"Swept on transformers {TRANSFORMERS}:", "", *summary(), "<!-- support:end -->"]
+    )
     return re.sub(r"<!-- support:start -->.*?<!-- support:end -->", lambda _: block, text, flags=re.S)
 
 

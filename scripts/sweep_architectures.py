@@ -49,8 +49,12 @@ MAX_PARAMS = 20_000_000
 
 
 # task (as `autotp plan --task` names it) -> (results file suffix, what the table calls it)
-TABLES = {"causal-lm": ("", "causal-LM"), "image-text": ("-image-text", "vision-language (image-text-to-text)"),
-          "seq2seq": ("-seq2seq", "sequence-to-sequence"), "masked-lm": ("-masked-lm", "masked-LM")}
+TABLES = {
+    "causal-lm": ("", "causal-LM"),
+    "image-text": ("-image-text", "vision-language (image-text-to-text)"),
+    "seq2seq": ("-seq2seq", "sequence-to-sequence"),
+    "masked-lm": ("-masked-lm", "masked-LM"),
+}
 
 
 def auto(task: str):
@@ -67,8 +71,9 @@ def batch(model) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
     return parity.training_inputs(model, batch=2, seq=16, seed=1)
 
 
-def rank_job(rank: int, world: int, model_type: str, recipe: str, dtype: torch.dtype = torch.float32,
-             task: str = "causal-lm") -> dict:
+def rank_job(
+    rank: int, world: int, model_type: str, recipe: str, dtype: torch.dtype = torch.float32, task: str = "causal-lm"
+) -> dict:
     model = build(model_type, recipe, task=task).to(dtype)
     ids, labels, inputs = batch(model)
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
@@ -84,6 +89,7 @@ def rank_job(rank: int, world: int, model_type: str, recipe: str, dtype: torch.d
 
 def _frames(err: BaseException) -> list[str]:
     import traceback
+
     return [f.filename for f in traceback.extract_tb(err.__traceback__)][-1:]
 
 
@@ -93,8 +99,7 @@ def buildable(model_type: str, task: str) -> tuple[str | None, str]:
     for recipe in RECIPES:
         try:
             with torch.device("meta"):  # count first: some defaults stay huge even shrunk
-                count = sum(p.numel() for p in auto(task).from_config(
-                    tiny_config(model_type, recipe)).parameters())
+                count = sum(p.numel() for p in auto(task).from_config(tiny_config(model_type, recipe)).parameters())
             if count > MAX_PARAMS:
                 whys.append(f"{count / 1e6:.0f}M parameters under recipe '{recipe}'")
                 continue
@@ -117,7 +122,11 @@ def within_tolerance(report: dict) -> tuple[bool, float, float]:
     `compare_training` report."""
     worst_grad = max(report["grad"].values(), default=0.0)
     worst_param = max(report["param"].values(), default=0.0)
-    return report["loss"] <= LOSS_ATOL and worst_grad <= GRAD_RTOL and worst_param <= PARAM_ATOL, worst_grad, worst_param
+    return (
+        report["loss"] <= LOSS_ATOL and worst_grad <= GRAD_RTOL and worst_param <= PARAM_ATOL,
+        worst_grad,
+        worst_param,
+    )
 
 
 def classify(model_type: str, task: str) -> dict:
@@ -133,8 +142,13 @@ def classify(model_type: str, task: str) -> dict:
         meta_plan = autotp.explain(auto(task).from_config(tiny_config(model_type, recipe)), TP)
     same_plan = "yes" if decisions(meta_plan) == decisions(plan) else "NO"
     source = plan.source.split(" (")[0]
-    kind = {Origin.SHIPPED: "policy", Origin.USER: "policy", Origin.HF_PLAN: "HF plan",
-            Origin.HF_PLAN_FILLED: "HF plan + detection", Origin.DETECTED: "detection"}[plan.origin]
+    kind = {
+        Origin.SHIPPED: "policy",
+        Origin.USER: "policy",
+        Origin.HF_PLAN: "HF plan",
+        Origin.HF_PLAN_FILLED: "HF plan + detection",
+        Origin.DETECTED: "detection",
+    }[plan.origin]
     try:
         report = run_ranks(rank_job, TP, model_type, recipe, torch.float32, task)[0]
     except AssertionError as err:
@@ -152,17 +166,27 @@ def classify(model_type: str, task: str) -> dict:
         exact = run_ranks(rank_job, TP, model_type, recipe, torch.float64, task)[0]
         fp64 = max([exact["loss"], *exact["grad"].values(), *exact["param"].values()])
         ok = fp64 <= 1e-10
-        note = (f"fp32 differences (loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}) "
-                f"exceed the test tolerance; in fp64 they are {fp64:.1g}, so rounding only"
-                if ok else f"loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}; fp64 {fp64:.2g}")
+        note = (
+            f"fp32 differences (loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}) "
+            f"exceed the test tolerance; in fp64 they are {fp64:.1g}, so rounding only"
+            if ok
+            else f"loss {report['loss']:.2g}, grad {worst_grad:.2g}, param {worst_param:.2g}; fp64 {fp64:.2g}"
+        )
     result = ("matched" if report["sharded"] else "replicated-only") if ok else "MISMATCH"
     loads = loads_like_wrap(model, task)
     saves = saves_like_transformers(model, model_type, recipe, task)
     if result == "replicated-only":
         reasons = {str(why) for _, why in plan.replicated if why.reason is Replicated.NOT_VERIFIED}
         note = next(iter(reasons), "no block the plan could shard")[:160]
-    return {"result": result, "plan": kind, "source": source, "meta plan = wrap plan": same_plan,
-            LOADS: loads, SAVES: saves, "note": note}
+    return {
+        "result": result,
+        "plan": kind,
+        "source": source,
+        "meta plan = wrap plan": same_plan,
+        LOADS: loads,
+        SAVES: saves,
+        "note": note,
+    }
 
 
 def save_job(rank: int, world: int, model_type: str, recipe: str, task: str, path: str) -> str:
@@ -206,13 +230,18 @@ def saves_like_transformers(model, model_type: str, recipe: str, task: str) -> s
         for file, tensors in expected.items():
             if set(mine[file]) != set(tensors):
                 return f"NO: {len(set(mine[file]) ^ set(tensors))} names differ in {file}"
-            differ = [n for n, t in tensors.items() if mine[file][n].dtype != t.dtype or mine[file][n].shape != t.shape
-                      or not torch.equal(mine[file][n], t)]
+            differ = [
+                n
+                for n, t in tensors.items()
+                if mine[file][n].dtype != t.dtype or mine[file][n].shape != t.shape or not torch.equal(mine[file][n], t)
+            ]
             if differ:
                 return f"NO: {len(differ)} tensors differ, first {differ[0]}"
         index = "model.safetensors.index.json"
-        if (theirs / index).exists() and (not (ours / index).exists() or json.loads(
-                (ours / index).read_text()) != json.loads((theirs / index).read_text())):
+        if (theirs / index).exists() and (
+            not (ours / index).exists()
+            or json.loads((ours / index).read_text()) != json.loads((theirs / index).read_text())
+        ):
             return "NO: the index differs"
     return "yes"
 
@@ -245,8 +274,11 @@ def transformers_reload_loses(model, path: str, task: str) -> str:
     except Exception as err:
         return f"not loaded by transformers ({type(err).__name__})"
     saved = model.state_dict()
-    differ = [k for k in saved if k not in reloaded or reloaded[k].shape != saved[k].shape
-              or not torch.equal(reloaded[k], saved[k])]
+    differ = [
+        k
+        for k in saved
+        if k not in reloaded or reloaded[k].shape != saved[k].shape or not torch.equal(reloaded[k], saved[k])
+    ]
     return f"transformers' own load of it differs from the saved model ({len(differ)} tensors)" if differ else ""
 
 
@@ -254,7 +286,9 @@ def main() -> None:
     global TP
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=sorted(TABLES), default="causal-lm")
-    parser.add_argument("--tp", type=int, default=TP, help="tensor-parallel size (the docs tables are at 2, with a tp=4 column)")
+    parser.add_argument(
+        "--tp", type=int, default=TP, help="tensor-parallel size (the docs tables are at 2, with a tp=4 column)"
+    )
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--no-docs", action="store_true", help="do not regenerate docs/supported-models.md")
     args = parser.parse_args()
@@ -267,15 +301,24 @@ def main() -> None:
     for i, model_type in enumerate(types, 1):
         start = time.monotonic()
         results[model_type] = classify(model_type, args.task)
-        print(f"[{i}/{len(types)}] {model_type}: {results[model_type]['result']} "
-              f"({time.monotonic() - start:.1f}s) {results[model_type].get('note', '')}", flush=True)
+        print(
+            f"[{i}/{len(types)}] {model_type}: {results[model_type]['result']} "
+            f"({time.monotonic() - start:.1f}s) {results[model_type].get('note', '')}",
+            flush=True,
+        )
     if args.only and out.exists():  # a partial run updates the stored full sweep
         results = {**json.loads(out.read_text()), **results}
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     if not args.no_docs:
         supported_models.write()
-    bad = [t for t, r in results.items() if r["result"] == "MISMATCH" or r.get("meta plan = wrap plan") == "NO"
-           or r.get(LOADS, "").startswith(("NO", "error")) or r.get(SAVES, "").startswith(("NO", "error"))]
+    bad = [
+        t
+        for t, r in results.items()
+        if r["result"] == "MISMATCH"
+        or r.get("meta plan = wrap plan") == "NO"
+        or r.get(LOADS, "").startswith(("NO", "error"))
+        or r.get(SAVES, "").startswith(("NO", "error"))
+    ]
     sys.exit(1 if bad else 0)
 
 

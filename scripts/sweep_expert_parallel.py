@@ -33,8 +33,9 @@ import transformers as tf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ep")]
 
-import autotp  # noqa: E402
 import supported_models  # noqa: E402
+
+import autotp  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
 from ep_workers import HAND_WRITTEN, check, ep_rank_run, moe_model, single_process  # noqa: E402
 
@@ -105,8 +106,11 @@ def main() -> None:
         results.pop(model_type, None)
         if entry is not None:
             results[model_type] = entry
-        print(f"[{i}/{len(types)}] {model_type}: {entry['result'] if entry else '-'} "
-              f"({time.monotonic() - start:.1f}s) {entry.get('note', '') if entry else ''}", flush=True)
+        print(
+            f"[{i}/{len(types)}] {model_type}: {entry['result'] if entry else '-'} "
+            f"({time.monotonic() - start:.1f}s) {entry.get('note', '') if entry else ''}",
+            flush=True,
+        )
     OUT.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     if not args.no_docs:
         supported_models.write()

@@ -17,10 +17,10 @@ import sys
 import time
 
 import torch
+from sweep_architectures import auto, batch, build, buildable, within_tolerance
 
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from sweep_architectures import auto, batch, build, buildable, within_tolerance
 
 TASK = "causal-lm"
 
@@ -29,8 +29,7 @@ def rank_job(rank: int, world: int, model_type: str, recipe: str) -> dict:
     model = build(model_type, recipe, task=TASK)
     ids, labels, inputs = batch(model)
     try:
-        return parity.compare_training(model, ids, world, steps=3, labels=labels, inputs=inputs,
-                                       sequence_parallel=True)
+        return parity.compare_training(model, ids, world, steps=3, labels=labels, inputs=inputs, sequence_parallel=True)
     except ValueError as err:
         if "sequence_parallel" in str(err):
             return {"refused": str(err).splitlines()[0]}

@@ -15,19 +15,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers as tf
-from torch import nn
 from safetensors import safe_open
+from torch import nn
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
-from autotp.testing import tiny_config
-from autotp.testing import parity
+from autotp.testing import parity, tiny_config
 
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
-GPT = dict(n_embd=64, n_layer=2, n_head=8, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-           attn_pdrop=0.0)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=256,
+    max_position_embeddings=64,
+)
+GPT = dict(
+    n_embd=64, n_layer=2, n_head=8, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+)
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
 CONFIGS = {
@@ -39,50 +46,113 @@ CONFIGS = {
     "gemma": lambda: tf.GemmaConfig(**COMMON, head_dim=16),  # tied embeddings
     # fused projections, MQA/GQA, MoE, encoders
     "gpt2": lambda: tf.GPT2Config(**GPT),  # Conv1D, c_attn = [q | k | v]
-    "gpt_neox": lambda: tf.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                                         intermediate_size=96, vocab_size=256, max_position_embeddings=64,
-                                         **NO_DROPOUT),
-    "falcon": lambda: tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=2,
-                                      new_decoder_architecture=True, vocab_size=256, **NO_DROPOUT),
-    "falcon_mqa": lambda: tf.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                                          multi_query=True, vocab_size=256, **NO_DROPOUT),
+    "gpt_neox": lambda: tf.GPTNeoXConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        intermediate_size=96,
+        vocab_size=256,
+        max_position_embeddings=64,
+        **NO_DROPOUT,
+    ),
+    "falcon": lambda: tf.FalconConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+        vocab_size=256,
+        **NO_DROPOUT,
+    ),
+    "falcon_mqa": lambda: tf.FalconConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=8, multi_query=True, vocab_size=256, **NO_DROPOUT
+    ),
     "bloom": lambda: tf.BloomConfig(hidden_size=64, n_layer=2, n_head=8, vocab_size=256, **NO_DROPOUT),
-    "phi3": lambda: tf.Phi3Config(**COMMON, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
-                                  pad_token_id=0),
-    "opt": lambda: tf.OPTConfig(hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=8,
-                                vocab_size=256, max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0,
-                                attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1),
+    "phi3": lambda: tf.Phi3Config(**COMMON, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0),
+    "opt": lambda: tf.OPTConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        ffn_dim=96,
+        num_attention_heads=8,
+        vocab_size=256,
+        max_position_embeddings=64,
+        word_embed_proj_dim=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=1,
+    ),
     "gptj": lambda: tf.GPTJConfig(**GPT, rotary_dim=4),
     "gpt_bigcode": lambda: tf.GPTBigCodeConfig(**GPT, multi_query=True),
     "mixtral": lambda: tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": lambda: tf.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                           shared_expert_intermediate_size=64, mlp_only_layers=[0]),
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        **COMMON,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[0],
+    ),
     "gemma2": lambda: tf.Gemma2Config(**COMMON, head_dim=16),
     "stablelm": lambda: tf.StableLmConfig(**COMMON, hidden_dropout=0.0, attention_dropout=0.0),
-    "stablelm_qk_norm": lambda: tf.StableLmConfig(**COMMON, qk_layernorm=True, hidden_dropout=0.0,
-                                                  attention_dropout=0.0),
-    "starcoder2": lambda: tf.Starcoder2Config(**COMMON, residual_dropout=0.0, embedding_dropout=0.0,
-                                              attention_dropout=0.0),
+    "stablelm_qk_norm": lambda: tf.StableLmConfig(
+        **COMMON, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0
+    ),
+    "starcoder2": lambda: tf.Starcoder2Config(
+        **COMMON, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0
+    ),
     "olmo2": lambda: tf.Olmo2Config(**COMMON),
-    "roberta_causal": lambda: tf.RobertaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                                               intermediate_size=96, vocab_size=256, max_position_embeddings=64,
-                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                               is_decoder=True),  # LM head whose bias is shared: stays replicated
+    "roberta_causal": lambda: tf.RobertaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        intermediate_size=96,
+        vocab_size=256,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        is_decoder=True,
+    ),  # LM head whose bias is shared: stays replicated
     "llama4_text": lambda: tiny_config("llama4_text"),  # experts [gate | up] on dim 2, shared expert, L2 qk norm
-    "bert": lambda: tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=96,
-                                  vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0),
+    "bert": lambda: tf.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        intermediate_size=96,
+        vocab_size=256,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ),
 }
 # Families no shipped policy covers: plans come from HF's base_model_tp_plan or structural detection.
 DERIVED = {
     "olmo": lambda: tf.OlmoConfig(**COMMON),  # HF plan
     "cohere": lambda: tf.CohereConfig(**COMMON),  # HF plan
-    "gpt_neo": lambda: tf.GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=8, attention_types=[[["global", "local"], 1]],
-                                       intermediate_size=96, vocab_size=256, max_position_embeddings=64,
-                                       embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0),  # detection
-    "xglm": lambda: tf.XGLMConfig(d_model=64, num_layers=2, attention_heads=8, ffn_dim=96, vocab_size=256,
-                                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
-                                  activation_dropout=0.0, layerdrop=0.0),  # detection, nested blocks
+    "gpt_neo": lambda: tf.GPTNeoConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=8,
+        attention_types=[[["global", "local"], 1]],
+        intermediate_size=96,
+        vocab_size=256,
+        max_position_embeddings=64,
+        embed_dropout=0.0,
+        attention_dropout=0.0,
+        resid_dropout=0.0,
+    ),  # detection
+    "xglm": lambda: tf.XGLMConfig(
+        d_model=64,
+        num_layers=2,
+        attention_heads=8,
+        ffn_dim=96,
+        vocab_size=256,
+        max_position_embeddings=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        layerdrop=0.0,
+    ),  # detection, nested blocks
 }
 CONFIGS.update(DERIVED)
 LLAMA_FAMILY = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
@@ -178,8 +248,13 @@ def trained_llama(tp: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimi
 
 
 # PEFT's LoRA on every Llama projection (tests/io/resume_workers.py, tests/cp/cp_workers.py)
-RESUME_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                      "down_proj"], lora_dropout=0.0, init_lora_weights=False)
+RESUME_LORA = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    lora_dropout=0.0,
+    init_lora_weights=False,
+)
 
 
 class Sequences(Dataset):

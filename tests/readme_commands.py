@@ -53,8 +53,15 @@ def run_nodes(argvs: list[list[str]], logs: Path, timeout: int = 240) -> str:
     with contextlib.ExitStack() as files:
         try:
             for argv, (out, err) in zip(argvs, names):
-                launchers.append(subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=files.enter_context(
-                    open(out, "w")), stderr=files.enter_context(open(err, "w"))))
+                launchers.append(
+                    subprocess.Popen(
+                        argv,
+                        cwd=ROOT,
+                        env=launch_env(),
+                        stdout=files.enter_context(open(out, "w")),
+                        stderr=files.enter_context(open(err, "w")),
+                    )
+                )
             # a failed node is not waited for: the others would wait on it until the rendezvous times out
             while any(p.poll() is None for p in launchers) and not any(p.poll() for p in launchers):
                 if time.monotonic() > deadline:
@@ -64,8 +71,9 @@ def run_nodes(argvs: list[list[str]], logs: Path, timeout: int = 240) -> str:
             ran_out = time.monotonic() > deadline
             stop_launchers(launchers)
     codes = [p.returncode for p in launchers]
-    tails = "\n".join(f"--- node {n}:\n{out.read_text()[-2000:]}{err.read_text()[-4000:]}"
-                      for n, (out, err) in enumerate(names))
+    tails = "\n".join(
+        f"--- node {n}:\n{out.read_text()[-2000:]}{err.read_text()[-4000:]}" for n, (out, err) in enumerate(names)
+    )
     assert codes == [0] * len(argvs), f"exit codes {codes}{f', stopped after {timeout} s' * ran_out}:\n{tails}"
     return "".join(out.read_text() for out, _ in names)
 

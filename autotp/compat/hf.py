@@ -59,8 +59,11 @@ def is_causal_lm(model: nn.Module) -> bool:
     """
     loss_type = getattr(model, "loss_type", None)
     config = model.config
-    return loss_type == "ForCausalLM" or (loss_type == "ForConditionalGeneration" and not getattr(
-        config, "is_encoder_decoder", False) and getattr(config, "vision_config", None) is not None)
+    return loss_type == "ForCausalLM" or (
+        loss_type == "ForConditionalGeneration"
+        and not getattr(config, "is_encoder_decoder", False)
+        and getattr(config, "vision_config", None) is not None
+    )
 
 
 # The forward keyword a model's key/value cache travels under: transformers 5.24 renamed `past_key_values` to `cache`
@@ -106,10 +109,14 @@ def set_config_attn_implementation(config: PretrainedConfig, name: str) -> None:
     config._attn_implementation = name
 
 
-TASKS = {"causal-lm": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM",
-         "image-text": "AutoModelForImageTextToText", "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
-         "masked-lm": "AutoModelForMaskedLM",
-         "classification": "AutoModelForSequenceClassification"}
+TASKS = {
+    "causal-lm": "AutoModelForCausalLM",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+    "image-text": "AutoModelForImageTextToText",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "masked-lm": "AutoModelForMaskedLM",
+    "classification": "AutoModelForSequenceClassification",
+}
 
 
 def model_class(config: PretrainedConfig, task: str | None = None) -> type:
@@ -123,15 +130,18 @@ def model_class(config: PretrainedConfig, task: str | None = None) -> type:
     if task is None:
         mappings = {t: getattr(transformers, auto)._model_mapping for t, auto in TASKS.items()}
         task = next((t for t, mapping in mappings.items() if named in mapping._model_mapping.values()), None) or next(
-            (t for t, mapping in mappings.items() if type(config) in mapping), "causal-lm")
+            (t for t, mapping in mappings.items() if type(config) in mapping), "causal-lm"
+        )
     auto = getattr(transformers, TASKS[task])
     if type(config) in auto._model_mapping:
         return auto
     cls = getattr(transformers, named, None)
     if isinstance(cls, type) and isinstance(config, getattr(cls, "config_class", ())):
         return cls
-    raise ValueError(f"model type {config.model_type!r} has no {TASKS[task]} class in transformers; "
-                     f"choose another task (--task on the command line, task= in from_pretrained): {', '.join(TASKS)}")
+    raise ValueError(
+        f"model type {config.model_type!r} has no {TASKS[task]} class in transformers; "
+        f"choose another task (--task on the command line, task= in from_pretrained): {', '.join(TASKS)}"
+    )
 
 
 def build_model(config: PretrainedConfig, task: str | None = None, **kwargs: Any) -> nn.Module:
@@ -161,8 +171,10 @@ def failed_experts_kernel(model: nn.Module, err: BaseException) -> str | None:
     Such a failure is the model's own, in one process too (grouped_mm's 16-byte strides at an expert width of 37):
     `experts_implementation="eager"` is its fix, not other inputs. Read from the traceback, which must pass through
     transformers' experts kernels (`transformers/integrations/moe.py`)."""
-    inside = any(Path(frame.filename).parts[-3:] == ("transformers", "integrations", "moe.py")
-                 for frame in traceback.extract_tb(err.__traceback__))
+    inside = any(
+        Path(frame.filename).parts[-3:] == ("transformers", "integrations", "moe.py")
+        for frame in traceback.extract_tb(err.__traceback__)
+    )
     if not inside:
         return None
     configs = [getattr(model, "config", None)] + [getattr(m, "config", None) for m in model.modules()]

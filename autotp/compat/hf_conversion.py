@@ -20,6 +20,7 @@ from torch import nn
 
 from .hf import internal
 
+
 def keys_to_ignore_on_save(model: nn.Module) -> set[str]:
     """State-dict keys transformers leaves out of a saved checkpoint."""
     return set(getattr(model, "_keys_to_ignore_on_save", None) or ())
@@ -90,15 +91,22 @@ def checkpoint_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dic
     try:
         converted = revert(_FullShapes(model), traced)
     except Exception as err:
-        raise NotImplementedError(f"transformers' save-time conversion of {family} failed on autotp's stand-ins "
-                                  f"({type(err).__name__}: {err}); autotp.save_pretrained cannot write it") from err
-    refused = [f"{key!r} through {getattr(t, 'unsupported', '') or 'an untracked tensor'}"
-               for key, t in converted.items() if not isinstance(t, _Traced) or t.unsupported]
+        raise NotImplementedError(
+            f"transformers' save-time conversion of {family} failed on autotp's stand-ins "
+            f"({type(err).__name__}: {err}); autotp.save_pretrained cannot write it"
+        ) from err
+    refused = [
+        f"{key!r} through {getattr(t, 'unsupported', '') or 'an untracked tensor'}"
+        for key, t in converted.items()
+        if not isinstance(t, _Traced) or t.unsupported
+    ]
     if refused:
         more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
-        raise NotImplementedError(f"transformers builds {', '.join(refused[:3])}{more} of {family} when saving; "
-                                  f"autotp.save_pretrained writes only cuts of model tensors (rows, experts, "
-                                  f"transposes, concatenations), so it cannot stream this checkpoint")
+        raise NotImplementedError(
+            f"transformers builds {', '.join(refused[:3])}{more} of {family} when saving; "
+            f"autotp.save_pretrained writes only cuts of model tensors (rows, experts, "
+            f"transposes, concatenations), so it cannot stream this checkpoint"
+        )
     out = {}
     for key, t in converted.items():
         parts = tuple(SavedPart(source, tuple(index), tuple(dims)) for source, index, dims in t.cuts)
@@ -155,6 +163,7 @@ class _NotACut(Exception):
 
 def _follow(name: str, source: _Traced, args: tuple, kwargs: dict, outs: list[_Traced], i: int) -> tuple[list, int]:
     """The cuts (and concatenation dim) of output `i` of torch's `name` on `args` (`source` the first tensor)."""
+
     def arg(k: int, key: str, default: Any = None) -> Any:
         return kwargs.get(key, args[k + 1] if k + 1 < len(args) else default)
 
@@ -174,8 +183,11 @@ def _follow(name: str, source: _Traced, args: tuple, kwargs: dict, outs: list[_T
         dim = arg(0, "dim") % ndim
         _narrow(index, dims[dim], arg(1, "start") % source.shape[dim], arg(2, "length"))
     elif name in ("select", "squeeze"):
-        picked = [arg(0, "dim") % ndim] if name == "select" else [
-            d % ndim for d in _dims(arg(0, "dim"), ndim) if source.shape[d] == 1]
+        picked = (
+            [arg(0, "dim") % ndim]
+            if name == "select"
+            else [d % ndim for d in _dims(arg(0, "dim"), ndim) if source.shape[d] == 1]
+        )
         for d in sorted(picked, reverse=True):
             _narrow(index, dims[d], arg(1, "index", 0) % source.shape[d] if name == "select" else 0, 1)
             index[dims[d]] = index[dims[d]][0]
@@ -278,13 +290,18 @@ def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str |
         for other in converter.target_patterns:  # several when one checkpoint tensor becomes several
             name = target.replace(first, other)
             run = None if ops == stacked else _conversion(converter, model, other, target)
-            out.setdefault(name, ConvertedSource(
-                parts, tuple(converter.source_patterns), run, ", ".join(f"{op}(dim={dim})" for op, dim in ops)))
+            out.setdefault(
+                name,
+                ConvertedSource(
+                    parts, tuple(converter.source_patterns), run, ", ".join(f"{op}(dim={dim})" for op, dim in ops)
+                ),
+            )
     return out
 
 
-def _conversion(converter: Any, model: nn.Module, pattern: str,
-                first: str) -> Callable[[dict[str, list[torch.Tensor]]], torch.Tensor]:
+def _conversion(
+    converter: Any, model: nn.Module, pattern: str, first: str
+) -> Callable[[dict[str, list[torch.Tensor]]], torch.Tensor]:
     """transformers' operations of `converter` on whole checkpoint tensors, returning in full the model tensor of target
     pattern `pattern`. `first` is the model tensor of the converter's first target: transformers names the layer by
     it (`Split` finds each target's size by putting the target's pattern in place of the first's)."""
@@ -292,8 +309,14 @@ def _conversion(converter: Any, model: nn.Module, pattern: str,
     def run(tensors: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         sources, targets = list(converter.source_patterns), list(converter.target_patterns)
         for op in converter.operations:
-            tensors = op.convert(tensors, source_patterns=sources, target_patterns=targets, config=model.config,
-                                 model=_FullShapes(model), full_layer_name=first)
+            tensors = op.convert(
+                tensors,
+                source_patterns=sources,
+                target_patterns=targets,
+                config=model.config,
+                model=_FullShapes(model),
+                full_layer_name=first,
+            )
         return tensors[pattern]
 
     return run

@@ -53,11 +53,21 @@ def _classes() -> dict[str, tuple[type, ...]] | None:
         except (ImportError, AttributeError):
             raise missing(path) from None
 
-    peft_classes = tuple(load(p) for p in (
-        "peft.PeftModel", "peft.PeftMixedModel", "peft.tuners.tuners_utils.BaseTuner",
-        "peft.tuners.tuners_utils.BaseTunerLayer", "peft.utils.AuxiliaryTrainingWrapper"))
-    return {"lora": (load("peft.tuners.lora.Linear"),), "modules_to_save": (load("peft.utils.ModulesToSaveWrapper"),),
-            "peft": peft_classes}
+    peft_classes = tuple(
+        load(p)
+        for p in (
+            "peft.PeftModel",
+            "peft.PeftMixedModel",
+            "peft.tuners.tuners_utils.BaseTuner",
+            "peft.tuners.tuners_utils.BaseTunerLayer",
+            "peft.utils.AuxiliaryTrainingWrapper",
+        )
+    )
+    return {
+        "lora": (load("peft.tuners.lora.Linear"),),
+        "modules_to_save": (load("peft.utils.ModulesToSaveWrapper"),),
+        "peft": peft_classes,
+    }
 
 
 def is_lora_linear(module: Any) -> bool:
@@ -120,8 +130,14 @@ def _request(lora: nn.Module, signature: inspect.Signature, args: tuple, kwargs:
     def setting(key: str, default: Any) -> Any:
         return arguments[key] if key in arguments else getattr(config, key, default)
 
-    return AdapterRequest(lora, arguments["adapter_name"], setting("init_lora_weights", True),
-                          bool(setting("lora_bias", False)), arguments, tuple(setting("modules_to_save", None) or ()))
+    return AdapterRequest(
+        lora,
+        arguments["adapter_name"],
+        setting("init_lora_weights", True),
+        bool(setting("lora_bias", False)),
+        arguments,
+        tuple(setting("modules_to_save", None) or ()),
+    )
 
 
 def patch_update_layer(around: Callable[[AdapterRequest, Callable[[], None]], None]) -> Callable[[], None]:
@@ -161,8 +177,9 @@ _ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding
 
 def is_peft_key(key: str) -> bool:
     """Whether a state-dict key names a tensor of PEFT's (an adapter half, or a base layer or copy PEFT moved)."""
-    return any(part in f".{key}" for part in (*_ADAPTER_PARTS, ".base_layer.", ".original_module.",
-                                               ".modules_to_save."))
+    return any(
+        part in f".{key}" for part in (*_ADAPTER_PARTS, ".base_layer.", ".original_module.", ".modules_to_save.")
+    )
 
 
 def peft_inner(model: nn.Module) -> nn.Module:
@@ -212,15 +229,17 @@ def merged_weight(lora: nn.Module, weight: torch.Tensor) -> torch.Tensor:
         if name not in lora.lora_A:
             continue
         if getattr(lora, "lora_variant", {}).get(name) is not None or lora.lora_B[name].bias is not None:
-            raise NotImplementedError(f"autotp: merging adapter {name!r} (a LoRA variant or lora_bias) is not "
-                                      f"supported; use merge_lora=False")
+            raise NotImplementedError(
+                f"autotp: merging adapter {name!r} (a LoRA variant or lora_bias) is not supported; use merge_lora=False"
+            )
         delta = lora.lora_B[name].weight.detach().float() @ lora.lora_A[name].weight.detach().float()
         out = out + (delta.t() if lora.fan_in_fan_out else delta) * lora.scaling[name]
     return out
 
 
-def adapter_state_dict(peft_model: nn.Module, state_dict: dict[str, torch.Tensor],
-                       adapter_name: str) -> dict[str, torch.Tensor]:
+def adapter_state_dict(
+    peft_model: nn.Module, state_dict: dict[str, torch.Tensor], adapter_name: str
+) -> dict[str, torch.Tensor]:
     """PEFT's saved names of `adapter_name`'s tensors (`get_peft_model_state_dict`, what `save_pretrained` writes):
     saved name -> the very tensor of `state_dict` (the PEFT model's keys)."""
     from peft import get_peft_model_state_dict

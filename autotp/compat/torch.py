@@ -125,13 +125,15 @@ def is_fsdp_hook(hook: Any) -> bool:
 def all_gather_single() -> Callable[..., Any]:
     """torch's all-gather of one tensor into one output tensor, `(out, x, group=, async_op=)`, under either name."""
     return getattr(dist, "all_gather_single", None) or require(
-        dist, "all_gather_into_tensor", "torch.distributed.all_gather_single")
+        dist, "all_gather_into_tensor", "torch.distributed.all_gather_single"
+    )
 
 
 def reduce_scatter_single() -> Callable[..., Any]:
     """torch's reduce-scatter of one tensor into one output tensor, `(out, x, group=)`, under either name."""
     return getattr(dist, "reduce_scatter_single", None) or require(
-        dist, "reduce_scatter_tensor", "torch.distributed.reduce_scatter_single")
+        dist, "reduce_scatter_tensor", "torch.distributed.reduce_scatter_single"
+    )
 
 
 def storageless_tensor(cls: type, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -80,8 +80,9 @@ def own_clipping(trainer: Trainer) -> None:
 
 def collator(trainer: Trainer, description: str) -> Callable[..., Any]:
     """Trainer's data collator, without the columns the model's forward does not take (as Trainer's own loaders)."""
-    remove = require(trainer, "_get_collator_with_removed_columns",
-                     "transformers.Trainer._get_collator_with_removed_columns")
+    remove = require(
+        trainer, "_get_collator_with_removed_columns", "transformers.Trainer._get_collator_with_removed_columns"
+    )
     return remove(trainer.data_collator, description=description)
 
 

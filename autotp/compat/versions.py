@@ -32,8 +32,10 @@ def installed(package: str) -> str:
 def missing(piece: str) -> RuntimeError:
     """The error for `piece`, a dotted name whose first part is the package, that the installed version lacks."""
     package = piece.split(".")[0]
-    return RuntimeError(f"autotp needs {piece}, which {package} {installed(package)} does not have; autotp was "
-                        f"tested on {package} {TESTED[package][0]}")
+    return RuntimeError(
+        f"autotp needs {piece}, which {package} {installed(package)} does not have; autotp was "
+        f"tested on {package} {TESTED[package][0]}"
+    )
 
 
 def require(owner: Any, name: str, piece: str) -> Any:
@@ -54,5 +56,8 @@ def check_versions() -> None:
         if package in _warned or not version[:1].isdigit() or int(version.split(".")[0]) == major:
             continue
         _warned.add(package)
-        warnings.warn(f"autotp was tested on {package} {tested}; {package} {version} is installed, whose internals "
-                      f"autotp relies on may differ", stacklevel=2)
+        warnings.warn(
+            f"autotp was tested on {package} {tested}; {package} {version} is installed, whose internals "
+            f"autotp relies on may differ",
+            stacklevel=2,
+        )

@@ -23,21 +23,33 @@ from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..compat.hf import (FLASH_VARLEN_KWARGS, FUSED_LM_HEAD_KWARG, attn_implementation, passed_cache,
-                         set_config_attn_implementation)
-from .layout import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
-from .dropout import WholeSequenceDropout, dropout_on
-from .attention import CPAttention, is_varlen
-from .loss import CPLoss
+from ..compat.hf import (
+    FLASH_VARLEN_KWARGS,
+    FUSED_LM_HEAD_KWARG,
+    attn_implementation,
+    passed_cache,
+    set_config_attn_implementation,
+)
 from ..mesh import Group, group_size
 from ..runtime.input_agreement import check_same_batch, check_same_read
-from ..runtime.rng import sync_replicated_stream
 from ..runtime.lazy_logits import lazy_logits
 from ..runtime.process_hooks import patch_attribute, register_attention, watch_optimizer_steps
+from ..runtime.rng import sync_replicated_stream
+from .attention import CPAttention, is_varlen
+from .dropout import WholeSequenceDropout, dropout_on
+from .layout import LAYOUT_KWARG, Layout, build_layout, gather_sequence, pad_positions
+from .loss import CPLoss
 
 _SUPPORTED = ("sdpa", "eager")
-_SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels",
-          "seq_idx")  # split by CP (seq_idx: TRL's padding-free document index of each token)
+_SPLIT = (
+    "input_ids",
+    "inputs_embeds",
+    "position_ids",
+    "attention_mask",
+    "labels",
+    "shift_labels",
+    "seq_idx",
+)  # split by CP (seq_idx: TRL's padding-free document index of each token)
 _ACTIVE: list[int] = []  # depth of CP forwards running now: transformers' mask functions return None inside one
 
 
@@ -46,42 +58,61 @@ def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
     config = model.config
     implementation = attn_implementation(config)
     if implementation not in _SUPPORTED and not is_varlen(implementation):
-        raise NotImplementedError(f"cp_size={cp_size}: attention '{implementation}' is not supported under context "
-                                  f"parallelism; load the model with attn_implementation='sdpa', 'eager' or a "
-                                  f"flash-attention one")
+        raise NotImplementedError(
+            f"cp_size={cp_size}: attention '{implementation}' is not supported under context "
+            f"parallelism; load the model with attn_implementation='sdpa', 'eager' or a "
+            f"flash-attention one"
+        )
     kinds = set(getattr(config, "layer_types", None) or [])
     if kinds - {"full_attention"}:
-        raise NotImplementedError(f"cp_size={cp_size}: layers of type {sorted(kinds - {'full_attention'})} "
-                                  f"(sliding-window, chunked, Mamba or linear-attention mixers) are not supported "
-                                  f"under context parallelism; only full attention is")
+        raise NotImplementedError(
+            f"cp_size={cp_size}: layers of type {sorted(kinds - {'full_attention'})} "
+            f"(sliding-window, chunked, Mamba or linear-attention mixers) are not supported "
+            f"under context parallelism; only full attention is"
+        )
     if not kinds and getattr(config, "sliding_window", None) is not None:
-        raise NotImplementedError(f"cp_size={cp_size}: sliding-window attention (sliding_window="
-                                  f"{config.sliding_window}) is not supported under context parallelism")
+        raise NotImplementedError(
+            f"cp_size={cp_size}: sliding-window attention (sliding_window="
+            f"{config.sliding_window}) is not supported under context parallelism"
+        )
     if getattr(config, "attention_chunk_size", None):
         raise NotImplementedError(f"cp_size={cp_size}: chunked attention is not supported under context parallelism")
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and "att" in key and isinstance(value, (int, float)) and value > 0:
-            raise NotImplementedError(f"cp_size={cp_size}: {key}={value}: attention-probability dropout under context "
-                                      f"parallelism (one process's masks cannot be matched without an [S, S] mask); "
-                                      f"set it to 0 or use cp_size=1")
+            raise NotImplementedError(
+                f"cp_size={cp_size}: {key}={value}: attention-probability dropout under context "
+                f"parallelism (one process's masks cannot be matched without an [S, S] mask); "
+                f"set it to 0 or use cp_size=1"
+            )
     if getattr(model, "loss_type", None) not in (None, "ForCausalLM") or getattr(config, "vision_config", None):
-        raise NotImplementedError(f"cp_size={cp_size}: {type(model).__name__} is not a text-only causal LM; context "
-                                  f"parallelism splits a causal LM's sequence and computes its next-token loss")
+        raise NotImplementedError(
+            f"cp_size={cp_size}: {type(model).__name__} is not a text-only causal LM; context "
+            f"parallelism splits a causal LM's sequence and computes its next-token loss"
+        )
     modules = attention_modules(model)
     if not modules:
-        raise NotImplementedError(f"cp_size={cp_size}: no attention module of {type(model).__name__} calls "
-                                  f"transformers' attention interface, which context parallelism goes through")
+        raise NotImplementedError(
+            f"cp_size={cp_size}: no attention module of {type(model).__name__} calls "
+            f"transformers' attention interface, which context parallelism goes through"
+        )
     bidirectional = [type(m).__name__ for m in modules if getattr(m, "is_causal", True) is False]
     if bidirectional:
-        raise NotImplementedError(f"cp_size={cp_size}: {bidirectional[0]} is not causal (an encoder or cross-"
-                                  f"attention); context parallelism masks causally")
+        raise NotImplementedError(
+            f"cp_size={cp_size}: {bidirectional[0]} is not causal (an encoder or cross-"
+            f"attention); context parallelism masks causally"
+        )
     return implementation
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The attention modules calling transformers' attention interface (they define an eager function beside them)."""
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")
-            and callable(getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None))]
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "layer_idx")
+        and hasattr(m, "scaling")
+        and callable(getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None))
+    ]
 
 
 @dataclass
@@ -113,8 +144,9 @@ class ContextParallel:
         self.unsynced, self.synced_by_ddp = False, False
         self.loss_calls = 0  # CPLoss calls in this forward: a loss computed another way is refused
         # the layout rides down with transformers' keyword arguments where the forward takes them (for recomputation)
-        self.pass_layout = any(p.kind is inspect.Parameter.VAR_KEYWORD
-                               for p in inspect.signature(model.forward).parameters.values())
+        self.pass_layout = any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()
+        )
         self.calls = 0
         self.name = f"autotp_cp_{original}"
         self._hold()
@@ -125,8 +157,10 @@ class ContextParallel:
         self.inner_loss = model.loss_function
         self.loss = patch_attribute(model, "loss_function", CPLoss(self, self.inner_loss))
         only = state.sharded_only
-        self.hooks = [model.register_forward_pre_hook(only(self.enter), with_kwargs=True),
-                      model.register_forward_hook(self.leave, with_kwargs=True, always_call=True)]
+        self.hooks = [
+            model.register_forward_pre_hook(only(self.enter), with_kwargs=True),
+            model.register_forward_hook(self.leave, with_kwargs=True, always_call=True),
+        ]
         base = model.base_model
         if base is not model:  # the MoE auxiliary loss reads the router logits of every token
             self.hooks.append(base.register_forward_hook(only(self._whole_base_outputs)))
@@ -137,9 +171,15 @@ class ContextParallel:
         """The process-wide effects this CP model needs while it lives: the optimizer-step check, its attention and
         mask functions in transformers' registries (`autotp.runtime.process_hooks`)."""
         masks, original = ALL_MASK_ATTENTION_FUNCTIONS, self.original
-        self.holds = [watch_optimizer_steps(self, _refuse_unsynced_step),
-                      register_attention(self, self.name, CPAttention(original, ALL_ATTENTION_FUNCTIONS),
-                                         _mask_function(masks[original] if original in masks else None))]
+        self.holds = [
+            watch_optimizer_steps(self, _refuse_unsynced_step),
+            register_attention(
+                self,
+                self.name,
+                CPAttention(original, ALL_ATTENTION_FUNCTIONS),
+                _mask_function(masks[original] if original in masks else None),
+            ),
+        ]
 
     def _per_module_configs(self, name: str) -> None:
         """Attention modules given a config copy of their own (their rank's head counts, `apply_plan`) read the
@@ -182,8 +222,11 @@ class ContextParallel:
         if passed_cache(kwargs) is not None:
             return (), kwargs
         if not torch.compiler.is_compiling():  # a host sync, left out of a compiled forward (as the RNG check is)
-            check_same_batch(self.group, sorted(((f"{k}=", v) for k, v in kwargs.items() if torch.is_tensor(v)),
-                                                key=lambda item: item[0]), "CP")
+            check_same_batch(
+                self.group,
+                sorted(((f"{k}=", v) for k, v in kwargs.items() if torch.is_tensor(v)), key=lambda item: item[0]),
+                "CP",
+            )
         self._refuse(module, kwargs)
         varlen = {k: kwargs.pop(k) for k in FLASH_VARLEN_KWARGS if k in kwargs}  # segments are rebuilt per chunk
         asked = self._asked(module, kwargs)
@@ -195,21 +238,28 @@ class ContextParallel:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=device)[None]
-        per_token = [k for k, v in kwargs.items() if k not in _SPLIT and torch.is_tensor(v) and v.dim() >= 1 and
-                     length in v.shape[:2]]
+        per_token = [
+            k
+            for k, v in kwargs.items()
+            if k not in _SPLIT and torch.is_tensor(v) and v.dim() >= 1 and length in v.shape[:2]
+        ]
         if per_token:
-            raise NotImplementedError(f"autotp context parallelism splits input_ids / inputs_embeds, position_ids, "
-                                      f"attention_mask and the labels; {per_token} looks like a per-token input it "
-                                      f"would leave whole; use cp_size=1 for it")
+            raise NotImplementedError(
+                f"autotp context parallelism splits input_ids / inputs_embeds, position_ids, "
+                f"attention_mask and the labels; {per_token} looks like a per-token input it "
+                f"would leave whole; use cp_size=1 for it"
+            )
         sp = group_size(self.state.tp_group) if self.state.options.sequence_parallel else 1
         boundaries = varlen.get("cu_seq_lens_q") if is_varlen(self.original) else None  # flash's documents
-        layout = build_layout(length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0], sp,
-                              boundaries)
+        layout = build_layout(
+            length, self.group, positions, kwargs.get("attention_mask"), device, x.shape[0], sp, boundaries
+        )
         for name in ("input_ids", "inputs_embeds", "seq_idx"):
             if kwargs.get(name) is not None:
                 kwargs[name] = layout.split(kwargs[name])
         kwargs["position_ids"] = pad_positions(positions.expand(x.shape[0], -1), layout.padded).index_select(
-            1, layout.local)
+            1, layout.local
+        )
         kwargs["attention_mask"], kwargs["use_cache"] = None, False
         if self.pass_layout:
             kwargs[LAYOUT_KWARG] = layout
@@ -231,13 +281,17 @@ class ContextParallel:
         if output is None:  # the forward raised
             return output
         if getattr(output, "loss", None) is not None and self.loss_calls == 0 and not self.asked.fused:
-            raise NotImplementedError(f"{type(module).__name__} computed its loss without self.loss_function, on this "
-                                      f"rank's chunk of the sequence alone; context parallelism needs the model's "
-                                      f"loss_function (use cp_size=1)")
+            raise NotImplementedError(
+                f"{type(module).__name__} computed its loss without self.loss_function, on this "
+                f"rank's chunk of the sequence alone; context parallelism needs the model's "
+                f"loss_function (use cp_size=1)"
+            )
         if self.calls == 0:
-            raise NotImplementedError(f"{type(module).__name__}: its attention never called transformers' attention "
-                                      f"interface, so context parallelism cannot gather its keys and values; use "
-                                      f"cp_size=1")
+            raise NotImplementedError(
+                f"{type(module).__name__}: its attention never called transformers' attention "
+                f"interface, so context parallelism cannot gather its keys and values; use "
+                f"cp_size=1"
+            )
         output = self._whole_outputs(module, output, layout)
         return output.to_tuple() if self.asked.tuple and not isinstance(output, tuple) else output
 
@@ -271,7 +325,8 @@ class ContextParallel:
         if isinstance(logits, tuple) and logits and torch.is_tensor(logits[0]):
             rows = layout.local.numel()
             output["router_logits"] = tuple(
-                self.gather(x.view(-1, rows, x.shape[-1]), layout).flatten(0, 1) for x in logits)
+                self.gather(x.view(-1, rows, x.shape[-1]), layout).flatten(0, 1) for x in logits
+            )
         if self.asked.fused and torch.is_tensor(output.get("last_hidden_state")):
             output["last_hidden_state"] = self.gather(output["last_hidden_state"], layout)
         return output
@@ -284,10 +339,12 @@ class ContextParallel:
         tuple_ = not (config.return_dict if returned is None else returned)
         use_cache = kwargs.get("use_cache")
         if tuple_ and (getattr(config, "use_cache", False) if use_cache is None else use_cache):
-            raise NotImplementedError("return_dict=False with use_cache under context parallelism: one process's "
-                                      "tuple would hold the whole sequence's key/value cache, which a split forward "
-                                      "does not build (it would shift every later entry); pass use_cache=False too, "
-                                      "or read the ModelOutput (return_dict=True)")
+            raise NotImplementedError(
+                "return_dict=False with use_cache under context parallelism: one process's "
+                "tuple would hold the whole sequence's key/value cache, which a split forward "
+                "does not build (it would shift every later entry); pass use_cache=False too, "
+                "or read the ModelOutput (return_dict=True)"
+            )
         if tuple_:
             kwargs["return_dict"] = True
         keep = kwargs.get("logits_to_keep")
@@ -295,15 +352,21 @@ class ContextParallel:
             keep = None
         if keep is not None:
             if kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None:
-                raise NotImplementedError("logits_to_keep with labels under context parallelism: the loss needs every "
-                                          "position's logits; pass logits_to_keep=0 with labels, or no labels")
+                raise NotImplementedError(
+                    "logits_to_keep with labels under context parallelism: the loss needs every "
+                    "position's logits; pass logits_to_keep=0 with labels, or no labels"
+                )
             kwargs["logits_to_keep"] = 0  # every local position; the whole sequence's are cut once gathered
         return Asked(tuple_, keep, bool(kwargs.get(FUSED_LM_HEAD_KWARG)))
 
     def _whole_outputs(self, module: nn.Module, output: Any, layout: Layout) -> Any:
         if isinstance(output, tuple):
-            return type(output)(self.gather(x, layout) if torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] ==
-                                layout.local.numel() else x for x in output)
+            return type(output)(
+                self.gather(x, layout)
+                if torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] == layout.local.numel()
+                else x
+                for x in output
+            )
         for key in [k for k in output.keys() if k.endswith("hidden_states")]:
             value = output[key]
             if isinstance(value, tuple):
@@ -321,20 +384,32 @@ class ContextParallel:
         return output
 
     def _refuse(self, module: nn.Module, kwargs: dict) -> None:
-        if module.training and getattr(module, "is_activation_checkpointing", False) and (
-                self.drops or not self.pass_layout):
-            raise NotImplementedError("activation checkpointing under context parallelism with dropout (a layer "
-                                      "recomputed in backward would draw other masks), or in a model whose forward "
-                                      "does not pass keyword arguments on to its attention; turn one of them off")
+        if (
+            module.training
+            and getattr(module, "is_activation_checkpointing", False)
+            and (self.drops or not self.pass_layout)
+        ):
+            raise NotImplementedError(
+                "activation checkpointing under context parallelism with dropout (a layer "
+                "recomputed in backward would draw other masks), or in a model whose forward "
+                "does not pass keyword arguments on to its attention; turn one of them off"
+            )
         if kwargs.get("output_attentions"):
-            raise NotImplementedError("output_attentions under context parallelism: each rank holds its queries' rows "
-                                      "against every key, never the whole [S, S] probabilities; use cp_size=1")
+            raise NotImplementedError(
+                "output_attentions under context parallelism: each rank holds its queries' rows "
+                "against every key, never the whole [S, S] probabilities; use cp_size=1"
+            )
         mask = kwargs.get("attention_mask")
-        if (kwargs.get("output_router_logits") or getattr(module.config, "output_router_logits", False)) and \
-                mask is not None and not bool(mask.all()):
-            raise NotImplementedError("the MoE auxiliary loss (output_router_logits) with padding under context "
-                                      "parallelism: transformers masks it with the attention mask, which CP does "
-                                      "not pass on; pack without padding, or leave output_router_logits off")
+        if (
+            (kwargs.get("output_router_logits") or getattr(module.config, "output_router_logits", False))
+            and mask is not None
+            and not bool(mask.all())
+        ):
+            raise NotImplementedError(
+                "the MoE auxiliary loss (output_router_logits) with padding under context "
+                "parallelism: transformers masks it with the attention mask, which CP does "
+                "not pass on; pack without padding, or leave output_router_logits off"
+            )
 
 
 def _refuse_unsynced_step(context: ContextParallel, optimizer: torch.optim.Optimizer) -> None:
@@ -343,10 +418,12 @@ def _refuse_unsynced_step(context: ContextParallel, optimizer: torch.optim.Optim
     if context.unsynced and not context.synced_by_ddp and not context.state.fsdp:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if any(id(p) in held for p in context.model.parameters()):
-            raise RuntimeError("autotp: optimizer.step() on gradients of a context-parallel model that were not "
-                               "summed over CP: call autotp.allreduce_gradients(model) after the backward (it sums "
-                               "over CP and averages over DP), or train it under DistributedDataParallel over "
-                               "autotp.dp_cp_group(model) or autotp.fully_shard")
+            raise RuntimeError(
+                "autotp: optimizer.step() on gradients of a context-parallel model that were not "
+                "summed over CP: call autotp.allreduce_gradients(model) after the backward (it sums "
+                "over CP and averages over DP), or train it under DistributedDataParallel over "
+                "autotp.dp_cp_group(model) or autotp.fully_shard"
+            )
 
 
 def _mask_function(original: Callable | None) -> Callable:

@@ -31,8 +31,15 @@ class CPAttention:
     def __init__(self, original: str, functions: dict[str, Callable]):
         self.original, self.functions = original, functions
 
-    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
         inner = module.autotp_eager if self.original == "eager" else self.functions[self.original]
         context = module.autotp_context
         # the forward's layout comes down with transformers' keyword arguments, so a checkpointed decoder layer's
@@ -42,9 +49,11 @@ class CPAttention:
             return inner(module, query, key, value, attention_mask, **kwargs)
         context.calls += 1
         if kwargs.get("sliding_window") is not None:
-            raise NotImplementedError(f"{type(module).__name__}: sliding-window attention under context "
-                                      f"parallelism is not supported (its band would be masked per chunk); use "
-                                      f"cp_size=1")
+            raise NotImplementedError(
+                f"{type(module).__name__}: sliding-window attention under context "
+                f"parallelism is not supported (its band would be masked per chunk); use "
+                f"cp_size=1"
+            )
         eager, varlen = self.original == "eager", is_varlen(self.original)
         kwargs["is_causal"] = varlen  # flash: causal within each segment, aligned bottom-right
 
@@ -53,8 +62,9 @@ class CPAttention:
             if varlen:
                 return _segments_attention(inner, module, query, key, value, layout, kwargs)
             if eager:  # every key: a row that sees nothing averages over all of them, as one process's does
-                return inner(module, query, key, value, layout.additive(query.dtype, True, layout.local, layout.keys),
-                             **kwargs)
+                return inner(
+                    module, query, key, value, layout.additive(query.dtype, True, layout.local, layout.keys), **kwargs
+                )
             return _two_chunks(inner, module, query, key, value, layout, kwargs)
 
         if not torch.is_grad_enabled():
@@ -67,16 +77,24 @@ class CPAttention:
 MASK_ELEMENTS = 1 << 26  # the most mask entries one sdpa call builds (256 MiB in fp32): long chunks go in blocks
 
 
-def _two_chunks(inner: Callable, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                layout: Layout, kwargs: dict) -> tuple[torch.Tensor, None]:
+def _two_chunks(
+    inner: Callable,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Layout,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
     """sdpa on blocks of this rank's two chunks, each block against only the keys up to its last query: the causal
     half of the [S/C, S] block, the same work on every rank, and never more than `MASK_ELEMENTS` mask entries at
     once (at 128k tokens a whole chunk's mask would take gigabytes). Keys are put in sequence order first."""
     order = layout.natural()
     key, value = key.index_select(2, order), value.index_select(2, order)
     step = layout.padded // (2 * layout.size)
-    rows = max(1, MASK_ELEMENTS // (layout.padded * (1 if layout.docs is None and layout.kept is None else
-                                                      layout.batch)))
+    rows = max(
+        1, MASK_ELEMENTS // (layout.padded * (1 if layout.docs is None and layout.kept is None else layout.batch))
+    )
     device = layout.local.device
     outputs = []
     for chunk, start in enumerate((layout.rank * step, (2 * layout.size - 1 - layout.rank) * step)):
@@ -91,8 +109,15 @@ def _two_chunks(inner: Callable, module: nn.Module, query: torch.Tensor, key: to
     return torch.cat(outputs, dim=1), None  # [B, S/C, H, D], as transformers' attention functions return
 
 
-def _segments_attention(inner: Callable, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        layout: Layout, kwargs: dict) -> tuple[torch.Tensor, None]:
+def _segments_attention(
+    inner: Callable,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Layout,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
     """A flash (variable-length) function on packed segments: each (row, document, chunk) is one segment whose
     queries are the chunk's tokens of the document and whose keys run from the document's first token to the last
     query, so flash's bottom-right causal alignment is the causal mask. Padding queries get zeros (as transformers'
@@ -102,7 +127,17 @@ def _segments_attention(inner: Callable, module: nn.Module, query: torch.Tensor,
     order = layout.natural()
     key, value = key.index_select(2, order), value.index_select(2, order)
     pack = lambda x, index: x.transpose(1, 2).flatten(0, 1).index_select(0, index)[None].transpose(1, 2)  # noqa: E731
-    out, _ = inner(module, pack(query, q_index), pack(key, k_index), pack(value, k_index), None,
-                   cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=max_q, max_length_k=max_k, **kwargs)
+    out, _ = inner(
+        module,
+        pack(query, q_index),
+        pack(key, k_index),
+        pack(value, k_index),
+        None,
+        cu_seq_lens_q=cu_q,
+        cu_seq_lens_k=cu_k,
+        max_length_q=max_q,
+        max_length_k=max_k,
+        **kwargs,
+    )
     whole = out.new_zeros((batch * count, heads, dim)).index_copy(0, q_index, out[0])
     return whole.view(batch, count, heads, dim), None

@@ -29,12 +29,15 @@ class ContextParallelism(Dimension):
             return
         refuse_unsupported(model, cp)
         if options.tp_group is not None:
-            raise NotImplementedError(f"cp_size={cp} with tp_group=: context parallelism builds its own groups; leave "
-                                      f"tp_group out")
+            raise NotImplementedError(
+                f"cp_size={cp} with tp_group=: context parallelism builds its own groups; leave tp_group out"
+            )
         if options.sequence_parallel and dropout_on(model):
-            raise NotImplementedError(f"cp_size={cp} with sequence_parallel and dropout: sequence parallelism's masks "
-                                      f"would be drawn for this rank's chunk, not as one process draws them; set the "
-                                      f"dropout to 0 or leave sequence_parallel off")
+            raise NotImplementedError(
+                f"cp_size={cp} with sequence_parallel and dropout: sequence parallelism's masks "
+                f"would be drawn for this rank's chunk, not as one process draws them; set the "
+                f"dropout to 0 or leave sequence_parallel off"
+            )
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         """After vocabulary parallelism's loss, which it wraps."""
@@ -55,7 +58,9 @@ class ContextParallelism(Dimension):
             return
         members, cp = set(dist.get_process_group_ranks(group)), dist.get_process_group_ranks(state.cp_group)
         if not members >= set(cp):
-            raise RuntimeError(f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
-                               f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
-                               f"autotp.allreduce_gradients(model)")
+            raise RuntimeError(
+                f"DistributedDataParallel over ranks {sorted(members)} leaves out CP ranks of {cp}, "
+                f"whose gradients must be summed: pass process_group=autotp.dp_cp_group(model), or use "
+                f"autotp.allreduce_gradients(model)"
+            )
         self.context.synced_by_ddp = True  # DDP sums over CP (and averages over DP) in backward

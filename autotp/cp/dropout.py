@@ -35,4 +35,5 @@ class WholeSequenceDropout(TorchFunctionMode):
 def dropout_on(model: nn.Module) -> bool:
     """Whether any dropout of `model` (a module or a config probability) is above 0."""
     return any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or any(
-        ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in model.config.to_dict().items())
+        ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in model.config.to_dict().items()
+    )

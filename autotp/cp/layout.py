@@ -20,7 +20,6 @@ from torch import nn
 from ..mesh import Group, group_rank, group_size
 from ..runtime.seq_collectives import all_gather_dim0, start_all_gather
 
-
 LAYOUT_KWARG = "autotp_cp_layout"  # the forward keyword argument carrying a CP forward's `Layout` down to attention
 
 
@@ -123,9 +122,16 @@ def segment_documents(cu_seq_lens: torch.Tensor, batch: int, length: int, padded
     return None if bool((docs == docs[:, :1]).all()) else docs
 
 
-def build_layout(length: int, group: Group, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 device: torch.device, batch: int = 1, multiple: int = 1,
-                 cu_seq_lens: torch.Tensor | None = None) -> Layout:
+def build_layout(
+    length: int,
+    group: Group,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    device: torch.device,
+    batch: int = 1,
+    multiple: int = 1,
+    cu_seq_lens: torch.Tensor | None = None,
+) -> Layout:
     """The split of one forward. `position_ids` [B or 1, S] and `attention_mask` [B, S] (1: a token, 0: padding)
     are the whole sequence's; each chunk's length is made a multiple of `multiple` (sequence parallelism's tp).
     Documents are where the positions restart, or, given a padding-free batch's `cu_seq_lens` (which flash reads in
@@ -142,8 +148,10 @@ def build_layout(length: int, group: Group, position_ids: torch.Tensor, attentio
         docs = documents(pad_positions(position_ids.to(device), padded))
     if attention_mask is not None:
         if attention_mask.dim() != 2:
-            raise ValueError(f"context parallelism takes a 2-D attention mask [batch, seq] (1: token, 0: padding), got "
-                             f"shape {tuple(attention_mask.shape)}; a 4-D mask would be [S, S], which CP never builds")
+            raise ValueError(
+                f"context parallelism takes a 2-D attention mask [batch, seq] (1: token, 0: padding), got "
+                f"shape {tuple(attention_mask.shape)}; a 4-D mask would be [S, S], which CP never builds"
+            )
         kept = nn.functional.pad(attention_mask.to(device, torch.bool), (0, padded - length), value=False)
     return Layout(length, padded, size, rank, local, keys, docs, kept, batch)
 
@@ -181,15 +189,23 @@ def _segments(layout: Layout) -> tuple:
                 real = [t for t in range(p, end) if kept[t]]
                 if real:
                     begin = first[docs[p]]
-                    if not all(kept[begin:real[-1] + 1]):
-                        raise NotImplementedError("flash attention under context parallelism takes padding only "
-                                                  "around documents, not inside one; use sdpa")
+                    if not all(kept[begin : real[-1] + 1]):
+                        raise NotImplementedError(
+                            "flash attention under context parallelism takes padding only "
+                            "around documents, not inside one; use sdpa"
+                        )
                     q_rows += [b * 2 * step + chunk * step + t - start for t in real]
                     k_rows += [b * whole + t for t in range(begin, real[-1] + 1)]
                     lengths.append((len(real), real[-1] + 1 - begin))
                 p = end
-    cu = [torch.tensor([0, *lens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
-          for lens in zip(*lengths)] if lengths else [torch.zeros(1, dtype=torch.int32, device=device)] * 2
+    cu = (
+        [
+            torch.tensor([0, *lens], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+            for lens in zip(*lengths)
+        ]
+        if lengths
+        else [torch.zeros(1, dtype=torch.int32, device=device)] * 2
+    )
     longest = [max(lens) for lens in zip(*lengths)] if lengths else [0, 0]
     rows = [torch.tensor(r, dtype=torch.long, device=device) for r in (q_rows, k_rows)]
     return rows[0], rows[1], cu[0], cu[1], longest[0], longest[1]
@@ -205,7 +221,7 @@ class _GatherSequence(torch.autograd.Function):  # not `all_gather_dim0`: its ba
         parts = start_all_gather(x, group, of=" of the output's context-parallel sequence")()  # [C B, S/C, ...]
         joined = parts.unflatten(0, (layout.size, x.shape[0])).movedim(0, 1).flatten(1, 2)  # [B, S, ...] in rank order
         whole = torch.empty_like(joined).index_copy_(1, layout.keys.to(x.device), joined)
-        return whole[:, :layout.length]
+        return whole[:, : layout.length]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..mesh import group_size
 from ..runtime.collectives import all_reduce
 from ..runtime.input_agreement import BACKWARD, check_same_read
 from .layout import LAYOUT_KWARG
-from ..mesh import group_size
+
 
 class _SumOverCP(torch.autograd.Function):
     """The loss's sum over CP: all-reduce forward; backward passes C times the gradient on (see the module doc). The
@@ -41,19 +42,40 @@ class CPLoss:
     def __init__(self, context: Any, inner: Callable[..., torch.Tensor]):
         self.context, self.inner = context, inner
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int | None = None,
-                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor | None,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         layout = kwargs.pop(LAYOUT_KWARG, None) or self.context.layout
         if layout is None or logits.shape[1] != layout.local.numel():  # the whole sequence (gathered, generation)
-            return self.inner(logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
-                              ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+            return self.inner(
+                logits,
+                labels,
+                vocab_size=vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
         if shift_labels is None:  # shifted before the split: no target is lost at a chunk border
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device)
         local = layout.split(shift_labels, pad=ignore_index)
-        total = self.inner(logits, None, vocab_size=vocab_size, num_items_in_batch=1, ignore_index=ignore_index,
-                           shift_labels=local, **kwargs)  # a sum over this rank's tokens
+        total = self.inner(
+            logits,
+            None,
+            vocab_size=vocab_size,
+            num_items_in_batch=1,
+            ignore_index=ignore_index,
+            shift_labels=local,
+            **kwargs,
+        )  # a sum over this rank's tokens
         self.context.loss_calls += 1
         total = _SumOverCP.apply(total.float(), self.context.group)
         self.context.unsynced |= total.requires_grad  # a backward will leave this rank's share

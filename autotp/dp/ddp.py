@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
-from ..runtime.collectives import all_reduce_bucketed, any_rank
-from ..planning.placement import Box
-from ..runtime.rows import local_rows
 from ..accessors import dp_cp_group, dp_rank, dp_size
 from ..mesh import device_of, group_size, named_failure
+from ..planning.placement import Box
+from ..runtime.collectives import all_reduce_bucketed, any_rank
+from ..runtime.rows import local_rows
 from ..state import refuse_torch_fsdp, state_of, wrapped_model
 
 _WHAT = "autotp.allreduce_gradients' all-reduce of the gradients"
@@ -114,8 +114,15 @@ def _combine(acc: torch.Tensor, grad: torch.Tensor, norm_type: float) -> torch.T
     return acc + grad.pow(2).sum() if norm_type == 2.0 else torch.maximum(acc, grad.abs().max())
 
 
-def data_parallel_sampler(dataset: Dataset, model: nn.Module | None = None, *, shuffle: bool = True, seed: int = 0,
-                          drop_last: bool = False, consumed_samples: int = 0) -> DistributedSampler:
+def data_parallel_sampler(
+    dataset: Dataset,
+    model: nn.Module | None = None,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    consumed_samples: int = 0,
+) -> DistributedSampler:
     """A sampler giving each DP replica its own part of `dataset`, and all TP and CP ranks of a replica the same part.
 
     Replica r reads positions r, r + dp, r + 2 dp, ... of the epoch's order (shuffled by `seed` and the
@@ -127,11 +134,20 @@ def data_parallel_sampler(dataset: Dataset, model: nn.Module | None = None, *, s
     """
     replicas = dp_size(model)
     if consumed_samples % replicas:
-        raise ValueError(f"data_parallel_sampler: consumed_samples={consumed_samples} is not a multiple of the "
-                         f"{replicas} data-parallel replicas, so the replicas cannot start at one global position; "
-                         f"keep the global batch a multiple of the DP size")
-    return _ResumingSampler(dataset, num_replicas=replicas, rank=dp_rank(model), shuffle=shuffle, seed=seed,
-                            drop_last=drop_last, skip=consumed_samples // replicas)
+        raise ValueError(
+            f"data_parallel_sampler: consumed_samples={consumed_samples} is not a multiple of the "
+            f"{replicas} data-parallel replicas, so the replicas cannot start at one global position; "
+            f"keep the global batch a multiple of the DP size"
+        )
+    return _ResumingSampler(
+        dataset,
+        num_replicas=replicas,
+        rank=dp_rank(model),
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        skip=consumed_samples // replicas,
+    )
 
 
 class _ResumingSampler(DistributedSampler):
@@ -141,8 +157,10 @@ class _ResumingSampler(DistributedSampler):
     def __init__(self, *args, skip: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         if skip > self.num_samples:
-            raise ValueError(f"data_parallel_sampler: consumed_samples={skip * self.num_replicas} is more than one "
-                             f"epoch of {self.total_size} samples over {self.num_replicas} replicas")
+            raise ValueError(
+                f"data_parallel_sampler: consumed_samples={skip * self.num_replicas} is more than one "
+                f"epoch of {self.total_size} samples over {self.num_replicas} replicas"
+            )
         self.skip = skip
 
     def __iter__(self):

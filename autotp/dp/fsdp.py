@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..runtime.rows import local_rows
-from ..mesh import device_of, group_size
 from ..compat.hf import adapter_module
 from ..compat.torch import is_fsdp_hook
+from ..mesh import device_of, group_size
+from ..runtime.rows import local_rows
 from ..state import TPState, state_of, wrapped_model
 
 
@@ -39,8 +39,9 @@ def dp_cp_mesh(model: nn.Module | None = None) -> DeviceMesh:
 dp_mesh = dp_cp_mesh  # its name before DP x CP had one name everywhere; kept for scripts that use it
 
 
-def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_policy: Any = None,
-                offload_policy: Any = None) -> nn.Module:
+def fully_shard(
+    model: nn.Module, *, reshard_after_forward: bool = True, mp_policy: Any = None, offload_policy: Any = None
+) -> nn.Module:
     """FSDP2 over the data-parallel group (DP x CP under context parallelism) on a wrapped model: each decoder layer,
     then the root; returns the model. Under expert parallelism each experts module is first sharded over its
     expert-DP group (`autotp.ep.fsdp`).
@@ -54,8 +55,10 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
 
     root = wrapped_model(model)
     if root is None:
-        raise RuntimeError(f"autotp.fully_shard: {type(model).__name__} is not wrapped by autotp. Call "
-                           f"autotp.wrap(model, tp_size) first, then autotp.fully_shard(model)")
+        raise RuntimeError(
+            f"autotp.fully_shard: {type(model).__name__} is not wrapped by autotp. Call "
+            f"autotp.wrap(model, tp_size) first, then autotp.fully_shard(model)"
+        )
     state = state_of(root)
     if state.fsdp:
         raise RuntimeError(f"{type(root).__name__} is already sharded by autotp.fully_shard; call it once")
@@ -63,14 +66,21 @@ def fully_shard(model: nn.Module, *, reshard_after_forward: bool = True, mp_poli
         raise RuntimeError("autotp.fully_shard inside GatherReplacedLayerParams: call it on the sharded model")
     found = adapter_module(root)
     if found is not None:
-        raise NotImplementedError(f"autotp.fully_shard: {found[0]} is a {found[1]}; PEFT adapters under FSDP are not "
-                                  f"supported yet. An adapter's trainable state is small: train it with DDP over "
-                                  f"autotp.dp_group (AutoTPTrainer does)")
+        raise NotImplementedError(
+            f"autotp.fully_shard: {found[0]} is a {found[1]}; PEFT adapters under FSDP are not "
+            f"supported yet. An adapter's trainable state is small: train it with DDP over "
+            f"autotp.dp_group (AutoTPTrainer does)"
+        )
     mesh = dp_cp_mesh(root)
-    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-               "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
-    shards = {name: p.autotp_shard for name, p in root.named_parameters(remove_duplicate=False)
-              if hasattr(p, "autotp_shard")}
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload_policy or OffloadPolicy(),
+    }
+    shards = {
+        name: p.autotp_shard for name, p in root.named_parameters(remove_duplicate=False) if hasattr(p, "autotp_shard")
+    }
     experts: dict = {}  # each dimension's own (the experts, over expert-DP: autotp.ep.fsdp), before the layers
     for dimension in state.dims.values():
         experts.update(dimension.fully_shard(options, state))
@@ -94,7 +104,7 @@ def decoder_layers(model: nn.Module, state: TPState) -> list[nn.Module]:
     for layer in state.plan.layers:
         parts = layer.path.split(".")
         for end in range(1, len(parts)):  # the outermost list: decoder layers, not the MoE experts inside one
-            if isinstance(model.get_submodule(".".join(parts[:end - 1])), nn.ModuleList):
+            if isinstance(model.get_submodule(".".join(parts[: end - 1])), nn.ModuleList):
                 path = ".".join(parts[:end])
                 found[path] = model.get_submodule(path)
                 break
@@ -112,11 +122,17 @@ def check_mesh(param: torch.Tensor, tp_group: Any) -> None:
         raise RuntimeError(
             f"FSDP over ranks {sorted(members)} would shard and average different tensor-parallel shards together "
             f"(ranks {shared} hold different shards of the same tensors). Wrap the model again and shard it with "
-            f"autotp.fully_shard(model), which uses the data-parallel group and keeps autotp's partition metadata")
+            f"autotp.fully_shard(model), which uses the data-parallel group and keeps autotp's partition metadata"
+        )
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-          "_load_state_dict_post_hooks")  # where FSDP2 hooks into a module
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)  # where FSDP2 hooks into a module
 
 
 class Unsharded:
@@ -171,8 +187,14 @@ class Unsharded:
             if whole.grad is not None:
                 rows = whole.grad.narrow(0, first, local.shape[0])
                 if sharded.grad is None:
-                    sharded.grad = DTensor.from_local(rows.clone(), sharded.device_mesh, sharded.placements,
-                                                      run_check=False, shape=sharded.shape, stride=sharded.stride())
+                    sharded.grad = DTensor.from_local(
+                        rows.clone(),
+                        sharded.device_mesh,
+                        sharded.placements,
+                        run_check=False,
+                        shape=sharded.shape,
+                        stride=sharded.stride(),
+                    )
                 else:
                     sharded.grad.to_local().add_(rows)
         self.swaps, self.paused = [], []

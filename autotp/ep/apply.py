@@ -11,19 +11,19 @@ from dataclasses import replace
 
 from torch import nn
 
-from ..runtime.process_hooks import patch_attribute
-from ..runtime.replicas import broadcast_tensors
 from ..mesh import Mesh
 from ..options import WrapOptions
 from ..planning.plan import Plan
+from ..runtime.process_hooks import patch_attribute
+from ..runtime.replicas import broadcast_tensors
+from ..state import TPState
 from .dispatch import ExpertRegion
 from .gathered import GatheredBackwardRefusal
-from .modality import modality_groups
 from .grads import expert_params
-from .guard import guard_expert_slots
 from .groups import ExpertGroups
+from .guard import guard_expert_slots
+from .modality import modality_groups
 from .regions import expert_layouts
-from ..state import TPState
 
 
 def refuse_unsupported(model: nn.Module, plan: Plan, options: WrapOptions) -> None:
@@ -32,12 +32,16 @@ def refuse_unsupported(model: nn.Module, plan: Plan, options: WrapOptions) -> No
     if ep == 1:
         return
     if not expert_layouts(model, plan, ep):
-        raise ValueError(f"ep_size={ep}: {type(model).__name__} has no routed experts autotp can find (a dense "
-                         f"model); expert parallelism splits the experts of MoE layers. Leave ep_size at 1")
+        raise ValueError(
+            f"ep_size={ep}: {type(model).__name__} has no routed experts autotp can find (a dense "
+            f"model); expert parallelism splits the experts of MoE layers. Leave ep_size at 1"
+        )
     if options.tp_group is not None:
-        raise NotImplementedError(f"ep_size={ep} with tp_group=: not supported; expert parallelism folds its EP "
-                                  f"groups over consecutive ranks of the world, TP ranks first (autotp.ep.groups), "
-                                  f"which a TP group of the caller's need not be; leave tp_group out")
+        raise NotImplementedError(
+            f"ep_size={ep} with tp_group=: not supported; expert parallelism folds its EP "
+            f"groups over consecutive ranks of the world, TP ranks first (autotp.ep.groups), "
+            f"which a TP group of the caller's need not be; leave tp_group out"
+        )
 
 
 def expert_paths(model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[str, ...]:

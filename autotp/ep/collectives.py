@@ -43,6 +43,7 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(tokens: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     out = tokens.new_empty((sum(receive), *tokens.shape[1:]))
     with named_failure(group, "the expert-parallel all-to-all of the tokens"):
-        dist.all_to_all_single(out, tokens.contiguous(), output_split_sizes=receive, input_split_sizes=send,
-                               group=group)
+        dist.all_to_all_single(
+            out, tokens.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group
+        )
     return out

@@ -46,8 +46,9 @@ class ExpertParallelism(Dimension):
         if not state.fsdp:
             self.experts.sync_gradients(model, replicas, average)
 
-    def norm(self, params: list[nn.Parameter], norm_type: float, state: TPState
-             ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
+    def norm(
+        self, params: list[nn.Parameter], norm_type: float, state: TPState
+    ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
         """Each EP rank's experts once: their own all-reduces over EP (and expert-DP under FSDP)."""
         experts = self.experts.norm([p for p in params if hasattr(p, "autotp_expert")], norm_type, state.fsdp)
         return [p for p in params if not hasattr(p, "autotp_expert")], experts
@@ -56,9 +57,11 @@ class ExpertParallelism(Dimension):
         return self.experts.fully_shard(options, group_size(state.dp_cp_group))
 
     def check_ddp(self, group: Group, state: TPState) -> None:
-        raise NotImplementedError(f"DistributedDataParallel at ep_size={self.experts.size}: DDP would average "
-                                  f"different experts together. Use autotp.allreduce_gradients(model), which sums "
-                                  f"the expert gradients over their own replicas")
+        raise NotImplementedError(
+            f"DistributedDataParallel at ep_size={self.experts.size}: DDP would average "
+            f"different experts together. Use autotp.allreduce_gradients(model), which sums "
+            f"the expert gradients over their own replicas"
+        )
 
     def broadcast_replicas(self, model: nn.Module, state: TPState) -> None:
         broadcast_experts(model, self.experts)
@@ -71,5 +74,7 @@ class ExpertParallelism(Dimension):
         return {"ep_size": self.experts.size}
 
     def refuse_export(self, target: Any) -> None:
-        raise NotImplementedError(f"autotp.export_weights(target=...) at ep_size={self.experts.size}: sending each "
-                                  f"engine rank its rows of the experts is not supported yet; export without target")
+        raise NotImplementedError(
+            f"autotp.export_weights(target=...) at ep_size={self.experts.size}: sending each "
+            f"engine rank its rows of the experts is not supported yet; export without target"
+        )

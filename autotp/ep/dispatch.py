@@ -63,11 +63,15 @@ class ExpertRegion:
         """The `Shard` of the full tensor that `tensor` (one of the parameters, or a tensor shaped like one) holds:
         None once gathered whole (every expert on every rank)."""
         per = self.blocks.get(tensor.shape[0])  # this rank's rows -> rows per expert; a whole tensor is not there
-        return None if per is None else Shard(Partition.even(0, self.total * per, self.experts.size, per),
-                                              self.experts.rank)
+        return (
+            None
+            if per is None
+            else Shard(Partition.even(0, self.total * per, self.experts.size, per), self.experts.rank)
+        )
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                **kwargs) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, **kwargs
+    ) -> torch.Tensor:
         if self.state.is_gathered():  # whole experts: the module as one process runs it
             return self.own_forward(hidden_states, top_k_index, top_k_weights, **kwargs)
         if self.modality is not None:
@@ -80,15 +84,16 @@ class ExpertRegion:
         return out if out.shape == shape else out.view(shape).clone()
 
     @torch.compiler.disable
-    def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _dispatch(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """The dispatch, run eagerly under torch.compile: its buffers follow the routed counts (`bincount`, then
         `tolist` for the all-to-all's splits), data-dependent sizes dynamo would break on several times a layer;
         one break a MoE layer leaves the rest of each block in whole graphs."""
         n_tokens, slots = hidden_states.shape[0], top_k_index.shape[-1]  # T, k
         hidden, weights = keep_dim0_share((hidden_states, top_k_weights), self.tp_group, of=_OVER_TP)  # [t, H], [t, k]
         mine = dim0_share(n_tokens, self.tp_group)
-        expert_ids = top_k_index[mine.start:mine.stop].reshape(-1)  # [S]: pair p is token p // k's slot p % k
+        expert_ids = top_k_index[mine.start : mine.stop].reshape(-1)  # [S]: pair p is token p // k's slot p % k
         order = torch.argsort(expert_ids, stable=True)  # [S]: the pairs by expert, so by destination rank
         counts = torch.bincount(expert_ids, minlength=self.total).view(self.experts.size, self.local)  # [ep, E/ep]
         received_counts = exchange_counts(counts, self.experts.ep)  # [ep, E/ep]: row j, what rank j sends here
@@ -116,7 +121,7 @@ class ExpertRegion:
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a whole tensor: its block of dim 0 (one row per expert, or DBRX's width rows)."""
         per = tensor.shape[0] // self.total
-        return tensor[self.first * per:(self.first + self.local) * per]
+        return tensor[self.first * per : (self.first + self.local) * per]
 
     def _set(self, name: str, param: nn.Parameter) -> None:
         owner, _, attr = name.rpartition(".")

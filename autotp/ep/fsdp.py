@@ -27,15 +27,18 @@ def shard_experts(experts, options: dict[str, Any], replicas: int) -> dict[int, 
             f"autotp.fully_shard at ep_size={experts.size}: {grouped.path} runs its experts modules "
             f"({', '.join(region.path for region in grouped.regions)}) only on the batches holding their modality's "
             f"tokens, so the replicas' FSDP reductions would differ (a router unused by one replica); train it with "
-            f"autotp.allreduce_gradients, which first agrees on the gradients some replica reached")
+            f"autotp.allreduce_gradients, which first agrees on the gradients some replica reached"
+        )
     mesh = DeviceMesh.from_group(experts.edp, device_of(experts.edp).type)
     tags = {}
     for region in experts.regions:
         shared = [name for name, _ in region.module.named_parameters() if name not in region.names]
         if shared:  # FSDP over expert-DP would sum its gradient over one EP rank's share of the tokens only
-            raise NotImplementedError(f"autotp.fully_shard at ep_size={experts.size}: {type(region.module).__name__} "
-                                      f"also holds {shared[0]}, which is not split by expert; autotp shards an "
-                                      f"experts module over expert-DP only when every parameter in it is an expert's")
+            raise NotImplementedError(
+                f"autotp.fully_shard at ep_size={experts.size}: {type(region.module).__name__} "
+                f"also holds {shared[0]}, which is not split by expert; autotp shards an "
+                f"experts module over expert-DP only when every parameter in it is an expert's"
+            )
         module = torch_fully_shard(region.module, **{**options, "mesh": mesh})
         module.set_gradient_divide_factor(float(replicas))
         if group_size(experts.edp) > 1:  # a sum, then the division (gloo has no PREMUL_SUM); not on one rank,

@@ -25,8 +25,12 @@ class GatheredBackwardRefusal:
         self.hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def gather_(self) -> None:
-        trainable = [(region, name) for region in self.experts.regions for name in region.names
-                     if region.module.get_parameter(name).requires_grad]
+        trainable = [
+            (region, name)
+            for region in self.experts.regions
+            for name in region.names
+            if region.module.get_parameter(name).requires_grad
+        ]
         if not trainable:  # frozen experts: the backward reaches no expert gradient, the dense ones are sliced
             return
         self.hooks.append(self.model.register_forward_hook(partial(self._hook_outputs, self._message(*trainable[0]))))
@@ -42,11 +46,13 @@ class GatheredBackwardRefusal:
     def _message(self, region, name: str) -> str:
         full = tuple(region.module.get_parameter(name).shape)
         held = (full[0] * region.local // region.total, *full[1:])
-        return (f"backward inside autotp.GatherReplacedLayerParams at ep_size={self.experts.size}: the experts are "
-                f"gathered whole there ({region.path}.{name}: {full}, of which this rank holds {held}, {region.local} "
-                f"of the {region.total} experts), so their gradients would be full-size and, at dp > 1, hold only "
-                f"this rank's tokens; autotp cannot put them back on this rank's experts. Run forward and backward "
-                f"outside the context (or the forward under torch.no_grad inside it)")
+        return (
+            f"backward inside autotp.GatherReplacedLayerParams at ep_size={self.experts.size}: the experts are "
+            f"gathered whole there ({region.path}.{name}: {full}, of which this rank holds {held}, {region.local} "
+            f"of the {region.total} experts), so their gradients would be full-size and, at dp > 1, hold only "
+            f"this rank's tokens; autotp cannot put them back on this rank's experts. Run forward and backward "
+            f"outside the context (or the forward under torch.no_grad inside it)"
+        )
 
     def _hook_outputs(self, message: str, module: nn.Module, args, output):
         for tensor in pytree.tree_leaves(output):

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..mesh import device_of, group_size, named_failure
 from ..runtime.collectives import all_reduce_bucketed, any_rank
 from ..runtime.rows import local_rows
-from ..mesh import device_of, group_size, named_failure
 
 
 def expert_params(model: nn.Module) -> list[nn.Parameter]:
@@ -29,8 +29,12 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
     but the experts modules that no rank called on a token since the last sync (the vision experts of a text-only
     step) get none on every rank, as one process's never called module gets none, so AdamW skips them there too.
     """
-    fed = any_rank([region.fed for region in experts.regions], [experts.ep, experts.edp], device_of(experts.ep),
-                   "autotp.allreduce_gradients' all-reduce of which experts modules ran")
+    fed = any_rank(
+        [region.fed for region in experts.regions],
+        [experts.ep, experts.edp],
+        device_of(experts.ep),
+        "autotp.allreduce_gradients' all-reduce of which experts modules ran",
+    )
     idle = [region for region, used in zip(experts.regions, fed) if not used]
     for region in experts.regions:
         region.fed = False
@@ -42,8 +46,12 @@ def sync_expert_gradients(model: nn.Module, experts, replicas: int, average: boo
             params.append(p)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-    all_reduce_bucketed([p.grad for p in params], experts.edp,
-                        "autotp.allreduce_gradients' all-reduce of the expert gradients", replicas if average else 1)
+    all_reduce_bucketed(
+        [p.grad for p in params],
+        experts.edp,
+        "autotp.allreduce_gradients' all-reduce of the expert gradients",
+        replicas if average else 1,
+    )
 
 
 def expert_norm(params: list[nn.Parameter], experts, norm_type: float, sharded: bool = False) -> torch.Tensor:

@@ -24,7 +24,8 @@ class ExpertSlotGuard(SlotGuard):
             f"{type(current).__qualname__}: an adapter on the experts at ep_size={self.ep} is not supported yet "
             f"(each rank holds only its experts, and the adapter's per-expert factors would be synced as dense "
             f"ones). Put LoRA on the attention or dense projections (target_modules), or train expert adapters "
-            f"at ep_size=1")
+            f"at ep_size=1"
+        )
 
 
 def guard_expert_slots(model: nn.Module, paths: list[str], ep: int) -> None:

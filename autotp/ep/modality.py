@@ -34,10 +34,12 @@ class ModalityGroup:
             return
         index = self.regions.index(region)
         if index < self.ran:
-            raise RuntimeError(f"ep_size={region.experts.size}: {self.path} ran {region.path} after "
-                               f"{self.regions[self.ran - 1].path} (or twice) in one forward; autotp runs the experts "
-                               f"modules of a block in module order on every EP rank, so each rank's all-to-alls "
-                               f"pair with its peers'")
+            raise RuntimeError(
+                f"ep_size={region.experts.size}: {self.path} ran {region.path} after "
+                f"{self.regions[self.ran - 1].path} (or twice) in one forward; autotp runs the experts "
+                f"modules of a block in module order on every EP rank, so each rank's all-to-alls "
+                f"pair with its peers'"
+            )
         self._skip_to(index, hidden_states)
         self.ran = index + 1
 
@@ -48,7 +50,7 @@ class ModalityGroup:
     def _skip_to(self, index: int, hidden_states: torch.Tensor) -> None:
         self.skipping = True
         try:
-            for region in self.regions[self.ran:index]:
+            for region in self.regions[self.ran : index]:
                 self.skipped.append(region.dispatch_nothing(hidden_states))
         finally:
             self.skipping = False
@@ -73,5 +75,6 @@ def modality_groups(model: nn.Module, regions: list) -> list[ModalityGroup]:
     blocks: dict[str, list] = {}
     for region in regions:
         blocks.setdefault(".".join(region.path.split(".")[:-2]), []).append(region)
-    return [ModalityGroup(path, model.get_submodule(path), members)
-            for path, members in blocks.items() if len(members) > 1]
+    return [
+        ModalityGroup(path, model.get_submodule(path), members) for path, members in blocks.items() if len(members) > 1
+    ]

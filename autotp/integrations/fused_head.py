@@ -23,8 +23,16 @@ from ..state import TPState
 from ..vocab.logprobs import vocab_parallel_log_probs
 
 # the free variables of TRL 1.16's `_fused_forward`, which carry its settings
-SETTINGS = ("original_forward", "backbone_attr", "temperature", "outputs", "final_logit_softcapping", "logit_scale",
-            "cast_lm_head_to_fp32", "text_config")
+SETTINGS = (
+    "original_forward",
+    "backbone_attr",
+    "temperature",
+    "outputs",
+    "final_logit_softcapping",
+    "logit_scale",
+    "cast_lm_head_to_fp32",
+    "text_config",
+)
 
 
 def make_vocab_parallel(model: nn.Module, state: TPState, fused: Callable, trainer: str) -> None:
@@ -41,9 +49,11 @@ def make_vocab_parallel(model: nn.Module, state: TPState, fused: Callable, train
     elif getattr(settings["text_config"], "output_router_logits", False):
         why = "its fused head's MoE load-balancing loss is not supported yet"
     if why is not None:
-        raise ValueError(f"autotp: {trainer} replaced the model's forward with a fused LM head, which reads "
-                         f"lm_head.weight directly, where vocab parallelism holds only this rank's vocabulary rows; "
-                         f"{why}. Wrap with vocab_parallel=False")
+        raise ValueError(
+            f"autotp: {trainer} replaced the model's forward with a fused LM head, which reads "
+            f"lm_head.weight directly, where vocab parallelism holds only this rank's vocabulary rows; "
+            f"{why}. Wrap with vocab_parallel=False"
+        )
     model.forward = types.MethodType(_fused_forward(state, settings), model)
 
 
@@ -54,11 +64,12 @@ def _fused_forward(state: TPState, settings: dict[str, Any]) -> Callable:
     original, outputs = settings["original_forward"], tuple(settings["outputs"])
     temperature, softcap, scale = settings["temperature"], settings["final_logit_softcapping"], settings["logit_scale"]
     partition = state.plan.vocab.partition
-    (start, _), = partition.runs[group_rank(state.tp_group)]
+    ((start, _),) = partition.runs[group_rank(state.tp_group)]
 
     @functools.wraps(getattr(original, "__func__", original))  # `generate` checks its keywords against the signature
-    def forward(self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None, num_items_in_batch=None,
-                **kwargs):
+    def forward(
+        self, *args, fused_lm_head: bool = False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
         if not fused_lm_head:
             passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             return original(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
@@ -84,14 +95,22 @@ def _fused_forward(state: TPState, settings: dict[str, Any]) -> Callable:
                 logits = softcap * torch.tanh(logits / softcap)
             if temperature != 1.0:
                 logits = logits / temperature
-            per_token = vocab_parallel_log_probs(logits, labels[mask], start, partition.full_size, state.tp_group,
-                                                 outputs)
+            per_token = vocab_parallel_log_probs(
+                logits, labels[mask], start, partition.full_size, state.tp_group, outputs
+            )
         # masked_scatter keeps an all-masked micro-batch connected to the model, as TRL's does
         log_probs, entropy, log_sum_sq, mean, top1 = (
-            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token)
+            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token
+        )
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
-                                   log_sum_sq_probs=log_sum_sq, mean_logits=mean, is_top1=top1, label_mask=mask)
+        return FusedCausalLMOutput(
+            loss=-log_probs.sum() / count,
+            log_probs=log_probs,
+            entropy=entropy,
+            log_sum_sq_probs=log_sum_sq,
+            mean_logits=mean,
+            is_top1=top1,
+            label_mask=mask,
+        )
 
     return forward
-

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..tp.apply import parallel_layers, set_gathered
-from ..tp.layers import ParallelLinear
 from ..dp.fsdp import Unsharded
 from ..state import find_state, wrapped_model
+from ..tp.apply import parallel_layers, set_gathered
+from ..tp.layers import ParallelLinear
 
 
 class GatherReplacedLayerParams:
@@ -45,7 +45,9 @@ class GatherReplacedLayerParams:
             self._standalone = [layer for layer in parallel_layers(self.model) if not layer.is_gathered()]
             for layer in self._standalone:
                 layer.gather_()
-            self._guard_steps({id(p) for layer in self._standalone for p in layer.parameters() if hasattr(p, "autotp_shard")})
+            self._guard_steps(
+                {id(p) for layer in self._standalone for p in layer.parameters() if hasattr(p, "autotp_shard")}
+            )
         elif not self.state.is_gathered():
             self._stepped_on = {id(p) for p in self.model.parameters() if hasattr(p, "autotp_shard") or self.state.fsdp}
             if self.state.fsdp:  # FSDP's DP rows first become each rank's TP shard (autotp.dp.fsdp.Unsharded)
@@ -79,4 +81,5 @@ class GatherReplacedLayerParams:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() inside GatherReplacedLayerParams: the sharded weights are "
                 f"full-size here while the optimizer's state is per shard. Leave the context first; gradients "
-                f"computed inside are kept, sliced onto each rank's shard")
+                f"computed inside are kept, sliced onto each rank's shard"
+            )

@@ -21,16 +21,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..runtime.input_agreement import check_same_batch
-from ..dp.fsdp import check_mesh
 from ..compat.hf import adapter_module
 from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
-from ..tp.lora import adapt
-from ..runtime.replicas import check_replicas
+from ..dp.fsdp import check_mesh
+from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import module_forward_pre_hook, watch_optimizer_steps
+from ..runtime.replicas import check_replicas
 from ..runtime.slot_guard import SlotGuard
 from ..state import TPState, refuse_torch_fsdp, state_of
+from ..tp.lora import adapt
 
 REPLICA_CHECK_EVERY = 100
 
@@ -101,21 +101,31 @@ def _ddp_under_construction() -> DistributedDataParallel | None:
     return ddp_under_construction(2)
 
 
-PEFT_UNSUPPORTED = ("Of PEFT's methods autotp shards only LoRA on linear layers (get_peft_model before or after "
-                    "autotp.wrap); any other adapter would see only this rank's shard and its update would never be "
-                    "reduced, giving wrong results. Use LoRA, or train this adapter at tp_size=1")
+PEFT_UNSUPPORTED = (
+    "Of PEFT's methods autotp shards only LoRA on linear layers (get_peft_model before or after "
+    "autotp.wrap); any other adapter would see only this rank's shard and its update would never be "
+    "reduced, giving wrong results. Use LoRA, or train this adapter at tp_size=1"
+)
 
 
 def refuse_adapters(model: nn.Module) -> None:
     """Refuse a model that already holds PEFT modules, before anything changes."""
     found = adapter_module(model)
-    if found is not None and found[0] == "the model itself" and isinstance(getattr(model, "base_model", None), nn.Module):
-        raise TypeError(f"autotp: the model is a {found[1]}; wrap the transformers model it holds instead: "
-                        f"autotp.wrap(peft_model.base_model.model, tp_size)")
+    if (
+        found is not None
+        and found[0] == "the model itself"
+        and isinstance(getattr(model, "base_model", None), nn.Module)
+    ):
+        raise TypeError(
+            f"autotp: the model is a {found[1]}; wrap the transformers model it holds instead: "
+            f"autotp.wrap(peft_model.base_model.model, tp_size)"
+        )
     if found is not None and is_modules_to_save(model.get_submodule(found[0])):
-        raise TypeError(f"autotp: {found[0]} is a {found[1]} (PEFT's modules_to_save), which wrap cannot shard. "
-                        f"get_peft_model after autotp.wrap works: wrap the model without PEFT, then call "
-                        f"get_peft_model(model, LoraConfig(..., modules_to_save=[...])) on the wrapped model")
+        raise TypeError(
+            f"autotp: {found[0]} is a {found[1]} (PEFT's modules_to_save), which wrap cannot shard. "
+            f"get_peft_model after autotp.wrap works: wrap the model without PEFT, then call "
+            f"get_peft_model(model, LoraConfig(..., modules_to_save=[...])) on the wrapped model"
+        )
     if found is not None:
         raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
 
@@ -177,7 +187,8 @@ def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
         f"autotp: {type(model).__name__} has {len(names)} parameters and buffers on the meta device ({shown}), which "
         f"hold no values to shard. Load the weights before {call} (build the model on a real device, or call "
         f"model.to_empty(device=...) and then load_state_dict), or let autotp.from_pretrained(path, tp_size) read "
-        f"each rank's shards straight from the checkpoint. Nothing was changed.")
+        f"each rank's shards straight from the checkpoint. Nothing was changed."
+    )
 
 
 def refuse_torchao(model: nn.Module) -> None:
@@ -195,7 +206,8 @@ def refuse_torchao(model: nn.Module) -> None:
         f"{f', and {more} more modules or parameters' if more else ''}: the model was converted by torchao "
         f"(Float8Linear: convert_to_float8_training). autotp's sharded linears would replace these and compute in the "
         f"parameter dtype, so float8 would be lost silently. autotp does not shard torchao layers "
-        f"yet: wrap the model without the conversion. Nothing was changed.")
+        f"yet: wrap the model without the conversion. Nothing was changed."
+    )
 
 
 def _from_torchao(cls: type) -> bool:
@@ -209,13 +221,17 @@ def refuse_quantized(model: nn.Module) -> None:
     quantization = getattr(config, "quantization_config", None)
     if quantization is None and getattr(model, "hf_quantizer", None) is None:
         return
-    method = (quantization.get("quant_method") if isinstance(quantization, dict)
-              else getattr(quantization, "quant_method", None)) or type(getattr(model, "hf_quantizer", None)).__name__
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    ) or type(getattr(model, "hf_quantizer", None)).__name__
     method = getattr(method, "value", method)
     raise NotImplementedError(
         f"autotp: {type(model).__name__} is quantised ({method}, config.quantization_config). autotp shards "
         f"unquantised weights only; a quantised base (QLoRA) is not supported yet. Load it unquantised (e.g. "
-        f"dtype=torch.bfloat16), wrap it, then add LoRA: each rank then holds 1/tp of the weights")
+        f"dtype=torch.bfloat16), wrap it, then add LoRA: each rank then holds 1/tp of the weights"
+    )
 
 
 class SwapGuard(SlotGuard):
@@ -224,8 +240,9 @@ class SwapGuard(SlotGuard):
 
     recheck = "autotp_lora"  # a LoRA-adapted layer in place is still looked at (`adapt` may release it)
 
-    def __init__(self, parent: nn.Module, parent_path: str, slots: dict[str, nn.Module], carrier: nn.Module,
-                 state: TPState):
+    def __init__(
+        self, parent: nn.Module, parent_path: str, slots: dict[str, nn.Module], carrier: nn.Module, state: TPState
+    ):
         super().__init__(parent, parent_path, slots, carrier)
         self.state = state
         state.swap_guards.append(self)
@@ -234,10 +251,14 @@ class SwapGuard(SlotGuard):
         if adapt(current, original, path, self.state):
             return
         found = adapter_module(current) if current is not None else None
-        why = PEFT_UNSUPPORTED if found else (
-            "autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
-        raise RuntimeError(f"autotp: {path} was replaced after wrap by "
-                           f"{type(current).__module__}.{type(current).__qualname__}. {why}")
+        why = (
+            PEFT_UNSUPPORTED
+            if found
+            else ("autotp's sharded layers must stay in place; re-run wrap on an unwrapped model instead")
+        )
+        raise RuntimeError(
+            f"autotp: {path} was replaced after wrap by {type(current).__module__}.{type(current).__qualname__}. {why}"
+        )
 
     @classmethod
     def refresh(cls, model: nn.Module, state: TPState, paths: list[str]) -> None:

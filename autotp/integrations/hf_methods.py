@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..vocab.apply import apply_vocab
-from .guards import SwapGuard
 from ..io.hf.save import save_pretrained
-from ..runtime.shards import forget_shard
-from ..tp.layers import ParallelLinear
 from ..planning.planner import with_vocab
 from ..runtime.replicas import broadcast_tensors
+from ..runtime.shards import forget_shard
 from ..state import TPState
+from ..tp.layers import ParallelLinear
+from ..vocab.apply import apply_vocab
+from .guards import SwapGuard
 
 
 class SavePretrained:
@@ -31,17 +31,24 @@ class SavePretrained:
     holds full weights, and transformers' own method runs unchanged.
     """
 
-    _REFUSED = {"state_dict": None, "safe_serialization": True, "variant": None, "save_function": None,
-                "push_to_hub": False}
+    _REFUSED = {
+        "state_dict": None,
+        "safe_serialization": True,
+        "variant": None,
+        "save_function": None,
+        "push_to_hub": False,
+    }
 
     def __init__(self, model: nn.Module, state: TPState):
         self.model, self.state = model, state
 
-    def __call__(self, save_directory: str | os.PathLike, *args: Any, max_shard_size: int | str = "5GB",
-                 **kwargs: Any) -> None:
+    def __call__(
+        self, save_directory: str | os.PathLike, *args: Any, max_shard_size: int | str = "5GB", **kwargs: Any
+    ) -> None:
         if self.state.is_gathered():
-            return type(self.model).save_pretrained(self.model, save_directory, *args, max_shard_size=max_shard_size,
-                                                    **kwargs)
+            return type(self.model).save_pretrained(
+                self.model, save_directory, *args, max_shard_size=max_shard_size, **kwargs
+            )
         if args:
             raise TypeError("save_pretrained on a wrapped model takes the directory and keyword arguments only")
         for name, default in self._REFUSED.items():
@@ -49,7 +56,8 @@ class SavePretrained:
                 raise ValueError(
                     f"save_pretrained({name}={kwargs[name]!r}) is not supported on a model wrapped by autotp: it "
                     f"writes the full safetensors checkpoint gathered from every rank. Save without {name}, or "
-                    f"inside autotp.GatherReplacedLayerParams(model) with transformers' own options")
+                    f"inside autotp.GatherReplacedLayerParams(model) with transformers' own options"
+                )
         save_pretrained(self.model, save_directory, max_shard_size=max_shard_size, into_existing=True)
 
 
@@ -64,8 +72,9 @@ class ResizeTokenEmbeddings:
     def __init__(self, model: nn.Module, state: TPState):
         self.model, self.state = model, state
 
-    def __call__(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                 mean_resizing: bool = True) -> nn.Embedding:
+    def __call__(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> nn.Embedding:
         model, state = self.model, self.state
         resize = type(model).resize_token_embeddings
         if new_num_tokens is None and pad_to_multiple_of is None:
@@ -73,8 +82,10 @@ class ResizeTokenEmbeddings:
         if state.is_gathered():
             raise RuntimeError("resize_token_embeddings inside GatherReplacedLayerParams: call it outside the context")
         if state.fsdp:
-            raise NotImplementedError("resize_token_embeddings under autotp.fully_shard is not supported: FSDP keeps "
-                                      "the embedding's parameters, which a resize replaces. Resize before fully_shard")
+            raise NotImplementedError(
+                "resize_token_embeddings under autotp.fully_shard is not supported: FSDP keeps "
+                "the embedding's parameters, which a resize replaces. Resize before fully_shard"
+            )
         vocab = state.plan.vocab
         if vocab is None:  # embedding and head are replicated: resize, then agree on the new rows
             embedding = resize(model, new_num_tokens, pad_to_multiple_of, mean_resizing)
@@ -109,8 +120,12 @@ class ResizeTokenEmbeddings:
 
 
 def _vocab_tensors(model: nn.Module) -> list[torch.Tensor]:
-    tensors = {id(p): p for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
-               for p in m.parameters()}
+    tensors = {
+        id(p): p
+        for m in (model.get_input_embeddings(), model.get_output_embeddings())
+        if m is not None
+        for p in m.parameters()
+    }
     return list(tensors.values())
 
 

@@ -30,25 +30,24 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
-from ..runtime.collectives import all_gather
 from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
-from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
-from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
-from ..dp.fsdp import fully_shard as autotp_fully_shard
-from ..mesh import group_size, named_failure
-from ..runtime.rng import sync_replicated_stream
 from ..compat import check_versions
 from ..compat import trainer as trainer_compat
 from ..compat.hf import adapter_module
-from ..io.errors import CheckpointError
-from ..io.hf.load import checkpoint_files, load_params
-from ..io.checkpoint.save import write
+from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
+from ..dp.fsdp import fully_shard as autotp_fully_shard
 from ..io.checkpoint.legacy import as_params
 from ..io.checkpoint.legacy_optimizer import OPTIMIZER_FILE, layout_difference
 from ..io.checkpoint.restore import read
+from ..io.checkpoint.save import write
+from ..io.errors import CheckpointError
+from ..io.hf.load import checkpoint_files, load_params
 from ..io.hf.save import save_pretrained
+from ..mesh import group_size, named_failure
+from ..runtime.collectives import all_gather
+from ..runtime.rng import sync_replicated_stream
 from ..state import find_state, wrapped_model
-
+from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 
 _SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
 _OPTIMIZER = "optimizer"  # the optimizer state's checkpoint directory, inside Trainer's checkpoint-N/
@@ -112,12 +111,14 @@ class AutoTPTrainer(Trainer):
         """Trainer clips with `accelerator.clip_grad_norm_`, which sees only this rank's shards: use the full norm."""
         super().create_accelerator_and_postprocess()
         self.accelerator.clip_grad_norm_ = lambda parameters, max_norm, norm_type=2: clip_grad_norm_(
-            self.model, max_norm, float(norm_type))
+            self.model, max_norm, float(norm_type)
+        )
         unwrap = self.accelerator.unwrap_model  # through `_TPOnly` too (TRL unwraps the model to generate)
         self.accelerator.unwrap_model = lambda m, *a, **k: unwrap(m.module if isinstance(m, _TPOnly) else m, *a, **k)
 
-    def wrap_for_training(self, model: nn.Module, training: bool = True,
-                          dataloader: DataLoader | None = None) -> nn.Module:
+    def wrap_for_training(
+        self, model: nn.Module, training: bool = True, dataloader: DataLoader | None = None
+    ) -> nn.Module:
         """For training, DDP over DP x CP only (or nothing under FSDP, under expert parallelism, whose experts DDP
         would average with other experts, or with one rank there), never over the world."""
         if not training or isinstance(model, (DistributedDataParallel, _TPOnly)):
@@ -128,8 +129,9 @@ class AutoTPTrainer(Trainer):
         state = find_state(model)  # FSDP reduces gradients over DP x CP itself; under EP, `training_step` syncs them
         if group_size(group) > 1 and not state.fsdp and state.allows_ddp():
             device = next(model.parameters()).device
-            return DistributedDataParallel(model, process_group=group,
-                                           device_ids=[device] if device.type == "cuda" else None)
+            return DistributedDataParallel(
+                model, process_group=group, device_ids=[device] if device.type == "cuda" else None
+            )
         return _TPOnly(model)
 
     def train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
@@ -149,8 +151,13 @@ class AutoTPTrainer(Trainer):
         batches = _EpochBatches(sampler, trainer_compat.train_batch_size(self), self.args.dataloader_drop_last)
         if own and dp_size(self.model) > 1:
             batches = _DealtBatches(batches, dp_size(self.model), dp_rank(self.model))
-        return _EpochLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(self, "training"),
-                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        return _EpochLoader(
+            dataset,
+            batch_sampler=batches,
+            collate_fn=trainer_compat.collator(self, "training"),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
 
     def get_eval_dataloader(self, eval_dataset: str | Dataset | None = None) -> DataLoader:
         """Each DP replica evaluates its own part; the TP ranks of a replica read the same batches."""
@@ -175,13 +182,20 @@ class AutoTPTrainer(Trainer):
             return grpo
         dp = dp_size(self.model)
         if len(dataset) % dp:
-            raise ValueError(f"autotp: the {description} dataset has {len(dataset)} samples, which do not split "
-                             f"evenly over {dp} data-parallel replicas; the padded duplicates would skew the "
-                             f"{description} loss. Use a multiple of {dp} samples")
+            raise ValueError(
+                f"autotp: the {description} dataset has {len(dataset)} samples, which do not split "
+                f"evenly over {dp} data-parallel replicas; the padded duplicates would skew the "
+                f"{description} loss. Use a multiple of {dp} samples"
+            )
         collator = trainer_compat.collator(self, description)
-        return DataLoader(dataset, batch_size=self.args.eval_batch_size,
-                          sampler=data_parallel_sampler(dataset, self.model, shuffle=False), collate_fn=collator,
-                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        return DataLoader(
+            dataset,
+            batch_size=self.args.eval_batch_size,
+            sampler=data_parallel_sampler(dataset, self.model, shuffle=False),
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's loop, with what each replica evaluated gathered over the DP group (Trainer resets it after)."""
@@ -189,8 +203,9 @@ class AutoTPTrainer(Trainer):
         self._loss_samples = None
         return super().evaluation_loop(*args, **kwargs)
 
-    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> Any:
+    def prediction_step(
+        self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> Any:
         """Trainer's step; remembers how many samples the batch held, for the loss Trainer gathers next."""
         outputs = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         self._loss_samples = find_batch_size(inputs) if outputs[0] is not None else None
@@ -256,8 +271,9 @@ class AutoTPTrainer(Trainer):
                 dist.all_reduce(count, group=group)
         return count
 
-    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages
         (TRL's SFT with a MoE load-balancing loss: its token count over the DP size instead, see `adds_aux_loss`)."""
         shared = self.args.average_tokens_across_devices and num_items_in_batch is not None and adds_aux_loss(self)
@@ -292,8 +308,17 @@ class AutoTPTrainer(Trainer):
         fully_shard, in place of Trainer's single `optimizer.pt`, which would hold rank 0's shards only. Collective:
         Trainer calls it on every rank. The scheduler as Trainer writes it (the scaler Trainer saves apart)."""
         os.makedirs(output_dir, exist_ok=True)
-        write(os.path.join(output_dir, _OPTIMIZER), self.model, self.optimizer, None, {}, overwrite=True,
-              weights=False, rng=False, what="AutoTPTrainer's optimizer save")
+        write(
+            os.path.join(output_dir, _OPTIMIZER),
+            self.model,
+            self.optimizer,
+            None,
+            {},
+            overwrite=True,
+            weights=False,
+            rng=False,
+            what="AutoTPTrainer's optimizer save",
+        )
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
@@ -319,8 +344,10 @@ class AutoTPTrainer(Trainer):
         path = os.path.join(checkpoint, name)
         if not os.path.isfile(path):
             found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
-            raise CheckpointError(f"{path}: missing, so this rank's optimizer state cannot be restored: "
-                                  + layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None))
+            raise CheckpointError(
+                f"{path}: missing, so this rank's optimizer state cannot be restored: "
+                + layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None)
+            )
         state = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
         self.optimizer.load_state_dict(as_params(state, self.optimizer))
 
@@ -342,8 +369,14 @@ class AutoTPTrainer(Trainer):
             set_peft_model_state_dict(self.model, weights)  # each rank keeps its slices (autotp.io.rollout.adapters)
             return
         param = next(self.model.parameters())
-        load_params(self.model, checkpoint_files(Path(resume_from_checkpoint)), param.device, param.dtype,
-                    show=self.args.should_save, in_place=True)
+        load_params(
+            self.model,
+            checkpoint_files(Path(resume_from_checkpoint)),
+            param.device,
+            param.dtype,
+            show=self.args.should_save,
+            in_place=True,
+        )
 
     def load_best_model(self) -> None:
         """`load_best_model_at_end`: the best checkpoint's full model, read as this rank's rows, in place."""

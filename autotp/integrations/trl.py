@@ -14,8 +14,8 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from ..compat import trainer as trainer_compat
 from ..accessors import cp_size, dp_rank, dp_size
+from ..compat import trainer as trainer_compat
 from ..state import find_state, wrapped_model
 from .fused_head import make_vocab_parallel
 
@@ -46,17 +46,28 @@ def _count_replicas_in_generation_batch(trainer: Trainer) -> None:
     gathers over every process then hold each replica's rewards tp times, right per whole prompt group only."""
     args, local = trainer.args, trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
     args.generation_batch_size = local * dp_size(trainer.model)
-    whole = [f"{name}={value!r}" for name, value, std in (
-        ("scale_rewards", getattr(args, "scale_rewards", None), "batch"),
-        ("multi_objective_aggregation", getattr(args, "multi_objective_aggregation", None), "normalize_then_sum"),
-        ("normalize_advantages", getattr(args, "normalize_advantages", None), True)) if value == std]
+    whole = [
+        f"{name}={value!r}"
+        for name, value, std in (
+            ("scale_rewards", getattr(args, "scale_rewards", None), "batch"),
+            ("multi_objective_aggregation", getattr(args, "multi_objective_aggregation", None), "normalize_then_sum"),
+            ("normalize_advantages", getattr(args, "normalize_advantages", None), True),
+        )
+        if value == std
+    ]
     if trainer.get_tp_size() > 1 and (whole or local % trainer.num_generations):
         name = type(trainer).__name__
-        raise ValueError(f"autotp: TRL's {name} gathers rewards over every process, where TP ranks repeat their "
-                         "replica's: " + (f"{' and '.join(whole)} take a std over all of them (GRPO: use "
-                         "scale_rewards='group', the default; RLOO: normalize_advantages=False, the default)" if whole
-                         else f"each replica's {local} completions at a time (per_device_train_batch_size x steps_per_"
-                         f"generation) must hold whole groups of num_generations={trainer.num_generations}"))
+        raise ValueError(
+            f"autotp: TRL's {name} gathers rewards over every process, where TP ranks repeat their "
+            "replica's: "
+            + (
+                f"{' and '.join(whole)} take a std over all of them (GRPO: use "
+                "scale_rewards='group', the default; RLOO: normalize_advantages=False, the default)"
+                if whole
+                else f"each replica's {local} completions at a time (per_device_train_batch_size x steps_per_"
+                f"generation) must hold whole groups of num_generations={trainer.num_generations}"
+            )
+        )
 
 
 def adds_aux_loss(trainer: Trainer) -> bool:
@@ -64,7 +75,8 @@ def adds_aux_loss(trainer: Trainer) -> bool:
     `num_items_in_batch`, then adds the aux loss, a mean over this replica's tokens. Scaling that sum by the DP size
     (as DDP's average needs of the token part) would scale the aux loss too, and weigh it DP times one process's."""
     return bool(getattr(trainer, "aux_loss_enabled", False)) and any(
-        cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+        cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__
+    )
 
 
 def generation_loader(trainer: Trainer, dataset: Dataset, sampler: Sampler) -> DataLoader:
@@ -81,17 +93,28 @@ def grpo_eval_loader(trainer: Trainer, dataset: Dataset, description: str) -> Da
         return None
     dp, size = dp_size(trainer.model), trainer.args.eval_batch_size
     if len(dataset) * groups % (size * dp if dp > 1 else 1) or size % groups and trainer.get_tp_size() > 1:
-        raise ValueError(f"autotp: GRPO evaluates {len(dataset)} prompts x {groups} completions in batches of "
-                         f"{size}, which must hold whole groups at tp > 1 and split evenly over DP replicas")
+        raise ValueError(
+            f"autotp: GRPO evaluates {len(dataset)} prompts x {groups} completions in batches of "
+            f"{size}, which must hold whole groups at tp > 1 and split evenly over DP replicas"
+        )
     return dealt(trainer, dataset, trainer_compat.eval_sampler(trainer, dataset), size, description)
 
 
 def dealt(trainer: Trainer, dataset: Dataset, sampler: Sampler, batch_size: int, description: str) -> DataLoader:
     """`sampler`'s batches dealt over DP replicas in turn, as accelerate's over processes; TP ranks alike (GRPO)."""
-    batches = BatchSamplerShard(BatchSampler(sampler, batch_size, drop_last=False), dp_size(trainer.model),
-                                dp_rank(trainer.model), even_batches=False)
-    return DataLoader(dataset, batch_sampler=batches, collate_fn=trainer_compat.collator(trainer, description),
-                      num_workers=trainer.args.dataloader_num_workers, pin_memory=trainer.args.dataloader_pin_memory)
+    batches = BatchSamplerShard(
+        BatchSampler(sampler, batch_size, drop_last=False),
+        dp_size(trainer.model),
+        dp_rank(trainer.model),
+        even_batches=False,
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=trainer_compat.collator(trainer, description),
+        num_workers=trainer.args.dataloader_num_workers,
+        pin_memory=trainer.args.dataloader_pin_memory,
+    )
 
 
 def fused_head(forward: Any) -> str | None:

@@ -25,8 +25,9 @@ def world() -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def outcomes(error: BaseException | None, group: dist.ProcessGroup | None,
-             shared: object = None) -> tuple[dict[int, tuple[int | None, str]], dict[int, object]]:
+def outcomes(
+    error: BaseException | None, group: dist.ProcessGroup | None, shared: object = None
+) -> tuple[dict[int, tuple[int | None, str]], dict[int, object]]:
     """(every failed rank -> (errno, message); every rank -> its `shared`), the same on every rank of `group`
     (collective over it: one all-gather; None: no peers, this rank alone).
 
@@ -38,8 +39,10 @@ def outcomes(error: BaseException | None, group: dist.ProcessGroup | None,
         everyone = [None] * dist.get_world_size(group)
         with named_failure(group, "the exchange of every rank's outcome", "Every rank must reach this call."):
             dist.all_gather_object(everyone, (global_rank(), mine, shared), group=group)
-    return ({rank: outcome for rank, outcome, _ in everyone if outcome is not None},
-            {rank: theirs for rank, _, theirs in everyone})
+    return (
+        {rank: outcome for rank, outcome, _ in everyone if outcome is not None},
+        {rank: theirs for rank, _, theirs in everyone},
+    )
 
 
 def failures(error: BaseException | None, group: dist.ProcessGroup | None) -> dict[int, tuple[int | None, str]]:
@@ -52,8 +55,13 @@ def describe(failed: dict[int, tuple[int | None, str]]) -> str:
     return "; ".join(f"rank {rank}: {text}" for rank, (_, text) in sorted(failed.items()))
 
 
-def agree(error: BaseException | None, group: dist.ProcessGroup | None, what: str, then: str = "",
-          failed: dict[int, tuple[int | None, str]] | None = None) -> None:
+def agree(
+    error: BaseException | None,
+    group: dist.ProcessGroup | None,
+    what: str,
+    then: str = "",
+    failed: dict[int, tuple[int | None, str]] | None = None,
+) -> None:
     """Raise on every rank of `group` if `error` happened on any (collective): a failed rank its own error, the others
     a RuntimeError naming each failed rank's (then `then`, what to do), so that no rank goes on into a collective that
     its peers skip. `failed`: the failures when the caller has exchanged them already (`outcomes`; then no collective).

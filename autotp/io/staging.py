@@ -59,8 +59,9 @@ _INDEX = "model.safetensors.index.json"
 
 
 @contextmanager
-def staged_directory(target: str | os.PathLike, overwrite: bool, *, what: str = "autotp.save_pretrained",
-                     into_existing: bool = False) -> Iterator[Path]:
+def staged_directory(
+    target: str | os.PathLike, overwrite: bool, *, what: str = "autotp.save_pretrained", into_existing: bool = False
+) -> Iterator[Path]:
     """A hidden sibling directory to write into, put in place at `target` only when every rank succeeded.
 
     Collective under torch.distributed (`what` names the call in errors); every rank gets the same
@@ -73,8 +74,11 @@ def staged_directory(target: str | os.PathLike, overwrite: bool, *, what: str = 
         _all_ranks_enter(what)
     box: list = [_prepare(target, overwrite or into_existing, what) if is_global_rank0() else None]
     if group is not None:
-        with named_failure(group, f"{what}'s broadcast of the staging directory from rank 0",
-                           f"{what} is collective: call it on every rank."):
+        with named_failure(
+            group,
+            f"{what}'s broadcast of the staging directory from rank 0",
+            f"{what} is collective: call it on every rank.",
+        ):
             dist.broadcast_object_list(box, src=0)
     kind, *detail = box[0]
     if kind == "refused":
@@ -198,8 +202,10 @@ def _remove_stale(target: Path) -> None:
     if not target.parent.is_dir():
         return
     name = re.escape(target.name)
-    ours = re.compile(rf"\.{name}\.autotp-(?:(?P<pid>\d+)-{_RANDOM}|old-(?P<old>\d+)|{_RANDOM}|incoming)"
-                      rf"|\.\.{name}\.autotp-incoming\.autotp-{_RANDOM}")
+    ours = re.compile(
+        rf"\.{name}\.autotp-(?:(?P<pid>\d+)-{_RANDOM}|old-(?P<old>\d+)|{_RANDOM}|incoming)"
+        rf"|\.\.{name}\.autotp-incoming\.autotp-{_RANDOM}"
+    )
     for entry in sorted(target.parent.iterdir()):
         match = ours.fullmatch(entry.name)
         if match is None or _running(int(match["pid"] or match["old"] or 0)):
@@ -307,8 +313,11 @@ def move_files_in(incoming: Path, target: Path) -> None:
     its old shards, unless a new shard has the same name as an old one (then the file is replaced).
     """
     target.mkdir(parents=True, exist_ok=True)
-    stale = [f for f in [*target.glob("model*.safetensors"), target / _INDEX]
-             if f.exists() and not (incoming / f.name).exists()]
+    stale = [
+        f
+        for f in [*target.glob("model*.safetensors"), target / _INDEX]
+        if f.exists() and not (incoming / f.name).exists()
+    ]
     replaced = stale or any((target / f.name).exists() for f in incoming.iterdir())
     if replaced:
         _sync(incoming)  # old files are about to go: the new ones must be on disk first

@@ -20,9 +20,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..runtime.collectives import gather_full_to
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition
+from ..runtime.collectives import gather_full_to
 
 STREAM_CHUNK_BYTES = 8 << 20  # one message: gloo moves 4-8 MiB ones at memcpy speed, 64 MiB ones at 2/3 of it
 _STREAM_TAG = 0x41545346  # apart from a user's point-to-point tags (0 by default) and the staging entry check's
@@ -35,8 +35,9 @@ _scratch: dict[str, torch.Tensor] = {}  # the gathering rank's reused buffers (p
 _open: list[FullStream] = []  # streams on this rank not yet read to their end
 
 
-def stream_full_to(shard: torch.Tensor, partition: Partition, group: Group, dst: int = 0,
-                   write_rows: RowWriter | None = None) -> FullStream | torch.Tensor | None:
+def stream_full_to(
+    shard: torch.Tensor, partition: Partition, group: Group, dst: int = 0, write_rows: RowWriter | None = None
+) -> FullStream | torch.Tensor | None:
     """The full tensor on group rank `dst` as a `FullStream` to read once (None elsewhere, once sent or written).
 
     Collective over `group`. A stream left unread is drained by the next call, a `gather_after_streams` or
@@ -65,8 +66,7 @@ def finish_streams(release: bool = True) -> None:
         _scratch.clear()
 
 
-def gather_after_streams(shard: torch.Tensor, partition: Partition, group: Group,
-                         dst: int = 0) -> torch.Tensor | None:
+def gather_after_streams(shard: torch.Tensor, partition: Partition, group: Group, dst: int = 0) -> torch.Tensor | None:
     """`gather_full_to` once every stream on this rank is read: one left unread would keep its senders from it."""
     finish_streams(release=False)
     return gather_full_to(shard, partition, group, dst)
@@ -81,10 +81,11 @@ class FullStream:
     the write). The gathering rank holds its shard plus at most the others' shards of one tensor.
     """
 
-    def __init__(self, shard: torch.Tensor, partition: Partition, group: Group, dst: int,
-                 write_rows: RowWriter | None = None) -> None:
+    def __init__(
+        self, shard: torch.Tensor, partition: Partition, group: Group, dst: int, write_rows: RowWriter | None = None
+    ) -> None:
         self.dtype, self.group, self._dst, self._write_rows = shard.dtype, group, dst, write_rows
-        self.shape = shard.shape[:partition.dim] + (partition.full_size,) + shard.shape[partition.dim + 1:]
+        self.shape = shard.shape[: partition.dim] + (partition.full_size,) + shard.shape[partition.dim + 1 :]
         self._pieces: Iterator[tuple[int, memoryview | list[memoryview]]] | None = None
         self._ask, self.written_elsewhere = torch.zeros(_ASK, dtype=torch.uint8), 0  # zeros: send; bytes they wrote
         self._flat = _bytes(shard.contiguous())
@@ -94,9 +95,12 @@ class FullStream:
     def _plan(self, partition: Partition) -> None:
         """Each rank's pieces and each sender's messages: pure arithmetic, the same on every rank."""
         dim, dst = partition.dim, self._dst
-        outer, row = math.prod(self.shape[:dim]), math.prod(self.shape[dim + 1:]) * self.dtype.itemsize
-        self._runs = [(held.start * row, held.length * row, held.rank, held.offset * row)
-                      for held in partition.holders(prefer=dst) if held.length]  # dst's replicas read from dst
+        outer, row = math.prod(self.shape[:dim]), math.prod(self.shape[dim + 1 :]) * self.dtype.itemsize
+        self._runs = [
+            (held.start * row, held.length * row, held.rank, held.offset * row)
+            for held in partition.holders(prefer=dst)
+            if held.length
+        ]  # dst's replicas read from dst
         self._local = [partition.local_size(r) * row for r in range(partition.tp_size)]  # bytes per outer index
         self._senders = sorted({rank for _, _, rank, _ in self._runs} - {dst})
         self._shard_bytes = {s: outer * self._local[s] for s in self._senders}
@@ -109,8 +113,11 @@ class FullStream:
                 self._messages += [] if rank == dst else [(rank, offset + at, n)]
         step = max(1, STREAM_CHUNK_BYTES // (partition.full_size * row))  # else blocks of outer indices
         self._blocks = [(i, min(outer, i + step)) for i in range(0, outer, step)] if outer > 1 else []
-        self._messages += [(s, first * self._local[s], (last - first) * self._local[s])
-                           for first, last in self._blocks for s in self._senders]
+        self._messages += [
+            (s, first * self._local[s], (last - first) * self._local[s])
+            for first, last in self._blocks
+            for s in self._senders
+        ]
 
     def write_into(self, path: bytes, identity: int, position: int) -> None:
         """Have the senders write their rows into the file at `path` themselves (the tensor's data from `position`).
@@ -122,7 +129,7 @@ class FullStream:
         """
         if self._pieces is None and not self._blocks and len(path) <= _ASK - 24:
             self._ask[:24] = _bytes(torch.tensor([position, identity, len(path)]))
-            self._ask[24:24 + len(path)] = torch.frombuffer(bytearray(path), dtype=torch.uint8)
+            self._ask[24 : 24 + len(path)] = torch.frombuffer(bytearray(path), dtype=torch.uint8)
 
     def send(self) -> None:
         """Off `dst`: this rank's rows, written into the file `dst` names or sent from its shard; returns when done."""
@@ -133,8 +140,8 @@ class FullStream:
             dist.recv(self._ask, peer, group=self.group, tag=_STREAM_TAG)
             position, identity, length = self._ask[:24].view(torch.int64).tolist()
             if length:
-                path = os.fsdecode(self._ask[24:24 + length].numpy().tobytes())
-                rows = [(position + begin, self._view[at:at + n]) for begin, r, at, n, _ in self._order if r == me]
+                path = os.fsdecode(self._ask[24 : 24 + length].numpy().tobytes())
+                rows = [(position + begin, self._view[at : at + n]) for begin, r, at, n, _ in self._order if r == me]
                 try:  # never raised here: `dst` raises it, and this rank stays in step with it
                     status = CANNOT if self._write_rows is None else self._write_rows(path, identity, rows)
                 except Exception as err:
@@ -142,15 +149,18 @@ class FullStream:
                     logging.getLogger(__name__).exception("autotp: writing rows into %s failed", path)
                 dist.send(torch.tensor([status]), peer, group=self.group, tag=_STREAM_TAG)
             if not length or status == CANNOT:
-                for work in [dist.isend(self._flat[at:at + n], peer, group=self.group, tag=_STREAM_TAG)
-                             for sender, at, n in self._messages if sender == me]:
+                for work in [
+                    dist.isend(self._flat[at : at + n], peer, group=self.group, tag=_STREAM_TAG)
+                    for sender, at, n in self._messages
+                    if sender == me
+                ]:
                     work.wait()
 
     def pieces(self) -> Iterator[tuple[int, memoryview | list[memoryview]]]:
         """(byte offset in the full tensor, bytes or a list of them to write one after another), blocking.
 
         After `write_into`: own rows, then any senders sent. Otherwise in file order (some filesystems
-        take sequential writes only). """
+        take sequential writes only)."""
         self._pieces = self._pieces or self._receive()
         return self._pieces
 
@@ -160,24 +170,30 @@ class FullStream:
             with named_failure(self.group, "gather of a full tensor"):
                 asked = [dist.isend(self._ask, rank(s), group=self.group, tag=_STREAM_TAG) for s in self._senders]
                 if delegated:  # own rows while the senders write theirs; then every sender's answer
-                    yield from ((begin, self._view[at:at + n]) for begin, r, at, n, _ in self._order if r == self._dst)
+                    yield from (
+                        (begin, self._view[at : at + n]) for begin, r, at, n, _ in self._order if r == self._dst
+                    )
                     for sender in self._senders:
-                        dist.recv(answer := torch.zeros(1, dtype=torch.int64), rank(sender), group=self.group,
-                                  tag=_STREAM_TAG)
+                        dist.recv(
+                            answer := torch.zeros(1, dtype=torch.int64), rank(sender), group=self.group, tag=_STREAM_TAG
+                        )
                         status[sender] = int(answer.item())
                 sending = [s for s in self._senders if status.get(s, CANNOT) == CANNOT]
                 self.written_elsewhere = sum(n for _, r, _, n, _ in self._order if r != self._dst and r not in sending)
                 base = dict(zip(sending, itertools.accumulate([0] + [self._shard_bytes[s] for s in sending])))
                 spare = _buffer("received", sum(self._shard_bytes[s] for s in sending))
-                posted = {m: dist.irecv(spare[base[s] + at:base[s] + at + n], rank(s), group=self.group,
-                                        tag=_STREAM_TAG) for m, (s, at, n) in enumerate(self._messages) if s in base}
+                posted = {
+                    m: dist.irecv(spare[base[s] + at : base[s] + at + n], rank(s), group=self.group, tag=_STREAM_TAG)
+                    for m, (s, at, n) in enumerate(self._messages)
+                    if s in base
+                }
                 view = memoryview(spare.numpy())
                 for begin, r, at, n, m in self._order:  # file order
                     if m < 0 and not delegated:
-                        yield begin, self._view[at:at + n]
+                        yield begin, self._view[at : at + n]
                     elif m in posted:
                         posted.pop(m).wait()
-                        yield begin, view[base[r] + at:base[r] + at + n]
+                        yield begin, view[base[r] + at : base[r] + at + n]
                 width = sum(n for _, n, _, _ in self._runs)  # bytes of one outer index of the full tensor
                 for first, last in self._blocks:
                     yield first * width, self._rows(first, last, view, base, posted)
@@ -196,9 +212,12 @@ class FullStream:
         for m, (sender, at, _n) in enumerate(self._messages):
             if m in posted and at == first * self._local[sender]:
                 posted.pop(m).wait()
-        views = {self._dst: self._view, **{s: view[base[s]:base[s] + self._shard_bytes[s]] for s in base}}
-        return [views[rank][i * self._local[rank] + offset:i * self._local[rank] + offset + n]
-                for i in range(first, last) for _, n, rank, offset in self._runs]
+        views = {self._dst: self._view, **{s: view[base[s] : base[s] + self._shard_bytes[s]] for s in base}}
+        return [
+            views[rank][i * self._local[rank] + offset : i * self._local[rank] + offset + n]
+            for i in range(first, last)
+            for _, n, rank, offset in self._runs
+        ]
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,7 @@ class Held(nn.Module):
 
 def rebased(plan: Plan, old: str, new: str) -> Plan:
     """`plan` with every module path under `old` moved under `new` (both dotted prefixes, no trailing dot)."""
+
     def move(path: str) -> str:
         if not old:
             return f"{new}.{path}" if path else new
@@ -66,11 +67,14 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
             return new
         if not path.startswith(old + "."):
             raise ValueError(f"autotp: {path} is not under {old}")
-        return new + path[len(old):]
+        return new + path[len(old) :]
 
     return replace(
         plan,
-        layers=tuple(replace(layer, path=move(layer.path), block=move(layer.block) if layer.block else "") for layer in plan.layers),
+        layers=tuple(
+            replace(layer, path=move(layer.path), block=move(layer.block) if layer.block else "")
+            for layer in plan.layers
+        ),
         regions=tuple(replace(r, path=move(r.path)) for r in plan.regions),
         attrs=tuple(replace(a, path=move(a.path)) for a in plan.attrs),
         head_norms=tuple(move(h) for h in plan.head_norms),
@@ -86,11 +90,18 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
     Its origin is that of the component holding the input embeddings (the language model): what the
     vocabulary decisions read. `source` names every component's origin.
     """
-    planned = {layer.path for _, p in parts for layer in p.layers} | {path for _, p in parts for path, _ in p.replicated}
-    outside = tuple((name, Why(Replicated.OUTSIDE_COMPONENTS))
-                    for name, m in model.named_modules() if is_linear(m) and name not in planned)
+    planned = {layer.path for _, p in parts for layer in p.layers} | {
+        path for _, p in parts for path, _ in p.replicated
+    }
+    outside = tuple(
+        (name, Why(Replicated.OUTSIDE_COMPONENTS))
+        for name, m in model.named_modules()
+        if is_linear(m) and name not in planned
+    )
     return Plan(
-        tp_size, _text_origin(model, parts), "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),
+        tp_size,
+        _text_origin(model, parts),
+        "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),
         layers=tuple(layer for _, p in parts for layer in p.layers),
         regions=tuple(r for _, p in parts for r in p.regions),
         attrs=tuple(a for _, p in parts for a in p.attrs),

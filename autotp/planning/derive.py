@@ -76,7 +76,9 @@ def _heads(config) -> tuple[int | None, int | None, int | None]:
     return heads, kv, head_dim
 
 
-def _block_rule(model: nn.Module, block: str, columns: dict[str, str], row_layers: list[str]) -> tuple[str, dict] | None:
+def _block_rule(
+    model: nn.Module, block: str, columns: dict[str, str], row_layers: list[str]
+) -> tuple[str, dict] | None:
     """An attention or MLP rule for one block pattern, from its children's shapes; None if unclear."""
     config = model.config
     heads, kv, head_dim = _heads(config)
@@ -99,8 +101,13 @@ def _block_rule(model: nn.Module, block: str, columns: dict[str, str], row_layer
             if columns[name] != "w" or out not in (heads * head_dim, kv * head_dim):
                 return None
             layout[name] = "q" if out == heads * head_dim else "k"
-        rule = {"match": block, "column": layout, "row": {row_layers[0]: "q"},
-                "heads": "num_attention_heads", "kv_heads": kv}
+        rule = {
+            "match": block,
+            "column": layout,
+            "row": {row_layers[0]: "q"},
+            "heads": "num_attention_heads",
+            "kv_heads": kv,
+        }
         return "attention", rule
     parts = {name: 2 if columns[name] == "w | w" else 1 for name in columns}
     if all(out == row_in * parts[name] for name, out in outs.items()):
@@ -129,8 +136,9 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
         parent = block.rpartition(".")[0]
         if parent in experts and set(entry["column"]) <= {"gate_up_proj"} and entry["row"] == ["down_proj"]:
             if entry["column"].get("gate_up_proj") == "w | w":
-                data["experts"].append({"match": block, "params": {"gate_up_proj": {"dim": 1, "layout": "w | w"},
-                                                                   "down_proj": {"dim": 2}}})
+                data["experts"].append(
+                    {"match": block, "params": {"gate_up_proj": {"dim": 1, "layout": "w | w"}, "down_proj": {"dim": 2}}}
+                )
             continue
         if entry["other"] or not entry["column"]:
             continue  # HF keeps this block's compute replicated (or it is not a linear block)
@@ -152,8 +160,14 @@ def _from_structure(model: nn.Module, spoken: list[str] = ()) -> Policy:
         linears = {child: m for child, m in module.named_children() if is_linear(m)}
         if len(linears) < 2 or not isinstance(hidden, int):
             continue
-        reads = {c: "w" for c, m in linears.items() if features(m)[1] == hidden and features(m)[0] != hidden
-                 or features(m)[1] == hidden and any(h in name.lower() for h in _ATTENTION_HINTS)}
+        reads = {
+            c: "w"
+            for c, m in linears.items()
+            if features(m)[1] == hidden
+            and features(m)[0] != hidden
+            or features(m)[1] == hidden
+            and any(h in name.lower() for h in _ATTENTION_HINTS)
+        }
         writes = [c for c, m in linears.items() if features(m)[0] == hidden and c not in reads]
         if not writes and len(reads) > 2:  # square attention: the output projection is known by its name
             writes = [c for c in reads if c.lower() in _OUTPUT_NAMES][:1]

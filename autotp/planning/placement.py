@@ -24,7 +24,7 @@ def dp_chunk(rows: int, parts: int, index: int) -> Run:
 
 
 def _with(values: tuple[int, ...], dim: int, value: int) -> tuple[int, ...]:
-    return values[:dim] + (value,) + values[dim + 1:]
+    return values[:dim] + (value,) + values[dim + 1 :]
 
 
 class Box(NamedTuple):
@@ -56,8 +56,11 @@ class Box(NamedTuple):
             return None
         shift = lo - base[dim]
         offsets = self.offsets[dim] + shift - (0 if local else start)
-        return Box(_with(self.offsets, dim, offsets), _with(self.sizes, dim, hi - lo),
-                   _with(self.at, dim, self.at[dim] + shift - (start if local else 0)))
+        return Box(
+            _with(self.offsets, dim, offsets),
+            _with(self.sizes, dim, hi - lo),
+            _with(self.at, dim, self.at[dim] + shift - (start if local else 0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,9 @@ class Placement:
     rows: Run | None = None
 
     @classmethod
-    def fsdp(cls, full_shape: tuple[int, ...], partition: Partition | None, rank: int, dp_size: int,
-             dp_rank: int) -> Placement:
+    def fsdp(
+        cls, full_shape: tuple[int, ...], partition: Partition | None, rank: int, dp_size: int, dp_rank: int
+    ) -> Placement:
         """The placement of DP rank `dp_rank` of `dp_size`: FSDP2 keeps torch.chunk's part of the TP shard's dim 0."""
         shard = cls(full_shape, partition, rank).shard_shape
         return cls(full_shape, partition, rank, dp_chunk(shard[0], dp_size, dp_rank) if shard else None)
@@ -100,8 +104,9 @@ class Placement:
         runs = ((0, shape[0]),) if self.partition is None else self.partition.runs[self.rank]
         out, offset = [], 0
         for start, length in runs:
-            box = Box(_with((0,) * len(shape), dim, start), _with(shape, dim, length),
-                      _with((0,) * len(shape), dim, offset))
+            box = Box(
+                _with((0,) * len(shape), dim, start), _with(shape, dim, length), _with((0,) * len(shape), dim, offset)
+            )
             offset += length
             if length and self.rows is not None:
                 box = box.clip(0, *self.rows, local=True)

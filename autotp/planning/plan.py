@@ -160,9 +160,11 @@ class Plan:
         """One line for a log: what was sharded and from where."""
         blocks = len({layer.block for layer in self.layers if self.vocab is None or layer.path != self.vocab.head})
         vocab = "vocab-parallel" if self.vocab is not None else "vocab replicated"
-        return (f"autotp: tp_size={self.tp_size}, {self.origin.value} {self.source}: {len(self.layers)} linears in "
-                f"{blocks} blocks sharded, {len(self.regions)} expert regions, {len(self.replicated)} linears "
-                f"replicated, {vocab}")
+        return (
+            f"autotp: tp_size={self.tp_size}, {self.origin.value} {self.source}: {len(self.layers)} linears in "
+            f"{blocks} blocks sharded, {len(self.regions)} expert regions, {len(self.replicated)} linears "
+            f"replicated, {vocab}"
+        )
 
     def warnings(self, vocab_requested: bool = True) -> list[str]:
         """What a user should hear about: nothing sharded, blocks left replicated, vocab parallelism off."""
@@ -175,8 +177,10 @@ class Plan:
                 rejected.setdefault(path.rpartition(".")[0], why)
         if rejected:
             shown = "; ".join(f"{block} ({why})" for block, why in list(rejected.items())[:3])
-            out.append(f"autotp: {len(rejected)} attention/MLP blocks stay replicated: {shown}"
-                       + (" ..." if len(rejected) > 3 else ""))
+            out.append(
+                f"autotp: {len(rejected)} attention/MLP blocks stay replicated: {shown}"
+                + (" ..." if len(rejected) > 3 else "")
+            )
         if vocab_requested and self.tp_size > 1 and self.vocab is None:
             out.append(f"autotp: vocab parallelism is off: {self.vocab_reason}")
         return out
@@ -185,12 +189,16 @@ class Plan:
         """A table of every decision, for people; with the model, also each rank's parameter bytes."""
         lines = [f"autotp plan: tp_size={self.tp_size}, from {self.origin.value} {self.source}"]
         for layer in self.layers:
-            lines.append(f"  {layer.style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
-                         f"  ({layer.reason})")
+            lines.append(
+                f"  {layer.style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
+                f"  ({layer.reason})"
+            )
         for region in self.regions:
             for name, shape, partition in region.partitions:
-                lines.append(f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
-                             f"  ({region.reason})")
+                lines.append(
+                    f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
+                    f"  ({region.reason})"
+                )
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:
@@ -200,17 +208,23 @@ class Plan:
         for path, why in self.replicated:
             lines.append(f"  {'replicated':<10} {path}  ({why})")
         if self.vocab is not None:
-            embedding = (f"embedding {self.vocab.embedding} split the same way" + (" (tied)" if self.vocab.tied else "")
-                         if self.vocab.embedding else "embedding replicated")
-            lines.append(f"  {'vocab':<10} {self.vocab.head}: logits stay sharded, cross-entropy on the shards; "
-                         f"{embedding}")
+            embedding = (
+                f"embedding {self.vocab.embedding} split the same way" + (" (tied)" if self.vocab.tied else "")
+                if self.vocab.embedding
+                else "embedding replicated"
+            )
+            lines.append(
+                f"  {'vocab':<10} {self.vocab.head}: logits stay sharded, cross-entropy on the shards; {embedding}"
+            )
         elif self.vocab_reason:
             lines.append(f"  {'vocab':<10} not vocab-parallel: {self.vocab_reason}")
         if model is not None:
             full = sum(p.numel() * p.element_size() for p in model.parameters())
             per_rank = self.param_bytes(model)
-            lines.append(f"  parameter bytes per rank: {' / '.join(f'{b / 2**20:.2f} MiB' for b in per_rank)}"
-                         f" (unsharded {full / 2**20:.2f} MiB)")
+            lines.append(
+                f"  parameter bytes per rank: {' / '.join(f'{b / 2**20:.2f} MiB' for b in per_rank)}"
+                f" (unsharded {full / 2**20:.2f} MiB)"
+            )
         return "\n".join(lines)
 
 

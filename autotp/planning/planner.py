@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..compat.hf import is_causal_lm
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
-from ..compat.hf import is_causal_lm
 from .linears import features, is_linear, weight_dim
 from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, Plan, RegionPlan, Replicated, VocabPlan, Why
 from .policy import Policy, Rule, as_policy, find_policy
@@ -32,14 +32,24 @@ PolicyArg = Policy | str | Path | Mapping[str, Any] | None
 
 # Attributes HF attention code may read to reshape heads, and which count each holds.
 _HEAD_ATTRS = {
-    "num_heads": "q", "num_attention_heads": "q", "n_heads": "q", "n_head": "q",
-    "num_key_value_heads": "kv", "num_kv_heads": "kv", "n_kv_heads": "kv",
+    "num_heads": "q",
+    "num_attention_heads": "q",
+    "n_heads": "q",
+    "n_head": "q",
+    "num_key_value_heads": "kv",
+    "num_kv_heads": "kv",
+    "n_kv_heads": "kv",
 }
 _WIDTH_ATTRS = {"split_size": "q", "embed_dim": "q", "all_head_size": "q", "hidden_size": "q", "kv_dim": "kv"}
 
 
-def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_parallel: bool = True,
-               example_inputs: Mapping[str, Any] | None = None) -> Plan:
+def build_plan(
+    model: nn.Module,
+    tp_size: int,
+    policy: PolicyArg = None,
+    vocab_parallel: bool = True,
+    example_inputs: Mapping[str, Any] | None = None,
+) -> Plan:
     """The plan for `model` at `tp_size`: from `policy`, else a shipped policy, HF's plan or detection.
 
     `vocab_parallel` shards the embedding and LM head by vocabulary where the model allows it
@@ -47,8 +57,10 @@ def build_plan(model: nn.Module, tp_size: int, policy: PolicyArg = None, vocab_p
     keyword arguments verification runs the model on, for a model that takes no token ids.
     """
     if not isinstance(getattr(model, "config", None), PretrainedConfig):
-        raise TypeError(f"autotp shards Hugging Face models (a transformers PreTrainedModel with a .config); got "
-                        f"{type(model).__name__}. Wrap the PreTrainedModel itself, not a module around it")
+        raise TypeError(
+            f"autotp shards Hugging Face models (a transformers PreTrainedModel with a .config); got "
+            f"{type(model).__name__}. Wrap the PreTrainedModel itself, not a module around it"
+        )
     plan = _build_plan(model, tp_size, policy, example_inputs)
     if not vocab_parallel:
         return replace(plan, vocab_reason="vocab_parallel=False")
@@ -63,12 +75,24 @@ def _build_plan(model: nn.Module, tp_size: int, policy, example: Mapping[str, An
     chosen = as_policy(policy) if policy is not None else find_policy(model_type)
     derived = chosen is None
     policy = derive_policy(model) if derived else chosen
-    return _verified(model, plan_from_policy(model, tp_size, policy), not derived, lambda: structural_twin(model),
-                     lambda twin: plan_from_policy(twin, tp_size, policy), example)
+    return _verified(
+        model,
+        plan_from_policy(model, tp_size, policy),
+        not derived,
+        lambda: structural_twin(model),
+        lambda twin: plan_from_policy(twin, tp_size, policy),
+        example,
+    )
 
 
-def _verified(model: nn.Module, plan: Plan, only_custom: bool, make_twin: Callable[[], nn.Module | None],
-              twin_plan: Callable[[nn.Module], Plan], example: Mapping[str, Any] | None) -> Plan:
+def _verified(
+    model: nn.Module,
+    plan: Plan,
+    only_custom: bool,
+    make_twin: Callable[[], nn.Module | None],
+    twin_plan: Callable[[nn.Module], Plan],
+    example: Mapping[str, Any] | None,
+) -> Plan:
     """`plan` with the blocks verification could not prove exact moved to replicated (`only_custom`: a shipped
     policy, whose transformers classes need no check).
 
@@ -82,14 +106,24 @@ def _verified(model: nn.Module, plan: Plan, only_custom: bool, make_twin: Callab
     with torch.device("cpu"):  # the caller may have made meta the default device
         twin = make_twin()
         if twin is None:
-            return apply_verdicts(model, plan, {}, only_custom, "the model is on the meta device and no structural "
-                                                                "twin of it could be built to run")
+            return apply_verdicts(
+                model,
+                plan,
+                {},
+                only_custom,
+                "the model is on the meta device and no structural twin of it could be built to run",
+            )
         try:
             planned = twin_plan(twin)
         except ValueError as err:
             return apply_verdicts(model, plan, {}, only_custom, f"its structural twin plans differently ({err})")
-        return apply_verdicts(model, plan, verdicts(twin, planned, only_custom, example), only_custom,
-                              "its block is not in the structural twin built from the config")
+        return apply_verdicts(
+            model,
+            plan,
+            verdicts(twin, planned, only_custom, example),
+            only_custom,
+            "its block is not in the structural twin built from the config",
+        )
 
 
 def _composite_plan(model: nn.Module, tp_size: int, parts, example: Mapping[str, Any] | None) -> Plan:
@@ -102,9 +136,19 @@ def _composite_plan(model: nn.Module, tp_size: int, parts, example: Mapping[str,
         chosen = find_policy(component.config.model_type)
         policy = chosen or derive_policy(as_planned(component)[0])
         plan = _component_plan(component, path, tp_size, policy)
-        planned.append((path, _verified(model, plan, chosen is not None, twin,
-                                        lambda t, path=path, policy=policy: _component_plan(
-                                            _component_at(t, path), path, tp_size, policy), example)))
+        planned.append(
+            (
+                path,
+                _verified(
+                    model,
+                    plan,
+                    chosen is not None,
+                    twin,
+                    lambda t, path=path, policy=policy: _component_plan(_component_at(t, path), path, tp_size, policy),
+                    example,
+                ),
+            )
+        )
     return joined(model, planned, tp_size)
 
 
@@ -137,17 +181,29 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
             if planner(path, modules[path], rule, config, tp_size, acc):
                 claimed.add(path)
     if policy.rules and not claimed and policy.origin.checked_by_hand:
-        raise ValueError(f"policy {policy.name!r} shards nothing in {type(model).__name__}: no rule matches its modules")
+        raise ValueError(
+            f"policy {policy.name!r} shards nothing in {type(model).__name__}: no rule matches its modules"
+        )
     order = {name: i for i, name in enumerate(modules)}
     acc.layers.sort(key=lambda layer: order[layer.path])
     sharded = {layer.path for layer in acc.layers}
     replicated = tuple(
-        (name, Why(Replicated.NOT_COVERED))
-        for name, m in modules.items() if is_linear(m) and name not in sharded
+        (name, Why(Replicated.NOT_COVERED)) for name, m in modules.items() if is_linear(m) and name not in sharded
     )
     source = repr(policy.name) + (f" ({policy.description})" if policy.description else "")
-    return Plan(tp_size, policy.origin, source, tuple(acc.layers), tuple(acc.regions), tuple(acc.attrs), tuple(acc.head_norms),
-                tuple(acc.head_inputs), tuple(acc.attention), replicated, vocab_reason=policy.no_vocab_parallel)
+    return Plan(
+        tp_size,
+        policy.origin,
+        source,
+        tuple(acc.layers),
+        tuple(acc.regions),
+        tuple(acc.attrs),
+        tuple(acc.head_norms),
+        tuple(acc.head_inputs),
+        tuple(acc.attention),
+        replicated,
+        vocab_reason=policy.no_vocab_parallel,
+    )
 
 
 @dataclass
@@ -213,8 +269,16 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     f"{path}.{name}: {rows} {'output' if style == 'column' else 'input'} features, but layout "
                     f"{spec!r} with {heads} query / {kv} key-value heads of {head_dim} gives {partition.full_size}"
                 )
-            acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition,
-                                        f"{spec} over {heads} heads / {kv} kv heads of {head_dim}", path))
+            acc.layers.append(
+                LayerPlan(
+                    f"{path}.{name}",
+                    style,
+                    tuple(module.weight.shape),
+                    partition,
+                    f"{spec} over {heads} heads / {kv} kv heads of {head_dim}",
+                    path,
+                )
+            )
     local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
     full = {"q": heads, "kv": kv}
     linears = {id(m) for m in children.values()}
@@ -268,15 +332,20 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
             module = children[name]
             partition = layout_partition(spec, weight_dim(module, style), owned, {"w": 1})
             parts = f" x {_parts(spec)} parts" if _parts(spec) > 1 else ""
-            acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition,
-                                        f"MLP width {width}{parts}", path))
+            acc.layers.append(
+                LayerPlan(
+                    f"{path}.{name}", style, tuple(module.weight.shape), partition, f"MLP width {width}{parts}", path
+                )
+            )
     return True
 
 
 def _check_width(path: str, what: str, width: int, tp: int) -> None:
     if width < tp:
-        raise ValueError(f"{path}: {what} {width} is smaller than tp_size={tp}, so some rank would hold no column; "
-                         f"use a tp_size of at most {width}")
+        raise ValueError(
+            f"{path}: {what} {width} is smaller than tp_size={tp}, so some rank would hold no column; "
+            f"use a tp_size of at most {width}"
+        )
 
 
 def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
@@ -289,8 +358,10 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
         raise ValueError(f"{path}: the expert tensors disagree on the expert width: {widths}")
     _check_width(path, "expert width", width, tp)
     owned = {"w": split_ranges(width, tp)}
-    partitions = tuple((name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
-                       for name, (dim, spec) in rule.params.items())
+    partitions = tuple(
+        (name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
+        for name, (dim, spec) in rule.params.items()
+    )
     acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
     return True
 
@@ -312,8 +383,12 @@ def with_vocab(model: nn.Module, plan: Plan) -> Plan:
     head_path = modules[id(head)]
     layer = LayerPlan(head_path, "column", tuple(head.weight.shape), partition, f"vocab {rows}", head_path)
     vocab = VocabPlan(head_path, modules[id(embedding)] if embedding_ok else None, tied, partition)
-    return replace(plan, layers=plan.layers + (layer,), vocab=vocab,
-                   replicated=tuple(r for r in plan.replicated if r[0] != head_path))
+    return replace(
+        plan,
+        layers=plan.layers + (layer,),
+        vocab=vocab,
+        replicated=tuple(r for r in plan.replicated if r[0] != head_path),
+    )
 
 
 def _vocab_refusal(model: nn.Module, plan: Plan) -> str:

@@ -71,8 +71,18 @@ def _policy_dir() -> Path:
     return installed if installed.is_dir() else Path(__file__).parents[2] / "policies"
 
 
-_RULE_KEYS = {"match", "column", "row", "params", "heads", "kv_heads", "when", "head_norms", "head_inputs",
-              "local_config"}
+_RULE_KEYS = {
+    "match",
+    "column",
+    "row",
+    "params",
+    "heads",
+    "kv_heads",
+    "when",
+    "head_norms",
+    "head_inputs",
+    "local_config",
+}
 
 
 def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
@@ -91,11 +101,19 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         roles = {tok.strip("()*") for part in str(layout).split("|") for tok in part.split()}
         if layout is None or not roles <= _LAYOUT_ROLES[kind]:
             raise ValueError(f"{where}: {name} has layout {layout!r}; {kind} layouts use {sorted(_LAYOUT_ROLES[kind])}")
-    return Rule(kind=kind, match=raw["match"], column=column, row=row, params=params,
-                heads=raw.get("heads", "num_attention_heads"), kv_heads=raw.get("kv_heads"),
-                when=dict(raw.get("when", {})), head_norms=tuple(raw.get("head_norms", ())),
-                head_inputs=_names(raw.get("head_inputs", ()), f"{where}: head_inputs"),
-                local_config=tuple(raw.get("local_config", ())))
+    return Rule(
+        kind=kind,
+        match=raw["match"],
+        column=column,
+        row=row,
+        params=params,
+        heads=raw.get("heads", "num_attention_heads"),
+        kv_heads=raw.get("kv_heads"),
+        when=dict(raw.get("when", {})),
+        head_norms=tuple(raw.get("head_norms", ())),
+        head_inputs=_names(raw.get("head_inputs", ()), f"{where}: head_inputs"),
+        local_config=tuple(raw.get("local_config", ())),
+    )
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:
@@ -112,13 +130,21 @@ def parse_policy(data: Mapping[str, Any], name: str, origin: Origin, path: str |
         raise ValueError(f"policy {name!r}: unknown keys {sorted(unknown)}; expected some of {sorted(known)}")
     rules = tuple(
         _rule(kind, raw, f"policy {name!r}, {kind} rule {i}")
-        for kind in _LAYOUT_ROLES for i, raw in enumerate(data.get(kind, ()))
+        for kind in _LAYOUT_ROLES
+        for i, raw in enumerate(data.get(kind, ()))
     )
     reason = data.get("no_vocab_parallel", "")
     if not isinstance(reason, str):
         raise ValueError(f"policy {name!r}: no_vocab_parallel must be a string saying why, got {reason!r}")
-    return Policy(name=name, model_types=tuple(data.get("model_types", ())), rules=rules,
-                  origin=origin, description=data.get("description", ""), path=path, no_vocab_parallel=reason)
+    return Policy(
+        name=name,
+        model_types=tuple(data.get("model_types", ())),
+        rules=rules,
+        origin=origin,
+        description=data.get("description", ""),
+        path=path,
+        no_vocab_parallel=reason,
+    )
 
 
 def load_policy(path: str | Path, origin: Origin = Origin.USER) -> Policy:

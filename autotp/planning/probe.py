@@ -72,8 +72,9 @@ def _parameters(fn) -> set[str]:
 
 def _image_inputs(model: nn.Module, batch: int, generator: torch.Generator) -> tuple[dict, int] | None:
     """Pixel inputs in the first layout the model's `get_image_features` accepts, and image tokens per sample."""
-    features = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None),
-                                                                     "get_image_features", None)
+    features = getattr(model, "get_image_features", None) or getattr(
+        getattr(model, "model", None), "get_image_features", None
+    )
     vision = model.config.vision_config
     if features is None:
         return None
@@ -93,8 +94,9 @@ def _layouts(vision, batch: int, generator: torch.Generator) -> list[dict[str, t
     channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
     if isinstance(getattr(vision, "temporal_patch_size", None), int):  # Qwen-VL: flattened patches and a grid
         t, h, w, patch = 1, 4, 4, vision.patch_size
-        pixels = torch.randn(batch * t * h * w, channels * vision.temporal_patch_size * patch * patch,
-                             generator=generator)
+        pixels = torch.randn(
+            batch * t * h * w, channels * vision.temporal_patch_size * patch * patch, generator=generator
+        )
         return [{"pixel_values": pixels, "image_grid_thw": torch.tensor([[t, h, w]] * batch)}]
     size = getattr(vision, "image_size", None)
     size = size[0] if isinstance(size, (list, tuple)) else size
@@ -102,8 +104,11 @@ def _layouts(vision, batch: int, generator: torch.Generator) -> list[dict[str, t
         return []
     image = torch.randn(batch, channels, size, size, generator=generator)
     sizes = torch.tensor([[size, size]] * batch)
-    return [{"pixel_values": image}, {"pixel_values": image, "image_sizes": sizes},
-            {"pixel_values": image.unsqueeze(1)}]
+    return [
+        {"pixel_values": image},
+        {"pixel_values": image, "image_sizes": sizes},
+        {"pixel_values": image.unsqueeze(1)},
+    ]
 
 
 def _feature_rows(out) -> int:

@@ -58,8 +58,15 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
         if plan.vocab.embedding:
             out.append(Collective(plan.vocab.embedding, "forward", 1, tokens * hidden * element))
         out.append(Collective("vocab-parallel loss (max log-sum-exp)", "forward", 1, tokens * 4))  # fp32
-        out.append(Collective("vocab-parallel loss (sum-exp, target logit; label smoothing adds the logits' sum, "
-                              "4 more bytes a token)", "forward", 1, tokens * 2 * 4))
+        out.append(
+            Collective(
+                "vocab-parallel loss (sum-exp, target logit; label smoothing adds the logits' sum, "
+                "4 more bytes a token)",
+                "forward",
+                1,
+                tokens * 2 * 4,
+            )
+        )
     return out
 
 
@@ -105,12 +112,26 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
         "tp_size": plan.tp_size,
         "origin": plan.origin.name.lower(),
         "source": plan.source,
-        "layers": [{"path": layer.path, "style": layer.style, "shape": list(layer.shape),
-                    "local_rows": [layer.partition.local_size(r) for r in range(plan.tp_size)],
-                    "dim": layer.partition.dim, "reason": layer.reason} for layer in plan.layers],
-        "experts": [{"path": f"{r.path}.{name}", "shape": list(shape),
-                     "local_rows": [p.local_size(k) for k in range(plan.tp_size)]}
-                    for r in plan.regions for name, shape, p in r.partitions],
+        "layers": [
+            {
+                "path": layer.path,
+                "style": layer.style,
+                "shape": list(layer.shape),
+                "local_rows": [layer.partition.local_size(r) for r in range(plan.tp_size)],
+                "dim": layer.partition.dim,
+                "reason": layer.reason,
+            }
+            for layer in plan.layers
+        ],
+        "experts": [
+            {
+                "path": f"{r.path}.{name}",
+                "shape": list(shape),
+                "local_rows": [p.local_size(k) for k in range(plan.tp_size)],
+            }
+            for r in plan.regions
+            for name, shape, p in r.partitions
+        ],
         "replicated": [{"path": path, "why": str(why)} for path, why in plan.replicated],
         "vocab_parallel": plan.vocab is not None,
         "vocab_reason": plan.vocab_reason,
@@ -120,8 +141,9 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
         "dp_size": dp,
         "zero_bytes_per_rank": zero_bytes(max(per_rank), dp),  # the largest TP rank's, by ZeRO stage over DP
         "unsharded_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "collectives": [{"where": c.where, "phase": c.phase, "count": c.count, "bytes": c.bytes_each}
-                        for c in collectives],
+        "collectives": [
+            {"where": c.where, "phase": c.phase, "count": c.count, "bytes": c.bytes_each} for c in collectives
+        ],
         "collective_bytes_per_step": sum(c.count * c.bytes_each for c in collectives),
     }
 
@@ -148,15 +170,20 @@ def context_cost(model: nn.Module, plan: Plan, batch: int, seq: int, cp: int) ->
     tokens = batch * -(-seq // cp)
     per_token = 3 * hidden + 2 * (heads // tp) * head_dim + 3 * -(-inner // tp)
     kv_gathered = batch * seq * 2 * kv_local * head_dim * element
-    activations = layers * (tokens * per_token * element + kv_gathered) + tokens * seq \
-        + tokens * vocab * 4
+    activations = layers * (tokens * per_token * element + kv_gathered) + tokens * seq + tokens * vocab * 4
     moved = layers * 2 * kv_gathered * (cp - 1) // cp
-    return {"cp_size": cp, "seq": seq, "activation_bytes_per_rank": activations,
-            "attention_bytes_per_step": moved, "attention_collectives_per_step": 2 * layers if cp > 1 else 0}
+    return {
+        "cp_size": cp,
+        "seq": seq,
+        "activation_bytes_per_rank": activations,
+        "attention_bytes_per_step": moved,
+        "attention_collectives_per_step": 2 * layers if cp > 1 else 0,
+    }
 
 
-def expert_cost(model: nn.Module, plan: Plan, experts: list[tuple[str, tuple[str, ...]]], ep: int, batch: int,
-                seq: int) -> dict:
+def expert_cost(
+    model: nn.Module, plan: Plan, experts: list[tuple[str, tuple[str, ...]]], ep: int, batch: int, seq: int
+) -> dict:
     """Per-rank bytes with the experts split by expert over `ep` ranks, and the all-to-all bytes of one step.
 
     `experts`: each experts module's path and parameter names (`autotp.ep.regions`). The dense part is the plan's
@@ -165,13 +192,18 @@ def expert_cost(model: nn.Module, plan: Plan, experts: list[tuple[str, tuple[str
     forward and the same backward; with routing spread evenly, (ep - 1) / ep of them leave the rank.
     """
     element = next(model.parameters()).element_size()
-    whole = sum(model.get_submodule(path).get_parameter(name).numel() * element
-                for path, names in experts for name in names)
+    whole = sum(
+        model.get_submodule(path).get_parameter(name).numel() * element for path, names in experts for name in names
+    )
     dense = [b - whole for b in replace(plan, regions=()).param_bytes(model)]
     tokens = -(-batch * seq // plan.tp_size)
     top_k = getattr(model.config, "num_experts_per_tok", 1)
     routed = tokens * top_k * getattr(model.config, "hidden_size", 0) * element
-    return {"ep_size": ep, "expert_bytes": whole, "expert_bytes_per_rank": whole // ep,
-            "param_bytes_per_rank": [b + whole // ep for b in dense],
-            "all_to_alls_per_step": 4 * len(experts),
-            "all_to_all_bytes_per_step": 4 * len(experts) * routed * (ep - 1) // ep}
+    return {
+        "ep_size": ep,
+        "expert_bytes": whole,
+        "expert_bytes_per_rank": whole // ep,
+        "param_bytes_per_rank": [b + whole // ep for b in dense],
+        "all_to_alls_per_step": 4 * len(experts),
+        "all_to_all_bytes_per_step": 4 * len(experts) * routed * (ep - 1) // ep,
+    }

@@ -152,8 +152,11 @@ class Partition:
 
     @classmethod
     def from_json(cls, data: Mapping) -> Partition:
-        return cls(int(data["dim"]), int(data["full_size"]),
-                   tuple(tuple((int(start), int(length)) for start, length in rr) for rr in data["runs"]))
+        return cls(
+            int(data["dim"]),
+            int(data["full_size"]),
+            tuple(tuple((int(start), int(length)) for start, length in rr) for rr in data["runs"]),
+        )
 
     def describe(self) -> str:
         sizes = [self.local_size(r) for r in range(self.tp_size)]

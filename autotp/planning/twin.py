@@ -27,10 +27,28 @@ from .probe import IMAGE_TOKEN_KEYS, probe_inputs
 
 log = logging.getLogger("autotp")
 
-_WIDTHS = {"hidden_size", "intermediate_size", "head_dim", "d_model", "d_ff", "d_kv", "ffn_dim", "n_embd", "n_inner",
-           "rotary_dim", "embed_dim", "word_embed_proj_dim", "ffn_hidden_size", "kv_channels",
-           # a vision tower's output width, which is its language model's input width
-           "out_hidden_size", "projection_dim", "vision_output_dim", "text_hidden_size", "mm_hidden_size"}
+_WIDTHS = {
+    "hidden_size",
+    "intermediate_size",
+    "head_dim",
+    "d_model",
+    "d_ff",
+    "d_kv",
+    "ffn_dim",
+    "n_embd",
+    "n_inner",
+    "rotary_dim",
+    "embed_dim",
+    "word_embed_proj_dim",
+    "ffn_hidden_size",
+    "kv_channels",
+    # a vision tower's output width, which is its language model's input width
+    "out_hidden_size",
+    "projection_dim",
+    "vision_output_dim",
+    "text_hidden_size",
+    "mm_hidden_size",
+}
 _MIN_HEAD_DIM = 8  # keeps partial rotary fractions (1/4, 1/2) whole and even
 _TWIN_VOCAB = 512
 _MAX_TWIN_PARAMS = 400_000_000  # ~1.6 GB in fp32: beyond this the twin is not built
@@ -44,8 +62,12 @@ def width_fields(config) -> dict[str, int]:
     """The config's integer width fields: names above, and `*_intermediate_size` / `*_head_dim`."""
     out = {}
     for name, value in vars(config).items():
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0 and (
-                name in _WIDTHS or name.endswith("_intermediate_size") or name.endswith("_head_dim")):
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value > 0
+            and (name in _WIDTHS or name.endswith("_intermediate_size") or name.endswith("_head_dim"))
+        ):
             out[name] = value
     return out
 
@@ -70,12 +92,17 @@ def shrink_factor(config) -> int:
 def _own_factor(config) -> int:
     widths = width_fields(config)
     heads = getattr(config, "num_attention_heads", None)
-    head_dim = widths.get("head_dim") or (widths.get("hidden_size", 0) // heads if isinstance(heads, int) and heads
-                                          else 0)
+    head_dim = widths.get("head_dim") or (
+        widths.get("hidden_size", 0) // heads if isinstance(heads, int) and heads else 0
+    )
     rotary = _rotary_fractions(config)
     factor = 1
-    while head_dim and head_dim // (factor * 2) >= _MIN_HEAD_DIM and all(v % (factor * 2) == 0 for v in widths.values()) \
-            and all((head_dim // (factor * 2) * p) % 4 == 0 for p in rotary):
+    while (
+        head_dim
+        and head_dim // (factor * 2) >= _MIN_HEAD_DIM
+        and all(v % (factor * 2) == 0 for v in widths.values())
+        and all((head_dim // (factor * 2) * p) % 4 == 0 for p in rotary)
+    ):
         factor *= 2
     return factor
 
@@ -105,12 +132,21 @@ def twin_config(config, factor: int | None = None):
     vocab = getattr(twin, "vocab_size", None)
     if isinstance(vocab, int) and vocab > _TWIN_VOCAB:
         twin.vocab_size = _TWIN_VOCAB
-        for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2), ("decoder_start_token_id", 0)):
+        for key, token in (
+            ("pad_token_id", 0),
+            ("bos_token_id", 1),
+            ("eos_token_id", 2),
+            ("decoder_start_token_id", 0),
+        ):
             if isinstance(getattr(twin, key, None), int) and getattr(twin, key) >= _TWIN_VOCAB:
                 setattr(twin, key, token)
     text_vocab = getattr(getattr(twin, "text_config", None), "vocab_size", None)
     for key in IMAGE_TOKEN_KEYS:
-        if isinstance(text_vocab, int) and isinstance(getattr(twin, key, None), int) and getattr(twin, key) >= text_vocab:
+        if (
+            isinstance(text_vocab, int)
+            and isinstance(getattr(twin, key, None), int)
+            and getattr(twin, key) >= text_vocab
+        ):
             setattr(twin, key, text_vocab - 1)
     twin.use_cache = False
     return twin
@@ -135,8 +171,15 @@ def _fewest_experts(fields: dict) -> int | None:
     """The fewest experts routing still takes (None without a top-k field): two, and each token's top-k; for
     DeepSeek-style grouped routing (`n_group` groups, `topk_group` chosen) whole groups of at least two (a group is
     scored by its top two) whose chosen groups hold the top-k."""
-    top = max([k for name in _TOP_K for k in (fields[name] if isinstance(fields.get(name), list) else [fields.get(name)])
-               if isinstance(k, int) and not isinstance(k, bool)], default=None)
+    top = max(
+        [
+            k
+            for name in _TOP_K
+            for k in (fields[name] if isinstance(fields.get(name), list) else [fields.get(name)])
+            if isinstance(k, int) and not isinstance(k, bool)
+        ],
+        default=None,
+    )
     if top is None:
         return None
     groups = fields.get("n_group")

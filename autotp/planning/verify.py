@@ -16,18 +16,19 @@ from ..compat.hf import failed_experts_kernel, is_conv1d, is_transformers_class
 from .plan import Plan, Replicated, Why
 from .probe import probe_inputs
 
-
 Verdicts = dict[tuple[str, type], str | None]  # (block pattern, class) -> None if exact, else why not
 
 
-def verify_by_emulation(model: nn.Module, plan: Plan, only_custom: bool = False,
-                        example: Mapping[str, Any] | None = None) -> Plan:
+def verify_by_emulation(
+    model: nn.Module, plan: Plan, only_custom: bool = False, example: Mapping[str, Any] | None = None
+) -> Plan:
     """Keep only the blocks whose sharded computation provably reproduces the original (see `verdicts`)."""
     return apply_verdicts(model, plan, verdicts(model, plan, only_custom, example), only_custom, "")
 
 
-def verdicts(model: nn.Module, plan: Plan, only_custom: bool = False,
-             example: Mapping[str, Any] | None = None) -> Verdicts:
+def verdicts(
+    model: nn.Module, plan: Plan, only_custom: bool = False, example: Mapping[str, Any] | None = None
+) -> Verdicts:
     """For each (block pattern, class) the plan shards: None if its sharding is exact, else why not.
 
     The model runs once on a short random input while hooks record each block's inputs and output.
@@ -78,8 +79,11 @@ def apply_verdicts(model: nn.Module, plan: Plan, found: Verdicts, only_custom: b
         return plan
     rejected = set(reasons)
     kept = tuple(layer for layer in plan.layers if layer.block not in rejected)
-    replicated = plan.replicated + tuple((layer.path, Why(Replicated.NOT_VERIFIED, reasons[layer.block]))
-                                         for layer in plan.layers if layer.block in rejected)
+    replicated = plan.replicated + tuple(
+        (layer.path, Why(Replicated.NOT_VERIFIED, reasons[layer.block]))
+        for layer in plan.layers
+        if layer.block in rejected
+    )
     all_blocks = sorted({layer.block for layer in plan.layers}, key=len, reverse=True)
 
     def inside(path: str) -> bool:
@@ -87,11 +91,15 @@ def apply_verdicts(model: nn.Module, plan: Plan, found: Verdicts, only_custom: b
         owner = next((b for b in all_blocks if path == b or path.startswith(b + ".")), None)
         return owner in rejected
 
-    return replace(plan, layers=kept, replicated=replicated,
-                   attrs=tuple(a for a in plan.attrs if not inside(a.path)),
-                   head_norms=tuple(h for h in plan.head_norms if not inside(h)),
-                   head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
-                   attention=tuple(a for a in plan.attention if not inside(a.path)))
+    return replace(
+        plan,
+        layers=kept,
+        replicated=replicated,
+        attrs=tuple(a for a in plan.attrs if not inside(a.path)),
+        head_norms=tuple(h for h in plan.head_norms if not inside(h)),
+        head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
+        attention=tuple(a for a in plan.attention if not inside(a.path)),
+    )
 
 
 def _checked_blocks(modules: dict[str, nn.Module], plan: Plan, only_custom: bool) -> list[str]:
@@ -118,8 +126,9 @@ def _first_tensor(value):
     return getattr(value, "last_hidden_state", None)
 
 
-def _record(model: nn.Module, blocks: set[str], plan: Plan,
-            example: Mapping[str, Any] | None) -> tuple[dict, str | None]:
+def _record(
+    model: nn.Module, blocks: set[str], plan: Plan, example: Mapping[str, Any] | None
+) -> tuple[dict, str | None]:
     """Each block's (args, kwargs, output, its row projection's output) from one forward on probe inputs."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return {}, "the model is on the meta device, so nothing could be run"
@@ -128,13 +137,17 @@ def _record(model: nn.Module, blocks: set[str], plan: Plan,
     records: dict[str, dict] = {b: {} for b in blocks}
     handles = []
     for block in blocks:
+
         def on_block(module, args, kwargs, output, block=block):
             if "output" not in records[block]:
                 records[block].update(args=args, kwargs=kwargs, output=_first_tensor(output))
+
         handles.append(modules[block].register_forward_hook(on_block, with_kwargs=True))
         if block in row_layers:
+
             def on_row(module, args, output, block=block):
                 records[block].setdefault("row_output", output)
+
             handles.append(modules[row_layers[block]].register_forward_hook(on_row))
     try:
         with torch.no_grad():
@@ -167,15 +180,19 @@ def _unverifiable(model: nn.Module, plan: Plan, example: Mapping[str, Any] | Non
     tried = "autotp's probe inputs (token ids)" if example is None else "your example_inputs"
     kernel = failed_experts_kernel(model, err)
     if kernel is not None:
-        return (f"{type(model).__name__}: the forward that verifies the plan from the {plan.origin.value} failed "
-                f"inside transformers' {kernel} experts kernel, not in autotp: {_what(err, 300)} ({_raised_at(err)}). "
-                f"The model fails the same way in one process. Load it with experts_implementation=\"eager\" "
-                f"(from_pretrained(..., experts_implementation=\"eager\"), or model.set_experts_implementation("
-                f"\"eager\")), then wrap it. Nothing was changed.")
-    return (f"{type(model).__name__}: the plan from the {plan.origin.value} shards blocks that autotp must verify by "
-            f"running the model once, and that forward on {tried} failed ({_what(err, 160)}). "
-            f"{type(model).__name__}.forward takes {signature}: pass example_inputs={{name: tensor, ...}} (forward "
-            f"keyword arguments for a small batch) to autotp.wrap or autotp.from_pretrained. Nothing was changed.")
+        return (
+            f"{type(model).__name__}: the forward that verifies the plan from the {plan.origin.value} failed "
+            f"inside transformers' {kernel} experts kernel, not in autotp: {_what(err, 300)} ({_raised_at(err)}). "
+            f'The model fails the same way in one process. Load it with experts_implementation="eager" '
+            f'(from_pretrained(..., experts_implementation="eager"), or model.set_experts_implementation('
+            f'"eager")), then wrap it. Nothing was changed.'
+        )
+    return (
+        f"{type(model).__name__}: the plan from the {plan.origin.value} shards blocks that autotp must verify by "
+        f"running the model once, and that forward on {tried} failed ({_what(err, 160)}). "
+        f"{type(model).__name__}.forward takes {signature}: pass example_inputs={{name: tensor, ...}} (forward "
+        f"keyword arguments for a small batch) to autotp.wrap or autotp.from_pretrained. Nothing was changed."
+    )
 
 
 def _raised_at(err: BaseException) -> str:
@@ -197,9 +214,9 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     if record.get("row_output") is not record["output"]:
         return "its output is not the row projection's output, so the reduction point cannot be checked"
     layers = [layer for layer in plan.layers if layer.block == path]
-    sharded = {id(p) for layer in layers for p in block.get_submodule(layer.path[len(path) + 1:]).parameters()}
+    sharded = {id(p) for layer in layers for p in block.get_submodule(layer.path[len(path) + 1 :]).parameters()}
     extra = [name for name, p in block.named_parameters() if id(p) not in sharded]
-    allowed = {h[len(path) + 1:] for h in plan.head_norms if h.startswith(path + ".")}
+    allowed = {h[len(path) + 1 :] for h in plan.head_norms if h.startswith(path + ".")}
     extra = [name for name in extra if name.rsplit(".", 1)[0] not in allowed]
     if extra:
         return f"it holds parameters besides its projections ({extra[0]}), whose gradients would be partial"
@@ -234,19 +251,22 @@ def _partial(block: nn.Module, path: str, layers, attrs, rank: int, record: dict
     """One rank's partial output: a copy of `block` holding only that rank's rows (row bias on rank 0)."""
     clone = copy.deepcopy(block)
     for layer in layers:
-        linear = clone.get_submodule(layer.path[len(path) + 1:])
+        linear = clone.get_submodule(layer.path[len(path) + 1 :])
         linear.weight = nn.Parameter(layer.partition.shard(linear.weight.detach(), rank))
         if linear.bias is not None:
             bias = linear.bias.detach()
-            bias = layer.partition.with_dim(0).shard(bias, rank) if layer.style == "column" else (
-                bias if rank == 0 else torch.zeros_like(bias))
+            bias = (
+                layer.partition.with_dim(0).shard(bias, rank)
+                if layer.style == "column"
+                else (bias if rank == 0 else torch.zeros_like(bias))
+            )
             linear.bias = nn.Parameter(bias)
         if is_conv1d(linear):
             linear.nf = linear.weight.shape[1]
         else:
             linear.out_features, linear.in_features = linear.weight.shape
     for attr in attrs:
-        target = clone.get_submodule(attr.path[len(path) + 1:]) if attr.path != path else clone
+        target = clone.get_submodule(attr.path[len(path) + 1 :]) if attr.path != path else clone
         if attr.name.startswith("config."):
             target.config = copy.copy(target.config)  # the clone's own head counts
         attr.assign(target, attr.local[rank])

@@ -35,12 +35,16 @@ def check_sizes(sizes: dict[int, tuple[tuple[tuple[str, int], ...], bool]], call
     shown = {axis for axes, _ in by_sizes for axis, n in axes if n != 1} | {"tp", "cp"}  # no ep_size=1 on every rank
     described = "; ".join(
         f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: "
-        + ", ".join(f"{axis}_size={n}" for axis, n in axes if axis in shown) + (", tp_group given" if given else "")
-        for (axes, given), ranks in by_sizes.items())
+        + ", ".join(f"{axis}_size={n}" for axis, n in axes if axis in shown)
+        + (", tp_group given" if given else "")
+        for (axes, given), ranks in by_sizes.items()
+    )
     names = " and ".join(f"{axis}_size" for axis, _ in next(iter(by_sizes))[0])
-    raise ValueError(f"ranks called {call} with different sizes ({described}). Every rank must call {call} with the "
-                     f"same {names}, and pass tp_group on every rank or on none; no group was built and "
-                     f"nothing was changed.")
+    raise ValueError(
+        f"ranks called {call} with different sizes ({described}). Every rank must call {call} with the "
+        f"same {names}, and pass tp_group on every rank or on none; no group was built and "
+        f"nothing was changed."
+    )
 
 
 def _fingerprint(model: nn.Module, tp_size: int, options: WrapOptions, plan: Plan) -> dict[str, dict[str, str]]:
@@ -48,8 +52,10 @@ def _fingerprint(model: nn.Module, tp_size: int, options: WrapOptions, plan: Pla
     config = getattr(model, "config", None)
     flat = _flatten(config.to_dict()) if hasattr(config, "to_dict") else {}
     flat.pop("_name_or_path", None)  # each rank may load its own copy of the files
-    agreed = {"tp_size": str(tp_size), **{f.name: str(getattr(options, f.name)) for f in fields(options)
-                                          if f.name in AGREED_OPTIONS}}
+    agreed = {
+        "tp_size": str(tp_size),
+        **{f.name: str(getattr(options, f.name)) for f in fields(options) if f.name in AGREED_OPTIONS},
+    }
     return {"config key": flat, "option": agreed, "plan entry": _plan_entries(plan)}
 
 
@@ -65,8 +71,10 @@ def _flatten(values: dict, prefix: str = "") -> dict[str, str]:
 
 def _plan_entries(plan: Plan) -> dict[str, str]:
     """The plan's decisions by module; not its reasons, whose details (verification errors) depend on the weights."""
-    entries = {f"{layer.path}": f"{layer.style} {layer.shape} dim {layer.partition.dim} {layer.partition.runs}"
-               for layer in plan.layers}
+    entries = {
+        f"{layer.path}": f"{layer.style} {layer.shape} dim {layer.partition.dim} {layer.partition.runs}"
+        for layer in plan.layers
+    }
     for region in plan.regions:
         entries[region.path] = f"experts {[(name, shape, p.dim, p.runs) for name, shape, p in region.partitions]}"
     for attr in plan.attrs:
@@ -76,12 +84,15 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
     entries.update({path: "replicated" for path, _ in plan.replicated})
     entries["per-head norms"] = str(plan.head_norms)
     vocab = plan.vocab
-    entries["vocab"] = "none" if vocab is None else f"{vocab.head} {vocab.embedding} {vocab.tied} {vocab.partition.runs}"
+    entries["vocab"] = (
+        "none" if vocab is None else f"{vocab.head} {vocab.embedding} {vocab.tied} {vocab.partition.runs}"
+    )
     return entries
 
 
-def check_agreement(model: nn.Module, tp_size: int, options: WrapOptions, plan: Plan,
-                    groups: list[tuple[str, Group]], call: str) -> None:
+def check_agreement(
+    model: nn.Module, tp_size: int, options: WrapOptions, plan: Plan, groups: list[tuple[str, Group]], call: str
+) -> None:
     """Raise on every rank, naming the first difference, unless every rank of each group has the same fingerprint of
     `model`'s config, `options` and `plan` (`fingerprint`).
 
@@ -113,8 +124,10 @@ def _difference(everyone: list[dict[str, dict[str, str]]], ranks: list[int], kin
             ours, other = first[section], theirs[section]
             for key in [*ours, *(k for k in other if k not in ours)]:
                 if ours.get(key) != other.get(key):
-                    return (f"ranks disagree before sharding: {section} {key} is {ours.get(key, '(absent)')} on rank "
-                            f"{ranks[0]} but {other.get(key, '(absent)')} on rank {rank} ({kind} group {ranks}). Every "
-                            f"rank must build the same model and call {call} with the same options; nothing was "
-                            f"changed.")
+                    return (
+                        f"ranks disagree before sharding: {section} {key} is {ours.get(key, '(absent)')} on rank "
+                        f"{ranks[0]} but {other.get(key, '(absent)')} on rank {rank} ({kind} group {ranks}). Every "
+                        f"rank must build the same model and call {call} with the same options; nothing was "
+                        f"changed."
+                    )
     return f"ranks {ranks} of a {kind} group disagree before sharding; nothing was changed"

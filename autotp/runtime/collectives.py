@@ -38,8 +38,9 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
 
 
-def all_reduce_packed(tensors: list[torch.Tensor], group: dist.ProcessGroup,
-                       meanwhile: Callable[[], Any] | None = None) -> list[torch.Tensor]:
+def all_reduce_packed(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, meanwhile: Callable[[], Any] | None = None
+) -> list[torch.Tensor]:
     """`tensors` summed over `group`, out of place: one all-reduce per dtype, of that dtype's tensors packed flat.
 
     `meanwhile` runs while the all-reduces are in flight (started asynchronously, waited for after it).

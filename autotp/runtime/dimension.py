@@ -50,8 +50,9 @@ class Dimension:
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """Its part of `autotp.allreduce_gradients` (`replicas`: the DP x CP size the dense gradients average over)."""
 
-    def norm(self, params: list[nn.Parameter], norm_type: float, state: TPState
-             ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
+    def norm(
+        self, params: list[nn.Parameter], norm_type: float, state: TPState
+    ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
         """Its part of `autotp.clip_grad_norm_`: the parameters it leaves to the dense norm, and its own part (None:
         none), complete over every rank."""
         return params, None
@@ -79,8 +80,9 @@ class Dimension:
         """Raise if `autotp.export_weights` cannot send its tensors to the engine layout `target`."""
 
 
-def base_plan(dimensions: list[Dimension], model: nn.Module, plan: Plan, options: WrapOptions
-              ) -> tuple[Plan, tuple[str, ...]]:
+def base_plan(
+    dimensions: list[Dimension], model: nn.Module, plan: Plan, options: WrapOptions
+) -> tuple[Plan, tuple[str, ...]]:
     """The plan tensor parallelism applies, and the modules the dimensions keep whole (each one's `split_plan`)."""
     whole: tuple[str, ...] = ()
     for dimension in dimensions:

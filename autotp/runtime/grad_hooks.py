@@ -12,9 +12,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from .collectives import all_reduce
 from ..mesh import Group, group_size
 from ..planning.sharding import Partition
+from .collectives import all_reduce
 
 
 def grad_allreduce_hook(group: Group) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -33,7 +33,7 @@ def checksum(x: torch.Tensor) -> torch.Tensor:
     flat = flat.view(_SAME_WIDTH[flat.element_size()])
     total = torch.zeros((), dtype=torch.int64, device=x.device)
     for start in range(0, flat.numel(), _CHUNK):
-        part = flat[start:start + _CHUNK].long()
+        part = flat[start : start + _CHUNK].long()
         total += (part * torch.arange(start + 1, start + 1 + part.numel(), device=x.device)).sum()
     return total & _MASK
 
@@ -48,15 +48,20 @@ def _exchange(group: Group, doing: int, values: torch.Tensor, what: str) -> bool
     ranks are doing different things, and returns whether their values agree."""
     vector = torch.cat([torch.tensor([doing], device=values.device), values])
     extremes = torch.cat([vector, -vector])
-    with named_failure(group, f"{what} (reading a context-parallel forward's .logits is a collective: a rank that "
-                              f"reads them while another does not waits here)"):
+    with named_failure(
+        group,
+        f"{what} (reading a context-parallel forward's .logits is a collective: a rank that "
+        f"reads them while another does not waits here)",
+    ):
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     high, low = extremes.view(2, 3).tolist()
     if high[0] != -low[0]:
-        raise RuntimeError(f"ranks {dist.get_process_group_ranks(group)} were at different calls: some "
-                           f"{_DOING[-low[0]]}, others {_DOING[high[0]]}. Reading a context-parallel forward's .logits "
-                           f"is a collective (the sequence is gathered from every CP rank): read them on every CP "
-                           f"rank or on none (compute a metric on every rank, and log it from one)")
+        raise RuntimeError(
+            f"ranks {dist.get_process_group_ranks(group)} were at different calls: some "
+            f"{_DOING[-low[0]]}, others {_DOING[high[0]]}. Reading a context-parallel forward's .logits "
+            f"is a collective (the sequence is gathered from every CP rank): read them on every CP "
+            f"rank or on none (compute a metric on every rank, and log it from one)"
+        )
     return high[1:] == [-v for v in low[1:]]
 
 
@@ -65,8 +70,12 @@ def check_same_read(group: Group, device: torch.device, doing: int = READ) -> No
     (BACKWARD): every rank of `group` is doing it (else every rank raises, naming both calls, rather than one hanging
     in the gather while another runs on into its backward's collectives)."""
     if group_size(group) > 1:
-        _exchange(group, doing, torch.zeros(2, dtype=torch.int64, device=device),
-                  "reading a forward's logits" if doing == READ else "beginning a backward")
+        _exchange(
+            group,
+            doing,
+            torch.zeros(2, dtype=torch.int64, device=device),
+            "reading a forward's logits" if doing == READ else "beginning a backward",
+        )
 
 
 def check_same_batch(group: Group, named: list[tuple[str, torch.Tensor]], kind: str) -> None:
@@ -101,10 +110,12 @@ def _difference(everyone: list[list[tuple]], ranks: list[int], kind: str) -> str
                 name = (ours or other)[0]
                 values = " (same shape, other values)" if ours and other and ours[1:3] == other[1:3] else ""
                 why = "the same batch" if kind == "TP" else "the same whole batch (autotp splits it over CP)"
-                return (f"{_KINDS[kind]} ranks got different inputs: {name} on rank {ranks[0]} "
-                        f"{_described(ours)} differs from rank {rank}'s {_described(other)}{values}; every {kind} "
-                        f"rank of a replica must read {why}: sample with autotp.data_parallel_sampler(dataset, "
-                        f"model), not a DistributedSampler over the whole world")
+                return (
+                    f"{_KINDS[kind]} ranks got different inputs: {name} on rank {ranks[0]} "
+                    f"{_described(ours)} differs from rank {rank}'s {_described(other)}{values}; every {kind} "
+                    f"rank of a replica must read {why}: sample with autotp.data_parallel_sampler(dataset, "
+                    f"model), not a DistributedSampler over the whole world"
+                )
     return f"{_KINDS[kind]} ranks {ranks} got different inputs"
 
 

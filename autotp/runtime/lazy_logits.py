@@ -53,8 +53,9 @@ def lazy_logits(output, gather: Callable[[], torch.Tensor]):
     if isinstance(output, _LazyLogits):  # a model whose forward called another wrapped forward
         cls = cls.__mro__[2]
     if cls not in _LAZY:
-        _LAZY[cls] = type(cls.__name__, (_LazyLogits, cls), {"__module__": cls.__module__,
-                                                             "__qualname__": cls.__qualname__})
+        _LAZY[cls] = type(
+            cls.__name__, (_LazyLogits, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     output.__class__ = _LAZY[cls]
     output.__dict__["autotp_pending"] = gather
     return output

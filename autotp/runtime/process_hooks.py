@@ -88,8 +88,9 @@ _ENTRIES: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary
 class _Shared:
     """A process-wide effect installed once for all its holders: `install()` returns its undo and what it listed."""
 
-    def __init__(self, key: str, install: Callable[[], tuple[Callable[[], None], list[Effect]]],
-                 safe: Callable[[], bool]):
+    def __init__(
+        self, key: str, install: Callable[[], tuple[Callable[[], None], list[Effect]]], safe: Callable[[], bool]
+    ):
         self.key, self.safe, self.holds = key, safe, 0
         self.undo, self.effects = install()
 
@@ -126,8 +127,13 @@ def _flush() -> None:
             _RETIRED.remove(shared)  # held again meanwhile
 
 
-def hold(key: str, owner: object, install: Callable[[], tuple[Callable[[], None], list[Effect]]],
-         safe: Callable[[], bool] = lambda: True, kind: type[Hold] = Hold) -> Hold:
+def hold(
+    key: str,
+    owner: object,
+    install: Callable[[], tuple[Callable[[], None], list[Effect]]],
+    safe: Callable[[], bool] = lambda: True,
+    kind: type[Hold] = Hold,
+) -> Hold:
     """The process-wide effect `key` held by `owner` (installed by `install` if no one holds it yet; removed, once
     no one does, when `safe()`)."""
     _flush()
@@ -169,6 +175,7 @@ def watch_optimizer_steps(owner: Owner, check: Callable[[Owner, torch.optim.Opti
 
 # --- torch's and transformers' registries ---------------------------------------------------------------------------
 
+
 def module_forward_pre_hook(owner: Owner, hook: Callable[[Owner, nn.Module, tuple], None]) -> Hold:
     """`hook(owner, module, args)` before every module forward of the process, until removed or `owner` is collected
     (torch copies its global hooks before running them, so a hook may remove itself)."""
@@ -204,14 +211,16 @@ def register_attention(owner: object, name: str, attention: Callable[..., Any], 
     return hold(f"{ATTENTION_FUNCTION} {name}", owner, install)
 
 
-def patch_class_attribute(owner: object, key: str, install: Callable[[], Callable[[], None]],
-                          effects: list[Effect]) -> Hold:
+def patch_class_attribute(
+    owner: object, key: str, install: Callable[[], Callable[[], None]], effects: list[Effect]
+) -> Hold:
     """Class attributes of a library (`effects`) replaced by `install` (which returns their undo) while any owner of
     `key` lives."""
     return hold(key, owner, lambda: (install(), effects))
 
 
 # --- attributes of the model's own objects ---------------------------------------------------------------------------
+
 
 class Patch(_Entry):
     """An attribute of one of the model's objects replaced; `remove()` puts back what was there (a property's
@@ -276,11 +285,13 @@ def replace_ddp_ignored(model: nn.Module, ignored: Any) -> Patch:
 
 # --- the list, and rollback ------------------------------------------------------------------------------------------
 
+
 def live() -> list[Effect]:
     """Every effect installed now, process-wide ones first."""
     _flush()
     return [e for shared in _SHARED.values() for e in shared.effects] + [
-        e for _, entry in sorted(_ENTRIES.items()) for e in entry.effects()]
+        e for _, entry in sorted(_ENTRIES.items()) for e in entry.effects()
+    ]
 
 
 def mark() -> int:

@@ -10,16 +10,15 @@ included) from DP rank 0 of the same TP rank, as DDP does within its group.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .collectives import all_gather, buckets
-from .rows import local_rows
 from ..mesh import Group, group_size, named_failure
 from ..state import find_state, state_of
+from .collectives import all_gather, buckets
+from .rows import local_rows
 
 _BUCKET_BYTES = 64 << 20
 
@@ -106,14 +105,21 @@ def check_replicas(model: nn.Module, group: Group | None = None) -> None:
     `autotp.fully_shard`, where each DP rank holds different rows by design.
     """
     state = state_of(model) if group is None else None
-    _compare(replicated_tensors(model), group if state is None else state.tp_group, "TP",
-             "Seed every rank alike before building the model, or let autotp.wrap broadcast it (it does so from TP "
-             "rank 0)")
+    _compare(
+        replicated_tensors(model),
+        group if state is None else state.tp_group,
+        "TP",
+        "Seed every rank alike before building the model, or let autotp.wrap broadcast it (it does so from TP rank 0)",
+    )
     if state is not None and state.tp_group is not None and not state.fsdp:
         named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
-        _compare(named, state.dp_cp_group, "DP",
-                 "Average every gradient over the DP group (autotp.allreduce_gradients, or DDP over autotp.dp_group) "
-                 "and step every replica alike; autotp.wrap made them equal (it broadcasts from DP rank 0)")
+        _compare(
+            named,
+            state.dp_cp_group,
+            "DP",
+            "Average every gradient over the DP group (autotp.allreduce_gradients, or DDP over autotp.dp_group) "
+            "and step every replica alike; autotp.wrap made them equal (it broadcasts from DP rank 0)",
+        )
 
 
 def _compare(named: list[tuple[str, torch.Tensor]], group: Group, kind: str, fix: str) -> None:
@@ -132,7 +138,8 @@ def _compare(named: list[tuple[str, torch.Tensor]], group: Group, kind: str, fix
                 raise RuntimeError(
                     f"replicated tensor {name} {tuple(tensor.shape)} differs between {kind} ranks {ranks[0]} and "
                     f"{rank} (checksums {everyone[0][index].tolist()} vs {theirs[index].tolist()}): the ranks are "
-                    f"training different models. {fix}")
+                    f"training different models. {fix}"
+                )
 
 
 def _checksum(tensor: torch.Tensor) -> torch.Tensor:

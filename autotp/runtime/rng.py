@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_reduce
 from ..mesh import Group, group_size, named_failure
+from .collectives import all_reduce
+
 
 def capture(cuda: bool | None = None) -> list[torch.Tensor]:
     """The CPU generator's state, and the current CUDA device's: by default when CUDA is initialised (before
@@ -66,8 +67,9 @@ class StreamCheck:
             return
         self.modes.add(module.training)
         device = next((x.device for x in (*args, *kwargs.values()) if torch.is_tensor(x)), torch.device("cpu"))
-        digest = int.from_bytes(hashlib.blake2b(b"".join(s.numpy().tobytes() for s in capture()),
-                                                digest_size=7).digest(), "little")
+        digest = int.from_bytes(
+            hashlib.blake2b(b"".join(s.numpy().tobytes() for s in capture()), digest_size=7).digest(), "little"
+        )
         extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
         all_reduce(extremes, self.group, dist.ReduceOp.MAX)
         if extremes[0].item() != -extremes[1].item():
@@ -76,4 +78,5 @@ class StreamCheck:
                 f"{type(module).__name__}'s forward: their dropout masks and sampled tokens would differ, so the "
                 f"replicated weights drift and generation diverges. Something reseeded them apart after autotp.wrap "
                 f"(torch.manual_seed(rank)?): seed before wrap, or seed the same on every TP rank: "
-                f"torch.manual_seed(seed + autotp.dp_rank(model))")
+                f"torch.manual_seed(seed + autotp.dp_rank(model))"
+            )

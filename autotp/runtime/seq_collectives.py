@@ -19,17 +19,19 @@ import torch
 import torch.distributed as dist
 
 from ..compat import torch as torch_compat
-from .collectives import weight_grad
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import split_ranges
+from .collectives import weight_grad
 
 
 def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[int]:
     """The shape of one rank's chunk of `x`: `dim` (the sequence) divided by the group size."""
     size = group_size(group)
     if x.shape[dim] % size:
-        raise ValueError(f"sequence_parallel needs the sequence length ({x.shape[dim]}) to be a multiple of "
-                         f"tp_size={size}; pad the batch")
+        raise ValueError(
+            f"sequence_parallel needs the sequence length ({x.shape[dim]}) to be a multiple of "
+            f"tp_size={size}; pad the batch"
+        )
     shape = list(x.shape)
     shape[dim] //= size
     return shape
@@ -42,7 +44,7 @@ def own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int, copy: bool = 
     per token (norms, residual adds)."""
     rows = _chunk_rows(x, group, dim)
     share = dim0_share(rows.shape[0], group)
-    return _copied(rows[share.start:share.stop], copy)
+    return _copied(rows[share.start : share.stop], copy)
 
 
 def _chunk_rows(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -57,8 +59,9 @@ def dim0_share(length: int, group: Group) -> range:
     return split_ranges(length, group_size(group))[group_rank(group)]
 
 
-def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0, async_op: bool = False,
-                     of: str = "") -> Callable[[], torch.Tensor]:
+def start_all_gather(
+    x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0, async_op: bool = False, of: str = ""
+) -> Callable[[], torch.Tensor]:
     """Start the one all-gather of every rank's `x` (asynchronously with `async_op`); the returned call waits and gives
     the ranks' tensors one after another in memory, viewed as `x` with `dim` times the group size: joined along dim 0,
     or along the sequence `dim` of token-major chunks (`own_chunk`). `of` names what travels, for a failure."""
@@ -118,8 +121,7 @@ class _ReduceScatterDim0(torch.autograd.Function):
     starts `prefetch`'s all-gather, to run during the block's backward."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, of: str, prefetch: SavedChunk | None
-                ) -> torch.Tensor:
+    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, of: str, prefetch: SavedChunk | None) -> torch.Tensor:
         ctx.group, ctx.of, ctx.prefetch = group, of, prefetch
         if prefetch is not None:
             ctx.save_for_backward(prefetch.chunk)
@@ -133,8 +135,9 @@ class _ReduceScatterDim0(torch.autograd.Function):
         return grad, None, None, None
 
 
-def reduce_scatter_dim0(y: torch.Tensor, group: Group, of: str = "",
-                        prefetch: SavedChunk | None = None) -> torch.Tensor:
+def reduce_scatter_dim0(
+    y: torch.Tensor, group: Group, of: str = "", prefetch: SavedChunk | None = None
+) -> torch.Tensor:
     """The sum over ranks of `y`, this rank's share of dim 0; the gradient is every rank's gathered along dim 0.
     `prefetch`: a block's saved input, gathered again early in backward."""
     return y if group_size(group) == 1 else _ReduceScatterDim0.apply(y, group, of, prefetch)
@@ -148,12 +151,16 @@ class _KeepDim0Share(torch.autograd.Function):
     def forward(ctx, group: dist.ProcessGroup, copy: bool, of: str, *tensors: torch.Tensor):
         ctx.group, ctx.of, ctx.length = group, of, tensors[0].shape[0]
         share = dim0_share(ctx.length, group)
-        return tuple(_copied(t[share.start:share.stop], copy) for t in tensors)
+        return tuple(_copied(t[share.start : share.stop], copy) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        return (None, None, None, *(None if g is None else _gather_shares(g, ctx.length, ctx.group, ctx.of)
-                                    for g in grads))
+        return (
+            None,
+            None,
+            None,
+            *(None if g is None else _gather_shares(g, ctx.length, ctx.group, ctx.of) for g in grads),
+        )
 
 
 class _GatherDim0Shares(torch.autograd.Function):
@@ -168,11 +175,12 @@ class _GatherDim0Shares(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _copied(grad[ctx.share.start:ctx.share.stop], ctx.copy), None, None, None, None
+        return _copied(grad[ctx.share.start : ctx.share.stop], ctx.copy), None, None, None, None
 
 
-def keep_dim0_share(tensors: tuple[torch.Tensor, ...], group: Group, copy: bool = False,
-                    of: str = "") -> tuple[torch.Tensor, ...]:
+def keep_dim0_share(
+    tensors: tuple[torch.Tensor, ...], group: Group, copy: bool = False, of: str = ""
+) -> tuple[torch.Tensor, ...]:
     """This rank's share (`dim0_share`) of each of `tensors`, which every rank of `group` holds whole and alike (views
     of them, copies with `copy`); their gradients are all-gathered in backward. `of` names what travels."""
     return tensors if group_size(group) == 1 else _KeepDim0Share.apply(group, copy, of, *tensors)
@@ -192,11 +200,11 @@ def _gather_shares(x: torch.Tensor, length: int, group: dist.ProcessGroup, of: s
         return start_all_gather(x, group, of=of)()
     shares = split_ranges(length, size)
     padded = x.new_zeros((max(len(share) for share in shares), *x.shape[1:]))
-    padded[:x.shape[0]] = x
+    padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in shares]
     with named_failure(group, f"all-gather{of}"):
         dist.all_gather(parts, padded, group=group)
-    return torch.cat([part[:len(share)] for part, share in zip(parts, shares)])
+    return torch.cat([part[: len(share)] for part, share in zip(parts, shares)])
 
 
 def _copied(x: torch.Tensor, copy: bool) -> torch.Tensor:
@@ -228,8 +236,9 @@ def all_gather_seq_to_tp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.T
     return all_gather_dim0(x, group).view(shape)  # token-major chunks: the ranks' chunks one after another
 
 
-def reduce_scatter_seq_from_tp(y: torch.Tensor, group: Group, dim: int = 1,
-                               prefetch: SavedChunk | None = None) -> torch.Tensor:
+def reduce_scatter_seq_from_tp(
+    y: torch.Tensor, group: Group, dim: int = 1, prefetch: SavedChunk | None = None
+) -> torch.Tensor:
     """Leave a row-parallel block under sequence parallelism: reduce-scatter along the sequence forward, all-gather
     backward; `prefetch`: the block's saved input, gathered again early in backward."""
     if group_size(group) == 1:
@@ -278,8 +287,9 @@ class _SeqParallelColumnLinear(torch.autograd.Function):
     """Column linear on a sequence-gathered input that keeps only its own chunk: re-all-gathered in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, saved: SavedChunk
-                ) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, saved: SavedChunk
+    ) -> torch.Tensor:
         ctx.save_for_backward(saved.chunk, weight)  # one tensor for every layer sharing `saved`
         ctx.saved, ctx.has_bias = saved, bias is not None
         saved.users += 1
@@ -292,8 +302,9 @@ class _SeqParallelColumnLinear(torch.autograd.Function):
         return grad @ weight, weight_grad(grad, ctx.saved.full(chunk)), grad_bias, None
 
 
-def seq_parallel_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               saved: SavedChunk | None) -> torch.Tensor:
+def seq_parallel_column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, saved: SavedChunk | None
+) -> torch.Tensor:
     """`F.linear` whose saved input is this rank's sequence chunk only (the activation memory SP saves), shared
     with the other layers reading the same input (`saved`; None without tensor parallelism)."""
     if saved is None:

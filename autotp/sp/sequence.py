@@ -21,60 +21,72 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..mesh import Group, group_size
+from ..planning.plan import Plan
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.seq_collectives import all_gather_seq_to_tp, gather_from_seq, own_chunk, scatter_to_seq
-from ..mesh import Group, group_size
 from ..tp.layers import LinearAllreduce
-from ..planning.plan import Plan
 
 
-def sequence_layout(model: nn.Module, plan: Plan, experts: tuple[str, ...] = ()
-                    ) -> tuple[str, list[str], list[str]]:
+def sequence_layout(model: nn.Module, plan: Plan, experts: tuple[str, ...] = ()) -> tuple[str, list[str], list[str]]:
     """(decoder layer list path, block paths, names of the layer-level weights whose gradients are partial over TP)
     or a clear refusal: every weight between the sharded blocks must be per-channel (1-D), since that code sees one
     chunk of the sequence. `experts`: the experts modules expert parallelism splits (`autotp.ep`); their MoE blocks
     (router, top-k, token dispatch) are per-token code, so they run on the chunk too: the router's gradients are
     partial like the norms', the experts' are expert parallelism's to sync."""
     if plan.regions or plan.head_inputs:
-        raise ValueError("sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
-                         "or per-head inputs (ALiBi)")
-    blocks = sorted({layer.block for layer in plan.layers if layer.block and (plan.vocab is None or
-                                                                               layer.path != plan.vocab.head)})
+        raise ValueError(
+            "sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
+            "or per-head inputs (ALiBi)"
+        )
+    blocks = sorted(
+        {layer.block for layer in plan.layers if layer.block and (plan.vocab is None or layer.path != plan.vocab.head)}
+    )
     moe = tuple(f"{path.rpartition('.')[0]}." for path in experts)
     nested = [b for b in blocks if b.startswith(moe)]
     if nested:  # its gather and reduce-scatter would sit inside the MoE block, beside a router on the chunk
-        raise ValueError(f"sequence_parallel at ep_size > 1 with a tensor-parallel block inside a MoE block "
-                         f"({nested[0]}: shared experts) is not supported; use sequence_parallel=False")
+        raise ValueError(
+            f"sequence_parallel at ep_size > 1 with a tensor-parallel block inside a MoE block "
+            f"({nested[0]}: shared experts) is not supported; use sequence_parallel=False"
+        )
     lists = {b.rsplit(".", 2)[0] for b in blocks}
     if len(lists) != 1 or not isinstance(model.get_submodule(next(iter(lists))), nn.ModuleList):
-        raise ValueError(f"sequence_parallel needs every sharded block directly inside one list of decoder layers; "
-                         f"found blocks under {sorted(lists)}")
+        raise ValueError(
+            f"sequence_parallel needs every sharded block directly inside one list of decoder layers; "
+            f"found blocks under {sorted(lists)}"
+        )
     list_path = next(iter(lists))
     inside = {name for b in blocks for name, _ in model.get_submodule(b).named_parameters(prefix=b)}
     moe = tuple(prefix for prefix in moe if prefix.count(".") > list_path.count(".") + 2)  # not a whole layer
     split = tuple(f"{path}." for path in experts)
-    outside = [(name, p) for name, p in model.get_submodule(list_path).named_parameters(prefix=list_path)
-               if name not in inside and not name.startswith(split)]
+    outside = [
+        (name, p)
+        for name, p in model.get_submodule(list_path).named_parameters(prefix=list_path)
+        if name not in inside and not name.startswith(split)
+    ]
     mixers = [f"{name} {list(p.shape)}" for name, p in outside if p.dim() > 1 and not name.startswith(moe)]
     if mixers:  # a replicated attention, MLP, convolution or state-space mixer would see one chunk of the sequence
         raise ValueError(
             f"sequence_parallel runs what sits between the sharded blocks on a chunk of the sequence, which is right "
             f"only for per-token code (norms, residual adds, scales); these weights there are not: "
             f"{', '.join(mixers[:4])}{f' and {len(mixers) - 4} more' if len(mixers) > 4 else ''}. Their modules are "
-            f"left replicated by the plan (see `autotp plan`); use sequence_parallel=False")
+            f"left replicated by the plan (see `autotp plan`); use sequence_parallel=False"
+        )
     return list_path, blocks, [name for name, _ in outside]
 
 
-def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state, experts: tuple[str, ...] = ()
-                            ) -> list[GradHook | LayerScope]:
+def apply_sequence_parallel(
+    model: nn.Module, plan: Plan, group: Group, state, experts: tuple[str, ...] = ()
+) -> list[GradHook | LayerScope]:
     """Install the sequence split; returns what `remove()` undoes it on the layers (their scopes) and on the tensors
     (the gradient hooks on the layers' own norms and row biases)."""
     list_path, blocks, norms = sequence_layout(model, plan, experts)
     layers = model.get_submodule(list_path)
     chunked = Chunked()
-    dropout = ChunkDropout(chunked, group, _config_dropout(model.config),
-                           [m for m in layers.modules() if isinstance(m, nn.Dropout)])
+    dropout = ChunkDropout(
+        chunked, group, _config_dropout(model.config), [m for m in layers.modules() if isinstance(m, nn.Dropout)]
+    )
     only = state.sharded_only  # gathered, the model computes as the original: none of these hooks acts
     whole = WholeHiddenStates(group)
     layers[0].register_forward_pre_hook(only(_on_hidden(whole.scatter)), with_kwargs=True)
@@ -93,8 +105,12 @@ def apply_sequence_parallel(model: nn.Module, plan: Plan, group: Group, state, e
     # The layers' norms, and the row layers' biases (added to a chunk after the reduce-scatter), see one chunk's
     # tokens: their gradients are partial sums, completed over TP.
     partial = [(model.get_submodule(name.rpartition(".")[0]), model.get_parameter(name)) for name in norms]
-    partial += [(m, m.bias) for path in blocks for m in model.get_submodule(path).modules()
-                if isinstance(m, LinearAllreduce) and m.bias is not None]
+    partial += [
+        (m, m.bias)
+        for path in blocks
+        for m in model.get_submodule(path).modules()
+        if isinstance(m, LinearAllreduce) and m.bias is not None
+    ]
     return [*scopes, *(GradHook(owner, param, only(grad_allreduce_hook(group))) for owner, param in partial)]
 
 
@@ -128,15 +144,17 @@ class WholeHiddenStates:
     def _whole(self, states):
         if not isinstance(states, tuple) or self.chunk_shape is None:
             return states
-        return tuple(gather_from_seq(h, self.group) if torch.is_tensor(h) and h.shape == self.chunk_shape else h
-                     for h in states)
+        return tuple(
+            gather_from_seq(h, self.group) if torch.is_tensor(h) and h.shape == self.chunk_shape else h for h in states
+        )
 
     def _whole_rows(self, logits: tuple) -> tuple:
         """Per-token rows of the chunk's tokens ([tokens, ...]: the routers' logits), gathered into the whole batch's;
         the backward keeps this rank's rows, as every TP rank computes the same loss from them."""
         rows = None if self.chunk_shape is None else self.chunk_shape[0] * self.chunk_shape[1]
-        return tuple(gather_from_seq(x, self.group, 0) if torch.is_tensor(x) and x.shape[0] == rows else x
-                     for x in logits)
+        return tuple(
+            gather_from_seq(x, self.group, 0) if torch.is_tensor(x) and x.shape[0] == rows else x for x in logits
+        )
 
 
 class Chunked:
@@ -150,6 +168,7 @@ class Chunked:
     def hook(self, on: bool):
         def set_on(module: nn.Module, *_) -> None:
             self.on = on
+
         return set_on
 
 
@@ -189,6 +208,7 @@ def _scoped_class(cls: type) -> type:
     """`cls` with a `forward` that runs the original inside the instance's `LayerScope` (one subclass per class), and
     hook registration that warns when a user's hook would see a chunk."""
     if cls not in _SCOPED:
+
         def forward(self, *args, **kwargs):
             with self.autotp_sequence_scope():
                 return cls.forward(self, *args, **kwargs)
@@ -201,10 +221,17 @@ def _scoped_class(cls: type) -> type:
             _warn_chunk_hook(cls, hook)
             return cls.register_forward_pre_hook(self, hook, *args, **kwargs)
 
-        _SCOPED[cls] = type(cls.__name__, (cls,), {
-            "forward": forward, "register_forward_hook": register_forward_hook,
-            "register_forward_pre_hook": register_forward_pre_hook, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__})
+        _SCOPED[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "forward": forward,
+                "register_forward_hook": register_forward_hook,
+                "register_forward_pre_hook": register_forward_pre_hook,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
     return _SCOPED[cls]
 
 
@@ -213,9 +240,12 @@ def _warn_chunk_hook(cls: type, hook) -> None:
     recorders, torch's and autotp's hooks are fine: their outputs are gathered or are chunks by design)."""
     owner = getattr(hook, "__module__", None) or type(hook).__module__ or ""
     if owner.split(".")[0] not in ("transformers", "torch", "autotp", "accelerate", "peft"):
-        warnings.warn(f"autotp: a hook on a {cls.__name__} under sequence_parallel sees this rank's chunk of the "
-                      f"sequence (token-major: its batch axis is not samples). Read output_hidden_states=True "
-                      f"(gathered into whole sequences) instead, or wrap with sequence_parallel=False", stacklevel=3)
+        warnings.warn(
+            f"autotp: a hook on a {cls.__name__} under sequence_parallel sees this rank's chunk of the "
+            f"sequence (token-major: its batch axis is not samples). Read output_hidden_states=True "
+            f"(gathered into whole sequences) instead, or wrap with sequence_parallel=False",
+            stacklevel=3,
+        )
 
 
 class ChunkDropout(TorchFunctionMode):
@@ -252,11 +282,21 @@ class ChunkDropout(TorchFunctionMode):
 
 def _config_dropout(config) -> bool:
     """Whether any dropout probability in the config (its sub-configs included) is above 0."""
+
     def nonzero(values: dict) -> bool:
-        return any(nonzero(v) if isinstance(v, dict) else (
-            isinstance(k, str) and ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float))
-            and not isinstance(v, bool) and v > 0)
-            for k, v in values.items())
+        return any(
+            nonzero(v)
+            if isinstance(v, dict)
+            else (
+                isinstance(k, str)
+                and ("dropout" in k or "pdrop" in k)
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and v > 0
+            )
+            for k, v in values.items()
+        )
+
     return nonzero(config.to_dict())
 
 

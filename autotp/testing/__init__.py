@@ -20,5 +20,15 @@ from .parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, assert_parity, compare_tra
 from .spawn import free_port, run_ranks
 from .tiny import tiny_config
 
-__all__ = ["GRAD_RTOL", "LOSS_ATOL", "PARAM_ATOL", "assert_parity", "compare_training", "free_port", "full_tensor",
-           "grad_error", "run_ranks", "tiny_config"]
+__all__ = [
+    "GRAD_RTOL",
+    "LOSS_ATOL",
+    "PARAM_ATOL",
+    "assert_parity",
+    "compare_training",
+    "free_port",
+    "full_tensor",
+    "grad_error",
+    "run_ranks",
+    "tiny_config",
+]

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..api import wrap
-from ..runtime.collectives import all_gather_full
-from ..runtime.rows import dp_full
 from ..mesh import Group
 from ..planning.probe import image_token, probe_inputs
+from ..runtime.collectives import all_gather_full
+from ..runtime.rows import dp_full
 from ..state import state_of
 
 # fp32 tolerances: tensor parallelism changes only the order of sums. Loss: absolute. Gradients: relative to
@@ -44,8 +44,9 @@ def grad_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).abs().max() / expected.abs().max().clamp_min(GRAD_FLOOR)).item()
 
 
-def training_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 1
-                    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
+def training_inputs(
+    model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 1
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
     """(input_ids, labels, other inputs) for one training batch of any task, from `autotp.planning.probe`.
 
     Seq2seq: the decoder ids are the labels (the model shifts them right). Vision-language: no loss on
@@ -69,9 +70,16 @@ def training_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int =
 
 
 def compare_training(
-    reference: nn.Module, ids: torch.Tensor | None, tp_size: int, steps: int = 3,
-    policy: str | Path | Mapping[str, Any] | None = None, lr: float = 1e-3, labels: torch.Tensor | None = None,
-    sequence_parallel: bool = False, vocab_parallel: bool = True, edit: Callable[[nn.Module], Any] | None = None,
+    reference: nn.Module,
+    ids: torch.Tensor | None,
+    tp_size: int,
+    steps: int = 3,
+    policy: str | Path | Mapping[str, Any] | None = None,
+    lr: float = 1e-3,
+    labels: torch.Tensor | None = None,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = True,
+    edit: Callable[[nn.Module], Any] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> dict:
     """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
@@ -86,8 +94,13 @@ def compare_training(
     `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.planning.probe`); `ids` may
     be None when they hold the model's main input (Whisper's `input_features`), and then `labels` is needed.
     """
-    model = wrap(copy.deepcopy(reference), tp_size, policy=policy, sequence_parallel=sequence_parallel,
-                 vocab_parallel=vocab_parallel)
+    model = wrap(
+        copy.deepcopy(reference),
+        tp_size,
+        policy=policy,
+        sequence_parallel=sequence_parallel,
+        vocab_parallel=vocab_parallel,
+    )
     if edit is not None:
         rng = torch.get_rng_state()
         edit(reference)
@@ -154,8 +167,13 @@ def compare_loading(rank: int, world: int, path: str, task: str | None = None) -
         "shards": sum(hasattr(p, "autotp_shard") for p in direct.parameters()),
         "logits": logits,
         "loss": losses[0] - losses[1],
-        "grads": [n for n, p in direct.named_parameters()
-                  if (p.grad is None) != (grads[n].grad is None) or p.grad is not None and not torch.equal(p.grad, grads[n].grad)],
+        "grads": [
+            n
+            for n, p in direct.named_parameters()
+            if (p.grad is None) != (grads[n].grad is None)
+            or p.grad is not None
+            and not torch.equal(p.grad, grads[n].grad)
+        ],
     }
 
 

@@ -60,8 +60,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, attempts: int = 3,
     """
     for attempt in range(1, attempts + 1):
         with tempfile.TemporaryDirectory() as out:
-            ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args, out, backend), nprocs=world,
-                                     join=False, start_method=_START)
+            ctx = mp.start_processes(
+                _entry, args=(world, free_port(), fn, args, out, backend), nprocs=world, join=False, start_method=_START
+            )
             try:
                 while not ctx.join(timeout=1):
                     pass

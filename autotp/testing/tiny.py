@@ -7,14 +7,34 @@ from transformers import AutoConfig, PretrainedConfig
 from ..planning.probe import IMAGE_TOKEN_KEYS
 
 SHRINK = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128, "head_dim": 16,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "head_dim": 16,
     "global_head_dim": 32,
-    "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "num_experts": 4, "num_local_experts": 4,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "ffn_dim": 128, "d_ff": 128, "n_inner": 128,
-    "encoder_layers": 2, "decoder_layers": 2, "d_model": 64, "encoder_attention_heads": 4,
-    "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-    "max_source_positions": 16, "num_mel_bins": 16, "decoder_vocab_size": 512,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "ffn_dim": 128,
+    "d_ff": 128,
+    "n_inner": 128,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "d_model": 64,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "max_source_positions": 16,
+    "num_mel_bins": 16,
+    "decoder_vocab_size": 512,
 }
 RECIPES = {  # tried in order until a model builds
     "shrunk": SHRINK,
@@ -25,8 +45,14 @@ RECIPES = {  # tried in order until a model builds
 
 # Vision towers (in a `vision_config`): small images, and outputs as wide as the tiny text model.
 VISION = {
-    "image_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 4, "projection_dim": 64,
-    "out_hidden_size": 64, "vision_output_dim": 64,
+    "image_size": 32,
+    "patch_size": 8,
+    "depth": 2,
+    "embed_dim": 64,
+    "num_heads": 4,
+    "projection_dim": 64,
+    "out_hidden_size": 64,
+    "vision_output_dim": 64,
 }
 # A composite model's own fields: as many image tokens as the tiny tower makes (4x4 patches, pooled to 4).
 COMPOSITE = {"mm_tokens_per_image": 4, "image_seq_length": 16, "projection_dim": 64}
@@ -87,8 +113,9 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
             setattr(config, key, token)
     for key, value in list(vars(config).items()):
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key or "drop_path" in key
-                                        or key.endswith("layerdrop")):
+        if isinstance(value, float) and (
+            "dropout" in key or "pdrop" in key or "jitter" in key or "drop_path" in key or key.endswith("layerdrop")
+        ):
             setattr(config, key, 0.0)
     _cut_per_layer(config, before, heterogeneous)
     if isinstance(getattr(config, "attention_types", None), list):  # GPT-Neo: [[kinds, repeats]] makes the list
@@ -121,6 +148,7 @@ def _cut_per_layer(config: PretrainedConfig, before: int | None, heterogeneous: 
         if "layer" in _invalid(config):
             setattr(config, key, value)
 
+
 def _invalid(config: PretrainedConfig) -> str:
     """Why the config's own checks refuse it (transformers runs them when it saves and loads), or ""."""
     try:
@@ -140,7 +168,8 @@ def _rope_sections(config: PretrainedConfig, default: bool) -> None:
     """Multimodal RoPE splits head_dim / 2 into sections (Qwen-VL's mrope_section, by `default` 16/24/24): fit the
     tiny head."""
     head_dim = getattr(config, "head_dim", None) or (
-        getattr(config, "hidden_size", 0) // max(getattr(config, "num_attention_heads", 1) or 1, 1))
+        getattr(config, "hidden_size", 0) // max(getattr(config, "num_attention_heads", 1) or 1, 1)
+    )
     for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
         if isinstance(rope, dict) and default:
             rope.setdefault("mrope_section", [16, 24, 24])

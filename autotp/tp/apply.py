@@ -14,17 +14,17 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..compat.hf import avoid_grouped_mm
-from ..runtime.grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from ..mesh import build_subgroups
-from .heads import AttentionWeights, tag_heads
-from .block_entry import BlockEntry
-from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
 from ..options import WrapOptions
-from ..planning.sharding import Partition
 from ..planning.plan import AttrPlan, HeadInputPlan
+from ..planning.sharding import Partition
+from ..runtime.grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from ..runtime.rng import sync_replicated_stream
-from .streams import install_sharded_streams
 from ..state import TPState, attach
+from .block_entry import BlockEntry
+from .heads import AttentionWeights, tag_heads
+from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
+from .streams import install_sharded_streams
 
 
 def apply_plan(model: nn.Module, state: TPState) -> None:
@@ -43,17 +43,27 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
             parent_path, _, name = layer.path.rpartition(".")
             parent = modules[parent_path]
             if parent_path not in entries:
-                entries[parent_path] = BlockEntry(tp_group, overlap=options.overlap,
-                                                  sequence_parallel=_sequence_parallel(options, layer.block))
+                entries[parent_path] = BlockEntry(
+                    tp_group, overlap=options.overlap, sequence_parallel=_sequence_parallel(options, layer.block)
+                )
                 parent.register_forward_hook(entries[parent_path].clear)
             setattr(parent, name, LinearLayer(getattr(parent, name), layer.partition, tp_group, entries[parent_path]))
     for layer in plan.layers:
         if layer.style != "column":
             parent_path, _, name = layer.path.rpartition(".")
             parent = modules[parent_path]
-            setattr(parent, name, LinearAllreduce(
-                getattr(parent, name), layer.partition, tp_group, entry=entries.get(parent_path),
-                sequence_parallel=_sequence_parallel(options, layer.block), recompute_glu=options.recompute_glu))
+            setattr(
+                parent,
+                name,
+                LinearAllreduce(
+                    getattr(parent, name),
+                    layer.partition,
+                    tp_group,
+                    entry=entries.get(parent_path),
+                    sequence_parallel=_sequence_parallel(options, layer.block),
+                    recompute_glu=options.recompute_glu,
+                ),
+            )
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
@@ -62,8 +72,9 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
     for head_input in plan.head_inputs:
-        modules[head_input.path].register_forward_pre_hook(state.sharded_only(_head_slicer(head_input, state)),
-                                                           with_kwargs=True)
+        modules[head_input.path].register_forward_pre_hook(
+            state.sharded_only(_head_slicer(head_input, state)), with_kwargs=True
+        )
     for heads in plan.attention:
         tag = functools.partial(tag_heads, heads, heads.local[rank][1])
         modules[heads.path].register_forward_hook(state.sharded_only(tag))
@@ -106,13 +117,21 @@ def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
             shard = getattr(param, "autotp_shard", None)
             if shard is not None and shard.partition.replicas(shard.rank) and id(param) not in seen:
                 seen.add(id(param))
-                hooks.append(GradHook(module, param,
-                                      state.sharded_only(replica_grad_hook(shard.partition, shard.rank, replicas))))
+                hooks.append(
+                    GradHook(
+                        module, param, state.sharded_only(replica_grad_hook(shard.partition, shard.rank, replicas))
+                    )
+                )
     for path in state.plan.head_norms:
         norm = model.get_submodule(path)
-        hooks += [GradHook(norm.get_submodule(name.rpartition(".")[0]), param,
-                           state.sharded_only(grad_allreduce_hook(state.tp_group)))
-                  for name, param in norm.named_parameters()]
+        hooks += [
+            GradHook(
+                norm.get_submodule(name.rpartition(".")[0]),
+                param,
+                state.sharded_only(grad_allreduce_hook(state.tp_group)),
+            )
+            for name, param in norm.named_parameters()
+        ]
     return hooks
 
 
@@ -130,7 +149,7 @@ def _head_slicer(plan: HeadInputPlan, state: TPState):
         if not torch.is_tensor(tensor):
             return None
         by_head = tensor.reshape(-1, plan.heads, *tensor.shape[1:])
-        kwargs[plan.name] = by_head[:, first:first + count].reshape(-1, *tensor.shape[1:])
+        kwargs[plan.name] = by_head[:, first : first + count].reshape(-1, *tensor.shape[1:])
         return args, kwargs
 
     return hook

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime.collectives import copy_to_tp
 from ..mesh import Group, group_size
-from .overlap import DeferredWeights, copy_to_tp_joined, deferred_column_linear
+from ..runtime.collectives import copy_to_tp
 from ..runtime.seq_collectives import SavedChunk
+from .overlap import DeferredWeights, copy_to_tp_joined, deferred_column_linear
 
 
 class BlockEntry:
@@ -66,15 +66,24 @@ class BlockEntry:
         if x is not self._source:
             grads = torch.is_grad_enabled()
             weights = [w for w in self._joining if w.requires_grad] if grads else []
-            readers = [r for r in self._readers if r.weight.requires_grad] if (
-                grads and self.overlap and not torch.compiler.is_compiling()) else []
-            entered, self._pending = copy_to_tp_joined(x, weights, self.group, [r.weight for r in readers],
-                                                       [r.transposed for r in readers])
+            readers = (
+                [r for r in self._readers if r.weight.requires_grad]
+                if (grads and self.overlap and not torch.compiler.is_compiling())
+                else []
+            )
+            entered, self._pending = copy_to_tp_joined(
+                x, weights, self.group, [r.weight for r in readers], [r.transposed for r in readers]
+            )
             self._source, self._copy = x, entered[0]
             self._clear_after_backward(x)
             self._joined = {id(w): view for w, view in zip(weights, entered[1:])}
-            self._deferred = {} if self._pending is None else {  # tp 1: nothing to overlap
-                id(r.weight): (view, i) for i, (r, view) in enumerate(zip(readers, entered[1 + len(weights):]))}
+            self._deferred = (
+                {}
+                if self._pending is None
+                else {  # tp 1: nothing to overlap
+                    id(r.weight): (view, i) for i, (r, view) in enumerate(zip(readers, entered[1 + len(weights) :]))
+                }
+            )
         return self._copy
 
     def linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

@@ -32,8 +32,10 @@ def _activation(node) -> Activation | None:
         return F.silu, torch.ops.aten.silu_backward
     if name == "GeluBackward0":
         approximate = node._saved_approximate
-        return (lambda x: F.gelu(x, approximate=approximate),
-                lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate=approximate))
+        return (
+            lambda x: F.gelu(x, approximate=approximate),
+            lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate=approximate),
+        )
     return None
 
 
@@ -51,8 +53,9 @@ def _operand(edge: tuple, column_output: Callable[[object, int], torch.Tensor | 
     return whole.split(node._saved_split_size, dim)[index]
 
 
-def match(x: torch.Tensor, column_output: Callable[[object, int], torch.Tensor | None]
-          ) -> tuple[Activation, torch.Tensor, torch.Tensor] | None:
+def match(
+    x: torch.Tensor, column_output: Callable[[object, int], torch.Tensor | None]
+) -> tuple[Activation, torch.Tensor, torch.Tensor] | None:
     """(activation, gate, up) if `x` is `act(gate) * up` (either order) of two column layers' outputs or two parts of
     one, found by `column_output(node, output_nr)`; else None."""
     if torch.compiler.is_compiling():  # reading the graph would break dynamo's
@@ -66,8 +69,12 @@ def match(x: torch.Tensor, column_output: Callable[[object, int], torch.Tensor |
         if act is None or up_edge[0] is None:
             continue
         gate, up = _operand(act_edge[0].next_functions[0], column_output), _operand(up_edge, column_output)
-        if gate is not None and up is not None and gate.shape == up.shape == x.shape and (
-                gate.dtype == up.dtype == x.dtype):
+        if (
+            gate is not None
+            and up is not None
+            and gate.shape == up.shape == x.shape
+            and (gate.dtype == up.dtype == x.dtype)
+        ):
             return act, gate, up
     return None
 
@@ -76,8 +83,15 @@ class _GLURowLinear(torch.autograd.Function):
     """The row layer's matmul on `act(gate) * up`, keeping gate and up: backward recomputes the product."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, product: torch.Tensor,
-                act: Activation, transposed: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        weight: torch.Tensor,
+        product: torch.Tensor,
+        act: Activation,
+        transposed: bool,
+    ) -> torch.Tensor:
         device = product.device.type
         if torch.is_autocast_enabled(device):  # autocast's cast, made here so backward sees the same dtypes
             dtype = torch.get_autocast_dtype(device)
@@ -102,8 +116,9 @@ class _GLURowLinear(torch.autograd.Function):
             return backward(grad_product * up, gate), grad_product * activated, grad_weight, None, None, None
 
 
-def glu_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool,
-               found: tuple[Activation, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def glu_linear(
+    x: torch.Tensor, weight: torch.Tensor, transposed: bool, found: tuple[Activation, torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """`x @ W.T` (no bias) for `x = act(gate) * up` as `match` found it, saving gate and up instead of `x`."""
     act, gate, up = found
     return _GLURowLinear.apply(gate, up, weight, x.detach(), act, transposed)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.collectives import gather_from_tp
 from ..mesh import Group
 from ..planning.plan import HeadsPlan
+from ..runtime.collectives import gather_from_tp
 
 _TAG = "autotp_heads"
 
@@ -49,8 +49,9 @@ class AttentionWeights:
     def _whole(self, weights):
         if not isinstance(weights, tuple):
             return weights
-        return tuple(self._gather(w, getattr(w, _TAG)) if torch.is_tensor(w) and hasattr(w, _TAG) else w
-                     for w in weights)
+        return tuple(
+            self._gather(w, getattr(w, _TAG)) if torch.is_tensor(w) and hasattr(w, _TAG) else w for w in weights
+        )
 
     def _gather(self, tensor: torch.Tensor, heads: HeadsPlan) -> torch.Tensor:
         return gather_from_tp(tensor, heads.partition(1), self.group)

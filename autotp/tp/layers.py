@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .block_entry import BlockEntry
-from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
-from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
-from .glu import glu_linear, match
-from ..mesh import Group, group_rank, group_size
-from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
 from ..compat.hf import is_conv1d
+from ..mesh import Group, group_rank, group_size
 from ..planning.sharding import Partition
+from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
+from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
+from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
+from .block_entry import BlockEntry
+from .glu import glu_linear, match
 
 
 class ParallelLinear(nn.Linear):
@@ -48,8 +48,11 @@ class ParallelLinear(nn.Linear):
         self.bias = None
         if linear.bias is not None:
             bias_partition = self._bias_partition()
-            self.bias = (nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-                         if bias_partition is None else shard_parameter(linear.bias, bias_partition, self.tp_rank))
+            self.bias = (
+                nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+                if bias_partition is None
+                else shard_parameter(linear.bias, bias_partition, self.tp_rank)
+            )
         self._set_features()
 
     def _bias_partition(self) -> Partition | None:
@@ -141,8 +144,15 @@ class LinearLayer(ParallelLinear):
     (Megatron's overlap, `wrap(overlap=...)`); `entry` is shared by sibling layers reading the same input.
     """
 
-    def __init__(self, linear: nn.Module, partition: Partition, group: Group, entry: BlockEntry | None = None, *,
-                 overlap: bool | None = None):
+    def __init__(
+        self,
+        linear: nn.Module,
+        partition: Partition,
+        group: Group,
+        entry: BlockEntry | None = None,
+        *,
+        overlap: bool | None = None,
+    ):
         super().__init__(linear, partition, group)
         expected = 1 if self.transposed else 0
         if partition.dim != expected:
@@ -186,8 +196,17 @@ class LinearLayer(ParallelLinear):
 class LinearAllreduce(ParallelLinear):
     """Row-parallel linear: weight split on the input dim, partial outputs all-reduced, bias added once after."""
 
-    def __init__(self, linear: nn.Module, partition: Partition, group: Group, *, entry: BlockEntry | None = None,
-                 sequence_parallel: bool = False, recompute_glu: bool = True, block_entry: BlockEntry | None = None):
+    def __init__(
+        self,
+        linear: nn.Module,
+        partition: Partition,
+        group: Group,
+        *,
+        entry: BlockEntry | None = None,
+        sequence_parallel: bool = False,
+        recompute_glu: bool = True,
+        block_entry: BlockEntry | None = None,
+    ):
         super().__init__(linear, partition, group)
         self.sequence_parallel = sequence_parallel  # reduce-scatter the output along the sequence, not all-reduce
         # its block's column entry, as `LinearLayer.entry` (autotp.tp.glu; gathered again early, SP);

@@ -32,15 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.collectives import reduce_from_tp_joined
-from ..runtime.grad_hooks import GradHook, replica_grad_hook
-from ..runtime.shards import gather_parameter_, partition_parameter_
-from .layers import LinearAllreduce, LinearLayer, ParallelLinear
-from ..runtime.replicas import broadcast_tensors
-from .streams import shared_draws
 from ..compat import peft as peft_compat
 from ..planning.sharding import Partition, Shard
+from ..runtime.collectives import reduce_from_tp_joined
+from ..runtime.grad_hooks import GradHook, replica_grad_hook
+from ..runtime.replicas import broadcast_tensors
+from ..runtime.shards import gather_parameter_, partition_parameter_
 from ..state import TPState, find_state
+from .layers import LinearAllreduce, LinearLayer, ParallelLinear
+from .streams import shared_draws
 
 
 def is_lora_linear(module: nn.Module | None, layer: nn.Module) -> bool:
@@ -89,8 +89,10 @@ class TPLora:
         """PEFT's mixed-adapter batches (`adapter_names`, evaluation only): PEFT's forward on the replicated input of a
         column layer; on a row layer every term is partial, so its sum is reduced once, then the bias added."""
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.lora.parameters()):
-            raise NotImplementedError(f"autotp: {self.path}: PEFT's mixed-adapter batches (adapter_names=...) run "
-                                      f"under torch.no_grad() only with tensor parallelism")
+            raise NotImplementedError(
+                f"autotp: {self.path}: PEFT's mixed-adapter batches (adapter_names=...) run "
+                f"under torch.no_grad() only with tensor parallelism"
+            )
         if self.column:
             return type(self.lora).forward(self.lora, self.layer.entry(x), *args, **kwargs)
         (result,) = reduce_from_tp_joined([type(self.lora).forward(self.lora, x, *args, **kwargs)], self.layer.group)
@@ -161,8 +163,10 @@ class TPLora:
             partition = adapter_partition(self.layer, half)
             for param in getattr(self.lora, half)[name].parameters():
                 if partition is not None and param.shape[partition.dim] != partition.full_size:
-                    raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim "
-                                       f"{partition.dim} should be the layer's full {partition.full_size}")
+                    raise RuntimeError(
+                        f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim "
+                        f"{partition.dim} should be the layer's full {partition.full_size}"
+                    )
                 params.append(param)
         broadcast_tensors(params, self.layer.group)
 
@@ -170,16 +174,20 @@ class TPLora:
         where = f"autotp: LoRA adapter {name!r} on {self.path}"
         if name in getattr(self.lora, "lora_variant", {}):
             variant = type(self.lora.lora_variant[name]).__name__
-            raise NotImplementedError(f"{where} uses {variant} (DoRA or another LoRA variant), which autotp does not "
-                                      f"shard yet; use plain LoRA")
+            raise NotImplementedError(
+                f"{where} uses {variant} (DoRA or another LoRA variant), which autotp does not "
+                f"shard yet; use plain LoRA"
+            )
         if self.state.is_gathered():
             raise RuntimeError(f"{where} was added inside GatherReplacedLayerParams; add adapters outside it")
         if self.layer.sequence_parallel:
-            raise NotImplementedError(f"{where}: LoRA with sequence parallelism is not supported yet; wrap with "
-                                      f"sequence_parallel=False")
+            raise NotImplementedError(
+                f"{where}: LoRA with sequence parallelism is not supported yet; wrap with sequence_parallel=False"
+            )
         if not self.column and self.lora.lora_B[name].bias is not None:
-            raise NotImplementedError(f"{where}: lora_bias on a row-parallel layer would be added once per rank; "
-                                      f"use lora_bias=False")
+            raise NotImplementedError(
+                f"{where}: lora_bias on a row-parallel layer would be added once per rank; use lora_bias=False"
+            )
 
     def _adapt_column(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A replicated (same on every rank, gradient summed); lora_B split like the base weight's rows."""
@@ -190,8 +198,13 @@ class TPLora:
         self.layer.entry.join(a)  # its gradient is summed with the input's (BlockEntry.weight)
         if rows.replicas(self.layer.tp_rank):  # replicated KV rows: summed over their holders, as the base weight's
             owner = self.lora.lora_B[self._name_of(b)]
-            self.hooks.append(GradHook(owner, b, self.state.sharded_only(
-                replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups))))
+            self.hooks.append(
+                GradHook(
+                    owner,
+                    b,
+                    self.state.sharded_only(replica_grad_hook(rows, self.layer.tp_rank, self.state.replica_groups)),
+                )
+            )
 
     def _adapt_row(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A split like the base weight's columns, drawn as PEFT draws it over the full width; lora_B replicated."""
@@ -212,16 +225,20 @@ class TPLora:
         if full:
             param.data = partition.shard(param.detach(), rank)
         if param.shape[dim] != partition.local_size(rank):
-            raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
-                               f"should be this rank's {partition.local_size(rank)} of {partition.full_size}")
+            raise RuntimeError(
+                f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
+                f"should be this rank's {partition.local_size(rank)} of {partition.full_size}"
+            )
         param.autotp_shard = Shard(partition, rank)
 
     def _replicate(self, param: nn.Parameter, dim: int, size: int, shared: bool) -> None:
         """`param` the same on every TP rank (TP rank 0's values, broadcast unless `shared` already); the forward
         keeps its gradient whole on each."""
         if param.shape[dim] != size:
-            raise RuntimeError(f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
-                               f"should be the layer's full {size}")
+            raise RuntimeError(
+                f"autotp: LoRA on {self.path} holds a tensor of shape {tuple(param.shape)}; dim {dim} "
+                f"should be the layer's full {size}"
+            )
         if not shared:
             broadcast_tensors([param], self.layer.group)
 
@@ -229,8 +246,12 @@ class TPLora:
         return next(n for n, m in self.lora.lora_B.items() if m.weight is b)
 
     def _sharded(self) -> list[nn.Parameter]:
-        return [p for m in (*self.lora.lora_A.values(), *self.lora.lora_B.values()) for p in m.parameters()
-                if hasattr(p, "autotp_shard")]
+        return [
+            p
+            for m in (*self.lora.lora_A.values(), *self.lora.lora_B.values())
+            for p in m.parameters()
+            if hasattr(p, "autotp_shard")
+        ]
 
     def gather_(self) -> None:
         """Full adapter weights, as for the base layer (GatherReplacedLayerParams, saving); PEFT's own forward runs."""
@@ -286,10 +307,12 @@ def adapt(current: nn.Module | None, layer: ParallelLinear, path: str, state: TP
             layer.autotp_lora.release()
         return True
     if state.fsdp and peft_compat.is_peft_module(current):
-        raise NotImplementedError(f"autotp: {path} was wrapped by PEFT ({type(current).__name__}) after "
-                                  f"autotp.fully_shard; PEFT adapters under FSDP are not supported yet (FSDP would "
-                                  f"not reduce their gradients over data parallelism). Train adapters under DDP over "
-                                  f"autotp.dp_group, as AutoTPTrainer does")
+        raise NotImplementedError(
+            f"autotp: {path} was wrapped by PEFT ({type(current).__name__}) after "
+            f"autotp.fully_shard; PEFT adapters under FSDP are not supported yet (FSDP would "
+            f"not reduce their gradients over data parallelism). Train adapters under DDP over "
+            f"autotp.dp_group, as AutoTPTrainer does"
+        )
     if getattr(current, "original_module", None) is layer and trainable_copies(current):
         return True
     if not is_lora_linear(current, layer) or not isinstance(layer, (LinearLayer, LinearAllreduce)):
@@ -316,10 +339,12 @@ def build_adapter(request: peft_compat.AdapterRequest, build: Callable[[], None]
         return build()
     path, state = found
     if request.init not in RANDOM_INITS:
-        raise NotImplementedError(f"autotp: LoRA adapter {request.name!r} on {path}: init_lora_weights="
-                                  f"{request.init!r} computes the adapter from the layer's weight or inputs, which "
-                                  f"are this rank's shard after wrap; call get_peft_model (and the init) before "
-                                  f"autotp.wrap, or use init_lora_weights=True or 'gaussian'")
+        raise NotImplementedError(
+            f"autotp: LoRA adapter {request.name!r} on {path}: init_lora_weights="
+            f"{request.init!r} computes the adapter from the layer's weight or inputs, which "
+            f"are this rank's shard after wrap; call get_peft_model (and the init) before "
+            f"autotp.wrap, or use init_lora_weights=True or 'gaussian'"
+        )
     lora.in_features, lora.out_features = layer.full_in, layer.full_out  # what PEFT sizes the adapter by
     try:
         build()
@@ -344,7 +369,8 @@ def _refuse_copied_embedding(request: peft_compat.AdapterRequest, found: tuple[s
             f"which autotp.wrap split by vocabulary (vocab parallelism); autotp does not shard such a copy yet. "
             f"Nothing was changed. Wrap with vocab_parallel=False (the embedding is then whole on every rank and its "
             f"copy trains as in one process), or leave {named[0]!r} out of modules_to_save (a copy of the LM head "
-            f"works under vocab parallelism)")
+            f"works under vocab parallelism)"
+        )
 
 
 def _refused_later(request: peft_compat.AdapterRequest, layer: ParallelLinear, state: TPState) -> bool:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..state import TPState
 from .layers import LinearAllreduce, LinearLayer
 from .lora import TPLora, is_lora_linear
-from ..state import TPState
 
 
 def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -19,8 +19,10 @@ def lift(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     for path, module in model.named_modules():
         if is_lora_linear(module, getattr(module, "base_layer", None)):
             if getattr(module, "lora_variant", None):
-                raise NotImplementedError(f"autotp: {path} uses a LoRA variant (DoRA or another), which autotp does not "
-                                          f"shard yet; use plain LoRA")
+                raise NotImplementedError(
+                    f"autotp: {path} uses a LoRA variant (DoRA or another), which autotp does not "
+                    f"shard yet; use plain LoRA"
+                )
             if any(m.bias is not None for m in module.lora_B.values()):
                 raise NotImplementedError(f"autotp: {path} has lora_bias, which autotp does not shard yet")
             parent, _, name = path.rpartition(".")

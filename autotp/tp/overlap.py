@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime.collectives import all_reduce_packed, weight_grad
 from ..mesh import Group, group_size
+from ..runtime.collectives import all_reduce_packed, weight_grad
 
 
 class DeferredWeights:
@@ -35,8 +35,9 @@ class _DeferredColumnLinear(torch.autograd.Function):
     """A column layer's matmul on the entered input: backward returns dL/dX now and leaves dL/dW to the entry."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, deferred: DeferredWeights,
-                index: int) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, deferred: DeferredWeights, index: int
+    ) -> torch.Tensor:
         device = x.device.type
         if torch.is_autocast_enabled(device):  # autocast's cast, made here so backward sees the same dtypes
             dtype = torch.get_autocast_dtype(device)
@@ -56,8 +57,9 @@ class _DeferredColumnLinear(torch.autograd.Function):
         return grad @ matrix, None, grad_bias, None, None
 
 
-def deferred_column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           deferred: DeferredWeights, index: int) -> torch.Tensor:
+def deferred_column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, deferred: DeferredWeights, index: int
+) -> torch.Tensor:
     """`F.linear` on an entered input whose weight gradient is computed during the entry's all-reduce."""
     return _DeferredColumnLinear.apply(x, weight, bias, deferred, index)
 
@@ -67,15 +69,21 @@ class _CopyToTPJoined(torch.autograd.Function):
     with the weights' partial gradients, while the deferred weight gradients of the layers reading it compute."""
 
     @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, deferred: DeferredWeights | None, joined: int, x: torch.Tensor,
-                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx,
+        group: dist.ProcessGroup,
+        deferred: DeferredWeights | None,
+        joined: int,
+        x: torch.Tensor,
+        *weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.deferred, ctx.joined = group, deferred, joined
         ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in (x, *weights))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        reduced = grads[:ctx.joined + 1]  # dL/dX and the replicated weights' partial gradients
+        reduced = grads[: ctx.joined + 1]  # dL/dX and the replicated weights' partial gradients
         wanted = [i for i, grad in enumerate(reduced) if ctx.needs_input_grad[i + 3] and grad is not None]
         later: list = []
         meanwhile = None if ctx.deferred is None else lambda: later.extend(ctx.deferred.grads())
@@ -90,9 +98,13 @@ class _CopyToTPJoined(torch.autograd.Function):
         return (None, None, None, *result)
 
 
-def copy_to_tp_joined(x: torch.Tensor, weights: list[torch.Tensor], group: Group,
-                      deferred: list[torch.Tensor] = (), transposed: list[bool] = ()
-                      ) -> tuple[list[torch.Tensor], DeferredWeights | None]:
+def copy_to_tp_joined(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    group: Group,
+    deferred: list[torch.Tensor] = (),
+    transposed: list[bool] = (),
+) -> tuple[list[torch.Tensor], DeferredWeights | None]:
     """`copy_to_tp` of `x`, and `weights` (replicated, each rank's gradient partial) entering with it: ([x, *weights,
     *deferred] as used inside the span, the DeferredWeights). The weights' gradients are summed over the TP group
     in the same all-reduce as x's; the `deferred` weights' (the column layers', `transposed` when stored [in, out])

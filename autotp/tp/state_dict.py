@@ -28,13 +28,15 @@ import torch
 from torch import nn
 
 from ..planning.sharding import Shard
-from .layers import ParallelLinear
 from ..state import TPState
+from .layers import ParallelLinear
 
 _KEY = "autotp"  # in a module's `_metadata` entry: {"tp_rank": r, "tp_size": n}
-_HOW = ("Save and load with autotp.save_checkpoint / autotp.load_checkpoint (every rank its own rows), load each "
-        "rank's own model.state_dict() on that rank, or load a full state dict (a one-process model's, or one taken "
-        "inside autotp.GatherReplacedLayerParams). Nothing was loaded.")
+_HOW = (
+    "Save and load with autotp.save_checkpoint / autotp.load_checkpoint (every rank its own rows), load each "
+    "rank's own model.state_dict() on that rank, or load a full state dict (a one-process model's, or one taken "
+    "inside autotp.GatherReplacedLayerParams). Nothing was loaded."
+)
 
 
 def guard_state_dicts(model: nn.Module, state: TPState) -> None:
@@ -109,8 +111,9 @@ def _owners(model: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     a vocab-split embedding). Not LoRA's halves nor PEFT's `modules_to_save` copies: `autotp.io.rollout.adapters` slices
     those, and an adapter file holds them at shard size."""
     for path, module in model.named_modules(prefix=prefix[:-1]):
-        if (isinstance(module, ParallelLinear) or hasattr(module, "autotp_region")) and \
-                "modules_to_save" not in path.split("."):
+        if (
+            isinstance(module, ParallelLinear) or hasattr(module, "autotp_region")
+        ) and "modules_to_save" not in path.split("."):
             yield path, module
 
 
@@ -129,24 +132,37 @@ def _check(key: str, tensor: Any, shard: Shard, record: dict | None, local_metad
     partition, rank = shard.partition, shard.rank
     size = partition.tp_size
     if local_metadata.get("assign_to_params_buffers", False):
-        raise RuntimeError(f"autotp: load_state_dict(assign=True) would replace the sharded parameter {key} with a "
-                           f"plain tensor; load without assign=True")
+        raise RuntimeError(
+            f"autotp: load_state_dict(assign=True) would replace the sharded parameter {key} with a "
+            f"plain tensor; load without assign=True"
+        )
     if record is not None and (record.get("tp_rank"), record.get("tp_size")) != (rank, size):
-        raise RuntimeError(f"autotp: state dict tensor {key} {tuple(tensor.shape)} was saved by TP rank "
-                           f"{record.get('tp_rank')} of {record.get('tp_size')}, but this is TP rank {rank} of {size}: "
-                           f"its rows belong to another rank or layout. {_HOW}")
+        raise RuntimeError(
+            f"autotp: state dict tensor {key} {tuple(tensor.shape)} was saved by TP rank "
+            f"{record.get('tp_rank')} of {record.get('tp_size')}, but this is TP rank {rank} of {size}: "
+            f"its rows belong to another rank or layout. {_HOW}"
+        )
     rows = tensor.shape[partition.dim] if tensor.dim() > partition.dim else None
     mine = partition.local_size(rank)
     if record is not None or rows is None or rows == mine == partition.full_size:
-        return False  # recorded as this rank's, not a tensor of this layout at all (torch names it), or whole everywhere
+        return (
+            False  # recorded as this rank's, not a tensor of this layout at all (torch names it), or whole everywhere
+        )
     if rows == partition.full_size:
         return True
     holders = [r for r in range(size) if partition.runs[r] != partition.runs[rank] and partition.local_size(r) == rows]
     if rows == mine and not holders:
         return False  # only this rank's rows have this shape
-    what = (f"TP ranks {[rank, *holders]} all hold {rows} rows" if rows == mine else
-            f"it is TP rank {holders[0]}'s shape" if holders else f"this rank holds {mine}")
-    raise RuntimeError(f"autotp: state dict tensor {key} {tuple(tensor.shape)} has {rows} rows on dim {partition.dim} "
-                       f"(the full tensor has {partition.full_size}; {what}) and no record of the rank that saved it "
-                       f"(a state dict saved without its metadata, by safetensors say), so whose rows it holds is "
-                       f"unknown on TP rank {rank} of {size}. {_HOW}")
+    what = (
+        f"TP ranks {[rank, *holders]} all hold {rows} rows"
+        if rows == mine
+        else f"it is TP rank {holders[0]}'s shape"
+        if holders
+        else f"this rank holds {mine}"
+    )
+    raise RuntimeError(
+        f"autotp: state dict tensor {key} {tuple(tensor.shape)} has {rows} rows on dim {partition.dim} "
+        f"(the full tensor has {partition.full_size}; {what}) and no record of the rank that saved it "
+        f"(a state dict saved without its metadata, by safetensors say), so whose rows it holds is "
+        f"unknown on TP rank {rank} of {size}. {_HOW}"
+    )

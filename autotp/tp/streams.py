@@ -19,6 +19,7 @@ from .layers import LinearAllreduce, LinearLayer
 
 _OFFSET = 2718281  # keeps rank r's block seeds away from rank 0's
 
+
 class ShardedStream:
     """Runs one TP span under a per-rank seed drawn from the shared stream, then restores the shared one.
 

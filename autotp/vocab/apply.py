@@ -37,9 +37,11 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     loss = VocabParallelLoss(vocab.partition, tp_group, state.full_loss)
     patch_attribute(model, "loss_function", loss)
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
-    state.vocab_hooks += [model.register_forward_pre_hook(gate.before, with_kwargs=True),
-                          model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),
-                          head.register_forward_hook(state.sharded_only(gate.head_after))]
+    state.vocab_hooks += [
+        model.register_forward_pre_hook(gate.before, with_kwargs=True),
+        model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),
+        head.register_forward_hook(state.sharded_only(gate.head_after)),
+    ]
 
 
 def vocab_parallel(model: nn.Module, plan: Plan, state: TPState) -> None:

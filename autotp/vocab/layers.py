@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
 from ..mesh import Group, group_rank, group_size
+from ..planning.sharding import Partition
+from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
 from ..runtime.lazy_logits import lazy_logits
 from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
-from ..planning.sharding import Partition
 
 
 class VocabParallelEmbedding:
@@ -29,13 +29,15 @@ class VocabParallelEmbedding:
     def __init__(self, module: nn.Embedding, partition: Partition, group: Group, state):
         self.module, self.group = module, group
         rank = group_rank(group)
-        (self.start, self.count), = partition.runs[rank]
+        ((self.start, self.count),) = partition.runs[rank]
         self.full_rows, self.full_padding = module.num_embeddings, module.padding_idx
         module.weight = shard_parameter(module.weight, partition, rank)
         self._set_rows(full=False)
         self._mask: torch.Tensor | None = None
-        self._hooks = [module.register_forward_pre_hook(state.sharded_only(self._enter)),
-                       module.register_forward_hook(state.sharded_only(self._leave))]
+        self._hooks = [
+            module.register_forward_pre_hook(state.sharded_only(self._enter)),
+            module.register_forward_hook(state.sharded_only(self._leave)),
+        ]
         module.autotp_region = self
 
     def release(self) -> None:
@@ -52,8 +54,9 @@ class VocabParallelEmbedding:
             return
         self.module.num_embeddings = self.count
         padding = self.full_padding
-        self.module.padding_idx = padding - self.start if padding is not None and 0 <= padding - self.start < self.count \
-            else None
+        self.module.padding_idx = (
+            padding - self.start if padding is not None and 0 <= padding - self.start < self.count else None
+        )
 
     def _enter(self, module, args):
         ids = args[0]
@@ -80,8 +83,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     fresh full-size tensor also costs its page faults."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, full_vocab: int, ignore_index: int,
-                smoothing: float, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        start: int,
+        full_vocab: int,
+        ignore_index: int,
+        smoothing: float,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
         ctx.dtype = logits.dtype
         logits = logits.float()
         softmax = torch.softmax(logits, dim=-1)
@@ -131,23 +142,45 @@ class VocabParallelLoss:
 
     def __init__(self, partition: Partition, group: Group, full_loss: Callable[..., torch.Tensor]):
         self.group, self.full_loss = group, full_loss
-        (self.start, _), = partition.runs[group_rank(group)]
+        ((self.start, _),) = partition.runs[group_rank(group)]
         self.full_vocab = partition.full_size
         self.calls = 0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
-                 num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: torch.Tensor | None = None,
-                 label_smoothing: float = 0.0, **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        label_smoothing: float = 0.0,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if logits.shape[-1] == self.full_vocab:
-            return self.full_loss(logits, labels, vocab_size=self.full_vocab, num_items_in_batch=num_items_in_batch,
-                                  ignore_index=ignore_index, shift_labels=shift_labels,
-                                  label_smoothing=label_smoothing, **kwargs)
+            return self.full_loss(
+                logits,
+                labels,
+                vocab_size=self.full_vocab,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                label_smoothing=label_smoothing,
+                **kwargs,
+            )
         self.calls += 1
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.reshape(-1).to(logits.device)
-        losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target, self.start,
-                                                  self.full_vocab, ignore_index, float(label_smoothing), self.group)
+        losses = _VocabParallelCrossEntropy.apply(
+            logits.reshape(-1, logits.shape[-1]),
+            target,
+            self.start,
+            self.full_vocab,
+            ignore_index,
+            float(label_smoothing),
+            self.group,
+        )
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(losses.device)
@@ -174,15 +207,19 @@ class LogitsGate:
         self.partition, self.group, self.state, self.loss = partition, group, state, loss
         self._calls_before = 0
         self.gathers = 0  # how many times logits were gathered (a training step reading only its loss: none)
-        (_, self.local), = partition.runs[group_rank(group)]
+        ((_, self.local),) = partition.runs[group_rank(group)]
 
     def before(self, module: nn.Module, args, kwargs) -> None:
         self._calls_before = self.loss.calls
 
     def head_after(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
         """The head's logits gathered, differentiably, when it was called outside the model's forward."""
-        if self.state.forwards or not torch.is_tensor(output) or output.shape[-1] != self.local or \
-                self.local == self.partition.full_size:
+        if (
+            self.state.forwards
+            or not torch.is_tensor(output)
+            or output.shape[-1] != self.local
+            or self.local == self.partition.full_size
+        ):
             return None
         return self._gather(output)
 
@@ -198,7 +235,8 @@ class LogitsGate:
         if has_loss and self.loss.calls == self._calls_before:
             raise RuntimeError(
                 f"{type(module).__name__} computed its loss without self.loss_function, on this rank's "
-                f"{logits.shape[-1]} of {self.partition.full_size} vocabulary logits; wrap it with vocab_parallel=False")
+                f"{logits.shape[-1]} of {self.partition.full_size} vocabulary logits; wrap it with vocab_parallel=False"
+            )
         if module.training and has_loss:  # gathering batch x seq x vocab for a loss computed on shards wastes memory
             return lazy_logits(output, lambda: self._gather(logits))
         output.logits = self._gather(logits)
@@ -213,4 +251,4 @@ class LogitsGate:
         at = next((i for i, x in enumerate(output) if torch.is_tensor(x) and x.ndim >= 2), None)
         if at is None or output[at].shape[-1] != self.local:
             return output
-        return type(output)((*output[:at], self._gather(output[at]), *output[at + 1:]))
+        return type(output)((*output[:at], self._gather(output[at]), *output[at + 1 :]))

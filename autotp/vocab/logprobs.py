@@ -23,8 +23,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     local backward."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, start: int, full_vocab: int,
-                group: dist.ProcessGroup, outputs: tuple[str, ...]):
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        start: int,
+        full_vocab: int,
+        group: dist.ProcessGroup,
+        outputs: tuple[str, ...],
+    ):
         ctx.set_materialize_grads(False)  # an entropy read for logging only gets no gradient
         z = logits.float()
         rows, width = z.shape
@@ -71,15 +78,22 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         grad = torch.zeros_like(z)
         if grad_log_probs is not None:  # d log p_t / dz_j = 1[j = t] - p_j
             grad -= grad_log_probs.float().unsqueeze(-1) * p
-            grad.scatter_add_(-1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1),
-                              (grad_log_probs.float() * mine).unsqueeze(-1))
+            grad.scatter_add_(
+                -1, local.clamp(0, z.shape[-1] - 1).unsqueeze(-1), (grad_log_probs.float() * mine).unsqueeze(-1)
+            )
         if grad_entropy is not None:  # d H / dz_j = -p_j (log p_j + H)
             grad -= grad_entropy.float().unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None, None, None
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, start: int, full_vocab: int,
-                             group: dist.ProcessGroup, outputs: tuple[str, ...] = ()) -> tuple:
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    start: int,
+    full_vocab: int,
+    group: dist.ProcessGroup,
+    outputs: tuple[str, ...] = (),
+) -> tuple:
     """`(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)` of `target` ([N]) under this rank's logit
     shard ([N, vocab rows from `start`]); the statistics not named in `outputs` are None. Collective over `group`."""
     unknown = set(outputs) - set(STATISTICS) - {"log_probs"}

@@ -16,8 +16,9 @@ from ..state import find_state
 from .logprobs import vocab_parallel_log_probs
 
 
-def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    temperature: float = 1.0) -> torch.Tensor:
+def token_log_probs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, temperature: float = 1.0
+) -> torch.Tensor:
     """log p(input_ids[:, t + 1] | input_ids[:, :t + 1]) as [batch, seq - 1], fp32, differentiable; logits divided
     by `temperature` first (as a sampler's). Collective over the TP group when the LM head is vocab-sharded: every
     TP rank calls it with the same batch."""
@@ -28,9 +29,11 @@ def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
         return torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     if state.options.sequence_parallel or state.cp_group is not None:
-        raise NotImplementedError("autotp: token_log_probs under sequence or context parallelism is not supported "
-                                  "yet (the backbone's output is split by sequence there)")
-    (start, _), = vocab.partition.runs[group_rank(state.tp_group)]
+        raise NotImplementedError(
+            "autotp: token_log_probs under sequence or context parallelism is not supported "
+            "yet (the backbone's output is split by sequence there)"
+        )
+    ((start, _),) = vocab.partition.runs[group_rank(state.tp_group)]
     state.forwards += 1  # as inside the model's forward: the head keeps its logits sharded
     try:
         hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -42,6 +45,7 @@ def token_log_probs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     if (softcap := getattr(config, "final_logit_softcapping", None)) is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
-    log_probs = vocab_parallel_log_probs(logits.flatten(0, 1), target.flatten(), start, vocab.partition.full_size,
-                                         state.tp_group)[0]
+    log_probs = vocab_parallel_log_probs(
+        logits.flatten(0, 1), target.flatten(), start, vocab.partition.full_size, state.tp_group
+    )[0]
     return log_probs.view(target.shape)

@@ -13,10 +13,14 @@ from autotp.testing import parity
 from autotp.testing.varlen import varlen_reference
 from models import RESUME_LORA, batch, tiny_model
 
-CP_FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen3": {}, "mixtral": {},  # llama: 2 KV heads
-               "llama_mqa": dict(num_key_value_heads=1),  # one KV head: replicated on both TP ranks at tp=2
-               "qwen3_uneven": dict(num_attention_heads=6, num_key_value_heads=2),  # tp=4: heads 2/2/1/1
-               "mixtral_aux": dict(output_router_logits=True, router_aux_loss_coef=0.5)}  # the load-balancing loss
+CP_FAMILIES = {
+    "llama": dict(num_key_value_heads=2),
+    "qwen3": {},
+    "mixtral": {},  # llama: 2 KV heads
+    "llama_mqa": dict(num_key_value_heads=1),  # one KV head: replicated on both TP ranks at tp=2
+    "qwen3_uneven": dict(num_attention_heads=6, num_key_value_heads=2),  # tp=4: heads 2/2/1/1
+    "mixtral_aux": dict(output_router_logits=True, router_aux_loss_coef=0.5),
+}  # the load-balancing loss
 
 
 def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
@@ -37,7 +41,7 @@ def cp_inputs(mode: str, rows: int = 2, seq: int = 16) -> tuple[dict, dict]:
         positions = torch.stack([torch.cat([torch.arange(n) for n in lengths[r % 2]]) for r in range(rows)])
         inputs = {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
         return inputs, dict(inputs)
-    ids, labels = ids[:, :seq - 2], labels[:, :seq - 2]
+    ids, labels = ids[:, : seq - 2], labels[:, : seq - 2]
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
     mask[0, :2] = 0
@@ -61,8 +65,19 @@ def cp_models(family: str, attn: str = "sdpa") -> tuple[nn.Module, nn.Module]:
     return reference, model
 
 
-def cp_parity(rank: int, world: int, family: str, tp: int, cp: int, mode: str = "plain", fsdp: bool = False,
-              attn: str = "sdpa", checkpointing: bool = False, sequence_parallel: bool = False, steps: int = 3) -> dict:
+def cp_parity(
+    rank: int,
+    world: int,
+    family: str,
+    tp: int,
+    cp: int,
+    mode: str = "plain",
+    fsdp: bool = False,
+    attn: str = "sdpa",
+    checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    steps: int = 3,
+) -> dict:
     """Runs on each rank: a tiny `family` model in one process against a copy wrapped at tp x cp (x dp, under
     `autotp.fully_shard` if asked), `steps` AdamW steps on one global batch (DP replica d its rows d::dp). Returns
     the worst loss difference, gradient error (step 0) and parameter difference, as `autotp.testing.parity`."""
@@ -162,8 +177,9 @@ def cp_lora_parity(rank: int, world: int, tp: int) -> dict:
     inputs, ref_inputs = cp_inputs("packed")
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ref_params = dict(reference.named_parameters())
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
-                  for m in (reference, model)]
+    optimizers = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, eps=1e-6) for m in (reference, model)
+    ]
     group = autotp.tp_group(model)
     report = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(3):

@@ -21,8 +21,19 @@ from autotp.cp.layout import build_layout, documents, zigzag
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from cp_workers import (
-    CP_FAMILIES, assert_cp_parity, cp_aux_with_padding, cp_compiled, cp_ddp, cp_deepcopy, cp_dropout_parity,
-    cp_held_bytes, cp_lora_parity, cp_parity_cases, cp_parity_in_blocks, cp_per_token_input, cp_unsynced_step,
+    CP_FAMILIES,
+    assert_cp_parity,
+    cp_aux_with_padding,
+    cp_compiled,
+    cp_ddp,
+    cp_deepcopy,
+    cp_dropout_parity,
+    cp_held_bytes,
+    cp_lora_parity,
+    cp_parity_cases,
+    cp_parity_in_blocks,
+    cp_per_token_input,
+    cp_unsynced_step,
     cp_weights_aligned,
 )
 from models import batch, tiny_model
@@ -54,8 +65,12 @@ def test_mask_is_one_query_chunk_against_every_key() -> None:
 @pytest.mark.timeout(120)
 def test_parity_at_cp2_llama_plain_packed_padding() -> None:
     """Llama (2 KV heads), sdpa and eager: causal, packed documents, left and right padding at a length autotp pads."""
-    cases = [("llama", 1, 2, "plain", False, "sdpa"), ("llama", 1, 2, "packed", False, "eager"),
-             ("llama", 1, 2, "padding", False, "sdpa"), ("llama", 1, 2, "padding", False, "eager")]
+    cases = [
+        ("llama", 1, 2, "plain", False, "sdpa"),
+        ("llama", 1, 2, "packed", False, "eager"),
+        ("llama", 1, 2, "padding", False, "sdpa"),
+        ("llama", 1, 2, "padding", False, "eager"),
+    ]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
         assert_cp_parity(list(rank_reports), "llama cp=2")
 
@@ -64,8 +79,12 @@ def test_parity_at_cp2_llama_plain_packed_padding() -> None:
 def test_parity_at_cp2_qwen3_mixtral_gpt2() -> None:
     """Per-head q/k norms (Qwen3), an MoE family (Mixtral; with its load-balancing loss, from every token's router
     logits), and GPT-2 (Conv1D, learned absolute positions read from the chunks' position ids), packed and padded."""
-    cases = [("qwen3", 1, 2, "packed", False, "sdpa"), ("mixtral", 1, 2, "padding", False, "sdpa"),
-             ("mixtral_aux", 1, 2, "packed", False, "sdpa"), ("gpt2", 1, 2, "padding", False, "eager")]
+    cases = [
+        ("qwen3", 1, 2, "packed", False, "sdpa"),
+        ("mixtral", 1, 2, "padding", False, "sdpa"),
+        ("mixtral_aux", 1, 2, "packed", False, "sdpa"),
+        ("gpt2", 1, 2, "padding", False, "eager"),
+    ]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 2, cases)):
         assert_cp_parity(list(rank_reports), "qwen3 / mixtral / gpt2 cp=2")
 
@@ -91,8 +110,10 @@ def test_parity_at_cp2_through_the_flash_branch() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_flash_branch_at_tp2_cp2() -> None:
-    cases = [("qwen3", 2, 2, "packed", False, "varlen_reference"), ("mixtral", 2, 2, "padding", False,
-                                                                     "varlen_reference")]
+    cases = [
+        ("qwen3", 2, 2, "packed", False, "varlen_reference"),
+        ("mixtral", 2, 2, "padding", False, "varlen_reference"),
+    ]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
         assert_cp_parity(list(rank_reports), "flash branch tp=2 x cp=2")
 
@@ -118,8 +139,11 @@ def test_phi3_and_dropout_at_tp2_cp2() -> None:
 @pytest.mark.timeout(300)
 def test_sequence_parallel_inside_cp_at_tp2_cp2() -> None:
     """Sequence parallelism splits each CP rank's chunk again over TP (chunks padded to a multiple of tp)."""
-    cases = [("llama", 2, 2, "plain", False, "sdpa", False, True), ("qwen3", 2, 2, "packed", False, "sdpa", False, True),
-             ("llama", 2, 2, "padding", False, "eager", True, True)]
+    cases = [
+        ("llama", 2, 2, "plain", False, "sdpa", False, True),
+        ("qwen3", 2, 2, "packed", False, "sdpa", False, True),
+        ("llama", 2, 2, "padding", False, "eager", True, True),
+    ]
     for rank_reports in zip(*run_ranks(cp_parity_cases, 4, cases)):
         assert_cp_parity(list(rank_reports), "sequence_parallel tp=2 x cp=2")
 
@@ -174,11 +198,15 @@ def test_uneven_and_replicated_heads_at_tp4_cp2() -> None:
 def _groups(rank: int, world: int) -> dict:
     model = autotp.wrap(tiny_model("llama", **CP_FAMILIES["llama"]), 2, cp_size=2)
     ranks = dist.get_process_group_ranks
-    return {"tp": ranks(autotp.tp_group(model)), "cp": ranks(autotp.cp_group(model)),
-            "dp": ranks(autotp.dp_group(model)), "dp_cp": ranks(autotp.dp_cp_group(model)),
-            "sizes": (autotp.tp_size(model), autotp.cp_size(model), autotp.dp_size(model)),
-            "cp_rank": autotp.cp_rank(model),
-            "samples": list(autotp.data_parallel_sampler(range(8), model, shuffle=False))}
+    return {
+        "tp": ranks(autotp.tp_group(model)),
+        "cp": ranks(autotp.cp_group(model)),
+        "dp": ranks(autotp.dp_group(model)),
+        "dp_cp": ranks(autotp.dp_cp_group(model)),
+        "sizes": (autotp.tp_size(model), autotp.cp_size(model), autotp.dp_size(model)),
+        "cp_rank": autotp.cp_rank(model),
+        "samples": list(autotp.data_parallel_sampler(range(8), model, shuffle=False)),
+    }
 
 
 @pytest.mark.slow
@@ -186,8 +214,15 @@ def _groups(rank: int, world: int) -> dict:
 def test_groups_tp_innermost_then_cp() -> None:
     """World 8 = dp 2 x cp 2 x tp 2: rank r is TP rank r % 2, CP rank (r // 2) % 2, replica r // 4."""
     got = run_ranks(_groups, 8)
-    assert got[5] == {"tp": [4, 5], "cp": [5, 7], "dp": [1, 5], "dp_cp": [1, 3, 5, 7], "sizes": (2, 2, 2),
-                      "cp_rank": 0, "samples": [1, 3, 5, 7]}
+    assert got[5] == {
+        "tp": [4, 5],
+        "cp": [5, 7],
+        "dp": [1, 5],
+        "dp_cp": [1, 3, 5, 7],
+        "sizes": (2, 2, 2),
+        "cp_rank": 0,
+        "samples": [1, 3, 5, 7],
+    }
     assert [g["samples"] for g in got] == [[0, 2, 4, 6]] * 4 + [[1, 3, 5, 7]] * 4  # a replica's TP and CP ranks alike
 
 
@@ -212,8 +247,13 @@ def _save_and_resume(rank: int, world: int, out: str) -> dict:
     other = autotp.wrap(tiny_model("llama", seed=5, **CP_FAMILIES["llama"]), 2)  # another layout: tp=2, no CP
     autotp.load_checkpoint(f"{out}/ckpt", other, torch.optim.AdamW(other.parameters(), lr=1e-3))
     group = autotp.tp_group(other)
-    same = max(same, max((a - parity.full_tensor(b, b, group)).abs().max().item()
-                         for a, b in zip(model.parameters(), other.parameters())))
+    same = max(
+        same,
+        max(
+            (a - parity.full_tensor(b, b, group)).abs().max().item()
+            for a, b in zip(model.parameters(), other.parameters())
+        ),
+    )
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -225,9 +265,17 @@ def _save_and_resume(rank: int, world: int, out: str) -> dict:
         loss = loaded(input_ids=ids, labels=ids).loss
         items = loaded(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(37)).loss  # the Trainer's count
         hidden = loaded(input_ids=ids, output_hidden_states=True).hidden_states
-    return {"state": state, "same": same, "logits": logits, "gathered": gathered, "generated": generated,
-            "loaded_loss": loss.item(), "items_loss": items.item(), "hidden": hidden,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "state": state,
+        "same": same,
+        "logits": logits,
+        "gathered": gathered,
+        "generated": generated,
+        "loaded_loss": loss.item(),
+        "items_loss": items.item(),
+        "hidden": hidden,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 @pytest.mark.timeout(120)
@@ -258,15 +306,18 @@ def test_save_pretrained_checkpoint_gathered_params_and_logits_at_cp2(tmp_path) 
         assert torch.equal(report["generated"], generated)
 
 
-@pytest.mark.parametrize("family,config,what", [
-    ("mistral", dict(sliding_window=8), "sliding-window"),
-    ("gemma2", {}, "sliding-window"),
-    ("llama", dict(attention_dropout=0.1), "attention-probability dropout"),
-    ("bloom", {}, "attention interface"),  # ALiBi computed in its own attention
-    ("bert", {}, "not a text-only causal LM"),
-    ("llama_classifier", {}, "not a text-only causal LM"),  # pools its last token: a chunk has another
-    ("phi3", dict(resid_pdrop=0.1, sequence_parallel=True), "sequence_parallel and dropout"),
-])
+@pytest.mark.parametrize(
+    "family,config,what",
+    [
+        ("mistral", dict(sliding_window=8), "sliding-window"),
+        ("gemma2", {}, "sliding-window"),
+        ("llama", dict(attention_dropout=0.1), "attention-probability dropout"),
+        ("bloom", {}, "attention interface"),  # ALiBi computed in its own attention
+        ("bert", {}, "not a text-only causal LM"),
+        ("llama_classifier", {}, "not a text-only causal LM"),  # pools its last token: a chunk has another
+        ("phi3", dict(resid_pdrop=0.1, sequence_parallel=True), "sequence_parallel and dropout"),
+    ],
+)
 def test_refused_by_name_before_anything_changes(family: str, config: dict, what: str) -> None:
     options = {"sequence_parallel": config.pop("sequence_parallel")} if "sequence_parallel" in config else {}
     if family == "llama_classifier":

@@ -9,7 +9,6 @@ reduction order differs (attention over gathered keys in blocks, the loss summed
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers as tf
@@ -41,8 +40,10 @@ def _different_inputs(rank: int, world: int) -> dict:
     """Each CP rank its own batch (DistributedSampler over the world), then its own length; then the same batch."""
     _, model = _pair()
     ids = batch(seed=1 + rank)
-    report = {"forward": _error(lambda: model(input_ids=ids, labels=ids)),
-              "check": _error(lambda: autotp.check_same_inputs(model, input_ids=ids))}
+    report = {
+        "forward": _error(lambda: model(input_ids=ids, labels=ids)),
+        "check": _error(lambda: autotp.check_same_inputs(model, input_ids=ids)),
+    }
     ids = batch(size=(2, 15 + rank))
     report["length"] = _error(lambda: model(input_ids=ids, labels=ids))
     same = batch()
@@ -70,8 +71,13 @@ def _tuples(rank: int, world: int) -> dict:
     model.train()
     trained = model(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
     expected_trained = reference.train()(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
-    return {"got": got, "expected": expected, "trained": trained, "expected_trained": expected_trained,
-            "refused": _error(lambda: model(input_ids=ids, return_dict=False))}
+    return {
+        "got": got,
+        "expected": expected,
+        "trained": trained,
+        "expected_trained": expected_trained,
+        "refused": _error(lambda: model(input_ids=ids, return_dict=False)),
+    }
 
 
 def _flat(values) -> list[torch.Tensor]:
@@ -94,11 +100,17 @@ def _kept_logits(rank: int, world: int) -> dict:
     ids = batch(size=(2, 15))
     positions = torch.tensor([3, 14])
     with torch.no_grad():
-        return {"last": (model(input_ids=ids, logits_to_keep=1).logits,
-                         reference(input_ids=ids, logits_to_keep=1, use_cache=False).logits),
-                "some": (model(input_ids=ids, logits_to_keep=positions).logits,
-                         reference(input_ids=ids, logits_to_keep=positions, use_cache=False).logits),
-                "refused": _error(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))}
+        return {
+            "last": (
+                model(input_ids=ids, logits_to_keep=1).logits,
+                reference(input_ids=ids, logits_to_keep=1, use_cache=False).logits,
+            ),
+            "some": (
+                model(input_ids=ids, logits_to_keep=positions).logits,
+                reference(input_ids=ids, logits_to_keep=positions, use_cache=False).logits,
+            ),
+            "refused": _error(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1)),
+        }
 
 
 @pytest.mark.timeout(120)
@@ -157,8 +169,10 @@ def _logits_on_one_rank(rank: int, world: int, then: str) -> str:
 def test_logits_read_on_one_cp_rank_only_is_named_on_every_rank(then: str) -> None:
     """Before: the reader hung in its gather until gloo's timeout (or a collective mismatch), unnamed; so it did with
     the other rank gone on to its backward (issue 39: past 300 s at torch's default timeout; 60 s here)."""
-    calls = {"forward": "some began a forward, others read a forward's logits",
-             "backward": "some read a forward's logits (.logits), others began a backward"}
+    calls = {
+        "forward": "some began a forward, others read a forward's logits",
+        "backward": "some read a forward's logits (.logits), others began a backward",
+    }
     for message in run_ranks(_logits_on_one_rank, 2, then):
         assert calls[then] in message, message
         assert "is a collective" in message and "every CP rank or on none" in message
@@ -170,8 +184,10 @@ def _padding_free(rank: int, world: int, attn: str) -> dict:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     examples = [{"input_ids": batch(size=(1, n), seed=n)[0].tolist()} for n in (5, 9, 7)]
-    batches = {"transformers": tf.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(examples),
-               "trl": DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples)}
+    batches = {
+        "transformers": tf.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(examples),
+        "trl": DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples),
+    }
     report = {}
     for name, inputs in batches.items():
         assert "cu_seq_lens_q" in inputs and "attention_mask" not in inputs
@@ -230,8 +246,9 @@ ISSUE_LENGTHS = torch.randint(3, 20, (24,), generator=torch.Generator().manual_s
 # 10, 19 and 5 tokens in sequential order, none a multiple of 2 x cp: autotp pads them to 12, 20 and 8
 
 
-def _sft_run(rank: int, world: int, output: str, packing: bool, lengths: list[int], sequential: bool,
-             bf16: bool = False) -> dict:
+def _sft_run(
+    rank: int, world: int, output: str, packing: bool, lengths: list[int], sequential: bool, bf16: bool = False
+) -> dict:
     """TRL's SFTTrainer (its fused LM head) on a tiny Llama: on one process as TRL's docs show it, or through
     `tp_trainer` at cp=world; 3 steps on sequences of `lengths`, packed or padded, read in autotp's DP sampler's order
     or (`sequential`) in order on both sides, as a user's `_get_train_sampler` override does. Records each step's
@@ -273,9 +290,22 @@ def _sft_run(rank: int, world: int, output: str, packing: bool, lengths: list[in
         pass
 
     data = Dataset.from_dict({"input_ids": [batch(size=(1, n), seed=i)[0].tolist() for i, n in enumerate(lengths)]})
-    args = SFTConfig(output_dir=output, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
-                     adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[], save_strategy="no", use_cpu=True,
-                     max_length=32, disable_tqdm=True, bf16=bf16, packing=packing)
+    args = SFTConfig(
+        output_dir=output,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        max_length=32,
+        disable_tqdm=True,
+        bf16=bf16,
+        packing=packing,
+    )
     model = tiny_model("llama", **CP_FAMILIES["llama"])
     if world > 1:
         autotp.wrap(model, 1, cp_size=world)
@@ -285,18 +315,27 @@ def _sft_run(rank: int, world: int, output: str, packing: bool, lengths: list[in
     trainer = cls(model=model, args=args, train_dataset=data, processing_class=tokenizer(256))
     trainer.grads = []
     trainer.train()
-    logs = [{k: v for k, v in log.items() if "runtime" not in k and "per_second" not in k and k != "total_flos"}
-            for log in trainer.state.log_history]
-    return {"losses": trainer.losses, "grads": trainer.grads, "logs": logs,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    logs = [
+        {k: v for k, v in log.items() if "runtime" not in k and "per_second" not in k and k != "total_flos"}
+        for log in trainer.state.log_history
+    ]
+    return {
+        "losses": trainer.losses,
+        "grads": trainer.grads,
+        "logs": logs,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def _sft_difference(got: dict, one: dict) -> dict:
     """The worst differences of a CP run from one process: losses, each step's gradients (relative), parameters."""
-    return {"loss": max(abs(a - b) for a, b in zip(got["losses"], one["losses"])),
-            "grad": max(parity.grad_error(mine[n], theirs[n]) for mine, theirs in zip(got["grads"], one["grads"])
-                        for n in theirs),
-            "param": max((got["params"][n] - p).abs().max().item() for n, p in one["params"].items())}
+    return {
+        "loss": max(abs(a - b) for a, b in zip(got["losses"], one["losses"])),
+        "grad": max(
+            parity.grad_error(mine[n], theirs[n]) for mine, theirs in zip(got["grads"], one["grads"]) for n in theirs
+        ),
+        "param": max((got["params"][n] - p).abs().max().item() for n, p in one["params"].items()),
+    }
 
 
 @pytest.mark.slow  # TRL's trainer, three times per case

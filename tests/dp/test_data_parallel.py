@@ -47,7 +47,7 @@ def dp_tp_rank(rank: int, world: int, mode: str) -> dict:
     assert autotp.tp_size() == 2 and autotp.dp_size() == 2 and autotp.dp_rank() == rank // 2
     runner = DistributedDataParallel(model, process_group=autotp.dp_group()) if mode == "ddp" else model
     opt = optimizer_for(model)
-    mine = GLOBAL[2 * autotp.dp_rank(): 2 * autotp.dp_rank() + 2]  # this replica's half of the global batch
+    mine = GLOBAL[2 * autotp.dp_rank() : 2 * autotp.dp_rank() + 2]  # this replica's half of the global batch
     losses, norms = [], []
     for _ in range(3):
         if mode == "accumulate":  # 2 micro-batches of one sequence, gradients synced once
@@ -69,8 +69,11 @@ def dp_tp_rank(rank: int, world: int, mode: str) -> dict:
         dist.all_reduce(mean, group=autotp.dp_group())
         losses.append(mean.item() / 2)
     group = autotp.tp_group()
-    return {"losses": losses, "norms": norms,
-            "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()},
+    }
 
 
 @pytest.mark.parametrize("mode", ["ddp", "accumulate", "clip"])
@@ -130,7 +133,7 @@ def global_batches(rank: int, world: int, tp: int, per_replica: int, consumed: i
     model = autotp.wrap(tiny_model("llama"), tp)
     sampler = autotp.data_parallel_sampler(list(range(50)), model, seed=3, consumed_samples=consumed)
     mine = list(sampler)
-    batches = [mine[i * per_replica:(i + 1) * per_replica] for i in range(steps)]
+    batches = [mine[i * per_replica : (i + 1) * per_replica] for i in range(steps)]
     everyone = [None] * world
     dist.all_gather_object(everyone, batches)
     return [sorted(sum((everyone[r][step] for r in range(0, world, tp)), [])) for step in range(steps)]
@@ -265,8 +268,12 @@ def ddp_at_dp1(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     losses = train_steps(runner, opt, 3, input_ids=GLOBAL, labels=GLOBAL)
     group = autotp.tp_group(model)
-    return {"reduced": mine.item(), "dp_size": autotp.dp_size(model), "losses": losses,
-            "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()}}
+    return {
+        "reduced": mine.item(),
+        "dp_size": autotp.dp_size(model),
+        "losses": losses,
+        "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()},
+    }
 
 
 def test_dp_group_is_a_group_of_one_at_dp1_and_ddp_over_it_trains_as_one_process() -> None:

@@ -36,15 +36,19 @@ def one_process(family: str, config: dict) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "numel": sum(p.numel() for p in model.parameters())}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "numel": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def fsdp_rank(rank: int, world: int, family: str, config: dict, options: dict, reshard: bool, accumulate: bool) -> dict:
     wrapped = autotp.wrap(tiny_model(family, **config), 2, check_inputs=True, **options)  # inputs compared each step
     model = autotp.fully_shard(wrapped, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    mine = GLOBAL[2 * autotp.dp_rank(model): 2 * autotp.dp_rank(model) + 2]  # this replica's half
+    mine = GLOBAL[2 * autotp.dp_rank(model) : 2 * autotp.dp_rank(model) + 2]  # this replica's half
     losses, norms = [], []
     for _ in range(3):
         if accumulate:  # 2 micro-batches, FSDP's gradient sync off for the first
@@ -69,8 +73,13 @@ def fsdp_rank(rank: int, world: int, family: str, config: dict, options: dict, r
     local = sum(p.to_local().numel() for p in model.parameters())
     moments = sum(s["exp_avg"].to_local().numel() for s in opt.state.values())
     group = autotp.tp_group(model)
-    return {"losses": losses, "norms": norms, "local": local, "moments": moments,
-            "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "local": local,
+        "moments": moments,
+        "params": {n: full_tensor(p, p, group) for n, p in model.named_parameters()},
+    }
 
 
 @pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
@@ -152,7 +161,7 @@ def mixed_precision(rank: int, world: int) -> dict:
     seen = []
     model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    mine = GLOBAL[2 * autotp.dp_rank(model): 2 * autotp.dp_rank(model) + 2]
+    mine = GLOBAL[2 * autotp.dp_rank(model) : 2 * autotp.dp_rank(model) + 2]
     losses = []
     for _ in range(3):
         loss = model(input_ids=mine, labels=mine).loss
@@ -195,7 +204,7 @@ def gathered_under_fsdp(rank: int, world: int, path: str) -> dict:
     works there), a weight written inside persists, and training goes on under FSDP like one process."""
     model, opt = fsdp_model()
     steps(model, opt, 1)
-    ids = GLOBAL[2 * autotp.dp_rank(model): 2 * autotp.dp_rank(model) + 2]
+    ids = GLOBAL[2 * autotp.dp_rank(model) : 2 * autotp.dp_rank(model) + 2]
     with torch.no_grad():
         sharded = model(input_ids=ids).logits
     with autotp.GatherReplacedLayerParams(model):
@@ -211,8 +220,13 @@ def gathered_under_fsdp(rank: int, world: int, path: str) -> dict:
         except RuntimeError as err:
             stepped = str(err)
     after = steps(model, opt, 2)  # FSDP is back: its hooks and DP rows
-    return {"shape": shape, "inside": (inside - sharded).abs().max().item(), "stepped": stepped, "after": after,
-            "params": {n: full_tensor(p, p, autotp.tp_group(model)) for n, p in model.named_parameters()}}
+    return {
+        "shape": shape,
+        "inside": (inside - sharded).abs().max().item(),
+        "stepped": stepped,
+        "after": after,
+        "params": {n: full_tensor(p, p, autotp.tp_group(model)) for n, p in model.named_parameters()},
+    }
 
 
 def test_gather_under_fsdp_holds_full_weights_and_gives_them_back(tmp_path) -> None:
@@ -246,7 +260,7 @@ def test_gather_under_fsdp_holds_full_weights_and_gives_them_back(tmp_path) -> N
 
 
 def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, count: int) -> list[float]:
-    mine = GLOBAL[2 * autotp.dp_rank(model): 2 * autotp.dp_rank(model) + 2]
+    mine = GLOBAL[2 * autotp.dp_rank(model) : 2 * autotp.dp_rank(model) + 2]
     losses = []
     for _ in range(count):
         loss = model(input_ids=mine, labels=mine).loss
@@ -259,8 +273,9 @@ def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, count: int) -> lis
 
 
 def fsdp_model(reshard: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = autotp.fully_shard(autotp.wrap(tiny_model("llama", num_key_value_heads=1), 2),
-                               reshard_after_forward=reshard)
+    model = autotp.fully_shard(
+        autotp.wrap(tiny_model("llama", num_key_value_heads=1), 2), reshard_after_forward=reshard
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
 
 
@@ -279,9 +294,13 @@ def resume_rank(rank: int, world: int, path: str) -> dict:
     plain = autotp.wrap(tiny_model("llama", num_key_value_heads=1, seed=5), 2)  # the same checkpoint without FSDP
     autotp.load_checkpoint(path, plain)
     unsharded = {n: full_tensor(p, p, autotp.tp_group(plain)) for n, p in plain.named_parameters()}
-    return {"state": state, "straight": straight, "again": again,
-            "same": all(torch.equal(got[n], expected[n]) for n in expected),
-            "without fsdp": all(torch.equal(unsharded[n], at_save[n]) for n in at_save)}
+    return {
+        "state": state,
+        "straight": straight,
+        "again": again,
+        "same": all(torch.equal(got[n], expected[n]) for n in expected),
+        "without fsdp": all(torch.equal(unsharded[n], at_save[n]) for n in at_save),
+    }
 
 
 def test_fsdp_resume_is_bit_exact_and_consolidates(tmp_path) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 import transformers as tf
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 import autotp
@@ -27,77 +27,252 @@ CLIP = 0.5
 
 HAND_WRITTEN = {  # families whose tiny builder fails on transformers 5.24 (MLA head sizes, unset expert counts, ...)
     "deepseek_v3": lambda: tf.DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     "hunyuan_v1_moe": lambda: tf.HunYuanMoEV1Config(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=4, moe_topk=2, max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        moe_topk=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     "dbrx": lambda: tf.DbrxConfig(
-        d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=256, use_cache=False,
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        vocab_size=256,
+        use_cache=False,
         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
     # MLA (as DeepSeek-V3), routed by group-limited greedy top-k; defaults leave num_experts_per_tok unset
     "deepseek_v2": lambda: tf.DeepseekV2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=2, topk_group=1, kv_lora_rank=16,
-        q_lora_rank=32, qk_rope_head_dim=16, head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # MLA, a dense shortcut beside the experts in every layer (2 sub-layers each), and zero-computation experts
     # (half as many as the routed ones, as LongCat-Flash's 256 beside 512) that the router picks among them
     "longcat_flash": lambda: tf.LongcatFlashConfig(
-        vocab_size=256, hidden_size=64, ffn_hidden_size=128, expert_ffn_hidden_size=32, num_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
-        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
-        max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        expert_ffn_hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        moe_topk=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # MLA with DeepSeek sparse attention's indexer; its defaults make the first 3 layers dense
     "glm_moe_dsa": lambda: tf.GlmMoeDsaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, head_dim=16, qk_nope_head_dim=16,
-        v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=4, max_position_embeddings=64,
-        use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=4,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # MLA; the tiny builder's head sizes do not fit its rope
     "glm4_moe_lite": lambda: tf.Glm4MoeLiteConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        mlp_layer_types=["dense", "sparse"], num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        mlp_layer_types=["dense", "sparse"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # MLA with the sparse-attention indexer; its defaults make the first 3 layers dense (no experts in the tiny model)
     # and split the 4 experts into 8 groups
     "deepseek_v32": lambda: tf.DeepseekV32Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16,
-        head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=4,
-        max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=4,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # defaults leave the expert counts unset
     "dots1": lambda: tf.Dots1Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4,
-        n_shared_experts=1, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # short convolutions and attention; defaults leave layer_types unset and the first 2 layers dense
     "lfm2_moe": lambda: tf.Lfm2MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_dense_layers=1, layer_types=["conv", "full_attention", "conv"], num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_dense_layers=1,
+        layer_types=["conv", "full_attention", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # Mamba-2 and attention layers; the tiny builder keeps 128 Mamba heads of 64 on a 64-wide model
     "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=32, shared_intermediate_size=64, num_hidden_layers=2,
-        layer_types=["linear_attention", "attention"], num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
-        mamba_n_groups=1, mamba_chunk_size=16, max_position_embeddings=64, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=32,
+        shared_intermediate_size=64,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+        max_position_embeddings=64,
+        use_cache=False,
+    ),
     # Kimi delta attention and MLA layers: the tiny builder keeps 32 linear heads of 128 (a minute a test, on the
     # reference kernel) and no MLA layer
     "kimi_linear": lambda: tf.KimiLinearConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        layer_types=["linear_attention", "full_attention", "linear_attention"], mlp_layer_types=["dense", "sparse",
-        "sparse"], num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
-        v_head_dim=16, linear_num_heads=4, linear_head_dim=16, max_position_embeddings=64, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2, use_cache=False),
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_local_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        use_cache=False,
+    ),
 }
 
 
@@ -153,8 +328,14 @@ def single_process(family: str, clip: bool = False, config: dict | None = None, 
         opt.zero_grad()
         losses.append(loss.item())
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-    return {"losses": losses, "grads": grads, "routing": routing, "expert_bytes": experts, "norms": norms,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "routing": routing,
+        "expert_bytes": experts,
+        "norms": norms,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def whole(tensor: torch.Tensor, param: torch.nn.Parameter, model: torch.nn.Module) -> torch.Tensor:
@@ -177,8 +358,11 @@ def wrong_sync(model: torch.nn.Module, mode: str) -> None:
                 dist.all_reduce(p.grad, group=autotp.dp_group(model))
                 p.grad /= autotp.dp_size(model)
         return
-    mine = {p: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # before the sync: this EP group's tokens
-            for p in model.parameters() if hasattr(p, "autotp_expert")}
+    mine = {
+        p: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # before the sync: this EP group's tokens
+        for p in model.parameters()
+        if hasattr(p, "autotp_expert")
+    }
     autotp.allreduce_gradients(model)
     for p, grad in mine.items():
         if mode == "world":
@@ -193,8 +377,8 @@ def dp_loop(model: torch.nn.Module, sync, clip: bool = False, inputs: dict | Non
     replicas = autotp.dp_size(model)
     rows = GLOBAL.shape[0] // replicas
     first = autotp.dp_rank(model) * rows
-    mine = GLOBAL[first:first + rows]
-    extra = {name: tensor[first:first + rows] for name, tensor in (inputs or {}).items()}
+    mine = GLOBAL[first : first + rows]
+    extra = {name: tensor[first : first + rows] for name, tensor in (inputs or {}).items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     losses, grads, norms = [], {}, []
     for step in range(STEPS):
@@ -210,18 +394,32 @@ def dp_loop(model: torch.nn.Module, sync, clip: bool = False, inputs: dict | Non
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=autotp.dp_group(model))
         losses.append(mean.item() / replicas)
-    return {"losses": losses, "grads": grads, "norms": norms, "rows": (first, rows),
-            "params": {n: whole(p, p, model) for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "norms": norms,
+        "rows": (first, rows),
+        "params": {n: whole(p, p, model) for n, p in model.named_parameters()},
+    }
 
 
-def ep_rank_run(rank: int, world: int, family: str, tp: int, ep: int, mode: str = "right",
-                config: dict | None = None, inputs: dict | None = None) -> dict:
+def ep_rank_run(
+    rank: int,
+    world: int,
+    family: str,
+    tp: int,
+    ep: int,
+    mode: str = "right",
+    config: dict | None = None,
+    inputs: dict | None = None,
+) -> dict:
     """The README's DP loop at tp x ep: this replica's rows of the global batch, gradients synced, AdamW."""
     model = autotp.wrap(moe_model(family, **(config or {})), tp, ep_size=ep)
     assert autotp.ep_size(model) == ep and autotp.ep_rank(model) == rank % ep
     routing = record_routing(model)
-    sync = (lambda: autotp.allreduce_gradients(model)) if mode in ("right", "clip") else (
-        lambda: wrong_sync(model, mode))
+    sync = (
+        (lambda: autotp.allreduce_gradients(model)) if mode in ("right", "clip") else (lambda: wrong_sync(model, mode))
+    )
     report = dp_loop(model, sync, clip=mode == "clip", inputs=inputs)
     experts = sum(p.numel() * p.element_size() for p in model.parameters() if hasattr(p, "autotp_expert"))
     return {**report, "routing": routing, "expert_bytes": experts}
@@ -233,7 +431,7 @@ def check(report: dict, expected: dict) -> None:
     seq = GLOBAL.shape[1]
     assert len(report["routing"]) == len(expected["routing"]), "not every experts call was seen"
     for ours, theirs in zip(report["routing"], expected["routing"]):
-        assert torch.equal(ours, theirs[first * seq:(first + rows) * seq]), "top-k differs from one process's"
+        assert torch.equal(ours, theirs[first * seq : (first + rows) * seq]), "top-k differs from one process's"
     check_training(report, expected)
 
 

@@ -40,26 +40,36 @@ def record_local_routing(model: torch.nn.Module, sequence_parallel: bool) -> lis
     return seen
 
 
-def ep_cp_run(rank: int, world: int, family: str, tp: int, cp: int, ep: int, sequence_parallel: bool = False,
-              config: dict | None = None) -> dict:
+def ep_cp_run(
+    rank: int,
+    world: int,
+    family: str,
+    tp: int,
+    cp: int,
+    ep: int,
+    sequence_parallel: bool = False,
+    config: dict | None = None,
+) -> dict:
     """The README's DP loop at tp x cp x ep: each CP rank given its replica's whole rows, gradients synced, AdamW."""
-    model = autotp.wrap(moe_model(family, **(config or {})), tp, ep_size=ep, cp_size=cp,
-                        sequence_parallel=sequence_parallel)
+    model = autotp.wrap(
+        moe_model(family, **(config or {})), tp, ep_size=ep, cp_size=cp, sequence_parallel=sequence_parallel
+    )
     routing = record_local_routing(model, sequence_parallel)
     report = dp_loop(model, lambda: autotp.allreduce_gradients(model))
     return {**report, "tp_rank": autotp.tp_rank(model), "routing": routing}
 
 
-def expected_routing(theirs: torch.Tensor, first: int, rows: int, local: torch.Tensor | None,
-                     share: tuple[int, int]) -> torch.Tensor:
+def expected_routing(
+    theirs: torch.Tensor, first: int, rows: int, local: torch.Tensor | None, share: tuple[int, int]
+) -> torch.Tensor:
     """One process's top-k of the tokens a rank routes: its replica's rows, its CP positions, its SP chunk."""
     seq = GLOBAL.shape[1]
-    picked = theirs.view(GLOBAL.shape[0], seq, -1)[first:first + rows]
+    picked = theirs.view(GLOBAL.shape[0], seq, -1)[first : first + rows]
     if local is not None:
         picked = picked.index_select(1, local)
     flat = picked.reshape(-1, picked.shape[-1])
     count = flat.shape[0] // share[0]
-    return flat[share[1] * count:(share[1] + 1) * count]
+    return flat[share[1] * count : (share[1] + 1) * count]
 
 
 def check(report: dict, expected: dict) -> None:
@@ -67,8 +77,9 @@ def check(report: dict, expected: dict) -> None:
     first, rows = report["rows"]
     assert report["routing"] and len(report["routing"]) == len(expected["routing"]), "not every experts call was seen"
     for (ours, local, share), theirs in zip(report["routing"], expected["routing"]):
-        assert torch.equal(ours, expected_routing(theirs, first, rows, local, share)), \
+        assert torch.equal(ours, expected_routing(theirs, first, rows, local, share)), (
             "top-k differs from one process's"
+        )
     check_training(report, expected)
 
 
@@ -91,8 +102,9 @@ def test_cp2_ep2_with_the_load_balancing_loss_equals_one_process() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("tp,ep,config", [(2, 2, AUX), (2, 4, AUX), (1, 2, None)],
-                         ids=["tp2-cp2-ep2-aux", "tp2-cp2-ep4-aux", "dp2-cp2-ep2"])
+@pytest.mark.parametrize(
+    "tp,ep,config", [(2, 2, AUX), (2, 4, AUX), (1, 2, None)], ids=["tp2-cp2-ep2-aux", "tp2-cp2-ep4-aux", "dp2-cp2-ep2"]
+)
 def test_cp2_on_four_ranks_equals_one_process(family: str, tp: int, ep: int, config: dict | None) -> None:
     """tp 2 x cp 2: EP takes the TP ranks first, so at ep 2 expert-DP is the CP pair and at ep 4 one rank; at dp 2 x
     cp 2 (tp 1) EP is the CP pair and expert-DP the DP pair. The expert gradients (each CP rank's tokens weighted C
@@ -104,6 +116,7 @@ def test_cp2_on_four_ranks_equals_one_process(family: str, tp: int, ep: int, con
 
 
 # --- sequence parallelism -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family,config", [("qwen3_moe", AUX), ("mixtral", None)], ids=["qwen3_moe-aux", "mixtral"])
 def test_sequence_parallel_tp2_ep2_on_two_ranks_equals_one_process(family: str, config: dict | None) -> None:
@@ -118,10 +131,10 @@ def test_sequence_parallel_tp2_ep2_on_two_ranks_equals_one_process(family: str, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("cp,ep,config", [(1, 2, None), (2, 2, AUX), (2, 4, AUX)],
-                         ids=["dp2-tp2-ep2", "tp2-cp2-ep2-aux", "tp2-cp2-ep4-aux"])
-def test_sequence_parallel_on_four_ranks_equals_one_process(family: str, cp: int, ep: int,
-                                                            config: dict | None) -> None:
+@pytest.mark.parametrize(
+    "cp,ep,config", [(1, 2, None), (2, 2, AUX), (2, 4, AUX)], ids=["dp2-tp2-ep2", "tp2-cp2-ep2-aux", "tp2-cp2-ep4-aux"]
+)
+def test_sequence_parallel_on_four_ranks_equals_one_process(family: str, cp: int, ep: int, config: dict | None) -> None:
     """Sequence parallelism at tp 2 with DP, and inside CP (each CP chunk split again over TP), at ep 2 and 4."""
     expected = single_process(family, config=config)
     for report in run_ranks(ep_cp_run, 4, family, 2, cp, ep, True, config):

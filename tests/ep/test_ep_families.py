@@ -27,17 +27,59 @@ from autotp.testing import run_ranks
 from ep_workers import check, ep_rank_run, moe_model, single_process
 
 QUICK = ["gpt_oss", "dbrx", "deepseek_v3"]
-SLOW = ["qwen2_moe", "phimoe", "glm4_moe", "granitemoe", "granitemoeshared", "ernie4_5_moe", "hunyuan_v1_moe",
-        "minimax", "jamba", "flex_olmo", "exaone_moe", "solar_open", "nemotron_h", "afmoe", "qwen3_next",
-        "qwen3_5_moe_text", "deepseek_v2", "glm_moe_dsa", "dots1", "lfm2_moe", "granitemoehybrid", "aria_text",
-        "cohere2_moe", "deepseek_v4", "granitemoe_swa", "hy_v3", "inkling_text", "inkling2_text", "inkling2_loop_text",
-        "kimi_linear", "kolibri1", "laguna", "lara_mini", "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text",
-        "qwen3_5_moe", "qwen4_exp", "qwen4_exp_text", "sarvam_moe", "zaya", "glm4_moe_lite", "deepseek_v32"]
+SLOW = [
+    "qwen2_moe",
+    "phimoe",
+    "glm4_moe",
+    "granitemoe",
+    "granitemoeshared",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "minimax",
+    "jamba",
+    "flex_olmo",
+    "exaone_moe",
+    "solar_open",
+    "nemotron_h",
+    "afmoe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "deepseek_v2",
+    "glm_moe_dsa",
+    "dots1",
+    "lfm2_moe",
+    "granitemoehybrid",
+    "aria_text",
+    "cohere2_moe",
+    "deepseek_v4",
+    "granitemoe_swa",
+    "hy_v3",
+    "inkling_text",
+    "inkling2_text",
+    "inkling2_loop_text",
+    "kimi_linear",
+    "kolibri1",
+    "laguna",
+    "lara_mini",
+    "mellum",
+    "mimo_v2_flash",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "qwen3_5_moe",
+    "qwen4_exp",
+    "qwen4_exp_text",
+    "sarvam_moe",
+    "zaya",
+    "glm4_moe_lite",
+    "deepseek_v32",
+]
 EVERY = ["qwen3_moe", "mixtral", "olmoe", *QUICK, *SLOW]
-REFUSED = [("llama4_text", "Llama4TextExperts", "is not called as experts"),
-           ("llama4", "Llama4TextExperts", "is not called as experts"),
-           ("jetmoe", "JetMoeMoA", "is not called as experts"),
-           ("longcat_flash", "LongcatFlashExperts", "has no integer num_experts")]
+REFUSED = [
+    ("llama4_text", "Llama4TextExperts", "is not called as experts"),
+    ("llama4", "Llama4TextExperts", "is not called as experts"),
+    ("jetmoe", "JetMoeMoA", "is not called as experts"),
+    ("longcat_flash", "LongcatFlashExperts", "has no integer num_experts"),
+]
 SWEEP = Path(__file__).resolve().parents[2] / "scripts" / "sweep_results_ep.json"  # the page's "ep 2" column
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 pytestmark = pytest.mark.timeout(240)

@@ -29,10 +29,11 @@ def token_types(rows: list[tuple[int, int]]) -> torch.Tensor:
 MIXED = [(0, 0), (0, 0), (3, 9), (0, 16)]  # rows 0-1 text only; row 2 mixed; row 3 vision only (no text token)
 
 
-@pytest.mark.parametrize("world,tp,ep,rows", [
-    (2, 1, 2, MIXED), (2, 1, 2, [(0, 0)] * 4), (2, 1, 1, MIXED),
-    pytest.param(4, 2, 4, MIXED, marks=pytest.mark.slow)],
-    ids=["dp2-ep2-text-only-beside-mixed", "dp2-ep2-text-only-everywhere", "dp2-text-only-beside-mixed", "tp2-ep4"])
+@pytest.mark.parametrize(
+    "world,tp,ep,rows",
+    [(2, 1, 2, MIXED), (2, 1, 2, [(0, 0)] * 4), (2, 1, 1, MIXED), pytest.param(4, 2, 4, MIXED, marks=pytest.mark.slow)],
+    ids=["dp2-ep2-text-only-beside-mixed", "dp2-ep2-text-only-everywhere", "dp2-text-only-beside-mixed", "tp2-ep4"],
+)
 def test_modality_experts_equal_one_process(world: int, tp: int, ep: int, rows: list[tuple[int, int]]) -> None:
     """dp 2: replica 0's rows are text only, so its model skips the vision experts and their router, while replica
     1's hold vision tokens; and a batch with none, where no rank may give the vision experts a gradient. At ep 1 the
@@ -61,7 +62,9 @@ def test_fully_shard_of_modality_experts_at_ep2_is_refused_by_name() -> None:
     the ranks' reductions unpaired (gloo aborted), and the vision experts got zero gradients in a step without
     vision tokens, where one process gives none. Refused before anything is sharded."""
     for report in run_ranks(fully_shard_modality, 2):
-        assert "autotp.fully_shard at ep_size=2: model.language_model.layers.1.mlp runs its experts modules " \
-               "(model.language_model.layers.1.mlp.text_moe.experts, model.language_model.layers.1.mlp.vision_moe." \
-               "experts) only on the batches holding their modality's tokens" in report["message"], report["message"]
+        assert (
+            "autotp.fully_shard at ep_size=2: model.language_model.layers.1.mlp runs its experts modules "
+            "(model.language_model.layers.1.mlp.text_moe.experts, model.language_model.layers.1.mlp.vision_moe."
+            "experts) only on the batches holding their modality's tokens" in report["message"]
+        ), report["message"]
         assert report["dtensors"] == []

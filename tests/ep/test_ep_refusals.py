@@ -26,14 +26,19 @@ def per_expert_model(family: str) -> torch.nn.Module:
 
 
 def snapshot(model: torch.nn.Module) -> dict:
-    return {"types": [(n, type(m)) for n, m in model.named_modules()],
-            "tensors": {n: t.clone() for n, t in model.state_dict().items()}}
+    return {
+        "types": [(n, type(m)) for n, m in model.named_modules()],
+        "tensors": {n: t.clone() for n, t in model.state_dict().items()},
+    }
 
 
 def unchanged(model: torch.nn.Module, before: dict) -> bool:
     after = snapshot(model)
-    return after["types"] == before["types"] and after["tensors"].keys() == before["tensors"].keys() and all(
-        torch.equal(t, before["tensors"][n]) for n, t in after["tensors"].items())
+    return (
+        after["types"] == before["types"]
+        and after["tensors"].keys() == before["tensors"].keys()
+        and all(torch.equal(t, before["tensors"][n]) for n, t in after["tensors"].items())
+    )
 
 
 def wrap_per_expert(rank: int, world: int, family: str) -> dict:
@@ -47,14 +52,20 @@ def wrap_per_expert(rank: int, world: int, family: str) -> dict:
     return {"message": message, "unchanged": unchanged(model, before)}
 
 
-@pytest.mark.parametrize("family,path,cls", [
-    ("switch_transformers", "encoder.block.1.layer.1.mlp.experts", "SwitchTransformersExperts"),
-    ("nllb-moe", "model.encoder.layers.1.ffn.experts", "NllbMoeExperts")])
+@pytest.mark.parametrize(
+    "family,path,cls",
+    [
+        ("switch_transformers", "encoder.block.1.layer.1.mlp.experts", "SwitchTransformersExperts"),
+        ("nllb-moe", "model.encoder.layers.1.ffn.experts", "NllbMoeExperts"),
+    ],
+)
 def test_per_expert_modules_are_refused_by_name_before_the_model_changes(family: str, path: str, cls: str) -> None:
     """switch_transformers' and nllb-moe's experts are an `nn.ModuleDict` of per-expert modules routed by a one-hot
     mask; wrap at ep 2 sliced each expert's own Linear by rows (switch) or named an expert's bias (nllb-moe)."""
-    expected = (f"ep_size=2: {type(per_expert_model(family)).__name__} ({family}) keeps its experts "
-                f"as per-expert modules: {path} ({cls}) is an nn.ModuleDict of 4 expert modules")
+    expected = (
+        f"ep_size=2: {type(per_expert_model(family)).__name__} ({family}) keeps its experts "
+        f"as per-expert modules: {path} ({cls}) is an nn.ModuleDict of 4 expert modules"
+    )
     with pytest.raises(NotImplementedError) as refused:
         autotp.explain(per_expert_model(family), 1, ep_size=2)
     assert expected in str(refused.value)
@@ -67,8 +78,10 @@ def backward_inside_gather(rank: int, world: int) -> dict:
     model = autotp.wrap(moe_model("qwen3_moe"), 1, ep_size=2)
     before = snapshot(model)
     refused, grads = [], []
-    for call in (lambda: model(input_ids=GLOBAL[:2], labels=GLOBAL[:2]).loss,  # the model's outputs
-                 lambda: model.model(input_ids=GLOBAL[:2]).last_hidden_state.sum()):  # a submodule called on its own
+    for call in (
+        lambda: model(input_ids=GLOBAL[:2], labels=GLOBAL[:2]).loss,  # the model's outputs
+        lambda: model.model(input_ids=GLOBAL[:2]).last_hidden_state.sum(),
+    ):  # a submodule called on its own
         with autotp.GatherReplacedLayerParams(model):
             loss = call()
             try:
@@ -78,8 +91,12 @@ def backward_inside_gather(rank: int, world: int) -> dict:
                 refused.append(str(err))
         grads.append([n for n, p in model.named_parameters() if p.grad is not None])
         model.zero_grad()
-    return {"refused": refused, "unchanged": unchanged(model, before), "grads": grads[0],
-            "expert_grads": [n for n in grads[1] if ".experts." in n]}
+    return {
+        "refused": refused,
+        "unchanged": unchanged(model, before),
+        "grads": grads[0],
+        "expert_grads": [n for n in grads[1] if ".experts." in n],
+    }
 
 
 def test_backward_inside_gather_at_ep2_is_refused_by_name() -> None:
@@ -92,8 +109,10 @@ def test_backward_inside_gather_at_ep2_is_refused_by_name() -> None:
     for report in run_ranks(backward_inside_gather, 2):
         for message in report["refused"]:
             assert "backward inside autotp.GatherReplacedLayerParams at ep_size=2" in message, message
-        assert f"model.layers.0.mlp.experts.gate_up_proj: {gate_up}, of which this rank holds {held}, 2 of the 4 " \
-               f"experts" in report["refused"][0], report["refused"][0]
+        assert (
+            f"model.layers.0.mlp.experts.gate_up_proj: {gate_up}, of which this rank holds {held}, 2 of the 4 "
+            f"experts" in report["refused"][0]
+        ), report["refused"][0]
         assert report["unchanged"] and report["grads"] == [], report["grads"]
         # called on its own, the decoder reaches the first expert parameter's hook: named, and no expert gradient
         assert f".mlp.experts.down_proj: {down}, of which this rank holds {(2, *down[1:])}" in report["refused"][1]

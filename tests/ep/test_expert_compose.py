@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 import autotp
 from autotp.testing import run_ranks
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL, grad_error
-from ep_workers import GLOBAL, STEPS, check, dp_loop, moe_model as family_model, record_routing, single_process, whole
+from ep_workers import GLOBAL, STEPS, check, dp_loop, record_routing, single_process, whole
+from ep_workers import moe_model as family_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,11 +34,15 @@ def ep_fsdp_run(rank: int, world: int, tp: int, ep: int, clip: bool = False, fam
     routing = record_routing(model)
     report = dp_loop(model, lambda: autotp.allreduce_gradients(model), clip)  # a no-op under FSDP, experts too
     experts = [p for p in model.parameters() if hasattr(p, "autotp_expert")]
-    return {**report, "routing": routing,
-            "expert_dtensors": all(isinstance(p, DTensor) for p in experts) and len(experts) > 0}
+    return {
+        **report,
+        "routing": routing,
+        "expert_dtensors": all(isinstance(p, DTensor) for p in experts) and len(experts) > 0,
+    }
 
 
 # --- FSDP2 ----------------------------------------------------------------------------------------------------------
+
 
 def test_fully_shard_at_ep2_on_two_ranks_equals_one_process() -> None:
     """world == ep: each expert-DP group is one rank, so FSDP keeps the experts whole and only divides by dp 2."""
@@ -99,8 +104,14 @@ NEW = 8
 
 def generated(model: torch.nn.Module, prompts: torch.Tensor, **kwargs) -> torch.Tensor:
     with torch.no_grad():
-        return model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW,
-                              do_sample=False, pad_token_id=0, **kwargs)
+        return model.generate(
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
 
 
 def generate_at_ep(rank: int, world: int, tp: int, ep: int) -> torch.Tensor:
@@ -109,24 +120,24 @@ def generate_at_ep(rank: int, world: int, tp: int, ep: int) -> torch.Tensor:
     model = autotp.wrap(moe_model(), tp, ep_size=ep).eval()
     rows = PROMPTS.shape[0] // autotp.dp_size(model)
     first = autotp.dp_rank(model) * rows
-    return generated(model, PROMPTS[first:first + rows], synced_gpus=True)
+    return generated(model, PROMPTS[first : first + rows], synced_gpus=True)
 
 
 def generate_ending_early(rank: int, world: int, eos: int) -> torch.Tensor:
     """Rank 0's sequence meets `eos` first; `generate` is called as a user would, without `synced_gpus`."""
     model = autotp.wrap(moe_model(), 1, ep_size=2, timeout=30).eval()
-    return generated(model, PROMPTS[rank:rank + 1], eos_token_id=eos)
+    return generated(model, PROMPTS[rank : rank + 1], eos_token_id=eos)
 
 
 def test_generate_at_ep2_keeps_a_finished_rank_stepping_without_synced_gpus() -> None:
     """One rank's sequence ends before the other's: without `synced_gpus` it would leave generate early and its EP
     peer would wait in the all-to-all until the timeout. autotp defaults it on, and each rank's tokens are one
     process's for its own prompt."""
-    alone = [generated(moe_model().eval(), PROMPTS[r:r + 1])[0, PROMPTS.shape[1]:].tolist() for r in range(2)]
+    alone = [generated(moe_model().eval(), PROMPTS[r : r + 1])[0, PROMPTS.shape[1] :].tolist() for r in range(2)]
     eos = next(t for t in alone[0][:-1] if t not in alone[1])  # ends rank 0's row early, never rank 1's
     outputs = run_ranks(generate_ending_early, 2, eos)
     for rank, tokens in enumerate(outputs):
-        assert torch.equal(tokens, generated(moe_model().eval(), PROMPTS[rank:rank + 1], eos_token_id=eos)), rank
+        assert torch.equal(tokens, generated(moe_model().eval(), PROMPTS[rank : rank + 1], eos_token_id=eos)), rank
     assert outputs[0].shape[1] < outputs[1].shape[1]  # rank 0 really finished first
 
 
@@ -139,7 +150,7 @@ def test_greedy_generate_at_ep2_equals_one_process(tp: int, world: int) -> None:
     rows = PROMPTS.shape[0] // replicas
     for rank, tokens in enumerate(outputs):
         first = (rank // tp) * rows
-        assert torch.equal(tokens, expected[first:first + rows]), (rank, tokens, expected)
+        assert torch.equal(tokens, expected[first : first + rows]), (rank, tokens, expected)
 
 
 def lora(model: torch.nn.Module, targets: dict) -> torch.nn.Module:
@@ -170,8 +181,12 @@ def single_process_with(mode: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "routing": [],
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "routing": [],
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def ep_run_with(rank: int, world: int, tp: int, ep: int, mode: str) -> dict:
@@ -203,8 +218,10 @@ def test_checkpointing_and_attention_lora_at_ep2_equal_one_process(mode: str) ->
 
 
 def lora_on_experts(rank: int, world: int) -> str:
-    model = lora(autotp.wrap(moe_model(), 1, ep_size=2),
-                 {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]})
+    model = lora(
+        autotp.wrap(moe_model(), 1, ep_size=2),
+        {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
+    )
     try:
         model(input_ids=GLOBAL[:2], labels=GLOBAL[:2])
     except NotImplementedError as err:
@@ -221,22 +238,30 @@ def test_lora_on_expert_parameters_at_ep2_is_refused_by_name() -> None:
 
 # --- torch.compile ---------------------------------------------------------------------------------------------------
 
+
 def compiled_at_ep2(rank: int, world: int) -> dict:
     """torch._dynamo.explain of the EP model's forward, then one compiled forward and backward, gradients synced."""
     torch._dynamo.reset()
     model = autotp.wrap(moe_model(), 1, ep_size=2)
-    mine = GLOBAL[rank * 2:(rank + 1) * 2]
+    mine = GLOBAL[rank * 2 : (rank + 1) * 2]
     explained = torch._dynamo.explain(model)(input_ids=mine, labels=mine)
-    where = {frame.filename.replace("\\", "/").rsplit("autotp/", 1)[-1] for reason in explained.break_reasons
-             for frame in reason.user_stack[-1:]}
+    where = {
+        frame.filename.replace("\\", "/").rsplit("autotp/", 1)[-1]
+        for reason in explained.break_reasons
+        for frame in reason.user_stack[-1:]
+    }
     loss = torch.compile(model)(input_ids=mine, labels=mine).loss
     loss.backward()
     autotp.allreduce_gradients(model)
     mean = loss.detach().clone()
     dist.all_reduce(mean)
-    return {"breaks": explained.graph_break_count, "where": where, "loss": mean.item() / world,
-            "reasons": {"ExpertRegion._dispatch" in reason.reason for reason in explained.break_reasons},
-            "grads": {n: whole(p.grad, p, model) for n, p in model.named_parameters()}}
+    return {
+        "breaks": explained.graph_break_count,
+        "where": where,
+        "loss": mean.item() / world,
+        "reasons": {"ExpertRegion._dispatch" in reason.reason for reason in explained.break_reasons},
+        "grads": {n: whole(p.grad, p, model) for n, p in model.named_parameters()},
+    }
 
 
 @pytest.mark.slow
@@ -281,10 +306,20 @@ def trainer_run(path: str, ep: int, accumulation: int = 1, fsdp: bool = False, a
             return loss
 
     replicas = dist.get_world_size() if ep else 1
-    args = TrainingArguments(output_dir=path, per_device_train_batch_size=4 // replicas // accumulation,
-                             gradient_accumulation_steps=accumulation, max_steps=TRAINER_STEPS, learning_rate=1e-3,
-                             adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
-                             save_strategy="no", logging_steps=1)
+    args = TrainingArguments(
+        output_dir=path,
+        per_device_train_batch_size=4 // replicas // accumulation,
+        gradient_accumulation_steps=accumulation,
+        max_steps=TRAINER_STEPS,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     model = autotp.wrap(moe_model(), 1, ep_size=ep) if ep else moe_model()
     model = lora(model, ATTENTION) if adapters else model
     extra = {"fully_shard": fsdp} if ep else {}
@@ -299,9 +334,11 @@ def trainer_at_ep2(rank: int, world: int, path: str, accumulation: int, fsdp: bo
     return trainer_run(f"{path}/ep", 2, accumulation, fsdp, adapters)
 
 
-@pytest.mark.parametrize("accumulation,fsdp,adapters", [(1, False, False), (2, False, False), (1, True, False),
-                                                        (1, False, True)],
-                         ids=["sync", "accumulation", "fully_shard", "lora"])
+@pytest.mark.parametrize(
+    "accumulation,fsdp,adapters",
+    [(1, False, False), (2, False, False), (1, True, False), (1, False, True)],
+    ids=["sync", "accumulation", "fully_shard", "lora"],
+)
 def test_trainer_at_ep2_equals_one_process_trainer(tmp_path, accumulation: int, fsdp: bool, adapters: bool) -> None:
     """AutoTPTrainer at ep 2 on 2 ranks (no DDP: the experts' gradients are synced over expert-DP after the last
     micro-batch) against transformers' Trainer: step losses 1e-5, gradient norms 1e-5 relative, parameters 3e-5."""
@@ -318,6 +355,7 @@ def test_trainer_at_ep2_equals_one_process_trainer(tmp_path, accumulation: int, 
 
 
 # --- state under fully_shard -----------------------------------------------------------------------------------------
+
 
 def sharded_half(rank: int, world: int, path: str, save: bool) -> dict:
     """Under `autotp.fully_shard` at ep 2: 3 steps then `save_checkpoint` and `save_pretrained` (`save`), or
@@ -342,8 +380,11 @@ def resumed_in_one_process(path: str) -> dict:
     model = resume_model("qwen3_moe", seed=7)
     optimizer, scheduler = resume_training(model)
     state = autotp.load_checkpoint(path, model, optimizer, scheduler)
-    return {"state": state, "losses": resume_steps(model, optimizer, scheduler, 3),
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "state": state,
+        "losses": resume_steps(model, optimizer, scheduler, 3),
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def test_checkpoints_under_fully_shard_at_ep2_resume_in_one_process_and_at_ep2(tmp_path) -> None:
@@ -351,6 +392,7 @@ def test_checkpoints_under_fully_shard_at_ep2_resume_in_one_process_and_at_ep2(t
     each as 6 straight steps of one process go (tolerances of tests/io/test_reshard_resume.py: loss 1e-5,
     parameters 3e-5). `save_pretrained` of the same weights equals `consolidate` of the checkpoint, exactly."""
     from safetensors.torch import load_file
+
     from resume_workers import check_resume, straight_run
 
     path = str(tmp_path / "ckpt")

@@ -84,8 +84,10 @@ def refusals_at_ep2(rank: int, world: int, tmp: str) -> list[str]:
     except ValueError as err:
         messages.append(str(err))
     model = autotp.wrap(moe_model("qwen3_moe"), 1, ep_size=2)
-    for attempt in (lambda: autotp.fully_shard(model),
-                    lambda: DistributedDataParallel(model, process_group=autotp.dp_group(model))):
+    for attempt in (
+        lambda: autotp.fully_shard(model),
+        lambda: DistributedDataParallel(model, process_group=autotp.dp_group(model)),
+    ):
         try:
             attempt()
             messages.append("accepted")
@@ -112,8 +114,10 @@ def loaded_at_ep2(rank: int, world: int, path: str) -> dict:
     theirs = reference.state_dict()
     with torch.no_grad():
         losses = [m(input_ids=GLOBAL[:2], labels=GLOBAL[:2]).loss.item() for m in (direct, reference)]
-    return {"unequal": [k for k, v in direct.state_dict().items() if not torch.equal(v, theirs[k])],
-            "loss": abs(losses[0] - losses[1])}
+    return {
+        "unequal": [k for k, v in direct.state_dict().items() if not torch.equal(v, theirs[k])],
+        "loss": abs(losses[0] - losses[1]),
+    }
 
 
 def test_from_pretrained_at_ep2_equals_wrap_after_transformers_load(tmp_path) -> None:

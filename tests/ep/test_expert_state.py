@@ -47,14 +47,18 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # --- saves -----------------------------------------------------------------------------------------------------------
 
+
 def save_at(rank: int, world: int, family: str, tp: int, ep: int, target: str) -> dict:
     """`autotp.save_pretrained` in one file, the model's own `save_pretrained` in small files, and an export."""
     model = autotp.wrap(moe_model(family), tp, ep_size=ep)
     autotp.save_pretrained(model, Path(target) / "whole")
     model.save_pretrained(Path(target) / "small", max_shard_size=SMALL)
     exported = [(name, tensor) for name, tensor in autotp.export_weights(model, bucket_bytes=20_000)]
-    return {"exported": exported, "tp_rank": autotp.tp_rank(model),
-            "experts": sum(hasattr(p, "autotp_expert") for p in model.parameters())}
+    return {
+        "exported": exported,
+        "tp_rank": autotp.tp_rank(model),
+        "experts": sum(hasattr(p, "autotp_expert") for p in model.parameters()),
+    }
 
 
 def check_saves(tmp_path: Path, family: str, tp: int, ep: int, world: int = 2) -> None:
@@ -106,6 +110,7 @@ def test_export_to_an_engine_layout_is_refused_at_ep2() -> None:
 
 # --- loads -----------------------------------------------------------------------------------------------------------
 
+
 def load_counting(rank: int, world: int, path: str, ep: int) -> dict:
     """`from_pretrained(path, 1, ep_size=ep)`, counting the bytes each read of the checkpoint returns."""
     read = {"bytes": 0}
@@ -138,6 +143,7 @@ def test_from_pretrained_reads_only_this_ranks_experts(tmp_path: Path) -> None:
 
 # --- training checkpoints --------------------------------------------------------------------------------------------
 
+
 def first_half(rank: int, world: int, tp: int, ep: int, path: str) -> list[float]:
     """3 steps at tp x ep, `save_checkpoint`, and `save_pretrained` of the same weights (for consolidate)."""
     model = autotp.wrap(resume_model("qwen3_moe", seed=0), tp, ep_size=ep)
@@ -157,8 +163,11 @@ def second_half(rank: int, world: int, tp: int, ep: int, path: str) -> dict:
     optimizer, scheduler = resume_training(model)
     state = autotp.load_checkpoint(path, model, optimizer, scheduler)
     losses = resume_steps(model, optimizer, scheduler, 3)
-    return {"state": state, "losses": losses, "params": full_params(model) if tp else
-            {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "state": state,
+        "losses": losses,
+        "params": full_params(model) if tp else {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def consolidated(tmp_path: Path, path: str) -> None:

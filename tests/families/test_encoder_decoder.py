@@ -8,19 +8,22 @@ import torch
 import transformers as tf
 
 import autotp
-from autotp.testing import assert_parity, run_ranks, tiny_config
-from autotp.testing import parity
+from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 
 SEQ2SEQ = ["bart", "blenderbot", "blenderbot-small", "m2m_100", "marian", "mbart", "pegasus", "plbart", "t5", "whisper"]
-ENCODERS = {"bert": tf.AutoModelForSequenceClassification, "roberta": tf.AutoModelForMaskedLM,
-            "modernbert": tf.AutoModelForMaskedLM,
-            "xlm-roberta": tf.AutoModelForTokenClassification}
+ENCODERS = {
+    "bert": tf.AutoModelForSequenceClassification,
+    "roberta": tf.AutoModelForMaskedLM,
+    "modernbert": tf.AutoModelForMaskedLM,
+    "xlm-roberta": tf.AutoModelForTokenClassification,
+}
 
 
 def tiny(model_type: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    auto = ENCODERS.get(model_type) or (tf.AutoModelForSpeechSeq2Seq if model_type == "whisper"
-                                        else tf.AutoModelForSeq2SeqLM)
+    auto = ENCODERS.get(model_type) or (
+        tf.AutoModelForSpeechSeq2Seq if model_type == "whisper" else tf.AutoModelForSeq2SeqLM
+    )
     return auto.from_config(tiny_config(model_type))
 
 
@@ -71,8 +74,11 @@ def test_bart_decoder_alone_keeps_its_vocabulary_whole() -> None:
 def sweep(model_types, quick: str) -> list:
     """(model type, tp) at tp 2 and 4, all in the slow tier but `quick` at tp=2 (T5 for its relative attention bias,
     BERT for a classification head)."""
-    return [pytest.param(m, tp, marks=[] if (m, tp) == (quick, 2) else [pytest.mark.slow])
-            for m in model_types for tp in (2, 4)]
+    return [
+        pytest.param(m, tp, marks=[] if (m, tp) == (quick, 2) else [pytest.mark.slow])
+        for m in model_types
+        for tp in (2, 4)
+    ]
 
 
 @pytest.mark.parametrize("model_type,tp", sweep(SEQ2SEQ, "t5"))

@@ -20,11 +20,18 @@ def test_family_parity(family: str, tp: int) -> None:
         assert report["sharded"] > 0, "nothing was sharded"
 
 
-@pytest.mark.parametrize("family,heads,kv,tp", [
-    ("llama", 8, 1, 2), ("llama", 8, 1, 4), ("llama", 8, 2, 4),   # KV heads replicated over tp/kv ranks
-    ("qwen3", 8, 2, 4),                                           # ... with per-head norms
-    ("llama", 6, 6, 4), ("llama", 6, 2, 4), ("llama", 14, 14, 4),  # uneven heads: 2/2/1/1, 2/1/2/1, 4/4/3/3
-])
+@pytest.mark.parametrize(
+    "family,heads,kv,tp",
+    [
+        ("llama", 8, 1, 2),
+        ("llama", 8, 1, 4),
+        ("llama", 8, 2, 4),  # KV heads replicated over tp/kv ranks
+        ("qwen3", 8, 2, 4),  # ... with per-head norms
+        ("llama", 6, 6, 4),
+        ("llama", 6, 2, 4),
+        ("llama", 14, 14, 4),  # uneven heads: 2/2/1/1, 2/1/2/1, 4/4/3/3
+    ],
+)
 def test_head_layouts_parity(family: str, heads: int, kv: int, tp: int) -> None:
     config = {"num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": 8}
     for report in run_ranks(family_parity, tp, family, 3, None, config):

@@ -10,8 +10,7 @@ from transformers import AutoModelForImageTextToText
 
 import autotp
 from autotp.planning.probe import probe_inputs
-from autotp.testing import assert_parity, run_ranks, tiny_config
-from autotp.testing import parity
+from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 
 # (model type, sub-model path of the vision tower, of the language model)
 VLMS = {
@@ -84,8 +83,11 @@ def test_image_reaches_the_loss() -> None:
         model = tiny_vlm(model_type)
         inputs = probe_inputs(model, batch=2, seed=1)
         model(**inputs, labels=inputs["input_ids"]).loss.backward()
-        grads = [p.grad for n, p in model.named_parameters()
-                 if n.startswith(vision) and (".layers.0." in n or ".blocks.0." in n) and p.dim() == 2]
+        grads = [
+            p.grad
+            for n, p in model.named_parameters()
+            if n.startswith(vision) and (".layers.0." in n or ".blocks.0." in n) and p.dim() == 2
+        ]
         assert grads and all(g is not None and g.abs().max() > 1e-6 for g in grads), model_type
 
 
@@ -128,8 +130,14 @@ def test_vlm_eval_logits_match(model_type: str) -> None:
 
 
 # The sweep is in the slow tier but for LLaVA at tp=2; every VLM's plan and eval logits above stay quick.
-@pytest.mark.parametrize("model_type,tp", [
-    pytest.param(m, tp, marks=[] if (m, tp) == ("llava", 2) else [pytest.mark.slow]) for m in sorted(VLMS) for tp in (2, 4)])
+@pytest.mark.parametrize(
+    "model_type,tp",
+    [
+        pytest.param(m, tp, marks=[] if (m, tp) == ("llava", 2) else [pytest.mark.slow])
+        for m in sorted(VLMS)
+        for tp in (2, 4)
+    ],
+)
 def test_vlm_training_parity(model_type: str, tp: int) -> None:
     for report in run_ranks(vlm_parity, tp, model_type):
         assert_parity(report)

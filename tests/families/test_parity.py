@@ -17,17 +17,19 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import autotp
+from autotp.testing import assert_parity, parity, run_ranks, tiny_config
 from autotp.tp.layers import LinearLayer
-from autotp.testing import assert_parity, run_ranks, tiny_config
-from autotp.testing import parity
 from models import LLAMA_FAMILY, batch, family_parity, tiny_model
 
 SLOW = pytest.mark.slow
 
 
 # tp=1 (a group of size 1: every collective returns at once) on Llama only; the other families' tp=1 runs repeated it.
-@pytest.mark.parametrize("family,tp", [("llama", 1)] + [
-    pytest.param(family, tp, marks=[SLOW] if tp == 4 else []) for family in LLAMA_FAMILY for tp in (2, 4)])
+@pytest.mark.parametrize(
+    "family,tp",
+    [("llama", 1)]
+    + [pytest.param(family, tp, marks=[SLOW] if tp == 4 else []) for family in LLAMA_FAMILY for tp in (2, 4)],
+)
 def test_training_parity(family: str, tp: int) -> None:
     reports = run_ranks(family_parity, tp, family)
     for report in reports:
@@ -50,8 +52,7 @@ def checkpointed(rank: int, world: int, family: str) -> dict:
     model = autotp.wrap(tiny_model(family), world)
     enable(model)
     model(batch(), labels=batch()).loss.backward()
-    report["inputs_held"] = sum(m.entry.holds_input() for m in model.modules()
-                                if isinstance(m, LinearLayer))
+    report["inputs_held"] = sum(m.entry.holds_input() for m in model.modules() if isinstance(m, LinearLayer))
     return report
 
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import autotp
+from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, grad_error
+from autotp.testing.parity import full_tensor as full
+from autotp.testing.spawn import run_ranks
 from autotp.tp.layers import LinearAllreduce, LinearLayer
 from models import batch, tiny_model
-from autotp.testing.spawn import run_ranks
-from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor as full, grad_error
 
 
 def gather_cycle(rank: int, world: int, family: str) -> dict:
@@ -25,15 +26,17 @@ def gather_cycle(rank: int, world: int, family: str) -> dict:
         layers = [m for m in model.modules() if isinstance(m, (LinearLayer, LinearAllreduce))]
         report["full_shapes"] = all(tuple(m.weight.shape) == (m.full_out, m.full_in) for m in layers)
         report["state_dict_shapes"] = {k: tuple(v.shape) for k, v in model.state_dict().items()} == {
-            k: tuple(v.shape) for k, v in reference.state_dict().items()}
+            k: tuple(v.shape) for k, v in reference.state_dict().items()
+        }
         with torch.no_grad():
             report["logits_inside"] = (model(ids).logits - reference(ids).logits).abs().max().item()
         # A backward inside: gradients of full weights, sliced back to shards on exit.
         model(ids, labels=ids).loss.backward()
     reference(ids, labels=ids).loss.backward()
     ref_params = dict(reference.named_parameters())
-    report["grad_inside"] = max(grad_error(full(p.grad, p, group), ref_params[n].grad)
-                                for n, p in model.named_parameters())
+    report["grad_inside"] = max(
+        grad_error(full(p.grad, p, group), ref_params[n].grad) for n, p in model.named_parameters()
+    )
     report["shards_back"] = all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
     model.zero_grad()
     reference.zero_grad()
@@ -43,14 +46,16 @@ def gather_cycle(rank: int, world: int, family: str) -> dict:
     with autotp.GatherReplacedLayerParams(model):
         model.load_state_dict(other.state_dict())
     report["loaded_kept"] = all(
-        torch.equal(full(p, p, group), dict(other.named_parameters())[n].detach()) for n, p in model.named_parameters())
+        torch.equal(full(p, p, group), dict(other.named_parameters())[n].detach()) for n, p in model.named_parameters()
+    )
     losses = [m(ids, labels=ids).loss for m in (other, model)]
     for loss in losses:
         loss.backward()
     report["loss_after"] = abs(losses[0].item() - losses[1].item())
     other_params = dict(other.named_parameters())
-    report["grad_after"] = max(grad_error(full(p.grad, p, group), other_params[n].grad)
-                               for n, p in model.named_parameters())
+    report["grad_after"] = max(
+        grad_error(full(p.grad, p, group), other_params[n].grad) for n, p in model.named_parameters()
+    )
     return report
 
 
@@ -91,8 +96,10 @@ def standalone_gather(rank: int, world: int) -> dict:
     first, second = torch.nn.Linear(8, 6), torch.nn.Linear(6, 8)
     reference = torch.nn.Sequential(copy.deepcopy(first), copy.deepcopy(second))
     group = torch.distributed.group.WORLD
-    model = torch.nn.Sequential(LinearLayer(first, autotp.Partition.even(0, 6, world), group),
-                                LinearAllreduce(second, autotp.Partition.even(1, 6, world), group))
+    model = torch.nn.Sequential(
+        LinearLayer(first, autotp.Partition.even(0, 6, world), group),
+        LinearAllreduce(second, autotp.Partition.even(1, 6, world), group),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     shards = [p.detach().clone() for p in model.parameters()]
@@ -107,8 +114,9 @@ def standalone_gather(rank: int, world: int) -> dict:
     reference(x).sum().backward()
     report["shapes_after"] = [tuple(p.shape) for p in model.parameters()]
     report["shards_back"] = all(torch.equal(a, p.detach()) for a, p in zip(shards, model.parameters()))
-    report["grads"] = max(grad_error(full(p.grad, p, group), r.grad)
-                          for p, r in zip(model.parameters(), reference.parameters()))
+    report["grads"] = max(
+        grad_error(full(p.grad, p, group), r.grad) for p, r in zip(model.parameters(), reference.parameters())
+    )
     return report
 
 

@@ -17,8 +17,9 @@ NEW = 12
 def complete(model: torch.nn.Module, sample: bool) -> torch.Tensor:
     torch.manual_seed(5)  # the sampler's draws: the same stream in one process and on every TP rank
     with torch.no_grad():
-        return model.generate(PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=sample, top_k=0,
-                              temperature=1.0, pad_token_id=0)
+        return model.generate(
+            PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=sample, top_k=0, temperature=1.0, pad_token_id=0
+        )
 
 
 def ranks_complete(rank: int, world: int, sample: bool) -> torch.Tensor:

@@ -15,18 +15,17 @@ from readme_commands import ROOT, readme_command, run
 sys.path.insert(0, str(ROOT / "examples"))
 
 
-
 def build_at_tp2(rank: int, world: int, output: str) -> dict:
     """What tp_trainer(GRPOTrainer) does when it is built on 2 ranks at tp=2, and what it refuses."""
     import os
 
     from accelerate.state import PartialState
-
-    import autotp
-    from autotp.hf_trainer import tp_trainer
     from grpo_lora import config, dataset, low_tokens, tokenizer
     from train_trainer import tiny_llama, with_lora
     from trl import GRPOTrainer
+
+    import autotp
+    from autotp.hf_trainer import tp_trainer
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     PartialState._reset_state()  # accelerate's process state, as a fresh process under torchrun finds it
@@ -39,8 +38,13 @@ def build_at_tp2(rank: int, world: int, output: str) -> dict:
         for name, value in options.items():
             setattr(args, name, value)
         try:
-            return tp_trainer(GRPOTrainer)(model=model, reward_funcs=low_tokens, args=args,
-                                           train_dataset=dataset(256), processing_class=tokenizer(256))
+            return tp_trainer(GRPOTrainer)(
+                model=model,
+                reward_funcs=low_tokens,
+                args=args,
+                train_dataset=dataset(256),
+                processing_class=tokenizer(256),
+            )
         except ValueError as error:
             return str(error)
 
@@ -51,15 +55,21 @@ def build_at_tp2(rank: int, world: int, output: str) -> dict:
         trainer.get_eval_dataloader(dataset(256, 4))
     except ValueError as error:
         split_eval = str(error)
-    return {"generators": torch.get_rng_state(), "generation_batch": trainer.args.generation_batch_size,
-            "unwrapped": trainer.accelerator.unwrap_model(trainer.wrap_for_training(trainer.model)) is trainer.model,
-            "split_eval": split_eval,
-            "batch_std": build(scale_rewards="batch"), "split_groups": build(per_device_train_batch_size=2),
-            "vocab_parallel": build(vocab_parallel=True).model.base_model.model.forward.__code__.co_qualname}
+    return {
+        "generators": torch.get_rng_state(),
+        "generation_batch": trainer.args.generation_batch_size,
+        "unwrapped": trainer.accelerator.unwrap_model(trainer.wrap_for_training(trainer.model)) is trainer.model,
+        "split_eval": split_eval,
+        "batch_std": build(scale_rewards="batch"),
+        "split_groups": build(per_device_train_batch_size=2),
+        "vocab_parallel": build(vocab_parallel=True).model.base_model.model.forward.__code__.co_qualname,
+    }
 
 
 @pytest.mark.timeout(180)
-def test_grpo_trainer_at_tp2_draws_alike_counts_replicas_refuses_what_tp_would_change_and_splits_the_fused_head(tmp_path: Path) -> None:
+def test_grpo_trainer_at_tp2_draws_alike_counts_replicas_refuses_what_tp_would_change_and_splits_the_fused_head(
+    tmp_path: Path,
+) -> None:
     from autotp.testing.spawn import run_ranks
 
     ranks = run_ranks(build_at_tp2, 2, str(tmp_path))
@@ -87,9 +97,14 @@ def one_process_grpo(output: Path, steps: int):
     torch.manual_seed(0)
     model = with_lora(tiny_llama())
     vocab = model.config.vocab_size
-    trainer = OneProcessGRPO(model=model, reward_funcs=low_tokens, args=config(str(output), steps),
-                             train_dataset=dataset(vocab), eval_dataset=dataset(vocab, 4, seed=2),
-                             processing_class=tokenizer(vocab))
+    trainer = OneProcessGRPO(
+        model=model,
+        reward_funcs=low_tokens,
+        args=config(str(output), steps),
+        train_dataset=dataset(vocab),
+        eval_dataset=dataset(vocab, 4, seed=2),
+        processing_class=tokenizer(vocab),
+    )
     trainer.train()
     return trainer, trainer.evaluate()
 
@@ -124,8 +139,12 @@ def test_grpo_with_lora_at_tp2_samples_and_trains_as_one_process(tmp_path: Path,
     for name in ("entropy", "kl"):
         gaps[name] = max(abs(metrics[s][name] - one_metrics[s][name]) for s in trained)
     if set(range(steps, steps + 4)) <= set(agree):  # the evaluation: each prompt's group of completions on one replica
-        gaps.update({name: abs(got["evaluation"][name] - one_evaluation[name]) for name in
-                     ("eval_loss", "eval_reward", "eval_kl", "eval_entropy")})
+        gaps.update(
+            {
+                name: abs(got["evaluation"][name] - one_evaluation[name])
+                for name in ("eval_loss", "eval_reward", "eval_kl", "eval_entropy")
+            }
+        )
     print(f"largest differences from one process on those steps: {gaps}")
     assert max(gaps.values()) <= 1e-5, (gaps, losses, one.losses, metrics, one_metrics)
     assert max(abs(x) for x in losses) > 1e-2 and max(m["kl"] for m in metrics) > 1e-3  # not a trivially zero curve

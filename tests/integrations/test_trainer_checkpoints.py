@@ -41,9 +41,20 @@ def reading_trainer(path: str, tp: int, steps: int, **arguments):
             self.read = [*self.read, dataset.index_of(inputs["input_ids"])]
             return loss
 
-    args = TrainingArguments(output_dir=path, per_device_train_batch_size=4, max_steps=steps, learning_rate=1e-3,
-                             adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
-                             save_strategy="steps", save_steps=1, **arguments)
+    args = TrainingArguments(
+        output_dir=path,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="steps",
+        save_steps=1,
+        **arguments,
+    )
     model = autotp.wrap(tiny_model("llama"), tp_size=tp) if tp else tiny_model("llama")
     return Reading(model=model, args=args, train_dataset=dataset)
 
@@ -143,7 +154,8 @@ def old_format_resume(rank: int, world: int, path: str, saved_fsdp: bool) -> tup
     same.load_optimizer_and_scheduler(path)  # what train(resume_from_checkpoint=path) calls
     loaded = local_optimizer_state(same.optimizer.state_dict())["state"]
     equal = loaded.keys() == state["state"].keys() and all(
-        torch.equal(loaded[i][k].cpu(), v) for i, entry in state["state"].items() for k, v in entry.items())
+        torch.equal(loaded[i][k].cpu(), v) for i, entry in state["state"].items() for k, v in entry.items()
+    )
     other = recording_trainer(path, world, not saved_fsdp)
     other.create_optimizer_and_scheduler(num_training_steps=1)
     try:
@@ -180,8 +192,10 @@ def load_rng_of_fewer_ranks(rank: int, world: int, path: str) -> torch.Tensor:
     mine.mkdir()
     if rank == 0:
         generator = torch.Generator().manual_seed(123)
-        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "cpu": generator.get_state()},
-                   mine / "rng_state.pth")
+        torch.save(
+            {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": generator.get_state()},
+            mine / "rng_state.pth",
+        )
     trainer._load_rng_state(str(mine))  # what Trainer calls when it resumes
     return torch.get_rng_state()
 

@@ -14,8 +14,14 @@ from models import Sequences, tiny_model
 
 
 def eval_arguments(output: str) -> TrainingArguments:
-    return TrainingArguments(output_dir=output, per_device_eval_batch_size=4, report_to=[], use_cpu=True,
-                             save_strategy="no", disable_tqdm=True)
+    return TrainingArguments(
+        output_dir=output,
+        per_device_eval_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
 
 
 def evaluate_rank(rank: int, world: int, output: str, samples: int, tp: int) -> float:
@@ -32,7 +38,8 @@ def test_eval_loss_weights_a_smaller_last_batch_as_one_process_trainer(tmp_path:
     """14 samples in batches of 4: at dp=1 x tp=2 the last batch holds 2 and must weigh 2 samples, not 4; at
     dp=2 x tp=1 each replica's 7 samples end in a batch of 3, gathered over the DP group."""
     got = run_ranks(evaluate_rank, 2, str(tmp_path / "tp"), 14, tp)
-    expected = Trainer(model=tiny_model("llama"), args=eval_arguments(str(tmp_path / "one")),
-                       eval_dataset=Sequences(14)).evaluate()["eval_loss"]
+    expected = Trainer(
+        model=tiny_model("llama"), args=eval_arguments(str(tmp_path / "one")), eval_dataset=Sequences(14)
+    ).evaluate()["eval_loss"]
     # fp32: TP changes only the order of sums in the forward; the batch-mean slip this guards against is ~1e-4
     assert got[0] == got[1] and abs(got[0] - expected) <= 1e-5, (got, expected)

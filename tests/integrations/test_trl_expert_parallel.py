@@ -34,8 +34,11 @@ def assert_close(got: dict, expected: dict) -> None:
     assert worst[0] <= PARAM_ATOL, f"{worst[1]} differs by {worst[0]:.3g} after SFT's steps"
 
 
-@pytest.mark.parametrize("tp,aux", [pytest.param(1, False, marks=pytest.mark.slow), (2, True)],  # ~20 s each
-                         ids=["dp2-ep2", "tp2-ep2"])
+@pytest.mark.parametrize(
+    "tp,aux",
+    [pytest.param(1, False, marks=pytest.mark.slow), (2, True)],  # ~20 s each
+    ids=["dp2-ep2", "tp2-ep2"],
+)
 def test_sft_at_ep2_trains_as_one_process(tmp_path: Path, tp: int, aux: bool) -> None:
     """SFTTrainer at ep 2 on 2 ranks (dp 2, or tp 2 x dp 1), global batch 4 of ragged sequences, against TRL's own
     SFTTrainer in one process reading the same global batches. TRL turns on the MoE load-balancing loss (the config's
@@ -76,8 +79,9 @@ def test_grpo_with_attention_lora_at_tp2_ep2_samples_and_trains_as_one_process(t
     assert len(agree) >= STEPS - 1, (got["completions"], one["completions"])
     gaps = {"loss": max(abs(got["losses"][s] - one["losses"][s]) for s in agree)}
     for name in ("kl", "entropy", "grad_norm"):
-        gaps[name] = max(abs(got["logs"][s][name] - one["logs"][s][name]) / max(1.0, abs(one["logs"][s][name]))
-                         for s in agree)
+        gaps[name] = max(
+            abs(got["logs"][s][name] - one["logs"][s][name]) / max(1.0, abs(one["logs"][s][name])) for s in agree
+        )
     print(f"GRPO at tp 2 x ep 2: {len(agree)} of {STEPS} steps sampled alike; largest gaps {gaps}")
     assert max(gaps.values()) <= 1e-5, gaps
     assert max(abs(log["kl"]) for log in got["logs"]) > 1e-2  # it trained away from the reference

@@ -62,8 +62,10 @@ def test_dpo_with_vocab_parallel_head_at_tp2_trains_as_one_process(tmp_path: Pat
     assert {"rewards/margins", "logps/chosen", "logits/rejected", "mean_token_accuracy", "entropy"} <= gaps.keys()
     # the full weights save_model wrote: Adam at lr=1e-3 moves a weight ~1e-3 a step; 1e-5 is 1% of that (observed 2e-7)
     gap = weight_gap(ranks[0]["weights"], one["weights"])
-    print(f"DPO at tp=2, vocab-parallel: loss gap {loss_gap:.1e}, largest log gap {max(gaps.values()):.1e}, "
-          f"weight gap {gap:.1e}")
+    print(
+        f"DPO at tp=2, vocab-parallel: loss gap {loss_gap:.1e}, largest log gap {max(gaps.values()):.1e}, "
+        f"weight gap {gap:.1e}"
+    )
     assert gap <= 1e-5
 
 
@@ -101,8 +103,10 @@ def test_rloo_with_vocab_parallel_head_at_tp2_samples_and_trains_as_one_process(
     skip = {"step_time", "num_tokens", "reward_std", "rewards/low_tokens/std"}
     got, expected = [ranks[0]["logs"][s] for s in agree], [one["logs"][s] for s in agree]
     assert len(got) == len(expected) and all(a.keys() == b.keys() for a, b in zip(got, expected))
-    gaps = {name: max(abs(a[name] - b[name]) / max(1.0, abs(b[name])) for a, b in zip(got, expected))
-            for name in got[0].keys() - skip}
+    gaps = {
+        name: max(abs(a[name] - b[name]) / max(1.0, abs(b[name])) for a, b in zip(got, expected))
+        for name in got[0].keys() - skip
+    }
     print(f"RLOO at tp=2, vocab-parallel: {len(agree)} of {STEPS} steps sampled alike; largest log gaps {gaps}")
     assert max(gaps.values()) <= 1e-5, gaps  # fp32, reduction order only: observed ~1e-6 (grad_norm ~10)
     assert max(abs(log["kl"]) for log in got) > 1e-2 and min(log["grad_norm"] for log in got) > 1e-1

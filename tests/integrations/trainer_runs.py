@@ -21,8 +21,22 @@ def recording_trainer(path: str, tp: int, fsdp: bool, steps: int = 1, save: bool
             self.losses = [*self.losses, loss.item()]
             return loss
 
-    args = TrainingArguments(output_dir=path, per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-3,
-                             adam_epsilon=1e-6, seed=0, report_to=[], use_cpu=True, disable_tqdm=True,
-                             save_strategy="steps" if save else "no", save_steps=1)
-    return Recording(model=autotp.wrap(tiny_model("llama"), tp_size=tp, cp_size=cp), args=args,
-                     train_dataset=Sequences(12), fully_shard=fsdp)
+    args = TrainingArguments(
+        output_dir=path,
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="steps" if save else "no",
+        save_steps=1,
+    )
+    return Recording(
+        model=autotp.wrap(tiny_model("llama"), tp_size=tp, cp_size=cp),
+        args=args,
+        train_dataset=Sequences(12),
+        fully_shard=fsdp,
+    )

@@ -50,23 +50,28 @@ def _moe(tp: int, ep: int, adapters: bool = False, timeout: float | None = None)
 
 def _params(model: torch.nn.Module, ep: int, trainable: bool = False) -> dict[str, torch.Tensor]:
     """Every (trainable) parameter as a full tensor, under its one-process name."""
+    from autotp.state import wrapped_model
     from ep_workers import whole
 
-    from autotp.state import wrapped_model
-
     inner = wrapped_model(model) if ep else None
-    return {n: (whole(p, p, inner) if ep else p.detach().clone()) for n, p in model.named_parameters()
-            if p.requires_grad or not trainable}
+    return {
+        n: (whole(p, p, inner) if ep else p.detach().clone())
+        for n, p in model.named_parameters()
+        if p.requires_grad or not trainable
+    }
 
 
 def sft_data(vocab: int, alike: bool = False):
     """Already tokenized sequences of several lengths (SFTTrainer then skips tokenizing), no pad or eos token; with
     `alike`, the first one 12 times (every replica's rows then have the whole batch's router statistics)."""
     from datasets import Dataset
+
     from models import batch
 
-    rows = [batch(vocab, size=(1, n), seed=0 if alike else i)[0].clamp(min=2).tolist()
-            for i, n in enumerate([LENGTHS[0]] * len(LENGTHS) if alike else LENGTHS)]
+    rows = [
+        batch(vocab, size=(1, n), seed=0 if alike else i)[0].clamp(min=2).tolist()
+        for i, n in enumerate([LENGTHS[0]] * len(LENGTHS) if alike else LENGTHS)
+    ]
     return Dataset.from_dict({"input_ids": rows})
 
 
@@ -94,13 +99,28 @@ def sft_run(rank: int, world: int, output: str, tp: int, ep: int, aux: bool = Tr
 
     model = _moe(tp, ep)
     replicas = autotp.dp_size(model) if ep else 1
-    args = SFTConfig(output_dir=output, max_steps=STEPS, per_device_train_batch_size=GLOBAL_BATCH // replicas,
-                     learning_rate=1e-3, adam_epsilon=1e-6, logging_steps=1, seed=0, report_to=[],
-                     save_strategy="no", use_cpu=True, max_length=32, disable_tqdm=True, bf16=False,
-                     router_aux_loss_coef=None if aux else 0.0)
+    args = SFTConfig(
+        output_dir=output,
+        max_steps=STEPS,
+        per_device_train_batch_size=GLOBAL_BATCH // replicas,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        max_length=32,
+        disable_tqdm=True,
+        bf16=False,
+        router_aux_loss_coef=None if aux else 0.0,
+    )
     trainer = (ExpertParallelSFT if ep else OneProcessSFT)(
-        model=model, args=args, train_dataset=sft_data(model.config.vocab_size, alike),
-        processing_class=tokenizer(model.config.vocab_size))
+        model=model,
+        args=args,
+        train_dataset=sft_data(model.config.vocab_size, alike),
+        processing_class=tokenizer(model.config.vocab_size),
+    )
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
     return {"losses": trainer.losses, "logs": logs, "params": _params(model, ep)}
@@ -138,9 +158,18 @@ def grpo_run(rank: int, world: int, output: str, tp: int, ep: int, eos: int | No
         words.eos_token = f"t{eos}"
     base = tp_trainer(GRPOTrainer) if ep else GRPOTrainer
     trainer = type("RecordingGRPO", (Recorder, base), {})(
-        model=model, reward_funcs=low_tokens, args=args, train_dataset=dataset(model.config.vocab_size),
-        processing_class=words)
+        model=model,
+        reward_funcs=low_tokens,
+        args=args,
+        train_dataset=dataset(model.config.vocab_size),
+        processing_class=words,
+    )
     trainer.train()
     logs = [log for log in trainer.state.log_history if "kl" in log]
-    return {"losses": trainer.losses, "completions": trainer.completions, "logs": logs, "synced": synced,
-            "adapters": _params(model, ep, trainable=True)}
+    return {
+        "losses": trainer.losses,
+        "completions": trainer.completions,
+        "logs": logs,
+        "synced": synced,
+        "adapters": _params(model, ep, trainable=True),
+    }

@@ -43,12 +43,14 @@ class Sizes(TorchDispatchMode):
 
     def pausing(self, function: Any) -> Any:
         """`function` run with the recording paused (generation, which samples from whole-vocabulary logits)."""
+
         def paused(*args: Any, **kwargs: Any) -> Any:
             self.paused += 1
             try:
                 return function(*args, **kwargs)
             finally:
                 self.paused -= 1
+
         return paused
 
 
@@ -69,8 +71,13 @@ def _train(trainer: Any, output: str, probe: Sizes, **extra: Any) -> dict:
     trainer.save_model(output)
     name = "adapter_model.safetensors" if Path(output, "adapter_model.safetensors").exists() else "model.safetensors"
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    return {"losses": trainer.losses, "logs": logs, "dims": probe.dims,
-            "weights": load_file(str(Path(output, name))), **extra}
+    return {
+        "losses": trainer.losses,
+        "logs": logs,
+        "dims": probe.dims,
+        "weights": load_file(str(Path(output, name))),
+        **extra,
+    }
 
 
 def forward_name(model: torch.nn.Module) -> str:
@@ -97,9 +104,22 @@ def dpo_config(output: str):
     """fp32 (DPOConfig defaults to bf16 on some setups), 2 pairs a step, a learning rate that moves the log-probs."""
     from trl import DPOConfig
 
-    return DPOConfig(output_dir=output, max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
-                     adam_epsilon=1e-6, beta=0.1, logging_steps=1, seed=0, report_to=[], save_strategy="no",
-                     disable_tqdm=True, use_cpu=True, bf16=False, dataloader_drop_last=True)
+    return DPOConfig(
+        output_dir=output,
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        beta=0.1,
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=False,
+        dataloader_drop_last=True,
+    )
 
 
 def dpo_run(rank: int, world: int, output: str) -> dict:
@@ -123,8 +143,12 @@ def dpo_run(rank: int, world: int, output: str) -> dict:
             autotp.wrap(model, tp_size=world, vocab_parallel=True)
     base = tp_trainer(DPOTrainer) if world > 1 else DPOTrainer
     trainer = type("RecordingDPO", (LossRecorder, base), {})(
-        model=policy, ref_model=reference, args=dpo_config(output), train_dataset=preferences(256),
-        processing_class=tokenizer(256))
+        model=policy,
+        ref_model=reference,
+        args=dpo_config(output),
+        train_dataset=preferences(256),
+        processing_class=tokenizer(256),
+    )
     return _train(trainer, output, Sizes(), forwards=[forward_name(policy), forward_name(reference)])
 
 
@@ -134,10 +158,26 @@ def rloo_config(output: str, **options: Any):
     fp32, as the one-process run it is compared with."""
     from trl import RLOOConfig
 
-    return RLOOConfig(output_dir=output, max_steps=STEPS, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=8, temperature=0.1, beta=0.04, learning_rate=1e-2, adam_epsilon=1e-6,
-                      logging_steps=1, seed=0, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
-                      bf16=False, gradient_checkpointing=False, **options)
+    return RLOOConfig(
+        output_dir=output,
+        max_steps=STEPS,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        temperature=0.1,
+        beta=0.04,
+        learning_rate=1e-2,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        **options,
+    )
 
 
 def _rloo(output: str, world: int, **options: Any):
@@ -156,8 +196,12 @@ def _rloo(output: str, world: int, **options: Any):
         autotp.wrap(model.base_model.model, tp_size=world, vocab_parallel=True)
     base = tp_trainer(RLOOTrainer) if world > 1 else RLOOTrainer
     trainer = type("RecordingRLOO", (Recorder, base), {})(
-        model=model, reward_funcs=low_tokens, args=rloo_config(output, **options), train_dataset=dataset(256),
-        processing_class=tokenizer(256))
+        model=model,
+        reward_funcs=low_tokens,
+        args=rloo_config(output, **options),
+        train_dataset=dataset(256),
+        processing_class=tokenizer(256),
+    )
     return trainer
 
 
@@ -168,8 +212,9 @@ def rloo_run(rank: int, world: int, output: str) -> dict:
     trainer = _rloo(output, world)
     probe = Sizes()
     trainer._generate_single_turn = probe.pausing(trainer._generate_single_turn)
-    return _train(trainer, output, probe, completions=trainer.completions,
-                  forwards=[forward_name(trainer.model.base_model.model)])
+    return _train(
+        trainer, output, probe, completions=trainer.completions, forwards=[forward_name(trainer.model.base_model.model)]
+    )
 
 
 def rloo_refusals(rank: int, world: int, output: str) -> str:

@@ -40,14 +40,15 @@ def resume_training(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.opti
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
-def resume_steps(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 count: int) -> list[float]:
+def resume_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, count: int
+) -> list[float]:
     """`count` steps on this replica's rows of the global batch; the global batch's loss (mean over replicas)."""
     wrapped = any(hasattr(m, "autotp_state") for m in model.modules())
     dp, replica = (autotp.dp_size(model), autotp.dp_rank(model)) if wrapped else (1, 0)
     rows = RESUME_BATCH.shape[0] // dp
     device = next(model.parameters()).device
-    ids = RESUME_BATCH[replica * rows:(replica + 1) * rows].to(device)
+    ids = RESUME_BATCH[replica * rows : (replica + 1) * rows].to(device)
     losses = []
     for _ in range(count):
         loss = model(input_ids=ids, labels=ids).loss
@@ -115,4 +116,3 @@ def check_resume(report: dict, expected: dict, label: str) -> None:
     assert worst_loss <= parity.LOSS_ATOL, (label, report["losses"], expected["losses"][3:])
     worst = max(((report["params"][n] - p).abs().max().item(), n) for n, p in expected["params"].items())
     assert worst[0] <= parity.PARAM_ATOL, (label, worst)
-

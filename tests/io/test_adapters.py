@@ -4,7 +4,6 @@ numbers (an adapter on a shard sees only that rank's rows, and its update is nev
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, get_peft_model
@@ -17,10 +16,16 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
 
 
 OTHERS = {  # PEFT config -> the slot refused first and the PEFT class that took it
-    "ia3": (lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
-            "model.layers.0.self_attn.q_proj", "peft.tuners.ia3"),
-    "lora on the vocab-parallel embedding": (lambda: LoraConfig(r=4, target_modules=["embed_tokens"]),
-                                             "model.embed_tokens", "peft.tuners.lora.layer.Embedding"),
+    "ia3": (
+        lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "model.layers.0.self_attn.q_proj",
+        "peft.tuners.ia3",
+    ),
+    "lora on the vocab-parallel embedding": (
+        lambda: LoraConfig(r=4, target_modules=["embed_tokens"]),
+        "model.embed_tokens",
+        "peft.tuners.lora.layer.Embedding",
+    ),
 }
 
 
@@ -49,14 +54,27 @@ def test_wrap_points_from_a_peft_model_to_the_model_inside() -> None:
         autotp.wrap(peft_model, 1)
 
 
-@pytest.mark.parametrize("config,error,match", [
-    (lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]), TypeError,
-     r"model.layers.0.self_attn.q_proj is a peft.tuners.ia3.*only LoRA on linear layers"),
-    (lambda: LoraConfig(**LORA, use_dora=True), NotImplementedError, r"model.layers.0.self_attn.q_proj uses a LoRA variant"),
-    (lambda: LoraConfig(**LORA, modules_to_save=["lm_head"]), TypeError,
-     r"lm_head is a peft.utils.other.ModulesToSaveWrapper \(PEFT's modules_to_save\), which wrap cannot shard. "
-     r"get_peft_model after autotp.wrap works"),  # supported after wrap (tests/tp/test_lora.py), not before
-])
+@pytest.mark.parametrize(
+    "config,error,match",
+    [
+        (
+            lambda: IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+            TypeError,
+            r"model.layers.0.self_attn.q_proj is a peft.tuners.ia3.*only LoRA on linear layers",
+        ),
+        (
+            lambda: LoraConfig(**LORA, use_dora=True),
+            NotImplementedError,
+            r"model.layers.0.self_attn.q_proj uses a LoRA variant",
+        ),
+        (
+            lambda: LoraConfig(**LORA, modules_to_save=["lm_head"]),
+            TypeError,
+            r"lm_head is a peft.utils.other.ModulesToSaveWrapper \(PEFT's modules_to_save\), which wrap cannot shard. "
+            r"get_peft_model after autotp.wrap works",
+        ),  # supported after wrap (tests/tp/test_lora.py), not before
+    ],
+)
 def test_wrap_refuses_other_adapters_unchanged(config, error, match) -> None:
     """A model holding adapters autotp does not shard is refused before anything changes (LoRA layers included)."""
     inner = get_peft_model(tiny_model("llama"), config()).base_model.model

@@ -40,8 +40,11 @@ def load_at_tp1(rank: int, world: int, path: str) -> dict:
     model = autotp.wrap(tiny_model("llama", seed=3), 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = autotp.load_checkpoint(path, model, optimizer)
-    return {"state": state, "weights": {k: v.clone() for k, v in model.state_dict().items()},
-            "moments": len(optimizer.state)}
+    return {
+        "state": state,
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+        "moments": len(optimizer.state),
+    }
 
 
 def test_async_save_holds_the_weights_of_the_call_and_loads_at_another_layout(tmp_path: Path) -> None:
@@ -58,6 +61,7 @@ def failing_async_write(rank: int, world: int, path: str) -> dict:
     model, optimizer = trained_llama(2)
     autotp.save_checkpoint(path, model, optimizer, step=1)  # the previous checkpoint
     if rank == 1:
+
         def failing(self, plan, planner):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "__1_0.distcp")
 
@@ -65,8 +69,12 @@ def failing_async_write(rank: int, world: int, path: str) -> dict:
     autotp.save_checkpoint(path, model, optimizer, overwrite=True, async_save=True, step=2)  # returns: no error yet
     with pytest.raises(OSError) as err:
         autotp.save_checkpoint(path + "-next", model, optimizer, step=3)  # the next save waits, and raises
-    return {"errno": err.value.errno, "message": str(err.value),
-            "next": os.path.exists(path + "-next"), "state": autotp.load_checkpoint(path, model)}
+    return {
+        "errno": err.value.errno,
+        "message": str(err.value),
+        "next": os.path.exists(path + "-next"),
+        "state": autotp.load_checkpoint(path, model),
+    }
 
 
 def test_a_failed_async_write_raises_on_every_rank_at_the_next_save_and_keeps_the_previous(tmp_path: Path) -> None:

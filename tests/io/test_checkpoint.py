@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
+from models import batch, tiny_model
 
 
 def train_and_save(rank: int, world: int, family: str, target: str, max_shard_size: str) -> dict | None:
@@ -33,8 +33,10 @@ def train_and_save(rank: int, world: int, family: str, target: str, max_shard_si
 
 
 @pytest.mark.parametrize("max_shard_size", ["5GB", "60KB"])
-@pytest.mark.parametrize("family,tp", [("llama", 2), pytest.param("gemma", 4, marks=pytest.mark.slow),
-                                       pytest.param("qwen3", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family,tp",
+    [("llama", 2), pytest.param("gemma", 4, marks=pytest.mark.slow), pytest.param("qwen3", 4, marks=pytest.mark.slow)],
+)
 def test_save_loads_in_plain_transformers(tmp_path: Path, family: str, tp: int, max_shard_size: str) -> None:
     target = tmp_path / "out"
     gathered = run_ranks(train_and_save, tp, family, str(target), max_shard_size)[0]
@@ -50,8 +52,10 @@ def test_save_loads_in_plain_transformers(tmp_path: Path, family: str, tp: int, 
     plain = tiny_model(family)
     plain.load_state_dict(gathered)
     plain.save_pretrained(expected, max_shard_size=max_shard_size)
+
     def weights(d: Path) -> list[str]:
         return sorted(p.name for p in d.iterdir() if "safetensors" in p.name)
+
     assert weights(target) == weights(expected)
     if max_shard_size == "60KB":
         assert len(weights(target)) > 2, "the small shard size should force several files"
@@ -123,6 +127,7 @@ def test_into_existing_keeps_other_files_and_replaces_model_files(tmp_path: Path
 
 
 # Transformers' own method on a wrapped model.
+
 
 def hf_save(rank: int, world: int, target: str) -> dict | None:
     model = autotp.wrap(tiny_model("gemma"), world)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 import autotp
 from autotp.testing.spawn import run_ranks
@@ -32,6 +32,7 @@ def hidden(directory: Path) -> list[str]:
 
 def full_disk_on_rank1(rank: int, world: int, target: str) -> tuple[int | None, str]:
     if rank == 1:
+
         def failing(self, plan, planner):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "__1_0.distcp")
 
@@ -106,6 +107,7 @@ def unsaveable_on_rank1(rank: int, world: int, target: str) -> str:
     staging.ENTRY_TIMEOUT = timedelta(seconds=10)
     model, optimizer = trained_llama(world)
     if rank == 1:
+
         def failing(*args):
             raise IndexError("start out of range")
 
@@ -125,6 +127,7 @@ def test_a_rank_that_cannot_describe_its_tensors_fails_every_rank(tmp_path: Path
 
 
 # --- a damaged checkpoint changes nothing, on any rank ---------------------------------------------------------
+
 
 def save_tp2(rank: int, world: int, directory: str) -> None:
     model, optimizer = trained_llama(2)
@@ -163,9 +166,15 @@ def load_and_compare(rank: int, world: int, directory: str, tp: int, seed: int =
     return str(err.value), same, not optimizer.state, torch.equal(rng, torch.get_rng_state())
 
 
-@pytest.mark.parametrize("file,how,named", [
-    ("__1_0.distcp", "delete", "missing"), ("__1_0.distcp", "truncate", "a truncated file"),
-    (".metadata", "corrupt", "cannot be read"), ("autotp_checkpoint.json", "corrupt", "cannot be read as JSON")])
+@pytest.mark.parametrize(
+    "file,how,named",
+    [
+        ("__1_0.distcp", "delete", "missing"),
+        ("__1_0.distcp", "truncate", "a truncated file"),
+        (".metadata", "corrupt", "cannot be read"),
+        ("autotp_checkpoint.json", "corrupt", "cannot be read as JSON"),
+    ],
+)
 def test_a_damaged_checkpoint_is_named_and_changes_no_rank(checkpoint: Path, file: str, how: str, named: str) -> None:
     damage(checkpoint / file, how)
     for message, *unchanged in run_ranks(load_and_compare, 2, str(checkpoint), 1):  # at another layout, too
@@ -189,8 +198,10 @@ def other_model(rank: int, world: int, directory: str) -> dict[str, str]:
 
 def test_a_checkpoint_of_another_model_or_optimizer_is_named(checkpoint: Path) -> None:
     for report in run_ranks(other_model, 2, str(checkpoint)):
-        assert "tensor model.layers.0.mlp.gate_proj.weight has shape (96, 64) in the checkpoint, the model's full " \
-               "tensor has shape (128, 64)" in report["shape"], report["shape"]
+        assert (
+            "tensor model.layers.0.mlp.gate_proj.weight has shape (96, 64) in the checkpoint, the model's full "
+            "tensor has shape (128, 64)" in report["shape"]
+        ), report["shape"]
         assert "parameter groups of [21] parameters, this one has [15]" in report["optimizer"], report["optimizer"]
 
 
@@ -212,6 +223,7 @@ def test_consolidate_command_exits_2_on_a_damaged_checkpoint(autotp_cli, checkpo
 
 # --- the older per-rank format ---------------------------------------------------------------------------------
 
+
 def write_per_rank(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     """What autotp.save_checkpoint wrote before DCP checkpoints (`autotp-checkpoint/1`), on this rank."""
     import torch.distributed as dist
@@ -225,15 +237,32 @@ def write_per_rank(directory: Path, model: torch.nn.Module, optimizer: torch.opt
     save_file(tensors, mine / "optimizer.safetensors")
     save_file({"torch": torch.get_rng_state()}, mine / "rng.safetensors")
     version, internal, gauss = __import__("random").getstate()
-    (mine / "state.json").write_text(json.dumps({
-        "optimizer": {"state": {str(i): {} for i in state["state"]}, "param_groups": state["param_groups"]},
-        "rng": {"python": [version, list(internal), gauss]}, "scheduler": None}))
+    (mine / "state.json").write_text(
+        json.dumps(
+            {
+                "optimizer": {"state": {str(i): {} for i in state["state"]}, "param_groups": state["param_groups"]},
+                "rng": {"python": [version, list(internal), gauss]},
+                "scheduler": None,
+            }
+        )
+    )
     if rank == 0:
         kept = model.state_dict(keep_vars=True)
         partitions = {n: p.autotp_shard.partition.to_json() for n, p in kept.items() if hasattr(p, "autotp_shard")}
-        (directory / "autotp_checkpoint.json").write_text(json.dumps({
-            "format": "autotp-checkpoint/1", "tp_size": autotp.tp_size(model), "world_size": world, "fsdp": False,
-            "model_class": type(model).__name__, "state": {"step": step}, "partitions": partitions, "dp_rows": []}))
+        (directory / "autotp_checkpoint.json").write_text(
+            json.dumps(
+                {
+                    "format": "autotp-checkpoint/1",
+                    "tp_size": autotp.tp_size(model),
+                    "world_size": world,
+                    "fsdp": False,
+                    "model_class": type(model).__name__,
+                    "state": {"step": step},
+                    "partitions": partitions,
+                    "dp_rows": [],
+                }
+            )
+        )
         model.config.save_pretrained(directory)
     dist.barrier()
 
@@ -250,8 +279,12 @@ def per_rank_round_trip(rank: int, world: int, directory: str) -> dict:
         autotp.load_checkpoint(directory, autotp.wrap(tiny_model("llama"), 1))
     except autotp.CheckpointError as err:
         refused = str(err)
-    return {"state": state, "same": all(torch.equal(v, again.state_dict()[k]) for k, v in expected.items()),
-            "moments": len(opt.state), "refused": refused}
+    return {
+        "state": state,
+        "same": all(torch.equal(v, again.state_dict()[k]) for k, v in expected.items()),
+        "moments": len(opt.state),
+        "refused": refused,
+    }
 
 
 def test_per_rank_checkpoints_load_at_their_layout_and_name_the_conversion(tmp_path: Path) -> None:

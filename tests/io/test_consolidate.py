@@ -11,9 +11,11 @@ import torch
 import autotp
 from autotp.testing.spawn import run_ranks
 
-
-TASK_CLASSES = {"bert": "AutoModelForSequenceClassification", "t5": "AutoModelForSeq2SeqLM",
-                "llava": "AutoModelForImageTextToText"}
+TASK_CLASSES = {
+    "bert": "AutoModelForSequenceClassification",
+    "t5": "AutoModelForSeq2SeqLM",
+    "llava": "AutoModelForImageTextToText",
+}
 
 
 def task_model(model_type: str) -> torch.nn.Module:

@@ -24,8 +24,13 @@ from autotp.testing.spawn import free_port, run_ranks
 from models import batch, tiny_model, train_steps
 
 SMALL_BUCKET = 8 << 10  # many buckets even for a tiny model
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj"], lora_dropout=0.0, init_lora_weights=False)
+LORA = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    lora_dropout=0.0,
+    init_lora_weights=False,
+)
 
 
 def build(family: str, seed: int = 0, **config) -> torch.nn.Module:
@@ -49,8 +54,11 @@ def saved(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def differences(got: dict, expected: dict, atol: float) -> list[str]:
     if sorted(got) != sorted(expected):
         return [f"names: {sorted(set(got) ^ set(expected))}"]
-    return [n for n, t in expected.items() if got[n].shape != t.shape or got[n].dtype != t.dtype
-            or not torch.allclose(got[n], t, atol=atol, rtol=0)]
+    return [
+        n
+        for n, t in expected.items()
+        if got[n].shape != t.shape or got[n].dtype != t.dtype or not torch.allclose(got[n], t, atol=atol, rtol=0)
+    ]
 
 
 def export_family(rank: int, world: int, family: str, steps: int) -> dict:
@@ -70,8 +78,9 @@ def export_family(rank: int, world: int, family: str, steps: int) -> dict:
     if rank == 0:
         report["bf16"] = differences(bf16, {n: t.bfloat16() for n, t in saved(plain).items()}, 1e-2)
     # the model is left as it was: one more step still matches one process
-    losses = [train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, input_ids=ids, labels=ids)[0]
-              for m in (plain, model)]
+    losses = [
+        train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, input_ids=ids, labels=ids)[0] for m in (plain, model)
+    ]
     report["loss"] = abs(losses[0] - losses[1])
     return report
 
@@ -146,8 +155,11 @@ def export_through_ddp(rank: int, world: int) -> dict:
     if rank:
         return {}
     expected = saved(plain)
-    return {"exported": differences(exported, expected, PARAM_ATOL), "saved": differences(written, expected, PARAM_ATOL),
-            "trainer": differences(marked, expected, PARAM_ATOL)}
+    return {
+        "exported": differences(exported, expected, PARAM_ATOL),
+        "saved": differences(written, expected, PARAM_ATOL),
+        "trainer": differences(marked, expected, PARAM_ATOL),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -175,8 +187,9 @@ def export_lora(rank: int, world: int, before_wrap: bool) -> dict:
     config = {} if before_wrap else dict(modules_to_save=["lm_head"])  # wrap refuses a modules_to_save wrapper
     plain, model = lora_model(1, before_wrap, **config), lora_model(world, before_wrap, **config)
     for m in (plain, model):
-        train_steps(m, torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1), 1,
-                    input_ids=ids, labels=ids)
+        train_steps(
+            m, torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1), 1, input_ids=ids, labels=ids
+        )
     merged = dict(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
     base = dict(autotp.export_weights(model, merge_lora=False, bucket_bytes=SMALL_BUCKET))
     adapters = dict(autotp.export_adapters(model, bucket_bytes=SMALL_BUCKET))
@@ -188,9 +201,15 @@ def export_lora(rank: int, world: int, before_wrap: bool) -> dict:
             plain.save_pretrained(tmp)
             expected_adapters = load_file(Path(tmp) / "adapter_model.safetensors")
         unmerged = {n: t for n, t in saved(plain.get_base_model()).items()}
-        report["base"] = differences(base, {n.replace(".base_layer", "").replace(".original_module", ""): t
-                                            for n, t in unmerged.items()
-                                            if "lora_" not in n and "modules_to_save" not in n}, 1e-5)
+        report["base"] = differences(
+            base,
+            {
+                n.replace(".base_layer", "").replace(".original_module", ""): t
+                for n, t in unmerged.items()
+                if "lora_" not in n and "modules_to_save" not in n
+            },
+            1e-5,
+        )
         report["adapters"] = differences(adapters, expected_adapters, 1e-5)
         report["merged"] = differences(merged, saved(plain.merge_and_unload()), 1e-5)
     return report
@@ -260,8 +279,10 @@ def interleaved(rank: int, world: int) -> dict:
     """Two identical exports zipped, then one more export alone: does the process still export right?"""
     model = autotp.wrap(tiny_model("llama"), world)
     try:
-        for _ in zip(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET),
-                     autotp.export_weights(model, bucket_bytes=SMALL_BUCKET)):
+        for _ in zip(
+            autotp.export_weights(model, bucket_bytes=SMALL_BUCKET),
+            autotp.export_weights(model, bucket_bytes=SMALL_BUCKET),
+        ):
             pass
         error = "finished"
     except RuntimeError as err:
@@ -285,10 +306,16 @@ def test_exports_interleaved_with_zip_raise_on_every_rank() -> None:
 @pytest.mark.parametrize("bucket_bytes", [0, -1])
 def test_bucket_bytes_must_be_positive(call: str, bucket_bytes: int) -> None:
     model = tiny_model("llama")
-    args = {"export_weights": (model,), "export_adapters": (get_peft_model(model, LoraConfig(**LORA)),),
-            "sync_weights": (model, None)}[call]
-    with pytest.raises(ValueError, match=rf"autotp.{call}\(bucket_bytes={bucket_bytes}\): the bucket size must be "
-                                         rf"a positive number of bytes"):
+    args = {
+        "export_weights": (model,),
+        "export_adapters": (get_peft_model(model, LoraConfig(**LORA)),),
+        "sync_weights": (model, None),
+    }[call]
+    with pytest.raises(
+        ValueError,
+        match=rf"autotp.{call}\(bucket_bytes={bucket_bytes}\): the bucket size must be "
+        rf"a positive number of bytes",
+    ):
         getattr(autotp, call)(*args, bucket_bytes=bucket_bytes)
 
 
@@ -297,8 +324,10 @@ def engine_slices(rank: int, world: int, engine_tps: list[int]) -> dict:
     model = autotp.wrap(tiny_model("llama", num_key_value_heads=2), world)
     out = {}
     for tp in engine_tps:
-        out[tp] = [(n, r, t) for n, r, t in autotp.export_weights(
-            model, target=autotp.EngineLayout(tp), bucket_bytes=SMALL_BUCKET)]
+        out[tp] = [
+            (n, r, t)
+            for n, r, t in autotp.export_weights(model, target=autotp.EngineLayout(tp), bucket_bytes=SMALL_BUCKET)
+        ]
     return out
 
 
@@ -356,12 +385,18 @@ def engine_receives(rank: int, engines: int, port: int, out: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,tp,fsdp,gathered", [
-    (2, 2, False, False), (2, 2, False, True), (2, 1, False, False),
-    pytest.param(4, 2, False, False, marks=pytest.mark.slow), pytest.param(4, 2, True, False, marks=pytest.mark.slow),
-], ids=["tp2", "tp2-inside-gather", "dp2", "tp2-dp2", "tp2-dp2-fully-shard"])
-def test_sync_weights_reaches_stand_in_engines(tmp_path: Path, world: int, tp: int, fsdp: bool,
-                                               gathered: bool) -> None:
+@pytest.mark.parametrize(
+    "world,tp,fsdp,gathered",
+    [
+        (2, 2, False, False),
+        (2, 2, False, True),
+        (2, 1, False, False),
+        pytest.param(4, 2, False, False, marks=pytest.mark.slow),
+        pytest.param(4, 2, True, False, marks=pytest.mark.slow),
+    ],
+    ids=["tp2", "tp2-inside-gather", "dp2", "tp2-dp2", "tp2-dp2-fully-shard"],
+)
+def test_sync_weights_reaches_stand_in_engines(tmp_path: Path, world: int, tp: int, fsdp: bool, gathered: bool) -> None:
     """2 engine processes outside the trainer's world share a gloo group (own TCPStore) with TP rank 0 of DP
     replica 0 and receive transformers' save of the model; the other replicas' TP rank 0 (given None, as
     docs/rl.md's call gives it) drain. Also inside GatherReplacedLayerParams, where the model holds full weights."""
@@ -489,10 +524,16 @@ def test_target_cuts_experts_per_engine_rank(engine_tp: int) -> None:
 def vllm_slices(rank: int, world: int) -> tuple[list, list]:
     """The trainer (tp=world, vocab 250): slices for vLLM at tp 4 and for `wrap` at tp 4."""
     model = autotp.wrap(tiny_model("llama", num_key_value_heads=2, vocab_size=250), world)
-    return ([(n, r, t) for n, r, t in autotp.export_weights(model, target=autotp.EngineLayout.vllm(4),
-                                                             bucket_bytes=SMALL_BUCKET)],
-            [(n, r, t) for n, r, t in autotp.export_weights(model, target=autotp.EngineLayout(4),
-                                                             bucket_bytes=SMALL_BUCKET)])
+    return (
+        [
+            (n, r, t)
+            for n, r, t in autotp.export_weights(model, target=autotp.EngineLayout.vllm(4), bucket_bytes=SMALL_BUCKET)
+        ],
+        [
+            (n, r, t)
+            for n, r, t in autotp.export_weights(model, target=autotp.EngineLayout(4), bucket_bytes=SMALL_BUCKET)
+        ],
+    )
 
 
 @pytest.mark.timeout(180)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
-import transformers
 from transformers import CONFIG_MAPPING
 
 from autotp.compat.hf import TASKS
@@ -20,8 +20,8 @@ from autotp.compat.hf_conversion import ConvertedSource, checkpoint_sources
 from autotp.io.errors import CheckpointError
 from autotp.io.hf.load import checkpoint_files
 from autotp.testing import tiny_config
-from autotp.testing.spawn import run_ranks
 from autotp.testing.parity import compare_loading
+from autotp.testing.spawn import run_ranks
 from models import tiny_model
 
 MOE = ["granitemoe", "minimax", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe"]
@@ -91,8 +91,9 @@ CONVERTED = {
 }
 
 
-@pytest.mark.parametrize("model_type", [pytest.param(m, marks=pytest.mark.slow) if m == "kimi_linear" else m
-                                        for m in sorted(CONVERTED)])  # kimi_linear: ~15 s to build
+@pytest.mark.parametrize(
+    "model_type", [pytest.param(m, marks=pytest.mark.slow) if m == "kimi_linear" else m for m in sorted(CONVERTED)]
+)  # kimi_linear: ~15 s to build
 def test_converted_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str) -> None:
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
@@ -102,8 +103,16 @@ def test_converted_checkpoint_loads_like_wrap(tmp_path: Path, model_type: str) -
         assert report["logits"] == 0.0 and report["loss"] == 0.0 and report["grads"] == [], report
 
 
-@pytest.mark.parametrize("model_type,task", [("llava", "image-text"), ("t5", "seq2seq"), ("marian", "seq2seq"),
-                                             ("whisper", "speech-seq2seq"), ("bert", "masked-lm")])
+@pytest.mark.parametrize(
+    "model_type,task",
+    [
+        ("llava", "image-text"),
+        ("t5", "seq2seq"),
+        ("marian", "seq2seq"),
+        ("whisper", "speech-seq2seq"),
+        ("bert", "masked-lm"),
+    ],
+)
 def test_every_task_loads_like_wrap(tmp_path: Path, model_type: str, task: str) -> None:
     """from_pretrained builds the class the checkpoint's config.architectures names, not always a causal LM. Marian's
     sinusoidal positions, left out of its checkpoint, come out trainable or frozen as transformers' own load leaves
@@ -129,6 +138,7 @@ def test_a_bad_fused_tensor_is_named(tmp_path: Path) -> None:
 
 
 # --- checkpoint_sources on hand-written checkpoints (no process group) --------------------------------------------
+
 
 def write_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]], files: int = 1) -> None:
     """A safetensors checkpoint of zero tensors of `shapes`: model.safetensors, or `files` shards and an index."""
@@ -172,8 +182,13 @@ def test_checkpoint_sources_of_per_expert_moe_keys(tmp_path: Path) -> None:
     for layer in range(2):
         shapes[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = (12, hidden)
         for e in range(12):
-            shapes.update({expert.format(layer, e, "w1"): (width, hidden), expert.format(layer, e, "w3"): (width, hidden),
-                           expert.format(layer, e, "w2"): (hidden, width)})
+            shapes.update(
+                {
+                    expert.format(layer, e, "w1"): (width, hidden),
+                    expert.format(layer, e, "w3"): (width, hidden),
+                    expert.format(layer, e, "w2"): (hidden, width),
+                }
+            )
     write_checkpoint(tmp_path, shapes, files=2)
     sources = checkpoint_sources(model, checkpoint_files(tmp_path))
     assert set(sources) == set(model.state_dict())
@@ -181,8 +196,12 @@ def test_checkpoint_sources_of_per_expert_moe_keys(tmp_path: Path) -> None:
         per_expert = lambda w, layer=layer: tuple(expert.format(layer, e, w) for e in range(12))  # noqa: E731
         assert sources[f"model.layers.{layer}.mlp.gate.weight"] == f"model.layers.{layer}.block_sparse_moe.gate.weight"
         assert sources[f"model.layers.{layer}.mlp.experts.gate_up_proj"] == ConvertedSource(
-            (per_expert("w1"), per_expert("w3")), (".experts.*.w1.weight", ".experts.*.w3.weight"), None,
-            "MergeModulelist(dim=0), Concatenate(dim=1)")
+            (per_expert("w1"), per_expert("w3")),
+            (".experts.*.w1.weight", ".experts.*.w3.weight"),
+            None,
+            "MergeModulelist(dim=0), Concatenate(dim=1)",
+        )
         assert sources[f"model.layers.{layer}.mlp.experts.down_proj"] == ConvertedSource(
-            (per_expert("w2"),), (".experts.*.w2.weight",), None, "MergeModulelist(dim=0)")
+            (per_expert("w2"),), (".experts.*.w2.weight",), None, "MergeModulelist(dim=0)"
+        )
     assert sources["model.layers.1.self_attn.q_proj.weight"] == "model.layers.1.self_attn.q_proj.weight"

@@ -54,6 +54,7 @@ def dead_pid() -> int:
 
 # --- a failure on one rank is raised on every rank ----------------------------------------------------------
 
+
 def save_and_catch(rank: int, world: int, target: str) -> tuple[int | None, str]:
     model = autotp.wrap(tiny_model("llama"), world)
     with pytest.raises(OSError) as err:
@@ -125,6 +126,7 @@ def test_save_called_on_some_ranks_only_fails_within_the_bound(tmp_path: Path, c
 
 def unreadable_on_rank1(rank: int, world: int, path: str) -> tuple[str, int | None, str]:
     if rank == 1:
+
         def failing(f, *args):
             raise OSError(errno.EIO, os.strerror(errno.EIO), f.name)
 
@@ -145,17 +147,26 @@ def test_read_error_on_one_rank_of_from_pretrained_raises_on_every_rank(tmp_path
 
 # --- staging directories ----------------------------------------------------------------------------------
 
+
 def save_tiny(target: Path, seed: int = 0, **kwargs) -> None:
     autotp.save_pretrained(autotp.wrap(tiny_model("llama", seed=seed), 1), target, **kwargs)
 
 
 def test_next_save_removes_stale_staging_directories_only(tmp_path: Path) -> None:
     dead, live = dead_pid(), os.getpid()
-    stale = [".out.autotp-abcd_123", ".out.autotp-incoming", "..out.autotp-incoming.autotp-x1y2z3w4",
-             f".out.autotp-old-{dead}", f".out.autotp-{dead}-k9j8h7g6"]
-    kept = [f".out.autotp-{live}-a1b2c3d4",  # a save in progress in a live process
-            f".other.autotp-{dead}-a1b2c3d4", f".out.autotp-1.autotp-{dead}-a1b2c3d4",  # other targets
-            ".out.notes"]
+    stale = [
+        ".out.autotp-abcd_123",
+        ".out.autotp-incoming",
+        "..out.autotp-incoming.autotp-x1y2z3w4",
+        f".out.autotp-old-{dead}",
+        f".out.autotp-{dead}-k9j8h7g6",
+    ]
+    kept = [
+        f".out.autotp-{live}-a1b2c3d4",  # a save in progress in a live process
+        f".other.autotp-{dead}-a1b2c3d4",
+        f".out.autotp-1.autotp-{dead}-a1b2c3d4",  # other targets
+        ".out.notes",
+    ]
     save_tiny(tmp_path / "out")
     for name in stale + kept:
         (tmp_path / name).mkdir()
@@ -179,11 +190,13 @@ def save_then_die(target: str, step: int, when: str, exchange: bool) -> None:
             if swapping and len(calls) == step and when == "after":
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
+
         return run
 
     os.rename, os.replace, shutil.rmtree = counted(os.rename), counted(os.replace), counted(shutil.rmtree)
-    staging._exchange = counted(staging._exchange) if exchange and hasattr(staging, "_exchange") else (
-        lambda a, b: False)
+    staging._exchange = (
+        counted(staging._exchange) if exchange and hasattr(staging, "_exchange") else (lambda a, b: False)
+    )
     move = staging._move_into_place
 
     def swap(*args) -> None:
@@ -207,8 +220,9 @@ def first_weight(target: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("step", [1, 2, 3])
-def test_a_save_killed_during_the_swap_leaves_the_old_or_the_new_checkpoint(tmp_path: Path, step: int,
-                                                                            when: str) -> None:
+def test_a_save_killed_during_the_swap_leaves_the_old_or_the_new_checkpoint(
+    tmp_path: Path, step: int, when: str
+) -> None:
     target = tmp_path / "out"
     old, new = (tiny_model("llama", seed=s) for s in (0, 1))
     old.save_pretrained(target)
@@ -235,6 +249,7 @@ def test_swap_killed_between_renames_without_exchange_is_undone_by_the_next_save
 
 
 # --- malformed safetensors files and indexes --------------------------------------------------------------
+
 
 def write_safetensors(file: Path, header: object, data: bytes = b"") -> None:
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
@@ -283,10 +298,10 @@ def test_from_pretrained_refuses_offsets_pointing_into_another_tensor(tmp_path: 
     file = tmp_path / "model.safetensors"
     raw = file.read_bytes()
     length = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + length])
+    header = json.loads(raw[8 : 8 + length])
     a, b = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
     header[b]["data_offsets"] = header[a]["data_offsets"]
-    write_safetensors(file, header, raw[8 + length:])
+    write_safetensors(file, header, raw[8 + length :])
     with pytest.raises(autotp.CheckpointError) as err:
         autotp.from_pretrained(tmp_path, 1)
     assert str(file) in str(err.value) and any(f"tensor {name} " in str(err.value) for name in header), str(err.value)
@@ -312,13 +327,19 @@ def wrong_shard(content: dict) -> dict:
     return content
 
 
-@pytest.mark.parametrize("case,edit,names", [
-    ("not-an-object", lambda c: [c], ["no weight_map"]),
-    ("weight-map-a-list", lambda c: {**c, "weight_map": list(c["weight_map"])}, ["weight_map is a JSON list"]),
-    ("file-not-a-string", lambda c: {**c, "weight_map": {**c["weight_map"], "model.norm.weight": 5}},
-     ["model.norm.weight", "5"]),
-    ("tensor-in-the-wrong-shard", wrong_shard, ["model.layers.0.mlp.up_proj.weight", "does not contain it"]),
-])
+@pytest.mark.parametrize(
+    "case,edit,names",
+    [
+        ("not-an-object", lambda c: [c], ["no weight_map"]),
+        ("weight-map-a-list", lambda c: {**c, "weight_map": list(c["weight_map"])}, ["weight_map is a JSON list"]),
+        (
+            "file-not-a-string",
+            lambda c: {**c, "weight_map": {**c["weight_map"], "model.norm.weight": 5}},
+            ["model.norm.weight", "5"],
+        ),
+        ("tensor-in-the-wrong-shard", wrong_shard, ["model.layers.0.mlp.up_proj.weight", "does not contain it"]),
+    ],
+)
 def test_malformed_index_names_the_file_and_tensor(sharded: Path, case: str, edit, names: list[str]) -> None:
     index = edit_index(sharded, edit)
     with pytest.raises(autotp.CheckpointError) as err:
@@ -337,13 +358,17 @@ def test_unused_checkpoint_tensors_are_listed_in_a_warning(tmp_path: Path, caplo
     save_file({**tensors, **{name: torch.zeros(2) for name in extras}}, file, metadata={"format": "pt"})
     caplog.clear()
     autotp.from_pretrained(tmp_path, 1)
-    (message,) = [r.getMessage() for r in caplog.records if r.name == "autotp" and r.levelno == logging.WARNING
-                  and "not used" in r.getMessage()]
+    (message,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "autotp" and r.levelno == logging.WARNING and "not used" in r.getMessage()
+    ]
     assert message.startswith("7 tensors of the checkpoint are not used by LlamaForCausalLM: extra.0.weight, ")
     assert "and 2 more" in message
 
 
 # --- full tensors streamed to the writer -----------------------------------------------------------------
+
 
 def partitions(world: int) -> list[tuple[Partition, tuple[int, ...]]]:
     """(partition, full shape): uneven, along inner dims, fused runs, replicated runs, a rank holding nothing."""
@@ -352,8 +377,10 @@ def partitions(world: int) -> list[tuple[Partition, tuple[int, ...]]]:
         (Partition.even(1, 2 * world + 1, world), (4, 2 * world + 1)),
         (Partition.even(0, 3 * world, world), (3 * world,)),  # a bias
         (Partition.even(2, world + 2, world), (2, 3, world + 2)),
-        (Partition(0, 3 * world, tuple(((r, 1), (world + r, 1), (2 * world + r, 1)) for r in range(world))),
-         (3 * world, 2)),  # fused q | k | v
+        (
+            Partition(0, 3 * world, tuple(((r, 1), (world + r, 1), (2 * world + r, 1)) for r in range(world))),
+            (3 * world, 2),
+        ),  # fused q | k | v
         (Partition(0, world + 1, tuple(((r, 1), (world, 1)) for r in range(world))), (world + 1, 2)),  # a shared row
         (Partition(1, world + 1, tuple(((world, 1), (r, 1)) for r in range(world))), (3, world + 1, 2)),
         (Partition(0, 4, (((0, 4),),) + ((),) * (world - 1)), (4, 3)),  # everything on the writer
@@ -381,7 +408,7 @@ def stream_every_partition(rank: int, world: int, chunk: int) -> list[str]:
             out, seen = torch.zeros(full.numel() * full.element_size(), dtype=torch.uint8), 0
             for offset, piece in [] if streamed is None else streamed.pieces():  # read before the next call
                 data = bytearray(b"".join(piece) if isinstance(piece, list) else piece)  # a list: written in a row
-                out[offset:offset + len(data)] = torch.frombuffer(data, dtype=torch.uint8) if data else out[:0]
+                out[offset : offset + len(data)] = torch.frombuffer(data, dtype=torch.uint8) if data else out[:0]
                 seen += len(data)
             streaming.stream_full_to(shard, partition, group)  # left unread: the gather below drains it first
             whole = streaming.gather_after_streams(shard, partition, group)
@@ -465,8 +492,9 @@ def save_with_senders(rank: int, world: int, target: str, mode: str) -> tuple[in
     if mode == "cannot":  # the file is not one the senders can open (another machine or container)
         save.write_rows = lambda path, identity, rows: streaming.CANNOT
     elif mode == "full-disk" and rank == 1:
-        save.write_rows = lambda path, identity, rows: -errno.ENOSPC if wrote.append(1) or len(wrote) == 2 \
-            else write_rows(path, identity, rows)
+        save.write_rows = lambda path, identity, rows: (
+            -errno.ENOSPC if wrote.append(1) or len(wrote) == 2 else write_rows(path, identity, rows)
+        )
     else:
         save.write_rows = lambda path, identity, rows: wrote.append(1) or write_rows(path, identity, rows)
     if mode == "sequential":  # a network or FUSE filesystem: the writer writes every byte, in order

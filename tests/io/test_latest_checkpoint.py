@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import autotp
+import requeue_job
 from autotp.testing import parity
 from autotp.testing.spawn import free_port, run_ranks
 from models import tiny_model, trained_llama
-import requeue_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,14 +93,18 @@ def test_a_save_still_hidden_in_its_staging_directory_is_never_returned(root: Pa
     assert autotp.latest_checkpoint(root) == root / "step-6"
 
 
-@pytest.mark.parametrize("file,how,named", [
-    (".metadata", "delete", "cannot be read"),  # the commit marker DCP's rank 0 writes last
-    ("__1_0.distcp", "delete", "missing"),  # a rank's data
-    ("__0_0.distcp", "truncate", "a truncated file"),
-    ("autotp_checkpoint.json", "truncate", "cannot be read as JSON"),
-])
-def test_an_incomplete_checkpoint_is_skipped_for_the_older_complete_one(root: Path, file: str, how: str,
-                                                                        named: str) -> None:
+@pytest.mark.parametrize(
+    "file,how,named",
+    [
+        (".metadata", "delete", "cannot be read"),  # the commit marker DCP's rank 0 writes last
+        ("__1_0.distcp", "delete", "missing"),  # a rank's data
+        ("__0_0.distcp", "truncate", "a truncated file"),
+        ("autotp_checkpoint.json", "truncate", "cannot be read as JSON"),
+    ],
+)
+def test_an_incomplete_checkpoint_is_skipped_for_the_older_complete_one(
+    root: Path, file: str, how: str, named: str
+) -> None:
     damaged = root / "step-6" / file
     if how == "delete":
         damaged.unlink()
@@ -119,8 +123,9 @@ def refused_on_each_rank(rank: int, world: int, root: str) -> str:
 
 
 def test_a_checkpoint_itself_as_root_is_refused_with_its_parent_on_every_rank(root: Path) -> None:
-    expected = f"{root / 'step-6'} is itself a training checkpoint; pass the directory that holds your checkpoints " \
-               f"({root})"
+    expected = (
+        f"{root / 'step-6'} is itself a training checkpoint; pass the directory that holds your checkpoints ({root})"
+    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         autotp.latest_checkpoint(root / "step-6")
     first, second = run_ranks(refused_on_each_rank, 2, str(root / "step-6"))
@@ -136,8 +141,11 @@ def test_the_older_per_rank_format_counts_when_every_rank_wrote_its_files(tmp_pa
         (old / f"rank-{rank:05d}").mkdir(parents=True)
         for name in ("model.safetensors", "rng.safetensors", "state.json"):
             (old / f"rank-{rank:05d}" / name).write_text("")
-    (old / "autotp_checkpoint.json").write_text(json.dumps({
-        "format": "autotp-checkpoint/1", "tp_size": 2, "world_size": 2, "state": {"step": 6}, "partitions": {}}))
+    (old / "autotp_checkpoint.json").write_text(
+        json.dumps(
+            {"format": "autotp-checkpoint/1", "tp_size": 2, "world_size": 2, "state": {"step": 6}, "partitions": {}}
+        )
+    )
     assert autotp.latest_checkpoint(tmp_path) == old
     (old / "rank-00001" / "state.json").unlink()
     with pytest.warns(UserWarning, match=f"{old / 'rank-00001' / 'state.json'}: missing"):
@@ -145,6 +153,7 @@ def test_the_older_per_rank_format_counts_when_every_rank_wrote_its_files(tmp_pa
 
 
 # --- a job killed and requeued ------------------------------------------------------------------------------------
+
 
 def launch(root: Path, kill: str | None, logs: Path) -> tuple[list[int], str]:
     """Both ranks of `requeue_job.py`, started as torchrun starts them. When one dies the other is killed, as torchrun
@@ -158,8 +167,13 @@ def launch(root: Path, kill: str | None, logs: Path) -> tuple[list[int], str]:
 
 
 def launch_once(root: Path, kill: str | None, logs: Path) -> tuple[list[int], str]:
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("REQUEUE_KILL", None)
     if kill is not None:
         env["REQUEUE_KILL"] = kill
@@ -167,9 +181,14 @@ def launch_once(root: Path, kill: str | None, logs: Path) -> tuple[list[int], st
     procs = []
     for rank in range(2):
         with open(logs / f"{rank}.log", "w") as out:
-            procs.append(subprocess.Popen([sys.executable, requeue_job.__file__, str(root)], stdout=out,
-                                          stderr=subprocess.STDOUT, env={**env, "RANK": str(rank),
-                                                                         "LOCAL_RANK": str(rank)}))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, requeue_job.__file__, str(root)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                )
+            )
     try:
         deadline = time.monotonic() + 120  # a launch takes 15 s on 2 idle cores, 60 s on busy ones
         while all(p.poll() is None for p in procs) and time.monotonic() < deadline:

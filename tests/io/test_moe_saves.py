@@ -22,8 +22,18 @@ MOE = ["deepseek_v3", "granitemoe", "mixtral", "olmoe", "phimoe", "qwen2_moe", "
 # rope head_dim, the router one group of its 4 experts, and its first 3 layers are dense (the tiny model's 2 would hold
 # no expert). Uneven: 33 rows of each expert's gate and up over 2 ranks (17 and 16), run by batched_mm (grouped_mm needs
 # rows of 16 bytes, in the one-process model too).
-DEEPSEEK = dict(first_k_dense_replace=1, num_key_value_heads=4, n_group=1, topk_group=1, q_lora_rank=32,
-                kv_lora_rank=32, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+DEEPSEEK = dict(
+    first_k_dense_replace=1,
+    num_key_value_heads=4,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+)
 CONFIGS = {"deepseek_v3": DEEPSEEK, "uneven": {"moe_intermediate_size": 33}}
 SMALL = "40KB"  # several files for every tiny model, each expert's group of views kept together
 
@@ -61,8 +71,9 @@ def check_save(tmp_path: Path, model_type: str, tp: int, dp: int = 1, **config: 
         plain.save_pretrained(tmp_path / "theirs" / kind, max_shard_size=size)
         assert_same_checkpoint(tmp_path / "ours" / kind, tmp_path / "theirs" / kind)
     assert len(list((tmp_path / "ours" / "small").glob("*.safetensors"))) > 2, "the small shard size makes files"
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / "small", output_loading_info=True,
-                                                        **kernels(config))
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ours" / "small", output_loading_info=True, **kernels(config)
+    )
     assert not any(info.values()), info
     ids = batch(plain.config.vocab_size)
     with torch.no_grad():

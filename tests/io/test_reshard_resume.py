@@ -17,8 +17,16 @@ import torch
 import autotp
 from autotp.testing.parity import LOSS_ATOL, PARAM_ATOL
 from autotp.testing.spawn import run_ranks
-from resume_workers import (check_resume, first_half, full_params, resume_model, resume_steps, resume_training,
-                            second_half, straight_run)
+from resume_workers import (
+    check_resume,
+    first_half,
+    full_params,
+    resume_model,
+    resume_steps,
+    resume_training,
+    second_half,
+    straight_run,
+)
 
 LAYOUTS = {  # label -> (world, tp, fully_shard)
     "tp=4": (4, 4, False),
@@ -101,7 +109,9 @@ def test_fused_projections_save_and_resume_under_fully_shard(tmp_path: Path, kin
 def rng_after_resume(rank: int, world: int, path: str, save: bool) -> torch.Tensor:
     """Saved at tp=1 x dp=2 (each replica its own generators), loaded at tp=1 x cp=2 (one replica)."""
     model = autotp.wrap(resume_model("llama", seed=0), 1, cp_size=1 if save else 2)
-    torch.manual_seed(rank)  # the ranks draw apart, as data-parallel replicas may (CP ranks must not: the load fixes it)
+    torch.manual_seed(
+        rank
+    )  # the ranks draw apart, as data-parallel replicas may (CP ranks must not: the load fixes it)
     optimizer, scheduler = resume_training(model)
     if save:
         autotp.save_checkpoint(path, model, optimizer, scheduler)

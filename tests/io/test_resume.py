@@ -96,12 +96,14 @@ def test_consolidate_equals_save_pretrained(autotp_cli, tmp_path: Path) -> None:
     done = autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "consolidated"))
     assert done.returncode == 0, done.stderr
     from safetensors.torch import load_file
+
     for name in ("model.safetensors",):
         ours, theirs = load_file(tmp_path / "consolidated" / name), load_file(tmp_path / "full" / name)
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert json.loads((tmp_path / "consolidated" / "config.json").read_text()) == json.loads(
-        (tmp_path / "full" / "config.json").read_text())
+        (tmp_path / "full" / "config.json").read_text()
+    )
 
 
 def bf16_with_fp32_norms() -> torch.nn.Module:
@@ -211,7 +213,9 @@ def sharded_checkpoint(tmp_path: Path) -> Path:
 def test_missing_shard_file_is_named(sharded_checkpoint: Path) -> None:
     victim = sorted(sharded_checkpoint.glob("model-*.safetensors"))[1]
     victim.unlink()
-    with pytest.raises(autotp.CheckpointError, match=f"{victim.name}: listed in model.safetensors.index.json but missing"):
+    with pytest.raises(
+        autotp.CheckpointError, match=f"{victim.name}: listed in model.safetensors.index.json but missing"
+    ):
         autotp.from_pretrained(sharded_checkpoint, 1)
 
 
@@ -236,8 +240,11 @@ def test_shape_that_disagrees_with_config_is_named(sharded_checkpoint: Path) -> 
     config = json.loads((sharded_checkpoint / "config.json").read_text())
     config["intermediate_size"] = 128
     (sharded_checkpoint / "config.json").write_text(json.dumps(config))
-    with pytest.raises(autotp.CheckpointError, match=r"tensor model.layers.0.mlp.\w+_proj.weight has shape \(96, 64\), "
-                                                     r"the config implies \(128, 64\)"):
+    with pytest.raises(
+        autotp.CheckpointError,
+        match=r"tensor model.layers.0.mlp.\w+_proj.weight has shape \(96, 64\), "
+        r"the config implies \(128, 64\)",
+    ):
         autotp.from_pretrained(sharded_checkpoint, 1)
 
 
@@ -270,8 +277,9 @@ SAVER = textwrap.dedent("""
 def test_killed_save_keeps_the_previous_checkpoint(tmp_path: Path, how: str) -> None:
     target = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(target), "7", "again", how], stdout=subprocess.PIPE,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(target), "7", "again", how], stdout=subprocess.PIPE, env=env
+    )
     assert proc.stdout.readline().strip() == b"saved"
     deadline = time.monotonic() + 60
     started = False

@@ -23,8 +23,8 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Iterator
 
 import psutil
@@ -44,15 +44,20 @@ from autotp.io.rollout.vllm_client import EngineClient  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import free_port, run_ranks  # noqa: E402
 from models import batch  # noqa: E402
-from vllm_server import (LR, TOKEN_ENV, against, completions, digests, refusal, reload, serve,  # noqa: E402
-                         train as train_steps, train_and_send)
+from vllm_server import LR, TOKEN_ENV, against, completions, digests, refusal, reload, serve, train_and_send  # noqa: E402
+from vllm_server import train as train_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 pytestmark = pytest.mark.slow
 
 VOCAB = 512  # a multiple of 64: vLLM pads its vocabulary to one, and then holds the checkpoint's rows exactly
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], lora_dropout=0.0,
-            init_lora_weights=False)
+LORA = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+    lora_dropout=0.0,
+    init_lora_weights=False,
+)
 # Prompt log-probs, engine vs transformers: fp32 on both sides; the engine's oneDNN kernels and the TP-trained
 # weights (within PARAM_ATOL of one process's) move them by ~1e-5; a wrong or stale weight moves them by > 0.1.
 LOGPROB_ATOL = 1e-3
@@ -121,8 +126,14 @@ def assert_rounds(reports: list[dict], checksums: bool) -> None:
 def test_tp2_rounds_reach_the_engine(engine: tuple[str, str], tmp_path: Path) -> None:
     """tp=2, 3 steps then 2 more: each round's engine weights are the trainer's, its completions one process's."""
     reports = run_ranks(rounds, 2, *engine, str(tmp_path), False, (3, 2))[0]
-    print("send seconds:", [round(r["send_s"], 2) for r in reports], "log-prob error:",
-          [f"{r['logprob_error']:.1e}" for r in reports], "digests:", len(reports[0]["sent"]))
+    print(
+        "send seconds:",
+        [round(r["send_s"], 2) for r in reports],
+        "log-prob error:",
+        [f"{r['logprob_error']:.1e}" for r in reports],
+        "digests:",
+        len(reports[0]["sent"]),
+    )
     assert_rounds(reports, checksums=True)
 
 
@@ -152,6 +163,7 @@ def guide_block() -> str:
 def guide(rank: int, world: int, url: str, model_dir: str, out: str, code: str, steps: int) -> dict:
     """The guide's block on each trainer rank (the names it leaves to the user: `DIR`, `batches`, `train_step`);
     then rank 0 checks the engine against the save of the block's model and the one-process model."""
+
     def train_step(model: torch.nn.Module, ids: torch.Tensor) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         autotp.allreduce_gradients(model)
@@ -251,8 +263,10 @@ def test_a_round_cut_off_midway_keeps_the_engine_serving(engine: tuple[str, str]
     serves the previous round's weights, whole, and a new `vllm_sync` sends the next round."""
     reports = run_ranks(failed_round, 2, *engine, str(tmp_path))
     sender, other = reports
-    print(f"failed round: rank 0 {sender['error']!r} after {sender['failed_after_s']:.2f} s; rank 1 "
-          f"{other['error']!r} after {other['failed_after_s']:.2f} s")
+    print(
+        f"failed round: rank 0 {sender['error']!r} after {sender['failed_after_s']:.2f} s; rank 1 "
+        f"{other['error']!r} after {other['failed_after_s']:.2f} s"
+    )
     assert "mid-send" in sender["error"], sender["error"]
     assert "stopped iterating" in other["error"], other["error"]
     assert other["failed_after_s"] < 20, other["failed_after_s"]
@@ -292,10 +306,15 @@ def test_grpo_example_generates_with_the_engine_and_trains_as_one_process(engine
     from grpo_vllm import GROUP, LOW, NEW_TOKENS, PROMPTS
 
     report = run_ranks(grpo, 2, *engine)[0]
-    errors = [(r["log_probs"] - e["log_probs"]).abs().max().item()
-              for r, e in zip(report["records"], report["expected"])]
-    print(f"GRPO: {report['seconds']:.1f} s for {GRPO_STEPS} steps; mean rewards",
-          [round(r["rewards"].mean().item(), 3) for r in report["records"]], "log-prob error", errors)
+    errors = [
+        (r["log_probs"] - e["log_probs"]).abs().max().item() for r, e in zip(report["records"], report["expected"])
+    ]
+    print(
+        f"GRPO: {report['seconds']:.1f} s for {GRPO_STEPS} steps; mean rewards",
+        [round(r["rewards"].mean().item(), 3) for r in report["records"]],
+        "log-prob error",
+        errors,
+    )
     for record, expected in zip(report["records"], report["expected"]):
         completions = record["completions"]
         assert [len(group) for group in completions] == [GROUP] * len(PROMPTS)
@@ -313,10 +332,14 @@ def test_grpo_example_generates_with_the_engine_and_trains_as_one_process(engine
 # A trainer's config against the engine's (2 layers, intermediate 256, vocabulary 512), and what the refusal names.
 MISFITS = {
     "one layer of two": (dict(num_hidden_layers=1), "left out (model.layers.1.self_attn.q_proj.weight (128, 128)"),
-    "intermediate 96": (dict(intermediate_size=96),
-                        "model.layers.0.mlp.gate_proj.weight sent (96, 128) where the engine holds (256, 128)"),
-    "vocabulary 500": (dict(vocab_size=500),
-                       "model.embed_tokens.weight sent (500, 128) where the engine holds (512, 128)"),
+    "intermediate 96": (
+        dict(intermediate_size=96),
+        "model.layers.0.mlp.gate_proj.weight sent (96, 128) where the engine holds (256, 128)",
+    ),
+    "vocabulary 500": (
+        dict(vocab_size=500),
+        "model.embed_tokens.weight sent (500, 128) where the engine holds (512, 128)",
+    ),
     "an extra layer": (dict(num_hidden_layers=3), "lacks (model.layers.2.self_attn.q_proj.weight (128, 128)"),
 }
 
@@ -375,8 +398,15 @@ class Streamed:
 
     def __init__(self, url: str, model: str, prompt: list[int]) -> None:
         self.tokens, self.first, self.last = [], None, None
-        body = {"model": model, "prompt": prompt, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True, "stream": True}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": LONG,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
         self.thread = threading.Thread(target=self.read, args=(url, body))
         self.thread.start()
 
@@ -392,7 +422,7 @@ class Streamed:
 def greedy_under(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> bool:
     """Whether each of `tokens` is `model`'s greedy pick after the prompt and the tokens before it."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     logprobs = torch.log_softmax(logits.float(), -1)
     picked = logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     return bool((picked >= logprobs.max(-1).values - GREEDY_ATOL).all())
@@ -419,10 +449,13 @@ def in_flight(rank: int, world: int, url: str, model_dir: str, pause: bool) -> d
     synced = time.monotonic()
     for s in streams:
         s.thread.join()
-    return {"lengths": [len(s.tokens) for s in streams], "sync": (started, synced),
-            "spans": [(s.first, s.last) for s in streams],
-            "old": [greedy_under(old, p, s.tokens) for p, s in zip(prompts, streams)],
-            "new": [greedy_under(new, p, s.tokens) for p, s in zip(prompts, streams)]}
+    return {
+        "lengths": [len(s.tokens) for s in streams],
+        "sync": (started, synced),
+        "spans": [(s.first, s.last) for s in streams],
+        "old": [greedy_under(old, p, s.tokens) for p, s in zip(prompts, streams)],
+        "new": [greedy_under(new, p, s.tokens) for p, s in zip(prompts, streams)],
+    }
 
 
 @pytest.mark.timeout(300)
@@ -432,8 +465,12 @@ def test_requests_in_flight_during_a_sync_each_come_out_of_one_round(engine: tup
     end (one process's, token by token), none the new round's; without the pause they come out part old, part new."""
     report = run_ranks(in_flight, 1, *engine, True)[0]
     started, synced = report["sync"]
-    print(f"sync {synced - started:.2f} s with {IN_FLIGHT} requests in flight; answers of the old round:",
-          report["old"], "of the new:", report["new"])
+    print(
+        f"sync {synced - started:.2f} s with {IN_FLIGHT} requests in flight; answers of the old round:",
+        report["old"],
+        "of the new:",
+        report["new"],
+    )
     assert report["lengths"] == [LONG] * IN_FLIGHT, report["lengths"]
     assert all(first < started < last for first, last in report["spans"]), report  # all in flight at the sync
     assert all(report["old"]) and not any(report["new"]), report
@@ -449,8 +486,13 @@ def intrude(url: str, model_dir: str, names: list[str], out) -> None:
     """A third process that knows the URL and the protocol, not the token: it asks the workers to join a store of
     its own, then sends a round of other weights through `vllm_sync` with a guessed `AUTOTP_SYNC_TOKEN`, then asks
     the workers to receive a round on the channel they hold (which would wait on the trainer) and to load it."""
-    codes = {"init": _post(url, "init_weight_transfer_engine", {"init_info": dict(
-        master_address="127.0.0.1", master_port=free_port(), world_size=2, timeout_s=5.0)})}
+    codes = {
+        "init": _post(
+            url,
+            "init_weight_transfer_engine",
+            {"init_info": dict(master_address="127.0.0.1", master_port=free_port(), world_size=2, timeout_s=5.0)},
+        )
+    }
     other = autotp.wrap(build(model_dir, False), tp_size=1)
     with torch.no_grad():
         for p in other.parameters():
@@ -476,18 +518,25 @@ def guarded(rank: int, world: int, url: str, model_dir: str) -> dict:
     before, served = digests(url), completions(url)
     receiving, sending = mp.get_context("fork").Pipe(duplex=False)
     started = time.monotonic()
-    intruder = mp.get_context("fork").Process(target=intrude, args=(url, model_dir,
-                                                                     [m.name for m in engine.source.metadata()],
-                                                                     sending))
+    intruder = mp.get_context("fork").Process(
+        target=intrude, args=(url, model_dir, [m.name for m in engine.source.metadata()], sending)
+    )
     intruder.start()
     codes = receiving.recv()
     intruder.join(timeout=60)
-    report = {"codes": codes, "intruder_s": time.monotonic() - started, "kept": digests(url) == before,
-              "serving": completions(url) == served}
+    report = {
+        "codes": codes,
+        "intruder_s": time.monotonic() - started,
+        "kept": digests(url) == before,
+        "serving": completions(url) == served,
+    }
     train_and_send(model, ref, engine, 1, VOCAB)
     port = engine.store.underlying_store.port
-    listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    listening = {
+        c.laddr.ip
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
     return {**report, **check(url, ref, None), "changed": digests(url) != before, "listening": listening}
 
 
@@ -511,15 +560,20 @@ def test_a_client_without_the_token_cannot_change_the_engines_weights(engine: tu
 
 
 @pytest.mark.timeout(300)
-def test_a_trainer_the_server_cannot_reach_fails_the_init_in_seconds_while_it_serves(
-        engine: tuple[str, str]) -> None:
+def test_a_trainer_the_server_cannot_reach_fails_the_init_in_seconds_while_it_serves(engine: tuple[str, str]) -> None:
     """Item 6: an init naming a closed port (a trainer address the server cannot reach back), with the token and a
     transfer timeout of 120 s: the workers give up within seconds, naming the address in the server's log, and a
     completion asked meanwhile is answered within them too (the engine serves nothing while its worker waits)."""
     url, model_dir = engine
     port = free_port()  # nothing listens there
-    info = dict(master_address="127.0.0.1", master_port=port, world_size=2, timeout_s=120.0,
-                token=os.environ[TOKEN_ENV], channel="unreachable")
+    info = dict(
+        master_address="127.0.0.1",
+        master_port=port,
+        world_size=2,
+        timeout_s=120.0,
+        token=os.environ[TOKEN_ENV],
+        channel="unreachable",
+    )
     with ThreadPoolExecutor(max_workers=1) as exe:
         started = time.monotonic()
         init = exe.submit(_post, url, "init_weight_transfer_engine", {"init_info": info})
@@ -542,8 +596,11 @@ def idle(rank: int, world: int, url: str, model_dir: str) -> dict:
     model, ref = autotp.wrap(build(model_dir, False), tp_size=1), build(model_dir, False)
     engine = vllm_sync(model, url, timeout_s=120)
     train_and_send(model, ref, engine, 1, VOCAB)
-    info = {"names": [m.name for m in engine.source.metadata()], "token": os.environ[TOKEN_ENV],
-            "channel": engine.channel}
+    info = {
+        "names": [m.name for m in engine.source.metadata()],
+        "token": os.environ[TOKEN_ENV],
+        "channel": engine.channel,
+    }
     codes = {"start": _post(url, "start_weight_update"), "update": _post(url, "update_weights", {"update_info": info})}
     asked = time.monotonic()
     served = completions(url)
@@ -607,8 +664,9 @@ def test_a_stalled_sender_fails_the_other_trainer_ranks_within_timeout_s(engine:
     """Item 7: rank 0 stopped mid-round (SIGSTOP): rank 1 fails within vllm_sync's timeout_s (10 s), not the
     training group's (60 s), and the engine keeps the previous round."""
     sender, other = run_ranks(stalled, 2, *engine)
-    print(f"stalled sender: rank 1 {other['error']!r} after {other['failed_after_s']:.1f} s; rank 0 "
-          f"{sender['error']!r}")
+    print(
+        f"stalled sender: rank 1 {other['error']!r} after {other['failed_after_s']:.1f} s; rank 0 {sender['error']!r}"
+    )
     assert other["error"] is not None and other["failed_after_s"] < 2 * STALL_TIMEOUT_S, other
     assert sender["error"] is not None and sender["kept"], sender
 

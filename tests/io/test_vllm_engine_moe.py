@@ -42,9 +42,21 @@ from vllm_server import against, digests, reload, serve, train_and_send  # noqa:
 pytestmark = pytest.mark.slow
 
 VOCAB = 512  # a multiple of 64: vLLM pads its vocabulary to one, and then holds the checkpoint's rows exactly
-CONFIG = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=VOCAB,
-              max_position_embeddings=256, tie_word_embeddings=False, norm_topk_prob=True)
+CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    norm_topk_prob=True,
+)
 # Prompt log-probs, engine vs transformers: fp32 on both sides; the engine's kernels (oneDNN linears, its fused-MoE
 # CPU path) and the EP-trained weights (within 1e-7 of one process's) move them by ~1e-6 (observed 5e-7); the router
 # picks the same experts unless two logits tie that closely. Two experts swapped, or experts left unpacked, move
@@ -65,14 +77,18 @@ def expert_digests(saved: str) -> dict[str, str]:
     grouped-GEMM kernel (the one it picks for fp32)."""
     tensors, out = load_file(f"{saved}/model.safetensors"), {}
     for i in range(CONFIG["num_hidden_layers"]):
+
         def experts(kind: str, i: int = i) -> torch.Tensor:
-            return torch.stack([tensors[f"model.layers.{i}.mlp.experts.{e}.{kind}_proj.weight"]
-                                for e in range(CONFIG["num_experts"])])
+            return torch.stack(
+                [tensors[f"model.layers.{i}.mlp.experts.{e}.{kind}_proj.weight"] for e in range(CONFIG["num_experts"])]
+            )
+
         fused = {"w13_weight": torch.cat([experts("gate"), experts("up")], dim=1), "w2_weight": experts("down")}
         for name, weight in fused.items():
             packed = cpu_prepack_moe_weight(weight.contiguous(), "vec")
             out[f"dp0:pp0:pcp0:tp0:model.layers.{i}.mlp.experts.routed_experts.{name}"] = hashlib.sha256(
-                packed.view(-1).view(torch.uint8).numpy()).hexdigest()
+                packed.view(-1).view(torch.uint8).numpy()
+            ).hexdigest()
     return out
 
 
@@ -86,8 +102,9 @@ def swap_experts(model: torch.nn.Module) -> None:
                 weight[[0, 1]] = weight[[1, 0]].clone()
 
 
-def rounds(rank: int, world: int, url: str, model_dir: str, out: str, tp: int, steps: tuple[int, ...],
-           swap: bool) -> list:
+def rounds(
+    rank: int, world: int, url: str, model_dir: str, out: str, tp: int, steps: tuple[int, ...], swap: bool
+) -> list:
     """Trainer ranks: wrap at tp x ep 2, connect, then per round train and send (the experts swapped first, for
     the control); rank 0 also trains the one-process model the same way and checks the engine."""
     model = autotp.wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tp_size=tp, ep_size=2)
@@ -99,8 +116,12 @@ def rounds(rank: int, world: int, url: str, model_dir: str, out: str, tp: int, s
         saved = f"{out}/round{i}"
         autotp.save_pretrained(model, saved)
         if rank == 0:
-            report = {"sent": digests(url), "send_s": seconds, "experts": expert_digests(saved),
-                      **against(url, ref)}  # the sync's weights, before the reload below
+            report = {
+                "sent": digests(url),
+                "send_s": seconds,
+                "experts": expert_digests(saved),
+                **against(url, ref),
+            }  # the sync's weights, before the reload below
             reload(url, saved)
             report["saved"] = digests(url)
             reports.append(report)
@@ -132,8 +153,14 @@ def test_ep2_rounds_reach_the_engine(engine: tuple[str, str], tmp_path: Path) ->
     """dp 2 x ep 2 (tp 1), 3 steps then 2 more: each round's engine weights are the trainer's save, experts
     included, and its completions one process's."""
     reports = run_ranks(rounds, 2, *engine, str(tmp_path), 1, (3, 2), False)[0]
-    print("send seconds:", [round(r["send_s"], 2) for r in reports], "log-prob error:",
-          [f"{r['logprob_error']:.1e}" for r in reports], "digests:", sorted(reports[0]["sent"]))
+    print(
+        "send seconds:",
+        [round(r["send_s"], 2) for r in reports],
+        "log-prob error:",
+        [f"{r['logprob_error']:.1e}" for r in reports],
+        "digests:",
+        sorted(reports[0]["sent"]),
+    )
     check_rounds(reports)
 
 

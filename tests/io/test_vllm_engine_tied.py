@@ -31,8 +31,16 @@ from vllm_server import against, completions, digests, refusal, serve, train_and
 pytestmark = pytest.mark.slow
 
 VOCAB = 512  # a multiple of 64: vLLM pads its vocabulary to one, and then holds the checkpoint's rows exactly
-CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=256)
+CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+)
 # Prompt log-probs, engine vs transformers: fp32 on both sides, ~1e-6 apart (observed 5e-7); the initial head
 # served with the new weights moves them by 8e-3 after the first round, 1.5e-2 after the second.
 LOGPROB_ATOL = 1e-3

@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
-from vllm_server import EMPTY_DIGEST, NEW_TOKENS, PROMPTS, serve, train as train_steps  # noqa: E402
+from vllm_server import EMPTY_DIGEST, NEW_TOKENS, PROMPTS, serve  # noqa: E402
+from vllm_server import train as train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +41,9 @@ def engine() -> Iterator[tuple[str, str]]:
     first two allowed cores (vLLM's automatic binding wants a NUMA node per worker)."""
     if len(CPUS) < 2:
         pytest.skip(f"vLLM's CPU workers each need a core of their own; this process may use {len(CPUS)}")
-    with serve(VOCAB, "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"},
-               label=" (tp=2)") as running:
+    with serve(
+        VOCAB, "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"}, label=" (tp=2)"
+    ) as running:
         yield running
 
 
@@ -55,8 +57,9 @@ def engine_digests(url: str) -> dict[str, str]:
     packed for oneDNN (empty digest), so these are the embedding, the norms and the LM head."""
     response = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60)
     response.raise_for_status()
-    return {key.split(":", 3)[3]: digest for key, digest in response.json()["checksums"].items()
-            if digest != EMPTY_DIGEST}
+    return {
+        key.split(":", 3)[3]: digest for key, digest in response.json()["checksums"].items() if digest != EMPTY_DIGEST
+    }
 
 
 def greedy(url: str) -> list[list[int]]:
@@ -85,8 +88,10 @@ def send(rank: int, world: int, url: str, model_dir: str) -> dict:
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     train_steps(ref, STEPS, False, VOCAB)
     with torch.no_grad():
-        tokens = [ref.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):]
-                  .tolist() for p in PROMPTS]
+        tokens = [
+            ref.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p) :].tolist()
+            for p in PROMPTS
+        ]
     return {"got": engine_digests(url), "expected": expected, "shapes": shapes, "tokens": (greedy(url), tokens)}
 
 
@@ -95,8 +100,12 @@ def test_a_tp2_engine_holds_engine_layout_vllm_rows_and_completes_as_one_process
     report = run_ranks(send, 2, *engine)[0]
     got, expected = report["got"], report["expected"]
     print("engine digests per rank:", len(got), "rows of the vocabulary tensors:", report["shapes"])
-    assert report["shapes"] == {"tp0:model.embed_tokens.weight": 256, "tp1:model.embed_tokens.weight": 244,
-                                "tp0:lm_head.weight": 256, "tp1:lm_head.weight": 244}
+    assert report["shapes"] == {
+        "tp0:model.embed_tokens.weight": 256,
+        "tp1:model.embed_tokens.weight": 244,
+        "tp0:lm_head.weight": 256,
+        "tp1:lm_head.weight": 244,
+    }
     assert len(got) == 14 and got.keys() <= expected.keys(), sorted(got)  # 7 tensors on each of 2 ranks
     assert {key: expected[key] for key in got} == got
     engine_tokens, tokens = report["tokens"]

@@ -30,24 +30,53 @@ EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855
 
 
 @contextmanager
-def serve(vocab: int, *extra: str, env: dict[str, str] | None = None, label: str = "",
-          config: PretrainedConfig | None = None) -> Iterator[tuple[str, str]]:
+def serve(
+    vocab: int, *extra: str, env: dict[str, str] | None = None, label: str = "", config: PretrainedConfig | None = None
+) -> Iterator[tuple[str, str]]:
     """(url, initial model dir) of a running engine of `config` (default: a tiny Llama of `vocab` tokens); head_dim
     32, as vLLM's CPU attention refuses 16. The server's log is `server.log` beside the model dir. A fresh token is
     in the server's environment and, meanwhile, this process's (the trainer ranks forked from here read it)."""
     with tempfile.TemporaryDirectory() as tmp:
-        config = config or LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=vocab,
-                                       max_position_embeddings=256, tie_word_embeddings=False)
+        config = config or LlamaConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=vocab,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(f"{tmp}/model")
         port = free_port()
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", f"{tmp}/model",
-                   "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init", "--max-model-len", "256",
-                   "--enforce-eager", *extra, "--weight-transfer-config", '{"backend": "autotp-gloo"}']
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            f"{tmp}/model",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--skip-tokenizer-init",
+            "--max-model-len",
+            "256",
+            "--enforce-eager",
+            *extra,
+            "--weight-transfer-config",
+            '{"backend": "autotp-gloo"}',
+        ]
         token, before = secrets.token_hex(16), os.environ.get(TOKEN_ENV)
-        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", TOKEN_ENV: token,
-                       **(env or {})}
+        environment = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            TOKEN_ENV: token,
+            **(env or {}),
+        }
         started = time.monotonic()
         with open(f"{tmp}/server.log", "w") as log:
             server = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
@@ -93,8 +122,9 @@ def digests(url: str) -> dict[str, str]:
 
 def reload(url: str, path: str) -> None:
     """The engine's own loader reads a transformers checkpoint into the running engine."""
-    response = requests.post(f"{url}/collective_rpc", timeout=120,
-                             json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+    response = requests.post(
+        f"{url}/collective_rpc", timeout=120, json={"method": "reload_weights", "kwargs": {"weights_path": path}}
+    )
     response.raise_for_status()
 
 
@@ -102,8 +132,14 @@ def completions(url: str) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens and prompt log-probs (of tokens 1...) for each prompt, from the engine."""
     out, model = [], requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     for prompt in PROMPTS:
-        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                "return_token_ids": True, "prompt_logprobs": 0}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "prompt_logprobs": 0,
+        }
         response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
         response.raise_for_status()
         choice = response.json()["choices"][0]
@@ -118,7 +154,7 @@ def reference(model: torch.nn.Module) -> list[tuple[list[int], list[float]]]:
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = torch.tensor([prompt])
-            tokens = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+            tokens = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt) :]
             logits = model(input_ids=ids).logits[0, :-1].float()
             logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
             out.append((tokens.tolist(), logprobs.tolist()))
@@ -129,8 +165,11 @@ def against(url: str, ref: torch.nn.Module) -> dict:
     """The engine's greedy tokens (and transformers'), its prompt log-probs, and their largest distance from
     transformers' on the one-process `ref`."""
     got, expected = completions(url), reference(ref)
-    return {"tokens": ([t for t, _ in got], [t for t, _ in expected]), "logprobs": [g for _, g in got],
-            "logprob_error": max(abs(a - b) for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e))}
+    return {
+        "tokens": ([t for t, _ in got], [t for t, _ in expected]),
+        "logprobs": [g for _, g in got],
+        "logprob_error": max(abs(a - b) for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e)),
+    }
 
 
 def refusal(model: torch.nn.Module, url: str) -> str:
@@ -156,8 +195,9 @@ def train(model: torch.nn.Module, steps: int, wrapped: bool, vocab: int) -> None
         optimizer.zero_grad()
 
 
-def train_and_send(model: torch.nn.Module, ref: torch.nn.Module | None, engine, steps: int, vocab: int,
-                   before_send=None) -> float:
+def train_and_send(
+    model: torch.nn.Module, ref: torch.nn.Module | None, engine, steps: int, vocab: int, before_send=None
+) -> float:
     """One round: `steps` on the trainer and on the one-process `ref` (rank 0's), `before_send()` if given, then
     the engine's `send_weights`; its seconds."""
     train(model, steps, True, vocab)

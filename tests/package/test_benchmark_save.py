@@ -13,11 +13,21 @@ from readme_commands import ROOT, run
 
 pytestmark = pytest.mark.slow  # spawns 2-rank jobs and one-process peers for each row (about half a minute)
 
-ROWS = ["76 MiB: autotp.save_pretrained, new directory", "76 MiB: transformers save_pretrained, new directory",
-        "76 MiB: autotp.save_pretrained, overwrite=True", "76 MiB: per rank: shard"]
-CHECKPOINT_ROWS = ["autotp.save_checkpoint |", "async_save=True), blocked", "async_save=True), until written",
-                   "torch.save, one process", "load_checkpoint at tp=2", "load_checkpoint at tp=1",
-                   "torch.load + load_state_dict"]
+ROWS = [
+    "76 MiB: autotp.save_pretrained, new directory",
+    "76 MiB: transformers save_pretrained, new directory",
+    "76 MiB: autotp.save_pretrained, overwrite=True",
+    "76 MiB: per rank: shard",
+]
+CHECKPOINT_ROWS = [
+    "autotp.save_checkpoint |",
+    "async_save=True), blocked",
+    "async_save=True), until written",
+    "torch.save, one process",
+    "load_checkpoint at tp=2",
+    "load_checkpoint at tp=1",
+    "torch.load + load_state_dict",
+]
 
 
 def test_quick_benchmark_prints_its_table() -> None:

@@ -16,7 +16,7 @@ import autotp
 from autotp.cli import build, load_config
 from autotp.testing.spawn import run_ranks
 
-BROKEN_QWEN3 = '''
+BROKEN_QWEN3 = """
 model_types = ["qwen3"]
 [[attention]]
 match = "model.layers.*.self_attn"
@@ -25,7 +25,7 @@ kv_heads = "num_key_value_heads"
 column = { q_proj = "q", k_proj = "k", v_proj = "v" }
 row = { o_proj = "q" }
 # head_norms left out on purpose: q_norm / k_norm gradients then miss their all-reduce
-'''
+"""
 
 
 def real_bytes(rank: int, world: int, model_type: str) -> int:
@@ -90,7 +90,9 @@ def test_plan_prices_zero_stages_and_zero_3_is_what_fully_shard_holds(autotp_cli
     real = max(run_ranks(fsdp_bytes, 4, "llama"))  # FSDP splits each tensor by rows, so a rank may hold a few more
     assert zero[3]["params"] <= real <= 1.05 * zero[3]["params"], (real, zero[3])
     text = autotp_cli("plan", "llama", "--tp", "2", "--dp", "2", "--zero", "3")
-    assert text.returncode == 0 and "zero 0:" in text.stdout and "zero 3:" in text.stdout and "zero 2:" not in text.stdout
+    assert (
+        text.returncode == 0 and "zero 0:" in text.stdout and "zero 3:" in text.stdout and "zero 2:" not in text.stdout
+    )
 
 
 # --- autotp plan / verify: progress, --dtype, no relayed transformers warnings -----------------------------------
@@ -129,7 +131,9 @@ def run_cli(capsys, monkeypatch, *argv: str) -> tuple[int, str, str, list[str]]:
 
 @pytest.mark.timeout(120)
 def test_plan_shows_progress_and_relays_no_transformers_warnings(capsys, monkeypatch) -> None:
-    code, out, err, relayed = run_cli(capsys, monkeypatch, "plan", "bert", "--tp", "2")  # BERT warned about is_decoder 3 times
+    code, out, err, relayed = run_cli(
+        capsys, monkeypatch, "plan", "bert", "--tp", "2"
+    )  # BERT warned about is_decoder 3 times
     assert code == 0 and relayed == [], relayed
     assert "autotp plan: building bert on the meta device in float32" in err and "planning at tp 2" in err, err
     assert "sizes in float32 (--dtype)" in out
@@ -140,8 +144,9 @@ def test_plan_sizes_follow_dtype_not_the_configs_torch_dtype(capsys, monkeypatch
     """A released config says torch_dtype bfloat16: the default sizes stay float32, and --dtype chooses."""
     import json
 
-    from autotp.testing import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from autotp.testing import tiny_config
 
     config = tiny_config("llama")
     config.dtype = torch.bfloat16
@@ -150,12 +155,24 @@ def test_plan_sizes_follow_dtype_not_the_configs_torch_dtype(capsys, monkeypatch
     numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(tiny_config("llama")).parameters())
     sizes = {}
     for dtype in ("default", "bfloat16", "float16", "float32"):
-        code, out, _, _ = run_cli(capsys, monkeypatch, "plan", str(tmp_path), "--tp", "2", "--json",
-                               *(["--dtype", dtype] if dtype != "default" else []))
+        code, out, _, _ = run_cli(
+            capsys,
+            monkeypatch,
+            "plan",
+            str(tmp_path),
+            "--tp",
+            "2",
+            "--json",
+            *(["--dtype", dtype] if dtype != "default" else []),
+        )
         info = json.loads(out)
         sizes[dtype] = (code, info["dtype"], info["unsharded_param_bytes"])
-    assert sizes == {"default": (0, "float32", 4 * numel), "float32": (0, "float32", 4 * numel),
-                     "bfloat16": (0, "bfloat16", 2 * numel), "float16": (0, "float16", 2 * numel)}, sizes
+    assert sizes == {
+        "default": (0, "float32", 4 * numel),
+        "float32": (0, "float32", 4 * numel),
+        "bfloat16": (0, "bfloat16", 2 * numel),
+        "float16": (0, "float16", 2 * numel),
+    }, sizes
 
 
 @pytest.mark.timeout(180)

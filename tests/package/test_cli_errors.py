@@ -32,11 +32,14 @@ def one_line_error(done, command: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("content, expected", [
-    ("garbage {", "not a JSON config"),
-    (json.dumps({"hidden_size": 64}), "no model_type"),
-    (json.dumps({"model_type": "no_such_type"}), "unknown model_type 'no_such_type'"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("garbage {", "not a JSON config"),
+        (json.dumps({"hidden_size": 64}), "no model_type"),
+        (json.dumps({"model_type": "no_such_type"}), "unknown model_type 'no_such_type'"),
+    ],
+)
 def test_plan_refuses_a_file_that_is_not_a_config(autotp_cli, tmp_path: Path, content: str, expected: str) -> None:
     config = tmp_path / "config.json"
     config.write_text(content)
@@ -122,8 +125,12 @@ def test_verify_says_so_when_nothing_is_sharded(autotp_cli) -> None:
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers; the same messages are checked in-process above
 def test_python_m_autotp_reports_bad_input_in_one_line_with_exit_code_2() -> None:
     """The module entry point itself (`python -m autotp`): main's exit code reaches the shell, no traceback."""
-    done = subprocess.run([sys.executable, "-m", "autotp", "plan", "no_such_type", "--tp", "2"], capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-m", "autotp", "plan", "no_such_type", "--tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     line = one_line_error(done, "plan")
     assert "no_such_type" in line and "not a transformers model type" in line
 
@@ -137,7 +144,9 @@ def test_cli_messages_name_the_flags_not_the_keyword_arguments(autotp_cli, tmp_p
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "kept.txt").write_text("kept")
     refused = autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    assert refused.returncode == 2 and "pass --overwrite to replace it" in refused.stderr and "=True" not in refused.stderr
+    assert (
+        refused.returncode == 2 and "pass --overwrite to replace it" in refused.stderr and "=True" not in refused.stderr
+    )
     assert autotp_cli("consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--overwrite").returncode == 0
     uneven = autotp_cli("plan", "llama", "--tp", "3")
     assert uneven.returncode == 2 and "over --tp 3" in uneven.stderr and "tp_size" not in uneven.stderr, uneven.stderr

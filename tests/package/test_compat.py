@@ -34,11 +34,28 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout
 
 # Private names of transformers, PEFT, accelerate and torch.distributed objects that only autotp/compat may use
 DEPENDENCY_PRIVATES = {
-    "_wrap_model", "_get_num_items_in_batch", "_get_train_sampler", "_save", "_save_optimizer_and_scheduler",
-    "_get_collator_with_removed_columns", "_train_batch_size", "_models", "_check_forward_args",
-    "_cast_input_dtype", "_timeout", "_getframe", "_get_backend", "_ddp_params_and_buffers_to_ignore",
-    "_attn_implementation", "_experts_implementation_internal", "_make_wrapper_subclass",
-    "_disabled_torch_function_impl", "_load_rng_state", "_get_eval_sampler", "_global_mapping", "_current_frames",
+    "_wrap_model",
+    "_get_num_items_in_batch",
+    "_get_train_sampler",
+    "_save",
+    "_save_optimizer_and_scheduler",
+    "_get_collator_with_removed_columns",
+    "_train_batch_size",
+    "_models",
+    "_check_forward_args",
+    "_cast_input_dtype",
+    "_timeout",
+    "_getframe",
+    "_get_backend",
+    "_ddp_params_and_buffers_to_ignore",
+    "_attn_implementation",
+    "_experts_implementation_internal",
+    "_make_wrapper_subclass",
+    "_disabled_torch_function_impl",
+    "_load_rng_state",
+    "_get_eval_sampler",
+    "_global_mapping",
+    "_current_frames",
 }
 NN_MODULE_OWN = {name for name in dir(nn.Module) if name.startswith("_")}  # _modules, _load_from_state_dict, ...
 
@@ -54,33 +71,48 @@ def private_uses(source: str, where: str) -> list[str]:
     for node in ast.walk(ast.parse(source, where)):
         if isinstance(node, ast.Attribute):
             found.append((node.lineno, node.attr))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
-                "getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) > 1
+        ):
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str):
                 found.append((node.lineno, name.value))
         elif isinstance(node, ast.ClassDef):
-            found += [(item.lineno, item.name) for item in node.body
-                      if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            found += [
+                (item.lineno, item.name)
+                for item in node.body
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
     return [f"{where}:{line}: {name}" for line, name in sorted(found) if is_dependency_private(name)]
 
 
 def test_no_private_dependency_access_outside_compat() -> None:
-    sample = ("trainer._wrap_model(model)\ngetattr(accelerator, '_models')\nclass T:\n    def _load_best_model(self): "
-              "pass\nmodule._modules, module._load_from_state_dict, self._own_helper")
+    sample = (
+        "trainer._wrap_model(model)\ngetattr(accelerator, '_models')\nclass T:\n    def _load_best_model(self): "
+        "pass\nmodule._modules, module._load_from_state_dict, self._own_helper"
+    )
     expected = ["sample:1: _wrap_model", "sample:2: _models", "sample:4: _load_best_model"]
     assert private_uses(sample, "sample") == expected  # nn.Module's own privates and autotp's are not flagged
     compat = PACKAGE / "compat"
-    outside = [use for file in sorted(PACKAGE.rglob("*.py")) if compat not in file.parents
-               for use in private_uses(file.read_text(), str(file.relative_to(PACKAGE.parent)))]
+    outside = [
+        use
+        for file in sorted(PACKAGE.rglob("*.py"))
+        if compat not in file.parents
+        for use in private_uses(file.read_text(), str(file.relative_to(PACKAGE.parent)))
+    ]
     assert outside == [], "dependency internals used outside autotp/compat:\n" + "\n".join(outside)
 
 
 def needs(piece: str) -> str:
     """The start of the error for a missing `piece`, with the installed version of its package."""
     package = piece.split(".")[0]
-    return re.escape(f"autotp needs {piece}, which {package} {versions.installed(package)} does not have; "
-                     f"autotp was tested on {package} {versions.TESTED[package][0]}")
+    return re.escape(
+        f"autotp needs {piece}, which {package} {versions.installed(package)} does not have; "
+        f"autotp was tested on {package} {versions.TESTED[package][0]}"
+    )
 
 
 def test_trainer_privates_missing_from_transformers_fail_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,19 +122,33 @@ def test_trainer_privates_missing_from_transformers_fail_at_import(monkeypatch: 
         trainer_compat.replace_privates(type("Replacing", (transformers.Trainer,), methods))
 
 
-@pytest.mark.parametrize("call,piece", [
-    (lambda: trainer_compat.replaced(object(), object, "count_items_in_batch"),
-     "transformers.Trainer._get_num_items_in_batch"),
-    (lambda: trainer_compat.collator(SimpleNamespace(data_collator=None), "training"),
-     "transformers.Trainer._get_collator_with_removed_columns"),
-    (lambda: trainer_compat.train_batch_size(object()), "transformers.Trainer._train_batch_size"),
-    (lambda: trainer_compat.is_prepared(SimpleNamespace(accelerator=object()), nn.Linear(2, 2)),
-     "accelerate.Accelerator._models"),
-    (lambda: peft_compat.check_forward_args(nn.Linear(2, 2), torch.ones(1, 2)),
-     "peft.tuners.lora.Linear._check_forward_args"),
-    (lambda: peft_compat.cast_input_dtype(nn.Linear(2, 2), torch.ones(1, 2), torch.float16),
-     "peft.tuners.tuners_utils.BaseTunerLayer._cast_input_dtype"),
-], ids=lambda value: value if isinstance(value, str) else "")
+@pytest.mark.parametrize(
+    "call,piece",
+    [
+        (
+            lambda: trainer_compat.replaced(object(), object, "count_items_in_batch"),
+            "transformers.Trainer._get_num_items_in_batch",
+        ),
+        (
+            lambda: trainer_compat.collator(SimpleNamespace(data_collator=None), "training"),
+            "transformers.Trainer._get_collator_with_removed_columns",
+        ),
+        (lambda: trainer_compat.train_batch_size(object()), "transformers.Trainer._train_batch_size"),
+        (
+            lambda: trainer_compat.is_prepared(SimpleNamespace(accelerator=object()), nn.Linear(2, 2)),
+            "accelerate.Accelerator._models",
+        ),
+        (
+            lambda: peft_compat.check_forward_args(nn.Linear(2, 2), torch.ones(1, 2)),
+            "peft.tuners.lora.Linear._check_forward_args",
+        ),
+        (
+            lambda: peft_compat.cast_input_dtype(nn.Linear(2, 2), torch.ones(1, 2), torch.float16),
+            "peft.tuners.tuners_utils.BaseTunerLayer._cast_input_dtype",
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
 def test_a_missing_private_piece_is_named_with_the_installed_version(call, piece: str) -> None:
     with pytest.raises(RuntimeError, match=needs(piece)):
         call()
@@ -177,8 +223,11 @@ def test_peft_classes_by_isinstance_and_none_without_peft(monkeypatch: pytest.Mo
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` now raises ImportError
     peft_compat._classes.cache_clear()
     try:
-        assert not any(check(module) for module in (q_proj, lm_head, peft_model) for check in (
-            peft_compat.is_lora_linear, peft_compat.is_modules_to_save, peft_compat.is_peft_module))
+        assert not any(
+            check(module)
+            for module in (q_proj, lm_head, peft_model)
+            for check in (peft_compat.is_lora_linear, peft_compat.is_modules_to_save, peft_compat.is_peft_module)
+        )
     finally:
         peft_compat._classes.cache_clear()
 
@@ -189,13 +238,15 @@ def test_untested_major_version_warns_once(monkeypatch: pytest.MonkeyPatch) -> N
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         versions.check_versions()  # the versions in this environment were tested
-        monkeypatch.setattr(versions, "installed", lambda package: "6.0.1" if package == "transformers" else
-                            installed(package))
+        monkeypatch.setattr(
+            versions, "installed", lambda package: "6.0.1" if package == "transformers" else installed(package)
+        )
         versions.check_versions()
         versions.check_versions()
     assert [str(w.message) for w in caught] == [
         "autotp was tested on transformers 5.19–5.24; transformers 6.0.1 is installed, whose internals autotp relies "
-        "on may differ"]
+        "on may differ"
+    ]
 
 
 def patch_lifetime(rank: int, world: int) -> list[bool]:

@@ -24,9 +24,13 @@ BRANCH = re.compile(r"\bstate\.(ep|context)\b|\bautotp_state\.(ep|context)\b")
 
 def test_no_module_branches_on_a_dimension_outside_its_package() -> None:
     files = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
-    found = [f"{f.relative_to(ROOT)}:{n}" for f in files if f.relative_to(ROOT).parts[:2] not in
-             (("autotp", "ep"), ("autotp", "cp")) and f != Path(__file__)
-             for n, line in enumerate(f.read_text().splitlines(), 1) if BRANCH.search(line)]
+    found = [
+        f"{f.relative_to(ROOT)}:{n}"
+        for f in files
+        if f.relative_to(ROOT).parts[:2] not in (("autotp", "ep"), ("autotp", "cp")) and f != Path(__file__)
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if BRANCH.search(line)
+    ]
     assert found == [], "loop over TPState.dims (autotp.runtime.dimension) instead of branching on one dimension"
     fields = set(TPState.__dataclass_fields__)
     assert {"ep", "context"} & fields == set() and "dims" in fields
@@ -51,6 +55,11 @@ def test_a_dimension_hook_does_nothing_by_default() -> None:
     assert base.apply(None, None, None) == [] and base.split_plan(None, "plan", None) == ("plan", ())
     assert base.norm(params, 2.0, None) == (params, None) and base.fully_shard({}, None) == {}
     assert base.split_group() is None and base.layout() == {} and base.allows_ddp
-    for hook in (base.refuse(None, None, None), base.sync_gradients(None, None, 1, True), base.check_ddp(None, None),
-                 base.broadcast_replicas(None, None), base.refuse_export(None)):
+    for hook in (
+        base.refuse(None, None, None),
+        base.sync_gradients(None, None, 1, True),
+        base.check_ddp(None, None),
+        base.broadcast_replicas(None, None),
+        base.refuse_export(None),
+    ):
         assert hook is None

@@ -39,7 +39,7 @@ def python_blocks() -> list[tuple[str, int, str | None, str]]:
             if lines[i].strip() == "```python":
                 end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
                 marker = NOT_RUN.fullmatch(lines[i - 1].strip()) if i else None
-                found.append((page.name, i + 1, marker.group(0) if marker else None, "\n".join(lines[i + 1:end])))
+                found.append((page.name, i + 1, marker.group(0) if marker else None, "\n".join(lines[i + 1 : end])))
                 i = end
             i += 1
     return found
@@ -79,8 +79,7 @@ def test_readme_is_at_most_300_lines() -> None:
 def test_relative_links_point_to_existing_files(page: Path) -> None:
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code is not links
     targets = re.findall(r"\]\(([^)\s]+)\)", text)
-    broken = [t for t in targets if not re.match(r"[a-z]+:|#", t)
-              and not (page.parent / t.split("#")[0]).exists()]
+    broken = [t for t in targets if not re.match(r"[a-z]+:|#", t) and not (page.parent / t.split("#")[0]).exists()]
     assert not broken, f"{page.name}: {broken}"
 
 
@@ -90,7 +89,13 @@ def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
     if mkdocs is None:
         pytest.skip("mkdocs is not installed: pip install -e '.[docs]'")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's notice about its successor, not a build warning
-    done = subprocess.run([mkdocs, "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=110)
+    done = subprocess.run(
+        [mkdocs, "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "WARNING" not in done.stderr, done.stderr[-3000:]

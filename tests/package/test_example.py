@@ -21,10 +21,13 @@ from train import tiny_llama  # noqa: E402
 pytestmark = pytest.mark.slow  # launches torchrun, as test_launchers.py does
 
 
-@pytest.mark.parametrize("line", [
-    r"torchrun --nproc-per-node 2 examples/train\.py(?=\s)",  # the demo: tp=2
-    r"torchrun --nproc-per-node 4 examples/train\.py --tp 2(?=\s)",  # 2 replicas x tp=2
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        r"torchrun --nproc-per-node 2 examples/train\.py(?=\s)",  # the demo: tp=2
+        r"torchrun --nproc-per-node 4 examples/train\.py --tp 2(?=\s)",  # 2 replicas x tp=2
+    ],
+)
 def test_readme_torchrun_command_runs(line: str) -> None:
     assert "logits match" in run(readme_command(line), timeout=240)
 
@@ -37,12 +40,40 @@ def test_two_torchrun_nodes_train_as_one_process_and_save_what_one_process_loads
     and the model autotp.save_pretrained wrote loads in this process with the one-process model's weights."""
     steps, batch, seq = 3, 2, 32
     port = free_port()
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"autotp-{port}",
-                "--local-addr", "127.0.0.1"]  # both "nodes" are this machine, whatever its hostname resolves to
-    script = ["examples/train.py", "--tp", str(tp), "--steps", str(steps), "--batch", str(batch), "--seq", str(seq),
-              "--lr", "1e-3", "--adam-epsilon", "1e-6", "--output", str(tmp_path / "saved"),
-              "--losses-out", str(tmp_path / "losses.json")]
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"autotp-{port}",
+        "--local-addr",
+        "127.0.0.1",
+    ]  # both "nodes" are this machine, whatever its hostname resolves to
+    script = [
+        "examples/train.py",
+        "--tp",
+        str(tp),
+        "--steps",
+        str(steps),
+        "--batch",
+        str(batch),
+        "--seq",
+        str(seq),
+        "--lr",
+        "1e-3",
+        "--adam-epsilon",
+        "1e-6",
+        "--output",
+        str(tmp_path / "saved"),
+        "--losses-out",
+        str(tmp_path / "losses.json"),
+    ]
     out = run_nodes([torchrun + script] * 2, tmp_path / "logs")
     assert "logits match" in out  # the example's own check, on global rank 0
     got = json.loads((tmp_path / "losses.json").read_text())["losses"]

@@ -11,7 +11,6 @@ import pytest
 
 import autotp
 
-
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.slow  # torchrun / accelerate subprocesses and Trainer 
 
 
 def test_readme_accelerate_command_matches_one_process() -> None:
-    out = run(readme_command(r"accelerate launch --config_file examples/accelerate_cpu\.yaml examples/train_accelerate\.py --tp 2"))
+    out = run(
+        readme_command(
+            r"accelerate launch --config_file examples/accelerate_cpu\.yaml examples/train_accelerate\.py --tp 2"
+        )
+    )
     assert "dp=2 x tp=2" in out and "parity with one process: ok" in out
 
 
@@ -44,26 +48,54 @@ def run_trainer_example(tmp_path: Path, *flags: str) -> dict:
     """The README's Trainer command at dp=2 x tp=2 with `flags`; returns what rank 0 recorded."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     argv = readme_command(r"torchrun --nproc-per-node 4 examples/train_trainer\.py --tp 2")
-    run(argv + ["--steps", "4", "--adam-epsilon", "1e-6", "--losses-out", str(tmp_path / "losses.json"),
-                "--output", str(tmp_path / "tp"), *flags])
+    run(
+        argv
+        + [
+            "--steps",
+            "4",
+            "--adam-epsilon",
+            "1e-6",
+            "--losses-out",
+            str(tmp_path / "losses.json"),
+            "--output",
+            str(tmp_path / "tp"),
+            *flags,
+        ]
+    )
     return json.loads((tmp_path / "losses.json").read_text())
 
 
-def one_process_trainer(tmp_path: Path, bf16: bool = False, lora: bool = False,
-                        **arguments) -> tuple[list[float], float]:
+def one_process_trainer(
+    tmp_path: Path, bf16: bool = False, lora: bool = False, **arguments
+) -> tuple[list[float], float]:
     """Plain transformers.Trainer on one process over the same global batches: (step losses, eval loss)."""
     from data import PatternDataset
     from train_trainer import tiny_llama, with_lora
 
     torch.manual_seed(0)
     model = with_lora(tiny_llama()) if lora else tiny_llama()
-    settings = dict(output_dir=str(tmp_path / "one"), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3,
-                    adam_epsilon=1e-6, logging_steps=1, seed=0, save_strategy="no", report_to=[], bf16=bf16,
-                    use_cpu=True, per_device_eval_batch_size=2)
+    settings = dict(
+        output_dir=str(tmp_path / "one"),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-3,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        seed=0,
+        save_strategy="no",
+        report_to=[],
+        bf16=bf16,
+        use_cpu=True,
+        per_device_eval_batch_size=2,
+    )
     args = TrainingArguments(**{**settings, **arguments})
     vocab = model.config.vocab_size
-    trainer = OneProcessTrainer(model=model, args=args, train_dataset=PatternDataset(64, 32, vocab),
-                                eval_dataset=PatternDataset(16, 32, vocab, seed=1))
+    trainer = OneProcessTrainer(
+        model=model,
+        args=args,
+        train_dataset=PatternDataset(64, 32, vocab),
+        eval_dataset=PatternDataset(16, 32, vocab, seed=1),
+    )
     trainer.train()
     return trainer.losses, trainer.evaluate()["eval_loss"]
 
@@ -129,8 +161,15 @@ def test_trainer_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None
 def test_trainer_load_best_model_at_end_with_save_total_limit(tmp_path: Path) -> None:
     """Evaluate and save every step, keep one checkpoint: the best model comes back as each rank's rows."""
     got = run_trainer_example(tmp_path, "--save-steps", "1", "--best-at-end", "--eval")
-    _, eval_loss = one_process_trainer(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                                       save_steps=1, load_best_model_at_end=True, save_total_limit=1)
+    _, eval_loss = one_process_trainer(
+        tmp_path,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        save_total_limit=1,
+    )
     checkpoints = sorted(p.name for p in (tmp_path / "tp").glob("checkpoint-*"))
     assert 1 <= len(checkpoints) <= 2, checkpoints  # the limit, plus the best one when it is not the last
     assert abs(got["eval_loss"] - eval_loss) <= 1e-5, (got["eval_loss"], eval_loss)
@@ -165,8 +204,11 @@ def test_trl_sft_with_lora_matches_one_process(tmp_path: Path, vocab_parallel: b
     from trl import SFTTrainer
 
     argv = readme_command(r"torchrun --nproc-per-node 2 examples/sft_lora\.py --tp 2")
-    run(argv + ["--output", str(tmp_path / "tp"), "--losses-out", str(tmp_path / "losses.json")]
-        + (["--vocab-parallel"] if vocab_parallel else []))
+    run(
+        argv
+        + ["--output", str(tmp_path / "tp"), "--losses-out", str(tmp_path / "losses.json")]
+        + (["--vocab-parallel"] if vocab_parallel else [])
+    )
     got = json.loads((tmp_path / "losses.json").read_text())["losses"]
 
     class OneProcessSFT(OneProcessOrder, LossRecorder, SFTTrainer):
@@ -175,8 +217,12 @@ def test_trl_sft_with_lora_matches_one_process(tmp_path: Path, vocab_parallel: b
     torch.manual_seed(0)
     model = with_lora(tiny_llama())
     vocab = model.config.vocab_size
-    trainer = OneProcessSFT(model=model, args=config(str(tmp_path / "one"), 4), train_dataset=dataset(vocab),
-                            processing_class=tokenizer(vocab))
+    trainer = OneProcessSFT(
+        model=model,
+        args=config(str(tmp_path / "one"), 4),
+        train_dataset=dataset(vocab),
+        processing_class=tokenizer(vocab),
+    )
     trainer.train()
     assert len(got) == len(trainer.losses) == 4
     assert max(abs(a - b) for a, b in zip(got, trainer.losses)) <= 1e-5, (got, trainer.losses)

@@ -78,8 +78,12 @@ def test_every_module_is_in_exactly_one_documented_layer() -> None:
 
 def test_no_upward_import() -> None:
     layer = layers()
-    upward = [f"{a} (layer {layer[a]}) imports {b} (layer {layer[b]})"
-              for a, targets in graph().items() for b in targets if layer[b] > layer[a]]
+    upward = [
+        f"{a} (layer {layer[a]}) imports {b} (layer {layer[b]})"
+        for a, targets in graph().items()
+        for b in targets
+        if layer[b] > layer[a]
+    ]
     assert upward == []
 
 
@@ -91,7 +95,7 @@ def test_no_import_cycle() -> None:
         state[node] = 1
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                cycle = path[path.index(nxt):] + [nxt]
+                cycle = path[path.index(nxt) :] + [nxt]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt, path + [nxt])

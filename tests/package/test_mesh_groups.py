@@ -46,10 +46,13 @@ def test_dp4_tp2_ep4_as_the_groups_docstring_draws_it() -> None:
     assert m.rank_groups("edp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
-@pytest.mark.parametrize("ep, ep_rows, edp_rows", [
-    (2, [(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 2, 4, 6), (1, 3, 5, 7)]),
-    (8, [(0, 1, 2, 3, 4, 5, 6, 7)], [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)]),
-])
+@pytest.mark.parametrize(
+    "ep, ep_rows, edp_rows",
+    [
+        (2, [(0, 1), (2, 3), (4, 5), (6, 7)], [(0, 2, 4, 6), (1, 3, 5, 7)]),
+        (8, [(0, 1, 2, 3, 4, 5, 6, 7)], [(0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,)]),
+    ],
+)
 def test_cp4_tp2_folds_ep(ep: int, ep_rows: list, edp_rows: list) -> None:
     m = mesh({"cp": 4, "tp": 2, "ep": ep})
     assert m.rank_groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]

@@ -75,12 +75,19 @@ def accessor_answers(rank: int, world: int) -> dict:
 
     model = autotp.wrap(tiny_model("llama"), world)
     mesh = model.autotp_state.mesh
-    return {"tp": (dist.get_process_group_ranks(autotp.group(model, "tp")), autotp.rank("tp"), autotp.size("tp"),
-                   autotp.tp_rank(model)),
-            "dp": (autotp.size(model, "dp"), autotp.dp_size(), autotp.size(model, "dp", "cp")),
-            "compared": [(label, None if group is None else dist.get_process_group_ranks(group))
-                         for label, group in mesh.compared()],
-            "repr": repr(mesh)}
+    return {
+        "tp": (
+            dist.get_process_group_ranks(autotp.group(model, "tp")),
+            autotp.rank("tp"),
+            autotp.size("tp"),
+            autotp.tp_rank(model),
+        ),
+        "dp": (autotp.size(model, "dp"), autotp.dp_size(), autotp.size(model, "dp", "cp")),
+        "compared": [
+            (label, None if group is None else dist.get_process_group_ranks(group)) for label, group in mesh.compared()
+        ],
+        "repr": repr(mesh),
+    }
 
 
 @pytest.mark.timeout(60)

@@ -52,8 +52,11 @@ def defined_privates(tree: ast.Module) -> set[str]:
 
 
 def test_no_module_exceeds_the_line_cap() -> None:
-    long = {name: n for name, n in ((str(f.relative_to(PACKAGE)), len(f.read_text().splitlines()))
-                                    for f in PACKAGE.rglob("*.py")) if n > MAX_LINES}
+    long = {
+        name: n
+        for name, n in ((str(f.relative_to(PACKAGE)), len(f.read_text().splitlines())) for f in PACKAGE.rglob("*.py"))
+        if n > MAX_LINES
+    }
     assert long == {}, f"split these modules (cap {MAX_LINES} lines): {long}"
 
 
@@ -77,37 +80,59 @@ def test_no_module_reads_another_modules_private_attributes() -> None:
                 if others:
                     found.append(f"{module}:{node.lineno} reads .{node.attr}, owned by {sorted(others)}")
             elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("autotp")):
-                found += [f"{module}:{node.lineno} imports {alias.name} from {node.module}"
-                          for alias in node.names if private(alias.name)]
+                found += [
+                    f"{module}:{node.lineno} imports {alias.name} from {node.module}"
+                    for alias in node.names
+                    if private(alias.name)
+                ]
     assert found == []
 
 
 def test_no_module_sets_another_modules_globals() -> None:
     found = []
     for module, tree in sources().items():
-        imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                    and (node.level or (node.module or "").startswith("autotp")) for alias in node.names}
-        imported |= {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
-                     if isinstance(node, ast.Import) for alias in node.names if alias.name.startswith("autotp")}
-        found += [f"{module}:{node.lineno} sets {ast.unparse(node)}" for node in ast.walk(tree)
-                  if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id in imported]
+        imported = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("autotp"))
+            for alias in node.names
+        }
+        imported |= {
+            (alias.asname or alias.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.startswith("autotp")
+        }
+        found += [
+            f"{module}:{node.lineno} sets {ast.unparse(node)}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in imported
+        ]
     assert found == [], "pass the value to the function that uses it instead of installing it in that module"
 
 
 def test_gathered_mode_is_read_only_where_it_is_owned_and_switched() -> None:
     allowed = {"state.py", "tp/apply.py"}
-    reads = [f"{module}:{node.lineno}" for module, tree in sources().items() if module not in allowed
-             for node in ast.walk(tree)
-             if isinstance(node, ast.Attribute) and node.attr == "gathered" and isinstance(node.ctx, ast.Load)]
+    reads = [
+        f"{module}:{node.lineno}"
+        for module, tree in sources().items()
+        if module not in allowed
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "gathered" and isinstance(node.ctx, ast.Load)
+    ]
     assert reads == [], "use TPState.sharded_only for a hook, or TPState.is_gathered for a decision"
 
 
 def test_the_architecture_page_names_every_module() -> None:
     page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`([\w.]+)`", page))
-    dotted = {".".join(f.relative_to(PACKAGE).with_suffix("").parts): f for f in PACKAGE.rglob("*.py")
-              if f.stem != "__init__"}  # by dotted path: `tp.apply`, `vocab.apply` and `cp.apply` are three modules
+    dotted = {
+        ".".join(f.relative_to(PACKAGE).with_suffix("").parts): f for f in PACKAGE.rglob("*.py") if f.stem != "__init__"
+    }  # by dotted path: `tp.apply`, `vocab.apply` and `cp.apply` are three modules
     missing = sorted(name for name in dotted if name not in named)
     assert missing == [], f"docs/architecture.md's module table lacks {missing}"
 
@@ -120,7 +145,7 @@ def resolves(dotted: str) -> bool:
         if hasattr(found, part):
             found = getattr(found, part)
             continue
-        module = ".".join(["autotp", *parts[:i + 1]])
+        module = ".".join(["autotp", *parts[: i + 1]])
         try:
             found = importlib.import_module(module)
         except ImportError:  # a short name reaches the vLLM modules too: they exist here, but import vLLM
@@ -138,22 +163,47 @@ def named_in(text: str) -> set[str]:
 
 def test_every_autotp_name_in_the_source_and_docs_resolves() -> None:
     files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "docs").glob("*.md"), PACKAGE.parent / "CONTRIBUTING.md"]
-    stale = sorted({f"{f.relative_to(PACKAGE.parent)}: {name}" for f in files
-                    for name in named_in(f.read_text()) if not resolves(name)})
+    stale = sorted(
+        {
+            f"{f.relative_to(PACKAGE.parent)}: {name}"
+            for f in files
+            for name in named_in(f.read_text())
+            if not resolves(name)
+        }
+    )
     assert stale == [], "name the module where it lives now"
 
 
 def test_short_dotted_names_resolve_too() -> None:
     """A short name is checked like a full one: a stale `ep.dispatch` fails as `autotp.ep.dispatch` would."""
     assert named_in("`ep.dispatch` and `io.rollout.export.export_weights`, not `model.config` or `x.y`") == {
-        "autotp.ep.dispatch", "autotp.io.rollout.export.export_weights"}
+        "autotp.ep.dispatch",
+        "autotp.io.rollout.export.export_weights",
+    }
     assert resolves("autotp.io.rollout.export") and not resolves("autotp.ep.no_such_module")
 
 
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-               "broadcast_object_list", "barrier", "monitored_barrier", "send", "recv", "reduce_scatter",
-               "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "gather_object",
-               "scatter_object_list", "reduce"}
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "gather_object",
+    "scatter_object_list",
+    "reduce",
+}
 
 
 def test_every_blocking_collective_goes_through_named_failure() -> None:
@@ -163,16 +213,22 @@ def test_every_blocking_collective_goes_through_named_failure() -> None:
     for module, tree in sources().items():
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in COLLECTIVES and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == "dist"):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in COLLECTIVES
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "dist"
+            ):
                 continue
             named, function, at = False, None, node
             while at in parents:
                 at = parents[at]
                 if isinstance(at, ast.With) and any(
-                        isinstance(item.context_expr, ast.Call) and getattr(item.context_expr.func, "id", None)
-                        == "named_failure" for item in at.items):
+                    isinstance(item.context_expr, ast.Call)
+                    and getattr(item.context_expr.func, "id", None) == "named_failure"
+                    for item in at.items
+                ):
                     named = True
                 if isinstance(at, (ast.FunctionDef, ast.AsyncFunctionDef)) and function is None:
                     function = at.name

@@ -35,9 +35,11 @@ def test_the_check_sees_test_modules_and_their_imports() -> None:
 @pytest.mark.parametrize("path", TEST_MODULES, ids=lambda p: str(p.relative_to(TESTS)))
 def test_no_test_module_imports_another(path: Path) -> None:
     others = [name for name in imported_modules(path) if name.split(".")[0].startswith("test_")]
-    assert not others, f"{path.name} imports the test module(s) {others}: move what it needs to tests/models.py, " \
-                       f"a helper module beside its package's tests (tests/cp/cp_workers.py), a conftest.py fixture, " \
-                       f"or autotp.testing"
+    assert not others, (
+        f"{path.name} imports the test module(s) {others}: move what it needs to tests/models.py, "
+        f"a helper module beside its package's tests (tests/cp/cp_workers.py), a conftest.py fixture, "
+        f"or autotp.testing"
+    )
 
 
 def ini_options() -> dict:

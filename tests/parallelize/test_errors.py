@@ -37,10 +37,16 @@ def no_launcher(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-@pytest.mark.parametrize("tp_size,error,words", [
-    (0, ValueError, "at least 1"), (-2, ValueError, "at least 1"),
-    (2.0, TypeError, "must be an int"), ("2", TypeError, "must be an int"), (True, TypeError, "must be an int"),
-])
+@pytest.mark.parametrize(
+    "tp_size,error,words",
+    [
+        (0, ValueError, "at least 1"),
+        (-2, ValueError, "at least 1"),
+        (2.0, TypeError, "must be an int"),
+        ("2", TypeError, "must be an int"),
+        (True, TypeError, "must be an int"),
+    ],
+)
 def test_bad_tp_size(no_launcher, tp_size, error, words) -> None:
     model = tiny_model("llama")
     before = snapshot(model)
@@ -153,8 +159,10 @@ def meta_on_rank_1(rank: int, world: int) -> str:
 @pytest.mark.timeout(120)  # before: rank 0 failed in the broadcast ("Connection closed by peer"), rank 1 wrapped
 def test_a_model_on_the_meta_device_is_refused_naming_its_parameters_on_every_rank() -> None:
     on_cpu, on_meta = run_ranks(meta_on_rank_1, 2)
-    assert on_meta.startswith("ValueError: autotp: LlamaForCausalLM has 23 parameters and buffers on the meta device "
-                              "(model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight"), on_meta
+    assert on_meta.startswith(
+        "ValueError: autotp: LlamaForCausalLM has 23 parameters and buffers on the meta device "
+        "(model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight"
+    ), on_meta
     assert "model.to_empty(device=...)" in on_meta and "autotp.from_pretrained(path, tp_size)" in on_meta
     assert "planning failed on rank 1: ValueError: autotp: LlamaForCausalLM has 23 parameters" in on_cpu, on_cpu
 
@@ -198,8 +206,10 @@ def test_a_transformers_experts_kernel_failure_is_named_with_its_fix() -> None:
     with pytest.raises(ValueError) as err:
         autotp.explain(model, 2)
     message = str(err.value)
-    assert "failed inside transformers' grouped_mm experts kernel, not in autotp: RuntimeError: strides should be " \
-           "multiple of 16 bytes (raised in " in message, message
+    assert (
+        "failed inside transformers' grouped_mm experts kernel, not in autotp: RuntimeError: strides should be "
+        "multiple of 16 bytes (raised in " in message
+    ), message
     assert 'Load it with experts_implementation="eager"' in message and "example_inputs" not in message
     assert_unchanged(before, model)
     model.set_experts_implementation("eager")  # the fix named works

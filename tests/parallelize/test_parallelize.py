@@ -27,6 +27,7 @@ def steps_run(rank: int, world: int, path: str) -> list[str]:
         def run(*args, **kwargs):
             seen.append(name)
             return step(*args, **kwargs)
+
         return run
 
     for name in documented_steps():
@@ -37,7 +38,8 @@ def steps_run(rank: int, world: int, path: str) -> list[str]:
             setattr(pipeline, name, spy(name, step))
     real = api.parallelize
     api.parallelize = lambda model, plan, groups, options, materialize: real(
-        model, plan, groups, options, spy("materialize", materialize))
+        model, plan, groups, options, spy("materialize", materialize)
+    )
     autotp.from_pretrained(path, world, sequence_parallel=True, check_inputs=True)
     return seen
 

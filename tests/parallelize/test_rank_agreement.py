@@ -12,20 +12,23 @@ import pytest
 import torch
 
 import autotp
-from autotp.options import WrapOptions
-from autotp.options import AGREED_OPTIONS, PER_RANK_OPTIONS
+from autotp.options import AGREED_OPTIONS, PER_RANK_OPTIONS, WrapOptions
 from autotp.testing import run_ranks
 from cp_workers import CP_FAMILIES
 from ep_workers import moe_model
 from models import tiny_model
 
-
 DISAGREEMENTS = {  # rank 1's difference -> what the error names
-    "intermediate_size": ({"config": {"intermediate_size": 128}}, "config key intermediate_size is 96 on rank 0 but 128"),
+    "intermediate_size": (
+        {"config": {"intermediate_size": 128}},
+        "config key intermediate_size is 96 on rank 0 but 128",
+    ),
     "num_hidden_layers": ({"config": {"num_hidden_layers": 3}}, "config key num_hidden_layers is 2 on rank 0 but 3"),
     "vocab_parallel": ({"options": {"vocab_parallel": False}}, "option vocab_parallel is True on rank 0 but False"),
-    "sequence_parallel": ({"options": {"sequence_parallel": True}},
-                          "option sequence_parallel is False on rank 0 but True"),
+    "sequence_parallel": (
+        {"options": {"sequence_parallel": True}},
+        "option sequence_parallel is False on rank 0 but True",
+    ),
 }
 
 
@@ -51,8 +54,10 @@ def test_ranks_that_built_or_wrapped_differently_are_named_before_anything_chang
 def test_every_wrap_option_is_compared_between_ranks_or_named_per_rank() -> None:
     """A field added to WrapOptions without deciding whether the ranks must agree on it fails here."""
     names = {f.name for f in fields(WrapOptions)}
-    assert AGREED_OPTIONS | PER_RANK_OPTIONS == names, (names - AGREED_OPTIONS - PER_RANK_OPTIONS,
-                                                        (AGREED_OPTIONS | PER_RANK_OPTIONS) - names)
+    assert AGREED_OPTIONS | PER_RANK_OPTIONS == names, (
+        names - AGREED_OPTIONS - PER_RANK_OPTIONS,
+        (AGREED_OPTIONS | PER_RANK_OPTIONS) - names,
+    )
     assert not AGREED_OPTIONS & PER_RANK_OPTIONS
     assert "cp_size" in AGREED_OPTIONS
 
@@ -119,5 +124,6 @@ def test_a_rank_waiting_for_one_that_wrapped_alone_at_tp1_is_told_the_likely_cau
     assert len(names) >= 3 and {"tp_size", "cp_size", "ep_size"} <= set(names)
     listed = ", ".join(names[:-1]) + f" and {names[-1]}"
     at_one = ", ".join(f"{n}=1" for n in names[:-1]) + f" and {names[-1]}=1"
-    assert (f"Every rank must call wrap with the same {listed}: a rank at {at_one} without tp_group runs no "
-            "collective") in waiting, waiting
+    assert (
+        f"Every rank must call wrap with the same {listed}: a rank at {at_one} without tp_group runs no collective"
+    ) in waiting, waiting

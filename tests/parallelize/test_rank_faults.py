@@ -86,8 +86,12 @@ def clip_after_backward(model: torch.nn.Module) -> None:
 SKIPPED = {  # a user call -> (the tp size to wrap at, what to do on both ranks first, the call one rank skips)
     "clip_grad_norm_": (2, {}, clip_after_backward, lambda model: autotp.clip_grad_norm_(model, 1.0)),
     "allreduce_gradients": (1, {}, clip_after_backward, autotp.allreduce_gradients),
-    "resize_token_embeddings": (2, {"vocab_parallel": False}, lambda model: None,
-                                lambda model: model.resize_token_embeddings(300)),
+    "resize_token_embeddings": (
+        2,
+        {"vocab_parallel": False},
+        lambda model: None,
+        lambda model: model.resize_token_embeddings(300),
+    ),
 }
 
 
@@ -103,11 +107,14 @@ def one_rank_skips(rank: int, world: int, call: str) -> str | None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("call, operation", [
-    ("clip_grad_norm_", "autotp.clip_grad_norm_'s all-reduce of the gradient norm over TP over ranks [0, 1]"),
-    ("allreduce_gradients", "autotp.allreduce_gradients' all-reduce of the gradients over ranks [0, 1]"),
-    ("resize_token_embeddings", "broadcast of the replicated tensors from the group's rank 0 over ranks [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "call, operation",
+    [
+        ("clip_grad_norm_", "autotp.clip_grad_norm_'s all-reduce of the gradient norm over TP over ranks [0, 1]"),
+        ("allreduce_gradients", "autotp.allreduce_gradients' all-reduce of the gradients over ranks [0, 1]"),
+        ("resize_token_embeddings", "broadcast of the replicated tensors from the group's rank 0 over ranks [0, 1]"),
+    ],
+)
 def test_a_rank_that_skips_a_collective_is_named_with_the_operation(call: str, operation: str) -> None:
     message = run_ranks(one_rank_skips, 2, call)[0]
     assert message.startswith(f"autotp: {operation} failed"), message

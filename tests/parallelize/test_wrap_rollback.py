@@ -6,27 +6,31 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-
-import autotp
-from autotp.testing import run_ranks
-from models import CONFIGS, batch, tiny_model
 from transformers import AutoModelForCausalLM
 
-from autotp.testing import tiny_config
+import autotp
+from autotp.testing import run_ranks, tiny_config
+from models import CONFIGS, batch, tiny_model
 
-
-STAGES = ["autotp.tp.apply.LinearAllreduce.__init__", "autotp.sp.dimension.apply_sequence_parallel",
-          "autotp.tp.dimension.register_grad_hooks", "autotp.parallelize.DDPGuard",
-          "autotp.parallelize.broadcast_replicated"]
+STAGES = [
+    "autotp.tp.apply.LinearAllreduce.__init__",
+    "autotp.sp.dimension.apply_sequence_parallel",
+    "autotp.tp.dimension.register_grad_hooks",
+    "autotp.parallelize.DDPGuard",
+    "autotp.parallelize.broadcast_replicated",
+]
 
 
 def snapshot(model: nn.Module) -> dict:
     return {
-        "modules": [(n, type(m).__name__, len(m._forward_hooks), len(m._forward_pre_hooks))
-                    for n, m in model.named_modules()],
+        "modules": [
+            (n, type(m).__name__, len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
+        ],
         "attrs": [(n, sorted(k for k in vars(m) if not k.startswith("_"))) for n, m in model.named_modules()],
-        "heads": [(n, getattr(m, "num_key_value_groups", None), getattr(m, "config", None) is model.config)
-                  for n, m in model.named_modules()],
+        "heads": [
+            (n, getattr(m, "num_key_value_groups", None), getattr(m, "config", None) is model.config)
+            for n, m in model.named_modules()
+        ],
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "own": sorted(vars(model)),
     }
@@ -43,6 +47,7 @@ def failing_wrap(rank: int, world: int, stage: str, family: str = "qwen3", optio
     owner = importlib.import_module(module_name) if not attr.startswith("__") else None
     if owner is None:  # a method: fail on the second row layer, after the first was swapped in
         import autotp.tp.apply as target
+
         cls = target.LinearAllreduce
         calls = {"n": 0}
         original = cls.__init__
@@ -55,6 +60,7 @@ def failing_wrap(rank: int, world: int, stage: str, family: str = "qwen3", optio
 
         cls.__init__ = broken
     else:
+
         def broken(*args, **kwargs):
             raise RuntimeError("injected")
 
@@ -64,10 +70,12 @@ def failing_wrap(rank: int, world: int, stage: str, family: str = "qwen3", optio
         autotp.wrap(model, options.pop("tp"), **options)
     after = snapshot(model)
     same_tensors = all(torch.equal(before["state"][k], v) for k, v in after["state"].items())
-    return {"same": {k: before[k] == after[k] for k in ("modules", "attrs", "heads", "own")},
-            "tensors": same_tensors and before["state"].keys() == after["state"].keys(),
-            "loss": model(ids, labels=ids).loss.item() - loss_before,
-            "wrapped": hasattr(model, "autotp_state")}
+    return {
+        "same": {k: before[k] == after[k] for k in ("modules", "attrs", "heads", "own")},
+        "tensors": same_tensors and before["state"].keys() == after["state"].keys(),
+        "loss": model(ids, labels=ids).loss.item() - loss_before,
+        "wrapped": hasattr(model, "autotp_state"),
+    }
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -19,7 +19,11 @@ class FeatureConfig(PretrainedConfig):
 
     def __init__(self, hidden_size: int = 64, intermediate_size: int = 96, num_hidden_layers: int = 2, **kwargs):
         super().__init__(**kwargs)
-        self.hidden_size, self.intermediate_size, self.num_hidden_layers = hidden_size, intermediate_size, num_hidden_layers
+        self.hidden_size, self.intermediate_size, self.num_hidden_layers = (
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+        )
 
 
 class FeatureMLP(nn.Module):
@@ -80,8 +84,12 @@ def explicit_plan(rank: int, world: int) -> dict:
     group = autotp.tp_group(model)
     ref = dict(reference.named_parameters())
     params = {n: (full_tensor(p, p, group) - ref[n].detach()).abs().max().item() for n, p in model.named_parameters()}
-    return {"refusal": str(err.value), "losses": losses, "params": params,
-            "sharded": sum(hasattr(p, "autotp_shard") for p in model.parameters())}
+    return {
+        "refusal": str(err.value),
+        "losses": losses,
+        "params": params,
+        "sharded": sum(hasattr(p, "autotp_shard") for p in model.parameters()),
+    }
 
 
 def test_an_explicit_plan_is_verified_on_example_inputs_or_refused() -> None:

@@ -20,17 +20,32 @@ def test_explain_on_meta_device_without_process_group() -> None:
         model = AutoModelForCausalLM.from_config(CONFIGS["qwen3"]())
     plan = autotp.explain(model, 4)
     styles = {layer.path.rsplit(".", 1)[-1]: layer.style for layer in plan.layers}
-    assert styles == {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
-                      "gate_proj": "column", "up_proj": "column", "down_proj": "row", "lm_head": "column"}
+    assert styles == {
+        "q_proj": "column",
+        "k_proj": "column",
+        "v_proj": "column",
+        "o_proj": "row",
+        "gate_proj": "column",
+        "up_proj": "column",
+        "down_proj": "row",
+        "lm_head": "column",
+    }
     assert plan.vocab.embedding == "model.embed_tokens" and not plan.vocab.tied
     q = next(layer for layer in plan.layers if layer.path == "model.layers.0.self_attn.q_proj")
     assert [q.partition.local_size(r) for r in range(4)] == [32, 32, 32, 32]  # 8 heads x 16 over 4 ranks
-    assert plan.head_norms == ("model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm",
-                               "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm")
+    assert plan.head_norms == (
+        "model.layers.0.self_attn.q_norm",
+        "model.layers.0.self_attn.k_norm",
+        "model.layers.1.self_attn.q_norm",
+        "model.layers.1.self_attn.k_norm",
+    )
     assert plan.replicated == ()
     ((path, why),) = autotp.explain(model, 4, vocab_parallel=False).replicated
     assert (path, why.reason, str(why)) == (
-        "lm_head", Replicated.NOT_COVERED, "not covered by the plan; replicated, which is always correct")
+        "lm_head",
+        Replicated.NOT_COVERED,
+        "not covered by the plan; replicated, which is always correct",
+    )
     text = plan.describe()
     assert "model.layers.1.mlp.down_proj" in text and "lm_head" in text
 
@@ -80,6 +95,7 @@ def test_explain_bytes_equal_real_bytes_after_wrap(family: str) -> None:
 
 def test_shipped_policies_load_and_claim_each_model_type_once() -> None:
     from autotp.planning.policy import builtin_policies
+
     policies = builtin_policies()
     assert len(policies) >= 14
     claimed = [t for p in policies for t in p.model_types]
@@ -148,17 +164,27 @@ def test_wrap_logs_a_summary_and_warns_on_rank0_only() -> None:
     first, second = run_ranks(logged, 2)
     assert second == []
     assert first[0][0] == "INFO" and "tp_size=2" in first[0][1] and "sharded" in first[0][1]
-    assert ("WARNING", "autotp: vocab parallelism is off: only models covered by a policy (the loss and logits "
-                       "path of others is unchecked)") in first
+    assert (
+        "WARNING",
+        "autotp: vocab parallelism is off: only models covered by a policy (the loss and logits "
+        "path of others is unchecked)",
+    ) in first
 
 
-HF_MLP_PLAN = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+HF_MLP_PLAN = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
 
 
-@pytest.mark.parametrize("hf_plan, origin", [
-    ({"embed_tokens": "embedding_rowwise"}, autotp.Origin.DETECTED),  # transformers 5.24's plan for a dozen types
-    (HF_MLP_PLAN, autotp.Origin.HF_PLAN_FILLED),
-])
+@pytest.mark.parametrize(
+    "hf_plan, origin",
+    [
+        ({"embed_tokens": "embedding_rowwise"}, autotp.Origin.DETECTED),  # transformers 5.24's plan for a dozen types
+        (HF_MLP_PLAN, autotp.Origin.HF_PLAN_FILLED),
+    ],
+)
 def test_blocks_transformers_plan_leaves_out_are_detected(hf_plan: dict, origin: autotp.Origin) -> None:
     """transformers' plan is taken where it speaks; the blocks it leaves out are detected (and verified) as for a model
     with no plan, so an embedding-only plan shards what detection alone shards."""
@@ -176,7 +202,10 @@ def test_a_block_transformers_plan_keeps_replicated_is_not_detected() -> None:
     plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2)
     assert plan.origin is autotp.Origin.HF_PLAN
     assert sorted({layer.path.rsplit(".", 1)[-1] for layer in plan.layers if layer.block}) == [
-        "down_proj", "gate_proj", "up_proj"]
+        "down_proj",
+        "gate_proj",
+        "up_proj",
+    ]
 
 
 @pytest.mark.parametrize("hf_plan", [{"embed_tokens": "embedding_rowwise"}, HF_MLP_PLAN])

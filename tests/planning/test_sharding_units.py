@@ -78,8 +78,10 @@ FUSED_ROWS = {
     # kv heads replicated over 2 ranks each; each rank has one q head
     "q | k | v, tp 4": (attention("q | k | v", 4, 2, 1, 4), [[0, 4, 6], [1, 4, 6], [2, 5, 7], [3, 5, 7]]),
     # head_dim 2: q rows 0-7, k rows 8-11, v rows 12-15
-    "q | k | v, head_dim 2": (attention("q | k | v", 4, 2, 2, 2),
-                              [[0, 1, 2, 3, 8, 9, 12, 13], [4, 5, 6, 7, 10, 11, 14, 15]]),
+    "q | k | v, head_dim 2": (
+        attention("q | k | v", 4, 2, 2, 2),
+        [[0, 1, 2, 3, 8, 9, 12, 13], [4, 5, 6, 7, 10, 11, 14, 15]],
+    ),
     # per kv group: q0 q1 k0 v0 | q2 q3 k1 v1
     "(q* k v), tp 2": (attention("(q* k v)", 4, 2, 1, 2), [[0, 1, 2, 3], [4, 5, 6, 7]]),
     "(q* k v), tp 4": (attention("(q* k v)", 4, 2, 1, 4), [[0, 2, 3], [1, 2, 3], [4, 6, 7], [5, 6, 7]]),
@@ -103,8 +105,7 @@ def test_replicated_kv() -> None:
 
     k = attention("k", 8, 2, 3, 4)  # head 0 = rows 0-2 on ranks 0, 1; head 1 = rows 3-5 on ranks 2, 3
     assert k.runs == (((0, 3),), ((0, 3),), ((3, 3),), ((3, 3),))
-    assert [k.replicas(r) for r in range(4)] == [[(0, 3, (0, 1))], [(0, 3, (0, 1))],
-                                                 [(0, 3, (2, 3))], [(0, 3, (2, 3))]]
+    assert [k.replicas(r) for r in range(4)] == [[(0, 3, (0, 1))], [(0, 3, (0, 1))], [(0, 3, (2, 3))], [(0, 3, (2, 3))]]
     assert k.replica_groups() == {(0, 1), (2, 3)}
 
     q = attention("q", 8, 2, 3, 4)
@@ -122,12 +123,16 @@ def test_json_round_trip(part: Partition) -> None:
     assert Partition.from_json(json.loads(json.dumps(part.to_json()))) == part
 
 
-@pytest.mark.parametrize("runs", [
-    (((0, 3),), ((2, 2),)),          # row 2 held by two different runs
-    (((0, 2),), ((3, 1),)),          # row 2 held by nobody
-    (((0, 2),), ((2, 3),)),          # run past the last row
-    (((0, 4),), ((0, 2), (2, 2))),   # replica that splits a run instead of repeating it
-], ids=["partial overlap", "uncovered row", "out of range", "split replica"])
+@pytest.mark.parametrize(
+    "runs",
+    [
+        (((0, 3),), ((2, 2),)),  # row 2 held by two different runs
+        (((0, 2),), ((3, 1),)),  # row 2 held by nobody
+        (((0, 2),), ((2, 3),)),  # run past the last row
+        (((0, 4),), ((0, 2), (2, 2))),  # replica that splits a run instead of repeating it
+    ],
+    ids=["partial overlap", "uncovered row", "out of range", "split replica"],
+)
 def test_invalid_runs(runs: tuple) -> None:
     with pytest.raises(ValueError):
         Partition(0, 4, runs)
@@ -143,11 +148,15 @@ def test_even_not_whole_units() -> None:
         Partition.even(0, 7, 2, unit=2)
 
 
-@pytest.mark.parametrize("heads,kv_heads,tp,match", [
-    (6, 4, 2, "6 query heads are not a multiple of 4 key/value heads"),
-    (6, 2, 3, "2 key/value heads cannot be replicated evenly over tp_size=3"),
-    (4, 2, 8, "4 query heads over tp_size=8 leave ranks without a query head"),
-], ids=["heads % kv", "kv does not divide tp", "more ranks than heads"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,match",
+    [
+        (6, 4, 2, "6 query heads are not a multiple of 4 key/value heads"),
+        (6, 2, 3, "2 key/value heads cannot be replicated evenly over tp_size=3"),
+        (4, 2, 8, "4 query heads over tp_size=8 leave ranks without a query head"),
+    ],
+    ids=["heads % kv", "kv does not divide tp", "more ranks than heads"],
+)
 def test_head_layout_errors(heads: int, kv_heads: int, tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         HeadLayout.plan(heads, kv_heads, tp)
@@ -179,8 +188,12 @@ UNEVEN = Partition(0, 12, (((0, 3), (9, 3)), ((3, 4), (9, 3)), ((7, 2),)))
 
 
 def test_holders() -> None:
-    assert UNEVEN.holders() == [Holding(0, 3, 0, 0, (0,)), Holding(3, 4, 1, 0, (1,)), Holding(7, 2, 2, 0, (2,)),
-                                Holding(9, 3, 0, 3, (0, 1))]
+    assert UNEVEN.holders() == [
+        Holding(0, 3, 0, 0, (0,)),
+        Holding(3, 4, 1, 0, (1,)),
+        Holding(7, 2, 2, 0, (2,)),
+        Holding(9, 3, 0, 3, (0, 1)),
+    ]
     # the replicated run read from rank 1's own copy, at its offset 4; rank 2 does not hold it: the lowest holder
     assert UNEVEN.holders(prefer=1)[3] == Holding(9, 3, 1, 4, (0, 1))
     assert UNEVEN.holders(prefer=2) == UNEVEN.holders()
@@ -194,14 +207,20 @@ PLACEMENTS = {
     "uneven, rows hold one run each": (Placement.fsdp((12, 5), UNEVEN, 1, 2, 0), (4, 5), [Box((3, 0), (4, 5), (0, 0))]),
     "replicated run": (Placement.fsdp((12, 5), UNEVEN, 1, 2, 1), (3, 5), [Box((9, 0), (3, 5), (0, 0))]),
     # shard of 6 rows over DP 3 (2 + 2 + 2): DP rank 1 keeps shard rows 2-3, the end of one run and the start of next
-    "rows cut two runs": (Placement.fsdp((12, 5), UNEVEN, 0, 3, 1), (2, 5),
-                          [Box((2, 0), (1, 5), (0, 0)), Box((9, 0), (1, 5), (1, 0))]),
+    "rows cut two runs": (
+        Placement.fsdp((12, 5), UNEVEN, 0, 3, 1),
+        (2, 5),
+        [Box((2, 0), (1, 5), (0, 0)), Box((9, 0), (1, 5), (1, 0))],
+    ),
     # shard of 2 rows over DP 3 (1 + 1 + 0): DP rank 2's rows lie past the runs
     "rows past the runs": (Placement.fsdp((12, 5), UNEVEN, 2, 3, 2), (0, 5), []),
     "one row": (Placement.fsdp((12, 5), UNEVEN, 2, 3, 1), (1, 5), [Box((8, 0), (1, 5), (0, 0))]),
     # split on dim 1 (rows 4-5 replicated): FSDP keeps dim-0 rows 3-4 of the (5, 4) shard, all of its columns
-    "dim 1": (Placement.fsdp((5, 6), Partition(1, 6, (((0, 2), (4, 2)), ((2, 2), (4, 2)))), 1, 2, 1), (2, 4),
-              [Box((3, 2), (2, 2), (0, 0)), Box((3, 4), (2, 2), (0, 2))]),
+    "dim 1": (
+        Placement.fsdp((5, 6), Partition(1, 6, (((0, 2), (4, 2)), ((2, 2), (4, 2)))), 1, 2, 1),
+        (2, 4),
+        [Box((3, 2), (2, 2), (0, 0)), Box((3, 4), (2, 2), (0, 2))],
+    ),
     "no FSDP": (Placement((12, 5), UNEVEN, 0), (6, 5), [Box((0, 0), (3, 5), (0, 0)), Box((9, 0), (3, 5), (3, 0))]),
     "not split over TP": (Placement.fsdp((4, 3), None, 0, 2, 1), (2, 3), [Box((2, 0), (2, 3), (0, 0))]),
     "scalar": (Placement(()), (), [Box((), (), ())]),

@@ -14,11 +14,25 @@ from autotp.planning.twin import _MAX_TWIN_PARAMS, fewer_experts, structural_twi
 # Qwen3-235B-A22B's config.json (the fields that shape the model): 128 experts x 94 layers, 917M parameters even
 # when narrowed 16 times, over the twin's cap.
 QWEN3_235B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
-    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False, "decoder_sparse_step": 1,
-    "norm_topk_prob": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -40,8 +54,9 @@ def test_a_235b_moe_on_meta_shards_every_attention_projection(qwen3_235b: torch.
     assert sum(p.numel() for p in twin.parameters()) < _MAX_TWIN_PARAMS
 
     plan = autotp.explain(qwen3_235b, 8)
-    projections = {f"model.layers.{i}.self_attn.{name}" for i in range(94)
-                   for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    projections = {
+        f"model.layers.{i}.self_attn.{name}" for i in range(94) for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
     assert projections <= {layer.path for layer in plan.layers}
     assert len(plan.regions) == 94 and plan.regions[0].partitions[0][1] == (128, 3072, 4096)  # the model's experts
     assert not [path for path, why in plan.replicated if why.reason == Replicated.NOT_VERIFIED]
@@ -63,11 +78,26 @@ def test_expert_parallelism_checks_the_model_not_its_twin(qwen3_235b: torch.nn.M
 def test_grouped_routing_keeps_whole_groups_that_hold_the_top_k() -> None:
     """DeepSeek-V3 scores 8 groups by their top two experts, takes 4 of them, then the top 8 experts in those: 16
     experts (2 a group) is the fewest that still runs; the cut twin's forward runs."""
-    config = AutoConfig.for_model("deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                  num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
-                                  num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                                  qk_nope_head_dim=8, v_head_dim=16, vocab_size=512, n_routed_experts=256, n_group=8,
-                                  topk_group=4, num_experts_per_tok=8)
+    config = AutoConfig.for_model(
+        "deepseek_v3",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        vocab_size=512,
+        n_routed_experts=256,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+    )
     cut = fewer_experts(config)
     assert (cut.n_routed_experts, cut.n_group, cut.topk_group, cut.num_experts_per_tok) == (16, 8, 4, 8)
     assert config.n_routed_experts == 256  # the model's own config is left alone

@@ -8,8 +8,7 @@ from torch import nn
 
 import autotp
 from autotp.planning.plan import Replicated
-from autotp.testing import assert_parity
-from autotp.testing import parity
+from autotp.testing import assert_parity, parity
 from autotp.testing.spawn import run_ranks
 from models import SoftmaxMLP, batch, tiny_model
 

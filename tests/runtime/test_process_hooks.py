@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from ep_workers import moe_model
-from models import tiny_model
 from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
@@ -24,6 +22,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import autotp
 from autotp.compat.torch import ddp_ignored
 from autotp.testing import run_ranks
+from ep_workers import moe_model
+from models import tiny_model
 
 # name: (build the model, wrap's arguments); every dimension: TP, vocab and SP; CP; EP
 CASES: dict[str, tuple[Callable[[], nn.Module], dict]] = {
@@ -37,11 +37,13 @@ STORED_AS = {"_loss_function": "loss_function", "_ddp_params_and_buffers_to_igno
 
 def process_wide() -> dict[str, Any]:
     """What the process holds outside any model: the hooks by identity, the registries' names, PEFT's methods."""
-    return {"optimizer step pre-hooks": list(torch_optimizer._global_optimizer_pre_hooks.values()),
-            "module forward pre-hooks": list(torch_module._global_forward_pre_hooks.values()),
-            "attention functions": sorted(ALL_ATTENTION_FUNCTIONS.keys()),
-            "mask functions": sorted(ALL_MASK_ATTENTION_FUNCTIONS.keys()),
-            "PEFT methods": [PeftModel.save_pretrained, LoraLinear.update_layer]}
+    return {
+        "optimizer step pre-hooks": list(torch_optimizer._global_optimizer_pre_hooks.values()),
+        "module forward pre-hooks": list(torch_module._global_forward_pre_hooks.values()),
+        "attention functions": sorted(ALL_ATTENTION_FUNCTIONS.keys()),
+        "mask functions": sorted(ALL_MASK_ATTENTION_FUNCTIONS.keys()),
+        "PEFT methods": [PeftModel.save_pretrained, LoraLinear.update_layer],
+    }
 
 
 def added(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list]:
@@ -75,19 +77,31 @@ def wrapped_effects(rank: int, world: int, case: str) -> dict:
     ddp_ignored(model)  # read outside DDP's constructor: the guard waits for DDP's first forward (a global pre-hook)
     new, attributes = added(before, process_wide()), patched(model, own)
     live = process_hooks.live()
-    listed = {kind: [e.value for e in live if e.kind == kind] for kind in (
-        process_hooks.OPTIMIZER_STEP_PRE_HOOK, process_hooks.MODULE_FORWARD_PRE_HOOK)}
+    listed = {
+        kind: [e.value for e in live if e.kind == kind]
+        for kind in (process_hooks.OPTIMIZER_STEP_PRE_HOOK, process_hooks.MODULE_FORWARD_PRE_HOOK)
+    }
     names = {e.where for e in live if e.kind in (process_hooks.ATTENTION_FUNCTION, process_hooks.MASK_FUNCTION)}
-    unlisted = [h for h in new["optimizer step pre-hooks"]
-                if not any(h is x for x in listed[process_hooks.OPTIMIZER_STEP_PRE_HOOK])]
-    unlisted += [h for h in new["module forward pre-hooks"]
-                 if not any(h is x for x in listed[process_hooks.MODULE_FORWARD_PRE_HOOK])]
+    unlisted = [
+        h
+        for h in new["optimizer step pre-hooks"]
+        if not any(h is x for x in listed[process_hooks.OPTIMIZER_STEP_PRE_HOOK])
+    ]
+    unlisted += [
+        h
+        for h in new["module forward pre-hooks"]
+        if not any(h is x for x in listed[process_hooks.MODULE_FORWARD_PRE_HOOK])
+    ]
     unlisted += [k for k in new["attention functions"] + new["mask functions"] if k not in names]
     peft = {e.where for e in live if e.kind == process_hooks.CLASS_ATTRIBUTE}
     unlisted += [m.__name__ for m in new["PEFT methods"] if m.__name__ not in peft]
     patches = {(e.where, id(e.value)) for e in live if e.kind == process_hooks.ATTRIBUTE}
-    report = {"unlisted": [repr(x) for x in unlisted], "unlisted attributes": sorted(a for a, _ in attributes - patches),
-              "found": {k: len(v) for k, v in new.items()}, "attributes": sorted({a for a, _ in attributes})}
+    report = {
+        "unlisted": [repr(x) for x in unlisted],
+        "unlisted attributes": sorted(a for a, _ in attributes - patches),
+        "found": {k: len(v) for k, v in new.items()},
+        "attributes": sorted({a for a, _ in attributes}),
+    }
     del model, own, new, attributes, live
     gc.collect()
     report["left"] = {k: repr(v) for k, v in added(before, process_wide()).items() if v}
@@ -96,10 +110,14 @@ def wrapped_effects(rank: int, world: int, case: str) -> dict:
 
 
 EXPECTED = {  # what each case installs outside the model, found by the walk (so the walk sees them)
-    "tp_vocab_sp": ({"optimizer step pre-hooks", "module forward pre-hooks", "PEFT methods"},
-                    {"__class__", "loss_function", "save_pretrained", "resize_token_embeddings", "DDP's ignore list"}),
-    "cp": ({"optimizer step pre-hooks", "module forward pre-hooks", "attention functions", "mask functions"},
-           {"loss_function", "save_pretrained", "DDP's ignore list"}),
+    "tp_vocab_sp": (
+        {"optimizer step pre-hooks", "module forward pre-hooks", "PEFT methods"},
+        {"__class__", "loss_function", "save_pretrained", "resize_token_embeddings", "DDP's ignore list"},
+    ),
+    "cp": (
+        {"optimizer step pre-hooks", "module forward pre-hooks", "attention functions", "mask functions"},
+        {"loss_function", "save_pretrained", "DDP's ignore list"},
+    ),
     "ep": ({"module forward pre-hooks"}, {"generate", "forward", "DDP's ignore list"}),  # at tp 1: no PEFT guard
 }
 
@@ -158,8 +176,10 @@ def test_one_step_hook_for_every_owner_removed_after_a_step_in_which_the_last_wa
         owners.clear()
         gc.collect()
 
-    handles = [torch_optimizer.register_optimizer_step_pre_hook(drop),
-               torch_optimizer.register_optimizer_step_pre_hook(lambda *args: None)]  # iterated after the drop
+    handles = [
+        torch_optimizer.register_optimizer_step_pre_hook(drop),
+        torch_optimizer.register_optimizer_step_pre_hook(lambda *args: None),
+    ]  # iterated after the drop
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     optimizer.step()
     for handle in handles:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import gc
-
 from types import SimpleNamespace
 
 import pytest
@@ -17,12 +16,11 @@ from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.runtime.seq_collectives import SavedChunk
-from autotp.tp.layers import ParallelLinear
 from autotp.sp.sequence import ChunkDropout
-from autotp.testing import parity
+from autotp.testing import assert_parity, parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config
-from autotp.testing import assert_parity
+from autotp.tp.layers import ParallelLinear
 from models import CONFIGS, batch, labels_with_ignored, tiny_model
 
 
@@ -52,9 +50,11 @@ def test_a_block_taking_the_hidden_states_as_query_key_and_value_gets_them_gathe
         assert_parity(report)
 
 
-DROPOUTS = {"gpt2": dict(resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3),  # nn.Dropout modules
-            "starcoder2": dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3),  # functional
-            "gpt_neox": dict(hidden_dropout=0.3, attention_dropout=0.3)}
+DROPOUTS = {
+    "gpt2": dict(resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3),  # nn.Dropout modules
+    "starcoder2": dict(residual_dropout=0.3, embedding_dropout=0.3, attention_dropout=0.3),  # functional
+    "gpt_neox": dict(hidden_dropout=0.3, attention_dropout=0.3),
+}
 FP32 = 1e-5
 
 
@@ -145,8 +145,9 @@ def checkpointed(rank: int, world: int) -> dict:
     recomputations stop early), leave holding a chunk."""
     reference = tiny_model("llama")
     reference.gradient_checkpointing_enable()
-    report = parity.compare_training(reference, batch(), world, sequence_parallel=True,
-                                     edit=lambda model: model.gradient_checkpointing_enable())
+    report = parity.compare_training(
+        reference, batch(), world, sequence_parallel=True, edit=lambda model: model.gradient_checkpointing_enable()
+    )
     model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
     model.gradient_checkpointing_enable()
     gc.collect()  # the parity run's graphs
@@ -190,10 +191,13 @@ def test_moe_plans_are_refused_before_any_change() -> None:
     assert [type(m).__name__ for m in model.modules()] == before
 
 
-@pytest.mark.parametrize("family,weight", [
-    ("olmo2", "model.layers.0.self_attn.q_proj.weight"),  # attention left replicated (q/k norms over all heads)
-    ("falcon_h1", "model.layers.0.mamba."),  # a state-space mixer beside the attention
-])
+@pytest.mark.parametrize(
+    "family,weight",
+    [
+        ("olmo2", "model.layers.0.self_attn.q_proj.weight"),  # attention left replicated (q/k norms over all heads)
+        ("falcon_h1", "model.layers.0.mamba."),  # a state-space mixer beside the attention
+    ],
+)
 def test_replicated_mixers_between_blocks_are_refused_before_any_change(family: str, weight: str) -> None:
     """Code between the sharded blocks sees one chunk of the sequence: a replicated attention would attend within
     the chunk only, a convolution or state-space scan would miss the other ranks' tokens."""
@@ -238,8 +242,10 @@ def checkpointed_dropout(rank: int, world: int, family: str) -> dict:
         group = model.autotp_state.tp_group
         runs[reentrant] = (loss.item(), {n: parity.full_tensor(p.grad, p, group) for n, p in model.named_parameters()})
     loss, grads = runs.pop(None)
-    return {str(reentrant): (abs(other - loss), max(parity.grad_error(other_grads[n], g) for n, g in grads.items()))
-            for reentrant, (other, other_grads) in runs.items()}
+    return {
+        str(reentrant): (abs(other - loss), max(parity.grad_error(other_grads[n], g) for n, g in grads.items()))
+        for reentrant, (other, other_grads) in runs.items()
+    }
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
@@ -267,11 +273,15 @@ def hidden_states_under_sp(rank: int, world: int, return_dict: bool) -> dict:
     group = model.autotp_state.tp_group
     (one_states, one_pooled), (tp_states, tp_pooled) = report["one"], report["tp"]
     q = "model.layers.0.self_attn.q_proj.weight"
-    return {"shapes": [tuple(s.shape) for s in tp_states] == [tuple(s.shape) for s in one_states],
-            "states": max((a - b).abs().max().item() for a, b in zip(one_states, tp_states)),
-            "pooled": (one_pooled - tp_pooled).abs().max().item(),
-            "grad": parity.grad_error(parity.full_tensor(model.get_parameter(q).grad, model.get_parameter(q), group),
-                                      reference.get_parameter(q).grad)}
+    return {
+        "shapes": [tuple(s.shape) for s in tp_states] == [tuple(s.shape) for s in one_states],
+        "states": max((a - b).abs().max().item() for a, b in zip(one_states, tp_states)),
+        "pooled": (one_pooled - tp_pooled).abs().max().item(),
+        "grad": parity.grad_error(
+            parity.full_tensor(model.get_parameter(q).grad, model.get_parameter(q), group),
+            reference.get_parameter(q).grad,
+        ),
+    }
 
 
 @pytest.mark.parametrize("return_dict", [True, False])
@@ -286,6 +296,7 @@ def test_hidden_states_under_sequence_parallelism_are_whole_sequences(return_dic
 def hook_on_a_layer(rank: int, world: int) -> list[str]:
     model = autotp.wrap(tiny_model("llama"), world, sequence_parallel=True)
     import warnings
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.model.layers[0].register_forward_hook(lambda module, args, output: None)

@@ -17,17 +17,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autotp.runtime.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
-
-from autotp.runtime.grad_hooks import grad_allreduce_hook, replica_grad_hook
 from autotp.mesh import Mesh
-from autotp.state import TPState
-
-from autotp.runtime.seq_collectives import (
-    SavedChunk, all_gather_dim0, all_gather_seq_to_tp, gather_from_seq, reduce_scatter_dim0, reduce_scatter_seq_from_tp,
-    scatter_to_seq, seq_parallel_column_linear,
-)
 from autotp.planning.sharding import HeadLayout, Partition, layout_partition
+from autotp.runtime.collectives import all_gather_full, copy_to_tp, gather_from_tp, gather_full_to, reduce_from_tp
+from autotp.runtime.grad_hooks import grad_allreduce_hook, replica_grad_hook
+from autotp.runtime.seq_collectives import (
+    SavedChunk,
+    all_gather_dim0,
+    all_gather_seq_to_tp,
+    gather_from_seq,
+    reduce_scatter_dim0,
+    reduce_scatter_seq_from_tp,
+    scatter_to_seq,
+    seq_parallel_column_linear,
+)
+from autotp.state import TPState
 from autotp.testing import run_ranks
 
 WORLD = 2
@@ -42,8 +46,9 @@ ROWS_OWN, ROWS_ALL = (3, 2), (6, 2)  # dim-0 rows of one rank, of both
 def qkv_replicated() -> Partition:
     """q | k | v with 2 q heads, 1 kv head, head_dim 1 on 2 ranks: rank r holds rows [r, 2, 3] (k, v shared)."""
     plan = HeadLayout.plan(2, 1, WORLD)
-    return layout_partition("q | k | v", 0, {"q": plan.q, "k": plan.kv, "v": plan.kv}, {"q": 1, "k": 1, "v": 1},
-                            group=2)
+    return layout_partition(
+        "q | k | v", 0, {"q": plan.q, "k": plan.kv, "v": plan.kv}, {"q": 1, "k": 1, "v": 1}, group=2
+    )
 
 
 def value(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -53,7 +58,7 @@ def value(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 def upstream(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Upstream gradient of `rank`: n, ..., 2, 1 times 10**rank (differs from `value` and between ranks)."""
-    return (torch.arange(torch.Size(shape).numel(), dtype=torch.float64).flip(0) + 1).reshape(shape) * 10 ** rank
+    return (torch.arange(torch.Size(shape).numel(), dtype=torch.float64).flip(0) + 1).reshape(shape) * 10**rank
 
 
 def chunk(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -85,8 +90,9 @@ def all_collectives(rank: int, world: int) -> dict:
         "scatter_to_seq": through(lambda x: scatter_to_seq(x, group), leaf(value(rank, SEQ_FULL)), rank),
         "gather_from_seq": through(lambda x: gather_from_seq(x, group), leaf(value(rank, SEQ_CHUNK)), rank),
         "all_gather_seq_to_tp": through(lambda x: all_gather_seq_to_tp(x, group), leaf(value(rank, SEQ_CHUNK)), rank),
-        "reduce_scatter_seq_from_tp": through(lambda y: reduce_scatter_seq_from_tp(y, group),
-                                              leaf(value(rank, SEQ_FULL)), rank),
+        "reduce_scatter_seq_from_tp": through(
+            lambda y: reduce_scatter_seq_from_tp(y, group), leaf(value(rank, SEQ_FULL)), rank
+        ),
         "all_gather_dim0": through(lambda x: all_gather_dim0(x, group), leaf(value(rank, ROWS_OWN)), rank),
         "reduce_scatter_dim0": through(lambda y: reduce_scatter_dim0(y, group), leaf(value(rank, ROWS_ALL)), rank),
         "all_gather_full": all_gather_full(UNEVEN.shard(full, rank), UNEVEN, group),
@@ -99,16 +105,21 @@ def all_collectives(rank: int, world: int) -> dict:
     weight, bias = leaf(value(rank, (2, 3))), leaf(value(rank, (2,)))
     out = seq_parallel_column_linear(x, weight, bias, SavedChunk(x, group, dim=1))
     out.backward(upstream(rank, tuple(out.shape)))
-    results["seq_parallel_column_linear"] = {"out": out.detach(), "grad": x.grad, "weight": weight.grad,
-                                             "bias": bias.grad}
+    results["seq_parallel_column_linear"] = {
+        "out": out.detach(),
+        "grad": x.grad,
+        "weight": weight.grad,
+        "bias": bias.grad,
+    }
 
     grad = upstream(rank, (3, 2))
     gathered_state = TPState(None, Mesh(None, {("tp",): group}), rank, gathered=True)  # hooks registered
-    results["grad_allreduce_hook"] = grad_allreduce_hook(group)(grad)                    # through sharded_only
+    results["grad_allreduce_hook"] = grad_allreduce_hook(group)(grad)  # through sharded_only
     results["grad_allreduce_hook off"] = gathered_state.sharded_only(grad_allreduce_hook(group))(grad) is None
     results["replica_grad_hook"] = replica_grad_hook(qkv, rank, {(0, 1): group})(grad)
-    results["replica_grad_hook off"] = gathered_state.sharded_only(
-        replica_grad_hook(qkv, rank, {(0, 1): group}))(grad) is None
+    results["replica_grad_hook off"] = (
+        gathered_state.sharded_only(replica_grad_hook(qkv, rank, {(0, 1): group}))(grad) is None
+    )
     results["hook input untouched"] = torch.equal(grad, upstream(rank, (3, 2)))
     return results
 
@@ -144,38 +155,65 @@ def test_reduce_from_tp(ranks: list[dict]) -> None:  # all-reduce forward, ident
 
 
 def test_gather_from_tp(ranks: list[dict]) -> None:  # all-gather forward (3/2 columns), own slice backward
-    check(ranks, "gather_from_tp", {"out": [value(0, FULL)] * WORLD,
-                                    "grad": [upstream(r, FULL)[:, [[0, 1, 2], [3, 4]][r]] for r in RANKS]})
+    check(
+        ranks,
+        "gather_from_tp",
+        {"out": [value(0, FULL)] * WORLD, "grad": [upstream(r, FULL)[:, [[0, 1, 2], [3, 4]][r]] for r in RANKS]},
+    )
 
 
 def test_scatter_to_seq(ranks: list[dict]) -> None:  # own chunk forward, all-gather backward
-    check(ranks, "scatter_to_seq", {"out": [chunk(value(r, SEQ_FULL), r) for r in RANKS],
-                                    "grad": [gathered(upstream, SEQ_CHUNK)] * WORLD})
+    check(
+        ranks,
+        "scatter_to_seq",
+        {"out": [chunk(value(r, SEQ_FULL), r) for r in RANKS], "grad": [gathered(upstream, SEQ_CHUNK)] * WORLD},
+    )
 
 
 def test_gather_from_seq(ranks: list[dict]) -> None:  # all-gather forward, own chunk backward
-    check(ranks, "gather_from_seq", {"out": [gathered(value, SEQ_CHUNK)] * WORLD,
-                                     "grad": [chunk(upstream(r, SEQ_FULL), r) for r in RANKS]})
+    check(
+        ranks,
+        "gather_from_seq",
+        {"out": [gathered(value, SEQ_CHUNK)] * WORLD, "grad": [chunk(upstream(r, SEQ_FULL), r) for r in RANKS]},
+    )
 
 
 def test_all_gather_seq_to_tp(ranks: list[dict]) -> None:  # all-gather forward, reduce-scatter backward
-    check(ranks, "all_gather_seq_to_tp", {"out": [gathered(value, SEQ_CHUNK)] * WORLD,
-                                          "grad": [chunk(total(upstream, SEQ_FULL), r) for r in RANKS]})
+    check(
+        ranks,
+        "all_gather_seq_to_tp",
+        {"out": [gathered(value, SEQ_CHUNK)] * WORLD, "grad": [chunk(total(upstream, SEQ_FULL), r) for r in RANKS]},
+    )
 
 
 def test_reduce_scatter_seq_from_tp(ranks: list[dict]) -> None:  # reduce-scatter forward, all-gather backward
-    check(ranks, "reduce_scatter_seq_from_tp", {"out": [chunk(total(value, SEQ_FULL), r) for r in RANKS],
-                                                "grad": [gathered(upstream, SEQ_CHUNK)] * WORLD})
+    check(
+        ranks,
+        "reduce_scatter_seq_from_tp",
+        {"out": [chunk(total(value, SEQ_FULL), r) for r in RANKS], "grad": [gathered(upstream, SEQ_CHUNK)] * WORLD},
+    )
 
 
 def test_all_gather_dim0(ranks: list[dict]) -> None:  # all-gather along dim 0 forward, reduce-scatter backward
-    check(ranks, "all_gather_dim0", {"out": [torch.cat([value(0, ROWS_OWN), value(1, ROWS_OWN)])] * WORLD,
-                                     "grad": [total(upstream, ROWS_ALL)[3 * r:3 * r + 3] for r in RANKS]})
+    check(
+        ranks,
+        "all_gather_dim0",
+        {
+            "out": [torch.cat([value(0, ROWS_OWN), value(1, ROWS_OWN)])] * WORLD,
+            "grad": [total(upstream, ROWS_ALL)[3 * r : 3 * r + 3] for r in RANKS],
+        },
+    )
 
 
 def test_reduce_scatter_dim0(ranks: list[dict]) -> None:  # reduce-scatter along dim 0 forward, all-gather backward
-    check(ranks, "reduce_scatter_dim0", {"out": [total(value, ROWS_ALL)[3 * r:3 * r + 3] for r in RANKS],
-                                         "grad": [torch.cat([upstream(0, ROWS_OWN), upstream(1, ROWS_OWN)])] * WORLD})
+    check(
+        ranks,
+        "reduce_scatter_dim0",
+        {
+            "out": [total(value, ROWS_ALL)[3 * r : 3 * r + 3] for r in RANKS],
+            "grad": [torch.cat([upstream(0, ROWS_OWN), upstream(1, ROWS_OWN)])] * WORLD,
+        },
+    )
 
 
 def test_seq_parallel_column_linear(ranks: list[dict]) -> None:
@@ -202,9 +240,12 @@ def test_gather_full(ranks: list[dict]) -> None:
 
 def test_grad_allreduce_hook(ranks: list[dict]) -> None:
     for rank, result in enumerate(ranks):
-        assert torch.equal(result["grad_allreduce_hook"], total(upstream, (3, 2))), \
+        assert torch.equal(result["grad_allreduce_hook"], total(upstream, (3, 2))), (
             f"grad_allreduce_hook on rank {rank}"
-        assert result["grad_allreduce_hook off"], f"gathered, grad_allreduce_hook must leave the gradient as it is (None) on rank {rank}"
+        )
+        assert result["grad_allreduce_hook off"], (
+            f"gathered, grad_allreduce_hook must leave the gradient as it is (None) on rank {rank}"
+        )
 
 
 def test_replica_grad_hook(ranks: list[dict]) -> None:
@@ -212,22 +253,31 @@ def test_replica_grad_hook(ranks: list[dict]) -> None:
     for rank, result in enumerate(ranks):
         # shard row 0 is this rank's own q head; shard rows 1, 2 are the shared k and v heads
         own = upstream(rank, (3, 2))
-        assert torch.equal(result["replica_grad_hook"], torch.cat([own[:1], summed[1:]])), \
+        assert torch.equal(result["replica_grad_hook"], torch.cat([own[:1], summed[1:]])), (
             f"replica_grad_hook on rank {rank}"
-        assert result["replica_grad_hook off"], f"gathered, replica_grad_hook must leave the gradient as it is (None) on rank {rank}"
+        )
+        assert result["replica_grad_hook off"], (
+            f"gathered, replica_grad_hook must leave the gradient as it is (None) on rank {rank}"
+        )
         assert result["hook input untouched"], f"a grad hook changed its input in place on rank {rank}"
 
 
 def test_group_of_one_is_identity() -> None:
     x = value(0, SEQ_FULL)
     one = Partition.even(1, 4, 1)
-    for name, fn in {"copy_to_tp": copy_to_tp, "reduce_from_tp": reduce_from_tp, "scatter_to_seq": scatter_to_seq,
-                     "gather_from_seq": gather_from_seq, "all_gather_seq_to_tp": all_gather_seq_to_tp,
-                     "reduce_scatter_seq_from_tp": reduce_scatter_seq_from_tp,
-                     "all_gather_dim0": all_gather_dim0, "reduce_scatter_dim0": reduce_scatter_dim0,
-                     "gather_from_tp": lambda t, g: gather_from_tp(t, one, g),
-                     "all_gather_full": lambda t, g: all_gather_full(t, one, g),
-                     "gather_full_to": lambda t, g: gather_full_to(t, one, g)}.items():
+    for name, fn in {
+        "copy_to_tp": copy_to_tp,
+        "reduce_from_tp": reduce_from_tp,
+        "scatter_to_seq": scatter_to_seq,
+        "gather_from_seq": gather_from_seq,
+        "all_gather_seq_to_tp": all_gather_seq_to_tp,
+        "reduce_scatter_seq_from_tp": reduce_scatter_seq_from_tp,
+        "all_gather_dim0": all_gather_dim0,
+        "reduce_scatter_dim0": reduce_scatter_dim0,
+        "gather_from_tp": lambda t, g: gather_from_tp(t, one, g),
+        "all_gather_full": lambda t, g: all_gather_full(t, one, g),
+        "gather_full_to": lambda t, g: gather_full_to(t, one, g),
+    }.items():
         assert fn(x, None) is x, name
     weight, bias = value(1, (2, 3)), value(1, (2,))
     assert torch.equal(seq_parallel_column_linear(x, weight, bias, None), F.linear(x, weight, bias))

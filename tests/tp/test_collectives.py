@@ -15,12 +15,25 @@ import torch.distributed as dist
 
 import autotp
 from autotp.planning.report import summary
-from models import batch, tiny_model
 from autotp.testing.spawn import run_ranks
+from models import batch, tiny_model
 
-COLLECTIVES = tuple(name for name in (  # the *_single names are torch 2.13's; GPU users may run an older torch
-    "all_reduce", "all_gather", "gather", "broadcast", "reduce_scatter", "all_to_all", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single") if hasattr(dist, name))
+COLLECTIVES = tuple(
+    name
+    for name in (  # the *_single names are torch 2.13's; GPU users may run an older torch
+        "all_reduce",
+        "all_gather",
+        "gather",
+        "broadcast",
+        "reduce_scatter",
+        "all_to_all",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_gather_single",
+        "reduce_scatter_single",
+    )
+    if hasattr(dist, name)
+)
 
 
 def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict:
@@ -32,6 +45,7 @@ def count_step(rank: int, world: int, family: str, vocab_parallel: bool) -> dict
         def call(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return originals[name](*args, **kwargs)
+
         return call
 
     for name in COLLECTIVES:
@@ -64,8 +78,9 @@ def test_collectives_per_layer(family: str, per_head_norms: int, tp: int, vocab_
         vocab_forward, vocab_backward = (3, 1) if vocab_parallel else (0, 0)
         assert report["forward"] == {"all_reduce": 2 * layers + vocab_forward}, report
         assert report["backward"] == {"all_reduce": (2 + per_head_norms) * layers + vocab_backward}, report
-        assert report["first"] == {"all_reduce": (4 + per_head_norms) * layers + vocab_forward + vocab_backward + 1}, \
-            report  # the first step's one extra: the random-stream check
+        assert report["first"] == {"all_reduce": (4 + per_head_norms) * layers + vocab_forward + vocab_backward + 1}, (
+            report
+        )  # the first step's one extra: the random-stream check
 
 
 def bytes_of_step(rank: int, world: int, family: str, config: dict) -> dict:
@@ -89,10 +104,16 @@ def bytes_of_step(rank: int, world: int, family: str, config: dict) -> dict:
     return {"predicted": predicted, "moved": moved["bytes"]}
 
 
-@pytest.mark.parametrize("family,config", [
-    ("llama", {}), ("qwen3", {}), ("gpt2", {}), ("mixtral", {}),
-    ("llama", {"num_key_value_heads": 1}),  # replicated KV rows add their gradient sums
-])
+@pytest.mark.parametrize(
+    "family,config",
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("gpt2", {}),
+        ("mixtral", {}),
+        ("llama", {"num_key_value_heads": 1}),  # replicated KV rows add their gradient sums
+    ],
+)
 def test_plan_collective_bytes_equal_the_bytes_moved(family: str, config: dict) -> None:
     for report in run_ranks(bytes_of_step, 2, family, config):
         assert report["predicted"] == report["moved"], report

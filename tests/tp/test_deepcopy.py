@@ -71,8 +71,11 @@ def copy_one_layer(rank: int, world: int) -> dict:
     for path in ("lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
         memo: dict = {}
         layer = copy.deepcopy(model.get_submodule(path), memo)
-        out[path] = {"model copied": id(model) in memo, "shard kept": hasattr(layer.weight, "autotp_shard"),
-                     "forward": layer(torch.ones(2, layer.in_features)).shape[0] == 2}
+        out[path] = {
+            "model copied": id(model) in memo,
+            "shard kept": hasattr(layer.weight, "autotp_shard"),
+            "forward": layer(torch.ones(2, layer.in_features)).shape[0] == 2,
+        }
     return out
 
 

@@ -34,14 +34,18 @@ def pair(rank: int, world: int) -> dict:
     out = {}
     for length in LENGTHS:
         whole = full(length).requires_grad_()
-        kept, = keep_dim0_share((whole,), group)
+        (kept,) = keep_dim0_share((whole,), group)
         kept.backward(upstream(rank, tuple(kept.shape)))
         share = dim0_share(length, group)
-        mine = full(length)[share.start:share.stop].clone().requires_grad_()
+        mine = full(length)[share.start : share.stop].clone().requires_grad_()
         joined = gather_dim0_shares(mine, length, group)
         joined.backward(upstream(rank, tuple(joined.shape)))
-        out[length] = {"kept": kept.detach(), "kept grad": whole.grad, "joined": joined.detach(),
-                       "joined grad": mine.grad}
+        out[length] = {
+            "kept": kept.detach(),
+            "kept grad": whole.grad,
+            "joined": joined.detach(),
+            "joined grad": mine.grad,
+        }
     return out
 
 
@@ -49,7 +53,7 @@ def pair(rank: int, world: int) -> dict:
 def test_keep_and_gather_dim0_shares_even_and_uneven() -> None:
     reports = run_ranks(pair, WORLD)
     for length, shares in zip(LENGTHS, [(range(2), range(2, 4)), (range(3), range(3, 5))]):
-        rows = [full(length)[s.start:s.stop] for s in shares]
+        rows = [full(length)[s.start : s.stop] for s in shares]
         for rank, report in enumerate(reports):
             got = report[length]
             assert torch.equal(got["kept"], rows[rank]), (length, rank)
@@ -58,4 +62,7 @@ def test_keep_and_gather_dim0_shares_even_and_uneven() -> None:
             assert torch.equal(got["joined"], full(length)), (length, rank)
             # gather's backward: this rank's share of its own (whole) gradient, no sum over ranks
             share = shares[rank]
-            assert torch.equal(got["joined grad"], upstream(rank, (length, 3))[share.start:share.stop]), (length, rank)
+            assert torch.equal(got["joined grad"], upstream(rank, (length, 3))[share.start : share.stop]), (
+                length,
+                rank,
+            )

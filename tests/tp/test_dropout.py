@@ -60,7 +60,11 @@ def reseeded_after_wrap(rank: int, world: int) -> dict:
     norm = model.transformer.ln_f.weight.detach()  # replicated: equal on every TP rank after the step
     everyone = [torch.empty_like(norm) for _ in range(world)]
     dist.all_gather(everyone, norm)
-    return {"error": str(err.value), "untouched": untouched, "replicas": max((t - norm).abs().max().item() for t in everyone)}
+    return {
+        "error": str(err.value),
+        "untouched": untouched,
+        "replicas": max((t - norm).abs().max().item() for t in everyone),
+    }
 
 
 def test_ranks_reseeded_apart_after_wrap_stop_at_the_first_forward_with_the_fix() -> None:

@@ -13,19 +13,26 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.tp.block_entry import BlockEntry
-from autotp.tp.glu import match
 from autotp.planning.sharding import Partition
 from autotp.testing.memory import KeptForBackward
 from autotp.testing.parity import full_tensor
 from autotp.testing.spawn import run_ranks
+from autotp.tp.block_entry import BlockEntry
+from autotp.tp.glu import match
 from models import batch, tiny_model
 
 IDS = (2, 16)
 
 
-def step(rank: int, world: int, family: str, recompute: bool, sequence_parallel: bool = False,
-         bf16: bool = False, frozen: str = "") -> dict:
+def step(
+    rank: int,
+    world: int,
+    family: str,
+    recompute: bool,
+    sequence_parallel: bool = False,
+    bf16: bool = False,
+    frozen: str = "",
+) -> dict:
     model = autotp.wrap(tiny_model(family), world, recompute_glu=recompute, sequence_parallel=sequence_parallel)
     for name, param in model.named_parameters():
         param.requires_grad_(not (frozen and frozen in name))
@@ -36,8 +43,11 @@ def step(rank: int, world: int, family: str, recompute: bool, sequence_parallel:
     held = kept.bytes()
     loss.backward()
     group = autotp.tp_group(model)
-    return {"loss": loss.detach(), "kept": held,
-            "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters() if p.requires_grad}}
+    return {
+        "loss": loss.detach(),
+        "kept": held,
+        "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters() if p.requires_grad},
+    }
 
 
 def product_bytes(family: str, world: int, itemsize: int) -> int:
@@ -46,12 +56,19 @@ def product_bytes(family: str, world: int, itemsize: int) -> int:
     return config.num_hidden_layers * 2 * IDS[0] * IDS[1] * config.intermediate_size // world * itemsize
 
 
-@pytest.mark.parametrize("family, world, sequence_parallel", [
-    ("llama", 1, False), ("llama", 2, False), ("llama", 2, True), pytest.param("llama", 4, False, marks=pytest.mark.slow),
-    ("gemma", 2, False),  # gelu (tanh) instead of silu
-    # one gate_up_proj, chunked into gate and up (tp=1 is llama's: a group of one computes alike for both)
-    ("phi3", 2, False), pytest.param("phi3", 4, False, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "family, world, sequence_parallel",
+    [
+        ("llama", 1, False),
+        ("llama", 2, False),
+        ("llama", 2, True),
+        pytest.param("llama", 4, False, marks=pytest.mark.slow),
+        ("gemma", 2, False),  # gelu (tanh) instead of silu
+        # one gate_up_proj, chunked into gate and up (tp=1 is llama's: a group of one computes alike for both)
+        ("phi3", 2, False),
+        pytest.param("phi3", 4, False, marks=pytest.mark.slow),
+    ],
+)
 def test_the_product_is_recomputed_with_bit_equal_results(family: str, world: int, sequence_parallel: bool) -> None:
     on = run_ranks(step, world, family, True, sequence_parallel)
     off = run_ranks(step, world, family, False, sequence_parallel)
@@ -84,8 +101,10 @@ def test_an_mlp_without_a_gate_is_left_alone() -> None:
 def test_a_frozen_mlp_still_recomputes_and_trains_the_rest_alike(frozen: str) -> None:
     """A frozen row weight needs no product (autograd then keeps none either, so only act(gate) is saved on); a frozen
     MLP still passes gradients through."""
-    on, off = run_ranks(step, 2, "llama", True, False, False, frozen), run_ranks(step, 2, "llama", False, False, False,
-                                                                              frozen)
+    on, off = (
+        run_ranks(step, 2, "llama", True, False, False, frozen),
+        run_ranks(step, 2, "llama", False, False, False, frozen),
+    )
     for a, b in zip(on, off):
         assert a["kept"] == b["kept"] - product_bytes("llama", 2, 4) // 2, (a["kept"], b["kept"])
         assert torch.equal(a["loss"], b["loss"]) and not any(frozen in n for n in a["grads"])
@@ -117,6 +136,7 @@ def test_a_hook_on_the_product_keeps_the_plain_path_and_fires() -> None:
 
 # --- glu.match on hand-built autograd graphs (no process group) ------------------------------------------------
 
+
 def recorded(*outputs: torch.Tensor):
     """A `column_output` for `match` that knows `outputs` as the column layers' outputs, as a block's entry records
     them: the tensor whose autograd edge is (node, output_nr)."""
@@ -145,13 +165,13 @@ def silu_grad(z: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh(z: torch.Tensor) -> torch.Tensor:
     """0.5 z (1 + tanh(sqrt(2 / pi) (z + 0.044715 z^3)))."""
-    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
 
 
 def gelu_tanh_grad(z: torch.Tensor) -> torch.Tensor:
-    inner = math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)
+    inner = math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)
     t = torch.tanh(inner)
-    return 0.5 * (1 + t) + 0.5 * z * (1 - t ** 2) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * z ** 2)
+    return 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * z**2)
 
 
 @pytest.mark.parametrize("order", ["act(gate) * up", "up * act(gate)"])

@@ -26,15 +26,17 @@ LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 
 
 def lora_config(targets: list[str], **extra) -> LoraConfig:
-    return LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, "lora_dropout": 0.0,
-                         "init_lora_weights": False, **extra})
+    return LoraConfig(
+        **{"r": 4, "lora_alpha": 8, "target_modules": targets, "lora_dropout": 0.0, "init_lora_weights": False, **extra}
+    )
 
 
 LORA_OPTIONS = ("modules_to_save", "lora_dropout")  # keys of a case's config that go to LoraConfig, not to the model
 
 
-def paired(rank: int, world: int, family: str, targets: list[str], model_config: dict | None = None,
-           before: bool = False):
+def paired(
+    rank: int, world: int, family: str, targets: list[str], model_config: dict | None = None, before: bool = False
+):
     """(one-process PEFT model, PEFT model on the wrapped copy with the same adapter values, TP group).
 
     `before`: get_peft_model runs first and `wrap` shards the model holding the adapters.
@@ -60,8 +62,15 @@ def paired(rank: int, world: int, family: str, targets: list[str], model_config:
     return reference, model, state_of(model.base_model.model).tp_group
 
 
-def lora_parity(rank: int, world: int, family: str, targets: list[str], model_config: dict | None = None,
-                before: bool = False, checkpointing: bool = False) -> dict:
+def lora_parity(
+    rank: int,
+    world: int,
+    family: str,
+    targets: list[str],
+    model_config: dict | None = None,
+    before: bool = False,
+    checkpointing: bool = False,
+) -> dict:
     reference, model, group = paired(rank, world, family, targets, model_config, before)
     if checkpointing:  # each block's forward replayed in backward: LoRA's joined collectives and dropout masks too
         for m in (reference, model):
@@ -70,8 +79,9 @@ def lora_parity(rank: int, world: int, family: str, targets: list[str], model_co
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     ref_params = dict(reference.named_parameters())
     assert set(trainable) == {n for n, p in ref_params.items() if p.requires_grad}
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
-                  for m in (reference, model)]
+    optimizers = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, eps=1e-6) for m in (reference, model)
+    ]
     ids = batch()
     report: dict = {"loss": 0.0, "grad": {}, "param": {}, "adapters": sum("lora_" in n for n in trainable)}
     for step in range(3):
@@ -105,17 +115,24 @@ def assert_close(report: dict) -> None:
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family,targets,model_config", [
-    ("llama", LLAMA_ALL, {}),
-    ("llama", LLAMA_ALL, {"num_key_value_heads": 2}),  # at tp 4, k/v rows (and lora_B's) are replicated on 2 ranks
-    ("gpt2", ["c_attn", "c_proj", "c_fc"], {}),  # Conv1D; c_attn fused [q | k | v]
-    ("qwen2", ["q_proj", "v_proj", "lm_head"], {}),  # q/v biases; the vocab-parallel LM head (rows by vocabulary)
-    ("qwen2", ["q_proj", "v_proj"], {"modules_to_save": ["lm_head"]}),  # a trainable copy of the vocab-parallel head
-    ("llama", LLAMA_ALL, {"lora_dropout": 0.2}),  # the masks of one process: shared on column, sliced on row layers
-    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], {}),  # fused qkv and gate_up: lora_B split alike
-], ids=["llama", "llama-kv2", "gpt2", "qwen2-head", "qwen2-copy", "llama-dropout", "phi3-fused"])
-def test_lora_after_wrap_matches_one_process_peft(family: str, targets: list[str], model_config: dict,
-                                                  tp: int) -> None:
+@pytest.mark.parametrize(
+    "family,targets,model_config",
+    [
+        ("llama", LLAMA_ALL, {}),
+        ("llama", LLAMA_ALL, {"num_key_value_heads": 2}),  # at tp 4, k/v rows (and lora_B's) are replicated on 2 ranks
+        ("gpt2", ["c_attn", "c_proj", "c_fc"], {}),  # Conv1D; c_attn fused [q | k | v]
+        ("qwen2", ["q_proj", "v_proj", "lm_head"], {}),  # q/v biases; the vocab-parallel LM head (rows by vocabulary)
+        (
+            "qwen2",
+            ["q_proj", "v_proj"],
+            {"modules_to_save": ["lm_head"]},
+        ),  # a trainable copy of the vocab-parallel head
+        ("llama", LLAMA_ALL, {"lora_dropout": 0.2}),  # the masks of one process: shared on column, sliced on row layers
+        ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], {}),  # fused qkv and gate_up: lora_B split alike
+    ],
+    ids=["llama", "llama-kv2", "gpt2", "qwen2-head", "qwen2-copy", "llama-dropout", "phi3-fused"],
+)
+def test_lora_after_wrap_matches_one_process_peft(family: str, targets: list[str], model_config: dict, tp: int) -> None:
     for report in run_ranks(lora_parity, tp, family, targets, model_config):
         assert_close(report)
         assert report["sharded_adapters"] == report["adapters"] // 2, report  # one half of each pair is split
@@ -123,8 +140,10 @@ def test_lora_after_wrap_matches_one_process_peft(family: str, targets: list[str
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family,targets", [("llama", LLAMA_ALL), ("gpt2", ["c_attn", "c_proj", "c_fc"]),
-                                            ("qwen2", ["q_proj", "v_proj", "lm_head"])])
+@pytest.mark.parametrize(
+    "family,targets",
+    [("llama", LLAMA_ALL), ("gpt2", ["c_attn", "c_proj", "c_fc"]), ("qwen2", ["q_proj", "v_proj", "lm_head"])],
+)
 def test_lora_before_wrap_matches_one_process_peft(family: str, targets: list[str], tp: int) -> None:
     """wrap shards a model PEFT already adapted: each adapter is split from its full values like its layer."""
     for report in run_ranks(lora_parity, tp, family, targets, None, True):
@@ -223,8 +242,12 @@ def mixed_batch(rank: int, world: int) -> dict:
     ids = batch()
     names = ["default", "other"] * (ids.shape[0] // 2)
     with torch.no_grad():
-        error = (model(input_ids=ids, adapter_names=names).logits
-                 - reference(input_ids=ids, adapter_names=names).logits).abs().max().item()
+        error = (
+            (model(input_ids=ids, adapter_names=names).logits - reference(input_ids=ids, adapter_names=names).logits)
+            .abs()
+            .max()
+            .item()
+        )
     model.train()
     try:
         model(input_ids=ids, adapter_names=names)
@@ -301,8 +324,9 @@ def save_everywhere(rank: int, world: int, path: str, family: str, targets: list
 
 
 @pytest.mark.parametrize("family,targets,model_config", SAVE_CASES)
-def test_peft_save_pretrained_on_every_rank_writes_the_full_adapter(tmp_path, family: str, targets: list[str],
-                                                                     model_config: dict) -> None:
+def test_peft_save_pretrained_on_every_rank_writes_the_full_adapter(
+    tmp_path, family: str, targets: list[str], model_config: dict
+) -> None:
     """Split halves and the vocab-parallel head's trainable copy are written at full size, once; one process loads
     them with PeftModel.from_pretrained and gets the logits of the one-process model trained alike."""
     from peft import PeftModel
@@ -321,14 +345,17 @@ def test_peft_save_pretrained_on_every_rank_writes_the_full_adapter(tmp_path, fa
 
 def save_before_any_forward(rank: int, world: int, path: str) -> None:
     get_peft_model(autotp.wrap(tiny_model("llama"), world), LoraConfig(r=4, target_modules=LLAMA_ALL)).save_pretrained(
-        path)
+        path
+    )
 
 
 def test_an_adapter_saved_right_after_get_peft_model_is_full_size(tmp_path) -> None:
     """The adapters PEFT just drew at shard shapes are made tensor-parallel before the save, not written as shards."""
 
     run_ranks(save_before_any_forward, 2, str(tmp_path))
-    get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=LLAMA_ALL)).save_pretrained(str(tmp_path / "one"))
+    get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=LLAMA_ALL)).save_pretrained(
+        str(tmp_path / "one")
+    )
     assert file_shapes(tmp_path) == file_shapes(tmp_path / "one")
 
 
@@ -339,8 +366,9 @@ def load_into_wrapped(rank: int, world: int, path: str, low_cpu_mem_usage: bool)
     torch.manual_seed(0)
     reference = PeftModel.from_pretrained(tiny_model("llama"), path, is_trainable=True)
     torch.manual_seed(0)
-    model = PeftModel.from_pretrained(autotp.wrap(tiny_model("llama"), world), path, is_trainable=True,
-                                      low_cpu_mem_usage=low_cpu_mem_usage)
+    model = PeftModel.from_pretrained(
+        autotp.wrap(tiny_model("llama"), world), path, is_trainable=True, low_cpu_mem_usage=low_cpu_mem_usage
+    )
     ids = batch()
     errors = []
     for _ in range(2):

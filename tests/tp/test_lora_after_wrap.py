@@ -44,17 +44,26 @@ def before_any_forward(rank: int, world: int, init, model_config: dict) -> dict:
     expected = adapters(script(1, init, model_config))
     model = script(world, init, model_config)
     inner = model.base_model.model
-    held = {name: (tuple(p.shape), hasattr(p, "autotp_shard")) for name, p in model.named_parameters() if "lora_" in name}
+    held = {
+        name: (tuple(p.shape), hasattr(p, "autotp_shard")) for name, p in model.named_parameters() if "lora_" in name
+    }
     with autotp.GatherReplacedLayerParams(inner):
         gathered = adapters(model)
     check_replicas(inner)  # the replicated halves are equal on every TP rank
-    differ = sorted(n for n in expected if gathered[n].shape != expected[n].shape or not torch.equal(gathered[n],
-                                                                                                      expected[n]))
+    differ = sorted(
+        n for n in expected if gathered[n].shape != expected[n].shape or not torch.equal(gathered[n], expected[n])
+    )
     q = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.default.weight"
     down = "base_model.model.model.layers.0.mlp.down_proj.lora_{}.default.weight"
-    return {"differ": differ, "count": len(expected), "names": set(gathered) == set(expected),
-            "q": (held[q.format("A")], held[q.format("B")]), "down": (held[down.format("A")], held[down.format("B")]),
-            "full_out": expected[q.format("B")].shape[0], "full_in": expected[down.format("A")].shape[1]}
+    return {
+        "differ": differ,
+        "count": len(expected),
+        "names": set(gathered) == set(expected),
+        "q": (held[q.format("A")], held[q.format("B")]),
+        "down": (held[down.format("A")], held[down.format("B")]),
+        "full_out": expected[q.format("B")].shape[0],
+        "full_in": expected[down.format("A")].shape[1],
+    }
 
 
 @pytest.mark.timeout(120)
@@ -84,11 +93,19 @@ def two_steps(rank: int, world: int) -> dict:
         ids = batch()
         losses = train_steps(model, optimizer, 2, input_ids=ids, labels=ids)
         group = autotp.tp_group(model.base_model.model) if size > 1 else None
-        runs[size] = (losses, {n: full_tensor(p.detach(), p, group) if group else p.detach()
-                               for n, p in model.named_parameters() if "lora_" in n})
+        runs[size] = (
+            losses,
+            {
+                n: full_tensor(p.detach(), p, group) if group else p.detach()
+                for n, p in model.named_parameters()
+                if "lora_" in n
+            },
+        )
     (ref_losses, ref), (losses, adapted) = runs[1], runs[world]
-    return {"loss": max(abs(a - b) for a, b in zip(ref_losses, losses)),
-            "param": max((adapted[n] - ref[n]).abs().max().item() for n in ref)}
+    return {
+        "loss": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+        "param": max((adapted[n] - ref[n]).abs().max().item() for n in ref),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -161,6 +178,8 @@ def test_modules_to_save_of_the_vocab_parallel_embedding_is_refused_unchanged(mo
     """PEFT's copy of a vocab-split embedding failed deep in its deepcopy (cannot pickle ProcessGroup), after its
     LoRA layers were in the model; now refused by name at its first adapter, before anything changes."""
     for report in run_ranks(copy_of_split_embedding, 2, modules_to_save):
-        assert "trainable copy of model.embed_tokens, which autotp.wrap split by vocabulary" in report["message"], report
+        assert "trainable copy of model.embed_tokens, which autotp.wrap split by vocabulary" in report["message"], (
+            report
+        )
         assert "Nothing was changed. Wrap with vocab_parallel=False" in report["message"]
         assert report["unchanged"] and report["loss"] > 0, report

@@ -30,15 +30,22 @@ def attention_weights(rank: int, world: int, family: str, return_dict: bool) -> 
         torch.stack(weights).pow(2).sum().backward()  # a loss on the weights themselves
         outputs[name] = weights
     group = model.autotp_state.tp_group
-    grads = {n: parity.grad_error(parity.full_tensor(p.grad, p, group), reference.get_parameter(n).grad)
-             for n, p in model.named_parameters() if reference.get_parameter(n).grad is not None}
+    grads = {
+        n: parity.grad_error(parity.full_tensor(p.grad, p, group), reference.get_parameter(n).grad)
+        for n, p in model.named_parameters()
+        if reference.get_parameter(n).grad is not None
+    }
     shapes = [tuple(w.shape) for w in outputs["tp"]] == [tuple(w.shape) for w in outputs["one"]]
-    return {"shapes": shapes, "grad": max(grads.values()),
-            "weights": max((a - b).abs().max().item() for a, b in zip(outputs["one"], outputs["tp"])) if shapes else 1}
+    return {
+        "shapes": shapes,
+        "grad": max(grads.values()),
+        "weights": max((a - b).abs().max().item() for a, b in zip(outputs["one"], outputs["tp"])) if shapes else 1,
+    }
 
 
-@pytest.mark.parametrize("family,return_dict", [("llama", True), ("llama", False), ("gpt2", True),
-                                                ("bert", True)])  # BERT's weights are recorded inside the block
+@pytest.mark.parametrize(
+    "family,return_dict", [("llama", True), ("llama", False), ("gpt2", True), ("bert", True)]
+)  # BERT's weights are recorded inside the block
 def test_output_attentions_returns_every_head_in_order(family: str, return_dict: bool) -> None:
     """Before, each rank's weights held its own heads only (4 of 8); now they are gathered, differentiably, into what
     one process returns (fp32: the weights within 1e-5, gradients 1e-5 relative)."""

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 import autotp
 from autotp.runtime import seq_collectives
-from autotp.tp.overlap import DeferredWeights
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor, grad_error
 from autotp.testing.spawn import run_ranks
+from autotp.tp.overlap import DeferredWeights
 from models import batch, tiny_model
 
 
@@ -51,8 +51,11 @@ def backward_events(rank: int, world: int, family: str, overlap: bool, bf16: boo
     finally:
         dist.all_reduce, DeferredWeights.grads = original_reduce, original_grads
     group = autotp.tp_group(model)
-    return {"events": events, "loss": loss.item(),
-            "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters()}}
+    return {
+        "events": events,
+        "loss": loss.item(),
+        "grads": {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters()},
+    }
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: Conv1D weights stored [in, out]
@@ -65,14 +68,17 @@ def test_weight_gradients_are_computed_while_the_input_gradient_all_reduce_runs(
     assert on["events"].count("all_reduce async") == on["events"].count("weight gradients") > 0, on["events"]
     for i, event in enumerate(on["events"]):
         if event == "all_reduce async":
-            assert on["events"][i + 1:i + 3] == ["weight gradients", "wait"], on["events"]
+            assert on["events"][i + 1 : i + 3] == ["weight gradients", "wait"], on["events"]
     assert len([e for e in on["events"] if e.startswith("all_reduce")]) == off["events"].count("all_reduce")
     assert "all_reduce async" not in off["events"]
 
 
 def test_overlap_under_bf16_autocast_matches_no_overlap() -> None:
     """The deferred matmul casts as autocast would, so backward sees bf16 on both sides; gradients stay fp32."""
-    on, off = run_ranks(backward_events, 2, "llama", True, True)[0], run_ranks(backward_events, 2, "llama", False, True)[0]
+    on, off = (
+        run_ranks(backward_events, 2, "llama", True, True)[0],
+        run_ranks(backward_events, 2, "llama", False, True)[0],
+    )
     assert on["loss"] == off["loss"]  # the same bf16 forward
     assert all(g.dtype == torch.float32 for g in on["grads"].values())
     worst = max((grad_error(on["grads"][n], g), n) for n, g in off["grads"].items())

@@ -24,9 +24,12 @@ def column_then_row(rank: int, world: int) -> dict:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     reference(x).square().sum().backward()
     group = dist.group.WORLD
-    column = {"default": lambda: autotp.LinearLayer(copy.deepcopy(first), autotp.Partition.even(0, 6, world), group),
-              "off": lambda: autotp.LinearLayer(copy.deepcopy(first), autotp.Partition.even(0, 6, world), group,
-                                                overlap=False)}
+    column = {
+        "default": lambda: autotp.LinearLayer(copy.deepcopy(first), autotp.Partition.even(0, 6, world), group),
+        "off": lambda: autotp.LinearLayer(
+            copy.deepcopy(first), autotp.Partition.even(0, 6, world), group, overlap=False
+        ),
+    }
     report = {}
     for name, build in [*column.items(), ("off by setter", column["default"])]:
         layer = build()
@@ -36,22 +39,31 @@ def column_then_row(rank: int, world: int) -> dict:
         hidden = layer(x)
         y = row(nn.functional.gelu(hidden))
         y.square().sum().backward()
-        grads = {f"column {n}": (layer.full_tensor(n, grad=True), p.grad)
-                 for n, p in zip(("weight", "bias"), reference[0].parameters())}
-        grads |= {f"row {n}": (row.full_tensor(n, grad=True), p.grad)
-                  for n, p in zip(("weight", "bias"), reference[2].parameters())}
+        grads = {
+            f"column {n}": (layer.full_tensor(n, grad=True), p.grad)
+            for n, p in zip(("weight", "bias"), reference[0].parameters())
+        }
+        grads |= {
+            f"row {n}": (row.full_tensor(n, grad=True), p.grad)
+            for n, p in zip(("weight", "bias"), reference[2].parameters())
+        }
         report[name] = {
             "overlap": layer.overlap,
             "node": type(hidden.grad_fn).__name__,  # the deferred matmul's node only under overlap
             "output": (y - reference(x)).abs().max().item(),
-            "weights": all(torch.equal(layer.full_tensor(n), p.detach()) for n, p in
-                           zip(("weight", "bias"), reference[0].parameters())),
+            "weights": all(
+                torch.equal(layer.full_tensor(n), p.detach())
+                for n, p in zip(("weight", "bias"), reference[0].parameters())
+            ),
             "grads": {k: ((got - want).abs().max() / want.abs().max()).item() for k, (got, want) in grads.items()},
             "shard": tuple(layer.weight.shape),
         }
     layer.gather_()
-    report["gathered"] = (layer.is_gathered(), tuple(layer.weight.shape),
-                          torch.equal(layer.full_tensor("weight"), reference[0].weight.detach()))
+    report["gathered"] = (
+        layer.is_gathered(),
+        tuple(layer.weight.shape),
+        torch.equal(layer.full_tensor("weight"), reference[0].weight.detach()),
+    )
     layer.partition_()
     report["partitioned"] = (layer.is_gathered(), tuple(layer.weight.shape))
     return report

@@ -61,8 +61,10 @@ def state_dicts(rank: int, world: int, directory: str) -> dict:
 def test_a_plain_state_dict_says_whose_rows_it_holds(tmp_path: Path) -> None:
     reports = run_ranks(state_dicts, 2, str(tmp_path))
     assert reports[0]["rank0_dict"] is None  # rank 0's own
-    assert "state dict tensor model.embed_tokens.weight (128, 64) was saved by TP rank 0 of 2, but this is TP rank 1 " \
-           "of 2" in reports[1]["rank0_dict"], reports[1]["rank0_dict"]
+    assert (
+        "state dict tensor model.embed_tokens.weight (128, 64) was saved by TP rank 0 of 2, but this is TP rank 1 "
+        "of 2" in reports[1]["rank0_dict"]
+    ), reports[1]["rank0_dict"]
     assert "autotp.save_checkpoint" in reports[1]["rank0_dict"]
     for report in reports:
         assert report["unchanged"] and report["own_restored"]

@@ -21,11 +21,13 @@ VOCAB = 250
 def one_process(logits: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
     """The statistics as one process computes them from the whole logits (TRL's definitions)."""
     log_p = logits.log_softmax(-1)
-    return {"log_probs": log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1),
-            "entropy": -(log_p.exp() * log_p).sum(-1),
-            "log_sum_sq_probs": torch.logsumexp(2 * log_p, -1),
-            "mean_logits": logits.mean(-1),
-            "is_top1": logits.argmax(-1) == target}
+    return {
+        "log_probs": log_p.gather(-1, target.unsqueeze(-1)).squeeze(-1),
+        "entropy": -(log_p.exp() * log_p).sum(-1),
+        "log_sum_sq_probs": torch.logsumexp(2 * log_p, -1),
+        "mean_logits": logits.mean(-1),
+        "is_top1": logits.argmax(-1) == target,
+    }
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -43,11 +45,15 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 def sharded(rank: int, world: int) -> dict:
     logits, target, w_logp, w_entropy = inputs()
     partition = Partition.even(1, VOCAB, world)
-    (start, count), = partition.runs[rank]
-    mine = logits[:, start:start + count].clone().requires_grad_()
+    ((start, count),) = partition.runs[rank]
+    mine = logits[:, start : start + count].clone().requires_grad_()
     group = torch.distributed.group.WORLD
-    out = dict(zip(("log_probs", *STATISTICS), vocab_parallel_log_probs(mine, target, start, VOCAB, group,
-                                                                         ("log_probs", *STATISTICS))))
+    out = dict(
+        zip(
+            ("log_probs", *STATISTICS),
+            vocab_parallel_log_probs(mine, target, start, VOCAB, group, ("log_probs", *STATISTICS)),
+        )
+    )
     ((out["log_probs"] * w_logp).sum() + (out["entropy"] * w_entropy).sum()).backward()
     return {"values": {k: v.detach() for k, v in out.items()}, "grad": mine.grad, "start": start, "count": count}
 
@@ -66,7 +72,7 @@ def test_per_token_log_probs_and_their_gradients_are_one_processs(tp: int) -> No
                 assert torch.equal(value, expected[name])
             else:
                 torch.testing.assert_close(value, expected[name].detach(), atol=1e-5, rtol=0, msg=name)
-        grad = reference.grad[:, rank["start"]:rank["start"] + rank["count"]]
+        grad = reference.grad[:, rank["start"] : rank["start"] + rank["count"]]
         torch.testing.assert_close(rank["grad"], grad, atol=1e-6, rtol=0)
 
 

@@ -13,15 +13,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing import assert_parity, run_ranks
-from autotp.testing import parity
+from autotp.testing import assert_parity, parity, run_ranks
 from models import batch, tiny_model
 
 
 def resize_parity(rank: int, world: int, family: str, new_vocab: int, vocab_parallel: bool) -> dict:
-    report = parity.compare_training(tiny_model(family), batch(vocab=min(256, new_vocab)), world,
-                                     vocab_parallel=vocab_parallel,
-                                     edit=lambda m: m.resize_token_embeddings(new_vocab))
+    report = parity.compare_training(
+        tiny_model(family),
+        batch(vocab=min(256, new_vocab)),
+        world,
+        vocab_parallel=vocab_parallel,
+        edit=lambda m: m.resize_token_embeddings(new_vocab),
+    )
     ids = torch.randint(0, new_vocab, (2, 16), generator=torch.Generator().manual_seed(3))  # new tokens too
     model = autotp.wrap(tiny_model(family), world, vocab_parallel=vocab_parallel)
     model.resize_token_embeddings(new_vocab)

@@ -50,10 +50,17 @@ def tokens(rank: int, world: int, vocab_parallel: bool) -> dict:
         dist.all_gather = real
     group = model.autotp_state.tp_group
     expected_grads = dict(reference.named_parameters())
-    grad = max(parity.grad_error(parity.full_tensor(p.grad, p, group), expected_grads[n].grad)
-               for n, p in model.named_parameters())
-    return {"error": (got - expected).abs().max().item(), "shape": list(got.shape), "grad": grad,
-            "gathers": gathers, "head_rows": model.lm_head.weight.shape[0]}
+    grad = max(
+        parity.grad_error(parity.full_tensor(p.grad, p, group), expected_grads[n].grad)
+        for n, p in model.named_parameters()
+    )
+    return {
+        "error": (got - expected).abs().max().item(),
+        "shape": list(got.shape),
+        "grad": grad,
+        "gathers": gathers,
+        "head_rows": model.lm_head.weight.shape[0],
+    }
 
 
 @pytest.mark.timeout(120)

@@ -17,11 +17,10 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import autotp
-from autotp.testing import parity
+from autotp.planning.sharding import Partition
+from autotp.testing import assert_parity, parity
 from autotp.testing.spawn import run_ranks
 from autotp.vocab.layers import VocabParallelLoss, _VocabParallelCrossEntropy
-from autotp.planning.sharding import Partition
-from autotp.testing import assert_parity
 from models import batch, labels_with_ignored, tiny_model
 
 
@@ -47,8 +46,14 @@ def test_vocab_parallel_parity(tied: bool, vocab: int, tp: int) -> None:
 
 
 def per_rank_bytes(rank: int, world: int) -> tuple[int, int, int]:
-    config = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=4, vocab_size=8000)
+    config = dict(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8000,
+    )
     full = tiny_model("llama", **config)
     total = sum(p.numel() * p.element_size() for p in full.parameters())
     norms = sum(p.numel() * p.element_size() for n, p in full.named_parameters() if "norm" in n)
@@ -77,7 +82,9 @@ def logits_shapes(rank: int, world: int) -> dict:
 def test_logits_stay_sharded_only_for_a_training_loss() -> None:
     for shapes in run_ranks(logits_shapes, 2):
         # read after a training loss, the logits are gathered then (issue 23 item 10): never this rank's half
-        assert shapes["train_with_labels"] == shapes["train_without_labels"] == shapes["eval_with_labels"] == (2, 16, 250)
+        assert (
+            shapes["train_with_labels"] == shapes["train_without_labels"] == shapes["eval_with_labels"] == (2, 16, 250)
+        )
 
 
 def smoothed_loss(rank: int, world: int) -> tuple[float, float, float]:
@@ -111,14 +118,14 @@ def masked_vocabulary_loss(rank: int, world: int) -> tuple[float, float, float]:
     full[0, :8, 125:] = float("-inf")
     full[1, 3, 7] = float("-inf")
     labels = torch.randint(0, 125, (2, 16), generator=torch.Generator().manual_seed(4))
-    ours_logits = full[..., 125 * rank:125 * (rank + 1)].clone().requires_grad_()
+    ours_logits = full[..., 125 * rank : 125 * (rank + 1)].clone().requires_grad_()
     ours = model.loss_function(ours_logits, labels)
     reference = full.clone().requires_grad_()
     target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
     expected = F.cross_entropy(reference.reshape(-1, 250), target, ignore_index=-100)
     ours.backward()
     expected.backward()
-    grad = reference.grad[..., 125 * rank:125 * (rank + 1)]
+    grad = reference.grad[..., 125 * rank : 125 * (rank + 1)]
     return ours.item(), expected.item(), (ours_logits.grad - grad).abs().max().item()
 
 
@@ -177,6 +184,7 @@ def test_a_model_computing_its_own_loss_is_stopped_before_training_on_sharded_lo
 
 # --- the cross-entropy maths in one process (a one-rank group: its all-reduces change nothing) --------------------
 
+
 def logits_and_targets(rows: int = 12, vocab: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     """Random logits with some -inf entries (a masked vocabulary) and targets with ignored (-100) rows."""
     generator = torch.Generator().manual_seed(0)
@@ -221,8 +229,12 @@ def test_the_loss_shifts_labels_and_divides_as_transformers_does(gloo_group_of_o
     ours = loss(logits, labels, num_items_in_batch=num_items_in_batch)
     assert loss.calls == 1  # the sharded path, not the model's own loss
     whole = torch.cat([logits, torch.full((2, 5, 2), float("-inf"))], dim=-1)
-    shifted = torch.tensor([[labels[0, 1], -100, labels[0, 3], labels[0, 4], -100],
-                            [labels[1, 1], labels[1, 2], labels[1, 3], labels[1, 4], -100]])
+    shifted = torch.tensor(
+        [
+            [labels[0, 1], -100, labels[0, 3], labels[0, 4], -100],
+            [labels[1, 1], labels[1, 2], labels[1, 3], labels[1, 4], -100],
+        ]
+    )
     total = F.cross_entropy(whole.reshape(-1, 8), shifted.reshape(-1), ignore_index=-100, reduction="sum")
     divisor = 7 if num_items_in_batch is None else int(num_items_in_batch)  # 10 positions, 3 of them -100
     torch.testing.assert_close(ours, total / divisor)
@@ -250,13 +262,19 @@ def head_called_directly(rank: int, world: int, head: str, vocab: int) -> dict:
     ours.sum().backward()
     expected.sum().backward()
     group = autotp.tp_group(model)
-    grads = {name: parity.grad_error(parity.full_tensor(p.grad, p, group), reference.get_parameter(name).grad)
-             for name, p in model.named_parameters()}
+    grads = {
+        name: parity.grad_error(parity.full_tensor(p.grad, p, group), reference.get_parameter(name).grad)
+        for name, p in model.named_parameters()
+    }
     model.zero_grad()
     calls = model.loss_function.calls
     model(input_ids=ids, labels=ids).loss.backward()
-    return {"log_probs": (ours - expected).abs().max().item(), "shape": tuple(ours.shape), "grads": grads,
-            "sharded_loss": model.loss_function.calls - calls}
+    return {
+        "log_probs": (ours - expected).abs().max().item(),
+        "shape": tuple(ours.shape),
+        "grads": grads,
+        "sharded_loss": model.loss_function.calls - calls,
+    }
 
 
 @pytest.mark.parametrize("head", ["lm_head", "get_output_embeddings"])
@@ -313,11 +331,15 @@ def logits_read_after_training_forward(rank: int, world: int) -> dict:
     expected_grads = dict(reference.named_parameters())
     model.eval()
     as_tuple = model(ids, return_dict=False)[0]
-    return {"before_read": before_read, "read_again": read_again, "shape": list(logits.shape),
-            "logits": (logits - expected.logits).abs().max().item(),
-            "accuracy": (accuracy(logits, labels), accuracy(expected.logits, labels)),
-            "grad": max(parity.grad_error(g, expected_grads[n].grad) for n, g in grads.items()),
-            "tuple": (as_tuple - expected.logits).abs().max().item()}
+    return {
+        "before_read": before_read,
+        "read_again": read_again,
+        "shape": list(logits.shape),
+        "logits": (logits - expected.logits).abs().max().item(),
+        "accuracy": (accuracy(logits, labels), accuracy(expected.logits, labels)),
+        "grad": max(parity.grad_error(g, expected_grads[n].grad) for n, g in grads.items()),
+        "tuple": (as_tuple - expected.logits).abs().max().item(),
+    }
 
 
 def test_logits_read_after_a_vocab_parallel_training_forward_are_the_whole_vocabulary() -> None:

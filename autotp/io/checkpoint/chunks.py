@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ...compat.torch import no_torch_function, storageless_tensor
-from ...runtime.rows import local_rows, placement
 from ...planning.sharding import Shard
+from ...runtime.rows import local_rows, placement
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,19 @@ class Chunks(torch.Tensor):
     __torch_function__ = no_torch_function()
 
     @staticmethod
-    def __new__(cls, full_shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype,
-                device: torch.device) -> Chunks:
+    def __new__(
+        cls, full_shape: Sequence[int], pieces: list[Piece], dtype: torch.dtype, device: torch.device
+    ) -> Chunks:
         self = storageless_tensor(cls, torch.Size(full_shape), dtype, device)
         self.pieces = pieces
         return self
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        raise TypeError(f"autotp.io.checkpoint.chunks.Chunks only describes which pieces of a tensor a rank holds, for "
-                        f"torch.distributed.checkpoint; {func} cannot run on it")
+        raise TypeError(
+            f"autotp.io.checkpoint.chunks.Chunks only describes which pieces of a tensor a rank holds, for "
+            f"torch.distributed.checkpoint; {func} cannot run on it"
+        )
 
     def __repr__(self) -> str:
         return f"Chunks({tuple(self.shape)}, {[(p.offsets, tuple(p.data.shape)) for p in self.pieces]})"
@@ -66,14 +69,24 @@ class Chunks(torch.Tensor):
 
     def snapshot(self) -> Chunks:
         """The same pieces copied to CPU memory, for a save that writes while training goes on."""
-        return Chunks(self.shape, [Piece(p.offsets, p.data.detach().to("cpu", copy=True)) for p in self.pieces],
-                      self.dtype, torch.device("cpu"))
+        return Chunks(
+            self.shape,
+            [Piece(p.offsets, p.data.detach().to("cpu", copy=True)) for p in self.pieces],
+            self.dtype,
+            torch.device("cpu"),
+        )
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(p.offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=_chunk(p), size=self.shape,
-                                                      properties=TensorProperties.create_from_tensor(p.data)))
-                for p in self.pieces]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(p.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=_chunk(p), size=self.shape, properties=TensorProperties.create_from_tensor(p.data)
+                ),
+            )
+            for p in self.pieces
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [_chunk(p) for p in self.pieces]

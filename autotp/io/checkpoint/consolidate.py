@@ -19,15 +19,16 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from ...compat.hf import build_model
 from ...compat.peft import is_peft_key
 from ...mesh import global_rank
-from . import legacy
-from .save import FORMAT, read_index, read_meta, run_dcp
 from ..errors import CheckpointError
 from ..hf.save import write_hf_checkpoint
 from ..staging import staged_directory
+from . import legacy
+from .save import FORMAT, read_index, read_meta, run_dcp
 
 
-def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard_size: int | str = "5GB",
-                overwrite: bool = False) -> None:
+def consolidate(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard_size: int | str = "5GB", overwrite: bool = False
+) -> None:
     """Write the full HF checkpoint (config, safetensors shards, index) of a training checkpoint's model.
 
     Every tensor is checked first (present, complete, at the shape the config gives), so that a
@@ -61,8 +62,11 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, max_shard
 def _dtype(checkpoint: Path) -> torch.dtype:
     """The dtype of the model's first tensor in a DCP checkpoint."""
     tensors = read_index(checkpoint).state_dict_metadata
-    first = next(md for name, md in tensors.items() if not name.startswith(("optimizer/", "rng/", "scheduler"))
-                 and not isinstance(md, BytesStorageMetadata))
+    first = next(
+        md
+        for name, md in tensors.items()
+        if not name.startswith(("optimizer/", "rng/", "scheduler")) and not isinstance(md, BytesStorageMetadata)
+    )
     return first.properties.dtype
 
 
@@ -76,8 +80,10 @@ def _full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torc
         if md is None or isinstance(md, BytesStorageMetadata):
             raise CheckpointError(f"{checkpoint}: tensor {name} is missing")
         if tuple(md.size) != tuple(tensor.shape):
-            raise CheckpointError(f"{checkpoint}: tensor {name} has shape {tuple(md.size)}, this config's model "
-                                  f"holds {tuple(tensor.shape)}")
+            raise CheckpointError(
+                f"{checkpoint}: tensor {name} has shape {tuple(md.size)}, this config's model "
+                f"holds {tuple(tensor.shape)}"
+            )
     for name, tensor in params.items():  # a bf16 model may hold some in fp32 (transformers' _keep_in_fp32_modules)
         tensor.data = torch.empty_like(tensor, dtype=tensors[name].properties.dtype)  # written as saved, as HF does
     reader = dcp.FileSystemReader(checkpoint)
@@ -99,14 +105,17 @@ def _refuse_peft(checkpoint: Path, tensors: Iterable[str]) -> None:
             f"transformers checkpoint, which has no place for them. In a job (any tp and dp), build the PEFT model "
             f"as for training, autotp.load_checkpoint({str(checkpoint)!r}, peft_model), then on every rank either "
             f"peft_model.save_pretrained(DIR) (PEFT's full-size adapter) or "
-            f"autotp.save_pretrained(peft_model.merge_and_unload(), DIR) (the merged model)")
+            f"autotp.save_pretrained(peft_model.merge_and_unload(), DIR) (the merged model)"
+        )
 
 
 def _refuse_inside_a_job(checkpoint: str | os.PathLike, out: str | os.PathLike) -> None:
     """`consolidate` runs in one process: raise before anything is read when torch.distributed runs on several ranks."""
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if ranks > 1:
-        raise RuntimeError(f"autotp.consolidate runs in one process, and torch.distributed is running here on {ranks} "
-                           f"ranks (rank {global_rank()}), where writing {out} would wait for every rank. Run "
-                           f"`python -m autotp consolidate {checkpoint} {out}` after the job, or call "
-                           f"autotp.save_pretrained(model, {str(out)!r}) on every rank inside it")
+        raise RuntimeError(
+            f"autotp.consolidate runs in one process, and torch.distributed is running here on {ranks} "
+            f"ranks (rank {global_rank()}), where writing {out} would wait for every rank. Run "
+            f"`python -m autotp consolidate {checkpoint} {out}` after the job, or call "
+            f"autotp.save_pretrained(model, {str(out)!r}) on every rank inside it"
+        )

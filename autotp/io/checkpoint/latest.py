@@ -23,9 +23,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ...mesh import is_global_rank0, named_failure
+from ..errors import CheckpointError, world
 from . import legacy
 from .save import FORMAT, META, read_index, read_meta, wait_for_pending
-from ..errors import CheckpointError, world
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -42,8 +42,11 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         except Exception as err:  # every rank must still receive rank 0's outcome
             error, box[0] = err, (None, f"{type(err).__name__}: {err}")
     if group is not None:
-        with named_failure(group, "autotp.latest_checkpoint's broadcast of rank 0's choice",
-                           "autotp.latest_checkpoint is collective: call it on every rank."):
+        with named_failure(
+            group,
+            "autotp.latest_checkpoint's broadcast of rank 0's choice",
+            "autotp.latest_checkpoint is collective: call it on every rank.",
+        ):
             dist.broadcast_object_list(box, src=0)
     newest, failed = box[0]
     if error is not None:
@@ -55,8 +58,10 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def _newest(root: Path) -> Path | None:
     if (root / META).is_file():
-        raise ValueError(f"autotp.latest_checkpoint: {root} is itself a training checkpoint; pass the directory that "
-                         f"holds your checkpoints ({root.parent})")
+        raise ValueError(
+            f"autotp.latest_checkpoint: {root} is itself a training checkpoint; pass the directory that "
+            f"holds your checkpoints ({root.parent})"
+        )
     if not root.exists():
         return None
     if not root.is_dir():

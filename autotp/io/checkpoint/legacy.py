@@ -20,14 +20,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...runtime.rows import local_rows
 from ...mesh import global_rank
 from ...planning.placement import Placement
 from ...planning.sharding import Partition
-from . import rng_state
-from .save import layout
+from ...runtime.rows import local_rows
 from ..errors import CheckpointError
 from ..hf.safetensors import NAMES, open_tensors, read_header, read_tensors
+from . import rng_state
+from .save import layout
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,21 +45,30 @@ class Reader:
     A checkpoint of this format loads only at the layout it was saved at: another layout is refused
     with the command that converts it (`consolidate`, then `autotp.from_pretrained`)."""
 
-    def __init__(self, directory: Path, meta: dict[str, Any], model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None, scheduler: Any):
+    def __init__(
+        self,
+        directory: Path,
+        meta: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+    ):
         here = layout(model)
         if meta.get("fsdp", False) != here["fsdp"]:
             saved, now = ("with", "without") if meta.get("fsdp", False) else ("without", "with")
-            raise CheckpointError(f"{directory} was saved {saved} autotp.fully_shard and this model is {now} it; "
-                                  f"per-rank files of this older format hold different rows then. Apply the same "
-                                  f"sharding before loading, or run `python -m autotp consolidate {directory} "
-                                  f"FULL_DIR` and load that")
+            raise CheckpointError(
+                f"{directory} was saved {saved} autotp.fully_shard and this model is {now} it; "
+                f"per-rank files of this older format hold different rows then. Apply the same "
+                f"sharding before loading, or run `python -m autotp consolidate {directory} "
+                f"FULL_DIR` and load that"
+            )
         if (meta["tp_size"], meta["world_size"]) != (here["tp_size"], here["world_size"]):
             raise CheckpointError(
                 f"{directory} was saved at tp={meta['tp_size']} on {meta['world_size']} ranks; this run has "
                 f"tp={here['tp_size']} on {here['world_size']} ranks. Per-rank checkpoints of this older format load "
                 f"only at the same sizes: run `python -m autotp consolidate {directory} FULL_DIR`, then "
-                f"autotp.from_pretrained(FULL_DIR, tp_size={here['tp_size']}).")
+                f"autotp.from_pretrained(FULL_DIR, tp_size={here['tp_size']})."
+            )
         self.meta, self.model, self.optimizer, self.scheduler = meta, model, optimizer, scheduler
         mine = _rank_dir(directory, global_rank())
         self.saved = read_tensors(mine / "model.safetensors")
@@ -68,21 +77,28 @@ class Reader:
             if name not in self.saved:
                 raise CheckpointError(f"{mine / 'model.safetensors'}: tensor {name} is missing")
             if tuple(self.saved[name].shape) != tuple(tensor.shape):
-                raise CheckpointError(f"{mine / 'model.safetensors'}: tensor {name} has shape "
-                                      f"{tuple(self.saved[name].shape)}, the model holds {tuple(tensor.shape)}")
+                raise CheckpointError(
+                    f"{mine / 'model.safetensors'}: tensor {name} has shape "
+                    f"{tuple(self.saved[name].shape)}, the model holds {tuple(tensor.shape)}"
+                )
         self.rank_state = _read_json(mine / "state.json", ("optimizer", "rng", "scheduler"))
         self.optimizer_state = None
         if optimizer is not None:
-            self.optimizer_state = _join_optimizer(read_tensors(mine / "optimizer.safetensors"),
-                                                   self.rank_state["optimizer"])
+            self.optimizer_state = _join_optimizer(
+                read_tensors(mine / "optimizer.safetensors"), self.rank_state["optimizer"]
+            )
             groups = [len(g["params"]) for g in self.optimizer_state["param_groups"]]
             if groups != [len(g["params"]) for g in optimizer.param_groups]:
-                raise CheckpointError(f"{mine / 'state.json'}: the saved optimizer has parameter groups of {groups} "
-                                      f"parameters, this one {[len(g['params']) for g in optimizer.param_groups]}")
+                raise CheckpointError(
+                    f"{mine / 'state.json'}: the saved optimizer has parameter groups of {groups} "
+                    f"parameters, this one {[len(g['params']) for g in optimizer.param_groups]}"
+                )
         self.rng = read_tensors(mine / "rng.safetensors")
         if "torch" not in self.rng or "python" not in self.rank_state["rng"]:
-            raise CheckpointError(f"{mine}: the RNG state is incomplete (rng.safetensors holds {sorted(self.rng)}, "
-                                  f"state.json {sorted(self.rank_state['rng'])})")
+            raise CheckpointError(
+                f"{mine}: the RNG state is incomplete (rng.safetensors holds {sorted(self.rng)}, "
+                f"state.json {sorted(self.rank_state['rng'])})"
+            )
 
     def restore(self) -> dict[str, Any]:
         with torch.no_grad():
@@ -119,8 +135,13 @@ def _read_json(file: Path, keys: tuple[str, ...]) -> dict[str, Any]:
 
 def local_optimizer_state(state: dict) -> dict:
     """An optimizer `state_dict()` with this rank's own data in place of DTensors (FSDP), for torch.save."""
-    return {**state, "state": {index: {key: _local(value) if torch.is_tensor(value) else value
-                                       for key, value in entry.items()} for index, entry in state["state"].items()}}
+    return {
+        **state,
+        "state": {
+            index: {key: _local(value) if torch.is_tensor(value) else value for key, value in entry.items()}
+            for index, entry in state["state"].items()
+        },
+    }
 
 
 def as_params(state: dict, optimizer: torch.optim.Optimizer) -> dict:
@@ -131,8 +152,14 @@ def as_params(state: dict, optimizer: torch.optim.Optimizer) -> dict:
         if isinstance(param, DTensor):
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.shape == param.to_local().shape and value.dim() > 0:
-                    entry[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
-                                                    run_check=False, shape=param.shape, stride=param.stride())
+                    entry[key] = DTensor.from_local(
+                        value.to(param.device),
+                        param.device_mesh,
+                        param.placements,
+                        run_check=False,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
     return state
 
 
@@ -146,9 +173,11 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], rest: dict) -> dict:
 
 def _set_rng_state(tensors: dict[str, torch.Tensor], rest: dict) -> None:
     version, internal, gauss = rest["python"]
-    state: dict[str, Any] = {"torch": tensors["torch"], "python": (version, tuple(internal), gauss),
-                             "cuda": [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")),
-                                                                 key=lambda k: int(k[5:]))]}
+    state: dict[str, Any] = {
+        "torch": tensors["torch"],
+        "python": (version, tuple(internal), gauss),
+        "cuda": [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k[5:]))],
+    }
     if "numpy" in rest:
         import numpy as np
 
@@ -168,15 +197,20 @@ def full_tensors(checkpoint: Path, meta: dict[str, Any], params: dict[str, torch
     dp_rows, dp = set(meta.get("dp_rows", ())), world_size // tp  # FSDP: each rank saved its DP rows of its TP shard
     for rank, (file, header) in enumerate(zip(files, headers)):
         for name, tensor in params.items():
-            expected = list(Placement.fsdp(tuple(tensor.shape), partitions.get(name), rank % tp,
-                                           dp if name in dp_rows else 1, rank // tp).local_shape)
+            expected = list(
+                Placement.fsdp(
+                    tuple(tensor.shape), partitions.get(name), rank % tp, dp if name in dp_rows else 1, rank // tp
+                ).local_shape
+            )
             if name not in header:
                 raise CheckpointError(f"{file}: tensor {name} is missing")
             if header[name]["shape"] != expected:
-                raise CheckpointError(f"{file}: tensor {name} has shape {tuple(header[name]['shape'])}, rank {rank} "
-                                      f"of this config holds {tuple(expected)}")
+                raise CheckpointError(
+                    f"{file}: tensor {name} has shape {tuple(header[name]['shape'])}, rank {rank} "
+                    f"of this config holds {tuple(expected)}"
+                )
     with ExitStack() as stack:  # one open file per rank that holds a part; tensors are read one at a time
-        handles = [stack.enter_context(open_tensors(file)) for file in files[:tp * dp if dp_rows else tp]]
+        handles = [stack.enter_context(open_tensors(file)) for file in files[: tp * dp if dp_rows else tp]]
 
         def tp_shard(name: str, tp_rank: int) -> torch.Tensor:
             if name in dp_rows:

@@ -22,17 +22,29 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ...mesh import global_rank, group_rank
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
-from . import legacy
-from . import rng_state
-from .save import (FORMAT, Chunks, layout, model_entries, optimizer_names, read_index,
-                         read_meta, run_dcp, wait_for_pending)
 from ..errors import CheckpointError, describe, failures, world
+from . import legacy, rng_state
+from .save import (
+    FORMAT,
+    Chunks,
+    layout,
+    model_entries,
+    optimizer_names,
+    read_index,
+    read_meta,
+    run_dcp,
+    wait_for_pending,
+)
 
 _LAYOUT = ("tp_size", "world_size", "fsdp", "cp_size")
 
 
-def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None) -> dict[str, Any]:
+def load_checkpoint(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+) -> dict[str, Any]:
     """Restore the model, optimizer, scheduler and random state saved by `save_checkpoint`, at this run's layout,
     whatever the layout it was saved at; returns the user state. Call on every rank.
 
@@ -44,8 +56,14 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     return read(directory, model, optimizer, scheduler)
 
 
-def read(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
-         *, weights: bool = True) -> dict[str, Any]:
+def read(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    *,
+    weights: bool = True,
+) -> dict[str, Any]:
     """`load_checkpoint`, of which a caller that loads the weights apart (AutoTPTrainer, from the full checkpoint
     beside) may leave them out (`weights=False`); the random state is restored when the checkpoint holds it."""
     wait_for_pending()
@@ -53,8 +71,11 @@ def read(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
     error, plan = None, None
     try:
         meta = read_meta(directory)
-        plan = legacy.Reader(directory, meta, model, optimizer, scheduler) if meta["format"] != FORMAT else \
-            _Reader(directory, meta, model, optimizer, scheduler, weights)
+        plan = (
+            legacy.Reader(directory, meta, model, optimizer, scheduler)
+            if meta["format"] != FORMAT
+            else _Reader(directory, meta, model, optimizer, scheduler, weights)
+        )
     except CheckpointError as err:  # every rank must still reach the agreement below
         error = err
     except Exception as err:
@@ -71,16 +92,30 @@ def read(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.
 class _Reader:
     """What this rank reads from a DCP checkpoint, checked before anything is read, and how it is applied."""
 
-    def __init__(self, directory: Path, meta: dict[str, Any], model: nn.Module,
-                 optimizer: torch.optim.Optimizer | None, scheduler: Any, weights: bool):
-        self.directory, self.meta, self.model, self.optimizer, self.scheduler = \
-            directory, meta, model, optimizer, scheduler
+    def __init__(
+        self,
+        directory: Path,
+        meta: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        weights: bool,
+    ):
+        self.directory, self.meta, self.model, self.optimizer, self.scheduler = (
+            directory,
+            meta,
+            model,
+            optimizer,
+            scheduler,
+        )
         state = find_state(model)
         if state is not None:
             state.refuse_gathered("autotp.load_checkpoint")
         if weights and not meta.get("weights", True):
-            raise CheckpointError(f"{directory}: holds the optimizer state alone (an AutoTPTrainer checkpoint's "
-                                  f"optimizer/); load the model from the full checkpoint beside it")
+            raise CheckpointError(
+                f"{directory}: holds the optimizer state alone (an AutoTPTrainer checkpoint's "
+                f"optimizer/); load the model from the full checkpoint beside it"
+            )
         index = read_index(directory)
         self.entries: dict[str, Any] = model_entries(model) if weights else {}
         if weights:
@@ -102,29 +137,42 @@ class _Reader:
         saved = {k for k in index.state_dict_metadata if not k.startswith(("optimizer/", "rng/", "scheduler"))}
         missing, extra = sorted(self.entries.keys() - saved), sorted(saved - self.entries.keys())
         if missing or extra:
-            raise CheckpointError(f"{self.directory}: the checkpoint does not hold this model's tensors "
-                                  f"(missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}; not in the model: "
-                                  f"{extra[:5]}{' ...' if len(extra) > 5 else ''}); it was saved from a "
-                                  f"{self.meta.get('model_class')}, this is a {type(self.model).__name__}")
+            raise CheckpointError(
+                f"{self.directory}: the checkpoint does not hold this model's tensors "
+                f"(missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}; not in the model: "
+                f"{extra[:5]}{' ...' if len(extra) > 5 else ''}); it was saved from a "
+                f"{self.meta.get('model_class')}, this is a {type(self.model).__name__}"
+            )
         for name, chunks in self.entries.items():
             md = index.state_dict_metadata[name]
             if isinstance(md, BytesStorageMetadata) or md.size != chunks.size():
                 shape = "no tensor" if isinstance(md, BytesStorageMetadata) else f"shape {tuple(md.size)}"
-                raise CheckpointError(f"{self.directory}: tensor {name} has {shape} in the checkpoint, the model's "
-                                      f"full tensor has shape {tuple(chunks.size())}")
+                raise CheckpointError(
+                    f"{self.directory}: tensor {name} has {shape} in the checkpoint, the model's "
+                    f"full tensor has shape {tuple(chunks.size())}"
+                )
 
     def _plan_optimizer(self, index: Metadata) -> None:
         saved, current = self.meta.get("optimizer_params"), optimizer_names(self.model, self.optimizer)
         if saved != current:
             sizes = [len(g) for g in saved] if isinstance(saved, list) else None
-            first = next((f"group {g}, position {i}: {a!r} saved, {b!r} here" for g, (sg, cg) in
-                          enumerate(zip(saved or [], current)) for i, (a, b) in enumerate(zip(sg, cg)) if a != b), "")
-            raise CheckpointError(f"{self.directory}: the optimizer was saved with parameter groups of {sizes} "
-                                  f"parameters, this one has {[len(g) for g in current]}{'; ' if first else ''}{first}")
+            first = next(
+                (
+                    f"group {g}, position {i}: {a!r} saved, {b!r} here"
+                    for g, (sg, cg) in enumerate(zip(saved or [], current))
+                    for i, (a, b) in enumerate(zip(sg, cg))
+                    if a != b
+                ),
+                "",
+            )
+            raise CheckpointError(
+                f"{self.directory}: the optimizer was saved with parameter groups of {sizes} "
+                f"parameters, this one has {[len(g) for g in current]}{'; ' if first else ''}{first}"
+            )
         by_param: dict[str, dict[str, Any]] = {}
         for fqn, md in index.state_dict_metadata.items():
             if fqn.startswith("optimizer/") and fqn != "optimizer/param_groups":
-                name, key = fqn[len("optimizer/"):].rsplit("/", 1)
+                name, key = fqn[len("optimizer/") :].rsplit("/", 1)
                 by_param.setdefault(name, {})[key] = (fqn, md)
         params = dict(self.model.named_parameters())
         for name in (n for group in current for n in group):
@@ -177,7 +225,9 @@ def _fresh(param: nn.Parameter, size: torch.Size, dtype: torch.dtype, fqn: str) 
         tensor = torch.zeros_like(param.detach(), dtype=dtype)
         return tensor, Chunks.of(tensor, shard)
     if len(size) > 0 and (shard is not None or hasattr(param, "device_mesh")):
-        raise CheckpointError(f"optimizer state {fqn} has shape {tuple(size)}, its parameter {tuple(full)}: only "
-                              f"state shaped like its parameter, or scalars, can be re-cut for a sharded parameter")
+        raise CheckpointError(
+            f"optimizer state {fqn} has shape {tuple(size)}, its parameter {tuple(full)}: only "
+            f"state shaped like its parameter, or scalars, can be re-cut for a sharded parameter"
+        )
     tensor = torch.zeros(size, dtype=dtype)
     return tensor, Chunks.of(tensor)

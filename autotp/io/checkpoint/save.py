@@ -37,15 +37,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...mesh import at_finish, global_rank, group_size, new_group, world_timeout
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
-from . import rng_state
-from .chunks import Chunks
 from ..errors import CheckpointError, agree, world
 from ..staging import staged_directory
+from . import rng_state
+from .chunks import Chunks
 
 META = "autotp_checkpoint.json"
 FORMAT = "autotp-checkpoint/2"
-_KEYS = {FORMAT: ("tp_size", "world_size", "state", "optimizer_params"),  # what a loader reads, per format
-         "autotp-checkpoint/1": ("tp_size", "world_size", "state", "partitions")}
+_KEYS = {
+    FORMAT: ("tp_size", "world_size", "state", "optimizer_params"),  # what a loader reads, per format
+    "autotp-checkpoint/1": ("tp_size", "world_size", "state", "partitions"),
+}
 _groups: dict[int, dist.ProcessGroup] = {}  # world group id -> the gloo group DCP's collectives use
 
 
@@ -55,8 +57,14 @@ def layout(model: nn.Module) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
-    record = {"tp_size": tp, "cp_size": cp, "ep_size": 1, "world_size": world_size,
-              "dp_size": world_size // (tp * cp), "fsdp": state is not None and state.fsdp}
+    record = {
+        "tp_size": tp,
+        "cp_size": cp,
+        "ep_size": 1,
+        "world_size": world_size,
+        "dp_size": world_size // (tp * cp),
+        "fsdp": state is not None and state.fsdp,
+    }
     for dimension in [] if state is None else state.dims.values():  # ep_size: a record, experts are stored whole
         record.update(dimension.layout())
     return record
@@ -74,8 +82,10 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     for index, group in enumerate(optimizer.param_groups):
         missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
         if missing:
-            raise ValueError(f"optimizer parameter group {index} holds {len(missing)} tensors that are not parameters "
-                             f"of the model (shapes {missing[:3]}): a checkpoint names optimizer state by parameter")
+            raise ValueError(
+                f"optimizer parameter group {index} holds {len(missing)} tensors that are not parameters "
+                f"of the model (shapes {missing[:3]}): a checkpoint names optimizer state by parameter"
+            )
         groups.append([names[id(p)] for p in group["params"]])
     return groups
 
@@ -98,9 +108,11 @@ def _state_entry(name: str, key: str, value: Any, param: nn.Parameter) -> Any:
     if value.shape == param.shape and value.dim() > 0:
         return Chunks.of(value, held_part(param))
     if value.dim() > 0 and (held_part(param) is not None or hasattr(param, "device_mesh")):
-        raise NotImplementedError(f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, its parameter's "
-                                  f"shard {tuple(param.shape)}: autotp checkpoints store state shaped like its "
-                                  f"parameter (Adam, SGD momentum) or scalars, not factored state (Adafactor)")
+        raise NotImplementedError(
+            f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, its parameter's "
+            f"shard {tuple(param.shape)}: autotp checkpoints store state shaped like its "
+            f"parameter (Adam, SGD momentum) or scalars, not factored state (Adafactor)"
+        )
     return Chunks.of(value)
 
 
@@ -137,8 +149,11 @@ def _disk_errors(target: str | os.PathLike) -> Iterator[None]:
             raise
         file = f" ({cause.filename})" if cause.filename else ""
         if cause.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"the disk holding {target} is full{file}: nothing was put in place there (a "
-                                        f"previous checkpoint stays); free space on it, or save elsewhere") from err
+            raise OSError(
+                errno.ENOSPC,
+                f"the disk holding {target} is full{file}: nothing was put in place there (a "
+                f"previous checkpoint stays); free space on it, or save elsewhere",
+            ) from err
         raise OSError(cause.errno, f"{cause.strerror}{file}, writing {target}") from err
 
 
@@ -149,8 +164,9 @@ def checkpoint_group() -> dist.ProcessGroup | None:
     key = id(dist.group.WORLD)
     if key not in _groups:
         _groups.clear()
-        _groups[key] = new_group(list(range(dist.get_world_size())), world_timeout(), "checkpoint group",
-                                 backend="gloo")
+        _groups[key] = new_group(
+            list(range(dist.get_world_size())), world_timeout(), "checkpoint group", backend="gloo"
+        )
     return _groups[key]
 
 
@@ -222,8 +238,16 @@ class _Copied:
         pass
 
 
-def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any = None, *, overwrite: bool = False, async_save: bool = False, **state: Any) -> None:
+def save_checkpoint(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    *,
+    overwrite: bool = False,
+    async_save: bool = False,
+    **state: Any,
+) -> None:
     """Save everything needed to resume, at this layout or any other; call on every rank. `state` must be JSON.
 
     A non-empty `directory` is replaced only with `overwrite=True`, and only once the new one is complete.
@@ -238,9 +262,19 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: t
     write(directory, model, optimizer, scheduler, state, overwrite=overwrite, async_save=async_save)
 
 
-def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-          state: dict[str, Any], *, overwrite: bool, async_save: bool = False, weights: bool = True,
-          rng: bool = True, what: str = "autotp.save_checkpoint") -> None:
+def write(
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    *,
+    overwrite: bool,
+    async_save: bool = False,
+    weights: bool = True,
+    rng: bool = True,
+    what: str = "autotp.save_checkpoint",
+) -> None:
     """`save_checkpoint`, of which a caller that saves the weights and random state apart (AutoTPTrainer, beside
     Trainer's own files) may leave those out (`weights=False`, `rng=False`)."""
     wait_for_pending()
@@ -248,9 +282,17 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     tp_state = find_state(model)
     if tp_state is not None:
         tp_state.refuse_gathered(what)
-    meta = {"format": FORMAT, **layout(model), "model_class": type(model).__name__, "state": state,
-            "optimizer_params": optimizer_names(model, optimizer), "scheduler": scheduler is not None,
-            "weights": weights, "rng": rng, "saved_at": time.time()}  # when it began: latest_checkpoint's order
+    meta = {
+        "format": FORMAT,
+        **layout(model),
+        "model_class": type(model).__name__,
+        "state": state,
+        "optimizer_params": optimizer_names(model, optimizer),
+        "scheduler": scheduler is not None,
+        "weights": weights,
+        "rng": rng,
+        "saved_at": time.time(),
+    }  # when it began: latest_checkpoint's order
     staging = ExitStack()
     tmp = staging.enter_context(staged_directory(directory, overwrite, what=what))
     try:
@@ -272,8 +314,9 @@ def write(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim
     staging.close()
 
 
-def _entries(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, weights: bool, rng: bool,
-             what: str) -> dict[str, Any]:
+def _entries(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, weights: bool, rng: bool, what: str
+) -> dict[str, Any]:
     """What this rank saves; a failure to describe it on any rank is raised on every rank before DCP's collectives."""
     entries: dict[str, Any] = {}
     error = None
@@ -299,8 +342,10 @@ def read_meta(directory: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{meta_file}: cannot be read as JSON ({err})") from None
     if not isinstance(meta, dict) or meta.get("format") not in _KEYS:
-        raise CheckpointError(f"{meta_file}: unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
-                              f"expected {FORMAT!r}")
+        raise CheckpointError(
+            f"{meta_file}: unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}, "
+            f"expected {FORMAT!r}"
+        )
     missing = [key for key in _KEYS[meta["format"]] if key not in meta]
     if missing:
         raise CheckpointError(f"{meta_file}: missing the key {missing[0]!r}")
@@ -321,6 +366,8 @@ def read_index(directory: Path) -> Metadata:
         if not file.is_file():
             raise CheckpointError(f"{file}: missing (the checkpoint's metadata places {end} bytes in it)")
         if file.stat().st_size < end:
-            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the checkpoint's metadata places data up "
-                                  f"to byte {end} (a truncated file)")
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size} bytes, the checkpoint's metadata places data up "
+                f"to byte {end} (a truncated file)"
+            )
     return metadata

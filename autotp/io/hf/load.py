@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ...runtime.rows import local_rows
-from ...runtime.shards import held_part
 from ...compat.hf_conversion import ConvertedSource, checkpoint_sources, initialised_if_missing
 from ...planning.placement import window
+from ...runtime.rows import local_rows
+from ...runtime.shards import held_part
 from ...state import find_state
 from ..errors import CheckpointError, describe, failures
 from .safetensors import read_header, read_rows
@@ -54,8 +54,10 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         held = read_header(file)[0]
         absent = [name for name, where in files.items() if where == file and name not in held]
         if absent:
-            raise CheckpointError(f"{index}: maps tensor {absent[0]} to {file.name}, which does not contain it "
-                                  f"({len(absent)} such tensors)")
+            raise CheckpointError(
+                f"{index}: maps tensor {absent[0]} to {file.name}, which does not contain it "
+                f"({len(absent)} such tensors)"
+            )
     return files
 
 
@@ -68,16 +70,23 @@ def _read_index(index: Path) -> dict[str, Path]:
         raise CheckpointError(f"{index}: not a valid safetensors index (no weight_map object)")
     weight_map = content["weight_map"]
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index}: weight_map is a JSON {type(weight_map).__name__}, not an object of "
-                              f"tensor name -> file name")
+        raise CheckpointError(
+            f"{index}: weight_map is a JSON {type(weight_map).__name__}, not an object of tensor name -> file name"
+        )
     for name, file in weight_map.items():
         if not isinstance(file, str):
             raise CheckpointError(f"{index}: weight_map maps tensor {name} to {file!r}, not a file name")
     return {name: index.parent / file for name, file in weight_map.items()}
 
 
-def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.device, dtype: torch.dtype,
-                show: bool, in_place: bool = False) -> None:
+def load_params(
+    model: nn.Module,
+    files: Mapping[str, Path],
+    device: torch.device,
+    dtype: torch.dtype,
+    show: bool,
+    in_place: bool = False,
+) -> None:
     """Replace every meta parameter by its loaded rows (tied parameters stay one object).
 
     Everything is read first; then the TP group agrees (a collective when the model has one), and
@@ -113,9 +122,14 @@ def load_params(model: nn.Module, files: Mapping[str, Path], device: torch.devic
         _warn_unused(model, files, sources)
 
 
-def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str, str | ConvertedSource],
-              device: torch.device, dtype: torch.dtype,
-              show: bool) -> tuple[dict[int, nn.Parameter], list[tuple[torch.Tensor, torch.Tensor]]]:
+def _read_all(
+    model: nn.Module,
+    files: Mapping[str, Path],
+    sources: Mapping[str, str | ConvertedSource],
+    device: torch.device,
+    dtype: torch.dtype,
+    show: bool,
+) -> tuple[dict[int, nn.Parameter], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Every parameter's new tensor, by the id of the meta parameter it replaces, and every persistent buffer's.
 
     `sources` names the checkpoint key of each model tensor (transformers may rename on save), or the
@@ -128,15 +142,18 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
         params[id(param)] = param
     loaded: dict[int, nn.Parameter] = {}
     persistent = set(model.state_dict(keep_vars=True))
-    wanted = [(sources[n], n, b) for n, b in model.named_buffers() if n in persistent and isinstance(sources.get(n), str)]
+    wanted = [
+        (sources[n], n, b) for n, b in model.named_buffers() if n in persistent and isinstance(sources.get(n), str)
+    ]
     by_file: dict[Path, list] = {}
     experts = []
     bar = tqdm(total=len(params) + len(wanted), desc="autotp load", unit="tensor", disable=not show)
     for key, param in params.items():
         name = next((n for n in aliases[key] if n in sources), None)
         if name is None:
-            loaded[key] = _replacing(param, _initialised(model, aliases[key][0], param), device, dtype,
-                                     trainable=param.requires_grad)
+            loaded[key] = _replacing(
+                param, _initialised(model, aliases[key][0], param), device, dtype, trainable=param.requires_grad
+            )
             bar.update()
             continue
         if isinstance(sources[name], ConvertedSource):
@@ -152,8 +169,13 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
             for name, param in entries:
                 _check_shape(file, name, header[name]["shape"], param)
                 shard = held_part(param)
-                tensor = read_rows(f, header[name], data_start, None if shard is None else shard.partition,
-                                   0 if shard is None else shard.rank)
+                tensor = read_rows(
+                    f,
+                    header[name],
+                    data_start,
+                    None if shard is None else shard.partition,
+                    0 if shard is None else shard.rank,
+                )
                 loaded[id(param)] = _replacing(param, tensor, device, dtype)
                 bar.update()
     buffers = []
@@ -168,8 +190,9 @@ def _read_all(model: nn.Module, files: Mapping[str, Path], sources: Mapping[str,
     return loaded, buffers
 
 
-def _replacing(param: nn.Parameter, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype,
-               trainable: bool = True) -> nn.Parameter:
+def _replacing(
+    param: nn.Parameter, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, trainable: bool = True
+) -> nn.Parameter:
     """The parameter that replaces meta `param`: `tensor` on `device` in `dtype`, with `param`'s Shard metadata.
 
     Read parameters are trainable, whatever the model set before (Whisper's encoder positions), because
@@ -191,8 +214,7 @@ def _initialised(model: nn.Module, name: str, param: nn.Parameter) -> torch.Tens
     return full if shard is None else shard.partition.shard(full, shard.rank)
 
 
-def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
-                    files: Mapping[str, Path]) -> torch.Tensor:
+def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter, files: Mapping[str, Path]) -> torch.Tensor:
     """This rank's part of a tensor transformers builds from several checkpoint tensors while loading.
 
     Stacked experts are read by slices: the target is (experts, rows, cols) with rows the parts
@@ -206,24 +228,33 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
     full = list(param.shape if shard is None else shard.full_shape(param.shape))
     counts = [len(keys) for keys in source.parts]
     if any(count != full[0] for count in counts):
-        raise CheckpointError(f"{name}: the checkpoint holds {counts} per-expert tensors, the config implies "
-                              f"{full[0]} experts")
+        raise CheckpointError(
+            f"{name}: the checkpoint holds {counts} per-expert tensors, the config implies {full[0]} experts"
+        )
     headers = {file: read_header(file) for file in {files[key] for keys in source.parts for key in keys}}
     rows = [headers[files[keys[0]]][0][keys[0]]["shape"][0] for keys in source.parts]
     for keys, part_rows in zip(source.parts, rows):
         for key in keys:
             stored = headers[files[key]][0][key]["shape"]
             if list(stored) != [part_rows, *full[2:]] or sum(rows) != full[1]:
-                raise CheckpointError(f"{files[key].name}: tensor {key} has shape {tuple(stored)}, which does not "
-                                      f"build {name} of shape {tuple(full)}")
+                raise CheckpointError(
+                    f"{files[key].name}: tensor {key} has shape {tuple(stored)}, which does not "
+                    f"build {name} of shape {tuple(full)}"
+                )
     partition, rank = (None, 0) if shard is None else (shard.partition, shard.rank)
     wanted = range(full[0])
     if partition is not None and partition.dim == 0:  # split by expert (autotp.ep): this rank's experts, each whole
         wanted = [e for start, length in partition.runs[rank] for e in range(start, start + length)]
         partition = None
     offsets = [sum(rows[:j]) for j in range(len(rows))]
-    per_part = [None if partition is None else window(partition, offset, count).with_dim(0) if partition.dim == 1
-                else partition.with_dim(partition.dim - 1) for offset, count in zip(offsets, rows)]
+    per_part = [
+        None
+        if partition is None
+        else window(partition, offset, count).with_dim(0)
+        if partition.dim == 1
+        else partition.with_dim(partition.dim - 1)
+        for offset, count in zip(offsets, rows)
+    ]
     experts = []
     for expert in wanted:
         pieces = []
@@ -236,8 +267,7 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter,
     return torch.stack(experts)
 
 
-def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter,
-                    files: Mapping[str, Path]) -> torch.Tensor:
+def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter, files: Mapping[str, Path]) -> torch.Tensor:
     """`name` in full from transformers' conversion of its whole checkpoint tensors, then this rank's rows."""
     tensors = {}
     for pattern, keys in zip(source.patterns, source.parts):
@@ -250,8 +280,10 @@ def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter,
     try:
         full = source.run(tensors)
     except Exception as err:
-        raise CheckpointError(f"{name}: transformers' conversion ({source.ops}) of {', '.join(sum(source.parts, ()))} "
-                              f"failed: {type(err).__name__}: {err}") from None
+        raise CheckpointError(
+            f"{name}: transformers' conversion ({source.ops}) of {', '.join(sum(source.parts, ()))} "
+            f"failed: {type(err).__name__}: {err}"
+        ) from None
     shard = held_part(param)
     _check_shape(files[next(k for keys in source.parts for k in keys)], name, list(full.shape), param)
     return full if shard is None else shard.partition.shard(full, shard.rank)
@@ -269,12 +301,16 @@ def _warn_unused(model: nn.Module, files: Mapping[str, Path], sources: Mapping[s
     unused = sorted(n for n in files if n not in known and not any(p.search(n) for p in ignored))
     if unused:
         more = f" and {len(unused) - _LISTED} more" if len(unused) > _LISTED else ""
-        log.warning(f"{len(unused)} tensors of the checkpoint are not used by {type(model).__name__}: "
-                    f"{', '.join(unused[:_LISTED])}{more}")
+        log.warning(
+            f"{len(unused)} tensors of the checkpoint are not used by {type(model).__name__}: "
+            f"{', '.join(unused[:_LISTED])}{more}"
+        )
 
 
 def _check_shape(file: Path, name: str, stored: list[int], param: nn.Parameter) -> None:
     shard = held_part(param)
     expected = list(param.shape if shard is None else shard.full_shape(param.shape))
     if list(stored) != expected:
-        raise CheckpointError(f"{file.name}: tensor {name} has shape {tuple(stored)}, the config implies {tuple(expected)}")
+        raise CheckpointError(
+            f"{file.name}: tensor {name} has shape {tuple(stored)}, the config implies {tuple(expected)}"
+        )

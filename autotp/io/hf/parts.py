@@ -14,13 +14,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...compat.hf_conversion import (SavedPart, SavedTensor, checkpoint_layout, keys_to_ignore_on_save,
-                                    remove_tied_weights)
-from ...runtime.rows import dp_full, local_rows
+from ...compat.hf_conversion import (
+    SavedPart,
+    SavedTensor,
+    checkpoint_layout,
+    keys_to_ignore_on_save,
+    remove_tied_weights,
+)
 from ...mesh import named_failure
-from ...runtime.shards import held_part
 from ...planning.placement import Placement, window
 from ...planning.sharding import Partition, Shard
+from ...runtime.rows import dp_full, local_rows
+from ...runtime.shards import held_part
 from ..streaming import gather_after_streams
 
 
@@ -35,8 +40,14 @@ def saved_layout(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[s
     shapes or `autotp_shard` give the full shapes), in transformers' order: tied aliases and ignored keys left out."""
     names = list(remove_tied_weights({k: v.detach() for k, v in params.items()}, model))
     ignored = keys_to_ignore_on_save(model)
-    return checkpoint_layout(model, {
-        n: torch.empty(full_shape(params[n]), dtype=params[n].dtype, device="meta") for n in names if n not in ignored})
+    return checkpoint_layout(
+        model,
+        {
+            n: torch.empty(full_shape(params[n]), dtype=params[n].dtype, device="meta")
+            for n in names
+            if n not in ignored
+        },
+    )
 
 
 def local_part(tensor: torch.Tensor, shard: Shard | None, part: SavedPart) -> tuple[torch.Tensor, Partition | None]:

@@ -32,9 +32,18 @@ from ..errors import CheckpointError, FormatError
 from ..streaming import CANNOT, FullStream
 
 DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -158,7 +167,7 @@ def pwrite_all(fd: int, data: memoryview | bytes | list[memoryview], position: i
     less a page, and takes 1024 buffers a call)."""
     if isinstance(data, list):
         for first in range(0, len(data), 1024):
-            group = data[first:first + 1024]
+            group = data[first : first + 1024]
             done, size = os.pwritev(fd, group, position), sum(view.nbytes for view in group)
             if done < size:
                 pwrite_all(fd, b"".join(group)[done:], position + done)
@@ -202,18 +211,26 @@ def read_header(file: Path) -> tuple[dict[str, dict], int]:
     for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
         begin, stop = entry["data_offsets"]
         if begin < end:
-            raise FormatError(f"{file}: tensor {name} starts at byte {begin} of the data, inside tensor {previous}, "
-                              f"which ends at byte {end}")
+            raise FormatError(
+                f"{file}: tensor {name} starts at byte {begin} of the data, inside tensor {previous}, "
+                f"which ends at byte {end}"
+            )
         if begin > end:
-            raise FormatError(f"{file}: tensor {name} starts at byte {begin} of the data, {begin - end} bytes after "
-                              f"the previous tensor ends (the format allows no gaps)")
+            raise FormatError(
+                f"{file}: tensor {name} starts at byte {begin} of the data, {begin - end} bytes after "
+                f"the previous tensor ends (the format allows no gaps)"
+            )
         end, previous = stop, name
         if 8 + length + end > size:
-            raise FormatError(f"{file}: truncated: its tensors need {8 + length + end} bytes (tensor {name} ends "
-                              f"there), the file has {size}")
+            raise FormatError(
+                f"{file}: truncated: its tensors need {8 + length + end} bytes (tensor {name} ends "
+                f"there), the file has {size}"
+            )
     if 8 + length + end != size:
-        raise FormatError(f"{file}: {size - 8 - length - end} bytes after the last tensor's data (the tensors end at "
-                          f"byte {8 + length + end}, the file has {size})")
+        raise FormatError(
+            f"{file}: {size - 8 - length - end} bytes after the last tensor's data (the tensors end at "
+            f"byte {8 + length + end}, the file has {size})"
+        )
     return header, 8 + length
 
 
@@ -225,17 +242,25 @@ def _check_entry(file: Path, name: str, entry: object) -> None:
         raise FormatError(f"{file}: tensor {name} has no {' or '.join(missing)} in the header")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in NAMES:
-        raise FormatError(f"{file}: tensor {name} has dtype {dtype!r}, which autotp does not read (it reads "
-                          f"{', '.join(sorted(NAMES))})")
+        raise FormatError(
+            f"{file}: tensor {name} has dtype {dtype!r}, which autotp does not read (it reads "
+            f"{', '.join(sorted(NAMES))})"
+        )
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
         raise FormatError(f"{file}: tensor {name} has shape {shape!r}, not a list of non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-            and offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
         raise FormatError(f"{file}: tensor {name} has data_offsets {offsets!r}, not [begin, end] with begin <= end")
     nbytes = math.prod(shape) * NAMES[dtype].itemsize
     if offsets[1] - offsets[0] != nbytes:
-        raise FormatError(f"{file}: tensor {name} of shape {tuple(shape)} and dtype {dtype} needs {nbytes} bytes, "
-                          f"its data_offsets {offsets} hold {offsets[1] - offsets[0]}")
+        raise FormatError(
+            f"{file}: tensor {name} of shape {tuple(shape)} and dtype {dtype} needs {nbytes} bytes, "
+            f"its data_offsets {offsets} hold {offsets[1] - offsets[0]}"
+        )
 
 
 def _is_count(value: object) -> bool:
@@ -254,28 +279,32 @@ def read_rows(f, entry: dict, data_start: int, partition: Partition | None, rank
         return _read_into(f, begin, torch.empty(shape, dtype=dtype))
     dim = partition.dim
     if dim >= len(shape) or shape[dim] != partition.full_size:
-        raise FormatError(f"{f.name}: a tensor of shape {tuple(shape)} cannot be split into {partition.full_size} "
-                          f"rows along dim {dim}")
+        raise FormatError(
+            f"{f.name}: a tensor of shape {tuple(shape)} cannot be split into {partition.full_size} "
+            f"rows along dim {dim}"
+        )
     local = shape.copy()
     local[dim] = partition.local_size(rank)
     out = torch.empty(local, dtype=dtype)
     outer = torch.Size(shape[:dim]).numel()
-    inner = torch.Size(shape[dim + 1:]).numel() * dtype.itemsize  # bytes of one index along dim
+    inner = torch.Size(shape[dim + 1 :]).numel() * dtype.itemsize  # bytes of one index along dim
     span = shape[dim] * inner  # bytes of one outer index
     out_rows = out.view(outer, local[dim], -1) if out.numel() else out
     if dim == 0:  # every run is one contiguous range of the file
         offset = 0
         for start, length in partition.runs[rank]:
-            _read_into(f, begin + start * inner, out_rows[0, offset:offset + length])
+            _read_into(f, begin + start * inner, out_rows[0, offset : offset + length])
             offset += length
         return out
     step = max(1, _CHUNK_BYTES // max(span, 1))
     for first in range(0, outer, step):
         count = min(step, outer - first)
-        chunk = _read_into(f, begin + first * span, torch.empty((count, shape[dim], inner // dtype.itemsize), dtype=dtype))
+        chunk = _read_into(
+            f, begin + first * span, torch.empty((count, shape[dim], inner // dtype.itemsize), dtype=dtype)
+        )
         offset = 0
         for start, length in partition.runs[rank]:
-            out_rows[first:first + count, offset:offset + length] = chunk[:, start:start + length]
+            out_rows[first : first + count, offset : offset + length] = chunk[:, start : start + length]
             offset += length
     return out
 

@@ -24,14 +24,14 @@ from tqdm.auto import tqdm
 
 from ...compat.hf import adapter_module
 from ...compat.hf_conversion import SavedPart, SavedTensor
-from ...runtime.rows import dp_full
 from ...mesh import Group, global_rank, is_global_rank0
+from ...runtime.rows import dp_full
 from ...runtime.shards import held_part, holders
 from ...state import find_state, outside_module_holders
-from .parts import full_shape, gather_part, saved_layout
-from .safetensors import SafetensorsWriter, write_rows
 from ..staging import staged_directory
 from ..streaming import stream_full_to
+from .parts import full_shape, gather_part, saved_layout
+from .safetensors import SafetensorsWriter, write_rows
 
 
 def save_pretrained(
@@ -55,9 +55,11 @@ def save_pretrained(
     model = outside_module_holders(model)
     found = adapter_module(model)
     if found is not None:
-        raise TypeError(f"autotp.save_pretrained: {found[0]} is a {found[1]}; a full checkpoint would store its adapter "
-                        f"under names transformers does not load. Call merge_and_unload() first, or save the adapter "
-                        f"alone with the PEFT model's save_pretrained, on every rank (it writes the full-size adapter)")
+        raise TypeError(
+            f"autotp.save_pretrained: {found[0]} is a {found[1]}; a full checkpoint would store its adapter "
+            f"under names transformers does not load. Call merge_and_unload() first, or save the adapter "
+            f"alone with the PEFT model's save_pretrained, on every rank (it writes the full-size adapter)"
+        )
     state = find_state(model)
     tp_group = None if state is None else state.tp_group
     params = model.state_dict(keep_vars=True)
@@ -76,8 +78,7 @@ def save_pretrained(
             return None
         tensor = dp_full(params[name].detach())
         shard = held_part(params[name])
-        return tensor if shard is None else stream_full_to(tensor, shard.partition, group, dst=0,
-                                                            write_rows=write_rows)
+        return tensor if shard is None else stream_full_to(tensor, shard.partition, group, dst=0, write_rows=write_rows)
 
     def fetch_part(part: SavedPart) -> torch.Tensor | None:
         group = holders(params[part.source], tp_group)
@@ -88,9 +89,14 @@ def save_pretrained(
             write_hf_checkpoint(model, params, fetch, tmp, max_shard_size, fetch_part)
 
 
-def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fetch: Callable[[str], torch.Tensor | None],
-                        directory: Path, max_shard_size: int | str,
-                        fetch_part: Callable[[SavedPart], torch.Tensor | None] | None = None) -> None:
+def write_hf_checkpoint(
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    fetch: Callable[[str], torch.Tensor | None],
+    directory: Path,
+    max_shard_size: int | str,
+    fetch_part: Callable[[SavedPart], torch.Tensor | None] | None = None,
+) -> None:
     """Stream a transformers-layout checkpoint of `model` into `directory`.
 
     `params` maps model keys to tensors whose shapes (or `autotp_shard`) give the full shapes;
@@ -101,8 +107,12 @@ def write_hf_checkpoint(model: nn.Module, params: Mapping[str, torch.Tensor], fe
     layout = saved_layout(model, params)
     # as transformers splits its converted state dict: the views of one tensor (its experts) sized and placed together
     split = split_state_dict_into_shards_factory(
-        layout, get_storage_size=lambda t: t.storage[1], get_storage_id=lambda t: t.storage[0],
-        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+        layout,
+        get_storage_size=lambda t: t.storage[1],
+        get_storage_id=lambda t: t.storage[0],
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
     fetch_part = fetch_part or _cutting(fetch)
     total = sum(t.nbytes for t in layout.values())
     writing = is_global_rank0()
@@ -146,8 +156,11 @@ class _UntilFirstFailure:
             return None
 
 
-def _assemble(saved: SavedTensor, fetch: Callable[[str], torch.Tensor | None],
-              fetch_part: Callable[[SavedPart], torch.Tensor | None]) -> torch.Tensor | None:
+def _assemble(
+    saved: SavedTensor,
+    fetch: Callable[[str], torch.Tensor | None],
+    fetch_part: Callable[[SavedPart], torch.Tensor | None],
+) -> torch.Tensor | None:
     """One checkpoint tensor where it is written (None elsewhere): a whole model tensor, or its parts joined."""
     if len(saved.parts) == 1 and saved.parts[0].whole:
         return fetch(saved.parts[0].source)

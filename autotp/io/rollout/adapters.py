@@ -25,9 +25,9 @@ from torch import nn
 from ...compat.peft import AdapterRequest, patch_update_layer
 from ...mesh import is_global_rank0
 from ...runtime.process_hooks import CLASS_ATTRIBUTE, Effect, Hold, patch_class_attribute
-from ..errors import describe, failures, world
-from ...tp.lora import adapt_all, adapter_partition, build_adapter, sharded_loras, trainable_copies
 from ...state import TPState, find_state, wrapped_model
+from ...tp.lora import adapt_all, adapter_partition, build_adapter, sharded_loras, trainable_copies
+from ..errors import describe, failures, world
 
 
 @contextmanager
@@ -94,8 +94,15 @@ class _PeftPatch:
             return
         from peft import PeftModel
 
-        self.models[model] = patch_class_attribute(model, "PEFT's methods", self.install, [
-            Effect(CLASS_ATTRIBUTE, "save_pretrained", PeftModel), Effect(CLASS_ATTRIBUTE, "update_layer", "peft lora.Linear")])
+        self.models[model] = patch_class_attribute(
+            model,
+            "PEFT's methods",
+            self.install,
+            [
+                Effect(CLASS_ATTRIBUTE, "save_pretrained", PeftModel),
+                Effect(CLASS_ATTRIBUTE, "update_layer", "peft lora.Linear"),
+            ],
+        )
 
     def install(self) -> Callable[[], None]:
         from peft import PeftModel
@@ -128,8 +135,9 @@ class AdapterSlices:
         self.state = state
         self.handle = model.register_load_state_dict_pre_hook(self)
 
-    def __call__(self, model: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict,
-                 *_: Any) -> None:
+    def __call__(
+        self, model: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict, *_: Any
+    ) -> None:
         if self.state.is_gathered() or not any("lora_" in key or "modules_to_save" in key for key in state_dict):
             return
         assign = local_metadata.get("assign_to_params_buffers", False)
@@ -149,16 +157,19 @@ class AdapterSlices:
                         self._cut(state_dict, key, param, shard.partition, rank, assign)
 
     @staticmethod
-    def _cut(state_dict: dict[str, Any], key: str, param: torch.Tensor, partition: Any, rank: int,
-             assign: bool) -> bool:
+    def _cut(
+        state_dict: dict[str, Any], key: str, param: torch.Tensor, partition: Any, rank: int, assign: bool
+    ) -> bool:
         """Replace a full-size `state_dict[key]` by this rank's part; whether it was there at full size."""
         tensor = state_dict.get(key)
         dim = partition.dim
         if tensor is None or tensor.shape[dim] != partition.full_size or tensor.shape[dim] == param.shape[dim]:
             return False
         if assign and hasattr(param, "autotp_shard"):
-            raise NotImplementedError(f"autotp: loading {key} with assign=True (PEFT's low_cpu_mem_usage=True) would "
-                                      f"replace a sharded parameter autotp tracks; load with low_cpu_mem_usage=False")
+            raise NotImplementedError(
+                f"autotp: loading {key} with assign=True (PEFT's low_cpu_mem_usage=True) would "
+                f"replace a sharded parameter autotp tracks; load with low_cpu_mem_usage=False"
+            )
         state_dict[key] = partition.shard(tensor, rank)
         return True
 
@@ -167,4 +178,3 @@ def slice_adapters_on_load(model: nn.Module, state: TPState) -> AdapterSlices:
     """Install the load pre-hook on a wrapped model, and the save wrapper on PEFT while the model lives."""
     watch_peft.watch(model)
     return AdapterSlices(model, state)
-

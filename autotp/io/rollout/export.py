@@ -23,16 +23,16 @@ from torch.distributed.tensor import DTensor
 from ...compat.hf_conversion import SavedTensor
 from ...compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
 from ...mesh import Group, device_of
-from ...runtime.shards import held_part, held_shard, holders
-from ...tp.lora import adapt_all
-from ...runtime.collectives import all_reduce, buckets
-from .row_gather import RowRequest, dp_full_many, gather_rows_to
-from ...state import find_state, outside_module_holders
 from ...options import WrapOptions
-from ...planning.planner import build_plan
 from ...planning.placement import window
+from ...planning.planner import build_plan
 from ...planning.sharding import Partition
+from ...runtime.collectives import all_reduce, buckets
+from ...runtime.shards import held_part, held_shard, holders
+from ...state import find_state, outside_module_holders
+from ...tp.lora import adapt_all
 from ..hf.parts import finish_part, full_shape, local_part, saved_layout
+from .row_gather import RowRequest, dp_full_many, gather_rows_to
 from .vllm_layout import vllm_partitions
 
 
@@ -65,8 +65,14 @@ class EngineLayout:
         return plan.sharded_params(twin)
 
 
-def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dtype | None = None,
-                   bucket_bytes: int = 256 << 20, target: EngineLayout | None = None) -> Iterator[tuple]:
+def export_weights(
+    model: nn.Module,
+    *,
+    merge_lora: bool = True,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 256 << 20,
+    target: EngineLayout | None = None,
+) -> Iterator[tuple]:
     """The model's weights as transformers' `save_pretrained` of the same one-process model writes them.
 
     Call it and iterate it on every rank of the TP group (under `autotp.fully_shard` or `ep_size > 1`, on every rank):
@@ -103,8 +109,10 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     items = [(name, saved) for name, saved in layout.items()]
     joined = [name for name, saved in items if len(saved.parts) > 1]
     if engine is not None and joined:  # refused before any collective, on every rank alike
-        raise NotImplementedError(f"autotp.export_weights(target=...): {joined[0]} is several model tensors joined; "
-                                  f"slicing it for an engine is not supported")
+        raise NotImplementedError(
+            f"autotp.export_weights(target=...): {joined[0]} is several model tensors joined; "
+            f"slicing it for an engine is not supported"
+        )
 
     def local(name: str) -> torch.Tensor:
         tensor = params[name]
@@ -122,8 +130,9 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
                 reqs.append(RowRequest(rows, partition, None, out_dtype))
                 continue
             for rank in range(target.tp_size):
-                reqs.append(_engine_request(rows, partition, engine.get(part.source), part.index, rank, out_dtype,
-                                            name))
+                reqs.append(
+                    _engine_request(rows, partition, engine.get(part.source), part.index, rank, out_dtype, name)
+                )
         return reqs
 
     def results(name: str, saved: SavedTensor, assembled: Iterator[torch.Tensor]) -> Iterator[tuple]:
@@ -145,8 +154,10 @@ def export_weights(model: nn.Module, *, merge_lora: bool = True, dtype: torch.dt
     groups = {name: {holders(params[part.source], tp_group) for part in saved.parts} for name, saved in items}
     mixed = [name for name, held in groups.items() if len(held) > 1]
     if mixed:  # refused before any collective, on every rank alike
-        raise NotImplementedError(f"autotp.export_weights: {mixed[0]} joins experts split over the EP group with "
-                                  f"tensors split over TP; not supported")
+        raise NotImplementedError(
+            f"autotp.export_weights: {mixed[0]} joins experts split over the EP group with "
+            f"tensors split over TP; not supported"
+        )
     gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()})
     return _exported(items, size, requests, results, bucket_bytes, gathers, agree_group, local)
 
@@ -175,8 +186,9 @@ class _Gathers:
         return mine
 
 
-def _loras_by_tensor(root: nn.Module, keys: dict[str, tuple[str, str | None]],
-                     params: dict[str, torch.Tensor]) -> dict[str, list[nn.Module]]:
+def _loras_by_tensor(
+    root: nn.Module, keys: dict[str, tuple[str, str | None]], params: dict[str, torch.Tensor]
+) -> dict[str, list[nn.Module]]:
     """Name -> the LoRA layers whose base weight is that tensor, under every name the tensor has: a tied LM head's
     adapter merges into the embedding, the name transformers keeps for the pair (`merge_and_unload` merges in place
     into the one shared tensor)."""
@@ -191,12 +203,13 @@ def check_bucket_bytes(bucket_bytes: int, caller: str) -> None:
     """Refuse a bucket size of no bytes, before anything runs: every tensor would go in a bucket of its own, one
     message each, silently."""
     if not bucket_bytes > 0:
-        raise ValueError(f"{caller}(bucket_bytes={bucket_bytes!r}): the bucket size must be a positive number of "
-                         f"bytes, for example 256 << 20 (256 MiB, the default)")
+        raise ValueError(
+            f"{caller}(bucket_bytes={bucket_bytes!r}): the bucket size must be a positive number of "
+            f"bytes, for example 256 << 20 (256 MiB, the default)"
+        )
 
 
-def _exported(items: list, size, requests, results, bucket_bytes: int, gathers, agree_group,
-              local) -> Iterator[tuple]:
+def _exported(items: list, size, requests, results, bucket_bytes: int, gathers, agree_group, local) -> Iterator[tuple]:
     """The buckets, each opened by an agreement that every rank is still iterating, at the same export."""
     agreement = _Agreement(agree_group)
     done = False
@@ -236,8 +249,11 @@ def _buckets(items: list, size, bucket_bytes: int, key) -> Iterator[list]:
 def _dp_gathered(bucket: list, local) -> dict[str, torch.Tensor]:
     """Under FSDP: the whole TP shard of every model tensor the bucket reads whole (not one expert's rows, which
     `local_part` fetches from the DP rank holding them), gathered over DP in one all-gather per dtype."""
-    sources = list(dict.fromkeys(part.source for _, saved in bucket for part in saved.parts
-                                 if not part.index or part.index[0] is None))
+    sources = list(
+        dict.fromkeys(
+            part.source for _, saved in bucket for part in saved.parts if not part.index or part.index[0] is None
+        )
+    )
     tensors = [local(source) for source in sources]
     if not any(isinstance(t, DTensor) for t in tensors):
         return {}
@@ -273,29 +289,42 @@ class _Agreement:
         rows = torch.zeros(dist.get_world_size(group), 3, dtype=torch.int64, device=device_of(group))
         rows[dist.get_rank(group)] = torch.tensor([int(stopping), self.serial, self.at])
         all_reduce(rows, group)
-        where = [(dist.get_global_rank(group, r), flag, serial, at) for r, (flag, serial, at) in enumerate(rows.tolist())]
+        where = [
+            (dist.get_global_rank(group, r), flag, serial, at) for r, (flag, serial, at) in enumerate(rows.tolist())
+        ]
         self.at += 1
         if any((serial, at) != (where[0][2], where[0][3]) for _, _, serial, at in where):
             for run in _open[self.key]:
                 run.broken = True
             _started[self.key] = max(serial for _, _, serial, _ in where) + 1  # the next export: one number again
             places = ", ".join(f"rank {rank} at export #{serial} bucket {at}" for rank, _, serial, at in where)
-            raise RuntimeError(f"autotp.export_weights: the ranks are at different exports ({places}): two exports "
-                               f"were iterated together (zip(), or one inside the other's loop). A rank that gets "
-                               f"no tensors runs an export to its end in one next(), so the ranks' gathers would "
-                               f"not match. Iterate one export to its end before the next (list() it first)")
+            raise RuntimeError(
+                f"autotp.export_weights: the ranks are at different exports ({places}): two exports "
+                f"were iterated together (zip(), or one inside the other's loop). A rank that gets "
+                f"no tensors runs an export to its end in one next(), so the ranks' gathers would "
+                f"not match. Iterate one export to its end before the next (list() it first)"
+            )
         stopped = [rank for rank, flag, _, _ in where if flag]
         if stopped and not stopping:
-            raise RuntimeError(f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every "
-                               f"rank taking part must exhaust the iterator (the others would wait for it forever)")
+            raise RuntimeError(
+                f"autotp.export_weights: rank(s) {stopped} stopped iterating before the end; every "
+                f"rank taking part must exhaust the iterator (the others would wait for it forever)"
+            )
 
     def finish(self) -> None:
         if self.group is not None:
             _open[self.key].discard(self)
 
 
-def _engine_request(rows: torch.Tensor, partition: Partition | None, engine: Partition | None, index: tuple,
-                    rank: int, dtype: torch.dtype, name: str) -> RowRequest:
+def _engine_request(
+    rows: torch.Tensor,
+    partition: Partition | None,
+    engine: Partition | None,
+    index: tuple,
+    rank: int,
+    dtype: torch.dtype,
+    name: str,
+) -> RowRequest:
     """Engine rank `rank`'s rows of a part (`rows` this trainer rank's, cut by `local_part`)."""
     if engine is None:
         return RowRequest(rows, partition, None, dtype)
@@ -303,13 +332,16 @@ def _engine_request(rows: torch.Tensor, partition: Partition | None, engine: Par
     if run is not None:
         engine = window(engine, *((run, 1) if isinstance(run, int) else run))
     if partition is not None and partition.dim != engine.dim:
-        raise NotImplementedError(f"autotp.export_weights(target=...): {name} is split on dim {partition.dim} here and "
-                                  f"on dim {engine.dim} at the engine's tp_size; not supported")
+        raise NotImplementedError(
+            f"autotp.export_weights(target=...): {name} is split on dim {partition.dim} here and "
+            f"on dim {engine.dim} at the engine's tp_size; not supported"
+        )
     return RowRequest(rows, partition, engine.runs[rank], dtype, dim=engine.dim)
 
 
-def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: torch.dtype | None = None,
-                    bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+def export_adapters(
+    model: nn.Module, *, adapter_name: str = "default", dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20
+) -> Iterator[tuple[str, torch.Tensor]]:
     """PEFT adapter `adapter_name` of the `PeftModel` `model` as `(name, tensor)` under PEFT's saved names (what its
     `save_pretrained` writes, full size), for engines that take LoRA adapters beside `export_weights(merge_lora=False)`.
     Iterated like `export_weights`: on every TP rank, to the end; TP rank 0 gets the tensors."""
@@ -336,4 +368,3 @@ def export_adapters(model: nn.Module, *, adapter_name: str = "default", dtype: t
     tp_group = None if state is None else state.tp_group
     gathers = _Gathers(None, {name: tp_group for name in tensors})
     return _exported(items, size, requests, results, bucket_bytes, gathers, tp_group, lambda name: tensors[name])
-

@@ -17,14 +17,13 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import DTensor
 
-from ...runtime.rows import local_rows
 from ...mesh import Group, group_rank, group_size, named_failure
-from ...runtime.seq_collectives import all_gather_dim0
 from ...planning.placement import Box, Placement
 from ...planning.sharding import Partition, Run
+from ...runtime.rows import local_rows
+from ...runtime.seq_collectives import all_gather_dim0
 
 _TAG = 0x41544257  # apart from the streaming gather's tag and a user's point-to-point tags
 _ALIGN = 16  # every piece starts on this many bytes, so it can be viewed as any dtype
@@ -77,8 +76,11 @@ def _pieces(request: RowRequest, dst: int) -> tuple[int, list[_Piece]]:
 def _shape(request: RowRequest, rank: int, dim: int, rows: int | None = None) -> list[int]:
     shape = list(request.local.shape)
     if shape:
-        shape[dim] = rows if rows is not None else (
-            request.partition.local_size(rank) if request.partition is not None else shape[dim])
+        shape[dim] = (
+            rows
+            if rows is not None
+            else (request.partition.local_size(rank) if request.partition is not None else shape[dim])
+        )
     return shape
 
 
@@ -101,7 +103,7 @@ def gather_rows_to(requests: list[RowRequest], group: Group, dst: int = 0) -> It
     plans = [_pieces(r, dst) for r in requests]
     world = group_size(group)
     me = group_rank(group) if world > 1 else 0
-    if len(requests) == 1 and requests[0].local.dim() and math.prod(requests[0].local.shape[:plans[0][0]]) == 1:
+    if len(requests) == 1 and requests[0].local.dim() and math.prod(requests[0].local.shape[: plans[0][0]]) == 1:
         return _in_place(requests[0], *plans[0], group, dst, me)
     sizes = [0] * world
     where: list[list[int]] = []  # per request, per piece: byte offset in its holder's message (-1: dst's own)
@@ -121,7 +123,8 @@ def gather_rows_to(requests: list[RowRequest], group: Group, dst: int = 0) -> It
                 for piece, offset in zip(pieces, offsets):
                     if piece.holder == me:
                         _view(flat, offset, request, dim, piece.length).copy_(
-                            request.local.narrow(dim, piece.offset, piece.length))
+                            request.local.narrow(dim, piece.offset, piece.length)
+                        )
             with named_failure(group, "bucketed gather"):
                 dist.send(flat, dist.get_global_rank(group, dst), group=group, tag=_TAG)
         return None
@@ -132,7 +135,7 @@ def gather_rows_to(requests: list[RowRequest], group: Group, dst: int = 0) -> It
         works, at = [], 0
         for rank, size in enumerate(sizes):
             if size:
-                received[rank] = buffer[at:at + size]
+                received[rank] = buffer[at : at + size]
                 works.append(dist.irecv(received[rank], dist.get_global_rank(group, rank), group=group, tag=_TAG))
                 at += size
         with named_failure(group, "bucketed gather"):
@@ -141,20 +144,28 @@ def gather_rows_to(requests: list[RowRequest], group: Group, dst: int = 0) -> It
     return _assembled(requests, plans, where, received)
 
 
-def _in_place(request: RowRequest, dim: int, pieces: list[_Piece], group: Group, dst: int,
-              me: int) -> Iterator[torch.Tensor] | None:
+def _in_place(
+    request: RowRequest, dim: int, pieces: list[_Piece], group: Group, dst: int, me: int
+) -> Iterator[torch.Tensor] | None:
     """One tensor's runs sent one by one and received straight into the result (every run is contiguous there)."""
     if me != dst:
-        mine = [request.local.narrow(dim, p.offset, p.length).to(request.dtype).contiguous()
-                for p in pieces if p.holder == me]
+        mine = [
+            request.local.narrow(dim, p.offset, p.length).to(request.dtype).contiguous()
+            for p in pieces
+            if p.holder == me
+        ]
         with named_failure(group, "bucketed gather"):
             for work in [dist.isend(t, dist.get_global_rank(group, dst), group=group, tag=_TAG) for t in mine]:
                 work.wait()
         return None
-    out = torch.empty(_shape(request, 0, dim, sum(p.length for p in pieces)), dtype=request.dtype,
-                      device=request.local.device)
-    works = [dist.irecv(out.narrow(dim, p.at, p.length), dist.get_global_rank(group, p.holder), group=group, tag=_TAG)
-             for p in pieces if p.holder != dst]
+    out = torch.empty(
+        _shape(request, 0, dim, sum(p.length for p in pieces)), dtype=request.dtype, device=request.local.device
+    )
+    works = [
+        dist.irecv(out.narrow(dim, p.at, p.length), dist.get_global_rank(group, p.holder), group=group, tag=_TAG)
+        for p in pieces
+        if p.holder != dst
+    ]
     for p in pieces:
         if p.holder == dst:
             out.narrow(dim, p.at, p.length).copy_(request.local.narrow(dim, p.offset, p.length))
@@ -164,8 +175,9 @@ def _in_place(request: RowRequest, dim: int, pieces: list[_Piece], group: Group,
     return iter([out])
 
 
-def _assembled(requests: list[RowRequest], plans: list, where: list[list[int]],
-               received: dict[int, torch.Tensor]) -> Iterator[torch.Tensor]:
+def _assembled(
+    requests: list[RowRequest], plans: list, where: list[list[int]], received: dict[int, torch.Tensor]
+) -> Iterator[torch.Tensor]:
     for request, (dim, pieces), offsets in zip(requests, plans, where):
         if len(pieces) == 1 and offsets[0] == -1:  # dst's own rows: a copy, so no one writes into the model
             piece = pieces[0]
@@ -175,8 +187,11 @@ def _assembled(requests: list[RowRequest], plans: list, where: list[list[int]],
         rows = sum(p.length for p in pieces)
         out = torch.empty(_shape(request, 0, dim, rows), dtype=request.dtype, device=request.local.device)
         for piece, offset in zip(pieces, offsets):
-            source = request.local.narrow(dim, piece.offset, piece.length) if offset == -1 else \
-                _view(received[piece.holder], offset, request, dim, piece.length)
+            source = (
+                request.local.narrow(dim, piece.offset, piece.length)
+                if offset == -1
+                else _view(received[piece.holder], offset, request, dim, piece.length)
+            )
             out.narrow(dim, piece.at, piece.length).copy_(source)
         yield out
         del out  # before the next is built: one tensor alive at a time
@@ -186,7 +201,7 @@ def _view(flat: torch.Tensor, offset: int, request: RowRequest, dim: int, length
     """Bytes [offset, ...) of `flat` as `length` rows of the request's tensor, in its delivered dtype."""
     shape = _shape(request, 0, dim, length)
     n = math.prod(shape) * request.dtype.itemsize
-    return flat[offset:offset + n].view(request.dtype).view(shape)
+    return flat[offset : offset + n].view(request.dtype).view(shape)
 
 
 @torch.no_grad()
@@ -207,7 +222,7 @@ def dp_full_many(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         mine, at = torch.zeros(sum(padded), dtype=first.dtype, device=local_rows(first)[0].device), 0
         for i, size in zip(indices, padded):
             local = local_rows(tensors[i])[0]
-            mine[at:at + local.numel()].copy_(local.reshape(-1))
+            mine[at : at + local.numel()].copy_(local.reshape(-1))
             at += size
         gathered = all_gather_dim0(mine, group, of=" of FSDP's rows")
         at = 0
@@ -217,7 +232,7 @@ def dp_full_many(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for rank in range(world):
                 for box in Placement.fsdp(tuple(shape), None, 0, world, rank).boxes():
                     begin = rank * mine.numel() + at
-                    box.in_full(full).copy_(gathered[begin:begin + box.sizes[0] * n].view(box.sizes))
+                    box.in_full(full).copy_(gathered[begin : begin + box.sizes[0] * n].view(box.sizes))
             out[i] = full
             at += size
     return out

@@ -27,9 +27,16 @@ from .export import check_bucket_bytes, export_weights
 _ALIGN = 16
 
 
-def sync_weights(model: nn.Module, engine_group: dist.ProcessGroup | None, *, src: int = 0, merge_lora: bool = True,
-                 dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
-                 device: torch.device | str | None = None) -> None:
+def sync_weights(
+    model: nn.Module,
+    engine_group: dist.ProcessGroup | None,
+    *,
+    src: int = 0,
+    merge_lora: bool = True,
+    dtype: torch.dtype | None = None,
+    bucket_bytes: int = 256 << 20,
+    device: torch.device | str | None = None,
+) -> None:
     """Send the model's weights (`export_weights`' names and values) to every rank of `engine_group`.
 
     Call it on every rank that `export_weights` runs on. `engine_group` is the group on the one trainer rank that
@@ -46,8 +53,14 @@ def sync_weights(model: nn.Module, engine_group: dist.ProcessGroup | None, *, sr
     send_tensors(exported, engine_group, src=src, bucket_bytes=bucket_bytes, device=device)
 
 
-def send_tensors(pairs: Iterable[tuple[str, torch.Tensor]], engine_group: dist.ProcessGroup, *, src: int = 0,
-                 bucket_bytes: int = 256 << 20, device: torch.device | str | None = None) -> None:
+def send_tensors(
+    pairs: Iterable[tuple[str, torch.Tensor]],
+    engine_group: dist.ProcessGroup,
+    *,
+    src: int = 0,
+    bucket_bytes: int = 256 << 20,
+    device: torch.device | str | None = None,
+) -> None:
     """Broadcast `(name, tensor)` pairs to `engine_group` as `sync_weights` does (any source of them: a vLLM
     `WeightSource`, say), then the end of the stream; the engine's ranks run `receive_weights` meanwhile."""
     check_bucket_bytes(bucket_bytes, "autotp.io.rollout.sync.send_tensors")
@@ -58,8 +71,9 @@ def send_tensors(pairs: Iterable[tuple[str, torch.Tensor]], engine_group: dist.P
     _broadcast(engine_group, torch.zeros(1, dtype=torch.int64, device=sender.device or "cpu"), src)
 
 
-def receive_weights(engine_group: dist.ProcessGroup, *, src: int = 0,
-                    device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def receive_weights(
+    engine_group: dist.ProcessGroup, *, src: int = 0, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """On an engine rank: `(name, tensor)` as `sync_weights` sends them, to pass to the engine's `load_weights`.
 
     Each tensor is a view into its bucket's buffer on `device` (CUDA for NCCL), valid until the next is asked for
@@ -81,7 +95,7 @@ def receive_weights(engine_group: dist.ProcessGroup, *, src: int = 0,
         _broadcast(engine_group, payload, src)
         for entry, at in zip(entries, offsets):
             dtype = getattr(torch, entry["dtype"])
-            yield entry["name"], payload[at:at + _nbytes(entry)].view(dtype).view(entry["shape"])
+            yield entry["name"], payload[at : at + _nbytes(entry)].view(dtype).view(entry["shape"])
 
 
 class _Sender:
@@ -106,13 +120,13 @@ class _Sender:
         if self.payload is None:
             self.payload = torch.empty(self.capacity, dtype=torch.uint8, device=tensor.device)
         begin = _aligned(self.at)
-        self.payload[begin:begin + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.payload[begin : begin + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         self.at = begin + tensor.nbytes
         self.entries.append(entry)
 
     def flush(self) -> None:
         if self.entries:
-            self._broadcast(self.entries, self.payload[:self.at])
+            self._broadcast(self.entries, self.payload[: self.at])
         self.entries, self.at = [], 0
 
     def _broadcast(self, entries: list[dict], payload: torch.Tensor) -> None:
@@ -135,4 +149,3 @@ def _nbytes(entry: dict) -> int:
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-

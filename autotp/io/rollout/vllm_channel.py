@@ -26,8 +26,15 @@ TOKEN_ENV = "AUTOTP_SYNC_TOKEN"  # the shared secret: the server's environment, 
 CONNECT_S = 5.0
 
 
-def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float, channel: str = "",
-               connect_s: float | None = None) -> tuple[dist.Store, dist.ProcessGroup]:
+def gloo_group(
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    channel: str = "",
+    connect_s: float | None = None,
+) -> tuple[dist.Store, dist.ProcessGroup]:
     """The trainer (rank 0, the store's host) and the workers, outside either side's own world: the channel's
     store (its keys under the channel's id) and group. Rank 0's store listens on `address` alone. `connect_s`:
     how long this rank tries to reach the store and join the group (default `timeout_s`); every later wait,
@@ -90,11 +97,15 @@ def check_token(token: str, what: str) -> None:
     `what` is refused before anything changes."""
     expected = os.environ.get(TOKEN_ENV, "")
     if not expected:
-        raise PermissionError(f"{BACKEND}: {what} refused: the server has no {TOKEN_ENV} in its environment; start "
-                              f"it with the shared secret the trainer passes to vllm_sync (token= or {TOKEN_ENV})")
+        raise PermissionError(
+            f"{BACKEND}: {what} refused: the server has no {TOKEN_ENV} in its environment; start "
+            f"it with the shared secret the trainer passes to vllm_sync (token= or {TOKEN_ENV})"
+        )
     if not hmac.compare_digest(token.encode(), expected.encode()):
-        raise PermissionError(f"{BACKEND}: {what} refused: its token is not the server's {TOKEN_ENV}; the engine "
-                              f"keeps its weights and its transfer channel")
+        raise PermissionError(
+            f"{BACKEND}: {what} refused: its token is not the server's {TOKEN_ENV}; the engine "
+            f"keeps its weights and its transfer channel"
+        )
 
 
 def in_background(fn, *args) -> Future:
@@ -107,5 +118,6 @@ def in_background(fn, *args) -> Future:
             future.set_result(fn(*args))
         except BaseException as error:  # noqa: BLE001 (handed to the caller)
             future.set_exception(error)
+
     threading.Thread(target=run, daemon=True).start()
     return future

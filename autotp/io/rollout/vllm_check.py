@@ -44,14 +44,18 @@ def _shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]] | None:
         with torch.device("meta"):
             model = named(config) if isinstance(named, type) else AutoModelForCausalLM.from_config(config)
     except Exception as error:  # noqa: BLE001 (any failure to build the reference means: not checked)
-        logger.warning("autotp: the rounds' names and shapes go unchecked: transformers cannot build this engine's "
-                       "model (%s: %s)", type(error).__name__, error)
+        logger.warning(
+            "autotp: the rounds' names and shapes go unchecked: transformers cannot build this engine's model (%s: %s)",
+            type(error).__name__,
+            error,
+        )
         return None
     return {meta.name: tuple(meta.shape) for meta in AutotpWeightSource(model).metadata()}
 
 
-def check_round(received: Sequence[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]],
-                engine: str) -> None:
+def check_round(
+    received: Sequence[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]], engine: str
+) -> None:
     """Raise naming what differs (tensors left out, tensors the engine lacks, other shapes), with the numbers."""
     sent = {name: tuple(tensor.shape) for name, tensor in received}
     missing = [name for name in expected if name not in sent]
@@ -65,12 +69,15 @@ def check_round(received: Sequence[tuple[str, torch.Tensor]], expected: dict[str
     if extra:
         parts.append(f"{len(extra)} tensors the engine's model lacks ({_some(extra, sent)})")
     if reshaped:
-        shown = ", ".join(f"{name} sent {sent[name]} where the engine holds {expected[name]}"
-                          for name in reshaped[:SHOWN])
+        shown = ", ".join(
+            f"{name} sent {sent[name]} where the engine holds {expected[name]}" for name in reshaped[:SHOWN]
+        )
         parts.append(f"{len(reshaped)} of other shapes ({shown}{', ...' if len(reshaped) > SHOWN else ''})")
-    raise ValueError(f"autotp-gloo: the round does not fit the engine's model ({engine}), refused before loading "
-                     f"anything; the engine keeps serving its previous weights: {'; '.join(parts)}. Send the model "
-                     f"the engine serves (the same config), or restart the engine with the trainer's model")
+    raise ValueError(
+        f"autotp-gloo: the round does not fit the engine's model ({engine}), refused before loading "
+        f"anything; the engine keeps serving its previous weights: {'; '.join(parts)}. Send the model "
+        f"the engine serves (the same config), or restart the engine with the trainer's model"
+    )
 
 
 def _some(names: list[str], shapes: dict[str, tuple[int, ...]]) -> str:

@@ -28,8 +28,10 @@ class EngineClient(HTTPVLLMWeightSyncClient):
     def _post(self, path: str, json: dict[str, Any] | None = None, params: dict[str, str] | None = None) -> None:
         response = requests.post(f"{self.base_url}/{path}", json=json, params=params, timeout=self.timeout)
         if not response.ok:
-            raise RuntimeError(f"the vLLM server at {self.base_url} refused /{path} (HTTP {response.status_code}): "
-                               f"{_message(response)}")
+            raise RuntimeError(
+                f"the vLLM server at {self.base_url} refused /{path} (HTTP {response.status_code}): "
+                f"{_message(response)}"
+            )
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         with self.paused():

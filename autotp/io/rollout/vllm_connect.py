@@ -17,18 +17,28 @@ import requests
 import torch.distributed as dist
 from torch import nn
 from vllm.distributed.weight_transfer import (
-    TrainerWeightTransferEngine, WeightTransferTrainerFactory,
+    TrainerWeightTransferEngine,
+    WeightTransferTrainerFactory,
 )
 
-from .vllm_client import EngineClient
 from .vllm_channel import BACKEND, TOKEN_ENV
+from .vllm_client import EngineClient
 from .vllm_gloo import AutotpGlooTrainerInitInfo, register
 from .vllm_source import AutotpWeightSource
 
 
-def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_address: str | None = None,
-              master_port: int | None = None, timeout_s: float = 300.0, token: str | None = None, pause: bool = True,
-              **export_kwargs) -> TrainerWeightTransferEngine:
+def vllm_sync(
+    model: nn.Module,
+    url: str,
+    *,
+    backend: str = BACKEND,
+    master_address: str | None = None,
+    master_port: int | None = None,
+    timeout_s: float = 300.0,
+    token: str | None = None,
+    pause: bool = True,
+    **export_kwargs,
+) -> TrainerWeightTransferEngine:
     """Connect the trainer to the vLLM server at `url`: call it on every trainer rank, once (again after a failed
     round), then `.send_weights()` on every rank each round.
 
@@ -45,8 +55,10 @@ def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_addr
     rank = dist.get_rank() if dist.is_initialized() else 0
     token = token or os.environ.get(TOKEN_ENV, "")
     if backend == BACKEND and not token:
-        raise ValueError(f"autotp.rollout.vllm_sync: no token: pass token= or set {TOKEN_ENV}, the shared secret "
-                         f"the server's environment holds as {TOKEN_ENV} (its workers refuse rounds without it)")
+        raise ValueError(
+            f"autotp.rollout.vllm_sync: no token: pass token= or set {TOKEN_ENV}, the shared secret "
+            f"the server's environment holds as {TOKEN_ENV} (its workers refuse rounds without it)"
+        )
     source = AutotpWeightSource(model, timeout_s=timeout_s, **export_kwargs)
     client = EngineClient(url, timeout=timeout_s, pause=pause)
     register()
@@ -56,8 +68,15 @@ def vllm_sync(model: nn.Module, url: str, *, backend: str = BACKEND, master_addr
         address = master_address or _address_toward(url)
         port = master_port or _free_port()
     if backend == BACKEND:
-        info = AutotpGlooTrainerInitInfo(address or "", port or 0, world or 0, timeout_s=timeout_s,
-                                         bucket_bytes=source.bucket_bytes, token=token, rank=rank)
+        info = AutotpGlooTrainerInitInfo(
+            address or "",
+            port or 0,
+            world or 0,
+            timeout_s=timeout_s,
+            bucket_bytes=source.bucket_bytes,
+            token=token,
+            rank=rank,
+        )
     elif backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 

@@ -34,8 +34,13 @@ import requests
 import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer import (
-    ParamMeta, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource, WeightTransferEngine,
-    WeightTransferEngineFactory, WeightTransferTrainerFactory,
+    ParamMeta,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
 )
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 
@@ -49,8 +54,10 @@ _TAKEN = "taken"  # set in a trainer's store by a worker that another client's i
 
 def register() -> None:
     """vLLM's general-plugin hook, run in every vLLM process: the backend in both factories (once)."""
-    for factory, engine in ((WeightTransferEngineFactory, AutotpGlooWorkerEngine),
-                            (WeightTransferTrainerFactory, AutotpGlooTrainerEngine)):
+    for factory, engine in (
+        (WeightTransferEngineFactory, AutotpGlooWorkerEngine),
+        (WeightTransferTrainerFactory, AutotpGlooTrainerEngine),
+    ):
         try:
             factory.register_engine(BACKEND, engine)
         except ValueError:  # registered already (this process loaded the plugin before)
@@ -103,13 +110,21 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         try:
-            self.store, self.group = gloo_group(init_info.master_address, init_info.master_port, rank,
-                                                init_info.world_size, init_info.timeout_s, init_info.channel,
-                                                connect_s=CONNECT_S)
+            self.store, self.group = gloo_group(
+                init_info.master_address,
+                init_info.master_port,
+                rank,
+                init_info.world_size,
+                init_info.timeout_s,
+                init_info.channel,
+                connect_s=CONNECT_S,
+            )
         except Exception as error:
-            raise RuntimeError(f"{BACKEND}: this engine worker could not join the trainer's transfer group at "
-                               f"{address} within {CONNECT_S:g} s ({type(error).__name__}: {error}); is that "
-                               f"address reachable from the server? vllm_sync(master_address=...) sets it") from error
+            raise RuntimeError(
+                f"{BACKEND}: this engine worker could not join the trainer's transfer group at "
+                f"{address} within {CONNECT_S:g} s ({type(error).__name__}: {error}); is that "
+                f"address reachable from the server? vllm_sync(master_address=...) sets it"
+            ) from error
         self.channel, self.timeout_s = init_info.channel, init_info.timeout_s
 
     def _hand_over(self, to: str) -> None:
@@ -143,11 +158,15 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         info = self.parse_update_info(update_info)
         check_token(info.token, "update_weights")
         if self.group is not None and info.channel != self.channel:
-            raise RuntimeError(f"{BACKEND}: update_weights refused: another client took the transfer channel "
-                               f"(re-initialised it) after this round's trainer opened it; the weights are unchanged")
+            raise RuntimeError(
+                f"{BACKEND}: update_weights refused: another client took the transfer channel "
+                f"(re-initialised it) after this round's trainer opened it; the weights are unchanged"
+            )
         if self.group is None:
-            raise RuntimeError(f"{BACKEND}: no transfer group (never initialised, or closed by a failed round); the "
-                               f"trainer calls autotp.rollout.vllm_sync again to rebuild it")
+            raise RuntimeError(
+                f"{BACKEND}: no transfer group (never initialised, or closed by a failed round); the "
+                f"trainer calls autotp.rollout.vllm_sync again to rebuild it"
+            )
         if info.abandon:
             self._close()
             raise RuntimeError(f"{BACKEND}: the trainer abandoned this round; the model keeps its previous weights")
@@ -155,13 +174,16 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
             self.staged = self._collect()
             return
         if self.receiving is not None and not self.receiving.done():
-            raise RuntimeError(f"{BACKEND}: update_weights refused: a round is still being received on this channel "
-                               f"(an update_weights its trainer never sent to, waiting up to {self.timeout_s:g} s); "
-                               f"call autotp.rollout.vllm_sync again to open a new channel")
+            raise RuntimeError(
+                f"{BACKEND}: update_weights refused: a round is still being received on this channel "
+                f"(an update_weights its trainer never sent to, waiting up to {self.timeout_s:g} s); "
+                f"call autotp.rollout.vllm_sync again to open a new channel"
+            )
         self.receiving = in_background(self.receive_weights, info, self.group)
 
-    def receive_weights(self, update_info: AutotpGlooUpdateInfo,
-                        group: dist.ProcessGroup) -> list[tuple[str, torch.Tensor]]:
+    def receive_weights(
+        self, update_info: AutotpGlooUpdateInfo, group: dist.ProcessGroup
+    ) -> list[tuple[str, torch.Tensor]]:
         """The round from `group`, whole and checked against the engine's model, staged in host memory."""
         try:
             staged = [(name, tensor.clone()) for name, tensor in receive_weights(group)]
@@ -173,8 +195,10 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         names = [name for name, _ in staged]
         if names != update_info.names:
             missing = sorted(set(update_info.names) - set(names))[:3]
-            raise RuntimeError(f"{BACKEND}: the round brought {len(names)} tensors, not the {len(update_info.names)} "
-                               f"declared (missing e.g. {missing}); the model keeps its previous weights")
+            raise RuntimeError(
+                f"{BACKEND}: the round brought {len(names)} tensors, not the {len(update_info.names)} "
+                f"declared (missing e.g. {missing}); the model keeps its previous weights"
+            )
         expected = expected_shapes(self.model_config.hf_config)
         if expected is not None:
             check_round(staged, expected, type(self.model).__name__)
@@ -188,8 +212,9 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
         try:
             return receiving.result(timeout=self.timeout_s)
         except FutureTimeout:
-            raise RuntimeError(f"{BACKEND}: the round had not arrived after {self.timeout_s:g} s; the model keeps its "
-                               f"previous weights") from None
+            raise RuntimeError(
+                f"{BACKEND}: the round had not arrived after {self.timeout_s:g} s; the model keeps its previous weights"
+            ) from None
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -235,8 +260,9 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
 
     init_info_cls = AutotpGlooTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool,
-                 bucket_bytes: int, token: str = "") -> None:
+    def __init__(
+        self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool, bucket_bytes: int, token: str = ""
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.bucket_bytes, self.token = bucket_bytes, token
         self.group: dist.ProcessGroup | None = None
@@ -244,23 +270,42 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
         self.channel = uuid.uuid4().hex  # this connection's id: a round for another client's channel is refused
 
     @classmethod
-    def trainer_init(cls, init_info: AutotpGlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
-                     source: WeightSource | None = None) -> Self:
+    def trainer_init(
+        cls, init_info: AutotpGlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
         if source is None:
             raise ValueError(f"{BACKEND}: the trainer engine needs a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes,
-                     token=init_info.token)
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            bucket_bytes=init_info.bucket_bytes,
+            token=init_info.token,
+        )
         if not engine.is_sender:
             return engine
         address = f"{init_info.master_address}:{init_info.master_port}"
-        worker = dict(master_address=init_info.master_address, master_port=init_info.master_port,
-                      world_size=init_info.world_size, rank_offset=1, timeout_s=init_info.timeout_s,
-                      token=init_info.token, channel=engine.channel)
+        worker = dict(
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            world_size=init_info.world_size,
+            rank_offset=1,
+            timeout_s=init_info.timeout_s,
+            token=init_info.token,
+            channel=engine.channel,
+        )
         exe = ThreadPoolExecutor(max_workers=1)  # the workers join inside the RPC; the trainer joins meanwhile
         try:
             rpc = exe.submit(client.init_weight_transfer_engine, worker)
-            group = in_background(gloo_group, init_info.master_address, init_info.master_port, 0,
-                                   init_info.world_size, init_info.timeout_s, engine.channel)
+            group = in_background(
+                gloo_group,
+                init_info.master_address,
+                init_info.master_port,
+                0,
+                init_info.world_size,
+                init_info.timeout_s,
+                engine.channel,
+            )
             wait([rpc, group], return_when=FIRST_EXCEPTION)
             try:
                 rpc.result()  # the server's refusal (an unknown backend, say) before waiting out the rendezvous
@@ -269,7 +314,8 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
                     f"{BACKEND}: the server refused to open the transfer channel ({error}). Either "
                     f"its {TOKEN_ENV} is unset or not this trainer's token (vllm_sync(token=) or {TOKEN_ENV}), or "
                     f"its workers could not reach this trainer's store at {address} within {CONNECT_S:g} s (pass "
-                    f"vllm_sync(master_address=) an address of this host that the server reaches)") from error
+                    f"vllm_sync(master_address=) an address of this host that the server reaches)"
+                ) from error
             engine.store, engine.group = group.result()
         finally:
             exe.shutdown(wait=False)
@@ -286,8 +332,10 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
                 pass
             return
         if self.group is None:
-            raise RuntimeError(f"{BACKEND}: the transfer group was closed by a failed round; call "
-                               f"autotp.rollout.vllm_sync again (on every trainer rank) before the next send")
+            raise RuntimeError(
+                f"{BACKEND}: the transfer group was closed by a failed round; call "
+                f"autotp.rollout.vllm_sync again (on every trainer rank) before the next send"
+            )
         info = {"names": [m.name for m in meta], "token": self.token, "channel": self.channel}
         self._start(info)
         try:
@@ -298,10 +346,12 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
             taken = self._taken()
             self.shutdown()
             if taken is not None:  # the channel's session is the other client's now: leave it
-                raise RuntimeError(f"{BACKEND}: another client took the engine's transfer channel (it re-initialised "
-                                   f"it, with its store at {taken}), so this round was refused and the engine keeps "
-                                   f"its weights; call autotp.rollout.vllm_sync again (on every trainer rank) to "
-                                   f"take it back") from error
+                raise RuntimeError(
+                    f"{BACKEND}: another client took the engine's transfer channel (it re-initialised "
+                    f"it, with its store at {taken}), so this round was refused and the engine keeps "
+                    f"its weights; call autotp.rollout.vllm_sync again (on every trainer rank) to "
+                    f"take it back"
+                ) from error
             self._close_session({**info, "abandon": True})
             raise
         self.client.finish_weight_update()
@@ -348,8 +398,10 @@ def _checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str,
     try:
         for (name, tensor), declared in zip(pairs, meta, strict=True):
             if (name, tensor.dtype, tuple(tensor.shape)) != (declared.name, declared.dtype, declared.shape):
-                raise ValueError(f"{BACKEND}: the source yielded {name} {tensor.dtype} {tuple(tensor.shape)} where "
-                                 f"its metadata() declared {declared.name} {declared.dtype} {declared.shape}")
+                raise ValueError(
+                    f"{BACKEND}: the source yielded {name} {tensor.dtype} {tuple(tensor.shape)} where "
+                    f"its metadata() declared {declared.name} {declared.dtype} {declared.shape}"
+                )
             yield name, tensor
     finally:
         close = getattr(pairs, "close", None)

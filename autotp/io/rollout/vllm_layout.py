@@ -24,8 +24,10 @@ def vocab_partition(vocab: int, tp_size: int) -> Partition:
     """vLLM's vocabulary rows per rank: the padded vocabulary cut in equal blocks, each clipped to the real rows."""
     padded = -(-vocab // PADDING) * PADDING
     if padded % tp_size:
-        raise ValueError(f"autotp: EngineLayout.vllm({tp_size}): vLLM splits the {padded} padded vocabulary rows "
-                         f"evenly over its ranks, which {tp_size} does not divide")
+        raise ValueError(
+            f"autotp: EngineLayout.vllm({tp_size}): vLLM splits the {padded} padded vocabulary rows "
+            f"evenly over its ranks, which {tp_size} does not divide"
+        )
     block = padded // tp_size
     runs = tuple(((min(r * block, vocab), max(0, min((r + 1) * block, vocab) - r * block)),) for r in range(tp_size))
     return Partition(0, vocab, runs)
@@ -38,15 +40,20 @@ def vllm_partitions(model: nn.Module, plan: Plan, partitions: dict[str, Partitio
         raise NotImplementedError(
             f"autotp: EngineLayout.vllm: vLLM reorders {INTERLEAVED_QKV[model_type]}'s per-head interleaved fused "
             f"q/k/v into q|k|v before cutting its ranks' rows, which autotp does not produce; send full tensors "
-            f"(target=None, what vLLM's load_weights takes) instead")
+            f"(target=None, what vLLM's load_weights takes) instead"
+        )
     if plan.vocab is None:
         raise NotImplementedError(
             f"autotp: EngineLayout.vllm: vLLM splits the vocabulary over its ranks, and autotp's plan for "
-            f"{type(model).__name__} keeps the LM head whole; send full tensors (target=None) instead")
+            f"{type(model).__name__} keeps the LM head whole; send full tensors (target=None) instead"
+        )
     rows = vocab_partition(plan.vocab.partition.full_size, plan.tp_size)
     out = dict(partitions)
-    for name in (f"{plan.vocab.head}.weight", f"{plan.vocab.head}.bias",
-                 *([f"{plan.vocab.embedding}.weight"] if plan.vocab.embedding is not None else [])):
+    for name in (
+        f"{plan.vocab.head}.weight",
+        f"{plan.vocab.head}.bias",
+        *([f"{plan.vocab.embedding}.weight"] if plan.vocab.embedding is not None else []),
+    ):
         if name in out:
             out[name] = rows.with_dim(out[name].dim)
     return out

@@ -33,9 +33,11 @@ class CpuExpertPrepack:
 
     def __enter__(self) -> None:
         for _layer, experts in self.layers:
+
             def recorded(target: torch.nn.Module, run=experts.process_weights_after_loading) -> None:
                 self.done.add(id(target))
                 run(target)
+
             experts.process_weights_after_loading = recorded  # this instance only, until __exit__
 
     def __exit__(self, *_: object) -> None:
@@ -58,10 +60,16 @@ def unprocessed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    return [layer for layer in model.modules()
-            if isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase)
-            and (info := LAYERWISE_INFO.get(layer)) is not None and info.can_load() and info.load_numel <= 0
-            and info.load_numel_total and not is_deferred_attention_layer(layer)]
+    return [
+        layer
+        for layer in model.modules()
+        if isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase)
+        and (info := LAYERWISE_INFO.get(layer)) is not None
+        and info.can_load()
+        and info.load_numel <= 0
+        and info.load_numel_total
+        and not is_deferred_attention_layer(layer)
+    ]
 
 
 def process_tied(model: torch.nn.Module, skipped: list[torch.nn.Module]) -> None:
@@ -69,6 +77,7 @@ def process_tied(model: torch.nn.Module, skipped: list[torch.nn.Module]) -> None
     reflect processing from one of the parent layers") for each of `skipped` whose weight another, loaded, layer
     holds too: on CPU it rebuilds the LM head's packed copy of the new embedding, which vLLM 0.32 keeps from the
     first load (new weights, old head). Only those: processing a layer twice would pack packed weights."""
+
     def storages(layer: torch.nn.Module) -> set[int]:
         return {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False) if p.numel()}
 

@@ -19,8 +19,8 @@ from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 from ...compat.peft import base_keys, peft_inner
 from ...compat.torch import gloo_timeouts_at_most
 from ...state import outside_module_holders
-from .export import export_weights
 from ..hf.parts import saved_layout
+from .export import export_weights
 
 
 class AutotpWeightSource(WeightSource):
@@ -29,8 +29,15 @@ class AutotpWeightSource(WeightSource):
     themselves. `timeout_s`: while it is iterated, the most any of this rank's gloo groups waits on another rank
     (`vllm_sync`'s), so a trainer rank stalled mid-round fails the others within it."""
 
-    def __init__(self, model: nn.Module, *, merge_lora: bool = True, dtype: torch.dtype | None = None,
-                 bucket_bytes: int = 256 << 20, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        merge_lora: bool = True,
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int = 256 << 20,
+        timeout_s: float | None = None,
+    ) -> None:
         self.model, self.merge_lora, self.dtype, self.bucket_bytes = model, merge_lora, dtype, bucket_bytes
         self.timeout_s = timeout_s
 
@@ -45,8 +52,9 @@ class AutotpWeightSource(WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         with gloo_timeouts_at_most(self.timeout_s):  # the training group's (often 30 min) would bound a stall
-            yield from export_weights(self.model, merge_lora=self.merge_lora, dtype=self.dtype,
-                                      bucket_bytes=self.bucket_bytes)
+            yield from export_weights(
+                self.model, merge_lora=self.merge_lora, dtype=self.dtype, bucket_bytes=self.bucket_bytes
+            )
 
     def held_names(self) -> None:
         """None: every tensor. Under TP each exporting rank takes part in every tensor's gather, so none holds a

@@ -229,7 +229,8 @@ class Patch(_Entry):
 
     def __init__(self, obj: object, name: str, value: Any, restore: Callable[[], None] | None = None):
         super().__init__()
-        self.obj, self.name, self.value = weakref.ref(obj), name, value
+        self.obj: Callable[[], object | None] = weakref.ref(obj)  # a deep copy's: its object, or nothing
+        self.name, self.value = name, value
         self.restore = restore if restore is not None else _setter(obj, name, value)
         vars(obj).setdefault(_KEPT, []).append(self)
 

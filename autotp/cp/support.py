@@ -17,7 +17,7 @@ def refuse_unsupported(model: nn.Module, cp_size: int) -> str:
     """The model's attention implementation, or a refusal naming what context parallelism cannot do with parity."""
     config = model.config
     implementation = attn_implementation(config)
-    if implementation not in _SUPPORTED and not is_varlen(implementation):
+    if implementation is None or (implementation not in _SUPPORTED and not is_varlen(implementation)):
         raise NotImplementedError(
             f"cp_size={cp_size}: attention '{implementation}' is not supported under context "
             f"parallelism; load the model with attn_implementation='sdpa', 'eager' or a "

@@ -22,7 +22,7 @@ from ..io.checkpoint.save import write
 from ..io.errors import CheckpointError
 from ..io.hf.load import checkpoint_files, load_params
 from ..io.hf.save import save_pretrained
-from ..state import find_state
+from ..state import state_of
 
 _SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
 _OPTIMIZER = "optimizer"  # the optimizer state's checkpoint directory, inside Trainer's checkpoint-N/
@@ -67,7 +67,7 @@ def load_optimizer_and_scheduler(trainer: Trainer, checkpoint: str | None) -> No
 
 def _read_per_rank_optimizer(trainer: Trainer, checkpoint: str) -> None:
     """The older format: one file per TP rank (under FSDP, per TP and DP rank), named by this run's layout."""
-    fsdp = find_state(trainer.model).fsdp
+    fsdp = state_of(trainer.model).fsdp
     name = f"optimizer.tp{tp_rank(trainer.model)}-of-{tp_size(trainer.model)}"
     name += f".dp{dp_rank(trainer.model)}-of-{dp_size(trainer.model)}.pt" if fsdp else ".pt"
     path = os.path.join(checkpoint, name)

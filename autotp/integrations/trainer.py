@@ -36,7 +36,7 @@ from ..dp.fsdp import fully_shard as autotp_fully_shard
 from ..mesh import group_size, named_failure
 from ..runtime.collectives import all_gather
 from ..runtime.rng import sync_replicated_stream
-from ..state import find_state, wrapped_model
+from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 
@@ -90,7 +90,7 @@ class AutoTPTrainer(Trainer):
         trainer_compat.own_clipping(self)
         check_trl_setup(self)
         model = wrapped_model(self.model)
-        if fully_shard and not find_state(model).fsdp:
+        if fully_shard and not state_of(self.model).fsdp:
             autotp_fully_shard(model, **({} if fully_shard is True else fully_shard))
         sync_replicated_stream(tp_group(self.model))  # a trainer may seed each process apart (TRL's GRPO does)
 
@@ -113,7 +113,7 @@ class AutoTPTrainer(Trainer):
         if not trainer_compat.is_prepared(self, model):  # bf16 / fp16: autocast, as Trainer's prepare does
             self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         group = dp_cp_group(model)  # DP x CP: the average sums over CP (each CP rank's share counts C times)
-        state = find_state(model)  # FSDP reduces gradients over DP x CP itself; under EP, `training_step` syncs them
+        state = state_of(model)  # FSDP reduces gradients over DP x CP itself; under EP, `training_step` syncs them
         if group_size(group) > 1 and not state.fsdp and state.allows_ddp():
             device = next(model.parameters()).device
             return DistributedDataParallel(
@@ -279,7 +279,7 @@ class AutoTPTrainer(Trainer):
         expert parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before
         Trainer clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not find_state(self.model).allows_ddp() and self.accelerator.sync_gradients:
+        if not state_of(self.model).allows_ddp() and self.accelerator.sync_gradients:
             allreduce_gradients(wrapped_model(self.model))
         group = dp_group(self.model)
         if group_size(group) > 1:

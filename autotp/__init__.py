@@ -21,7 +21,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `tp`, `tp.overlap`, `tp.glu`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
-   `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
+   `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
    `ep.apply`, `ep.dimension`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
@@ -34,7 +34,8 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `integrations.hf_methods`, `parallelize`, `api`
 8. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.trainer`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
+9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.trainer`,
+   `integrations.trainer_checkpoints`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
 """
 
 from . import rollout as rollout  # vLLM-free: autotp.rollout.vllm_sync imports vLLM when called

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Unpack
+from typing import Any, Callable, Mapping, Unpack, cast
 
 import torch
 import torch.distributed as dist
@@ -161,8 +161,9 @@ def _shard(
         error = err
     if options.tp_group is not None or any(n > 1 for n in options.sizes().values()):
         if not dist.is_initialized() and launched_by_torchrun():  # the ranks then compare their plans over the world
-            init_from_env(options.timeout or DEFAULT_TIMEOUT)
+            init_from_env(cast(timedelta | None, options.timeout) or DEFAULT_TIMEOUT)  # seconds made a timedelta
     _planned_everywhere(error, options, call)
+    assert plan is not None  # always: planning that failed here (`error`) made `_planned_everywhere` raise
     mesh, timeout = _mesh(options)
     if mesh.grid is not None:  # at tp 1 (and every size 1) no collective: some ranks only may wrap
         check_agreement(model, tp_size, options, plan, mesh.compared(), call)
@@ -212,7 +213,7 @@ def _planned_everywhere(error: Exception | None, options: WrapOptions, call: str
         )
     ):
         failed, sizes_by_rank = outcomes(error, group, sizes)
-    check_sizes(sizes_by_rank, call)
+    check_sizes(cast(dict[int, tuple[tuple[tuple[str, int], ...], bool]], sizes_by_rank), call)  # each rank's `sizes`
     agree(
         error,
         group,
@@ -238,7 +239,8 @@ def _options(call: str, tp_size: int, keywords: Mapping[str, Any]) -> WrapOption
 def _mesh(options: WrapOptions) -> tuple[Mesh, timedelta]:
     """This rank's mesh and the timeout of its groups; torch.distributed was initialised from launcher variables, if
     needed, by `_shard`."""
-    timeout, tp_group, sizes = options.timeout, options.tp_group, options.sizes()
+    timeout, tp_group, sizes = cast(timedelta | None, options.timeout), options.tp_group, options.sizes()
+    # (`WrapOptions.__post_init__` made a number of seconds a timedelta)
     if not dist.is_initialized():
         if tp_group is not None or any(n > 1 for n in sizes.values()):
             needs = next(

@@ -25,7 +25,7 @@ from .io.errors import CheckpointError
 from .testing.parity import GRAD_RTOL, LOSS_ATOL, PARAM_ATOL
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
     from .planning.policy import Policy
 
@@ -221,7 +221,8 @@ def _verify_rank(rank: int, world: int, spec: str, steps: int, policy: str | Non
     config = load_config(spec)
     with quiet_transformers():
         if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-            model = model_class(config, task).from_pretrained(path, dtype=torch.float32)
+            cls: type[PreTrainedModel] = model_class(config, task)  # an auto class's model class
+            model = cls.from_pretrained(path, dtype=torch.float32)
         else:
             model = build(config, task=task)
         ids, labels, inputs = training_inputs(model)
@@ -374,7 +375,7 @@ def cli_wording(message: str) -> str:
     return message
 
 
-def shard_size(text: str) -> str:
+def shard_size(text: str) -> int | str:
     """argparse type: a size such as 5GB or 500MB (transformers' units), or a number of bytes."""
     if not re.fullmatch(r"\d+|\d+(\.\d+)?\s*[KMGT]B", text.strip(), re.IGNORECASE):
         raise argparse.ArgumentTypeError(f"a size such as 5GB or 500MB (units KB, MB, GB, TB), got {text!r}")

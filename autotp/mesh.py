@@ -212,6 +212,7 @@ class Mesh:
     def rank_groups(self, *axes: str) -> list[tuple[int, ...]]:
         """Every group along `axes` in the world, as global ranks, in the order every rank creates them."""
         grid, names = (self.experts, EXPERT_AXES) if axes[0] in EXPERT_AXES else (self.grid, AXES)
+        assert grid is not None  # always: asked only of a mesh over the world (`build_mesh`; experts at ep > 1)
         rest = [a for a in names if a not in axes]
         order = [names.index(a) for a in rest] + [names.index(a) for a in axes]
         width = math.prod(grid.shape[names.index(axis)] for axis in axes)
@@ -247,7 +248,7 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
     for axes in _VIEWS + ([("ep",), ("edp",)] if ep > 1 else []):
         if axes == ("tp",) and tp_group is not None:
             mesh.groups[axes] = tp_group
-        elif axes in (("dp",), DP_CP, ("ep",), ("edp",)) or mesh.grid.shape[AXES.index(axes[0])] > 1:
+        elif axes in (("dp",), DP_CP, ("ep",), ("edp",)) or grid.shape[AXES.index(axes[0])] > 1:
             mesh.groups[axes] = _view_group(mesh, axes, timeout, made)
     return mesh
 

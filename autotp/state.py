@@ -13,7 +13,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar, cast
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -24,7 +24,13 @@ from .planning.plan import Plan
 
 _ATTR = "autotp_state"
 Hook = TypeVar("Hook", bound=Callable)
-D = TypeVar("D")
+
+
+class _Axis(Protocol):
+    name: str  # the mesh axis a dimension (`autotp.runtime.dimension.Dimension`) is kept under in `TPState.dims`
+
+
+D = TypeVar("D", bound=_Axis)
 _live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapped model -> the pid that wrapped it
 
 
@@ -89,7 +95,7 @@ class TPState:
     @property
     def timeout(self) -> timedelta:
         """What every group autotp creates for this model waits for a peer (resolved by `wrap`)."""
-        return self.options.timeout
+        return cast(timedelta, self.options.timeout)  # `wrap` resolved it to a timedelta
 
     # Gathered mode (GatherReplacedLayerParams): `gathered` is switched by `autotp.tp.apply.set_gathered` and
     # read only here, so no hook has to remember it.

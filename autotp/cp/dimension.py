@@ -12,8 +12,9 @@ from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.rollback import Removable
 from ..state import TPState
-from .apply import ContextParallel, install, refuse_unsupported
+from .apply import ContextParallel, install
 from .dropout import dropout_on
+from .support import refuse_unsupported
 
 
 class ContextParallelism(Dimension):

@@ -83,11 +83,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         if norm_type == 2.0:  # rows held by k ranks add 1/k of their square on each
             total = grad.pow(2).sum()
             for offset, length, holders in shard.partition.replicas(shard.rank):
-                span: Box | None = Box((offset,), (length,), (offset,))
+                span = Box((offset,), (length,), (offset,))
                 if dim == 0:  # the part of the span among this rank's rows
-                    span = span.clip(0, first, grad.shape[0], local=True)
-                    if span is None:
+                    clipped = span.clip(0, first, grad.shape[0], local=True)
+                    if clipped is None:
                         continue
+                    span = clipped
                 total -= grad.narrow(dim, span.at[0], span.sizes[0]).pow(2).sum() * (1 - 1 / len(holders))
             sharded = sharded + total
         else:

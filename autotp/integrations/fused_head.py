@@ -13,7 +13,7 @@ import functools
 import inspect
 import types
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -57,13 +57,15 @@ def make_vocab_parallel(model: nn.Module, state: TPState, fused: Callable, train
     model.forward = types.MethodType(_fused_forward(state, settings), model)
 
 
-def _fused_forward(state: TPState, settings: dict[str, Any]) -> Callable:
+def _fused_forward(state: TPState, settings: Mapping[str, Any]) -> Callable:
     """TRL's fused forward (`trl.trainer.utils.add_fused_lm_head`) on vocab-sharded logits, one shard at a time."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     original, outputs = settings["original_forward"], tuple(settings["outputs"])
     temperature, softcap, scale = settings["temperature"], settings["final_logit_softcapping"], settings["logit_scale"]
-    partition = state.plan.vocab.partition
+    vocab = state.plan.vocab
+    assert vocab is not None  # always: the only caller (`autotp.integrations.trl`) makes it vocab-parallel only then
+    partition = vocab.partition
     ((start, _),) = partition.runs[group_rank(state.tp_group)]
 
     @functools.wraps(getattr(original, "__func__", original))  # `generate` checks its keywords against the signature
@@ -99,8 +101,10 @@ def _fused_forward(state: TPState, settings: dict[str, Any]) -> Callable:
                 logits, labels[mask], start, partition.full_size, state.tp_group, outputs
             )
         # masked_scatter keeps an all-masked micro-batch connected to the model, as TRL's does
-        log_probs, entropy, log_sum_sq, mean, top1 = (
-            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token
+        first, *statistics = per_token  # the log-probs, always computed; the statistics not asked for are None
+        log_probs = first.new_zeros(mask.shape).masked_scatter(mask, first)
+        entropy, log_sum_sq, mean, top1 = (
+            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in statistics
         )
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from ..dp.fsdp import Unsharded
 from ..state import find_state, wrapped_model
@@ -32,7 +33,7 @@ class GatherReplacedLayerParams:
         self.model = model
         self.state = find_state(model)
         self._active = False
-        self._step_guard = None
+        self._step_guard: RemovableHandle | None = None
         self._unsharded: Unsharded | None = None
         self._stepped_on: set[int] = set()
         self._standalone: list[ParallelLinear] = []  # the layers gathered here, without a wrapped model's state
@@ -64,7 +65,8 @@ class GatherReplacedLayerParams:
     def __exit__(self, *exc) -> None:
         if not self._active:
             return
-        self._step_guard.remove()
+        if self._step_guard is not None:  # always while active: `_guard_steps` sets both
+            self._step_guard.remove()
         self._active = False
         if self.state is None:
             for layer in self._standalone:

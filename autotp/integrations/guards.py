@@ -26,7 +26,7 @@ from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
 from ..dp.fsdp import check_mesh
 from ..runtime.input_agreement import check_same_batch
-from ..runtime.process_hooks import module_forward_pre_hook, watch_optimizer_steps
+from ..runtime.process_hooks import Hold, module_forward_pre_hook, watch_optimizer_steps
 from ..runtime.replicas import check_replicas
 from ..runtime.slot_guard import SlotGuard
 from ..state import TPState, refuse_torch_fsdp, state_of
@@ -72,7 +72,7 @@ class DDPGuard:
 
     def __init__(self, model: nn.Module, ignored: tuple[str, ...] = ()):
         self.model, self.ignored = model, ignored
-        self._pending = None
+        self._pending: Hold | None = None
 
     def __iter__(self) -> Iterator[str]:
         ddp = _ddp_under_construction()
@@ -84,7 +84,8 @@ class DDPGuard:
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if isinstance(module, DistributedDataParallel) and module.module is self.model:
-            self._pending.remove()
+            if self._pending is not None:  # always: this hook runs only while `_pending` holds it
+                self._pending.remove()
             self._pending = None
             self.check(module.process_group)
 

@@ -16,9 +16,7 @@ it does for TRL's trainers only (GRPO's generation batches, the fused LM head) i
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -30,28 +28,17 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
-from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_rank, tp_size
+from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_size
 from ..compat import check_versions
 from ..compat import trainer as trainer_compat
-from ..compat.hf import adapter_module
 from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
 from ..dp.fsdp import fully_shard as autotp_fully_shard
-from ..io.checkpoint.legacy import as_params
-from ..io.checkpoint.legacy_optimizer import OPTIMIZER_FILE, layout_difference
-from ..io.checkpoint.restore import read
-from ..io.checkpoint.save import write
-from ..io.errors import CheckpointError
-from ..io.hf.load import checkpoint_files, load_params
-from ..io.hf.save import save_pretrained
 from ..mesh import group_size, named_failure
 from ..runtime.collectives import all_gather
 from ..runtime.rng import sync_replicated_stream
-from ..state import find_state, wrapped_model
+from ..state import state_of, wrapped_model
+from . import trainer_checkpoints
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
-
-_SCHEDULER = "scheduler.pt"  # Trainer's name, so its checkpoint rotation and resume logic find it
-_OPTIMIZER = "optimizer"  # the optimizer state's checkpoint directory, inside Trainer's checkpoint-N/
-_ADAPTER = "adapter_model.safetensors"  # PEFT's name
 
 
 class _EpochBatches(BatchSampler):
@@ -103,7 +90,7 @@ class AutoTPTrainer(Trainer):
         trainer_compat.own_clipping(self)
         check_trl_setup(self)
         model = wrapped_model(self.model)
-        if fully_shard and not find_state(model).fsdp:
+        if fully_shard and not state_of(self.model).fsdp:
             autotp_fully_shard(model, **({} if fully_shard is True else fully_shard))
         sync_replicated_stream(tp_group(self.model))  # a trainer may seed each process apart (TRL's GRPO does)
 
@@ -126,7 +113,7 @@ class AutoTPTrainer(Trainer):
         if not trainer_compat.is_prepared(self, model):  # bf16 / fp16: autocast, as Trainer's prepare does
             self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         group = dp_cp_group(model)  # DP x CP: the average sums over CP (each CP rank's share counts C times)
-        state = find_state(model)  # FSDP reduces gradients over DP x CP itself; under EP, `training_step` syncs them
+        state = state_of(model)  # FSDP reduces gradients over DP x CP itself; under EP, `training_step` syncs them
         if group_size(group) > 1 and not state.fsdp and state.allows_ddp():
             device = next(model.parameters()).device
             return DistributedDataParallel(
@@ -292,7 +279,7 @@ class AutoTPTrainer(Trainer):
         expert parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before
         Trainer clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not find_state(self.model).allows_ddp() and self.accelerator.sync_gradients:
+        if not state_of(self.model).allows_ddp() and self.accelerator.sync_gradients:
             allreduce_gradients(wrapped_model(self.model))
         group = dp_group(self.model)
         if group_size(group) > 1:
@@ -302,54 +289,12 @@ class AutoTPTrainer(Trainer):
             loss /= group_size(group)
         return loss
 
-    def save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The optimizer state as one checkpoint directory, `optimizer/` (`autotp.io.checkpoint.save`: every state tensor at
-        its full shape under its parameter's name, each rank writing its own rows), which resumes at any tp, dp and
-        fully_shard, in place of Trainer's single `optimizer.pt`, which would hold rank 0's shards only. Collective:
-        Trainer calls it on every rank. The scheduler as Trainer writes it (the scaler Trainer saves apart)."""
-        os.makedirs(output_dir, exist_ok=True)
-        write(
-            os.path.join(output_dir, _OPTIMIZER),
-            self.model,
-            self.optimizer,
-            None,
-            {},
-            overwrite=True,
-            weights=False,
-            rng=False,
-            what="AutoTPTrainer's optimizer save",
-        )
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
-
-    def load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """This rank's part of the optimizer state, at this run's layout whatever the saved one (a checkpoint of
-        autotp before `optimizer/`: this rank's own file, at the layout it was saved at only); then the scheduler.
-        A checkpoint without optimizer state (`save_only_model=True`) resumes with a fresh one, as Trainer's does."""
-        if checkpoint is None:
-            return
-        if os.path.isdir(os.path.join(checkpoint, _OPTIMIZER)):
-            read(os.path.join(checkpoint, _OPTIMIZER), self.model, self.optimizer, None, weights=False)
-        elif any(map(OPTIMIZER_FILE.fullmatch, os.listdir(checkpoint))):
-            self._read_per_rank_optimizer(checkpoint)
-        scheduler = os.path.join(checkpoint, _SCHEDULER)
-        if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
-
-    def _read_per_rank_optimizer(self, checkpoint: str) -> None:
-        """The older format: one file per TP rank (under FSDP, per TP and DP rank), named by this run's layout."""
-        fsdp = find_state(self.model).fsdp
-        name = f"optimizer.tp{tp_rank(self.model)}-of-{tp_size(self.model)}"
-        name += f".dp{dp_rank(self.model)}-of-{dp_size(self.model)}.pt" if fsdp else ".pt"
-        path = os.path.join(checkpoint, name)
-        if not os.path.isfile(path):
-            found = sorted(f for f in os.listdir(checkpoint) if f.startswith("optimizer"))
-            raise CheckpointError(
-                f"{path}: missing, so this rank's optimizer state cannot be restored: "
-                + layout_difference(found, tp_size(self.model), dp_size(self.model) if fsdp else None)
-            )
-        state = torch.load(path, map_location=next(self.model.parameters()).device, weights_only=True)
-        self.optimizer.load_state_dict(as_params(state, self.optimizer))
+    # Trainer's checkpoints, as `autotp.integrations.trainer_checkpoints` writes and reads them
+    save_optimizer_and_scheduler = trainer_checkpoints.save_optimizer_and_scheduler
+    load_optimizer_and_scheduler = trainer_checkpoints.load_optimizer_and_scheduler
+    load_from_checkpoint = trainer_checkpoints.load_from_checkpoint
+    load_best_model = trainer_checkpoints.load_best_model
+    save_to = trainer_checkpoints.save_to
 
     def load_rng_state(self, checkpoint: str | None) -> None:
         """Trainer's: each process its own `rng_state_{i}.pth`. At another layout a TP group may mix ranks that read
@@ -358,30 +303,6 @@ class AutoTPTrainer(Trainer):
         trainer_compat.replaced(self, AutoTPTrainer, "load_rng_state")(checkpoint)
         sync_replicated_stream(tp_group(self.model))
 
-    def load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """The full checkpoint `save_to` wrote, read as this rank's rows into the wrapped model's own parameters; for
-        a model holding PEFT adapters, the adapter PEFT wrote, loaded by PEFT."""
-        if adapter_module(self.model) is not None:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            weights = load_file(os.path.join(resume_from_checkpoint, _ADAPTER))
-            set_peft_model_state_dict(self.model, weights)  # each rank keeps its slices (autotp.io.rollout.adapters)
-            return
-        param = next(self.model.parameters())
-        load_params(
-            self.model,
-            checkpoint_files(Path(resume_from_checkpoint)),
-            param.device,
-            param.dtype,
-            show=self.args.should_save,
-            in_place=True,
-        )
-
-    def load_best_model(self) -> None:
-        """`load_best_model_at_end`: the best checkpoint's full model, read as this rank's rows, in place."""
-        self.load_from_checkpoint(self.state.best_model_checkpoint)
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every rank takes part (`autotp.save_pretrained` is collective); Trainer itself saves on the
         main process only (transformers 5.19 under accelerate's multi-process state), which would leave it
@@ -389,18 +310,6 @@ class AutoTPTrainer(Trainer):
         self.save_to(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
-
-    def save_to(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Every rank takes part in the gather; rank 0 writes the checkpoint, tokenizer and arguments."""
-        output_dir = output_dir or self.args.output_dir
-        if adapter_module(self.model) is not None:  # PEFT's own adapter files, full size (autotp.io.rollout.adapters)
-            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save)
-        else:
-            save_pretrained(self.model, output_dir, into_existing=True)
-        if self.args.should_save:
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
 
 def tp_trainer(trainer_class: type[Trainer]) -> type[Trainer]:

@@ -34,9 +34,12 @@ def check_trl_setup(trainer: Trainer) -> None:
         trainer._tp_size = trainer.get_tp_size() * cp_size(trainer.model)
     for candidate in (trainer.model, getattr(trainer, "ref_model", None)):
         model = wrapped_model(candidate) if candidate is not None else None
-        forward = vars(model).get("forward") if model is not None else None
-        if fused_head(forward) is not None and find_state(model).plan.vocab is not None:
-            make_vocab_parallel(model, find_state(model), forward, type(trainer).__name__)
+        if model is None:
+            continue
+        forward = vars(model).get("forward")
+        state = find_state(model) if fused_head(forward) is not None else None
+        if state is not None and state.plan.vocab is not None:
+            make_vocab_parallel(model, state, forward, type(trainer).__name__)
     if generates(trainer):
         _count_replicas_in_generation_batch(trainer)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import fields
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -49,7 +50,7 @@ def check_sizes(sizes: dict[int, tuple[tuple[tuple[str, int], ...], bool]], call
 
 def _fingerprint(model: nn.Module, tp_size: int, options: WrapOptions, plan: Plan) -> dict[str, dict[str, str]]:
     """What every rank of a group must share: the config, the options and the plan, as named strings."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     flat = _flatten(config.to_dict()) if hasattr(config, "to_dict") else {}
     flat.pop("_name_or_path", None)  # each rank may load its own copy of the files
     agreed = {

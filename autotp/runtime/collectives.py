@@ -185,17 +185,19 @@ def gather_padded(shard: torch.Tensor, partition: Partition, group: dist.Process
         all_gather(buffers, shard, group)
     else:
         mine = group_rank(group) == dst
-        buffers = [torch.empty_like(shard) for _ in range(world)] if mine else None
+        gathered = [torch.empty_like(shard) for _ in range(world)] if mine else None
         with named_failure(group, "gather of full-weight shards to one rank"):
-            dist.gather(shard, buffers, dst=dist.get_global_rank(group, dst), group=group)
-        if not mine:
+            dist.gather(shard, gathered, dst=dist.get_global_rank(group, dst), group=group)
+        if gathered is None:  # not `mine`
             return None
+        buffers = gathered
     return [b.narrow(dim, 0, partition.local_size(r)) for r, b in enumerate(buffers)]
 
 
 def buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list[torch.Tensor]]:
     """Consecutive runs of tensors of one dtype and device, each up to `max_bytes`, to flatten into one collective."""
-    bucket, used = [], 0
+    bucket: list[torch.Tensor] = []
+    used = 0
     for t in tensors:
         size = t.numel() * t.element_size()
         if bucket and (used + size > max_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):

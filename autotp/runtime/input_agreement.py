@@ -107,7 +107,9 @@ def _difference(everyone: list[list[tuple]], ranks: list[int], kind: str) -> str
             ours = first[index] if index < len(first) else None
             other = theirs[index] if index < len(theirs) else None
             if ours != other:
-                name = (ours or other)[0]
+                differing = ours or other
+                assert differing is not None  # always: `ours != other`, so not both None
+                name = differing[0]
                 values = " (same shape, other values)" if ours and other and ours[1:3] == other[1:3] else ""
                 why = "the same batch" if kind == "TP" else "the same whole batch (autotp splits it over CP)"
                 return (

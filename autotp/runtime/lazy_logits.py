@@ -28,7 +28,7 @@ class _LazyLogits:
     def autotp_resolve(self) -> None:
         pending = self.__dict__.get("autotp_pending")
         if pending is not None:
-            self["logits"] = pending()  # ModelOutput keeps it as both item and attribute
+            self["logits"] = pending()  # type: ignore[index]  # mixed into a ModelOutput, an OrderedDict
 
     def __getitem__(self, key):
         if not isinstance(key, str) or key == "logits":

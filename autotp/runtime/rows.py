@@ -34,4 +34,6 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(this rank's rows of `tensor`, the index of the first in its TP shard): FSDP's dim-0 chunk of a DTensor."""
     if not isinstance(tensor, DTensor):
         return tensor, 0
-    return tensor.to_local(), placement(tensor).rows[0]
+    rows = placement(tensor).rows
+    assert rows is not None  # always: `placement` takes FSDP's Shard(0) only, so the tensor has a dim 0 to chunk
+    return tensor.to_local(), rows[0]

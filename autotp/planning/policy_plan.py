@@ -89,9 +89,7 @@ def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
     return found
 
 
-def _count(config, spec: str | int | None, default: int | None = None) -> int:
-    if spec is None:
-        return default
+def _count(config, spec: str | int) -> int:
     if isinstance(spec, int):
         return spec
     value = getattr(config, spec, None)
@@ -109,7 +107,7 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
     if children is None:
         return False
     heads = _count(config, rule.heads)
-    kv = _count(config, rule.kv_heads, heads)
+    kv = heads if rule.kv_heads is None else _count(config, rule.kv_heads)
     row_name = next(iter(rule.row))
     row_in = features(children[row_name])[1]
     if row_in % heads:
@@ -159,10 +157,10 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
             _attr(acc, prefix, "num_key_value_groups", sub.num_key_value_groups, groups)
     for name in rule.local_config:
         value = getattr(config, name)
-        role = "q" if value == heads else "kv" if value == kv else None
-        if role is None:
+        counted = "q" if value == heads else "kv" if value == kv else None
+        if counted is None:
             raise ValueError(f"{path}: config.{name}={value} is neither the query nor the key/value head count")
-        _attr(acc, path, f"config.{name}", value, local[role])
+        _attr(acc, path, f"config.{name}", value, local[counted])
     acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
     local_heads = tuple((r.start, len(r)) for r in layout.q)
     acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
@@ -211,8 +209,9 @@ def _check_width(path: str, what: str, width: int, tp: int) -> None:
 
 
 def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
-    params = {name: getattr(block, name, None) for name in rule.params}
-    if any(not isinstance(p, nn.Parameter) for p in params.values()):
+    found = {name: getattr(block, name, None) for name in rule.params}
+    params = {name: p for name, p in found.items() if isinstance(p, nn.Parameter)}
+    if len(params) != len(found):  # a rule's tensor is missing or not a parameter: not this block
         return False
     widths = {name: params[name].shape[dim] // _parts(spec) for name, (dim, spec) in rule.params.items()}
     width = next(iter(widths.values()))

@@ -131,7 +131,7 @@ def _composite_plan(model: nn.Module, tp_size: int, parts, example: Mapping[str,
                     plan,
                     chosen is not None,
                     twin,
-                    lambda t, path=path, policy=policy: _component_plan(_component_at(t, path), path, tp_size, policy),
+                    functools.partial(_twin_component_plan, path=path, tp_size=tp_size, policy=policy),
                     example,
                 ),
             )
@@ -145,6 +145,11 @@ def _component_at(model: nn.Module, path: str) -> nn.Module:
     if found is None:
         raise ValueError(f"it has no sub-model {path}")
     return found
+
+
+def _twin_component_plan(twin: nn.Module, path: str, tp_size: int, policy: Policy) -> Plan:
+    """The twin's counterpart of the component at `path`, planned as the component was."""
+    return _component_plan(_component_at(twin, path), path, tp_size, policy)
 
 
 def _component_plan(component: nn.Module, path: str, tp_size: int, policy: Policy) -> Plan:

@@ -94,7 +94,7 @@ class AutotpGlooWorkerEngine(WeightTransferEngine[AutotpGlooInitInfo, AutotpGloo
     def _hand_over(self, to: str) -> None:
         """Close the current channel, first marking it taken in its trainer's store, so that trainer's next round
         says another client took it (rather than gloo's "Connection closed by peer")."""
-        if self.group is not None:
+        if self.group is not None and self.store is not None:  # set together, by init_transfer_engine
             try:
                 self.store.set_timeout(datetime.timedelta(seconds=2))
                 self.store.set(TAKEN, to)

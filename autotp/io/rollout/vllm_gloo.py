@@ -204,6 +204,8 @@ class AutotpGlooTrainerEngine(TrainerWeightTransferEngine[AutotpGlooTrainerInitI
 
     def _taken(self) -> str | None:
         """Where the client that took this channel hosts its store, if a worker marked it taken (read in 2 s)."""
+        if self.store is None:  # no store: nothing to read
+            return None
         try:
             self.store.set_timeout(datetime.timedelta(seconds=2))
             return self.store.get(TAKEN).decode() if self.store.check([TAKEN]) else None

@@ -12,7 +12,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.placement`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
-   `planning.planner`, `planning.report`
+   `planning.policy_plan`, `planning.planner`, `planning.report`
 4. the mesh, the state and the shared runtime: `mesh`, `state`, `accessors`, `runtime`, `runtime.rows`, `runtime.collectives`,
    `runtime.seq_collectives`, `runtime.grad_hooks`, `runtime.replicas`, `runtime.agreement`, `runtime.rollback`,
    `runtime.process_hooks`, `runtime.slot_guard`, `runtime.input_agreement`, `runtime.rng`, `runtime.shards`,
@@ -28,7 +28,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
    `io.checkpoint.latest`, `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.row_gather`, `io.rollout.export`, `io.rollout.sync`,
-   `io.rollout.vllm_source`, `io.rollout.vllm_channel`, `io.rollout.vllm_reload`, `io.rollout.vllm_gloo`, `io.rollout.vllm_connect`, `io.rollout.vllm_check`,
+   `io.rollout.vllm_source`, `io.rollout.vllm_channel`, `io.rollout.vllm_reload`, `io.rollout.vllm_gloo`, `io.rollout.vllm_gloo_worker`, `io.rollout.vllm_connect`, `io.rollout.vllm_check`,
    `io.rollout.vllm_client`
 7. the integrations and the entry points: `integrations`, `integrations.guards`, `integrations.gather`,
    `integrations.hf_methods`, `parallelize`, `api`

@@ -119,7 +119,7 @@ TASKS = {
 }
 
 
-def model_class(config: PretrainedConfig, task: str | None = None) -> type:
+def model_class(config: PretrainedConfig, task: str | None = None) -> type[Any]:
     """The class that builds `config` for `task` (a key of `TASKS`): transformers' auto class, by default the
     one of the class named in `config.architectures`, else the first task (in `TASKS` order) with a class
     for the config. A config no auto class maps (a sub-model saved alone, such as Emu3's text model) gets

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
 import transformers
@@ -264,7 +264,7 @@ def checkpoint_sources(model: nn.Module, keys: Iterable[str]) -> dict[str, str |
         transforms = internal("transformers.conversion_mapping", "get_model_conversion_mapping")(model)
         rename = internal("transformers.core_model_loading", "rename_source_key")
         natural = internal("transformers.core_model_loading", "dot_natural_key")
-        renaming = internal("transformers.core_model_loading", "WeightRenaming")
+        renaming = cast(type, internal("transformers.core_model_loading", "WeightRenaming"))  # a class
     except RuntimeError:
         return {key: key for key in keys}
     renamings = [t for t in transforms if isinstance(t, renaming)]  # subclasses too (offset indices, prefixes)

@@ -39,14 +39,14 @@ from .versions import missing, require
 
 
 @functools.cache
-def _classes() -> dict[str, tuple[type, ...]] | None:
+def _classes() -> dict[str, tuple[type[Any], ...]] | None:
     """PEFT's classes autotp recognises, imported once; None without PEFT."""
     try:
         import peft  # noqa: F401
     except ImportError:
         return None
 
-    def load(path: str) -> type:
+    def load(path: str) -> type[Any]:
         module, _, name = path.rpartition(".")
         try:
             return getattr(importlib.import_module(module), name)

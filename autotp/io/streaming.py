@@ -50,7 +50,8 @@ def stream_full_to(
         return gather_full_to(shard, partition, group, dst)
     stream = FullStream(shard.detach(), partition, group, dst, write_rows)
     if group_rank(group) != dst:
-        return stream.send()
+        stream.send()
+        return None
     _open.append(stream)
     return stream
 

@@ -9,6 +9,7 @@ HF itself keeps replicated (`colwise_gather_output`, `rowwise_split_input`), sta
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import replace
 from fnmatch import fnmatchcase
 
@@ -52,7 +53,7 @@ def _hf_paths(model: nn.Module, hf_plan: dict[str, str]) -> list[str]:
     return [f"{prefix}.{key}" if prefix else key for key in hf_plan]
 
 
-def _spoken(block: str, paths: list[str]) -> bool:
+def _spoken(block: str, paths: Sequence[str]) -> bool:
     """Whether HF's plan decides `block`: it names the block, a module inside it, or a module holding it."""
     return any(path == block or fnmatchcase(path, f"{block}.*") or fnmatchcase(block, f"{path}.*") for path in paths)
 
@@ -95,7 +96,7 @@ def _block_rule(
     outs = {name: features(children[name])[0] for name in columns}
     row_in = features(children[row_layers[0]])[1]
     looks_like_attention = any(h in block.rsplit(".", 1)[-1].lower() for h in _ATTENTION_HINTS)
-    if looks_like_attention and heads and head_dim and row_in == heads * head_dim:
+    if looks_like_attention and heads and kv and head_dim and row_in == heads * head_dim:  # kv is set with heads
         layout = {}
         for name, out in outs.items():
             if columns[name] != "w" or out not in (heads * head_dim, kv * head_dim):
@@ -151,7 +152,7 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
     return parse_policy(data, name=model.config.model_type, origin=Origin.HF_PLAN)
 
 
-def _from_structure(model: nn.Module, spoken: list[str] = ()) -> Policy:
+def _from_structure(model: nn.Module, spoken: Sequence[str] = ()) -> Policy:
     """Blocks whose direct children are linears reading the hidden size and one linear writing it back, except those
     HF's plan decides (`spoken`: the module patterns it names)."""
     hidden = _field(model.config, "hidden_size")

@@ -108,10 +108,9 @@ class Placement:
                 _with((0,) * len(shape), dim, start), _with(shape, dim, length), _with((0,) * len(shape), dim, offset)
             )
             offset += length
-            if length and self.rows is not None:
-                box = box.clip(0, *self.rows, local=True)
-            if length and box is not None:
-                out.append(box)
+            clipped = box.clip(0, *self.rows, local=True) if length and self.rows is not None else box
+            if length and clipped is not None:
+                out.append(clipped)
         return out
 
     def within(self, dim: int, start: int, length: int) -> list[Box]:

@@ -9,8 +9,7 @@ shipped one, the model config's `base_model_tp_plan` (translated), structural de
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
-from fnmatch import fnmatchcase
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -21,26 +20,14 @@ from transformers import PretrainedConfig
 from ..compat.hf import is_causal_lm
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
-from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, Plan, RegionPlan, Replicated, VocabPlan, Why
-from .policy import Policy, Rule, as_policy, find_policy
-from .sharding import HeadLayout, Partition, layout_partition, split_ranges
+from .plan import LayerPlan, Plan, VocabPlan
+from .policy import Policy, as_policy, find_policy
+from .policy_plan import plan_from_policy
+from .sharding import Partition
 from .twin import structural_twin
 from .verify import apply_verdicts, verdicts, verify_by_emulation
 
 PolicyArg = Policy | str | Path | Mapping[str, Any] | None
-
-# Attributes HF attention code may read to reshape heads, and which count each holds.
-_HEAD_ATTRS = {
-    "num_heads": "q",
-    "num_attention_heads": "q",
-    "n_heads": "q",
-    "n_head": "q",
-    "num_key_value_heads": "kv",
-    "num_kv_heads": "kv",
-    "n_kv_heads": "kv",
-}
-_WIDTH_ATTRS = {"split_size": "q", "embed_dim": "q", "all_head_size": "q", "hidden_size": "q", "kv_dim": "kv"}
 
 
 def build_plan(
@@ -144,7 +131,7 @@ def _composite_plan(model: nn.Module, tp_size: int, parts, example: Mapping[str,
                     plan,
                     chosen is not None,
                     twin,
-                    lambda t, path=path, policy=policy: _component_plan(_component_at(t, path), path, tp_size, policy),
+                    functools.partial(_twin_component_plan, path=path, tp_size=tp_size, policy=policy),
                     example,
                 ),
             )
@@ -160,210 +147,17 @@ def _component_at(model: nn.Module, path: str) -> nn.Module:
     return found
 
 
+def _twin_component_plan(twin: nn.Module, path: str, tp_size: int, policy: Policy) -> Plan:
+    """The twin's counterpart of the component at `path`, planned as the component was."""
+    return _component_plan(_component_at(twin, path), path, tp_size, policy)
+
+
 def _component_plan(component: nn.Module, path: str, tp_size: int, policy: Policy) -> Plan:
     planned, prefix = as_planned(component)
     try:
         return rebased(plan_from_policy(planned, tp_size, policy), prefix, path)
     except ValueError as err:
         raise ValueError(f"{path} ({type(component).__name__}): {err}") from None
-
-
-def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
-    config = model.config
-    modules = dict(model.named_modules())
-    acc = _Accumulator()
-    claimed: set[str] = set()
-    for rule in policy.rules:
-        if any(getattr(config, key, None) != value for key, value in rule.when.items()):
-            continue
-        for path in [name for name in modules if fnmatchcase(name, rule.match) and name not in claimed]:
-            planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts}[rule.kind]
-            if planner(path, modules[path], rule, config, tp_size, acc):
-                claimed.add(path)
-    if policy.rules and not claimed and policy.origin.checked_by_hand:
-        raise ValueError(
-            f"policy {policy.name!r} shards nothing in {type(model).__name__}: no rule matches its modules"
-        )
-    order = {name: i for i, name in enumerate(modules)}
-    acc.layers.sort(key=lambda layer: order[layer.path])
-    sharded = {layer.path for layer in acc.layers}
-    replicated = tuple(
-        (name, Why(Replicated.NOT_COVERED)) for name, m in modules.items() if is_linear(m) and name not in sharded
-    )
-    source = repr(policy.name) + (f" ({policy.description})" if policy.description else "")
-    return Plan(
-        tp_size,
-        policy.origin,
-        source,
-        tuple(acc.layers),
-        tuple(acc.regions),
-        tuple(acc.attrs),
-        tuple(acc.head_norms),
-        tuple(acc.head_inputs),
-        tuple(acc.attention),
-        replicated,
-        vocab_reason=policy.no_vocab_parallel,
-    )
-
-
-@dataclass
-class _Accumulator:
-    layers: list[LayerPlan] = field(default_factory=list)
-    regions: list[RegionPlan] = field(default_factory=list)
-    attrs: list[AttrPlan] = field(default_factory=list)
-    head_norms: list[str] = field(default_factory=list)
-    head_inputs: list[HeadInputPlan] = field(default_factory=list)
-    attention: list[HeadsPlan] = field(default_factory=list)
-
-
-def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
-    """The named descendants of `block` (dotted paths allowed), or None if any is missing."""
-    found = {}
-    for name in names:
-        try:
-            found[name] = block.get_submodule(name)
-        except AttributeError:
-            return None
-    return found
-
-
-def _count(config, spec: str | int | None, default: int | None = None) -> int:
-    if spec is None:
-        return default
-    if isinstance(spec, int):
-        return spec
-    value = getattr(config, spec, None)
-    if not isinstance(value, int):
-        raise ValueError(f"the config has no integer field {spec!r}")
-    return value
-
-
-def _parts(layout: str) -> int:
-    return layout.count("|") + 1
-
-
-def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
-    children = _children(block, [*rule.column, *rule.row])
-    if children is None:
-        return False
-    heads = _count(config, rule.heads)
-    kv = _count(config, rule.kv_heads, heads)
-    row_name = next(iter(rule.row))
-    row_in = features(children[row_name])[1]
-    if row_in % heads:
-        raise ValueError(f"{path}.{row_name}: {row_in} input features are not a whole number of {heads} heads")
-    head_dim = row_in // heads
-    try:
-        layout = HeadLayout.plan(heads, kv, tp)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    owned = {"q": layout.q, "k": layout.kv, "v": layout.kv}
-    units = {"q": head_dim, "k": head_dim, "v": head_dim}
-    for style, mapping in (("column", rule.column), ("row", rule.row)):
-        for name, spec in mapping.items():
-            module = children[name]
-            rows = features(module)[0 if style == "column" else 1]
-            partition = layout_partition(spec, weight_dim(module, style), owned, units, group=heads // kv)
-            if partition.full_size != rows:
-                raise ValueError(
-                    f"{path}.{name}: {rows} {'output' if style == 'column' else 'input'} features, but layout "
-                    f"{spec!r} with {heads} query / {kv} key-value heads of {head_dim} gives {partition.full_size}"
-                )
-            acc.layers.append(
-                LayerPlan(
-                    f"{path}.{name}",
-                    style,
-                    tuple(module.weight.shape),
-                    partition,
-                    f"{spec} over {heads} heads / {kv} kv heads of {head_dim}",
-                    path,
-                )
-            )
-    local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
-    full = {"q": heads, "kv": kv}
-    linears = {id(m) for m in children.values()}
-    for sub_path, sub in block.named_modules():
-        if id(sub) in linears:
-            continue
-        prefix = f"{path}.{sub_path}" if sub_path else path
-        for name, role in _HEAD_ATTRS.items():
-            if getattr(sub, name, None) == full[role] and full[role] != 0:
-                _attr(acc, prefix, name, full[role], local[role])
-        for name, role in _WIDTH_ATTRS.items():
-            if getattr(sub, name, None) == full[role] * head_dim:
-                _attr(acc, prefix, name, full[role] * head_dim, tuple(n * head_dim for n in local[role]))
-        if isinstance(getattr(sub, "num_key_value_groups", None), int):
-            groups = tuple(q // k for q, k in zip(local["q"], local["kv"]))
-            _attr(acc, prefix, "num_key_value_groups", sub.num_key_value_groups, groups)
-    for name in rule.local_config:
-        value = getattr(config, name)
-        role = "q" if value == heads else "kv" if value == kv else None
-        if role is None:
-            raise ValueError(f"{path}: config.{name}={value} is neither the query nor the key/value head count")
-        _attr(acc, path, f"config.{name}", value, local[role])
-    acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
-    local_heads = tuple((r.start, len(r)) for r in layout.q)
-    acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
-    acc.attention.append(HeadsPlan(path, heads, local_heads))
-    return True
-
-
-def _attr(acc: _Accumulator, path: str, name: str, full: int, local: tuple[int, ...]) -> None:
-    if any(v != full for v in local):
-        acc.attrs.append(AttrPlan(path, name, full, local))
-
-
-def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
-    children = _children(block, [*rule.column, *rule.row])
-    if children is None:
-        return False
-    widths = {}
-    for style, mapping in (("column", rule.column), ("row", rule.row)):
-        for name, spec in mapping.items():
-            rows = features(children[name])[0 if style == "column" else 1]
-            widths[name] = rows // _parts(spec) if rows % _parts(spec) == 0 else None
-    width = next(iter(widths.values()))
-    if width is None or any(w != width for w in widths.values()):
-        raise ValueError(f"{path}: the MLP projections disagree on the width: {widths}")
-    _check_width(path, "MLP width", width, tp)
-    owned = {"w": split_ranges(width, tp)}
-    for style, mapping in (("column", rule.column), ("row", rule.row)):
-        for name, spec in mapping.items():
-            module = children[name]
-            partition = layout_partition(spec, weight_dim(module, style), owned, {"w": 1})
-            parts = f" x {_parts(spec)} parts" if _parts(spec) > 1 else ""
-            acc.layers.append(
-                LayerPlan(
-                    f"{path}.{name}", style, tuple(module.weight.shape), partition, f"MLP width {width}{parts}", path
-                )
-            )
-    return True
-
-
-def _check_width(path: str, what: str, width: int, tp: int) -> None:
-    if width < tp:
-        raise ValueError(
-            f"{path}: {what} {width} is smaller than tp_size={tp}, so some rank would hold no column; "
-            f"use a tp_size of at most {width}"
-        )
-
-
-def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
-    params = {name: getattr(block, name, None) for name in rule.params}
-    if any(not isinstance(p, nn.Parameter) for p in params.values()):
-        return False
-    widths = {name: params[name].shape[dim] // _parts(spec) for name, (dim, spec) in rule.params.items()}
-    width = next(iter(widths.values()))
-    if any(w != width for w in widths.values()):
-        raise ValueError(f"{path}: the expert tensors disagree on the expert width: {widths}")
-    _check_width(path, "expert width", width, tp)
-    owned = {"w": split_ranges(width, tp)}
-    partitions = tuple(
-        (name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
-        for name, (dim, spec) in rule.params.items()
-    )
-    acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
-    return True
 
 
 def with_vocab(model: nn.Module, plan: Plan) -> Plan:

@@ -211,7 +211,7 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     """None if the per-rank partial outputs of `block` sum to its recorded output, else why not."""
     if not record or record.get("output") is None:
         return "the probe forward never reached this block"
-    if record.get("row_output") is not record["output"]:
+    if record.get("row_output") is not record.get("output"):  # get: an `is` on record["output"] types it Optional
         return "its output is not the row projection's output, so the reduction point cannot be checked"
     layers = [layer for layer in plan.layers if layer.block == path]
     sharded = {id(p) for layer in layers for p in block.get_submodule(layer.path[len(path) + 1 :]).parameters()}
@@ -229,11 +229,11 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
             total += _partial(block, path, layers, attrs, rank, record).float()
         except Exception as err:  # the block cannot run on a shard at all: keep it whole
             return f"a shard of it fails to run ({_what(err, 100)})"
-    err = (total - expected).abs().max().item()
+    gap = (total - expected).abs().max().item()
     scale = expected.abs().max().item() or 1.0
     tolerance = _relative_tolerance(dtype) * scale
-    if not err <= tolerance:
-        return f"the sum of the emulated shards differs from the block's output by {err:.3g} (scale {scale:.3g})"
+    if not gap <= tolerance:
+        return f"the sum of the emulated shards differs from the block's output by {gap:.3g} (scale {scale:.3g})"
     return None
 
 

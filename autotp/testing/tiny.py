@@ -174,7 +174,7 @@ def _rope_sections(config: PretrainedConfig, default: bool) -> None:
         if isinstance(rope, dict) and default:
             rope.setdefault("mrope_section", [16, 24, 24])
         sections = rope.get("mrope_section") if isinstance(rope, dict) else None
-        if sections and sum(sections) != head_dim // 2:
+        if isinstance(rope, dict) and sections and sum(sections) != head_dim // 2:  # sections: rope is a dict
             half = head_dim // 2
             scaled = [max(1, s * half // sum(sections)) for s in sections]
             scaled[0] += half - sum(scaled)

@@ -24,7 +24,7 @@ def varlen_reference(
     D] out; packed segments by `cu_seq_lens`, causal aligned bottom-right in each), one SDPA call per segment.
     Register it with `transformers.AttentionInterface.register(name, varlen_reference)` under a name containing
     "varlen" (autotp then treats it as a flash function) and set that name as the model's attention."""
-    assert attention_mask is None and cu_seq_lens_q is not None and is_causal
+    assert attention_mask is None and cu_seq_lens_q is not None and cu_seq_lens_k is not None and is_causal
     outputs = []
     for i in range(len(cu_seq_lens_q) - 1):
         qs, qe, ks, ke = (

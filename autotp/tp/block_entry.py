@@ -94,6 +94,7 @@ class BlockEntry:
         if deferred is None:
             return layer.local_linear(x, layer.bias)
         view, index = deferred
+        assert self._pending is not None  # always: _deferred is filled only with a pending set, and cleared with it
         return deferred_column_linear(x, view, layer.bias, self._pending, index)
 
     def record(self, output: torch.Tensor) -> torch.Tensor:

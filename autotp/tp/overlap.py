@@ -7,6 +7,8 @@ partial gradients) is in flight.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -102,8 +104,8 @@ def copy_to_tp_joined(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     group: Group,
-    deferred: list[torch.Tensor] = (),
-    transposed: list[bool] = (),
+    deferred: Sequence[torch.Tensor] = (),
+    transposed: Sequence[bool] = (),
 ) -> tuple[list[torch.Tensor], DeferredWeights | None]:
     """`copy_to_tp` of `x`, and `weights` (replicated, each rank's gradient partial) entering with it: ([x, *weights,
     *deferred] as used inside the span, the DeferredWeights). The weights' gradients are summed over the TP group

@@ -104,7 +104,7 @@ class Reader:
         with torch.no_grad():
             for name, tensor in self.current.items():
                 tensor.copy_(self.saved[name])
-        if self.optimizer_state is not None:
+        if self.optimizer is not None and self.optimizer_state is not None:  # read only with an optimizer
             self.optimizer.load_state_dict(as_params(self.optimizer_state, self.optimizer))
         if self.scheduler is not None and self.rank_state["scheduler"] is not None:
             self.scheduler.load_state_dict(self.rank_state["scheduler"])

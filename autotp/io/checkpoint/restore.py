@@ -86,6 +86,7 @@ def read(
         raise error
     if failed:
         raise CheckpointError(f"{directory}: nothing was loaded, as loading failed on {describe(failed)}")
+    assert plan is not None  # always: the try either built it or set error, raised above
     return plan.restore()
 
 
@@ -117,8 +118,9 @@ class _Reader:
                 f"optimizer/); load the model from the full checkpoint beside it"
             )
         index = read_index(directory)
-        self.entries: dict[str, Any] = model_entries(model) if weights else {}
+        self.entries: dict[str, Any] = {}  # DCP key -> what it is read into (built apart: it holds b"" too)
         if weights:
+            self.entries.update(model_entries(model))
             self._check_model(index)
         self.same_layout = all(meta.get(k) == v for k, v in layout(model).items() if k in _LAYOUT)
         self.rng_key = f"rng/{global_rank() if self.same_layout else 0}" if meta.get("rng", True) else None

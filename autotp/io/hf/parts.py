@@ -61,7 +61,7 @@ def local_part(tensor: torch.Tensor, shard: Shard | None, part: SavedPart) -> tu
         run = (i, 1) if isinstance(i, int) else i
         if run is None:
             continue
-        if partition is not None and dim == partition.dim:
+        if shard is not None and partition is not None and dim == partition.dim:  # partition comes from shard
             boxes = Placement(shard.full_shape(local.shape), partition, shard.rank).within(dim, *run)
             mine, partition = [box.view(local) for box in boxes], window(partition, *run)
             local = torch.cat(mine, dim=dim) if len(mine) > 1 else mine[0] if mine else local.narrow(dim, 0, 0)

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -88,7 +89,9 @@ class SafetensorsWriter:
             raise RuntimeError(f"safetensors writer expected {expected}, got {got}")
         nbytes = math.prod(expected[2]) * expected[1].itemsize
         if isinstance(tensor, torch.Tensor):
-            pieces = [(0, memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))]
+            pieces: Iterable[tuple[int, memoryview | list[memoryview]]] = [
+                (0, memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+            ]
         else:
             if self._shared:
                 tensor.write_into(os.fsencode(os.path.abspath(self.path)), self._shared, self._position)

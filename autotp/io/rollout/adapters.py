@@ -38,7 +38,7 @@ def gathered_adapters(model: nn.Module) -> Iterator[None]:
     `get_peft_model` writes what training would start from.
     """
     state, root = find_state(model), wrapped_model(model)
-    if state is None or state.tp_group is None or state.is_gathered():
+    if state is None or root is None or state.tp_group is None or state.is_gathered():  # root: None with state
         yield
         return
     adapt_all(root, state)

@@ -106,6 +106,7 @@ def export_weights(
     loras = _loras_by_tensor(root, keys, params) if merge_lora else {}
     layout = saved_layout(root, params)
     engine = None if target is None else target.partitions(root)
+    engine_tp = 0 if target is None else target.tp_size  # read only where engine (so target) is set
     items = [(name, saved) for name, saved in layout.items()]
     joined = [name for name, saved in items if len(saved.parts) > 1]
     if engine is not None and joined:  # refused before any collective, on every rank alike
@@ -129,7 +130,7 @@ def export_weights(
             if engine is None:
                 reqs.append(RowRequest(rows, partition, None, out_dtype))
                 continue
-            for rank in range(target.tp_size):
+            for rank in range(engine_tp):
                 reqs.append(
                     _engine_request(rows, partition, engine.get(part.source), part.index, rank, out_dtype, name)
                 )
@@ -137,7 +138,7 @@ def export_weights(
 
     def results(name: str, saved: SavedTensor, assembled: Iterator[torch.Tensor]) -> Iterator[tuple]:
         if engine is not None:
-            for rank in range(target.tp_size):
+            for rank in range(engine_tp):
                 yield name, rank, finish_part(next(assembled), saved.parts[0])
             return
         parts = [finish_part(next(assembled), part) for part in saved.parts]
@@ -146,7 +147,7 @@ def export_weights(
     def size(saved: SavedTensor) -> int:
         nbytes = torch.Size(saved.shape).numel() * (dtype or saved.dtype).itemsize
         replicated = engine is not None and saved.parts[0].source not in engine
-        return nbytes * (target.tp_size if replicated else 1)
+        return nbytes * (engine_tp if replicated else 1)
 
     tp_group = None if state is None else state.tp_group
     everyone = state is not None and (state.fsdp or bool(state.split_groups()))
@@ -238,8 +239,8 @@ def _exported(items: list, size, requests, results, bucket_bytes: int, gathers, 
 def _buckets(items: list, size, bucket_bytes: int, key) -> Iterator[list]:
     """Consecutive runs of `items` of about `bucket_bytes` (`size` of each), as `collectives.buckets` cuts tensors;
     a bucket holds items of one `key(name)` only (one group gathers it)."""
-    for _, run in itertools.groupby(items, key=lambda item: key(item[0])):
-        run = list(run)
+    for _, same_key in itertools.groupby(items, key=lambda item: key(item[0])):
+        run = list(same_key)
         stand_ins = [torch.empty(size(saved), dtype=torch.uint8, device="meta") for _, saved in run]
         index = {id(t): i for i, t in enumerate(stand_ins)}
         for cut in buckets(stand_ins, bucket_bytes):

@@ -126,6 +126,7 @@ class _Sender:
 
     def flush(self) -> None:
         if self.entries:
+            assert self.payload is not None  # always: add allocates it before its first entry
             self._broadcast(self.entries, self.payload[: self.at])
         self.entries, self.at = [], 0
 

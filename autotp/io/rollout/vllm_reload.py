@@ -9,6 +9,8 @@ nothing is processed twice once vLLM does it itself.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -20,7 +22,8 @@ class CpuExpertPrepack:
     then prepacks, in place, every layer it did not run for (none, once vLLM runs it on updates)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.layers, self.done = [], set()
+        self.layers: list[tuple[torch.nn.Module, Any]] = []  # each layer and its CPU experts kernel
+        self.done: set[int] = set()
         try:
             from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
         except ImportError:  # a vLLM without that kernel has nothing of it to prepack

@@ -8,7 +8,7 @@ Layers, bottom to top; a module imports only from its own layer or the layers be
 upward import or a cycle). Each folder is one concern; its `__init__` says what it is for and what it may import.
 
 1. dependency boundaries: `compat`, `compat.versions`, `compat.peft`, `compat.torch`, `compat.trainer`,
-   `compat.hf`, `compat.hf_conversion`
+   `compat.hf`, `compat.hf_conversion`, `compat.torchao`
 2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.placement`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,

@@ -25,13 +25,14 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compat.hf import adapter_module
 from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
+from ..compat.torchao import is_torchao
 from ..dp.fsdp import check_mesh
 from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import Hold, module_forward_pre_hook, watch_optimizer_steps
 from ..runtime.replicas import check_replicas
 from ..runtime.slot_guard import SlotGuard
 from ..state import TPState, refuse_torch_fsdp, state_of
-from ..tp.float8 import is_torchao, refusal
+from ..tp.float8 import refusal
 from ..tp.lora import adapt
 
 REPLICA_CHECK_EVERY = 100

@@ -16,18 +16,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..compat.torchao import is_float8_linear
 from ..mesh import Group
 
 SHARDED_OPERANDS = {"column": ("weight", "grad_output"), "row": ("input", "weight")}
-
-
-def is_torchao(cls: type) -> bool:
-    """Whether `cls` (or a base) is defined in torchao: found without importing torchao, which is not a dependency."""
-    return any(c.__module__ == "torchao" or c.__module__.startswith("torchao.") for c in cls.__mro__)
-
-
-def is_float8_linear(module: nn.Module) -> bool:
-    return type(module).__name__ == "Float8Linear" and is_torchao(type(module))
 
 
 def refusal(module: nn.Module) -> str | None:

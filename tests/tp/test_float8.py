@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 import autotp
 from autotp.testing.parity import full_tensor
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from ep_workers import moe_model
+from models import CONFIGS, batch, tiny_model
 
 float8 = pytest.importorskip("torchao.float8")
 
@@ -41,7 +42,7 @@ def float8_training(
     global batch; `STEPS` AdamW steps: the losses (averaged over the replicas) and the full parameters."""
     from torchao.float8 import convert_to_float8_training
 
-    model = tiny_model(family)
+    model = tiny_model(family) if family in CONFIGS else moe_model(family)
     if convert:
         convert_to_float8_training(model)
     replicas = world // tp
@@ -99,6 +100,17 @@ def test_float8_ran() -> None:
     loss_gap = max(abs(a - b) for a, b in zip(plain["losses"], expected["losses"]))
     param_gap = max((plain["params"][n] - p).abs().max().item() for n, p in expected["params"].items())
     assert loss_gap > 10 * LOSS_ATOL and param_gap > PARAM_ATOL, (loss_gap, param_gap)
+
+
+def test_a_tensorwise_float8_qwen3_moe_at_tp2_matches_one_process() -> None:
+    """A family without a policy: the planner checks each block's sharding by emulation, in high precision (float8
+    would round each emulated shard with its own scale, and the block stayed replicated). Its attention projections
+    (8) become sharded float8 layers; the experts, 3-D tensors torchao does not convert, are sharded as without it,
+    and the routers, not sharded, stay torchao's Float8Linear."""
+    expected = float8_training(0, 1, 1, "qwen3_moe")
+    for got in run_ranks(float8_training, 2, 2, "qwen3_moe"):
+        assert got["float8_layers"] == 8
+        assert_matches(got, expected)
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
 from ..compat.torchao import is_torchao
 from ..dp.fsdp import check_mesh
+from ..options import WrapOptions
 from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import Hold, module_forward_pre_hook, watch_optimizer_steps
 from ..runtime.replicas import check_replicas
@@ -195,16 +196,30 @@ def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
     )
 
 
-def refuse_torchao(model: nn.Module, sequence_parallel: bool = False) -> None:
+def refuse_torchao(model: nn.Module, options: WrapOptions | None = None) -> None:
     """Refuse, by name and before anything changes, torchao layers or tensors autotp cannot shard exactly: all but
     `convert_to_float8_training`'s `Float8Linear` with the tensorwise recipe (`autotp.tp.float8`), a quantised or
-    float8 weight subclass (FSDP2's float8 all-gather), and float8 under sequence parallelism. Found by the module
-    their class is defined in: torchao is not a dependency."""
+    float8 weight subclass (FSDP2's float8 all-gather), and float8 under sequence, context or expert parallelism
+    (a CP rank's amax would be its part of the sequence's, one process's the whole's). Found by the module their
+    class is defined in: torchao is not a dependency."""
     found = [
         (name, type(module), refusal(module)) for name, module in model.named_modules() if is_torchao(type(module))
     ]
-    if sequence_parallel:
-        found = [(name, cls, why or "float8 under sequence_parallel is not supported") for name, cls, why in found]
+    unmade = (
+        []
+        if options is None
+        else [
+            f"float8 under {option} is not supported yet"
+            for option, on in (
+                ("sequence_parallel", options.sequence_parallel),
+                (f"cp_size={options.cp_size}", options.cp_size > 1),
+                (f"ep_size={options.ep_size}", options.ep_size > 1),
+            )
+            if on
+        ]
+    )
+    if unmade:
+        found = [(name, cls, why or unmade[0]) for name, cls, why in found]
     found = [entry for entry in found if entry[2] is not None]
     found += [
         (name, type(p), "autotp shards plain weights only")

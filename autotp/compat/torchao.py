@@ -25,10 +25,13 @@ def high_precision(model: nn.Module) -> Iterator[None]:
     emulation checks a sharding's arithmetic; float8 would round each emulated shard with its own scale, and its
     gap would hide that (sharded, autotp scales them as the whole tensor: `autotp.tp.float8`)."""
     layers = [m for m in model.modules() if is_float8_linear(m)]
+    own = {id(layer): vars(layer).get("forward") for layer in layers}  # a forward set on the instance, kept
     for layer in layers:
         vars(layer)["forward"] = nn.Linear.forward.__get__(layer)
     try:
         yield
     finally:
         for layer in layers:
-            vars(layer).pop("forward", None)
+            vars(layer).pop("forward")
+            if own[id(layer)] is not None:
+                vars(layer)["forward"] = own[id(layer)]

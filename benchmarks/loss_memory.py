@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from activation_memory import rss  # noqa: E402
+from activation_memory import rss, spawn_ranks  # noqa: E402
 
 CONFIG = dict(
     hidden_size=64,
@@ -72,19 +71,7 @@ def rank_main(rank: int, world: int, options: dict | None, seq: int, port: int, 
 
 
 def run(world: int, options: dict | None, seq: int) -> list[tuple]:
-    from autotp.testing.spawn import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    before = dict(os.environ)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # read by glibc when the spawned ranks start
-    try:
-        args = (world, options, seq, free_port(), out)
-        mp.start_processes(rank_main, args=args, nprocs=world, start_method="spawn")
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
-    return sorted((out.get() for _ in range(world)), key=lambda row: row[0])
+    return spawn_ranks(rank_main, world, (options, seq), {"MALLOC_MMAP_THRESHOLD_": "131072"})
 
 
 def main() -> None:

@@ -1,0 +1,164 @@
+"""The stage cut: which decoder layers each pipeline stage runs, found with no per-model code.
+
+A causal LM is an embedding, one list of decoder layers, a final norm and a head, with the position embeddings
+(rotary) and the attention mask built in the decoder model's own forward. A stage runs that very forward: the first
+from `input_ids`, the others from the previous stage's hidden states passed as `inputs_embeds`, with the layers of
+other stages passing the hidden states through (`Skipped`) and the final norm only on the last. So each stage
+builds its own rotary embeddings, `position_ids` and mask from the inputs every stage is given, as one process
+builds them. That holds only when the decoder model does nothing to `inputs_embeds` outside its layers and norm,
+which `check_passthrough` verifies by running it once with no layer (a learned position embedding, a scaling or a
+dropout there is refused by name).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+class Skipped(nn.Module):
+    """A decoder layer another stage runs: it hands the hidden states on unchanged. It keeps the layer's index in the
+    list, so parameter names and per-layer lookups by index (the mask of a sliding-window layer) keep theirs."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for name in ("attention_type", "layer_type", "layer_idx"):  # read by some decoder models' loops
+            if hasattr(layer, name):
+                setattr(self, name, getattr(layer, name))
+
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return hidden_states
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a model is cut: the decoder model's path, its layer list's and final norm's names in it, and the first
+    layer of each stage (`bounds[s]` to `bounds[s + 1]`; the last bound is the layer count)."""
+
+    base: str
+    layers: str
+    norm: str
+    bounds: tuple[int, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds) - 1
+
+    def layer_range(self, stage: int) -> range:
+        return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def prefixes(self, stages: list[int]) -> tuple[str, ...]:
+        """The parameter-name prefixes of the layers that `stages` do not run (the plan's entries dropped there)."""
+        kept = {i for s in stages for i in self.layer_range(s)}
+        root = f"{self.base}.{self.layers}" if self.base else self.layers
+        return tuple(f"{root}.{i}." for i in range(self.bounds[-1]) if i not in kept)
+
+
+def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None) -> Cut:
+    """The cut of `model` into `stages` stages, or an error naming what cannot be cut."""
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"pp_size > 1 on {name}: encoder-decoder models are not cut into stages")
+    base = model.base_model
+    if base is model or model.get_output_embeddings() is None:
+        raise NotImplementedError(f"pp_size > 1 on {name}: a pipeline needs a causal LM with its head (a loss)")
+    base_path = next(path for path, module in model.named_modules() if module is base)
+    children = dict(base.named_children())
+    lists = [n for n, m in children.items() if isinstance(m, nn.ModuleList)]
+    embedding = base.get_input_embeddings()
+    if len(lists) != 1 or embedding not in children.values():
+        raise NotImplementedError(
+            f"pp_size > 1 on {name}: its decoder model {type(base).__name__} is not one embedding and one list of "
+            f"decoder layers (found lists {lists}); composite models (a VLM's vision tower) are not cut yet"
+        )
+    held = [
+        n
+        for n, m in children.items()
+        if n != lists[0] and m is not embedding and next(m.parameters(), None) is not None
+    ]
+    if len(held) != 1:
+        raise NotImplementedError(
+            f"pp_size > 1 on {name}: {type(base).__name__} holds parameters outside its embedding and decoder layers "
+            f"in {held}, where one final norm was expected (a learned position embedding is not cut yet)"
+        )
+    count = len(children[lists[0]])
+    return Cut(base_path, lists[0], held[0], bounds(count, stages, split_points))
+
+
+def bounds(layers: int, stages: int, split_points: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Each stage's first layer, then `layers`. Balanced by a cost model in which the embedding and the head each
+    count as one layer (torchtitan's weighting), so the first and last stages take one layer fewer; or the user's
+    `split_points` (the first layer of every stage but the first)."""
+    if layers < stages:
+        raise ValueError(f"pp stages={stages} need at least one decoder layer each; the model has {layers}")
+    if split_points is None:
+        units = layers + 2
+        split_points = tuple(
+            min(max(math.floor(s * units / stages + 0.5) - 1, s), layers - stages + s) for s in range(1, stages)
+        )
+    points = (0, *split_points, layers)
+    if len(split_points) != stages - 1 or any(b <= a for a, b in zip(points, points[1:])):
+        raise ValueError(
+            f"pp_split_points={split_points}: give {stages - 1} increasing layer indices between 1 and {layers - 1} "
+            f"(the first layer of every stage but the first)"
+        )
+    return points
+
+
+def check_passthrough(model: nn.Module, cut: Cut) -> None:
+    """Refuse a decoder model that changes `inputs_embeds` outside its layers and final norm: run it in training
+    mode on random hidden states with no layer and no norm; one process's result must be the input itself."""
+    base = model.get_submodule(cut.base)
+    hidden = base.get_input_embeddings().weight.shape[-1]
+    x = torch.randn(1, 4, hidden, dtype=base.get_input_embeddings().weight.dtype)
+    training = base.training
+    with torch.no_grad(), swapped(base, {cut.layers: nn.ModuleList(), cut.norm: nn.Identity()}):
+        base.train()
+        try:
+            out = base(inputs_embeds=x, use_cache=False).last_hidden_state
+        finally:
+            base.train(training)
+    if not torch.equal(out, x):
+        raise NotImplementedError(
+            f"pp_size > 1 on {type(model).__name__}: {type(base).__name__}.forward changes the hidden states outside "
+            f"its decoder layers and final norm (a position embedding, a scaling of the embeddings or a dropout), "
+            f"which a stage cut with no per-model code would apply on every stage"
+        )
+
+
+def skip_others(model: nn.Module, cut: Cut, stages: list[int]) -> None:
+    """Keep only the layers of this rank's `stages`; the others pass the hidden states through."""
+    layers = model.get_submodule(cut.base).get_submodule(cut.layers)
+    kept = {i for s in stages for i in cut.layer_range(s)}
+    for i in range(len(layers)):
+        if i not in kept:
+            layers[i] = Skipped(layers[i])
+    if cut.stages - 1 not in stages:  # the final norm only where the last stage runs
+        setattr(model.get_submodule(cut.base), cut.norm, nn.Identity())
+
+
+def stage_view(model: nn.Module, cut: Cut, stage: int) -> dict[str, nn.Module]:
+    """What `swapped` puts in the decoder model for one stage: its layers only, and the final norm on the last."""
+    base = model.get_submodule(cut.base)
+    layers = base.get_submodule(cut.layers)
+    mine = cut.layer_range(stage)
+    view = nn.ModuleList(layer if i in mine else Skipped(layer) for i, layer in enumerate(layers))
+    return {cut.layers: view} if stage == cut.stages - 1 else {cut.layers: view, cut.norm: nn.Identity()}
+
+
+@contextmanager
+def swapped(module: nn.Module, children: dict[str, nn.Module]) -> Iterator[None]:
+    """`module`'s named children replaced for the duration (a stage's view of the shared decoder model)."""
+    saved = {name: module.get_submodule(name) for name in children}
+    try:
+        for name, child in children.items():
+            setattr(module, name, child)
+        yield
+    finally:
+        for name, child in saved.items():
+            setattr(module, name, child)

@@ -1,0 +1,128 @@
+"""One training step through torch.distributed.pipelining: this rank's stages and torch's schedule, the loss as one
+process normalises it.
+
+Every rank of a pipeline is given the same whole batch, so each stage takes its micro-batch's `attention_mask`,
+`position_ids` and `labels` from the schedule's keyword arguments, split by rows as the inputs are; only the hidden
+states travel between stages. The last stage computes its micro-batch's loss with the model's own loss function,
+summed over its label tokens and divided by the number of label tokens in the whole batch (`num_items_in_batch`, as
+transformers' Trainer passes it), and the schedule runs with `scale_grads=False`: the micro-batches' losses and
+gradients then add up to one process's mean over the whole batch, whatever each micro-batch's label count (a mean of
+per-micro-batch means would weigh a micro-batch of few labels as much as one of many).
+
+Receive buffers are sized from the batch's shape, so a new shape gets new stages and a new schedule (kept while the
+shape repeats): no stage locks the sequence length of its first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from ..mesh import Group, device_of, named_failure
+from .cut import Cut, stage_view, swapped
+
+IGNORE_INDEX = -100  # transformers' loss ignores these labels
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names; the looped one runs 2 stages per rank
+
+
+class StageModule(nn.Module):
+    """One stage's forward, for torch's `PipelineStage`: the shared model with only this stage's layers. The first
+    stage reads `input_ids`, the others the hidden states they receive; the last returns its micro-batch's share of
+    the whole batch's loss."""
+
+    def __init__(self, model: nn.Module, cut: Cut, stage: int):
+        super().__init__()
+        self.model = model
+        self.cut, self.stage = cut, stage
+        self.first, self.last = stage == 0, stage == cut.stages - 1
+        object.__setattr__(self, "view", stage_view(model, cut, stage))  # not registered: the model holds them
+        self.num_items: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, **batch: Any) -> torch.Tensor:
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        base = self.model.get_submodule(self.cut.base)
+        with swapped(base, self.view):
+            if self.last:
+                return self.model(**inputs, **batch, use_cache=False, num_items_in_batch=self.num_items).loss
+            batch.pop("labels", None)
+            return base(**inputs, **batch, use_cache=False).last_hidden_state
+
+
+def stages_of(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
+    """The stages a rank runs: itself, and with looped schedules every `pp_size`-th after it."""
+    return [pp_rank + k * pp_size for k in range(per_rank)]
+
+
+class Runner:
+    """This rank's stages and schedule, rebuilt when the batch's shape changes."""
+
+    def __init__(self, model: nn.Module, cut: Cut, stages: list[int], group: Group, schedule: str, microbatches: int):
+        self.model, self.cut, self.stages, self.group = model, cut, stages, group
+        self.schedule_name, self.microbatches = schedule, microbatches
+        self.modules = [StageModule(model, cut, s) for s in stages]
+        self._key: tuple | None = None
+        self._schedule: Any = None
+
+    def step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline."""
+        ids, labels = batch.pop("input_ids"), batch["labels"]
+        kwargs = {k: v for k, v in batch.items() if v is not None}
+        num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
+        for module in self.modules:
+            module.num_items = num_items
+        schedule = self._schedule_for(ids, kwargs)
+        losses: list[torch.Tensor] = []
+        args = (ids,) if 0 in self.stages else ()
+        with named_failure(
+            self.group,
+            f"the pipeline schedule {self.schedule_name}",
+            "Every rank must call autotp.forward_backward with the same whole batch.",
+        ):
+            schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        return self._shared_loss(losses)
+
+    def _schedule_for(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        key = (tuple(ids.shape), tuple((k, tuple(v.shape)) for k, v in kwargs.items() if torch.is_tensor(v)))
+        if key != self._key:
+            stages = [self._stage(module, ids) for module in self.modules]
+            cls = get_schedule_class(self.schedule_name)
+            single = issubclass(cls, PipelineScheduleSingle)
+            self._schedule = cls(
+                stages[0] if single else stages,
+                n_microbatches=self.microbatches,
+                loss_fn=lambda loss, target: loss,
+                scale_grads=False,
+            )
+            self._key = key
+        return self._schedule
+
+    def _stage(self, module: StageModule, ids: torch.Tensor) -> PipelineStage:
+        rows, device = ids.shape[0] // self.microbatches, device_of(self.group)
+        weight = self.model.get_input_embeddings().weight
+        # the metadata torch's stage reads (shape, dtype, and requires_grad: whether gradients flow back)
+        hidden = torch.empty(rows, ids.shape[1], weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
+        loss = torch.empty((), dtype=weight.dtype, device=device).requires_grad_()
+        return PipelineStage(
+            module,
+            module.stage,
+            self.cut.stages,
+            device,
+            input_args=ids[:rows].to(device) if module.first else hidden,
+            output_args=loss if module.last else hidden,
+            group=self.group,
+        )
+
+    def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the micro-batches' losses, sent from the last stage to every rank of the pipeline."""
+        weight = self.model.get_input_embeddings().weight
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), dtype=weight.dtype)
+        loss = loss.to(device_of(self.group))
+        last = dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
+        with named_failure(self.group, "the pipeline's loss broadcast from the last stage"):
+            dist.broadcast(loss, src=last, group=self.group)
+        return loss

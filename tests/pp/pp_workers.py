@@ -1,0 +1,104 @@
+"""Pipeline parallelism: the rank workers of tests/pp/ (a helper module beside the PP tests)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import autotp
+from autotp.testing import parity
+from models import batch, tiny_model
+
+
+def pp_batch(rows: int = 4, seq: int = 16, seed: int = 1) -> dict:
+    """A batch whose micro-batches (one row each at 4 micro-batches) hold different label counts: rows padded on the
+    right by different amounts (attention_mask 0, labels -100)."""
+    ids = batch(size=(rows, seq), seed=seed)
+    mask = torch.ones_like(ids)
+    for row in range(1, rows):
+        mask[row, seq - 3 * row :] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dict, steps: int = 3) -> dict:
+    """One process and the wrapped model, from one seed, through the same calls: each step's loss, and after the
+    steps every parameter a rank trains (its stages') against one process's, as full tensors."""
+    options = dict(options)
+    config = options.pop("config", {})
+    reference = tiny_model(family, **config)
+    model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, expected = [], []
+    for step in range(steps):
+        inputs = pp_batch(seq=16 - 2 * step, seed=step + 1)  # the sequence length changes between steps
+        out = autotp.forward_backward(reference, **inputs)
+        expected.append(out.loss.item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(autotp.forward_backward(model, **inputs).loss.item())
+        autotp.allreduce_gradients(model)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    ref = dict(reference.named_parameters())
+    trained = {
+        name: parity.full_tensor(p, p, autotp.tp_group(model))
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+    errors = {name: (t - ref[name].detach()).abs().max().item() for name, t in trained.items()}
+    tied = None
+    if reference.config.tie_word_embeddings:
+        tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    return {"losses": losses, "expected": expected, "errors": errors, "stage": autotp.pp_rank(model), "tied": tied}
+
+
+def pp_refusals(rank: int, world: int) -> dict:
+    """What a pipeline refuses, each by name and before the model changes (its parameters the same objects, equal),
+    and a plain forward of the wrapped model."""
+    refused = {}
+    for name, options in {
+        "cp_size": dict(cp_size=2),
+        "ep_size": dict(ep_size=2),
+        "sequence_parallel": dict(sequence_parallel=True),
+        "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
+        "dropout": dict(config=dict(attention_dropout=0.1)),
+        "gpt2": dict(family="gpt2"),
+        "pp_split_points": dict(pp_split_points=(0,)),
+    }.items():
+        model = tiny_model(options.pop("family", "llama"), **options.pop("config", {}))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            autotp.wrap(model, 1, pp_size=2, **options)
+        except (NotImplementedError, ValueError) as err:
+            unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and len(before) == len(
+                list(model.parameters())
+            )
+            refused[name] = (str(err), unchanged and not hasattr(model, "autotp_state"))
+    model = autotp.wrap(tiny_model("llama"), 1, pp_size=2)
+    inputs = pp_batch()
+    try:
+        model(**inputs)
+    except RuntimeError as err:
+        refused["forward"] = (str(err), True)
+    autotp.forward_backward(model, **inputs)  # gradients for the norm to refuse
+    for call in (lambda: autotp.clip_grad_norm_(model, 1.0), lambda: autotp.save_pretrained(model, "/nonexistent")):
+        try:
+            call()
+        except NotImplementedError as err:
+            refused[f"call{len(refused)}"] = (str(err), True)
+    return refused
+
+
+def micro_batch_means(family: str = "llama", microbatches: int = 4) -> tuple[float, float]:
+    """(one process's loss on the whole batch, the mean of its micro-batches' mean losses): the control."""
+    model = tiny_model(family)
+    inputs = pp_batch()
+    whole = model(**inputs).loss.item()
+    rows = inputs["input_ids"].shape[0] // microbatches
+    parts = [
+        model(**{k: v[i * rows : (i + 1) * rows] for k, v in inputs.items()}).loss.item() for i in range(microbatches)
+    ]
+    return whole, sum(parts) / len(parts)

@@ -1,0 +1,94 @@
+"""Pipeline parallelism (wrap(..., pp_size=P), `autotp.forward_backward`): parity with one process, the loss over
+micro-batches of different label counts, tied embeddings, and the refusals.
+
+Parity as the other parity tests: fp32, so only the order of reductions differs: the loss within 1e-5 at every step
+and every parameter a stage trains within 3e-5 of one process's after 3 AdamW steps, both runs from one seed through
+the same calls (`autotp.forward_backward`, then `allreduce_gradients` and the step). The batches have 4 rows right-padded
+by different amounts (labels -100), and the sequence length changes from step to step. The fast tier runs llama at
+pp 2 with 4 micro-batches (one row each, so each holds another label count); the other layouts are slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autotp.pp.cut import bounds
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
+from pp_workers import micro_batch_means, pp_parity, pp_refusals
+
+
+def assert_pp_parity(results: list[dict], reference_names: int | None = None) -> None:
+    for result in results:
+        for got, expected in zip(result["losses"], result["expected"]):
+            assert abs(got - expected) < parity.LOSS_ATOL, (result["stage"], result["losses"], result["expected"])
+        assert result["errors"] and max(result["errors"].values()) < parity.PARAM_ATOL, result["errors"]
+    trained = set().union(*(r["errors"] for r in results))
+    if reference_names is not None:
+        assert len(trained) == reference_names, trained  # every parameter is trained on some stage
+
+
+def test_pp2_llama_matches_one_process_over_micro_batches_of_different_label_counts() -> None:
+    results = run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_microbatches=4))
+    assert [r["stage"] for r in results] == [0, 1]
+    assert_pp_parity(results, reference_names=21)  # llama, 2 layers: 9 each, embedding, norm, head
+
+
+def test_a_mean_of_micro_batch_means_fails_the_tolerance() -> None:
+    """The control: the same micro-batches averaged per micro-batch are not one process's loss."""
+    whole, mean_of_means = micro_batch_means()
+    assert abs(whole - mean_of_means) > 100 * parity.LOSS_ATOL, (whole, mean_of_means)
+
+
+def test_the_cost_model_counts_the_embedding_and_the_head_as_layers() -> None:
+    assert bounds(4, 2) == (0, 2, 4)  # embedding + 2 layers | 2 layers + head
+    assert bounds(6, 2) == (0, 3, 6)
+    assert bounds(8, 4) == (0, 2, 4, 7, 8)  # 3 | 2 | 3 | 2 units
+    assert bounds(6, 3, (1, 4)) == (0, 1, 4, 6)  # the user's split points
+    with pytest.raises(ValueError, match="pp_split_points"):
+        bounds(6, 3, (4, 1))
+
+
+def test_pp2_refuses_by_name_before_the_model_changes() -> None:
+    refused = run_ranks(pp_refusals, 2)[0]
+    expected = {
+        "cp_size": "context parallelism",
+        "ep_size": "expert parallelism",
+        "sequence_parallel": "sequence_parallel",
+        "pp_schedule": "ZBVZeroBubble",
+        "dropout": "dropout",
+        "gpt2": "position embedding",
+        "pp_split_points": "pp_split_points",
+        "forward": "autotp.forward_backward",
+    }
+    for name, words in expected.items():
+        message, unchanged = refused[name]
+        assert words in message and unchanged, (name, message)
+    assert any("clip_grad_norm_" in m for m, _ in refused.values())
+    assert any("save_pretrained" in m for m, _ in refused.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["GPipe", "Interleaved1F1B"])
+def test_pp2_schedules(schedule: str) -> None:
+    config = dict(num_hidden_layers=4)
+    assert_pp_parity(
+        run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_schedule=schedule, pp_microbatches=4, config=config))
+    )
+
+
+@pytest.mark.slow
+def test_pp2_tied_embeddings_stay_equal_and_match_one_process() -> None:
+    """qwen2 with tied embeddings: the first stage's embedding and the last stage's head are one weight on each, and
+    their gradients are summed between them, so both equal one process's weight after every step."""
+    results = run_ranks(pp_parity, 2, "qwen2", 1, 2, dict(pp_microbatches=4, config=dict(tie_word_embeddings=True)))
+    assert all(r["tied"] for r in results)
+    assert_pp_parity(results)
+    assert "model.embed_tokens.weight" in results[0]["errors"] and "model.embed_tokens.weight" in results[1]["errors"]
+
+
+@pytest.mark.slow
+def test_pp2_tp2_llama_matches_one_process() -> None:
+    results = run_ranks(pp_parity, 4, "llama", 2, 2, dict(pp_microbatches=2))
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    assert_pp_parity(results, reference_names=21)

@@ -9,11 +9,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..mesh import Group, group_size, named_failure, new_group
 from ..options import WrapOptions
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
+from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..state import TPState
 from .cut import Cut, check_passthrough, find_cut, skip_others
@@ -94,7 +96,7 @@ class PipelineParallelism(Dimension):
             for ranks in state.mesh.rank_groups("pp") if options.pp_size > 2 else []:  # collective over the world
                 made = new_group([ranks[0], ranks[-1]], state.timeout, "PP embedding group")
                 self.tied_group = made if dist.get_rank() in (ranks[0], ranks[-1]) else self.tied_group
-        model.register_forward_pre_hook(self._refuse_forward, prepend=True)
+        patch_attribute(model, "forward", PipelineForward(self, model.forward))
         state.dims[self.name] = self
         return []
 
@@ -106,14 +108,6 @@ class PipelineParallelism(Dimension):
             return self.runner.step(dict(batch))
         finally:
             self.running = False
-
-    def _refuse_forward(self, module: nn.Module, args: Any) -> None:
-        if not self.running:
-            raise RuntimeError(
-                f"model(...) at pp_size={group_size(self.runner.group)}: each rank holds only its stages' "
-                f"layers, so a step is out = autotp.forward_backward(model, **batch), which runs the pipeline's "
-                f"schedule (evaluation and generate under a pipeline are not built yet)"
-            )
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """The tied embedding: the first stage's gradient (from the embedding) and the last's (from the head) summed
@@ -128,10 +122,18 @@ class PipelineParallelism(Dimension):
     def norm(
         self, params: list[nn.Parameter], norm_type: float, state: TPState
     ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
-        raise NotImplementedError(
-            f"autotp.clip_grad_norm_ at pp_size={state.options.pp_size} is not built yet: each stage holds other "
-            f"layers, so the norm must add every stage's part"
-        )
+        """The tied embedding once: the last stage leaves its copy to the first's (their gradients are summed)."""
+        if self.tied is None or self.cut.stages - 1 not in self.stages or 0 in self.stages:
+            return params, None
+        return [p for p in params if p is not self.tied], None
+
+    def reduce_norm(self, total: torch.Tensor, norm_type: float, state: TPState) -> torch.Tensor:
+        """Each stage's own layers' part, added (or maxed) over the pipeline."""
+        group = self.runner.group
+        op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+        with named_failure(group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over PP"):
+            dist.all_reduce(total, op=op, group=group)
+        return total
 
     def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
         raise NotImplementedError(f"autotp.fully_shard at pp_size={state.options.pp_size} is not built yet")
@@ -163,3 +165,39 @@ def without(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
         if isinstance(getattr(plan, f.name), tuple)
     }
     return dataclasses.replace(plan, **changes)
+
+
+_EVALUATED = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "use_cache", "return_dict"})
+
+
+class PipelineForward:
+    """The wrapped model's `forward` at pp > 1. Inside the schedule it is the model's own; a training forward is
+    refused, naming `forward_backward`; under `torch.no_grad()` it runs the forward-only schedule and returns the
+    whole batch's loss and logits on every rank, as one process's forward does."""
+
+    def __init__(self, pipeline: PipelineParallelism, forward: Any):
+        self.pipeline, self.forward = pipeline, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline.running:
+            return self.forward(*args, **kwargs)
+        size = group_size(self.pipeline.runner.group)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"model(...) for training at pp_size={size}: each rank holds only its stages' layers, so a step is "
+                f"out = autotp.forward_backward(model, **batch), which runs the pipeline's schedule (evaluate under "
+                f"torch.no_grad())"
+            )
+        other = sorted(set(kwargs) - _EVALUATED) + (["positional arguments"] if args else [])
+        if other or kwargs.get("use_cache"):
+            raise NotImplementedError(
+                f"model(...) at pp_size={size} with {other or ['use_cache=True']}: evaluation under a pipeline takes "
+                f"input_ids, attention_mask, position_ids and labels by keyword (generate is not built yet)"
+            )
+        batch = {k: v for k, v in kwargs.items() if k not in ("use_cache", "return_dict")}
+        self.pipeline.running = True
+        try:
+            loss, logits = self.pipeline.runner.evaluate(batch)
+        finally:
+            self.pipeline.running = False
+        return CausalLMOutputWithPast(loss=loss, logits=logits)

@@ -42,13 +42,17 @@ class StageModule(nn.Module):
         self.first, self.last = stage == 0, stage == cut.stages - 1
         object.__setattr__(self, "view", stage_view(model, cut, stage))  # not registered: the model holds them
         self.num_items: torch.Tensor | None = None
+        self.logits: list[torch.Tensor] | None = None  # the last stage's, kept while evaluating
 
     def forward(self, x: torch.Tensor, **batch: Any) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         base = self.model.get_submodule(self.cut.base)
         with swapped(base, self.view):
             if self.last:
-                return self.model(**inputs, **batch, use_cache=False, num_items_in_batch=self.num_items).loss
+                out = self.model(**inputs, **batch, use_cache=False, num_items_in_batch=self.num_items)
+                if self.logits is not None:
+                    self.logits.append(out.logits.detach())
+                return out.loss if out.loss is not None else out.logits.new_zeros(())
             batch.pop("labels", None)
             return base(**inputs, **batch, use_cache=False).last_hidden_state
 
@@ -70,8 +74,24 @@ class Runner:
 
     def step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline."""
-        ids, labels = batch.pop("input_ids"), batch["labels"]
+        return self._run(batch, "step")
+
+    def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
+        whole batch, on every rank of the pipeline."""
+        last = self.modules[-1]
+        last.logits = [] if last.last else None
+        try:
+            loss = self._run(batch, "eval")
+            logits = self._shared(torch.cat(last.logits) if last.logits else None)
+        finally:
+            last.logits = None
+        return (loss if "labels" in batch else None), logits
+
+    def _run(self, batch: dict[str, Any], how: str) -> torch.Tensor:
+        ids = batch.pop("input_ids")
         kwargs = {k: v for k, v in batch.items() if v is not None}
+        labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
         num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:
             module.num_items = num_items
@@ -81,9 +101,12 @@ class Runner:
         with named_failure(
             self.group,
             f"the pipeline schedule {self.schedule_name}",
-            "Every rank must call autotp.forward_backward with the same whole batch.",
+            "Every rank must call autotp.forward_backward (or the model, to evaluate) with the same whole batch.",
         ):
-            schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            if how == "step":
+                schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            else:
+                schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         return self._shared_loss(losses)
 
     def _schedule_for(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
@@ -126,3 +149,14 @@ class Runner:
         with named_failure(self.group, "the pipeline's loss broadcast from the last stage"):
             dist.broadcast(loss, src=last, group=self.group)
         return loss
+
+    def _shared(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """A tensor the last stage holds, sent to every rank of the pipeline (its shape first)."""
+        last = dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
+        meta: list[Any] = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
+        with named_failure(self.group, "the pipeline's logits broadcast from the last stage"):
+            dist.broadcast_object_list(meta, src=last, group=self.group, device=device_of(self.group))
+            shape, dtype = meta[0]
+            out = tensor if tensor is not None else torch.empty(shape, dtype=dtype, device=device_of(self.group))
+            dist.broadcast(out, src=last, group=self.group)
+        return out

@@ -27,21 +27,30 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     steps every parameter a rank trains (its stages') against one process's, as full tensors."""
     options = dict(options)
     config = options.pop("config", {})
+    clip = options.pop("clip", None)  # clip both runs' gradients to this norm every step
     reference = tiny_model(family, **config)
     model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, expected = [], []
+    losses, expected, norms = [], [], []
     for step in range(steps):
         inputs = pp_batch(seq=16 - 2 * step, seed=step + 1)  # the sequence length changes between steps
         out = autotp.forward_backward(reference, **inputs)
         expected.append(out.loss.item())
+        if clip is not None:
+            norms.append((torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item(),))
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append(autotp.forward_backward(model, **inputs).loss.item())
         autotp.allreduce_gradients(model)
+        if clip is not None:
+            norms[-1] += (autotp.clip_grad_norm_(model, clip).item(),)
         opt.step()
         opt.zero_grad(set_to_none=False)
+    with torch.no_grad():  # evaluation: the forward-only schedule, the loss and logits on every rank
+        inputs = pp_batch(seed=7)
+        got, want = model(**inputs), reference(**inputs)
+        evaluated = (abs(got.loss.item() - want.loss.item()), (got.logits - want.logits).abs().max().item())
     ref = dict(reference.named_parameters())
     trained = {
         name: parity.full_tensor(p, p, autotp.tp_group(model))
@@ -52,7 +61,16 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     tied = None
     if reference.config.tie_word_embeddings:
         tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
-    return {"losses": losses, "expected": expected, "errors": errors, "stage": autotp.pp_rank(model), "tied": tied}
+    stage = autotp.pp_rank(model)
+    return {
+        "losses": losses,
+        "expected": expected,
+        "errors": errors,
+        "stage": stage,
+        "tied": tied,
+        "norms": norms,
+        "eval": evaluated,
+    }
 
 
 def pp_refusals(rank: int, world: int) -> dict:
@@ -83,8 +101,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         model(**inputs)
     except RuntimeError as err:
         refused["forward"] = (str(err), True)
-    autotp.forward_backward(model, **inputs)  # gradients for the norm to refuse
-    for call in (lambda: autotp.clip_grad_norm_(model, 1.0), lambda: autotp.save_pretrained(model, "/nonexistent")):
+    for call in (lambda: autotp.fully_shard(model), lambda: autotp.save_pretrained(model, "/nonexistent")):
         try:
             call()
         except NotImplementedError as err:

@@ -23,14 +23,17 @@ def assert_pp_parity(results: list[dict], reference_names: int | None = None) ->
         for got, expected in zip(result["losses"], result["expected"]):
             assert abs(got - expected) < parity.LOSS_ATOL, (result["stage"], result["losses"], result["expected"])
         assert result["errors"] and max(result["errors"].values()) < parity.PARAM_ATOL, result["errors"]
+        assert result["eval"][0] < parity.LOSS_ATOL and result["eval"][1] < 1e-4, result["eval"]  # under no_grad
+        for expected, got in result["norms"]:  # clip_grad_norm_: the whole model's norm, on every stage
+            assert abs(got - expected) < 1e-5 * max(1.0, expected), result["norms"]
     trained = set().union(*(r["errors"] for r in results))
     if reference_names is not None:
         assert len(trained) == reference_names, trained  # every parameter is trained on some stage
 
 
 def test_pp2_llama_matches_one_process_over_micro_batches_of_different_label_counts() -> None:
-    results = run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_microbatches=4))
-    assert [r["stage"] for r in results] == [0, 1]
+    results = run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_microbatches=4, clip=0.5))
+    assert [r["stage"] for r in results] == [0, 1] and all(len(r["norms"]) == 3 for r in results)
     assert_pp_parity(results, reference_names=21)  # llama, 2 layers: 9 each, embedding, norm, head
 
 
@@ -64,7 +67,7 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
     for name, words in expected.items():
         message, unchanged = refused[name]
         assert words in message and unchanged, (name, message)
-    assert any("clip_grad_norm_" in m for m, _ in refused.values())
+    assert any("fully_shard" in m for m, _ in refused.values())
     assert any("save_pretrained" in m for m, _ in refused.values())
 
 
@@ -81,7 +84,8 @@ def test_pp2_schedules(schedule: str) -> None:
 def test_pp2_tied_embeddings_stay_equal_and_match_one_process() -> None:
     """qwen2 with tied embeddings: the first stage's embedding and the last stage's head are one weight on each, and
     their gradients are summed between them, so both equal one process's weight after every step."""
-    results = run_ranks(pp_parity, 2, "qwen2", 1, 2, dict(pp_microbatches=4, config=dict(tie_word_embeddings=True)))
+    tied = dict(tie_word_embeddings=True)
+    results = run_ranks(pp_parity, 2, "qwen2", 1, 2, dict(pp_microbatches=4, clip=0.5, config=tied))
     assert all(r["tied"] for r in results)
     assert_pp_parity(results)
     assert "model.embed_tokens.weight" in results[0]["errors"] and "model.embed_tokens.weight" in results[1]["errors"]
@@ -92,3 +96,12 @@ def test_pp2_tp2_llama_matches_one_process() -> None:
     results = run_ranks(pp_parity, 4, "llama", 2, 2, dict(pp_microbatches=2))
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert_pp_parity(results, reference_names=21)
+
+
+@pytest.mark.slow
+def test_pp4_tied_embeddings_across_four_stages() -> None:
+    """pp 4: the tied embedding's group is the first and the last rank only; the middle stages hold no part of it."""
+    config = dict(tie_word_embeddings=True, num_hidden_layers=6, layer_types=["full_attention"] * 6)
+    results = run_ranks(pp_parity, 4, "qwen2", 1, 4, dict(pp_microbatches=4, clip=0.5, config=config))
+    assert [r["stage"] for r in results] == [0, 1, 2, 3]
+    assert_pp_parity(results, reference_names=1 + 6 * 12 + 1)  # one tied weight, 12 per layer, the norm

@@ -90,6 +90,11 @@ class Runner:
 
     def _run(self, batch: dict[str, Any], how: str) -> torch.Tensor:
         ids = batch.pop("input_ids")
+        if ids.shape[0] % self.microbatches:
+            raise ValueError(
+                f"a batch of {ids.shape[0]} rows at pp_microbatches={self.microbatches}: the rows are split evenly "
+                f"into the micro-batches, so give a multiple of {self.microbatches}"
+            )
         kwargs = {k: v for k, v in batch.items() if v is not None}
         labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
         num_items = (labels[..., 1:] != IGNORE_INDEX).sum()

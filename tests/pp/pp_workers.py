@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 
 import torch
+import transformers as tf
 
 import autotp
-from autotp.testing import parity
+from autotp.testing import parity, tiny_config
 from models import batch, tiny_model
 
 
@@ -83,10 +84,13 @@ def pp_refusals(rank: int, world: int) -> dict:
         "sequence_parallel": dict(sequence_parallel=True),
         "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
         "dropout": dict(config=dict(attention_dropout=0.1)),
-        "gpt2": dict(family="gpt2"),
+        "gpt2": dict(family="gpt2"),  # a learned position embedding in the decoder model's forward
+        "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
+        "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),
     }.items():
-        model = tiny_model(options.pop("family", "llama"), **options.pop("config", {}))
+        build = options.pop("build", None)
+        model = build() if build else tiny_model(options.pop("family", "llama"), **options.pop("config", {}))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         try:
             autotp.wrap(model, 1, pp_size=2, **options)

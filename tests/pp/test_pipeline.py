@@ -61,6 +61,8 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "pp_schedule": "ZBVZeroBubble",
         "dropout": "dropout",
         "gpt2": "position embedding",
+        "t5": "encoder-decoder",
+        "qwen2_vl": "composite models",
         "pp_split_points": "pp_split_points",
         "forward": "autotp.forward_backward",
     }
@@ -96,6 +98,13 @@ def test_pp2_tp2_llama_matches_one_process() -> None:
     results = run_ranks(pp_parity, 4, "llama", 2, 2, dict(pp_microbatches=2))
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert_pp_parity(results, reference_names=21)
+
+
+@pytest.mark.slow
+def test_pp2_gemma_scales_its_embeddings_inside_the_embedding_and_ties_them() -> None:
+    results = run_ranks(pp_parity, 2, "gemma", 1, 2, dict(pp_microbatches=4))
+    assert all(r["tied"] for r in results)
+    assert_pp_parity(results, reference_names=1 + 2 * 9 + 1)
 
 
 @pytest.mark.slow

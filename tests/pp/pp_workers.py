@@ -30,6 +30,8 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     config = options.pop("config", {})
     clip = options.pop("clip", None)  # clip both runs' gradients to this norm every step
     reference = tiny_model(family, **config)
+    if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
+        reference.gradient_checkpointing_enable()
     model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

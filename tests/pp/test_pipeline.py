@@ -101,6 +101,11 @@ def test_pp2_tp2_llama_matches_one_process() -> None:
 
 
 @pytest.mark.slow
+def test_pp2_with_activation_checkpointing() -> None:
+    assert_pp_parity(run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_microbatches=2, checkpointing=True)))
+
+
+@pytest.mark.slow
 def test_pp2_gemma_scales_its_embeddings_inside_the_embedding_and_ties_them() -> None:
     results = run_ranks(pp_parity, 2, "gemma", 1, 2, dict(pp_microbatches=4))
     assert all(r["tied"] for r in results)

@@ -1,13 +1,9 @@
 """The stage cut: which decoder layers each pipeline stage runs, found with no per-model code.
 
-A causal LM is an embedding, one list of decoder layers, a final norm and a head, with the position embeddings
-(rotary) and the attention mask built in the decoder model's own forward. A stage runs that very forward: the first
-from `input_ids`, the others from the previous stage's hidden states passed as `inputs_embeds`, with the layers of
-other stages passing the hidden states through (`Skipped`) and the final norm only on the last. So each stage
-builds its own rotary embeddings, `position_ids` and mask from the inputs every stage is given, as one process
-builds them. That holds only when the decoder model does nothing to `inputs_embeds` outside its layers and norm,
-which `check_passthrough` verifies by running it once with no layer (a learned position embedding, a scaling or a
-dropout there is refused by name).
+A causal LM is a decoder model holding one list of decoder layers, with a head. Each stage runs the model's own
+forward (`autotp.pp.schedule.StageModule`), so whatever the decoder model computes around its layers (embeddings,
+learned or rotary position embeddings, a scaling, the attention mask) is computed as one process computes it; the
+layers of other stages pass the hidden states through (`Skipped`). This module finds the list and decides the cut.
 """
 
 from __future__ import annotations
@@ -37,12 +33,11 @@ class Skipped(nn.Module):
 
 @dataclass(frozen=True)
 class Cut:
-    """Where a model is cut: the decoder model's path, its layer list's and final norm's names in it, and the first
-    layer of each stage (`bounds[s]` to `bounds[s + 1]`; the last bound is the layer count)."""
+    """Where a model is cut: the decoder model's path, its layer list's name in it, and the first layer of each
+    stage (`bounds[s]` to `bounds[s + 1]`; the last bound is the layer count)."""
 
     base: str
     layers: str
-    norm: str
     bounds: tuple[int, ...]
 
     @property
@@ -70,24 +65,12 @@ def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None
     base_path = next(path for path, module in model.named_modules() if module is base)
     children = dict(base.named_children())
     lists = [n for n, m in children.items() if isinstance(m, nn.ModuleList)]
-    embedding = base.get_input_embeddings()
-    if len(lists) != 1 or embedding not in children.values():
+    if len(lists) != 1:
         raise NotImplementedError(
-            f"pp_size > 1 on {name}: its decoder model {type(base).__name__} is not one embedding and one list of "
-            f"decoder layers (found lists {lists}); composite models (a VLM's vision tower) are not cut yet"
+            f"pp_size > 1 on {name}: its decoder model {type(base).__name__} does not hold one list of decoder "
+            f"layers (found {lists}); composite models (a VLM's vision tower) are not cut yet"
         )
-    held = [
-        n
-        for n, m in children.items()
-        if n != lists[0] and m is not embedding and next(m.parameters(), None) is not None
-    ]
-    if len(held) != 1:
-        raise NotImplementedError(
-            f"pp_size > 1 on {name}: {type(base).__name__} holds parameters outside its embedding and decoder layers "
-            f"in {held}, where one final norm was expected (a learned position embedding is not cut yet)"
-        )
-    count = len(children[lists[0]])
-    return Cut(base_path, lists[0], held[0], bounds(count, stages, split_points))
+    return Cut(base_path, lists[0], bounds(len(children[lists[0]]), stages, split_points))
 
 
 def bounds(layers: int, stages: int, split_points: tuple[int, ...] | None = None) -> tuple[int, ...]:
@@ -110,27 +93,6 @@ def bounds(layers: int, stages: int, split_points: tuple[int, ...] | None = None
     return points
 
 
-def check_passthrough(model: nn.Module, cut: Cut) -> None:
-    """Refuse a decoder model that changes `inputs_embeds` outside its layers and final norm: run it in training
-    mode on random hidden states with no layer and no norm; one process's result must be the input itself."""
-    base = model.get_submodule(cut.base)
-    hidden = base.get_input_embeddings().weight.shape[-1]
-    x = torch.randn(1, 4, hidden, dtype=base.get_input_embeddings().weight.dtype)
-    training = base.training
-    with torch.no_grad(), swapped(base, {cut.layers: nn.ModuleList(), cut.norm: nn.Identity()}):
-        base.train()
-        try:
-            out = base(inputs_embeds=x, use_cache=False).last_hidden_state
-        finally:
-            base.train(training)
-    if not torch.equal(out, x):
-        raise NotImplementedError(
-            f"pp_size > 1 on {type(model).__name__}: {type(base).__name__}.forward changes the hidden states outside "
-            f"its decoder layers and final norm (a position embedding, a scaling of the embeddings or a dropout), "
-            f"which a stage cut with no per-model code would apply on every stage"
-        )
-
-
 def skip_others(model: nn.Module, cut: Cut, stages: list[int]) -> None:
     """Keep only the layers of this rank's `stages`; the others pass the hidden states through."""
     layers = model.get_submodule(cut.base).get_submodule(cut.layers)
@@ -138,17 +100,13 @@ def skip_others(model: nn.Module, cut: Cut, stages: list[int]) -> None:
     for i in range(len(layers)):
         if i not in kept:
             layers[i] = Skipped(layers[i])
-    if cut.stages - 1 not in stages:  # the final norm only where the last stage runs
-        setattr(model.get_submodule(cut.base), cut.norm, nn.Identity())
 
 
 def stage_view(model: nn.Module, cut: Cut, stage: int) -> dict[str, nn.Module]:
-    """What `swapped` puts in the decoder model for one stage: its layers only, and the final norm on the last."""
-    base = model.get_submodule(cut.base)
-    layers = base.get_submodule(cut.layers)
+    """What `swapped` puts in the decoder model for one stage: a list holding its layers only."""
+    layers = model.get_submodule(cut.base).get_submodule(cut.layers)
     mine = cut.layer_range(stage)
-    view = nn.ModuleList(layer if i in mine else Skipped(layer) for i, layer in enumerate(layers))
-    return {cut.layers: view} if stage == cut.stages - 1 else {cut.layers: view, cut.norm: nn.Identity()}
+    return {cut.layers: nn.ModuleList(layer if i in mine else Skipped(layer) for i, layer in enumerate(layers))}
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from ..runtime.dimension import Dimension
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..state import TPState
-from .cut import Cut, check_passthrough, find_cut, skip_others
+from .cut import Cut, find_cut, skip_others
 from .schedule import SCHEDULES, Runner, stages_of
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
@@ -67,7 +67,7 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with dropout ({dropout[0]}): each micro-batch would draw other masks than one process "
                 f"draws; set the dropout to 0"
             )
-        check_passthrough(model, self._cut(model, options))
+        self._cut(model, options)  # a model that cannot be cut, or split points that do not fit
 
     def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:
         """Tensor parallelism shards only this rank's stages' layers."""

@@ -1,9 +1,9 @@
 """One training step through torch.distributed.pipelining: this rank's stages and torch's schedule, the loss as one
 process normalises it.
 
-Every rank of a pipeline is given the same whole batch, so each stage takes its micro-batch's `attention_mask`,
-`position_ids` and `labels` from the schedule's keyword arguments, split by rows as the inputs are; only the hidden
-states travel between stages. The last stage computes its micro-batch's loss with the model's own loss function,
+Every rank of a pipeline is given the same whole batch, so each stage takes its micro-batch's `input_ids`,
+`attention_mask`, `position_ids` and `labels` from the schedule's keyword arguments, split by rows as the inputs are;
+only the hidden states travel between stages. The last stage computes its micro-batch's loss with the model's own loss function,
 summed over its label tokens and divided by the number of label tokens in the whole batch (`num_items_in_batch`, as
 transformers' Trainer passes it), and the schedule runs with `scale_grads=False`: the micro-batches' losses and
 gradients then add up to one process's mean over the whole batch, whatever each micro-batch's label count (a mean of
@@ -30,31 +30,65 @@ IGNORE_INDEX = -100  # transformers' loss ignores these labels
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names; the looped one runs 2 stages per rank
 
 
+class _StageOutput(Exception):
+    """Raised after a stage's last layer: the hidden states for the next stage (the rest of the model's forward is
+    the later stages')."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
 class StageModule(nn.Module):
-    """One stage's forward, for torch's `PipelineStage`: the shared model with only this stage's layers. The first
-    stage reads `input_ids`, the others the hidden states they receive; the last returns its micro-batch's share of
-    the whole batch's loss."""
+    """One stage's forward, for torch's `PipelineStage`: the model's own forward from the micro-batch's `input_ids`,
+    with only this stage's layers. Everything the model computes before its layers (the embeddings, position
+    embeddings, rotary tables, the mask) is computed on every stage as one process computes it; a stage after the
+    first then hands its first layer the hidden states it received instead, and a stage before the last stops after
+    its last layer. The last returns its micro-batch's share of the whole batch's loss."""
 
     def __init__(self, model: nn.Module, cut: Cut, stage: int):
         super().__init__()
         self.model = model
         self.cut, self.stage = cut, stage
         self.first, self.last = stage == 0, stage == cut.stages - 1
-        object.__setattr__(self, "view", stage_view(model, cut, stage))  # not registered: the model holds them
+        view = stage_view(model, cut, stage)
+        object.__setattr__(self, "view", view)  # not registered: the model holds them
+        mine = cut.layer_range(stage)
+        object.__setattr__(self, "entry", view[cut.layers][mine.start])
+        object.__setattr__(self, "exit", view[cut.layers][mine.stop - 1])
         self.num_items: torch.Tensor | None = None
         self.logits: list[torch.Tensor] | None = None  # the last stage's, kept while evaluating
+        self._received: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, **batch: Any) -> torch.Tensor:
-        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, **batch: Any) -> torch.Tensor:
         base = self.model.get_submodule(self.cut.base)
-        with swapped(base, self.view):
-            if self.last:
-                out = self.model(**inputs, **batch, use_cache=False, num_items_in_batch=self.num_items)
-                if self.logits is not None:
-                    self.logits.append(out.logits.detach())
-                return out.loss if out.loss is not None else out.logits.new_zeros(())
-            batch.pop("labels", None)
-            return base(**inputs, **batch, use_cache=False).last_hidden_state
+        self._received = None if self.first else x
+        hooks = [] if self.first else [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True)]
+        hooks += [] if self.last else [self.exit.register_forward_hook(self._leave)]
+        try:
+            with swapped(base, self.view):
+                if self.last:
+                    out = self.model(input_ids=tokens, **batch, use_cache=False, num_items_in_batch=self.num_items)
+                    if self.logits is not None:
+                        self.logits.append(out.logits.detach())
+                    return out.loss if out.loss is not None else out.logits.new_zeros(())
+                batch.pop("labels", None)
+                base(input_ids=tokens, **batch, use_cache=False)
+        except _StageOutput as done:
+            return done.hidden
+        finally:
+            self._received = None
+            for hook in hooks:
+                hook.remove()
+        raise RuntimeError(f"pipeline stage {self.stage}: its last layer never ran in {type(base).__name__}.forward")
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self._received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._received}
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        raise _StageOutput(output[0] if isinstance(output, tuple) else output)
 
 
 def stages_of(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
@@ -95,7 +129,7 @@ class Runner:
                 f"a batch of {ids.shape[0]} rows at pp_microbatches={self.microbatches}: the rows are split evenly "
                 f"into the micro-batches, so give a multiple of {self.microbatches}"
             )
-        kwargs = {k: v for k, v in batch.items() if v is not None}
+        kwargs = {k: v for k, v in batch.items() if v is not None} | {"tokens": ids}  # every stage's input_ids
         labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
         num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:

@@ -60,7 +60,6 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "sequence_parallel": "sequence_parallel",
         "pp_schedule": "ZBVZeroBubble",
         "dropout": "dropout",
-        "gpt2": "position embedding",
         "t5": "encoder-decoder",
         "qwen2_vl": "composite models",
         "pp_split_points": "pp_split_points",
@@ -110,6 +109,16 @@ def test_pp2_gemma_scales_its_embeddings_inside_the_embedding_and_ties_them() ->
     results = run_ranks(pp_parity, 2, "gemma", 1, 2, dict(pp_microbatches=4))
     assert all(r["tied"] for r in results)
     assert_pp_parity(results, reference_names=1 + 2 * 9 + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [2, 4])
+def test_gpt2_learned_positions_and_conv1d(pp: int) -> None:
+    """GPT-2 adds its learned position embedding in the decoder model's forward: every stage computes it, the first
+    trains it; its embeddings are tied."""
+    results = run_ranks(pp_parity, pp, "gpt2", 1, pp, dict(pp_microbatches=4, clip=0.5, config=dict(n_layer=4)))
+    assert all(r["tied"] for r in results)
+    assert_pp_parity(results, reference_names=2 + 4 * 12 + 2)  # wte and wpe, 12 per block, ln_f
 
 
 @pytest.mark.slow

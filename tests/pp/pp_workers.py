@@ -12,13 +12,14 @@ from autotp.testing import parity, tiny_config
 from models import batch, tiny_model
 
 
-def pp_batch(rows: int = 4, seq: int = 16, seed: int = 1) -> dict:
+def pp_batch(rows: int = 4, seq: int = 16, seed: int = 1, pads: tuple[int, ...] = (0, 3, 6, 9)) -> dict:
     """A batch whose micro-batches (one row each at 4 micro-batches) hold different label counts: rows padded on the
-    right by different amounts (attention_mask 0, labels -100)."""
+    right by different amounts (`pads`; attention_mask 0, labels -100)."""
     ids = batch(size=(rows, seq), seed=seed)
     mask = torch.ones_like(ids)
-    for row in range(1, rows):
-        mask[row, seq - 3 * row :] = 0
+    for row, pad in enumerate(pads):
+        if pad:
+            mask[row, seq - pad :] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -29,6 +30,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     options = dict(options)
     config = options.pop("config", {})
     clip = options.pop("clip", None)  # clip both runs' gradients to this norm every step
+    pads = options.pop("pads", (0, 3, 6, 9))  # under DP: rows whose halves hold equal label counts
     reference = tiny_model(family, **config)
     if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
         reference.gradient_checkpointing_enable()
@@ -37,14 +39,14 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, expected, norms = [], [], []
     for step in range(steps):
-        inputs = pp_batch(seq=16 - 2 * step, seed=step + 1)  # the sequence length changes between steps
+        inputs = pp_batch(seq=16 - 2 * step, seed=step + 1, pads=pads)  # the sequence length changes between steps
         out = autotp.forward_backward(reference, **inputs)
         expected.append(out.loss.item())
         if clip is not None:
             norms.append((torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item(),))
         ref_opt.step()
         ref_opt.zero_grad()
-        losses.append(autotp.forward_backward(model, **inputs).loss.item())
+        losses.append(replicas_loss(model, autotp.forward_backward(model, **replica_rows(model, inputs)).loss))
         autotp.allreduce_gradients(model)
         if clip is not None:
             norms[-1] += (autotp.clip_grad_norm_(model, clip).item(),)
@@ -124,3 +126,17 @@ def micro_batch_means(family: str = "llama", microbatches: int = 4) -> tuple[flo
         model(**{k: v[i * rows : (i + 1) * rows] for k, v in inputs.items()}).loss.item() for i in range(microbatches)
     ]
     return whole, sum(parts) / len(parts)
+
+
+def replica_rows(model: torch.nn.Module, inputs: dict) -> dict:
+    """This DP replica's rows of the global batch (all of them with one replica)."""
+    dp, rank = autotp.dp_size(model), autotp.dp_rank(model)
+    rows = inputs["input_ids"].shape[0] // dp
+    return {k: v[rank * rows : (rank + 1) * rows] for k, v in inputs.items()}
+
+
+def replicas_loss(model: torch.nn.Module, loss: torch.Tensor) -> float:
+    """The replicas' mean loss (one process's when their halves hold equal label counts)."""
+    loss = loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=autotp.dp_group(model))
+    return loss.item() / autotp.dp_size(model)

@@ -128,3 +128,12 @@ def test_pp4_tied_embeddings_across_four_stages() -> None:
     results = run_ranks(pp_parity, 4, "qwen2", 1, 4, dict(pp_microbatches=4, clip=0.5, config=config))
     assert [r["stage"] for r in results] == [0, 1, 2, 3]
     assert_pp_parity(results, reference_names=1 + 6 * 12 + 1)  # one tied weight, 12 per layer, the norm
+
+
+@pytest.mark.slow
+def test_pp2_dp2_llama_matches_one_process() -> None:
+    """Each replica takes half the rows; the halves hold equal label counts (15 + 9 and 12 + 12), so the replicas'
+    average is one process's mean, while the micro-batches inside each replica still differ."""
+    results = run_ranks(pp_parity, 4, "llama", 1, 2, dict(pp_microbatches=2, clip=0.5, pads=(0, 6, 3, 3)))
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    assert_pp_parity(results, reference_names=21)

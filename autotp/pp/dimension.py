@@ -37,6 +37,7 @@ class PipelineParallelism(Dimension):
     allows_ddp = False  # the tied embedding's two copies are summed by `autotp.allreduce_gradients`
 
     cut: Cut
+    stages: list[int]  # this rank's stages (two under a looped schedule)
     runner: Runner
     tied: nn.Parameter | None = None
     tied_group: Group = None

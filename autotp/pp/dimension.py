@@ -68,6 +68,11 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with dropout ({dropout[0]}): each micro-batch would draw other masks than one process "
                 f"draws; set the dropout to 0"
             )
+        if getattr(model.config, "output_router_logits", False):
+            raise NotImplementedError(
+                f"pp_size={pp} with output_router_logits: the MoE load-balancing loss is summed over every layer's "
+                f"router in the last stage's forward, which sees only its own layers; set output_router_logits=False"
+            )
         self._cut(model, options)  # a model that cannot be cut, or split points that do not fit
 
     def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:

@@ -88,6 +88,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         "sequence_parallel": dict(sequence_parallel=True),
         "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
         "dropout": dict(config=dict(attention_dropout=0.1)),
+        "output_router_logits": dict(family="mixtral", config=dict(output_router_logits=True)),
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
         "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),

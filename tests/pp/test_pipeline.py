@@ -60,6 +60,7 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "sequence_parallel": "sequence_parallel",
         "pp_schedule": "ZBVZeroBubble",
         "dropout": "dropout",
+        "output_router_logits": "load-balancing loss",
         "t5": "encoder-decoder",
         "qwen2_vl": "composite models",
         "pp_split_points": "pp_split_points",

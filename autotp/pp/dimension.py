@@ -29,6 +29,9 @@ _NOT_YET = {
     "tp_group": "a user's tp_group",
 }
 
+_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels"})  # what a pipeline splits by rows
+_EVALUATED = _INPUTS | {"use_cache", "return_dict"}
+
 
 class PipelineParallelism(Dimension):
     """Active at pp_size > 1, holding this rank's stages (`runner`) and the tied embedding's group."""
@@ -109,6 +112,12 @@ class PipelineParallelism(Dimension):
     def forward_backward(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         if "labels" not in batch or "input_ids" not in batch:
             raise ValueError("autotp.forward_backward at pp_size > 1 needs input_ids and labels (the pipeline's loss)")
+        other = sorted(set(batch) - _INPUTS)
+        if other:  # the schedule splits every input by rows: one that is not per row would be cut wrongly
+            raise NotImplementedError(
+                f"autotp.forward_backward at pp_size > 1 with {other}: a pipeline takes input_ids, attention_mask, "
+                f"position_ids and labels, each split by rows into the micro-batches"
+            )
         self.running = True
         try:
             return self.runner.step(dict(batch))
@@ -171,9 +180,6 @@ def without(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
         if isinstance(getattr(plan, f.name), tuple)
     }
     return dataclasses.replace(plan, **changes)
-
-
-_EVALUATED = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "use_cache", "return_dict"})
 
 
 class PipelineForward:

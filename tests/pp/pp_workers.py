@@ -109,6 +109,10 @@ def pp_refusals(rank: int, world: int) -> dict:
         model(**inputs)
     except RuntimeError as err:
         refused["forward"] = (str(err), True)
+    try:  # a packed batch's flat sequence boundaries are not per row
+        autotp.forward_backward(model, **inputs, cu_seq_lens_q=torch.tensor([0, 16]))
+    except NotImplementedError as err:
+        refused["cu_seq_lens_q"] = (str(err), True)
     for call in (lambda: autotp.fully_shard(model), lambda: autotp.save_pretrained(model, "/nonexistent")):
         try:
             call()

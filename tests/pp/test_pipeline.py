@@ -65,6 +65,7 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "qwen2_vl": "composite models",
         "pp_split_points": "pp_split_points",
         "forward": "autotp.forward_backward",
+        "cu_seq_lens_q": "split by rows",
     }
     for name, words in expected.items():
         message, unchanged = refused[name]

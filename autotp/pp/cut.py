@@ -8,6 +8,7 @@ layers of other stages pass the hidden states through (`Skipped`). This module f
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,11 @@ def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None
     base = model.base_model
     if base is model or model.get_output_embeddings() is None:
         raise NotImplementedError(f"pp_size > 1 on {name}: a pipeline needs a causal LM with its head (a loss)")
+    if "loss_function" not in _source(type(model).forward):
+        raise NotImplementedError(
+            f"pp_size > 1 on {name}: its forward computes the loss itself, not through transformers' loss_function, "
+            f"so a micro-batch's loss could not be normalised over the whole batch's label tokens"
+        )
     base_path = next(path for path, module in model.named_modules() if module is base)
     children = dict(base.named_children())
     lists = [n for n, m in children.items() if isinstance(m, nn.ModuleList)]
@@ -71,6 +77,14 @@ def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None
             f"layers (found {lists}); composite models (a VLM's vision tower) are not cut yet"
         )
     return Cut(base_path, lists[0], bounds(len(children[lists[0]]), stages, split_points))
+
+
+def _source(function: object) -> str:
+    """A function's source, or "" where Python has none (then the loss is not known to be transformers')."""
+    try:
+        return inspect.getsource(function)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
 
 
 def bounds(layers: int, stages: int, split_points: tuple[int, ...] | None = None) -> tuple[int, ...]:

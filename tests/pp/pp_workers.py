@@ -89,6 +89,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
         "dropout": dict(config=dict(attention_dropout=0.1)),
         "output_router_logits": dict(family="mixtral", config=dict(output_router_logits=True)),
+        "inline loss": dict(build=lambda: InlineLoss(tiny_model("llama").config)),
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
         "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),
@@ -145,3 +146,13 @@ def replicas_loss(model: torch.nn.Module, loss: torch.Tensor) -> float:
     loss = loss.detach().clone()
     torch.distributed.all_reduce(loss, group=autotp.dp_group(model))
     return loss.item() / autotp.dp_size(model)
+
+
+class InlineLoss(tf.LlamaForCausalLM):
+    """A user's causal LM computing its loss inline, a mean over its own tokens, not through `loss_function`."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        out = super().forward(input_ids=input_ids, **kwargs)
+        logits, targets = out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+        out.loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+        return out

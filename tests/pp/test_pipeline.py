@@ -85,6 +85,15 @@ def test_pp2_schedules(schedule: str) -> None:
 
 
 @pytest.mark.slow
+def test_pp2_user_split_points() -> None:
+    options = dict(pp_microbatches=4, pp_split_points=(1,), config=dict(num_hidden_layers=4))
+    results = run_ranks(pp_parity, 2, "llama", 1, 2, options)
+    layers = [{name.split(".")[2] for name in r["errors"] if name.startswith("model.layers.")} for r in results]
+    assert layers == [{"0"}, {"1", "2", "3"}]
+    assert_pp_parity(results, reference_names=2 + 4 * 9 + 1)
+
+
+@pytest.mark.slow
 def test_pp2_tied_embeddings_stay_equal_and_match_one_process() -> None:
     """qwen2 with tied embeddings: the first stage's embedding and the last stage's head are one weight on each, and
     their gradients are summed between them, so both equal one process's weight after every step."""

@@ -54,6 +54,8 @@ class WrapOptions:
       outermost: world = pp x dp x cp x tp); a step is `autotp.forward_backward(model, **batch)` (`autotp.pp`,
       docs/pipeline.md). Every rank is given the same whole batch.
     - `pp_schedule`: torch.distributed.pipelining's schedule, as torch names it: "GPipe", "1F1B" or "Interleaved1F1B".
+    - `pp_stages_per_rank`: the stages each rank runs under a looped schedule (None: 2 for "Interleaved1F1B", 1
+      for the others, which take only 1).
     - `pp_microbatches`: the micro-batches each batch is split into along its rows (None: pp_size).
     - `pp_split_points`: the index of the first decoder layer of every stage but the first (None: balanced by a cost
       model in which the embedding and the head each count as one layer).
@@ -73,6 +75,7 @@ class WrapOptions:
     ep_size: int = 1
     pp_size: int = 1
     pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int | None = None
     pp_microbatches: int | None = None
     pp_split_points: tuple[int, ...] | None = None
 
@@ -98,7 +101,7 @@ class WrapOptions:
 # tests/parallelize/test_rank_agreement.py fails on a field on neither side):
 AGREED_OPTIONS = frozenset(
     {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu"}
-    | {"pp_schedule", "pp_microbatches", "pp_split_points"}
+    | {"pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_split_points"}
     | {f.name for f in fields(WrapOptions) if f.name.endswith("_size")}
 )  # compared as given: ranks that differ would
 # shard or synchronise apart; every axis's size among them, so a new dimension's field needs no entry here
@@ -129,6 +132,7 @@ class WrapKwargs(TypedDict, total=False):
     ep_size: int
     pp_size: int
     pp_schedule: str
+    pp_stages_per_rank: int | None
     pp_microbatches: int | None
     pp_split_points: tuple[int, ...] | None
 

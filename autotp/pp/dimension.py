@@ -19,7 +19,7 @@ from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..state import TPState
 from .cut import Cut, find_cut, skip_others
-from .schedule import SCHEDULES, Runner, stages_of
+from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
@@ -163,7 +163,13 @@ class PipelineParallelism(Dimension):
         raise NotImplementedError("autotp.save_checkpoint at pp_size > 1 is not built yet")
 
     def _cut(self, model: nn.Module, options: WrapOptions) -> Cut:
-        per_rank = 2 if options.pp_schedule == "Interleaved1F1B" else 1
+        looped = options.pp_schedule in LOOPED
+        per_rank = options.pp_stages_per_rank or (2 if looped else 1)
+        if per_rank < 1 or (per_rank > 1 and not looped):
+            raise ValueError(
+                f"pp_stages_per_rank={per_rank} with pp_schedule={options.pp_schedule!r}: more than one stage per "
+                f"rank needs a looped schedule ({', '.join(LOOPED)}), and at least one"
+            )
         return find_cut(model, options.pp_size * per_rank, options.pp_split_points)
 
 

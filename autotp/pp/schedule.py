@@ -27,7 +27,8 @@ from ..mesh import Group, device_of, named_failure
 from .cut import Cut, stage_view, swapped
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names; the looped one runs 2 stages per rank
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
+LOOPED = ("Interleaved1F1B",)  # several stages per rank (2 unless `pp_stages_per_rank` says otherwise)
 
 
 class _StageOutput(Exception):

@@ -93,6 +93,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
         "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),
+        "pp_stages_per_rank": dict(pp_stages_per_rank=2),  # 1F1B runs one stage per rank
     }.items():
         build = options.pop("build", None)
         model = build() if build else tiny_model(options.pop("family", "llama"), **options.pop("config", {}))

@@ -65,6 +65,7 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "t5": "encoder-decoder",
         "qwen2_vl": "composite models",
         "pp_split_points": "pp_split_points",
+        "pp_stages_per_rank": "looped schedule",
         "forward": "autotp.forward_backward",
         "cu_seq_lens_q": "split by rows",
     }
@@ -82,6 +83,15 @@ def test_pp2_schedules(schedule: str) -> None:
     assert_pp_parity(
         run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_schedule=schedule, pp_microbatches=4, config=config))
     )
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_with_three_stages_per_rank() -> None:
+    options = dict(pp_schedule="Interleaved1F1B", pp_stages_per_rank=3, pp_microbatches=4)
+    results = run_ranks(pp_parity, 2, "llama", 1, 2, dict(options, config=dict(num_hidden_layers=6)))
+    layers = [{name.split(".")[2] for name in r["errors"] if name.startswith("model.layers.")} for r in results]
+    assert layers == [{"0", "2", "4"}, {"1", "3", "5"}]  # looped: rank r runs stages r, r + 2, r + 4
+    assert_pp_parity(results, reference_names=2 + 6 * 9 + 1)
 
 
 @pytest.mark.slow

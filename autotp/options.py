@@ -50,6 +50,9 @@ class WrapOptions:
     - `ep_size`: expert parallelism, each MoE layer's routed experts split by expert over that many consecutive ranks
       (taking the TP ranks first), tokens sent to them by an all-to-all; the rest of the world holds copies of them
       (`autotp.ep`). The dense layers keep dp x cp x tp.
+    - `loss_chunk`: tokens per chunk of the vocab-parallel LM head and loss in a training forward with labels
+      (`autotp.vocab.chunked`): the batch x seq x vocab logits are never held whole; None or 0 turns it off. Where it
+      would not be exact (sequence or context parallelism, FSDP2, a transformed or LoRA head) the whole logits are used.
     """
 
     tp_size: int = 1
@@ -64,6 +67,7 @@ class WrapOptions:
     example_inputs: Mapping[str, Any] | None = None
     cp_size: int = 1
     ep_size: int = 1
+    loss_chunk: int | None = 1024
 
     def sizes(self) -> dict[str, int]:
         """Every mesh axis's size but DP's, by axis name: each `<axis>_size` field (an axis of `autotp.mesh.AXES`),
@@ -84,7 +88,7 @@ class WrapOptions:
 # Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
 # tests/parallelize/test_rank_agreement.py fails on a field on neither side):
 AGREED_OPTIONS = frozenset(
-    {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu"}
+    {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu", "loss_chunk"}
     | {f.name for f in fields(WrapOptions) if f.name.endswith("_size")}
 )  # compared as given: ranks that differ would
 # shard or synchronise apart; every axis's size among them, so a new dimension's field needs no entry here
@@ -113,6 +117,7 @@ class WrapKwargs(TypedDict, total=False):
     example_inputs: Mapping[str, Any] | None
     cp_size: int
     ep_size: int
+    loss_chunk: int | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(WrapOptions) if f.name != "tp_size")  # the keywords, in the fields' order

@@ -1,4 +1,5 @@
-"""Logits gathered on first read: a ModelOutput whose `logits` is a shard (vocab) or a chunk (context) until used.
+"""Logits gathered on first read: a ModelOutput whose `logits` is a shard (vocab) or a chunk (context) until used;
+and logits computed on first use (`PendingLogits`, the chunked loss's stand-in).
 
 A step that reads only the loss never gathers batch x seq x vocab; code that reads `logits` gets the full
 tensor, once. Vocab and context parallelism both hand their gather in.
@@ -6,9 +7,11 @@ tensor, once. Vocab and context parallelism both hand their gather in.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from ..compat.torch import subclass_alias
 
 
 class _LazyLogits:
@@ -59,3 +62,59 @@ def lazy_logits(output, gather: Callable[[], torch.Tensor]):
     output.__class__ = _LAZY[cls]
     output.__dict__["autotp_pending"] = gather
     return output
+
+
+_METADATA = {
+    torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.size,
+    torch.Tensor.dim,
+}
+
+
+class PendingLogits(torch.Tensor):
+    """Logits not computed yet: an expanded zero (no memory) of their shape. Reading its shape, dtype or device costs
+    nothing; any other operation computes the real logits once (`materialize`) and runs on them."""
+
+    hidden: torch.Tensor
+    head: Callable[[torch.Tensor], torch.Tensor]
+    computed: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: Any):
+        empty = torch.zeros((), dtype=dtype, device=hidden.device).expand(*hidden.shape[:-1], width)
+        out = subclass_alias(cls, empty, hidden.requires_grad)
+        out.hidden, out.head, out.computed = hidden, head, None
+        return out
+
+    def materialize(self) -> torch.Tensor:
+        """The real logits, through the head (differentiable), computed once."""
+        if self.computed is None:
+            self.computed = self.head(self.hidden)
+        return self.computed
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs)
+        return func(*_real(args), **_real(kwargs))
+
+
+def _real(value: Any) -> Any:
+    """`value` (an argument, or a list, tuple or dict of them) with every stand-in replaced by its real logits."""
+    if isinstance(value, PendingLogits):
+        return value.materialize()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_real(x) for x in value)
+    if isinstance(value, dict):
+        return {k: _real(x) for k, x in value.items()}
+    return value
+
+
+def real_logits(logits: torch.Tensor) -> torch.Tensor:
+    """`logits`, computed if they are a stand-in."""
+    return logits.materialize() if isinstance(logits, PendingLogits) else logits

@@ -14,6 +14,7 @@ from ..runtime.process_hooks import patch_attribute
 from ..state import TPState
 from ..tp.block_entry import BlockEntry
 from ..tp.layers import LinearLayer
+from .chunked import ChunkedHead
 from .layers import LogitsGate, VocabParallelEmbedding, VocabParallelLoss
 
 
@@ -37,6 +38,14 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     loss = VocabParallelLoss(vocab.partition, tp_group, state.full_loss)
     patch_attribute(model, "loss_function", loss)
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
+    if state.options.loss_chunk:
+        chunked = ChunkedHead(head, tp_group, state.options.loss_chunk, state)
+        patch_attribute(head, "forward", chunked.forward)
+        loss.chunked = chunked.loss_sum
+        state.vocab_hooks += [
+            model.register_forward_pre_hook(state.sharded_only(chunked.before), with_kwargs=True),
+            model.register_forward_hook(state.sharded_only(chunked.after), with_kwargs=True),
+        ]
     state.vocab_hooks += [
         model.register_forward_pre_hook(gate.before, with_kwargs=True),
         model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),

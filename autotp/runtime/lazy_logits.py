@@ -65,11 +65,11 @@ def lazy_logits(output, gather: Callable[[], torch.Tensor]):
 
 
 _METADATA = {
-    torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.requires_grad.__get__,
     torch.Tensor.size,
     torch.Tensor.dim,
 }

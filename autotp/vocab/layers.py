@@ -94,7 +94,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group: dist.ProcessGroup,
     ) -> torch.Tensor:
         ctx.dtype = logits.dtype
-        loss, softmax, local, mine, valid = shard_loss(logits, target, start, full_vocab, ignore_index, smoothing, group)
+        loss, softmax, local, mine, valid = shard_loss(
+            logits, target, start, full_vocab, ignore_index, smoothing, group
+        )
         ctx.save_for_backward(softmax, local, mine, valid)
         ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
         return loss * valid
@@ -119,6 +121,7 @@ def shard_grad_(
     if smoothing:
         out -= smoothing / full_vocab
     return out
+
 
 def shard_loss(
     logits: torch.Tensor,

@@ -107,3 +107,42 @@ def test_a_chunked_step_saves_at_most_an_eighth_of_the_whole_logits_step() -> No
     whole = run_ranks(saved_bytes, 2, None)
     for ours, today in zip(chunked, whole):
         assert ours * 8 <= today, (ours, today)
+
+
+def transformed_or_read(rank: int, world: int) -> dict:
+    """A head whose logits are scaled by a forward hook (as a softcap or Cohere's logit_scale would), and logits read
+    after a chunked training forward: each against one process."""
+    ids = batch(vocab=250, size=(2, 15))
+    labels = labels_with_ignored(ids)
+    out = {}
+    for name, hooked in (("scaled", True), ("read", False)):
+        reference, model = build("llama", False), autotp.wrap(build("llama", False), world, loss_chunk=4)
+        built: list[str] = []
+        for m in (reference, model):
+            if hooked:
+                head_of(m).register_forward_hook(lambda m, a, logits: logits * 0.5)
+        head_of(model).register_forward_hook(lambda m, a, logits: built.append(type(logits).__name__))
+        expected, output = reference(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+        (expected.loss + expected.logits.square().mean()).backward()
+        (output.loss + output.logits.square().mean()).backward()  # the logits read, and trained through
+        group = model.autotp_state.tp_group
+        want = dict(reference.named_parameters())
+        out[name] = {
+            "loss": abs(output.loss.item() - expected.loss.item()),
+            "logits": (output.logits - expected.logits).abs().max().item(),
+            "grad": {
+                n: parity.grad_error(parity.full_tensor(p.grad, p, group), want[n].grad)
+                for n, p in model.named_parameters()
+            },
+            "built": built,
+        }
+    return out
+
+
+def test_transformed_logits_take_the_whole_path_and_logits_read_after_a_chunked_loss_are_whole() -> None:
+    for report in run_ranks(transformed_or_read, 2):
+        for case in report.values():
+            assert_close(case)
+            assert case["logits"] <= 1e-5  # fp32, reduction order only
+        assert report["scaled"]["built"] == ["Tensor"]  # the hook's product computed the logits: the loss used them
+        assert report["read"]["built"] == ["PendingLogits"]

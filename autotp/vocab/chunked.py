@@ -76,8 +76,9 @@ class ChunkedHead:
     """The vocab-parallel head's forward (patched in by `apply_vocab`) returning `PendingLogits` in a training forward
     with labels, where the chunked loss is exact; everywhere else it is the head's own forward.
 
-    Off (today's path) under sequence or context parallelism, FSDP2, autocast, torch.compile, a transposed head or
-    `loss_chunk` of None or 0. `chunked` counts the losses computed over chunks.
+    Off (today's path) under sequence or context parallelism, FSDP2, autocast, torch.compile, a transposed head, a
+    head wrapped by another module (PEFT's LoRA, whose adapter shares the head's block entry) or `loss_chunk` of None
+    or 0. `chunked` counts the losses computed over chunks.
     """
 
     def __init__(self, head: Any, group: dist.ProcessGroup, chunk: int, state: Any):
@@ -95,6 +96,7 @@ class ChunkedHead:
             and kwargs.get("labels") is not None
             and not (options.sequence_parallel or options.cp_size > 1 or self.state.fsdp)
             and not self.head.transposed
+            and module.get_output_embeddings() is self.head  # not wrapped (LoRA on the head)
             and not torch.compiler.is_compiling()
             and not torch.is_autocast_enabled()
         )

@@ -81,6 +81,9 @@ class WrapOptions:
         return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
 
     def __post_init__(self) -> None:
+        chunk = self.loss_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise ValueError(f"loss_chunk={chunk!r}: a number of tokens per chunk, or None or 0 to turn chunks off")
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 

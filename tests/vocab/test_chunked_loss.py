@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.options import WrapOptions
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import batch, labels_with_ignored, tiny_model
@@ -24,6 +25,13 @@ def build(family: str, tied: bool) -> torch.nn.Module:
 
 def head_of(model: torch.nn.Module):
     return model.get_output_embeddings()
+
+
+def head_outputs(model: torch.nn.Module) -> list[str]:
+    """The class of each output of the model's head from now on: `PendingLogits` (the stand-in) or `Tensor`."""
+    built: list[str] = []
+    head_of(model).register_forward_hook(lambda m, a, logits: built.append(type(logits).__name__))
+    return built
 
 
 def one_step(
@@ -44,8 +52,7 @@ def one_step(
     expected = reference(input_ids=ids, labels=labels, **extra).loss
     expected.backward()
     model = autotp.wrap(build(family, tied), world, loss_chunk=chunk, sequence_parallel=sequence_parallel)
-    built = []
-    head_of(model).register_forward_hook(lambda m, a, out: built.append(type(out).__name__))
+    built = head_outputs(model)
     loss = model(input_ids=ids, labels=labels, **extra).loss
     loss.backward()
     group = model.autotp_state.tp_group
@@ -117,11 +124,10 @@ def transformed_or_read(rank: int, world: int) -> dict:
     out = {}
     for name, hooked in (("scaled", True), ("read", False)):
         reference, model = build("llama", False), autotp.wrap(build("llama", False), world, loss_chunk=4)
-        built: list[str] = []
         for m in (reference, model):
             if hooked:
                 head_of(m).register_forward_hook(lambda m, a, logits: logits * 0.5)
-        head_of(model).register_forward_hook(lambda m, a, logits: built.append(type(logits).__name__))
+        built = head_outputs(model)
         expected, output = reference(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
         (expected.loss + expected.logits.square().mean()).backward()
         (output.loss + output.logits.square().mean()).backward()  # the logits read, and trained through
@@ -146,3 +152,9 @@ def test_transformed_logits_take_the_whole_path_and_logits_read_after_a_chunked_
             assert case["logits"] <= 1e-5  # fp32, reduction order only
         assert report["scaled"]["built"] == ["Tensor"]  # the hook's product computed the logits: the loss used them
         assert report["read"]["built"] == ["PendingLogits"]
+
+
+@pytest.mark.parametrize("chunk", [-1, 2.5, True])
+def test_a_loss_chunk_that_is_not_a_token_count_is_refused(chunk) -> None:
+    with pytest.raises(ValueError, match="loss_chunk"):
+        WrapOptions(loss_chunk=chunk)

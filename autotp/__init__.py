@@ -8,7 +8,7 @@ Layers, bottom to top; a module imports only from its own layer or the layers be
 upward import or a cycle). Each folder is one concern; its `__init__` says what it is for and what it may import.
 
 1. dependency boundaries: `compat`, `compat.versions`, `compat.peft`, `compat.torch`, `compat.trainer`,
-   `compat.hf`, `compat.hf_conversion`
+   `compat.hf`, `compat.hf_conversion`, `compat.torchao`
 2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.placement`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
@@ -18,7 +18,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `runtime.process_hooks`, `runtime.slot_guard`, `runtime.input_agreement`, `runtime.rng`, `runtime.shards`,
    `runtime.lazy_logits`, `runtime.dimension`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
-   `tp`, `tp.overlap`, `tp.glu`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
+   `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,

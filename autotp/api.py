@@ -178,7 +178,7 @@ def _shard(
 def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     """The plan, and every refusal that needs no process group; nothing is changed."""
     refuse_quantized(model)
-    refuse_torchao(model)
+    refuse_torchao(model, options)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     dimensions = pipeline_dimensions()
     for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order

@@ -160,24 +160,28 @@ def rank_main(rank: int, world: int, config: dict, shape: tuple[int, int], optio
     dist.destroy_process_group()
 
 
-def run(
-    config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]
-) -> list[tuple[int, int, int, int, int]]:
-    """(rank, saved bytes, peak RSS growth, bytes sent, RSS held after forward) of each rank, spawned with `malloc` added to the environment."""
+def spawn_ranks(rank_main, world: int, args: tuple, env: dict[str, str]) -> list[tuple]:
+    """What each rank put on the queue (its rank first), in rank order: `rank_main(rank, world, *args, port, out)` in
+    freshly spawned processes, with `env` added to their environment (glibc reads `MALLOC_*` as they start)."""
     from autotp.testing.spawn import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     before = dict(os.environ)
-    os.environ.update(malloc)  # read by glibc when the spawned ranks start
+    os.environ.update(env)
     try:
-        mp.start_processes(
-            rank_main, args=(2, config, shape, options, free_port(), out), nprocs=2, start_method="spawn"
-        )
+        mp.start_processes(rank_main, args=(world, *args, free_port(), out), nprocs=world, start_method="spawn")
     finally:
         os.environ.clear()
         os.environ.update(before)
-    return sorted(out.get() for _ in range(2))
+    return sorted((out.get() for _ in range(world)), key=lambda row: row[0])
+
+
+def run(
+    config: dict, shape: tuple[int, int], options: dict, malloc: dict[str, str]
+) -> list[tuple[int, int, int, int, int]]:
+    """(rank, saved bytes, peak RSS growth, bytes sent, RSS held after forward) of each rank, spawned with `malloc` added to the environment."""
+    return spawn_ranks(rank_main, 2, (config, shape, options), malloc)
 
 
 def main() -> None:

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from activation_memory import VOCAB, VOCAB_BATCH, rss  # noqa: E402
+from activation_memory import VOCAB, VOCAB_BATCH, rss, spawn_ranks  # noqa: E402
 
 RUNS = [
     ("`log_softmax(logits).gather`, logits gathered (vocab_parallel=False)", "gather", False),
@@ -72,18 +71,7 @@ def rank_main(rank: int, world: int, how: str, vocab_parallel: bool, port: int, 
 
 
 def run(how: str, vocab_parallel: bool) -> list[tuple]:
-    from autotp.testing.spawn import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    before = dict(os.environ)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # read by glibc when the spawned ranks start
-    try:
-        mp.start_processes(rank_main, args=(2, how, vocab_parallel, free_port(), out), nprocs=2, start_method="spawn")
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
-    return sorted((out.get() for _ in range(2)), key=lambda row: row[0])
+    return spawn_ranks(rank_main, 2, (how, vocab_parallel), {"MALLOC_MMAP_THRESHOLD_": "131072"})
 
 
 def main() -> None:

@@ -6,6 +6,7 @@
   each dimension: `autotp.runtime.dimension.Dimension.check_ddp`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.tp.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
+- torchao layers autotp cannot shard exactly (`refuse_torchao`; tensorwise float8 it shards: `autotp.tp.float8`).
 - torch's own `fully_shard` on a wrapped model (use `autotp.fully_shard`), and FSDP over a mesh that holds two ranks
   of one TP group, checked at the first forward or optimizer step (`MeshGuard`).
 """
@@ -24,12 +25,15 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compat.hf import adapter_module
 from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
+from ..compat.torchao import is_torchao
 from ..dp.fsdp import check_mesh
+from ..options import WrapOptions
 from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import Hold, module_forward_pre_hook, watch_optimizer_steps
 from ..runtime.replicas import check_replicas
 from ..runtime.slot_guard import SlotGuard
 from ..state import TPState, refuse_torch_fsdp, state_of
+from ..tp.float8 import refusal
 from ..tp.lora import adapt
 
 REPLICA_CHECK_EVERY = 100
@@ -192,27 +196,45 @@ def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
     )
 
 
-def refuse_torchao(model: nn.Module) -> None:
-    """Refuse a model holding torchao's training layers or tensors (`convert_to_float8_training`'s `Float8Linear`,
-    a quantised weight subclass), by name and before anything changes. wrap would replace such a linear with its own,
-    which computes in the parameter's dtype: float8 lost silently, the loss equal to the plain model's. torchao is
-    not a dependency, so they are found by the module their class is defined in, not by importing it."""
-    found = [(name, type(module)) for name, module in model.named_modules() if _from_torchao(type(module))]
-    found += [(name, type(p)) for name, p in model.named_parameters() if _from_torchao(type(p))]
+def refuse_torchao(model: nn.Module, options: WrapOptions | None = None) -> None:
+    """Refuse, by name and before anything changes, torchao layers or tensors autotp cannot shard exactly: all but
+    `convert_to_float8_training`'s `Float8Linear` with the tensorwise recipe (`autotp.tp.float8`), a quantised or
+    float8 weight subclass (FSDP2's float8 all-gather), and float8 under sequence, context or expert parallelism
+    (a CP rank's amax would be its part of the sequence's, one process's the whole's). Found by the module their
+    class is defined in: torchao is not a dependency."""
+    found = [
+        (name, type(module), refusal(module)) for name, module in model.named_modules() if is_torchao(type(module))
+    ]
+    unmade = (
+        []
+        if options is None
+        else [
+            f"float8 under {option} is not supported yet"
+            for option, on in (
+                ("sequence_parallel", options.sequence_parallel),
+                (f"cp_size={options.cp_size}", options.cp_size > 1),
+                (f"ep_size={options.ep_size}", options.ep_size > 1),
+            )
+            if on
+        ]
+    )
+    if unmade:
+        found = [(name, cls, why or unmade[0]) for name, cls, why in found]
+    found = [entry for entry in found if entry[2] is not None]
+    found += [
+        (name, type(p), "autotp shards plain weights only")
+        for name, p in model.named_parameters()
+        if is_torchao(type(p))
+    ]
     if not found:
         return
-    (path, cls), more = found[0], len(found) - 1
+    (path, cls, why), more = found[0], len(found) - 1
     raise NotImplementedError(
         f"autotp: {path} is torchao's {cls.__name__} ({cls.__module__}.{cls.__qualname__})"
-        f"{f', and {more} more modules or parameters' if more else ''}: the model was converted by torchao "
-        f"(Float8Linear: convert_to_float8_training). autotp's sharded linears would replace these and compute in the "
-        f"parameter dtype, so float8 would be lost silently. autotp does not shard torchao layers "
-        f"yet: wrap the model without the conversion. Nothing was changed."
+        f"{f', and {more} more modules or parameters' if more else ''}: {why}. autotp's sharded linears would "
+        f"replace these and lose float8 or compute it on shards. Convert with convert_to_float8_training and the "
+        f"default (tensorwise) Float8LinearConfig, or wrap the model without the conversion. Nothing was changed."
     )
-
-
-def _from_torchao(cls: type) -> bool:
-    return any(c.__module__ == "torchao" or c.__module__.startswith("torchao.") for c in cls.__mro__)
 
 
 def refuse_quantized(model: nn.Module) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..compat.hf import failed_experts_kernel, is_conv1d, is_transformers_class
+from ..compat.torchao import high_precision
 from .plan import Plan, Replicated, Why
 from .probe import probe_inputs
 
@@ -54,12 +55,13 @@ def verdicts(
     modes = {m: m.training for m in model.modules()}
     model.eval()  # dropout would make the replays differ from the recording
     try:
-        records, problem = _record(model, set(blocks), plan, example)
-        found = {}
-        for key, members in instances.items():
-            # the first instance the probe reached: a router may send no token to some experts
-            block = next((b for b in members if records.get(b)), members[0])
-            found[key] = problem or _check_block(modules[block], block, plan, records.get(block))
+        with high_precision(model):  # float8 layers checked in their weights' dtype (autotp.compat.torchao)
+            records, problem = _record(model, set(blocks), plan, example)
+            found = {}
+            for key, members in instances.items():
+                # the first instance the probe reached: a router may send no token to some experts
+                block = next((b for b in members if records.get(b)), members[0])
+                found[key] = problem or _check_block(modules[block], block, plan, records.get(block))
         return found
     finally:
         for module, training in modes.items():

@@ -67,7 +67,8 @@ class BlockEntry:
             grads = torch.is_grad_enabled()
             weights = [w for w in self._joining if w.requires_grad] if grads else []
             readers = (
-                [r for r in self._readers if r.weight.requires_grad]
+                # a float8 layer's backward is torchao's (autotp.tp.float8): its weight gradient is not deferred
+                [r for r in self._readers if r.weight.requires_grad and getattr(r, "float8", None) is None]
                 if (grads and self.overlap and not torch.compiler.is_compiling())
                 else []
             )

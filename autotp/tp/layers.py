@@ -28,11 +28,18 @@ from ..runtime.collectives import all_gather_full, copy_to_tp, reduce_from_tp
 from ..runtime.seq_collectives import reduce_scatter_seq_from_tp, seq_parallel_column_linear
 from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_, shard_parameter
 from .block_entry import BlockEntry
+from .float8 import SHARDED_OPERANDS, float8_matmul
 from .glu import glu_linear, match
 
 
 class ParallelLinear(nn.Linear):
-    """Shared mechanics: holding a shard, and swapping it for the full weight and back."""
+    """Shared mechanics: holding a shard, and swapping it for the full weight and back.
+
+    A torchao `Float8Linear` replaced keeps its float8 matmul (`float8`, `autotp.tp.float8`): `local_linear` runs it,
+    the `style`'s sharded operands scaled over the group; the fused paths (overlap, glu) then step aside.
+    """
+
+    style = ""  # "column" or "row": which operands are shards (`autotp.tp.float8.SHARDED_OPERANDS`)
 
     def __init__(self, linear: nn.Module, partition: Partition, group: Group):
         nn.Module.__init__(self)
@@ -42,6 +49,7 @@ class ParallelLinear(nn.Linear):
             raise ValueError(f"partition is for tp_size={partition.tp_size}, the group has {self.tp_size} ranks")
         self.transposed = is_conv1d(linear)  # weight stored [in, out]
         self.partition = partition
+        self.float8 = float8_matmul(linear, group)
         out_dim = 1 if self.transposed else 0
         self.full_out, self.full_in = linear.weight.shape[out_dim], linear.weight.shape[1 - out_dim]
         self.weight = shard_parameter(linear.weight, partition, self.tp_rank)
@@ -81,6 +89,9 @@ class ParallelLinear(nn.Linear):
 
     def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The plain matmul on the weight held now (the shard, or the full weight when gathered)."""
+        if self.float8 is not None:
+            sharded = () if self.is_gathered() or self.tp_size == 1 else SHARDED_OPERANDS[self.style]
+            return self.float8(x, self.weight if self.transposed else self.weight.t(), bias, sharded)
         return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
 
     def _full_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +155,8 @@ class LinearLayer(ParallelLinear):
     (Megatron's overlap, `wrap(overlap=...)`); `entry` is shared by sibling layers reading the same input.
     """
 
+    style = "column"
+
     def __init__(
         self,
         linear: nn.Module,
@@ -196,6 +209,8 @@ class LinearLayer(ParallelLinear):
 class LinearAllreduce(ParallelLinear):
     """Row-parallel linear: weight split on the input dim, partial outputs all-reduced, bias added once after."""
 
+    style = "row"
+
     def __init__(
         self,
         linear: nn.Module,
@@ -239,7 +254,13 @@ class LinearAllreduce(ParallelLinear):
 
     def _product_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul, recomputing a gated MLP's product `x` in backward rather than keeping it where it is one."""
-        if self.recompute_glu and self.entry is not None and torch.is_grad_enabled() and x.requires_grad:
+        if (
+            self.float8 is None
+            and self.recompute_glu
+            and self.entry is not None
+            and torch.is_grad_enabled()
+            and (x.requires_grad)
+        ):
             found = match(x, self.entry.column_output)
             if found is not None:
                 return glu_linear(x, self.weight, self.transposed, found)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -176,20 +177,32 @@ def test_a_model_on_the_meta_device_is_refused_at_tp1(no_launcher) -> None:
     assert not hasattr(model, "autotp_state") and not autotp.tp.apply.parallel_layers(model)
 
 
-def test_a_torchao_float8_model_is_refused_by_name_before_it_changes(no_launcher) -> None:
-    """torchao's convert_to_float8_training: before, wrap replaced its Float8Linear layers by autotp's, and the model
-    trained in fp32 without a word (at tp 2 its loss equalled the plain model's). torchao is not a dependency (in
-    the suite's environment it would slow every test by a fifth): skipped without it, and .ci/run runs it with it."""
+def test_a_torchao_float8_model_autotp_cannot_shard_is_refused_by_name_before_it_changes(no_launcher) -> None:
+    """torchao's convert_to_float8_training with the rowwise recipe (one scale per row, which autotp's sharded layers
+    do not compute yet; the tensorwise recipe they do: tests/tp/test_float8.py), and tensorwise under sequence or
+    context parallelism. Before autotp sharded float8, wrap replaced Float8Linear layers by its own, and the model
+    trained in fp32 without a word. torchao is not a dependency (in the suite's environment it would slow every test
+    by a fifth): skipped without it, and .ci/run runs it with it."""
     float8 = pytest.importorskip("torchao.float8")
-    model = tiny_model("llama")
-    float8.convert_to_float8_training(model)
-    before = snapshot(model)
+    rowwise = tiny_model("llama")
+    float8.convert_to_float8_training(rowwise, config=float8.Float8LinearConfig.from_recipe_name("rowwise"))
+    tensorwise = tiny_model("llama")
+    float8.convert_to_float8_training(tensorwise)
     named = r"model\.layers\.0\.self_attn\.q_proj is torchao's Float8Linear .*and 14 more.*convert_to_float8_training"
-    for call, tp_size in (autotp.wrap, 1), (autotp.explain, 2):
-        with pytest.raises(NotImplementedError, match=named):
-            call(model, tp_size)
-    assert_unchanged(before, model)
-    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"
+    for model, why, options in (
+        (rowwise, r"axiswise.*tensorwise recipe only", {}),
+        (tensorwise, "sequence_parallel", {"sequence_parallel": True}),
+        (tensorwise, "cp_size=2", {"cp_size": 2}),
+    ):
+        before = snapshot(model)
+        for call, tp_size in (autotp.wrap, 1), (autotp.explain, 2):
+            if options and call is autotp.wrap:
+                continue  # sequence and context parallelism need tp > 1 or a process group
+            with pytest.raises(NotImplementedError, match=named) as refused:
+                call(model, tp_size, **options)
+            assert re.search(why, str(refused.value)), str(refused.value)
+        assert_unchanged(before, model)
+        assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"
 
 
 def test_a_transformers_experts_kernel_failure_is_named_with_its_fix() -> None:

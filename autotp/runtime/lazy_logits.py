@@ -75,25 +75,55 @@ _METADATA = {
 }
 
 
+# elementwise operations that a stand-in takes with a Python number, as Gemma 2's softcap and Cohere's logit_scale apply
+# them, kept as the stand-in's `transforms` (each chunk applies them) rather than computing the logits
+_SCALAR_OPS = {
+    torch.Tensor.__truediv__,
+    torch.Tensor.div,
+    torch.div,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.Tensor.mul,
+    torch.mul,
+    torch.Tensor.tanh,
+    torch.tanh,
+}
+
+
 class PendingLogits(torch.Tensor):
     """Logits not computed yet: an expanded zero (no memory) of their shape. Reading its shape, dtype or device costs
-    nothing; any other operation computes the real logits once (`materialize`) and runs on them."""
+    nothing; multiplying or dividing it by a number or taking its tanh gives a stand-in with that step added to its
+    `transforms`; any other operation computes the real logits once (`materialize`) and runs on them."""
 
     hidden: torch.Tensor
     head: Callable[[torch.Tensor], torch.Tensor]
+    transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...]
     computed: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: Any):
+    def __new__(
+        cls,
+        hidden: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        width: int,
+        dtype: Any,
+        transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (),
+    ):
         empty = torch.zeros((), dtype=dtype, device=hidden.device).expand(*hidden.shape[:-1], width)
         out = subclass_alias(cls, empty, hidden.requires_grad)
-        out.hidden, out.head, out.computed = hidden, head, None
+        out.hidden, out.head, out.transforms, out.computed = hidden, head, transforms, None
         return out
 
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (of some tokens, from the head) through this stand-in's transforms."""
+        for step in self.transforms:
+            logits = step(logits)
+        return logits
+
     def materialize(self) -> torch.Tensor:
-        """The real logits, through the head (differentiable), computed once."""
+        """The real logits, through the head and the transforms (differentiable), computed once."""
         if self.computed is None:
-            self.computed = self.head(self.hidden)
+            self.computed = self.transform(self.head(self.hidden))
         return self.computed
 
     @classmethod
@@ -101,7 +131,19 @@ class PendingLogits(torch.Tensor):
         kwargs = kwargs or {}
         if func in _METADATA:
             return super().__torch_function__(func, types, args, kwargs)
+        if func in _SCALAR_OPS and not kwargs:
+            stand_ins = [a for a in args if isinstance(a, PendingLogits)]
+            numbers = [a for a in args if not isinstance(a, PendingLogits)]
+            if len(stand_ins) == 1 and stand_ins[0].computed is None and all(_number(n) for n in numbers):
+                (pending,) = stand_ins
+                step = lambda t: func(*(t if a is pending else a for a in args))  # noqa: E731
+                width = pending.shape[-1]
+                return PendingLogits(pending.hidden, pending.head, width, pending.dtype, (*pending.transforms, step))
         return func(*_real(args), **_real(kwargs))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _real(value: Any) -> Any:

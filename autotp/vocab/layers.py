@@ -143,14 +143,17 @@ def shard_loss(
     # the max's softmax is 1 / sum-exp
     local_lse = torch.where(masked, local_max, local_max - softmax.max(dim=-1).values.log())
     top = local_lse.clone()
-    all_reduce(top, group, dist.ReduceOp.MAX)
+    whole = group_size(group) == 1  # the whole vocabulary here (a replicated head): nothing to reduce
+    if not whole:
+        all_reduce(top, group, dist.ReduceOp.MAX)
     local = target - start
     valid = target != ignore_index
     mine = valid & (local >= 0) & (local < logits.shape[-1])
     picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: a masked logit is -inf
     sums = torch.stack([(local_lse - top).exp(), picked, *([logits.sum(-1)] if smoothing else [])])
-    all_reduce(sums, group)
+    if not whole:
+        all_reduce(sums, group)
     lse = top + sums[0].log()  # log of the softmax denominator over the whole vocabulary
     loss = lse - sums[1]
     if smoothing:
@@ -197,20 +200,34 @@ class VocabParallelLoss:
                 **kwargs,
             )
         self.calls += 1
-        if shift_labels is None:
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        target = shift_labels.reshape(-1).to(logits.device)
+        target = shifted_targets(labels, shift_labels, ignore_index, logits.device)
         smoothing = float(label_smoothing)
         args = (target, self.start, self.full_vocab, ignore_index, smoothing)
         total = None if self.chunked is None else self.chunked(logits, *args)
         if total is None:
             logits = real_logits(logits)
             total = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), *args, self.group).sum()
-        if num_items_in_batch is not None:
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(total.device)
-            return total / num_items_in_batch
-        return total / (target != ignore_index).sum()
+        return mean_loss(total, target, num_items_in_batch, ignore_index)
+
+
+def shifted_targets(
+    labels: torch.Tensor, shift_labels: torch.Tensor | None, ignore_index: int, device: torch.device
+) -> torch.Tensor:
+    """Each token's target, flat, as transformers' causal-LM loss takes it: `shift_labels`, else `labels` shifted
+    left with `ignore_index` appended."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1).to(device)
+
+
+def mean_loss(total: torch.Tensor, target: torch.Tensor, num_items_in_batch: Any, ignore_index: int) -> torch.Tensor:
+    """The summed loss divided as transformers divides it: by `num_items_in_batch` if given, else by the count of
+    targets that are not `ignore_index`."""
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    return total / (target != ignore_index).sum()
 
 
 class LogitsGate:

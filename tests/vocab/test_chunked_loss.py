@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import autotp
 from autotp.options import WrapOptions
@@ -42,17 +43,35 @@ def one_step(
     num_items: bool,
     tied: bool = False,
     sequence_parallel: bool = False,
+    vocab_parallel: bool = True,
+    smoothing: float = 0.0,
 ) -> dict:
-    """One training step of one process and of tp=`world` (same seed, same calls): the loss's and each gradient's
-    difference, and what the head returned (the stand-in, or whole logits)."""
+    """One training step of one process and of tp=`world` (same seed, same calls): the loss's difference, each
+    parameter gradient's and the hidden states' (the head's input) gradient's, and what the head returned (the
+    stand-in, or whole logits). Label smoothing, which transformers' own loss drops, is one process's
+    `F.cross_entropy(label_smoothing=...)` on its logits, the sum divided as transformers divides it."""
     ids = batch(vocab=250, size=(2, 16 if sequence_parallel else 15))  # SP splits the sequence evenly
     labels = labels_with_ignored(ids)
     extra = {"num_items_in_batch": torch.tensor(17)} if num_items else {}
     reference = build(family, tied)
-    expected = reference(input_ids=ids, labels=labels, **extra).loss
+    reference_hidden = hidden_grad(reference)
+    if smoothing:
+        logits = reference(input_ids=ids).logits
+        target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+        total = F.cross_entropy(logits.reshape(target.numel(), -1), target, label_smoothing=smoothing, reduction="sum")
+        expected = total / (extra["num_items_in_batch"] if num_items else (target != -100).sum())
+        extra["label_smoothing"] = smoothing
+    else:
+        expected = reference(input_ids=ids, labels=labels, **extra).loss
     expected.backward()
-    model = autotp.wrap(build(family, tied), world, loss_chunk=chunk, sequence_parallel=sequence_parallel)
-    built = head_outputs(model)
+    model = autotp.wrap(
+        build(family, tied),
+        world,
+        loss_chunk=chunk,
+        sequence_parallel=sequence_parallel,
+        vocab_parallel=vocab_parallel,
+    )
+    built, hidden = head_outputs(model), hidden_grad(model)
     loss = model(input_ids=ids, labels=labels, **extra).loss
     loss.backward()
     group = model.autotp_state.tp_group
@@ -60,7 +79,16 @@ def one_step(
     grads = {
         n: parity.grad_error(parity.full_tensor(p.grad, p, group), want[n].grad) for n, p in model.named_parameters()
     }
+    if not sequence_parallel:  # under SP the head reads this rank's part of the sequence
+        grads["hidden states"] = parity.grad_error(hidden[0], reference_hidden[0])
     return {"loss": abs(loss.item() - expected.item()), "grad": grads, "built": built}
+
+
+def hidden_grad(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradient of the LM head's input (the last hidden states) from now on."""
+    grads: list[torch.Tensor] = []
+    head_of(model).register_forward_pre_hook(lambda m, args: args[0].register_hook(grads.append) and None)
+    return grads
 
 
 def assert_close(report: dict) -> None:
@@ -69,21 +97,57 @@ def assert_close(report: dict) -> None:
     assert worst[1] <= parity.GRAD_RTOL, worst
 
 
-@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize(("chunk", "num_items", "tied"), [(7, False, False), (4, True, True), (1024, True, False)])
-def test_chunked_loss_matches_one_process(chunk: int, num_items: bool, tied: bool, tp: int) -> None:
-    # 30 tokens: chunks of 7 and 4 do not divide them; rows with -100 (a prompt, padding)
-    for report in run_ranks(one_step, tp, "llama", chunk, num_items, tied):
+def assert_chunked(reports: list[dict]) -> None:
+    for report in reports:
         assert_close(report)
         assert report["built"] == ["PendingLogits"]  # the head built no logits: the loss ran over chunks
 
 
-def test_turned_off_or_under_sequence_parallelism_or_not_vocab_parallel_the_whole_logits_are_used_and_match() -> None:
-    # gpt2 is not vocab-parallel (its plan says why): its own head and loss, untouched
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("chunk", "num_items", "tied"), [(7, False, False), (4, True, True), (1024, True, False)])
+def test_chunked_loss_matches_one_process(chunk: int, num_items: bool, tied: bool, tp: int) -> None:
+    # 30 tokens: chunks of 7 and 4 do not divide them; rows with -100 (a prompt, padding)
+    assert_chunked(run_ranks(one_step, tp, "llama", chunk, num_items, tied))
+
+
+@pytest.mark.parametrize("vocab_parallel", [True, False])
+def test_at_tp1_and_with_a_replicated_head_the_loss_runs_over_chunks_and_matches(vocab_parallel: bool) -> None:
+    """Before, only a vocab-parallel head was chunked: at tp 1 (no vocab plan) and with vocab_parallel=False the
+    head built the whole logits. Label smoothing, num_items_in_batch, a tied head, -100 rows, chunks of 4."""
+    assert_chunked([one_step(0, 1, "llama", 4, True, True, vocab_parallel=vocab_parallel, smoothing=0.1)])
+    assert_chunked(run_ranks(one_step, 2, "llama", 4, True, True, False, vocab_parallel, 0.1))
+
+
+def test_softcapping_and_logit_scale_run_over_chunks_at_tp1() -> None:
+    """Gemma 2's final_logit_softcapping (divide, tanh, multiply) and Cohere's logit_scale are taken by the stand-in
+    and applied to each chunk; before, they computed the whole logits."""
+    assert_chunked([one_step(0, 1, "gemma2", 4, False), one_step(0, 1, "cohere", 4, True, smoothing=0.1)])
+
+
+FAMILIES = ["llama", "gemma2", "cohere", "gpt2"]  # gpt2: a tied nn.Linear head (not a Conv1D), learned positions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("vocab_parallel", [True, False])
+def test_each_family_at_each_tp_matches_one_process_over_chunks(family: str, tp: int, vocab_parallel: bool) -> None:
+    """Gemma 2 is vocab-parallel under TP (the softcap on the shards), Cohere and GPT-2 are not (no policy; not a
+    causal LM by transformers' loss_type): their replicated head is chunked. Tied where the family's default is."""
+    tied = family in ("gemma2", "gpt2")
+    for num_items, smoothing in ((True, 0.0), (False, 0.1)):
+        if tp == 1:
+            reports = [one_step(0, 1, family, 5, num_items, tied, False, vocab_parallel, smoothing)]
+        else:
+            reports = run_ranks(one_step, tp, family, 5, num_items, tied, False, vocab_parallel, smoothing)
+        assert_chunked(reports)
+
+
+def test_turned_off_or_under_sequence_parallelism_the_whole_logits_are_used_and_match() -> None:
     for off in (
         run_ranks(one_step, 2, "llama", None, False),
         run_ranks(one_step, 2, "llama", 5, True, False, True),
-        run_ranks(one_step, 2, "gpt2", 5, True, True),
+        [one_step(0, 1, "llama", None, True)],
     ):
         for report in off:
             assert_close(report)
@@ -117,8 +181,8 @@ def test_a_chunked_step_saves_at_most_an_eighth_of_the_whole_logits_step() -> No
 
 
 def transformed_or_read(rank: int, world: int) -> dict:
-    """A head whose logits are scaled by a forward hook (as a softcap or Cohere's logit_scale would), and logits read
-    after a chunked training forward: each against one process."""
+    """A head whose logits are scaled by a tensor in a forward hook (a number is taken by the stand-in, a tensor
+    computes the logits), and logits read after a chunked training forward: each against one process."""
     ids = batch(vocab=250, size=(2, 15))
     labels = labels_with_ignored(ids)
     out = {}
@@ -126,7 +190,7 @@ def transformed_or_read(rank: int, world: int) -> dict:
         reference, model = build("llama", False), autotp.wrap(build("llama", False), world, loss_chunk=4)
         for m in (reference, model):
             if hooked:
-                head_of(m).register_forward_hook(lambda m, a, logits: logits * 0.5)
+                head_of(m).register_forward_hook(lambda m, a, logits: logits * torch.tensor(0.5))
         built = head_outputs(model)
         expected, output = reference(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
         (expected.loss + expected.logits.square().mean()).backward()

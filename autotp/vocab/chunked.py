@@ -70,7 +70,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
             total += (loss * valid).sum()
             dlogits = shard_grad_(softmax, local, mine, smoothing, full_vocab)
-            dlogits *= valid.unsqueeze(-1)
+            if not valid.all():  # rows not to learn from (a prompt, padding): few, so not a pass over every row
+                dlogits[~valid] = 0
             if transform.transforms:
                 (dlogits,) = torch.autograd.grad(logits, raw, dlogits.to(logits.dtype))
                 dlogits = dlogits.float()

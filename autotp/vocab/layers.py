@@ -158,7 +158,8 @@ def shard_loss(
     loss = lse - sums[1]
     if smoothing:
         loss = (1 - smoothing) * loss + smoothing * (lse - sums[2] / full_vocab)
-    softmax.mul_((local_lse - lse).exp().unsqueeze(-1))  # normalised over the whole vocabulary
+    if not whole:  # else torch.softmax normalised it already
+        softmax.mul_((local_lse - lse).exp().unsqueeze(-1))  # normalised over the whole vocabulary
     return loss, softmax, local, mine, valid
 
 

@@ -50,9 +50,10 @@ class WrapOptions:
     - `ep_size`: expert parallelism, each MoE layer's routed experts split by expert over that many consecutive ranks
       (taking the TP ranks first), tokens sent to them by an all-to-all; the rest of the world holds copies of them
       (`autotp.ep`). The dense layers keep dp x cp x tp.
-    - `loss_chunk`: tokens per chunk of the vocab-parallel LM head and loss in a training forward with labels
-      (`autotp.vocab.chunked`): the batch x seq x vocab logits are never held whole; None or 0 turns it off. Where it
-      would not be exact (sequence or context parallelism, FSDP2, a transformed or LoRA head) the whole logits are used.
+    - `loss_chunk`: tokens per chunk of the LM head and loss in a training forward with labels, vocab-parallel or
+      replicated, at tp 1 too (`autotp.vocab.chunked`): the batch x seq x vocab logits are never held whole; None or 0
+      turns it off. Where it would not be exact (sequence or context parallelism, FSDP2, a float8 or LoRA head, logits
+      transformed other than by a number or a tanh) the whole logits are used.
     """
 
     tp_size: int = 1

@@ -74,13 +74,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 dlogits[~valid] = 0
             if transform.transforms:
                 (dlogits,) = torch.autograd.grad(logits, raw, dlogits.to(logits.dtype))
-                dlogits = dlogits.float()
+            dlogits = dlogits.to(weight.dtype)  # the matmuls in the head's dtype, as its own backward runs them
             if grad_hidden is not None:
-                grad_hidden[at : at + chunk] = dlogits @ weight.float()
-            if grad_weight is not None:
-                grad_weight.addmm_(dlogits.t(), h.float())
+                grad_hidden[at : at + chunk] = dlogits @ weight
+            if grad_weight is not None:  # summed over the chunks in fp32
+                if weight.dtype == torch.float32:
+                    grad_weight.addmm_(dlogits.t(), h)
+                else:
+                    grad_weight += dlogits.t() @ h
             if grad_bias is not None:
-                grad_bias += dlogits.sum(0)
+                grad_bias += dlogits.sum(0, dtype=torch.float32)
         ctx.save_for_backward(
             *(g.to(like.dtype) if g is not None else None for g, like in ((grad_hidden, hidden), (grad_weight, weight)))
         )

@@ -224,7 +224,7 @@ class WholeHeadLoss:
 _CHUNKED: dict[type, type] = {}
 
 
-def _chunked_class(cls: type) -> type:
+def _chunked_class(cls: type[nn.Module]) -> type:
     """`cls` with a `forward` that returns the instance's `ChunkedHead` stand-in when it gives one (one subclass per
     class, of the same name)."""
     if cls not in _CHUNKED:

@@ -28,7 +28,7 @@ from ..runtime.lazy_logits import PendingLogits, lazy_logits, real_logits
 from ..runtime.process_hooks import Patch, patch_attribute
 from ..tp.float8 import computes_float8
 from ..tp.layers import ParallelLinear
-from .layers import _VocabParallelCrossEntropy, mean_loss, shard_grad_, shard_loss, shifted_targets
+from .layers import logits_loss_sum, mean_loss, shard_grad_, shard_loss, shifted_targets
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -206,8 +206,7 @@ class WholeHeadLoss:
         smoothing, width = float(label_smoothing), logits.shape[-1]
         total = self.chunked.loss_sum(logits, target, 0, width, ignore_index, smoothing)
         if total is None and smoothing:  # transformers' own loss drops label_smoothing; the sharded loss keeps it
-            whole = real_logits(logits).reshape(-1, width)
-            total = _VocabParallelCrossEntropy.apply(whole, target, 0, width, ignore_index, smoothing, None).sum()
+            total = logits_loss_sum(real_logits(logits), target, 0, width, ignore_index, smoothing, None)
         if total is not None:
             return mean_loss(total, target, num_items_in_batch, ignore_index)
         return self.full_loss(

@@ -206,9 +206,22 @@ class VocabParallelLoss:
         args = (target, self.start, self.full_vocab, ignore_index, smoothing)
         total = None if self.chunked is None else self.chunked(logits, *args)
         if total is None:
-            logits = real_logits(logits)
-            total = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), *args, self.group).sum()
+            total = logits_loss_sum(real_logits(logits), *args, self.group)
         return mean_loss(total, target, num_items_in_batch, ignore_index)
+
+
+def logits_loss_sum(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    start: int,
+    full_vocab: int,
+    ignore_index: int,
+    smoothing: float,
+    group: Group,
+) -> torch.Tensor:
+    """The loss summed over the rows of `logits` (this rank's shard, or the whole vocabulary with `group` None)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, target, start, full_vocab, ignore_index, smoothing, group).sum()
 
 
 def shifted_targets(

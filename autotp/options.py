@@ -68,7 +68,7 @@ class WrapOptions:
     example_inputs: Mapping[str, Any] | None = None
     cp_size: int = 1
     ep_size: int = 1
-    loss_chunk: int | None = 1024
+    loss_chunk: int | None = 512
 
     def sizes(self) -> dict[str, int]:
         """Every mesh axis's size but DP's, by axis name: each `<axis>_size` field (an axis of `autotp.mesh.AXES`),

@@ -1,6 +1,6 @@
 """Peak memory of one training step's loss at a 128k vocabulary (Llama-3's 128,256), small hidden size, at tp 1 and 2.
 
-    python benchmarks/loss_memory.py [--seq 4096] [--chunks 256,1024,4096,0] [--skip-gathered]
+    python benchmarks/loss_memory.py [--seq 4096] [--chunks 256,512,1024,4096,0] [--skip-gathered]
 
 A one-layer Llama of hidden size 64 runs one forward with labels and one backward on 2 x `--seq` tokens, so the step's
 memory is the LM head's logits and their loss. Each row runs in freshly spawned CPU ranks (gloo, 1 thread), with
@@ -9,7 +9,7 @@ memory is the LM head's logits and their loss. Each row runs in freshly spawned 
 - `autotp.wrap(model, tp)` with `vocab_parallel=False` (at tp=2 each rank holds the whole batch x seq x vocab logits)
   and with `vocab_parallel=True` (the vocab-parallel loss: each rank holds batch x seq x vocab / tp), both with
   `loss_chunk=None` (the whole logits, as before the chunked loss);
-- the chunked loss (`loss_chunk`, default 1024 tokens) at tp 1 and 2: one chunk's logits at a time.
+- the chunked loss (`loss_chunk`, default 512 tokens) at tp 1 and 2: a chunk's logits and softmax at a time.
 Reported per rank: bytes autograd saved for backward (`autotp.testing.memory.KeptForBackward`), the RSS growth peak
 over the step, the step's seconds (forward and backward) and the loss. A second table times the step at tp 1 for each
 chunk size of `--chunks` (0: off). `--skip-gathered` leaves out the tp=2 `vocab_parallel=False` whole-logits row,
@@ -44,10 +44,10 @@ GATHERED = "`autotp.wrap(model, 2, vocab_parallel=False, loss_chunk=None)` (logi
 RUNS = [
     ("plain transformers, one process", 1, None),
     ("`autotp.wrap(model, 1, loss_chunk=None)`", 1, WHOLE),
-    ("`autotp.wrap(model, 1)`, chunked loss (1024 tokens)", 1, {}),
+    ("`autotp.wrap(model, 1)`, chunked loss (512 tokens)", 1, {}),
     (GATHERED, 2, dict(vocab_parallel=False, **WHOLE)),
     ("`autotp.wrap(model, 2, loss_chunk=None)`, vocab-parallel loss", 2, WHOLE),
-    ("`autotp.wrap(model, 2)`, vocab-parallel chunked loss (1024 tokens)", 2, {}),
+    ("`autotp.wrap(model, 2)`, vocab-parallel chunked loss (512 tokens)", 2, {}),
     ("`autotp.wrap(model, 2, vocab_parallel=False)`, replicated head, chunked loss", 2, dict(vocab_parallel=False)),
 ]
 
@@ -89,7 +89,7 @@ def run(world: int, options: dict | None, seq: int) -> list[tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (2 sequences)")
-    parser.add_argument("--chunks", default="256,1024,4096,0", help="chunk sizes timed at tp 1 (0: off)")
+    parser.add_argument("--chunks", default="256,512,1024,4096,0", help="chunk sizes timed at tp 1 (0: off)")
     parser.add_argument("--skip-gathered", action="store_true", help="leave out the tp=2 whole-logits gathered row")
     args = parser.parse_args()
     seq = args.seq

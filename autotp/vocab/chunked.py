@@ -84,6 +84,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_weight += dlogits.t() @ h
             if grad_bias is not None:
                 grad_bias += dlogits.sum(0, dtype=torch.float32)
+            del raw, logits, softmax, dlogits  # before the next chunk's: two chunks of logits at a time, not three
         ctx.save_for_backward(
             *(g.to(like.dtype) if g is not None else None for g, like in ((grad_hidden, hidden), (grad_weight, weight)))
         )
@@ -209,14 +210,9 @@ class WholeHeadLoss:
             total = logits_loss_sum(real_logits(logits), target, 0, width, ignore_index, smoothing, None)
         if total is not None:
             return mean_loss(total, target, num_items_in_batch, ignore_index)
+        # transformers' own, in its parameters' order
         return self.full_loss(
-            real_logits(logits),
-            labels,
-            vocab_size=vocab_size,
-            num_items_in_batch=num_items_in_batch,
-            ignore_index=ignore_index,
-            shift_labels=shift_labels,
-            **kwargs,
+            real_logits(logits), labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
         )
 
 

@@ -222,3 +222,20 @@ def test_transformed_logits_take_the_whole_path_and_logits_read_after_a_chunked_
 def test_a_loss_chunk_that_is_not_a_token_count_is_refused(chunk) -> None:
     with pytest.raises(ValueError, match="loss_chunk"):
         WrapOptions(loss_chunk=chunk)
+
+
+def test_a_replicated_heads_loss_on_whole_logits_keeps_label_smoothing_too() -> None:
+    """A head scaled by a tensor computes its logits whole; at tp 1 the loss then still applies `label_smoothing`, as
+    over chunks (transformers' own loss would drop it): one process's `F.cross_entropy(label_smoothing=0.1)`."""
+    ids = batch(vocab=250, size=(2, 15))
+    labels = labels_with_ignored(ids)
+    reference, model = build("llama", False), autotp.wrap(build("llama", False), 1, loss_chunk=4)
+    for m in (reference, model):
+        head_of(m).register_forward_hook(lambda m, a, logits: logits * torch.tensor(0.5))
+    built = head_outputs(model)
+    target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    logits = reference(input_ids=ids).logits
+    expected = F.cross_entropy(logits.reshape(target.numel(), -1), target, label_smoothing=0.1)
+    loss = model(input_ids=ids, labels=labels, label_smoothing=0.1).loss
+    assert built == ["Tensor"]
+    assert abs(loss.item() - expected.item()) <= parity.LOSS_ATOL

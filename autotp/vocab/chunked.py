@@ -102,7 +102,7 @@ class ChunkedHead:
     """Arms the head for one call in a training forward with labels, where the chunked loss is exact: the head's
     class (`_chunked_class`) then returns `PendingLogits`; everywhere else it computes as its own class.
 
-    Off (the whole logits) under sequence or context parallelism, FSDP2, autocast, torch.compile, a head wrapped by
+    Off (the whole logits) under context parallelism, FSDP2, autocast, torch.compile, a head wrapped by
     another module (PEFT's LoRA, whose adapter shares the head's block entry), an input not in the head's dtype, or
     `loss_chunk` of None or 0; not installed on a float8 or transposed (Conv1D) head. `chunked` counts the losses
     computed over chunks.
@@ -124,7 +124,7 @@ class ChunkedHead:
             module.training
             and torch.is_grad_enabled()
             and kwargs.get("labels") is not None
-            and not (options.sequence_parallel or options.cp_size > 1 or self.state.fsdp)
+            and not (options.cp_size > 1 or self.state.fsdp)
             and module.get_output_embeddings() is self.head  # not wrapped (LoRA on the head)
             and not torch.compiler.is_compiling()
             and not torch.is_autocast_enabled()

@@ -79,8 +79,7 @@ def one_step(
     grads = {
         n: parity.grad_error(parity.full_tensor(p.grad, p, group), want[n].grad) for n, p in model.named_parameters()
     }
-    if not sequence_parallel:  # under SP the head reads this rank's part of the sequence
-        grads["hidden states"] = parity.grad_error(hidden[0], reference_hidden[0])
+    grads["hidden states"] = parity.grad_error(hidden[0], reference_hidden[0])  # whole sequences, under SP too
     return {"loss": abs(loss.item() - expected.item()), "grad": grads, "built": built}
 
 
@@ -143,15 +142,25 @@ def test_each_family_at_each_tp_matches_one_process_over_chunks(family: str, tp:
         assert_chunked(reports)
 
 
-def test_turned_off_or_under_sequence_parallelism_the_whole_logits_are_used_and_match() -> None:
-    for off in (
-        run_ranks(one_step, 2, "llama", None, False),
-        run_ranks(one_step, 2, "llama", 5, True, False, True),
-        [one_step(0, 1, "llama", None, True)],
-    ):
+def test_turned_off_the_whole_logits_are_used_and_match() -> None:
+    for off in (run_ranks(one_step, 2, "llama", None, False), [one_step(0, 1, "llama", None, True)]):
         for report in off:
             assert_close(report)
             assert report["built"] == ["Tensor"]
+
+
+@pytest.mark.parametrize(
+    ("family", "vocab_parallel"),
+    [
+        ("llama", True),
+        pytest.param("llama", False, marks=pytest.mark.slow),
+        pytest.param("gemma2", True, marks=pytest.mark.slow),
+    ],
+)
+def test_under_sequence_parallelism_the_loss_runs_over_chunks_and_matches(family: str, vocab_parallel: bool) -> None:
+    """Before, sequence parallelism took the whole logits. The head reads whole sequences there (the last layer's
+    output is gathered), so its chunks are the same as without SP; 32 tokens, label smoothing, num_items_in_batch."""
+    assert_chunked(run_ranks(one_step, 2, family, 5, True, family == "gemma2", True, vocab_parallel, 0.1))
 
 
 def saved_bytes(rank: int, world: int, chunk: int | None) -> int:

@@ -52,7 +52,7 @@ class WrapOptions:
       (`autotp.ep`). The dense layers keep dp x cp x tp.
     - `loss_chunk`: tokens per chunk of the LM head and loss in a training forward with labels, vocab-parallel or
       replicated, at tp 1 too (`autotp.vocab.chunked`): the batch x seq x vocab logits are never held whole; None or 0
-      turns it off. Where it would not be exact (context parallelism, FSDP2, a float8 or LoRA head, logits
+      turns it off. Where it would not be exact (FSDP2, a float8 or LoRA head, logits
       transformed other than by a number or a tanh) the whole logits are used.
     """
 

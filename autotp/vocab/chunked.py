@@ -15,6 +15,7 @@ left alone, which a gathered `ParallelLinear` and torchao's float8 layers own.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
@@ -102,7 +103,7 @@ class ChunkedHead:
     """Arms the head for one call in a training forward with labels, where the chunked loss is exact: the head's
     class (`_chunked_class`) then returns `PendingLogits`; everywhere else it computes as its own class.
 
-    Off (the whole logits) under context parallelism, FSDP2, autocast, torch.compile, a head wrapped by
+    Off (the whole logits) under FSDP2, autocast, torch.compile, a head wrapped by
     another module (PEFT's LoRA, whose adapter shares the head's block entry), an input not in the head's dtype, or
     `loss_chunk` of None or 0; not installed on a float8 or transposed (Conv1D) head. `chunked` counts the losses
     computed over chunks.
@@ -114,18 +115,26 @@ class ChunkedHead:
         self.chunked = 0
 
     def __deepcopy__(self, memo: dict) -> ChunkedHead:
-        """A copied head (PEFT's modules_to_save) shares this one, which never arms it (`stand_in` checks)."""
-        return self
+        """A deep copy of the model (an EMA or reference model) gets its own, bound to its copy of the head and state;
+        the process group is shared (a handle, not data)."""
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = ChunkedHead.__new__(ChunkedHead)
+        memo[id(self)] = new
+        new.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        return new
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The model's forward pre-hook: arm for one head call in a training forward given labels."""
-        options = self.state.options
-        self.armed = (
+        """The model's forward pre-hook: arm the model's own head (a deep copy's, in a copy: the hooks are shared) for
+        one call in a training forward given labels; a head wrapped by another module (LoRA) is not armed."""
+        chunked = _chunked_head(module)
+        if chunked is None:
+            return
+        chunked.armed = (
             module.training
             and torch.is_grad_enabled()
             and kwargs.get("labels") is not None
-            and not (options.cp_size > 1 or self.state.fsdp)
-            and module.get_output_embeddings() is self.head  # not wrapped (LoRA on the head)
+            and not chunked.state.fsdp
             and not torch.compiler.is_compiling()
             and not torch.is_autocast_enabled()
         )
@@ -133,8 +142,11 @@ class ChunkedHead:
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The model's forward hook: disarm; a replicated head's stand-in in the output becomes logits computed when
         read (a vocab-parallel one is gathered when read, by `LogitsGate`)."""
-        self.armed = False
-        if isinstance(self.head, ParallelLinear):
+        chunked = _chunked_head(module)
+        if chunked is None:
+            return None
+        chunked.armed = False
+        if isinstance(chunked.head, ParallelLinear):
             return None
         if isinstance(output, tuple):
             return type(output)(real_logits(x) if torch.is_tensor(x) else x for x in output)
@@ -214,6 +226,12 @@ class WholeHeadLoss:
         return self.full_loss(
             real_logits(logits), labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
         )
+
+
+def _chunked_head(model: nn.Module) -> ChunkedHead | None:
+    """The `ChunkedHead` of the model's output embeddings, if they are a chunked head (not wrapped by LoRA)."""
+    head = model.get_output_embeddings()
+    return None if head is None else vars(head).get("autotp_chunked")
 
 
 _CHUNKED: dict[type, type] = {}

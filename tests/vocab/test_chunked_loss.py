@@ -248,3 +248,31 @@ def test_a_replicated_heads_loss_on_whole_logits_keeps_label_smoothing_too() -> 
     loss = model(input_ids=ids, labels=labels, label_smoothing=0.1).loss
     assert built == ["Tensor"]
     assert abs(loss.item() - expected.item()) <= parity.LOSS_ATOL
+
+
+def cp_step(rank: int, world: int, tp: int, mode: str) -> dict:
+    """One step of one process and of tp x cp (cp = world / tp) on the CP tests' inputs (`cp_workers.cp_inputs`): the
+    loss's and gradients' differences, and what the head returned."""
+    from cp_workers import cp_inputs, cp_models
+
+    reference, model = cp_models("llama")
+    model = autotp.wrap(model, tp, cp_size=world // tp, loss_chunk=5)
+    built = head_outputs(model)
+    inputs, ref_inputs = cp_inputs(mode)
+    expected = reference(**ref_inputs).loss
+    expected.backward()
+    loss = model(**inputs).loss
+    loss.backward()
+    autotp.allreduce_gradients(model)
+    group, want = autotp.tp_group(model), dict(reference.named_parameters())
+    grads = {
+        n: parity.grad_error(parity.full_tensor(p.grad, p, group), want[n].grad) for n, p in model.named_parameters()
+    }
+    return {"loss": abs(loss.item() - expected.item()), "grad": grads, "built": built}
+
+
+@pytest.mark.parametrize(("tp", "mode"), [(1, "padding"), pytest.param(2, "packed", marks=pytest.mark.slow)])
+def test_under_context_parallelism_each_ranks_tokens_run_over_chunks_and_match(tp: int, mode: str) -> None:
+    """Before, context parallelism took the whole logits. CP's loss hands this rank's tokens' stand-in to the loss
+    inside it, which sums them over chunks; CP adds the sums and divides by the whole batch's count."""
+    assert_chunked(run_ranks(cp_step, 2 * tp, tp, mode))

@@ -19,7 +19,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `runtime.lazy_logits`, `runtime.dimension`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
    `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
-   `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
+   `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.chunked`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,

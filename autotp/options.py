@@ -59,6 +59,10 @@ class WrapOptions:
     - `pp_microbatches`: the micro-batches each batch is split into along its rows (None: pp_size).
     - `pp_split_points`: the index of the first decoder layer of every stage but the first (None: balanced by a cost
       model in which the embedding and the head each count as one layer).
+    - `loss_chunk`: tokens per chunk of the LM head and loss in a training forward with labels, vocab-parallel or
+      replicated, at tp 1 too (`autotp.vocab.chunked`): the batch x seq x vocab logits are never held whole; None or 0
+      turns it off. Where it would not be exact (FSDP2, a float8 or LoRA head, logits
+      transformed other than by a number or a tanh) the whole logits are used.
     """
 
     tp_size: int = 1
@@ -78,6 +82,7 @@ class WrapOptions:
     pp_stages_per_rank: int | None = None
     pp_microbatches: int | None = None
     pp_split_points: tuple[int, ...] | None = None
+    loss_chunk: int | None = 512
 
     def sizes(self) -> dict[str, int]:
         """Every mesh axis's size but DP's, by axis name: each `<axis>_size` field (an axis of `autotp.mesh.AXES`),
@@ -93,6 +98,9 @@ class WrapOptions:
     def __post_init__(self) -> None:
         if self.pp_split_points is not None:
             object.__setattr__(self, "pp_split_points", tuple(self.pp_split_points))
+        chunk = self.loss_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise ValueError(f"loss_chunk={chunk!r}: a number of tokens per chunk, or None or 0 to turn chunks off")
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 
@@ -100,7 +108,7 @@ class WrapOptions:
 # Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
 # tests/parallelize/test_rank_agreement.py fails on a field on neither side):
 AGREED_OPTIONS = frozenset(
-    {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu"}
+    {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu", "loss_chunk"}
     | {"pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_split_points"}
     | {f.name for f in fields(WrapOptions) if f.name.endswith("_size")}
 )  # compared as given: ranks that differ would
@@ -135,6 +143,7 @@ class WrapKwargs(TypedDict, total=False):
     pp_stages_per_rank: int | None
     pp_microbatches: int | None
     pp_split_points: tuple[int, ...] | None
+    loss_chunk: int | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(WrapOptions) if f.name != "tp_size")  # the keywords, in the fields' order

@@ -136,7 +136,6 @@ class ChunkedHead:
             and kwargs.get("labels") is not None
             and not chunked.state.fsdp
             and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled()
         )
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -156,6 +155,8 @@ class ChunkedHead:
     def stand_in(self, head: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The stand-in for the model's own head call when armed, else None (the head computes its logits)."""
         if not self.armed or head is not self.head or x.dtype != self.head.weight.dtype:
+            return None
+        if torch.is_autocast_enabled(x.device.type):  # here, not in `before`: accelerate enters it inside the forward
             return None
         self.armed = False  # the model's own head call; any other is the head's
         return PendingLogits(copy_to_tp(x, self.group), self.logits, self.head.weight.shape[0], x.dtype)

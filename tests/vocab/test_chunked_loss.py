@@ -276,3 +276,19 @@ def test_under_context_parallelism_each_ranks_tokens_run_over_chunks_and_match(t
     """Before, context parallelism took the whole logits. CP's loss hands this rank's tokens' stand-in to the loss
     inside it, which sums them over chunks; CP adds the sums and divides by the whole batch's count."""
     assert_chunked(run_ranks(cp_step, 2 * tp, tp, mode))
+
+
+def test_under_cpu_autocast_entered_inside_the_forward_the_head_computes_whole_logits() -> None:
+    """accelerate (the Trainer's bf16) enters autocast inside the model's forward, after its pre-hooks: the head then
+    computes its bf16 logits as one process's does, not a float32 stand-in, and the loss equals one process's."""
+    ids = batch(vocab=250, size=(2, 15))
+    reference, model = build("llama", False), autotp.wrap(build("llama", False), 1, loss_chunk=4)
+    losses = []
+    for m in (reference, model):
+        forward = m.forward
+        m.forward = lambda *a, forward=forward, **k: torch.autocast("cpu", torch.bfloat16)(forward)(*a, **k)
+        losses.append(m(input_ids=ids, labels=ids).loss)
+    built = head_outputs(model)
+    assert model(input_ids=ids, labels=ids).logits.dtype == torch.bfloat16
+    assert built == ["Tensor"]
+    assert losses[1].item() == losses[0].item()

@@ -1,8 +1,9 @@
-"""torchao float8 training (`convert_to_float8_training`, tensorwise recipe) under TP matches one process's float8 run.
+"""torchao float8 training (`convert_to_float8_training`, the tensorwise and rowwise recipes) under TP, and TP x DP
+(autotp.allreduce_gradients, DistributedDataParallel, autotp.fully_shard), matches one process's float8 run.
 
-Before, wrap refused any torchao-converted model (and before that, silently trained it in fp32). torchao is an
-optional extra (`autotp[fp8]`),
-absent from the suite's environment: these tests skip without it, and .ci/run runs them with it.
+Before, wrap refused any torchao-converted model but the tensorwise one (and before that, silently trained it in fp32),
+and autotp.fully_shard refused float8. torchao is an optional extra (`autotp[fp8]`), absent from the suite's
+environment: these tests skip without it, and .ci/run runs them with it.
 
 Tolerances: loss within 1e-4 and parameters within 1e-3 after 3 AdamW steps (lr 3e-4). Each float8 cast is the one
 process's (the same scale, from the amax all-reduced over TP), but fp32 sums run in another order, and an element
@@ -35,21 +36,32 @@ STEPS, LR, LOSS_ATOL, PARAM_ATOL = 3, 3e-4, 1e-4, 1e-3
 
 
 def float8_training(
-    rank: int, world: int, tp: int, family: str = "llama", save: str | None = None, convert: bool = True
+    rank: int,
+    world: int,
+    tp: int,
+    family: str = "llama",
+    save: str | None = None,
+    convert: bool = True,
+    recipe: str = "tensorwise",
+    dp: str = "ddp",
 ) -> dict:
-    """One user's run: a tiny model converted to float8 (default, tensorwise config), wrapped at `tp` when it is over 1,
-    DistributedDataParallel over the `world // tp` replicas when there are several, each fed its 2 sequences of the
-    global batch; `STEPS` AdamW steps: the losses (averaged over the replicas) and the full parameters."""
-    from torchao.float8 import convert_to_float8_training
+    """One user's run: a tiny model converted to float8 (torchao's `recipe`), wrapped at `tp` when it is over 1, data
+    parallel over the `world // tp` replicas when there are several (`dp`: DistributedDataParallel, "allreduce"
+    (autotp.allreduce_gradients) or "fsdp" (autotp.fully_shard)), each fed its 2 sequences of the global batch;
+    `STEPS` AdamW steps: the losses (averaged over the replicas) and the full parameters."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     model = tiny_model(family) if family in CONFIGS else moe_model(family)
     if convert:
-        convert_to_float8_training(model)
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
     replicas = world // tp
     if tp > 1:
         model = autotp.wrap(model, tp)
     dp_group = autotp.dp_group() if tp > 1 else None
-    runner = DistributedDataParallel(model, process_group=dp_group) if replicas > 1 else model
+    if replicas > 1 and dp == "fsdp":
+        autotp.fully_shard(model)
+    ddp = replicas > 1 and dp == "ddp"
+    runner = DistributedDataParallel(model, process_group=dp_group) if ddp else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     replica = rank // tp
     ids = batch(size=(2 * replicas, 16))[2 * replica : 2 * replica + 2]
@@ -57,6 +69,8 @@ def float8_training(
     for _ in range(STEPS):
         loss = runner(input_ids=ids, labels=ids).loss
         loss.backward()
+        if dp == "allreduce":
+            autotp.allreduce_gradients(model)
         optimizer.step()
         optimizer.zero_grad()
         mean = loss.detach().clone()
@@ -78,11 +92,14 @@ def assert_matches(got: dict, expected: dict) -> None:
     assert worst <= PARAM_ATOL, worst
 
 
-def test_a_tensorwise_float8_llama_at_tp2_matches_one_process_and_saves_high_precision_weights(tmp_path) -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_llama_at_tp2_matches_one_process_and_saves_high_precision_weights(recipe, tmp_path) -> None:
     """Every q/k/v/o and gate/up/down and the vocab-parallel lm_head becomes a sharded float8 layer (15).
-    save_pretrained writes the fp32 (high-precision) weights, under the plain model's names."""
-    expected = float8_training(0, 1, 1)
-    ranks = run_ranks(float8_training, 2, 2, "llama", str(tmp_path))
+    save_pretrained writes the fp32 (high-precision) weights, under the plain model's names. Rowwise: the scales of
+    a column layer's grad_input operands (along its sharded N) and a row layer's output operands (along K) are
+    taken over the TP group; before, wrap refused the recipe."""
+    expected = float8_training(0, 1, 1, recipe=recipe)
+    ranks = run_ranks(float8_training, 2, 2, "llama", str(tmp_path), True, recipe)
     for got in ranks:
         assert got["float8_layers"] == 15
         assert_matches(got, expected)
@@ -92,44 +109,58 @@ def test_a_tensorwise_float8_llama_at_tp2_matches_one_process_and_saves_high_pre
     for name, tensor in saved.items():
         assert tensor.dtype == torch.float32, name
         torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0)
+        assert (tensor - expected["params"][name]).abs().max().item() <= PARAM_ATOL, name
 
 
-def test_float8_ran() -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_ran(recipe) -> None:
     """The tolerances above tell float8 from fp32: the same run without the conversion is farther away."""
-    expected, plain = float8_training(0, 1, 1), float8_training(0, 1, 1, convert=False)
+    expected, plain = float8_training(0, 1, 1, recipe=recipe), float8_training(0, 1, 1, convert=False)
     loss_gap = max(abs(a - b) for a, b in zip(plain["losses"], expected["losses"]))
     param_gap = max((plain["params"][n] - p).abs().max().item() for n, p in expected["params"].items())
     assert loss_gap > 10 * LOSS_ATOL and param_gap > PARAM_ATOL, (loss_gap, param_gap)
 
 
-def test_a_tensorwise_float8_qwen3_moe_at_tp2_matches_one_process() -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.slow)])
+def test_a_float8_qwen3_moe_at_tp2_matches_one_process(recipe) -> None:
     """A family without a policy: the planner checks each block's sharding by emulation, in high precision (float8
     would round each emulated shard with its own scale, and the block stayed replicated). Its attention projections
     (8) become sharded float8 layers; the experts, 3-D tensors torchao does not convert, are sharded as without it,
     and the routers, not sharded, stay torchao's Float8Linear."""
-    expected = float8_training(0, 1, 1, "qwen3_moe")
-    for got in run_ranks(float8_training, 2, 2, "qwen3_moe"):
+    expected = float8_training(0, 1, 1, "qwen3_moe", recipe=recipe)
+    for got in run_ranks(float8_training, 2, 2, "qwen3_moe", None, True, recipe):
         assert got["float8_layers"] == 8
         assert_matches(got, expected)
 
 
 @pytest.mark.slow
-def test_a_tensorwise_float8_llama_at_tp2_dp2_matches_float8_ddp_without_tp() -> None:
-    """Under DDP each replica scales its own activations (torchao's behaviour without TP too), so the reference is the
-    user's float8 run at dp 2 without autotp: DistributedDataParallel on 2 ranks, each fed the same half batch."""
-    expected = run_ranks(float8_training, 2, 1)[0]
-    for got in run_ranks(float8_training, 4, 2):
-        assert got["float8_layers"] == 15
+def test_the_rowwise_with_gw_hp_recipe_at_tp2_matches_one_process() -> None:
+    """torchao's third recipe mixes the scalings: grad_input's weight tensorwise beside a rowwise grad_output, and
+    grad_weight in high precision (its casts disabled). Each cast is reduced over TP by its own axis."""
+    expected = float8_training(0, 1, 1, recipe="rowwise_with_gw_hp")
+    for got in run_ranks(float8_training, 2, 2, "llama", None, True, "rowwise_with_gw_hp"):
         assert_matches(got, expected)
 
 
-def test_autotp_fully_shard_of_a_float8_model_is_refused_by_name() -> None:
-    """FSDP2 with float8 is not made exact yet: refused before anything is sharded."""
-    from torchao.float8 import convert_to_float8_training
-
-    model = tiny_model("llama")
-    convert_to_float8_training(model)
-    model = autotp.wrap(model, 1)
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.q_proj computes in float8"):
-        autotp.fully_shard(model)
-    assert not autotp.state.state_of(model).fsdp
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, recipe, dp",
+    [
+        ("llama", "tensorwise", "ddp"),
+        *[
+            (f, r, dp)
+            for f in ("llama", "qwen3_moe")
+            for r in ("tensorwise", "rowwise")
+            for dp in ("allreduce", "fsdp")
+        ],
+    ],
+)
+def test_float8_at_tp2_dp2_matches_float8_data_parallel_without_tp(family, recipe, dp) -> None:
+    """Under data parallelism each replica scales its own activations (torchao's behaviour without TP too), so the
+    reference is the user's float8 run at dp 2 without autotp: DistributedDataParallel on 2 ranks, each fed the same
+    half batch. Under autotp.fully_shard FSDP2 gathers each TP shard in fp32 before the layer casts it, so a tensorwise
+    weight's amax is the whole weight's, as in the reference (before, fully_shard refused float8)."""
+    expected = run_ranks(float8_training, 2, 1, family, None, True, recipe)[0]
+    for got in run_ranks(float8_training, 4, 2, family, None, True, recipe, dp):
+        assert got["float8_layers"] == (15 if family == "llama" else 8)
+        assert_matches(got, expected)

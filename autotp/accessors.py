@@ -105,3 +105,17 @@ def ep_rank(model: nn.Module | None = None) -> int:
 
 def ep_size(model: nn.Module | None = None) -> int:
     return size(model, "ep")
+
+
+def pp_group(model: nn.Module | None = None) -> Group:
+    """The pipeline-parallel group: the ranks holding the stages of one pipeline; None at pp_size 1."""
+    return group(model, "pp")
+
+
+def pp_rank(model: nn.Module | None = None) -> int:
+    """This rank's stage (its first, under a looped schedule)."""
+    return rank(model, "pp")
+
+
+def pp_size(model: nn.Module | None = None) -> int:
+    return size(model, "pp")

@@ -1,6 +1,7 @@
-"""The mesh: one rank grid dp x cp x tp with named axes, a process group per axis and per flattened view.
+"""The mesh: one rank grid pp x dp x cp x tp with named axes, a process group per axis and per flattened view.
 
-`Mesh` is built once per wrap from one grid: TP innermost (consecutive ranks), CP next, DP outermost; the
+`Mesh` is built once per wrap from one grid: TP innermost (consecutive ranks), CP next, DP next, PP outermost (so
+pipeline stages can sit on different nodes); the
 flattened view dp x cp (`dp_cp`) is where gradients average and FSDP shards. Every other module reads groups from
 it by name; EP's edp x ep grid folds over the same ranks (`EXPERT_AXES`), and a new dimension is one more entry
 of `AXIS_TABLE` here. `new_group` is collective over the world, so every function here that creates groups must
@@ -151,7 +152,7 @@ DP_CP = ("dp", "cp")  # the ranks holding the same shards: gradients average her
 class Axis:
     """One axis of the mesh, as messages and groups name it."""
 
-    grid: str  # "dense": an axis of `grid` (dp x cp x tp); "experts": of the folded expert grid `experts` (edp x ep)
+    grid: str  # "dense": an axis of `grid` (pp x dp x cp x tp); "experts": of the folded grid `experts` (edp x ep)
     title: str  # in sentences: "world = data parallel x tensor parallel"
     label: str  # in group names: "TP group", "DP x CP group"
     compared_over: tuple[str, ...] | None  # the view over which wrap's ranks agree for this axis (`Mesh.compared`);
@@ -159,6 +160,7 @@ class Axis:
 
 
 AXIS_TABLE = {  # every axis of the mesh, outermost first within each grid; a new dimension is one more entry here
+    "pp": Axis("dense", "pipeline parallel", "PP", ("pp",)),
     "dp": Axis("dense", "data parallel", "DP", DP_CP),
     "cp": Axis("dense", "context parallel", "CP", ("cp",)),
     "tp": Axis("dense", "tensor parallel", "TP", ("tp",)),
@@ -173,10 +175,10 @@ _VIEWS = [(axis,) for axis in reversed(AXES)] + [DP_CP]  # the groups every mesh
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's view of the rank grid: `grid[d, c, t]` is the global rank at those coordinates, and `groups`
+    """This rank's view of the rank grid: `grid[p, d, c, t]` is the global rank at those coordinates, and `groups`
     holds this rank's group along each axis or flattened view (keyed by the axes' names).
 
-    autotp lays the grid out as rank (d * cp + c) * tp + t; around a user's `tp_group` the grid is that group's
+    autotp lays the grid out as rank ((p * dp + d) * cp + c) * tp + t; around a user's `tp_group` the grid is that group's
     ranks in their order, one row per TP group. `grid` is None without torch.distributed, or for a tp 1 wrap,
     which runs no collective (then `dp` is the world)."""
 
@@ -254,9 +256,10 @@ def build_mesh(sizes: dict[str, int], timeout: timedelta, tp_group: Group = None
 
 
 def dense_grid(sizes: dict[str, int], world: int) -> torch.Tensor:
-    """The dense grid dp x cp x tp over `world` ranks: rank (d * cp + c) * tp + t, TP innermost, DP taking the rest."""
-    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
-    return torch.arange(world).reshape(world // math.prod(shape), *shape)
+    """The dense grid pp x dp x cp x tp over `world` ranks: rank ((p * dp + d) * cp + c) * tp + t, TP innermost, DP
+    taking the rest."""
+    given = math.prod(sizes.get(axis, 1) for axis in AXES if axis != "dp")
+    return torch.arange(world).reshape(*[world // given if axis == "dp" else sizes.get(axis, 1) for axis in AXES])
 
 
 def expert_grid(sizes: dict[str, int], world: int) -> torch.Tensor | None:
@@ -269,13 +272,14 @@ def expert_grid(sizes: dict[str, int], world: int) -> torch.Tensor | None:
 def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
     """Raise, naming the sizes, unless a mesh of `sizes` (`WrapOptions.sizes`) fits `world` ranks: the dense grid's
     sizes (`dense`: not around a user's tp_group) and ep_size must each divide it. `build_mesh` and `autotp plan`
-    (at world = dp x cp x tp) both refuse here, so the planner accepts exactly the layouts wrap does."""
-    shape = [sizes.get(axis, 1) for axis in AXES[1:]]
+    (at world = pp x dp x cp x tp) both refuse here, so the planner accepts exactly the layouts wrap does."""
+    shape = [sizes.get(axis, 1) for axis in AXES if axis != "dp"]
     if dense and world % math.prod(shape):
         named = " x ".join(f"{axis}_size={n}" for axis, n in sizes.items() if n > 1 or axis == "tp")
+        shown = [axis for axis in AXES if axis == "dp" or axis == "tp" or sizes.get(axis, 1) > 1]
         raise ValueError(
-            f"{named} must divide the world size {world} (world = {AXIS_TABLE[AXES[0]].title} x "
-            + " x ".join(AXIS_TABLE[axis].title for axis in AXES[1:] if sizes.get(axis, 1) > 1 or axis == "tp")
+            f"{named} must divide the world size {world} (world = "
+            + " x ".join(AXIS_TABLE[axis].title for axis in shown)
             + ")"
         )
     ep = sizes.get("ep", 1)
@@ -314,4 +318,4 @@ def _grid_around(tp_group: dist.ProcessGroup) -> torch.Tensor:
     ):
         dist.all_gather_object(everyone, mine)
     groups = sorted(set(everyone))
-    return torch.tensor(groups).reshape(len(groups), *[1] * (len(AXES) - 2), len(mine))
+    return torch.tensor(groups).reshape(*[len(groups) if a == "dp" else len(mine) if a == "tp" else 1 for a in AXES])

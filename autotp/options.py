@@ -50,6 +50,19 @@ class WrapOptions:
     - `ep_size`: expert parallelism, each MoE layer's routed experts split by expert over that many consecutive ranks
       (taking the TP ranks first), tokens sent to them by an all-to-all; the rest of the world holds copies of them
       (`autotp.ep`). The dense layers keep dp x cp x tp.
+    - `pp_size`: pipeline parallelism, the decoder layers cut into that many stages, one per group of ranks (PP
+      outermost: world = pp x dp x cp x tp); a step is `autotp.forward_backward(model, **batch)` (`autotp.pp`,
+      docs/pipeline.md). Every rank is given the same whole batch.
+    - `pp_schedule`: torch.distributed.pipelining's schedule, as torch names it: "GPipe", "1F1B" or "Interleaved1F1B".
+    - `pp_stages_per_rank`: the stages each rank runs under a looped schedule (None: 2 for "Interleaved1F1B", 1
+      for the others, which take only 1).
+    - `pp_microbatches`: the micro-batches each batch is split into along its rows (None: pp_size).
+    - `pp_split_points`: the index of the first decoder layer of every stage but the first (None: balanced by a cost
+      model in which the embedding and the head each count as one layer).
+    - `loss_chunk`: tokens per chunk of the LM head and loss in a training forward with labels, vocab-parallel or
+      replicated, at tp 1 too (`autotp.vocab.chunked`): the batch x seq x vocab logits are never held whole; None or 0
+      turns it off. Where it would not be exact (FSDP2, a float8 or LoRA head, logits
+      transformed other than by a number or a tanh) the whole logits are used.
     """
 
     tp_size: int = 1
@@ -64,6 +77,12 @@ class WrapOptions:
     example_inputs: Mapping[str, Any] | None = None
     cp_size: int = 1
     ep_size: int = 1
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int | None = None
+    pp_microbatches: int | None = None
+    pp_split_points: tuple[int, ...] | None = None
+    loss_chunk: int | None = 512
 
     def sizes(self) -> dict[str, int]:
         """Every mesh axis's size but DP's, by axis name: each `<axis>_size` field (an axis of `autotp.mesh.AXES`),
@@ -77,6 +96,11 @@ class WrapOptions:
         return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
 
     def __post_init__(self) -> None:
+        if self.pp_split_points is not None:
+            object.__setattr__(self, "pp_split_points", tuple(self.pp_split_points))
+        chunk = self.loss_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+            raise ValueError(f"loss_chunk={chunk!r}: a number of tokens per chunk, or None or 0 to turn chunks off")
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
             object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
 
@@ -84,7 +108,8 @@ class WrapOptions:
 # Every field of `WrapOptions` is on one side (`autotp.runtime.agreement` compares the first over every group;
 # tests/parallelize/test_rank_agreement.py fails on a field on neither side):
 AGREED_OPTIONS = frozenset(
-    {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu"}
+    {"vocab_parallel", "sequence_parallel", "check_inputs", "overlap", "recompute_glu", "loss_chunk"}
+    | {"pp_schedule", "pp_stages_per_rank", "pp_microbatches", "pp_split_points"}
     | {f.name for f in fields(WrapOptions) if f.name.endswith("_size")}
 )  # compared as given: ranks that differ would
 # shard or synchronise apart; every axis's size among them, so a new dimension's field needs no entry here
@@ -113,6 +138,12 @@ class WrapKwargs(TypedDict, total=False):
     example_inputs: Mapping[str, Any] | None
     cp_size: int
     ep_size: int
+    pp_size: int
+    pp_schedule: str
+    pp_stages_per_rank: int | None
+    pp_microbatches: int | None
+    pp_split_points: tuple[int, ...] | None
+    loss_chunk: int | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(WrapOptions) if f.name != "tp_size")  # the keywords, in the fields' order

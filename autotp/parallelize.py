@@ -16,6 +16,8 @@ between them), then `INTEGRATIONS`, which act on the model all dimensions made. 
 5. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters (its experts whole);
 6. `GradientHooks`: gradient sums, on the parameters once they are final (`autotp.tp`);
 7. `ContextParallelism`: after vocab parallelism's loss, which it wraps (`autotp.cp`);
+7b. `PipelineParallelism`: this rank's stages keep their layers, the others' pass through (`autotp.pp`); last, on
+   the model the other dimensions made (their plan holds only this rank's layers: its `split_plan`);
 8. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
 9. `ddp_guard`: DDP over a wrong group refused (each dimension's `check_ddp`);
 10. `input_check`: prepended, so it sees the caller's inputs;
@@ -53,6 +55,7 @@ from .io.rollout.adapters import slice_adapters_on_load
 from .mesh import Mesh, group_rank
 from .options import WrapOptions
 from .planning.plan import Plan
+from .pp.dimension import PipelineParallelism
 from .runtime.dimension import Dimension, Step, base_plan
 from .runtime.process_hooks import patch_attribute, replace_ddp_ignored
 from .runtime.replicas import broadcast_replicated
@@ -96,6 +99,7 @@ def parallelisms(materialize: Callable[[TPState], None] | None = None) -> list[S
         Materialize(materialize),
         GradientHooks(),
         ContextParallelism(),
+        PipelineParallelism(),
     ]
 
 

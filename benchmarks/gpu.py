@@ -1,7 +1,8 @@
 """autotp on one GPU, in one run: its cost at tp=1, LoRA on an 8B shape, one tp=8 rank's compute, context
 parallelism's variable-length path, and the `gpu` tests.
 
-    PYTHONPATH=. timeout 590 python benchmarks/gpu.py --pytest --out $OUT/gpu.jsonl   # H100: sections < 6 min
+    PYTHONPATH=. timeout 560 python benchmarks/gpu.py --pytest --pytest-budget 100 --out $OUT/gpu.jsonl  # b, f, g
+    PYTHONPATH=. timeout 590 python benchmarks/gpu.py --sections acde --pytest --out $OUT/gpu.jsonl  # the first run's
     python benchmarks/gpu.py --smoke --out /tmp/gpu.jsonl        # tiny sizes on CPU, seconds (tests run this)
     python benchmarks/gpu.py --table-from gpu.jsonl              # the docs table of a (possibly cut-off) run
 
@@ -15,8 +16,10 @@ budget as a "timeout" line, and the run goes on. Models are Llama configs with r
     tokens, full fine-tuning with AdamW, eager and with each decoder layer compiled (`layer.compile()`, as
     torchtitan compiles per block). Goal: the wrapped model at >= 0.97x plain tokens/s.
 (b) LoRA (r 8, alpha 32, all seven projections) on the Llama-3-8B shape, micro-batch 2 x 4096, SDPA (its
-    dispatcher picks the flash backend: bf16, no mask): PEFT alone, then PEFT under `autotp.wrap(model, 1)`,
-    beside NeMo Automodel's 12,473 tok/s on one H100. Automodel differs: Transformer Engine layers and triton
+    dispatcher picks the flash backend: bf16, no mask): PEFT alone, then PEFT under `autotp.wrap(model, 1)`, each
+    in a process of its own, so each peak is its own (the first GPU run measured 73.7 GiB under autotp against 29.1
+    for PEFT alone, both runs in one process, unexplained and not reproduced on CPU), with the memory of one more step by phase (held, forward peak, kept for the backward, backward
+    peak), beside NeMo Automodel's 12,473 tok/s on one H100. Automodel differs: Transformer Engine layers and triton
     kernels, 16 micro-batches per optimizer step. If a run does not fit without activation checkpointing it is
     retried with it (the line says so; the FLOPs stay the model's, recomputation not counted).
 (c) One rank of tp=8 on the 8B shape (1 x 8192 tokens, AdamW), on torch's fake process group: collectives
@@ -28,6 +31,13 @@ budget as a "timeout" line, and the run goes on. Models are Llama configs with r
     installed there, so the variable-length function is `autotp.testing.varlen.varlen_reference`, one SDPA call
     per packed segment; the line says so.
 (e) Expert parallelism: skipped; the fake process group carries no token counts, which EP's dispatch exchanges.
+(f) (b)'s LoRA with each decoder layer compiled, activation checkpointing only if a run does not fit without:
+    under autotp (its loss chunked by default: the logits are never whole), then PEFT alone; each in its own
+    process, beside Automodel's 12,473 tok/s.
+(g) Float8 through torchao (`convert_to_float8_training`, tensorwise and rowwise, the head kept in bf16) against
+    bf16, full fine-tuning with AdamW, each run in its own process: the 1B shape at tp=1, each layer compiled; then
+    one tp=8 rank of the 70B shape on the fake process group, 8 of its 80 layers (per-layer compute; the ratio to
+    bf16 is the figure), eager. Skipped where torchao is not installed.
 --pytest: `python -m pytest -m gpu tests` under --pytest-budget seconds; each test's outcome is a line.
 
 FLOPs per token (MFU = achieved / the card's bf16 dense peak: 989 TFLOP/s for H100 SXM and H200, 756 for H100
@@ -41,7 +51,7 @@ network, and keep torch 2.11:
 
     pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --no-deps -d wheels \\
         -c constraints.txt transformers peft accelerate safetensors tokenizers huggingface_hub hf-xet httpx2 \\
-        httpcore2 typer pytest pytest-timeout pluggy iniconfig
+        httpcore2 typer pytest pytest-timeout pluggy iniconfig torchao
 
 then there `pip install --no-deps wheels/*.whl` and run from the checkout with PYTHONPATH=. (`pip install --no-deps
 -e .` would fetch setuptools for its isolated build; `--no-build-isolation` works where setuptools is installed).
@@ -55,6 +65,7 @@ import copy
 import gc
 import importlib.metadata
 import json
+import multiprocessing
 import os
 import platform
 import re
@@ -87,6 +98,15 @@ LLAMA_8B = dict(
     intermediate_size=14336,
     num_hidden_layers=32,
     num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
+LLAMA_70B_LAYERS = dict(  # the 70B shape with 8 of its 80 layers: one tp=8 rank's per-layer compute, in memory
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=8,
+    num_attention_heads=64,
     num_key_value_heads=8,
     vocab_size=128256,
     tie_word_embeddings=False,
@@ -129,9 +149,10 @@ class Sizes:
     """What each section runs: the full run for one H100, or tiny shapes for the CPU smoke test."""
 
     small: dict  # (a)
-    large: dict  # (b), (c)
+    large: dict  # (b), (c), (f)
     cp: dict  # (d)
-    names: tuple[str, str]  # of small and large, for the lines
+    big: dict  # (g)'s tp=8 rank
+    names: tuple[str, str, str]  # of small, large and big, for the lines
     a: tuple[int, int]  # (batch, seq)
     b: tuple[int, int]
     c: tuple[int, int]
@@ -146,28 +167,30 @@ FULL = Sizes(
     LLAMA_1B,
     LLAMA_8B,
     CP_MODEL,
-    ("Llama-1B shape", "Llama-3-8B shape"),
+    LLAMA_70B_LAYERS,
+    ("Llama-1B shape", "Llama-3-8B shape", f"Llama-3-70B shape ({LLAMA_70B_LAYERS['num_hidden_layers']} of 80 layers)"),
     (4, 2048),
     (2, 4096),
     (1, 8192),
     (2, 4096),
     3,
     8,
-    {"a": 130, "b": 75, "c": 50, "d": 40, "e": 5},
+    {"a": 130, "b": 90, "c": 50, "d": 40, "e": 5, "f": 160, "g": 170},
     True,
 )
 SMOKE = Sizes(
     TINY,
     TINY,
     TINY,
-    ("tiny Llama", "tiny Llama"),
+    TINY,
+    ("tiny Llama", "tiny Llama", "tiny Llama"),
     (2, 64),
     (2, 64),
     (1, 64),
     (2, 64),
     1,
     2,
-    {"a": 30, "b": 30, "c": 30, "d": 30, "e": 5},
+    {"a": 30, "b": 60, "c": 30, "d": 30, "e": 5, "f": 60, "g": 90},
     False,
 )
 
@@ -425,15 +448,19 @@ def figure(
     ids: torch.Tensor,
     flops: tuple[int, str],
     ranks: int = 1,
+    peak: float | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
     """Write a throughput line: the median step, tokens/s per GPU (a TP group's tokens shared by its `ranks`), the
-    FLOPs per token stated, TFLOP/s per GPU and MFU against the card's peak."""
+    FLOPs per token stated, TFLOP/s per GPU and MFU against the card's peak; the peak memory this process saw, or
+    `peak` (GiB) measured in a child process."""
     step = statistics.median(times)
     per_gpu = ids.numel() / step / ranks
     achieved = per_gpu * flops[0] / 1e12
-    peak = rec.env["peak_tflops"]
-    memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    card = rec.env["peak_tflops"]
+    memory = (
+        peak if peak is not None else torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    )
     return rec.write(
         section,
         "figure",
@@ -447,7 +474,7 @@ def figure(
         flops_per_token=flops[0],
         flops=flops[1],
         tflops_per_gpu=round(achieved, 1),
-        mfu=round(achieved / peak, 4) if peak else None,
+        mfu=round(achieved / card, 4) if card else None,
         peak_memory_gib=memory and round(memory, 1),
         **fields,
     )
@@ -489,39 +516,6 @@ def section_a(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
                 }
             figure(rec, "a", f"{mode}, {name}, {sizes.names[0]}, {batch} x {seq}, AdamW", times, ids, flops, **extra)
             plain = plain or times
-
-
-def section_b(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
-    """LoRA on the 8B shape: PEFT alone, then under autotp.wrap(model, 1)."""
-    from peft import LoraConfig, get_peft_model
-
-    import autotp
-
-    batch, seq = sizes.b
-    ids, flops = tokens(sizes.large, batch, seq, device), lora_flops(sizes.large, seq, LORA["r"])
-    for wrapped in (False, True):
-        model = get_peft_model(build(sizes.large, device), LoraConfig(**LORA))
-        if wrapped:
-            autotp.wrap(model.base_model.model, 1)
-        optimizer = adamw([p for p in model.parameters() if p.requires_grad], device)
-        times, checkpointing = fitting_step_times(model, ids, optimizer, sizes, device)
-        name = "PEFT LoRA under autotp.wrap(model, 1)" if wrapped else "PEFT LoRA"
-        rate = ids.numel() / statistics.median(times)
-        figure(
-            rec,
-            "b",
-            f"{name}, {sizes.names[1]}, {batch} x {seq}, r {LORA['r']}, SDPA",
-            times,
-            ids,
-            flops,
-            activation_checkpointing=checkpointing,
-            ratio_to_automodel=round(rate / AUTOMODEL_LORA_8B, 4),
-            beside=f"{rate / AUTOMODEL_LORA_8B:.2f}x Automodel's {AUTOMODEL_LORA_8B:,} (1 x H100; Transformer "
-            f"Engine + triton kernels, 16 micro-batches per step)"
-            + ("; activation checkpointing (did not fit without)" if checkpointing else ""),
-        )
-        del model, optimizer
-        free()
 
 
 def fitting_step_times(
@@ -639,7 +633,243 @@ def section_e(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
     )
 
 
-SECTIONS = {"a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e}
+# --- sections run in child processes, so each run's peak memory is its own -----------------------------------------
+
+
+def in_child(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """fn(*args) in a fresh spawned process: its allocator, compile caches and peak memory are its own, as a user's
+    script's would be. Its result, or its exception (with the child's traceback) raised here; the child is killed if
+    this one is stopped (a section past its budget)."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    proc = context.Process(target=_child, args=(send, fn, args))
+    proc.start()
+    send.close()
+    try:
+        while not receive.poll(1.0):
+            if not proc.is_alive():
+                raise ChildError(f"{fn.__name__}: its child process ended with code {proc.exitcode} and no result")
+        ok, value = receive.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    if not ok:
+        raise ChildError(value)
+    return value
+
+
+class ChildError(RuntimeError):
+    """A run that failed in its child process: the child's last line as the message, its traceback kept."""
+
+    def __init__(self, traceback_text: str):
+        super().__init__(traceback_text.strip().splitlines()[-1])
+        self.traceback = traceback_text
+
+
+def _child(send: Any, fn: Callable[..., dict[str, Any]], args: tuple) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
+        send.send((False, traceback.format_exc()[-3000:]))
+
+
+def gib(value: int | None) -> float | None:
+    """GiB, or None where nothing was measured (a CPU run: torch counts no CPU allocations)."""
+    return None if value is None else round(value / 2**30, 2)
+
+
+def memory_phases(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """One more step's memory by phase (GiB): held before it (weights, optimizer state), peak during the forward,
+    held after it (what the backward keeps: activations, logits), peak during the backward."""
+    if device.type != "cuda":
+        return {}
+    sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss = model(input_ids=ids, labels=ids).loss
+    sync(device)
+    forward_peak, held = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    loss.backward()
+    sync(device)
+    backward_peak = torch.cuda.max_memory_allocated(device)
+    model.zero_grad(set_to_none=True)
+    return {
+        "held_before_step": gib(before),
+        "forward_peak": gib(forward_peak),
+        "held_for_backward": gib(held - before),
+        "backward_peak": gib(backward_peak),
+    }
+
+
+def child_device(device_type: str) -> torch.device:
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def lora_run(sizes: Sizes, device_type: str, wrapped: bool, compiled: bool) -> dict[str, Any]:
+    """One child's LoRA run on the 8B shape: PEFT alone or under autotp.wrap(model, 1) (whose loss is chunked by
+    default where that is exact), eager or with each decoder layer compiled; step times and memory by phase."""
+    from peft import LoraConfig, get_peft_model
+
+    import autotp
+
+    device = child_device(device_type)
+    batch, seq = sizes.b
+    ids = tokens(sizes.large, batch, seq, device)
+    model = get_peft_model(build(sizes.large, device), LoraConfig(**LORA))
+    cuda = device.type == "cuda"
+    built = torch.cuda.memory_allocated(device) if cuda else None
+    if wrapped:
+        autotp.wrap(model.base_model.model, 1)
+    if compiled and sizes.compile:
+        for layer in model.base_model.model.model.layers:
+            layer.compile()
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], device)
+    times, checkpointing = fitting_step_times(model, ids, optimizer, sizes, device)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    return {
+        "times": times,
+        "checkpointing": checkpointing,
+        "memory": {"after_build": gib(built), "step_peak": gib(peak), **memory_phases(model, ids, device)},
+    }
+
+
+def lora_figure(rec: Recorder, section: str, sizes: Sizes, device: torch.device, wrapped: bool, compiled: bool) -> None:
+    """lora_run in its own process, written as one line beside Automodel's rate."""
+    batch, seq = sizes.b
+    ids, flops = tokens(sizes.large, batch, seq, torch.device("cpu")), lora_flops(sizes.large, seq, LORA["r"])
+    result = in_child(lora_run, sizes, device.type, wrapped, compiled)
+    mode = "compiled per layer" if compiled and sizes.compile else "eager"
+    name = "PEFT LoRA under autotp.wrap(model, 1)" if wrapped else "PEFT LoRA"
+    rate = ids.numel() / statistics.median(result["times"])
+    memory = result["memory"]
+    figure(
+        rec,
+        section,
+        f"{name}, {mode}, own process, {sizes.names[1]}, {batch} x {seq}, r {LORA['r']}, SDPA",
+        result["times"],
+        ids,
+        flops,
+        peak=memory["step_peak"],
+        memory_gib=memory,
+        activation_checkpointing=result["checkpointing"],
+        ratio_to_automodel=round(rate / AUTOMODEL_LORA_8B, 4),
+        beside=f"{rate / AUTOMODEL_LORA_8B:.2f}x Automodel's {AUTOMODEL_LORA_8B:,}"
+        + (f"; peak {memory['step_peak']} GiB" if memory["step_peak"] is not None else "")
+        + (
+            f" (held {memory['held_before_step']}, forward peak {memory['forward_peak']}, kept for the backward "
+            f"{memory['held_for_backward']}, backward peak {memory['backward_peak']})"
+            if "forward_peak" in memory
+            else ""
+        )
+        + ("; activation checkpointing (did not fit without)" if result["checkpointing"] else ""),
+    )
+
+
+def section_b(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
+    """LoRA on the 8B shape, eager: PEFT alone, then PEFT under autotp.wrap(model, 1), each in its own process."""
+    for wrapped in (False, True):
+        lora_figure(rec, "b", sizes, device, wrapped, compiled=False)
+
+
+def section_f(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
+    """LoRA on the 8B shape, each layer compiled, activation checkpointing only if it does not fit: under autotp
+    (chunked loss) first, then PEFT alone, each in its own process."""
+    for wrapped in (True, False):
+        lora_figure(rec, "f", sizes, device, wrapped, compiled=True)
+
+
+FP8_RECIPES = ("bf16", "tensorwise", "rowwise")
+
+
+def fp8_run(sizes: Sizes, device_type: str, recipe: str, shape: str) -> dict[str, Any]:
+    """One child's full fine-tuning step times: bf16, or torchao's float8 recipe converted before autotp.wrap.
+    shape "small": the 1B shape at tp=1, each layer compiled; "rank": one rank of tp=8 on the 70B shape (its
+    `sizes.rank70b_layers` layers), on the fake process group, eager."""
+    import autotp
+    from autotp.compat.torch import init_fake_process_group
+
+    device = child_device(device_type)
+    config, (batch, seq) = (sizes.small, sizes.a) if shape == "small" else (sizes.big, sizes.c)
+    ids = tokens(config, batch, seq, device)
+    model = build(config, device)
+    if recipe != "bf16":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        keep = lambda module, name: name != "lm_head"  # noqa: E731 - torchao's filter signature
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
+    if shape == "rank":
+        init_fake_process_group(TP_C)
+        model = autotp.wrap(model, TP_C, timeout=timedelta(minutes=5))
+    else:
+        model = autotp.wrap(model, 1)
+        if sizes.compile:
+            for layer in model.model.layers:
+                layer.compile()
+    optimizer = adamw(model.parameters(), device)
+    times = step_times(model, ids, optimizer, sizes, device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"times": times, "peak": gib(peak)}
+
+
+def section_g(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
+    """Float8 (torchao, tensorwise and rowwise) against bf16: the 1B shape at tp=1 compiled, then one tp=8 rank of
+    the 70B shape on the fake process group; each run in its own process, the head kept in bf16 (torchtitan's
+    default)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        rec.write("g", "skip", "float8", reason="torchao is not installed (pip install 'autotp[fp8]')")
+        return
+    for shape in ("small", "rank"):
+        config, (batch, seq) = (sizes.small, sizes.a) if shape == "small" else (sizes.big, sizes.c)
+        ids, flops = tokens(config, batch, seq, torch.device("cpu")), full_flops(config, seq)
+        ranks = 1 if shape == "small" else TP_C
+        where = (
+            f"tp=1, {sizes.names[0]}, {'compiled per layer' if sizes.compile else 'eager'}"
+            if shape == "small"
+            else f"one rank of tp={TP_C}, fake process group, {sizes.names[2]}, eager"
+        )
+        base = None
+        for recipe in FP8_RECIPES:
+            run = f"{recipe}, {where}, {batch} x {seq}, AdamW"
+            try:
+                result = in_child(fp8_run, sizes, device.type, recipe, shape)
+            except ChildError as err:  # this recipe refused or failed: named, and the next one runs
+                rec.write("g", "error", run, reason=str(err)[:2000], traceback=err.traceback)
+                continue
+            ratio = base and statistics.median(base) / statistics.median(result["times"])
+            figure(
+                rec,
+                "g",
+                run,
+                result["times"],
+                ids,
+                flops,
+                ranks=ranks,
+                peak=result["peak"],
+                recipe=recipe,
+                ratio_to_bf16=ratio and round(ratio, 4),
+                upper_bound=shape == "rank",
+                beside=(f"{ratio:.2f}x bf16" if ratio else "the baseline")
+                + (" (collectives cost nothing here)" if shape == "rank" else ""),
+            )
+            base = base or result["times"]
+
+
+SECTIONS = {
+    "a": section_a,
+    "b": section_b,
+    "c": section_c,
+    "d": section_d,
+    "e": section_e,
+    "f": section_f,
+    "g": section_g,
+}
 
 
 # --- the gpu tests --------------------------------------------------------------------------------------------------
@@ -700,7 +930,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu-results.jsonl"), help="the JSON-lines file")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no compile: the CPU smoke test")
-    parser.add_argument("--sections", default="abcde", help="which sections to run, e.g. 'ac'")
+    parser.add_argument(
+        "--sections", default="bfg", help="which sections to run, e.g. 'ac' (a, c, d, e: measured in the first run)"
+    )
     parser.add_argument("--pytest", action="store_true", help="then run `pytest -m gpu` under --pytest-budget")
     parser.add_argument("--pytest-budget", type=float, default=200.0, help="seconds")
     parser.add_argument("--table-from", type=Path, help="print the table of an earlier run's JSON lines and stop")

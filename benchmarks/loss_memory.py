@@ -1,15 +1,19 @@
 """Peak memory of one training step's loss at a 128k vocabulary (Llama-3's 128,256), small hidden size, at tp 1 and 2.
 
-    python benchmarks/loss_memory.py [--seq 4096]
+    python benchmarks/loss_memory.py [--seq 4096] [--chunks 256,512,1024,4096,0] [--skip-gathered]
 
 A one-layer Llama of hidden size 64 runs one forward with labels and one backward on 2 x `--seq` tokens, so the step's
 memory is the LM head's logits and their loss. Each row runs in freshly spawned CPU ranks (gloo, 1 thread), with
 `MALLOC_MMAP_THRESHOLD_=131072` so that RSS follows the live bytes (as `benchmarks/logprob_memory.py` measures):
 - plain transformers, one process (no autotp);
 - `autotp.wrap(model, tp)` with `vocab_parallel=False` (at tp=2 each rank holds the whole batch x seq x vocab logits)
-  and with `vocab_parallel=True` (today's vocab-parallel loss: each rank holds batch x seq x vocab / tp).
+  and with `vocab_parallel=True` (the vocab-parallel loss: each rank holds batch x seq x vocab / tp), both with
+  `loss_chunk=None` (the whole logits, as before the chunked loss);
+- the chunked loss (`loss_chunk`, default 512 tokens) at tp 1 and 2: a chunk's logits and softmax at a time.
 Reported per rank: bytes autograd saved for backward (`autotp.testing.memory.KeptForBackward`), the RSS growth peak
-over the step, and the loss. At 2 x 4096 tokens plain transformers needs about 12 GiB per rank: `--seq` smaller runs
+over the step, the step's seconds (forward and backward) and the loss. A second table times the step at tp 1 for each
+chunk size of `--chunks` (0: off). `--skip-gathered` leaves out the tp=2 `vocab_parallel=False` whole-logits row,
+the one that needs the whole logits on two ranks at once. At 2 x 4096 tokens plain transformers needs about 12 GiB per rank: `--seq` smaller runs
 the same rows on a smaller machine (every figure here scales linearly with the tokens).
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,11 +39,16 @@ CONFIG = dict(
     num_key_value_heads=2,
     vocab_size=128256,
 )
+WHOLE = dict(loss_chunk=None)
+GATHERED = "`autotp.wrap(model, 2, vocab_parallel=False, loss_chunk=None)` (logits gathered)"
 RUNS = [
     ("plain transformers, one process", 1, None),
-    ("autotp tp=1", 1, dict(vocab_parallel=True)),
-    ("autotp tp=2, vocab_parallel=False (logits gathered)", 2, dict(vocab_parallel=False)),
-    ("autotp tp=2, vocab-parallel loss", 2, dict(vocab_parallel=True)),
+    ("`autotp.wrap(model, 1, loss_chunk=None)`", 1, WHOLE),
+    ("`autotp.wrap(model, 1)`, chunked loss (512 tokens)", 1, {}),
+    (GATHERED, 2, dict(vocab_parallel=False, **WHOLE)),
+    ("`autotp.wrap(model, 2, loss_chunk=None)`, vocab-parallel loss", 2, WHOLE),
+    ("`autotp.wrap(model, 2)`, vocab-parallel chunked loss (512 tokens)", 2, {}),
+    ("`autotp.wrap(model, 2, vocab_parallel=False)`, replicated head, chunked loss", 2, dict(vocab_parallel=False)),
 ]
 
 
@@ -60,12 +70,14 @@ def rank_main(rank: int, world: int, options: dict | None, seq: int, port: int, 
     kept = KeptForBackward(model)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     baseline = rss("VmRSS")
+    start = time.perf_counter()
     with kept.hooks:
         loss = model(input_ids=ids, labels=ids).loss
     saved = kept.bytes()
     loss.backward()
+    seconds = time.perf_counter() - start
     peak = rss("VmHWM") - baseline
-    out.put((rank, saved, peak, float(loss.detach())))
+    out.put((rank, saved, peak, float(loss.detach()), seconds))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -77,13 +89,27 @@ def run(world: int, options: dict | None, seq: int) -> list[tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (2 sequences)")
-    seq = parser.parse_args().seq
-    print(f"| loss step, vocab 128,256, hidden 64, 2 x {seq} tokens | saved for backward | peak RSS growth | loss |")
-    print("|---|---|---|---|")
+    parser.add_argument("--chunks", default="256,512,1024,4096,0", help="chunk sizes timed at tp 1 (0: off)")
+    parser.add_argument("--skip-gathered", action="store_true", help="leave out the tp=2 whole-logits gathered row")
+    args = parser.parse_args()
+    seq = args.seq
+    print(
+        f"| loss step, vocab 128,256, hidden 64, 2 x {seq} tokens | saved for backward | peak RSS growth | step | loss |"
+    )
+    print("|---|---|---|---|---|")
     mib = lambda rows, i: " / ".join(f"{row[i] / 2**20:.0f}" for row in rows) + " MiB"  # noqa: E731
+    seconds = lambda rows: " / ".join(f"{row[4]:.2f}" for row in rows) + " s"  # noqa: E731
     for label, world, options in RUNS:
+        if args.skip_gathered and label == GATHERED:
+            continue
         rows = run(world, options, seq)
-        print(f"| {label} | {mib(rows, 1)} | {mib(rows, 2)} | {rows[0][3]:.6f} |", flush=True)
+        print(f"| {label} | {mib(rows, 1)} | {mib(rows, 2)} | {seconds(rows)} | {rows[0][3]:.6f} |", flush=True)
+    print(f"\n| `autotp.wrap(model, 1, loss_chunk=...)`, 2 x {seq} tokens | step | peak RSS growth | loss |")
+    print("|---|---|---|---|")
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        rows = run(1, dict(loss_chunk=chunk or None), seq)
+        label = f"{chunk} tokens" if chunk else "off (whole logits)"
+        print(f"| {label} | {seconds(rows)} | {mib(rows, 2)} | {rows[0][3]:.6f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -88,8 +88,7 @@ def main() -> None:
     for step in bar:
         # Each data-parallel replica reads its own batch; TP ranks of a replica read the same one.
         ids = pattern_batch(step * dp_size + dp_rank, args.batch, args.seq, vocab).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        loss = autotp.forward_backward(model, input_ids=ids, labels=ids).loss  # model(...).loss.backward() here
         autotp.allreduce_gradients(model)  # average over data-parallel replicas only
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -180,3 +180,10 @@ def failed_experts_kernel(model: nn.Module, err: BaseException) -> str | None:
     configs = [getattr(model, "config", None)] + [getattr(m, "config", None) for m in model.modules()]
     names = [getattr(c, "_experts_implementation", None) for c in configs]
     return next((n for n in names if isinstance(n, str) and n != "eager"), "its experts implementation")
+
+
+def causal_lm_loss() -> Callable[..., torch.Tensor]:
+    """transformers' causal-LM cross-entropy (`ForCausalLMLoss`), which a model's `loss_function` is by default."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return LOSS_MAPPING["ForCausalLM"]

@@ -143,6 +143,12 @@ def storageless_tensor(cls: type, shape: torch.Size, dtype: torch.dtype, device:
     return make(cls, shape, dtype=dtype, device=device, requires_grad=False)
 
 
+def subclass_alias(cls: type, tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """`tensor` (its storage and strides) seen as an instance of the tensor subclass `cls`."""
+    make = require(torch.Tensor, "_make_subclass", "torch.Tensor._make_subclass")
+    return make(cls, tensor, requires_grad)
+
+
 def no_torch_function() -> Callable[..., Any]:
     """The `__torch_function__` of a subclass that opts out of torch-function handling (what DTensor sets)."""
     return require(torch._C, "_disabled_torch_function_impl", "torch._C._disabled_torch_function_impl")

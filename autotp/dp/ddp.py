@@ -103,7 +103,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
                 dist.all_reduce(part, op=op, group=state.dp_cp_group)
     for part in own:
         replicated = replicated + part if norm_type == 2.0 else torch.maximum(replicated, part)
-    norm = (sharded + replicated).sqrt() if norm_type == 2.0 else torch.maximum(sharded, replicated)
+    total = sharded + replicated if norm_type == 2.0 else torch.maximum(sharded, replicated)
+    for dimension in state.dims.values():  # a pipeline's stages: each adds its own layers' part (autotp.pp)
+        total = dimension.reduce_norm(total, norm_type, state)
+    norm = total.sqrt() if norm_type == 2.0 else total
     coef = max_norm / (norm.item() + 1e-6)
     if coef < 1:
         for p in params:

@@ -57,6 +57,11 @@ class Dimension:
         none), complete over every rank."""
         return params, None
 
+    def reduce_norm(self, total: torch.Tensor, norm_type: float, state: TPState) -> torch.Tensor:
+        """Its part of `autotp.clip_grad_norm_` once every other part is complete over this rank's model: the total
+        (a sum of squares, or a max) combined over the ranks holding other parts of the model (a pipeline's stages)."""
+        return total
+
     def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
         """Its part of `autotp.fully_shard` (`options`: torch's `fully_shard` keywords over DP x CP), before the
         decoder layers: the parameters it sharded itself, by id, with the tag they keep."""

@@ -1,4 +1,5 @@
-"""Logits gathered on first read: a ModelOutput whose `logits` is a shard (vocab) or a chunk (context) until used.
+"""Logits gathered on first read: a ModelOutput whose `logits` is a shard (vocab) or a chunk (context) until used;
+and logits computed on first use (`PendingLogits`, the chunked loss's stand-in).
 
 A step that reads only the loss never gathers batch x seq x vocab; code that reads `logits` gets the full
 tensor, once. Vocab and context parallelism both hand their gather in.
@@ -6,9 +7,11 @@ tensor, once. Vocab and context parallelism both hand their gather in.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from ..compat.torch import subclass_alias
 
 
 class _LazyLogits:
@@ -59,3 +62,101 @@ def lazy_logits(output, gather: Callable[[], torch.Tensor]):
     output.__class__ = _LAZY[cls]
     output.__dict__["autotp_pending"] = gather
     return output
+
+
+_METADATA = {
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+}
+
+
+# elementwise operations that a stand-in takes with a Python number, as Gemma 2's softcap and Cohere's logit_scale apply
+# them, kept as the stand-in's `transforms` (each chunk applies them) rather than computing the logits
+_SCALAR_OPS = {
+    torch.Tensor.__truediv__,
+    torch.Tensor.div,
+    torch.div,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.Tensor.mul,
+    torch.mul,
+    torch.Tensor.tanh,
+    torch.tanh,
+}
+
+
+class PendingLogits(torch.Tensor):
+    """Logits not computed yet: an expanded zero (no memory) of their shape. Reading its shape, dtype or device costs
+    nothing; multiplying or dividing it by a number or taking its tanh gives a stand-in with that step added to its
+    `transforms`; any other operation computes the real logits once (`materialize`) and runs on them."""
+
+    hidden: torch.Tensor
+    head: Callable[[torch.Tensor], torch.Tensor]
+    transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...]
+    computed: torch.Tensor | None
+
+    @staticmethod
+    def __new__(
+        cls,
+        hidden: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        width: int,
+        dtype: Any,
+        transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (),
+    ):
+        empty = torch.zeros((), dtype=dtype, device=hidden.device).expand(*hidden.shape[:-1], width)
+        out = subclass_alias(cls, empty, hidden.requires_grad)
+        out.hidden, out.head, out.transforms, out.computed = hidden, head, transforms, None
+        return out
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (of some tokens, from the head) through this stand-in's transforms."""
+        for step in self.transforms:
+            logits = step(logits)
+        return logits
+
+    def materialize(self) -> torch.Tensor:
+        """The real logits, through the head and the transforms (differentiable), computed once."""
+        if self.computed is None:
+            self.computed = self.transform(self.head(self.hidden))
+        return self.computed
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs)
+        if func in _SCALAR_OPS and not kwargs:
+            stand_ins = [a for a in args if isinstance(a, PendingLogits)]
+            numbers = [a for a in args if not isinstance(a, PendingLogits)]
+            if len(stand_ins) == 1 and stand_ins[0].computed is None and all(_number(n) for n in numbers):
+                (pending,) = stand_ins
+                step = lambda t: func(*(t if a is pending else a for a in args))  # noqa: E731
+                width = pending.shape[-1]
+                return PendingLogits(pending.hidden, pending.head, width, pending.dtype, (*pending.transforms, step))
+        return func(*_real(args), **_real(kwargs))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> Any:
+    """`value` (an argument, or a list, tuple or dict of them) with every stand-in replaced by its real logits."""
+    if isinstance(value, PendingLogits):
+        return value.materialize()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_real(x) for x in value)
+    if isinstance(value, dict):
+        return {k: _real(x) for k, x in value.items()}
+    return value
+
+
+def real_logits(logits: torch.Tensor) -> torch.Tensor:
+    """`logits`, computed if they are a stand-in."""
+    return logits.materialize() if isinstance(logits, PendingLogits) else logits

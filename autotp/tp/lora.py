@@ -38,7 +38,7 @@ from ..runtime.collectives import reduce_from_tp_joined
 from ..runtime.grad_hooks import GradHook, replica_grad_hook
 from ..runtime.replicas import broadcast_tensors
 from ..runtime.shards import gather_parameter_, partition_parameter_
-from ..state import TPState, find_state
+from ..state import TPState, state_of
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear
 from .streams import shared_draws
 
@@ -132,7 +132,7 @@ class TPLora:
         dropout = self.lora.lora_dropout[name]
         if not (isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0):
             return dropout(x)
-        cols = adapter_partition(self.layer, "lora_A")
+        cols = self.layer.partition.with_dim(1)  # lora_A's, split like the row layer's columns
         with shared_draws(self.layer):
             mask = dropout(x.new_ones(*x.shape[:-1], cols.full_size))
         return x * cols.with_dim(x.ndim - 1).shard(mask, self.layer.tp_rank)
@@ -191,7 +191,7 @@ class TPLora:
 
     def _adapt_column(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A replicated (same on every rank, gradient summed); lora_B split like the base weight's rows."""
-        rows = adapter_partition(self.layer, "lora_B")
+        rows = self.layer.partition.with_dim(0)
         for param in self.lora.lora_B[self._name_of(b)].parameters():  # lora_bias too
             self._split(param, rows, full)
         self._replicate(a, 1, self.layer.full_in, shared=full)
@@ -208,7 +208,7 @@ class TPLora:
 
     def _adapt_row(self, a: nn.Parameter, b: nn.Parameter, full: bool) -> None:
         """lora_A split like the base weight's columns, drawn as PEFT draws it over the full width; lora_B replicated."""
-        cols = adapter_partition(self.layer, "lora_A")
+        cols = self.layer.partition.with_dim(1)
         self._split(a, cols, full)
         loaded = self._name_of(b) in getattr(self.lora, "autotp_loaded", ())
         if not full and not loaded and not b.detach().any():  # PEFT's init at the shard's width: redraw A at full width
@@ -333,9 +333,9 @@ def build_adapter(request: peft_compat.AdapterRequest, build: Callable[[], None]
     lora, layer = request.lora, getattr(request.lora, "base_layer", None)
     if request.modules_to_save:
         _refuse_copied_embedding(request, _locate(layer, models))
-    split = is_lora_linear(lora, layer) and isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1
-    found = _locate(layer, models) if split else None
-    if found is None or _refused_later(request, layer, found[1]):
+    if not (is_lora_linear(lora, layer) and isinstance(layer, (LinearLayer, LinearAllreduce)) and layer.tp_size > 1):
+        return build()
+    if (found := _locate(layer, models)) is None or _refused_later(request, layer, found[1]):
         return build()
     path, state = found
     if request.init not in RANDOM_INITS:
@@ -384,13 +384,13 @@ def _locate(layer: nn.Module, models: Iterable[nn.Module]) -> tuple[str, TPState
     for model in models:
         for path, module in model.named_modules():
             if module is layer:
-                return path.removesuffix(".base_layer"), find_state(model)
+                return path.removesuffix(".base_layer"), state_of(model)
     return None
 
 
 def _shrink(lora: nn.Module, layer: ParallelLinear, name: str) -> None:
     """The split halves of an empty (meta) adapter at this rank's size, so loading cuts full tensors to fit."""
     for half in ("lora_A", "lora_B"):
-        partition = adapter_partition(layer, half)
-        for param in getattr(lora, half)[name].parameters() if partition is not None else ():
-            param.data = partition.shard(param.detach(), layer.tp_rank)
+        if (partition := adapter_partition(layer, half)) is not None:
+            for param in getattr(lora, half)[name].parameters():
+                param.data = partition.shard(param.detach(), layer.tp_rank)

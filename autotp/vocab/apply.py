@@ -14,6 +14,7 @@ from ..runtime.process_hooks import patch_attribute
 from ..state import TPState
 from ..tp.block_entry import BlockEntry
 from ..tp.layers import LinearLayer
+from .chunked import chunk_head, chunk_replicated_head
 from .layers import LogitsGate, VocabParallelEmbedding, VocabParallelLoss
 
 
@@ -37,6 +38,9 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     loss = VocabParallelLoss(vocab.partition, tp_group, state.full_loss)
     patch_attribute(model, "loss_function", loss)
     gate = LogitsGate(vocab.partition, tp_group, state, loss)
+    chunked = chunk_head(model, head, tp_group, state)
+    if chunked is not None:
+        loss.chunked = chunked.loss_sum
     state.vocab_hooks += [
         model.register_forward_pre_hook(gate.before, with_kwargs=True),
         model.register_forward_hook(state.sharded_only(gate.after), with_kwargs=True),
@@ -45,8 +49,10 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
 
 
 def vocab_parallel(model: nn.Module, plan: Plan, state: TPState) -> None:
-    """The pipeline step: the model's own loss is kept (the sharded loss falls back to it), then the split."""
+    """The pipeline step: the model's own loss is kept (the sharded loss falls back to it), then the split; without
+    it (tp 1, or vocab parallelism off) the replicated head's loss over chunks where it applies."""
     if plan.vocab is None:
+        chunk_replicated_head(model, state)
         return
     state.full_loss = model.loss_function
     apply_vocab(model, plan.vocab, state.tp_group, state)

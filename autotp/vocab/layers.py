@@ -18,7 +18,7 @@ from torch import nn
 from ..mesh import Group, group_rank, group_size
 from ..planning.sharding import Partition
 from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
-from ..runtime.lazy_logits import lazy_logits
+from ..runtime.lazy_logits import lazy_logits, real_logits
 from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
 
 
@@ -94,27 +94,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group: dist.ProcessGroup,
     ) -> torch.Tensor:
         ctx.dtype = logits.dtype
-        logits = logits.float()
-        softmax = torch.softmax(logits, dim=-1)
-        local_max = logits.max(dim=-1).values
-        masked = local_max == float("-inf")  # a row this rank's whole shard masks out: its softmax is NaN
-        softmax.masked_fill_(masked.unsqueeze(-1), 0.0)
-        # the max's softmax is 1 / sum-exp
-        local_lse = torch.where(masked, local_max, local_max - softmax.max(dim=-1).values.log())
-        top = local_lse.clone()
-        all_reduce(top, group, dist.ReduceOp.MAX)
-        local = target - start
-        valid = target != ignore_index
-        mine = valid & (local >= 0) & (local < logits.shape[-1])
-        picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-        picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: a masked logit is -inf
-        sums = torch.stack([(local_lse - top).exp(), picked, *([logits.sum(-1)] if smoothing else [])])
-        all_reduce(sums, group)
-        lse = top + sums[0].log()  # log of the softmax denominator over the whole vocabulary
-        loss = lse - sums[1]
-        if smoothing:
-            loss = (1 - smoothing) * loss + smoothing * (lse - sums[2] / full_vocab)
-        softmax.mul_((local_lse - lse).exp().unsqueeze(-1))  # normalised over the whole vocabulary
+        loss, softmax, local, mine, valid = shard_loss(
+            logits, target, start, full_vocab, ignore_index, smoothing, group
+        )
         ctx.save_for_backward(softmax, local, mine, valid)
         ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
         return loss * valid
@@ -122,15 +104,63 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         softmax, local, mine, valid = ctx.saved_tensors
-        out = softmax
-        # minus (1 - smoothing) at each row's target, where this rank holds it: a scatter, not a nonzero
-        # (whose data-dependent shape breaks torch.compile's graph)
-        target = local.clamp(0, out.shape[-1] - 1).unsqueeze(-1)
-        out.scatter_add_(-1, target, mine.to(out.dtype).unsqueeze(-1) * -(1 - ctx.smoothing))
-        if ctx.smoothing:
-            out -= ctx.smoothing / ctx.full_vocab
+        out = shard_grad_(softmax, local, mine, ctx.smoothing, ctx.full_vocab)
         out *= (grad * valid).unsqueeze(-1)
         return out.to(ctx.dtype), None, None, None, None, None, None
+
+
+def shard_grad_(
+    softmax: torch.Tensor, local: torch.Tensor, mine: torch.Tensor, smoothing: float, full_vocab: int
+) -> torch.Tensor:
+    """dloss/dlogits of each row (`shard_loss`'s softmax, overwritten), before scaling by the rows' gradients."""
+    out = softmax
+    # minus (1 - smoothing) at each row's target, where this rank holds it: a scatter, not a nonzero
+    # (whose data-dependent shape breaks torch.compile's graph)
+    target = local.clamp(0, out.shape[-1] - 1).unsqueeze(-1)
+    out.scatter_add_(-1, target, mine.to(out.dtype).unsqueeze(-1) * -(1 - smoothing))
+    if smoothing:
+        out -= smoothing / full_vocab
+    return out
+
+
+def shard_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    start: int,
+    full_vocab: int,
+    ignore_index: int,
+    smoothing: float,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, ...]:
+    """Each row's loss over the whole vocabulary from this rank's logit shard (three all-reduces), and what its
+    gradient needs: the softmax normalised over the whole vocabulary, the targets local to the shard, which of them
+    this rank holds, which rows count."""
+    logits = logits.float()
+    softmax = torch.softmax(logits, dim=-1)
+    local_max = logits.max(dim=-1).values
+    masked = local_max == float("-inf")  # a row this rank's whole shard masks out: its softmax is NaN
+    softmax.masked_fill_(masked.unsqueeze(-1), 0.0)
+    # the max's softmax is 1 / sum-exp
+    local_lse = torch.where(masked, local_max, local_max - softmax.max(dim=-1).values.log())
+    top = local_lse.clone()
+    whole = group_size(group) == 1  # the whole vocabulary here (a replicated head): nothing to reduce
+    if not whole:
+        all_reduce(top, group, dist.ReduceOp.MAX)
+    local = target - start
+    valid = target != ignore_index
+    mine = valid & (local >= 0) & (local < logits.shape[-1])
+    picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: a masked logit is -inf
+    sums = torch.stack([(local_lse - top).exp(), picked, *([logits.sum(-1)] if smoothing else [])])
+    if not whole:
+        all_reduce(sums, group)
+    lse = top + sums[0].log()  # log of the softmax denominator over the whole vocabulary
+    loss = lse - sums[1]
+    if smoothing:
+        loss = (1 - smoothing) * loss + smoothing * (lse - sums[2] / full_vocab)
+    if not whole:  # else torch.softmax normalised it already
+        softmax.mul_((local_lse - lse).exp().unsqueeze(-1))  # normalised over the whole vocabulary
+    return loss, softmax, local, mine, valid
 
 
 class VocabParallelLoss:
@@ -145,6 +175,8 @@ class VocabParallelLoss:
         ((self.start, _),) = partition.runs[group_rank(group)]
         self.full_vocab = partition.full_size
         self.calls = 0
+        # the loss summed over chunks from the head's stand-in (`autotp.vocab.chunked`), or None: set by apply_vocab
+        self.chunked: Callable[..., torch.Tensor | None] | None = None
 
     def __call__(
         self,
@@ -169,23 +201,47 @@ class VocabParallelLoss:
                 **kwargs,
             )
         self.calls += 1
-        if shift_labels is None:
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        target = shift_labels.reshape(-1).to(logits.device)
-        losses = _VocabParallelCrossEntropy.apply(
-            logits.reshape(-1, logits.shape[-1]),
-            target,
-            self.start,
-            self.full_vocab,
-            ignore_index,
-            float(label_smoothing),
-            self.group,
-        )
-        if num_items_in_batch is not None:
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(losses.device)
-            return losses.sum() / num_items_in_batch
-        return losses.sum() / (target != ignore_index).sum()
+        target = shifted_targets(labels, shift_labels, ignore_index, logits.device)
+        smoothing = float(label_smoothing)
+        args = (target, self.start, self.full_vocab, ignore_index, smoothing)
+        total = None if self.chunked is None else self.chunked(logits, *args)
+        if total is None:
+            total = logits_loss_sum(real_logits(logits), *args, self.group)
+        return mean_loss(total, target, num_items_in_batch, ignore_index)
+
+
+def logits_loss_sum(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    start: int,
+    full_vocab: int,
+    ignore_index: int,
+    smoothing: float,
+    group: Group,
+) -> torch.Tensor:
+    """The loss summed over the rows of `logits` (this rank's shard, or the whole vocabulary with `group` None)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(flat, target, start, full_vocab, ignore_index, smoothing, group).sum()
+
+
+def shifted_targets(
+    labels: torch.Tensor, shift_labels: torch.Tensor | None, ignore_index: int, device: torch.device
+) -> torch.Tensor:
+    """Each token's target, flat, as transformers' causal-LM loss takes it: `shift_labels`, else `labels` shifted
+    left with `ignore_index` appended."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1).to(device)
+
+
+def mean_loss(total: torch.Tensor, target: torch.Tensor, num_items_in_batch: Any, ignore_index: int) -> torch.Tensor:
+    """The summed loss divided as transformers divides it: by `num_items_in_batch` if given, else by the count of
+    targets that are not `ignore_index`."""
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    return total / (target != ignore_index).sum()
 
 
 class LogitsGate:
@@ -244,6 +300,7 @@ class LogitsGate:
 
     def _gather(self, logits: torch.Tensor) -> torch.Tensor:
         self.gathers += 1
+        logits = real_logits(logits)
         return gather_from_tp(logits, self.partition.with_dim(logits.ndim - 1), self.group)
 
     def _gather_tuple(self, output: tuple) -> tuple:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
 import autotp
 import autotp.parallelize as pipeline
 from autotp.mesh import AXES, EXPERT_AXES
@@ -55,6 +57,8 @@ def test_a_dimension_hook_does_nothing_by_default() -> None:
     assert base.apply(None, None, None) == [] and base.split_plan(None, "plan", None) == ("plan", ())
     assert base.norm(params, 2.0, None) == (params, None) and base.fully_shard({}, None) == {}
     assert base.split_group() is None and base.layout() == {} and base.allows_ddp
+    total = torch.ones(())
+    assert base.reduce_norm(total, 2.0, None) is total
     for hook in (
         base.refuse(None, None, None),
         base.sync_gradients(None, None, 1, True),

@@ -2,7 +2,7 @@
 
 The grids come from the functions `build_mesh` uses (`dense_grid`, `expert_grid`); no process group is made, since
 `rank_groups` is arithmetic on the grid. Every expected tuple below was worked out by hand from the layout the docs give:
-rank (d * cp + c) * tp + t for the dense grid, and EP groups of `ep` consecutive ranks for the experts.
+rank ((p * dp + d) * cp + c) * tp + t for the dense grid, and EP groups of `ep` consecutive ranks for the experts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_dp2_cp2_tp2_ep4() -> None:
     #  dp    0 0 0 0 1 1 1 1
     #  cp    0 0 1 1 0 0 1 1
     #  tp    0 1 0 1 0 1 0 1
-    assert torch.equal(m.grid, torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]]))
+    assert torch.equal(m.grid, torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]))  # pp 1 outermost
     assert m.rank_groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert m.rank_groups("cp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
     assert m.rank_groups("dp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
@@ -34,6 +34,19 @@ def test_dp2_cp2_tp2_ep4() -> None:
     assert torch.equal(m.experts, torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]))
     assert m.rank_groups("ep") == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert m.rank_groups("edp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+def test_pp2_dp2_tp2_pipeline_outermost() -> None:
+    m = mesh({"tp": 2, "pp": 2})
+    #  rank  0 1 2 3 4 5 6 7
+    #  pp    0 0 0 0 1 1 1 1
+    #  dp    0 0 1 1 0 0 1 1
+    #  tp    0 1 0 1 0 1 0 1
+    assert torch.equal(m.grid, torch.tensor([[[[0, 1]], [[2, 3]]], [[[4, 5]], [[6, 7]]]]))
+    assert m.rank_groups("pp") == [(0, 4), (1, 5), (2, 6), (3, 7)]  # a stage's peers: one node apart
+    assert m.rank_groups("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]  # replicas within a stage
+    assert m.rank_groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert m.rank_groups("dp", "cp") == m.rank_groups("dp")
 
 
 def test_dp4_tp2_ep4_as_the_groups_docstring_draws_it() -> None:

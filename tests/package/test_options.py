@@ -63,13 +63,13 @@ def test_the_generic_accessors_read_the_mesh_and_the_named_ones_are_their_aliase
     assert autotp.dp_cp_group(model) is autotp.group(model, "dp", "cp") is None
 
 
-@pytest.mark.parametrize("axes", [("xp",), ("pp",), (), ("cp", "dp")])
+@pytest.mark.parametrize("axes", [("xp",), ("vp",), (), ("cp", "dp")])
 def test_an_unknown_axis_is_refused_naming_the_valid_ones(axes: tuple[str, ...]) -> None:
     model = autotp.wrap(tiny_model("llama"), 1)
     for accessor in autotp.group, autotp.rank, autotp.size:
         with pytest.raises(ValueError) as err:
             accessor(model, *axes)
-        assert all(f"'{name}'" in str(err.value) for name in ("dp", "cp", "tp", "ep")), str(err.value)
+        assert all(f"'{name}'" in str(err.value) for name in ("pp", "dp", "cp", "tp", "ep")), str(err.value)
 
 
 def accessor_answers(rank: int, world: int) -> dict:
@@ -102,6 +102,6 @@ def test_the_accessors_and_the_mesh_table_on_two_ranks() -> None:
         known = {"TP": [0, 1], "CP": None, "DP": [rank], "EP": None}  # any other axis: size 1 here, so no group
         assert [label for label, _ in answer["compared"] if label in known] == ["TP", "CP", "DP", "EP"]
         assert all(ranks == known.get(label) for label, ranks in answer["compared"]), answer["compared"]
-        assert answer["repr"].startswith("Mesh(dp=1, cp=1, ") and answer["repr"].endswith("tp=2, ep=1)")
+        assert answer["repr"].startswith("Mesh(pp=1, dp=1, cp=1, ") and answer["repr"].endswith("tp=2, ep=1)")
         shown = dict(item.split("=") for item in answer["repr"].removeprefix("Mesh(").removesuffix(")").split(", "))
         assert all(n == "1" for axis, n in shown.items() if axis != "tp"), shown

@@ -12,7 +12,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -129,7 +129,7 @@ def _read_all(
     device: torch.device,
     dtype: torch.dtype,
     show: bool,
-) -> tuple[dict[int, nn.Parameter], list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[dict[int, nn.Parameter], list[tuple[str, str, torch.Tensor]]]:
     """Every parameter's new tensor, by the id of the meta parameter it replaces, and every persistent buffer's.
 
     `sources` names the checkpoint key of each model tensor (transformers may rename on save), or the
@@ -143,10 +143,12 @@ def _read_all(
     loaded: dict[int, nn.Parameter] = {}
     persistent = set(model.state_dict(keep_vars=True))
     wanted = [
-        (sources[n], n, b) for n, b in model.named_buffers() if n in persistent and isinstance(sources.get(n), str)
+        (saved_as, n, b)
+        for n, b in model.named_buffers()
+        if n in persistent and isinstance(saved_as := sources.get(n), str)
     ]
     by_file: dict[Path, list] = {}
-    experts = []
+    experts: list[tuple[str, ConvertedSource, nn.Parameter]] = []
     bar = tqdm(total=len(params) + len(wanted), desc="autotp load", unit="tensor", disable=not show)
     for key, param in params.items():
         name = next((n for n in aliases[key] if n in sources), None)
@@ -156,10 +158,11 @@ def _read_all(
             )
             bar.update()
             continue
-        if isinstance(sources[name], ConvertedSource):
-            experts.append((name, sources[name], param))
+        source = sources[name]
+        if isinstance(source, ConvertedSource):
+            experts.append((name, source, param))
         else:
-            by_file.setdefault(files[sources[name]], []).append((sources[name], param))
+            by_file.setdefault(files[source], []).append((source, param))
     for name, source, param in experts:
         loaded[id(param)] = _replacing(param, _read_converted(name, source, param, files), device, dtype)
         bar.update()
@@ -223,7 +226,7 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter, fil
     Other conversions read the whole tensors, run transformers' operations on them, and keep this rank's rows.
     """
     if source.run is not None:
-        return _run_conversion(name, source, param, files)
+        return _run_conversion(name, source, source.run, param, files)
     shard = held_part(param)
     full = list(param.shape if shard is None else shard.full_shape(param.shape))
     counts = [len(keys) for keys in source.parts]
@@ -242,7 +245,7 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter, fil
                     f"build {name} of shape {tuple(full)}"
                 )
     partition, rank = (None, 0) if shard is None else (shard.partition, shard.rank)
-    wanted = range(full[0])
+    wanted: range | list[int] = range(full[0])
     if partition is not None and partition.dim == 0:  # split by expert (autotp.ep): this rank's experts, each whole
         wanted = [e for start, length in partition.runs[rank] for e in range(start, start + length)]
         partition = None
@@ -267,9 +270,16 @@ def _read_converted(name: str, source: ConvertedSource, param: nn.Parameter, fil
     return torch.stack(experts)
 
 
-def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter, files: Mapping[str, Path]) -> torch.Tensor:
-    """`name` in full from transformers' conversion of its whole checkpoint tensors, then this rank's rows."""
-    tensors = {}
+def _run_conversion(
+    name: str,
+    source: ConvertedSource,
+    run: Callable[[dict[str, list[torch.Tensor]]], torch.Tensor],
+    param: nn.Parameter,
+    files: Mapping[str, Path],
+) -> torch.Tensor:
+    """`name` in full from transformers' conversion (`run`: `source.run`) of its whole checkpoint tensors, then this
+    rank's rows."""
+    tensors: dict[str, list[torch.Tensor]] = {}
     for pattern, keys in zip(source.patterns, source.parts):
         if keys:
             tensors[pattern] = []
@@ -278,7 +288,7 @@ def _run_conversion(name: str, source: ConvertedSource, param: nn.Parameter, fil
                 with files[key].open("rb") as f:
                     tensors[pattern].append(read_rows(f, header[key], data_start, None, 0))
     try:
-        full = source.run(tensors)
+        full = run(tensors)
     except Exception as err:
         raise CheckpointError(
             f"{name}: transformers' conversion ({source.ops}) of {', '.join(sum(source.parts, ()))} "

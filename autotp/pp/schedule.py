@@ -1,0 +1,202 @@
+"""One training step through torch.distributed.pipelining: this rank's stages and torch's schedule, the loss as one
+process normalises it.
+
+Every rank of a pipeline is given the same whole batch, so each stage takes its micro-batch's `input_ids`,
+`attention_mask`, `position_ids` and `labels` from the schedule's keyword arguments, split by rows as the inputs are;
+only the hidden states travel between stages. The last stage computes its micro-batch's loss with the model's own loss function,
+summed over its label tokens and divided by the number of label tokens in the whole batch (`num_items_in_batch`, as
+transformers' Trainer passes it), and the schedule runs with `scale_grads=False`: the micro-batches' losses and
+gradients then add up to one process's mean over the whole batch, whatever each micro-batch's label count (a mean of
+per-micro-batch means would weigh a micro-batch of few labels as much as one of many).
+
+Receive buffers are sized from the batch's shape, so a new shape gets new stages and a new schedule (kept while the
+shape repeats): no stage locks the sequence length of its first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from ..mesh import Group, device_of, named_failure
+from .cut import Cut, stage_view, swapped
+
+IGNORE_INDEX = -100  # transformers' loss ignores these labels
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
+LOOPED = ("Interleaved1F1B",)  # several stages per rank (2 unless `pp_stages_per_rank` says otherwise)
+
+
+class _StageOutput(Exception):
+    """Raised after a stage's last layer: the hidden states for the next stage (the rest of the model's forward is
+    the later stages')."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+class StageModule(nn.Module):
+    """One stage's forward, for torch's `PipelineStage`: the model's own forward from the micro-batch's `input_ids`,
+    with only this stage's layers. Everything the model computes before its layers (the embeddings, position
+    embeddings, rotary tables, the mask) is computed on every stage as one process computes it; a stage after the
+    first then hands its first layer the hidden states it received instead, and a stage before the last stops after
+    its last layer. The last returns its micro-batch's share of the whole batch's loss."""
+
+    def __init__(self, model: nn.Module, cut: Cut, stage: int):
+        super().__init__()
+        self.model = model
+        self.cut, self.stage = cut, stage
+        self.first, self.last = stage == 0, stage == cut.stages - 1
+        view = stage_view(model, cut, stage)
+        object.__setattr__(self, "view", view)  # not registered: the model holds them
+        mine = cut.layer_range(stage)
+        object.__setattr__(self, "entry", view[cut.layers][mine.start])
+        object.__setattr__(self, "exit", view[cut.layers][mine.stop - 1])
+        self.num_items: torch.Tensor | None = None
+        self.logits: list[torch.Tensor] | None = None  # the last stage's, kept while evaluating
+        self._received: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, **batch: Any) -> torch.Tensor:
+        base = self.model.get_submodule(self.cut.base)
+        self._received = None if self.first else x
+        hooks = [] if self.first else [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True)]
+        hooks += [] if self.last else [self.exit.register_forward_hook(self._leave)]
+        try:
+            with swapped(base, self.view):
+                if self.last:
+                    out = self.model(input_ids=tokens, **batch, use_cache=False, num_items_in_batch=self.num_items)
+                    if self.logits is not None:
+                        self.logits.append(out.logits.detach())
+                    return out.loss if out.loss is not None else out.logits.new_zeros(())
+                batch.pop("labels", None)
+                base(input_ids=tokens, **batch, use_cache=False)
+        except _StageOutput as done:
+            return done.hidden
+        finally:
+            self._received = None
+            for hook in hooks:
+                hook.remove()
+        raise RuntimeError(f"pipeline stage {self.stage}: its last layer never ran in {type(base).__name__}.forward")
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self._received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self._received}
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        raise _StageOutput(output[0] if isinstance(output, tuple) else output)
+
+
+def stages_of(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
+    """The stages a rank runs: itself, and with looped schedules every `pp_size`-th after it."""
+    return [pp_rank + k * pp_size for k in range(per_rank)]
+
+
+class Runner:
+    """This rank's stages and schedule, rebuilt when the batch's shape changes."""
+
+    def __init__(self, model: nn.Module, cut: Cut, stages: list[int], group: Group, schedule: str, microbatches: int):
+        self.model, self.cut, self.stages, self.group = model, cut, stages, group
+        self.schedule_name, self.microbatches = schedule, microbatches
+        self.modules = [StageModule(model, cut, s) for s in stages]
+        self._key: tuple | None = None
+        self._schedule: Any = None
+
+    def step(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline."""
+        return self._run(batch, "step")
+
+    def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
+        whole batch, on every rank of the pipeline."""
+        last = self.modules[-1]
+        last.logits = [] if last.last else None
+        try:
+            loss = self._run(batch, "eval")
+            logits = self._shared(torch.cat(last.logits) if last.logits else None)
+        finally:
+            last.logits = None
+        return (loss if "labels" in batch else None), logits
+
+    def _run(self, batch: dict[str, Any], how: str) -> torch.Tensor:
+        ids = batch.pop("input_ids")
+        if ids.shape[0] % self.microbatches:
+            raise ValueError(
+                f"a batch of {ids.shape[0]} rows at pp_microbatches={self.microbatches}: the rows are split evenly "
+                f"into the micro-batches, so give a multiple of {self.microbatches}"
+            )
+        kwargs = {k: v for k, v in batch.items() if v is not None} | {"tokens": ids}  # every stage's input_ids
+        labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
+        num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
+        for module in self.modules:
+            module.num_items = num_items
+        schedule = self._schedule_for(ids, kwargs)
+        losses: list[torch.Tensor] = []
+        args = (ids,) if 0 in self.stages else ()
+        with named_failure(
+            self.group,
+            f"the pipeline schedule {self.schedule_name}",
+            "Every rank must call autotp.forward_backward (or the model, to evaluate) with the same whole batch.",
+        ):
+            if how == "step":
+                schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+            else:
+                schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        return self._shared_loss(losses)
+
+    def _schedule_for(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        key = (tuple(ids.shape), tuple((k, tuple(v.shape)) for k, v in kwargs.items() if torch.is_tensor(v)))
+        if key != self._key:
+            stages = [self._stage(module, ids) for module in self.modules]
+            cls = get_schedule_class(self.schedule_name)
+            single = issubclass(cls, PipelineScheduleSingle)
+            self._schedule = cls(
+                stages[0] if single else stages,
+                n_microbatches=self.microbatches,
+                loss_fn=lambda loss, target: loss,
+                scale_grads=False,
+            )
+            self._key = key
+        return self._schedule
+
+    def _stage(self, module: StageModule, ids: torch.Tensor) -> PipelineStage:
+        rows, device = ids.shape[0] // self.microbatches, device_of(self.group)
+        weight = self.model.get_input_embeddings().weight
+        # the metadata torch's stage reads (shape, dtype, and requires_grad: whether gradients flow back)
+        hidden = torch.empty(rows, ids.shape[1], weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
+        loss = torch.empty((), dtype=weight.dtype, device=device).requires_grad_()
+        return PipelineStage(
+            module,
+            module.stage,
+            self.cut.stages,
+            device,
+            input_args=ids[:rows].to(device) if module.first else hidden,
+            output_args=loss if module.last else hidden,
+            group=self.group,
+        )
+
+    def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the micro-batches' losses, sent from the last stage to every rank of the pipeline."""
+        weight = self.model.get_input_embeddings().weight
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), dtype=weight.dtype)
+        loss = loss.to(device_of(self.group))
+        last = dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
+        with named_failure(self.group, "the pipeline's loss broadcast from the last stage"):
+            dist.broadcast(loss, src=last, group=self.group)
+        return loss
+
+    def _shared(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """A tensor the last stage holds, sent to every rank of the pipeline (its shape first)."""
+        last = dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
+        meta: list[Any] = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
+        with named_failure(self.group, "the pipeline's logits broadcast from the last stage"):
+            dist.broadcast_object_list(meta, src=last, group=self.group, device=device_of(self.group))
+            shape, dtype = meta[0]
+            out = tensor if tensor is not None else torch.empty(shape, dtype=dtype, device=device_of(self.group))
+            dist.broadcast(out, src=last, group=self.group)
+        return out

@@ -1,0 +1,159 @@
+"""Pipeline parallelism: the rank workers of tests/pp/ (a helper module beside the PP tests)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers as tf
+
+import autotp
+from autotp.testing import parity, tiny_config
+from models import batch, tiny_model
+
+
+def pp_batch(rows: int = 4, seq: int = 16, seed: int = 1, pads: tuple[int, ...] = (0, 3, 6, 9)) -> dict:
+    """A batch whose micro-batches (one row each at 4 micro-batches) hold different label counts: rows padded on the
+    right by different amounts (`pads`; attention_mask 0, labels -100)."""
+    ids = batch(size=(rows, seq), seed=seed)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        if pad:
+            mask[row, seq - pad :] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dict, steps: int = 3) -> dict:
+    """One process and the wrapped model, from one seed, through the same calls: each step's loss, and after the
+    steps every parameter a rank trains (its stages') against one process's, as full tensors."""
+    options = dict(options)
+    config = options.pop("config", {})
+    clip = options.pop("clip", None)  # clip both runs' gradients to this norm every step
+    pads = options.pop("pads", (0, 3, 6, 9))  # under DP: rows whose halves hold equal label counts
+    reference = tiny_model(family, **config)
+    if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
+        reference.gradient_checkpointing_enable()
+    model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, expected, norms = [], [], []
+    for step in range(steps):
+        inputs = pp_batch(seq=16 - 2 * step, seed=step + 1, pads=pads)  # the sequence length changes between steps
+        out = autotp.forward_backward(reference, **inputs)
+        expected.append(out.loss.item())
+        if clip is not None:
+            norms.append((torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item(),))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(replicas_loss(model, autotp.forward_backward(model, **replica_rows(model, inputs)).loss))
+        autotp.allreduce_gradients(model)
+        if clip is not None:
+            norms[-1] += (autotp.clip_grad_norm_(model, clip).item(),)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    with torch.no_grad():  # evaluation: the forward-only schedule, the loss and logits on every rank
+        inputs = pp_batch(seed=7)
+        got, want = model(**inputs), reference(**inputs)
+        evaluated = (abs(got.loss.item() - want.loss.item()), (got.logits - want.logits).abs().max().item())
+    ref = dict(reference.named_parameters())
+    trained = {
+        name: parity.full_tensor(p, p, autotp.tp_group(model))
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+    errors = {name: (t - ref[name].detach()).abs().max().item() for name, t in trained.items()}
+    tied = None
+    if reference.config.tie_word_embeddings:
+        tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    stage = autotp.pp_rank(model)
+    return {
+        "losses": losses,
+        "expected": expected,
+        "errors": errors,
+        "stage": stage,
+        "tied": tied,
+        "norms": norms,
+        "eval": evaluated,
+    }
+
+
+def pp_refusals(rank: int, world: int) -> dict:
+    """What a pipeline refuses, each by name and before the model changes (its parameters the same objects, equal),
+    and a plain forward of the wrapped model."""
+    refused = {}
+    for name, options in {
+        "cp_size": dict(cp_size=2),
+        "ep_size": dict(ep_size=2),
+        "sequence_parallel": dict(sequence_parallel=True),
+        "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
+        "dropout": dict(config=dict(attention_dropout=0.1)),
+        "output_router_logits": dict(family="mixtral", config=dict(output_router_logits=True)),
+        "inline loss": dict(build=lambda: InlineLoss(tiny_model("llama").config)),
+        "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
+        "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
+        "pp_split_points": dict(pp_split_points=(0,)),
+        "pp_stages_per_rank": dict(pp_stages_per_rank=2),  # 1F1B runs one stage per rank
+    }.items():
+        build = options.pop("build", None)
+        model = build() if build else tiny_model(options.pop("family", "llama"), **options.pop("config", {}))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            autotp.wrap(model, 1, pp_size=2, **options)
+        except (NotImplementedError, ValueError) as err:
+            unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and len(before) == len(
+                list(model.parameters())
+            )
+            refused[name] = (str(err), unchanged and not hasattr(model, "autotp_state"))
+    model = autotp.wrap(tiny_model("llama"), 1, pp_size=2)
+    inputs = pp_batch()
+    try:
+        model(**inputs)
+    except RuntimeError as err:
+        refused["forward"] = (str(err), True)
+    try:  # a packed batch's flat sequence boundaries are not per row
+        autotp.forward_backward(model, **inputs, cu_seq_lens_q=torch.tensor([0, 16]))
+    except NotImplementedError as err:
+        refused["cu_seq_lens_q"] = (str(err), True)
+    for call in (lambda: autotp.fully_shard(model), lambda: autotp.save_pretrained(model, "/nonexistent")):
+        try:
+            call()
+        except NotImplementedError as err:
+            refused[f"call{len(refused)}"] = (str(err), True)
+    return refused
+
+
+def micro_batch_means(family: str = "llama", microbatches: int = 4) -> tuple[float, float]:
+    """(one process's loss on the whole batch, the mean of its micro-batches' mean losses): the control."""
+    model = tiny_model(family)
+    inputs = pp_batch()
+    whole = model(**inputs).loss.item()
+    rows = inputs["input_ids"].shape[0] // microbatches
+    parts = [
+        model(**{k: v[i * rows : (i + 1) * rows] for k, v in inputs.items()}).loss.item() for i in range(microbatches)
+    ]
+    return whole, sum(parts) / len(parts)
+
+
+def replica_rows(model: torch.nn.Module, inputs: dict) -> dict:
+    """This DP replica's rows of the global batch (all of them with one replica)."""
+    dp, rank = autotp.dp_size(model), autotp.dp_rank(model)
+    rows = inputs["input_ids"].shape[0] // dp
+    return {k: v[rank * rows : (rank + 1) * rows] for k, v in inputs.items()}
+
+
+def replicas_loss(model: torch.nn.Module, loss: torch.Tensor) -> float:
+    """The replicas' mean loss (one process's when their halves hold equal label counts)."""
+    loss = loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=autotp.dp_group(model))
+    return loss.item() / autotp.dp_size(model)
+
+
+class InlineLoss(tf.LlamaForCausalLM):
+    """A user's causal LM computing its loss inline, a mean over its own tokens, not through `loss_function`."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        out = super().forward(input_ids=input_ids, **kwargs)
+        logits, targets = out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+        out.loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+        return out

@@ -233,3 +233,8 @@ def scale_over_dp(model: nn.Module, state: TPState) -> None:
 def float8_matmul(linear: nn.Module, group: Group) -> Float8Matmul | None:
     """The float8 matmul of `linear` if torchao converted it, for the sharded layer replacing it."""
     return Float8Matmul(linear, group) if is_float8_linear(linear) else None
+
+
+def computes_float8(module: nn.Module) -> bool:
+    """Whether `module` is a `Float8Linear`, or a sharded layer that replaced one."""
+    return is_float8_linear(module) or isinstance(getattr(module, "float8", None), Float8Matmul)

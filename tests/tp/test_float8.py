@@ -222,3 +222,24 @@ def test_lora_on_a_float8_llama_at_tp2_matches_one_process() -> None:
     for got in run_ranks(float8_lora_training, 2, 2):
         assert got["float8_layers"] == 15
         assert_matches(got, expected)
+
+
+def pp_refusal(rank: int, world: int) -> tuple[str, bool]:
+    from torchao.float8 import convert_to_float8_training
+
+    model = tiny_model("llama")
+    convert_to_float8_training(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(NotImplementedError) as err:
+        autotp.wrap(model, 1, pp_size=2)
+    unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and len(before) == len(
+        list(model.parameters())
+    )
+    return str(err.value), unchanged and not hasattr(model, "autotp_state")
+
+
+def test_a_pipeline_of_a_float8_model_is_refused_by_name_before_it_changes() -> None:
+    """A pipeline's micro-batches would each take their own float8 scales, one process the whole batch's."""
+    for message, unchanged in run_ranks(pp_refusal, 2):
+        assert "pp_size=2" in message and "float8" in message and "model.layers.0" in message, message
+        assert unchanged

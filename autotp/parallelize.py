@@ -22,7 +22,8 @@ between them), then `INTEGRATIONS`, which act on the model all dimensions made. 
 9. `ddp_guard`: DDP over a wrong group refused (each dimension's `check_ddp`);
 10. `input_check`: prepended, so it sees the caller's inputs;
 11. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
-12. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
+12. `float8_over_dp`: torchao float8 casts spanning the tokens scaled over DP (`autotp.tp.float8.scale_over_dp`);
+13. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
     makes the CP ranks' weights equal; the experts over their expert-DP group (each dimension's part).
 
 The active dimensions are kept by axis in `TPState.dims`, which the gradient sync, the norm, FSDP, the DDP guard,
@@ -35,7 +36,7 @@ whose `live()` lists it; a rollback undoes it and none of it outlives the model:
   DDP's constructor frame cannot be read), PEFT's `save_pretrained` and `update_layer` (step 11's adapters);
 - on the model's objects: `generate` and the experts' `forward` (step 4), the decoder layers' `__class__` (step 3),
   `loss_function` (steps 2 and 7), `save_pretrained` and `resize_token_embeddings` (step 8), DDP's ignore list
-  (step 9). `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step:
+  (step 9), an unsharded torchao `Float8Linear`'s `forward` (step 12). `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step:
 `autotp.fully_shard(model)` stays the user's own call after `wrap`, as torch's `fully_shard` is.
 """
 
@@ -62,6 +63,7 @@ from .runtime.rollback import Removable, Snapshot
 from .sp.dimension import SequenceParallelism
 from .state import TPState, detach
 from .tp.dimension import GradientHooks, TensorParallelism
+from .tp.float8 import scale_over_dp
 from .tp.state_dict import guard_state_dicts
 from .vocab.dimension import VocabParallelism
 
@@ -78,7 +80,7 @@ def parallelize(
         state = TPState(tp_plan, mesh, group_rank(mesh.tp), options, whole=whole)
         for step in steps:
             snapshot.track(step.apply(model, plan, state))
-        for integration in (hf_methods, ddp_guard, input_check, guards, replica_broadcast):
+        for integration in (hf_methods, ddp_guard, input_check, guards, float8_over_dp, replica_broadcast):
             snapshot.track(integration(model, plan, state))
     except BaseException:
         snapshot.restore()
@@ -147,6 +149,11 @@ def guards(model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
     slice_adapters_on_load(model, state)
     guard_state_dicts(model, state)
     MeshGuard(model)
+    return []
+
+
+def float8_over_dp(model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
+    scale_over_dp(model, state)
     return []
 
 

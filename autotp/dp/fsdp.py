@@ -24,7 +24,6 @@ from ..compat.torch import is_fsdp_hook
 from ..mesh import device_of, group_size
 from ..runtime.rows import local_rows
 from ..state import TPState, state_of, wrapped_model
-from ..tp.float8 import computes_float8
 
 
 def dp_cp_mesh(model: nn.Module | None = None) -> DeviceMesh:
@@ -71,12 +70,6 @@ def fully_shard(
             f"autotp.fully_shard: {found[0]} is a {found[1]}; PEFT adapters under FSDP are not "
             f"supported yet. An adapter's trainable state is small: train it with DDP over "
             f"autotp.dp_group (AutoTPTrainer does)"
-        )
-    float8 = next((name for name, module in root.named_modules() if computes_float8(module)), None)
-    if float8 is not None:
-        raise NotImplementedError(
-            f"autotp.fully_shard: {float8} computes in float8 (torchao's convert_to_float8_training); FSDP2 with "
-            f"float8 is not supported yet. Train it with DDP over autotp.dp_group, or without the conversion"
         )
     mesh = dp_cp_mesh(root)
     options = {

@@ -6,7 +6,7 @@
   each dimension: `autotp.runtime.dimension.Dimension.check_ddp`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.tp.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
-- torchao layers autotp cannot shard exactly (`refuse_torchao`; tensorwise float8 it shards: `autotp.tp.float8`).
+- torchao layers autotp cannot shard exactly (`refuse_torchao`; float8 it shards: `autotp.tp.float8`).
 - torch's own `fully_shard` on a wrapped model (use `autotp.fully_shard`), and FSDP over a mesh that holds two ranks
   of one TP group, checked at the first forward or optimizer step (`MeshGuard`).
 """
@@ -198,10 +198,10 @@ def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
 
 def refuse_torchao(model: nn.Module, options: WrapOptions | None = None) -> None:
     """Refuse, by name and before anything changes, torchao layers or tensors autotp cannot shard exactly: all but
-    `convert_to_float8_training`'s `Float8Linear` with the tensorwise recipe (`autotp.tp.float8`), a quantised or
-    float8 weight subclass (FSDP2's float8 all-gather), and float8 under sequence, context or expert parallelism
-    (a CP rank's amax would be its part of the sequence's, one process's the whole's). Found by the module their
-    class is defined in: torchao is not a dependency."""
+    `convert_to_float8_training`'s `Float8Linear` (any recipe: `autotp.tp.float8`), its weight in FSDP2's float8
+    all-gather subclass, a quantised weight, and float8 under sequence, context or expert parallelism (a CP rank's
+    amax would be its part of the sequence's, one process's the whole's). Found by the module their class is defined
+    in: torchao is not a dependency."""
     found = [
         (name, type(module), refusal(module)) for name, module in model.named_modules() if is_torchao(type(module))
     ]
@@ -232,8 +232,9 @@ def refuse_torchao(model: nn.Module, options: WrapOptions | None = None) -> None
     raise NotImplementedError(
         f"autotp: {path} is torchao's {cls.__name__} ({cls.__module__}.{cls.__qualname__})"
         f"{f', and {more} more modules or parameters' if more else ''}: {why}. autotp's sharded linears would "
-        f"replace these and lose float8 or compute it on shards. Convert with convert_to_float8_training and the "
-        f"default (tensorwise) Float8LinearConfig, or wrap the model without the conversion. Nothing was changed."
+        f"replace these and lose float8 or compute it on shards. Convert with convert_to_float8_training (the "
+        f"tensorwise, rowwise or rowwise_with_gw_hp recipe, without enable_fsdp_float8_all_gather), or wrap the "
+        f"model without the conversion. Nothing was changed."
     )
 
 

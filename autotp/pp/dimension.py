@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..compat.torchao import is_torchao
 from ..mesh import Group, group_size, named_failure, new_group
 from ..options import WrapOptions
 from ..planning.plan import Plan
@@ -64,6 +65,12 @@ class PipelineParallelism(Dimension):
             )
         if (options.pp_microbatches or pp) < 1:
             raise ValueError(f"pp_microbatches={options.pp_microbatches} must be at least 1")
+        float8 = next((n for n, m in model.named_modules() if is_torchao(type(m))), None)
+        if float8 is not None:
+            raise NotImplementedError(
+                f"pp_size={pp} with torchao's float8 ({float8}): each micro-batch of a pipeline would take its own "
+                f"scales, where one process scales the whole batch; wrap without the conversion or without pp_size"
+            )
         dropout = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
         dropout += [k for k in ("attention_dropout", "hidden_dropout") if getattr(model.config, k, 0) or 0]
         if dropout:

@@ -90,7 +90,7 @@ class ParallelLinear(nn.Linear):
     def local_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The plain matmul on the weight held now (the shard, or the full weight when gathered)."""
         if self.float8 is not None:
-            sharded = () if self.is_gathered() or self.tp_size == 1 else SHARDED_OPERANDS[self.style]
+            sharded = {} if self.is_gathered() or self.tp_size == 1 else SHARDED_OPERANDS[self.style]
             return self.float8(x, self.weight if self.transposed else self.weight.t(), bias, sharded)
         return F.linear(x, self.weight.t() if self.transposed else self.weight, bias)
 

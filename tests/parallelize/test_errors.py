@@ -178,19 +178,21 @@ def test_a_model_on_the_meta_device_is_refused_at_tp1(no_launcher) -> None:
 
 
 def test_a_torchao_float8_model_autotp_cannot_shard_is_refused_by_name_before_it_changes(no_launcher) -> None:
-    """torchao's convert_to_float8_training with the rowwise recipe (one scale per row, which autotp's sharded layers
-    do not compute yet; the tensorwise recipe they do: tests/tp/test_float8.py), and tensorwise under sequence or
-    context parallelism. Before autotp sharded float8, wrap replaced Float8Linear layers by its own, and the model
-    trained in fp32 without a word. torchao is not a dependency (in the suite's environment it would slow every test
-    by a fifth): skipped without it, and .ci/run runs it with it."""
+    """torchao's convert_to_float8_training with FSDP2's float8 all-gather (each weight scaled by its amax over FSDP's
+    mesh only, a TP shard's own scale; the recipes without it autotp shards: tests/tp/test_float8.py), and float8
+    under sequence or context parallelism. Before autotp sharded float8, wrap replaced Float8Linear layers by its own,
+    and the model trained in fp32 without a word. torchao is not a dependency (in the suite's environment it would
+    slow every test by a fifth): skipped without it, and .ci/run runs it with it."""
     float8 = pytest.importorskip("torchao.float8")
-    rowwise = tiny_model("llama")
-    float8.convert_to_float8_training(rowwise, config=float8.Float8LinearConfig.from_recipe_name("rowwise"))
+    all_gather = tiny_model("llama")
+    float8.convert_to_float8_training(all_gather, config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     tensorwise = tiny_model("llama")
     float8.convert_to_float8_training(tensorwise)
-    named = r"model\.layers\.0\.self_attn\.q_proj is torchao's Float8Linear .*and 14 more.*convert_to_float8_training"
+    named = (
+        r"model\.layers\.0\.self_attn\.q_proj is torchao's Float8Linear .*and (14|29) more.*convert_to_float8_training"
+    )
     for model, why, options in (
-        (rowwise, r"axiswise.*tensorwise recipe only", {}),
+        (all_gather, r"enable_fsdp_float8_all_gather.*amax over the FSDP mesh only", {}),
         (tensorwise, "sequence_parallel", {"sequence_parallel": True}),
         (tensorwise, "cp_size=2", {"cp_size": 2}),
     ):

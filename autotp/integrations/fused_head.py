@@ -17,9 +17,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from ..mesh import group_rank
+from ..mesh import Group, group_rank
+from ..runtime.collectives import copy_to_tp
 from ..state import TPState
+from ..tp.layers import LinearLayer
 from ..vocab.logprobs import vocab_parallel_log_probs
 
 # the free variables of TRL 1.16's `_fused_forward`, which carry its settings
@@ -63,10 +66,29 @@ def _fused_forward(state: TPState, settings: Mapping[str, Any]) -> Callable:
 
     original, outputs = settings["original_forward"], tuple(settings["outputs"])
     temperature, softcap, scale = settings["temperature"], settings["final_logit_softcapping"], settings["logit_scale"]
-    vocab = state.plan.vocab
+    vocab, chunk = state.plan.vocab, state.options.loss_chunk
     assert vocab is not None  # always: the only caller (`autotp.integrations.trl`) makes it vocab-parallel only then
     partition = vocab.partition
     ((start, _),) = partition.runs[group_rank(state.tp_group)]
+    cast = settings["cast_lm_head_to_fp32"]
+
+    def project(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary rows of the logits of `hidden`, through the head's own forward."""
+        state.forwards += 1  # inside the model's forward the head keeps its logits sharded (PEFT skips hooks)
+        try:
+            return head(hidden)
+        finally:
+            state.forwards -= 1
+
+    def score(project: Callable, hidden: torch.Tensor, target: torch.Tensor) -> tuple:
+        """Per-token values of `hidden`'s rows from this rank's vocabulary rows, as TRL's head transforms them."""
+        with torch.autocast(hidden.device.type, enabled=False) if cast else nullcontext():
+            logits = project(hidden.float() if cast else hidden).float() * scale
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            if temperature != 1.0:
+                logits = logits / temperature
+            return vocab_parallel_log_probs(logits, target, start, partition.full_size, state.tp_group, outputs)
 
     @functools.wraps(getattr(original, "__func__", original))  # `generate` checks its keywords against the signature
     def forward(
@@ -81,25 +103,14 @@ def _fused_forward(state: TPState, settings: Mapping[str, Any]) -> Callable:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
             labels = shift_labels
-        head = self.get_output_embeddings()
         labels = labels.to(hidden.device)
         mask = labels != -100
         scored = hidden[mask]  # the same count on every TP rank: they read the same batch
-        cast = settings["cast_lm_head_to_fp32"]
-        with torch.autocast(scored.device.type, enabled=False) if cast else nullcontext():
-            state.forwards += 1  # inside the model's forward the head keeps its logits sharded (PEFT skips hooks)
-            try:
-                logits = head(scored.float() if cast else scored)
-            finally:
-                state.forwards -= 1
-            logits = logits.float() * scale
-            if softcap is not None:
-                logits = softcap * torch.tanh(logits / softcap)
-            if temperature != 1.0:
-                logits = logits / temperature
-            per_token = vocab_parallel_log_probs(
-                logits, labels[mask], start, partition.full_size, state.tp_group, outputs
-            )
+        head = self.get_output_embeddings()
+        if chunk and scored.shape[0] > chunk and _chunkable(head):
+            per_token = _chunked(score, head, scored, labels[mask], chunk, state.tp_group)
+        else:
+            per_token = score(functools.partial(project, head), scored, labels[mask])
         # masked_scatter keeps an all-masked micro-batch connected to the model, as TRL's does
         first, *statistics = per_token  # the log-probs, always computed; the statistics not asked for are None
         log_probs = first.new_zeros(mask.shape).masked_scatter(mask, first)
@@ -118,3 +129,29 @@ def _fused_forward(state: TPState, settings: Mapping[str, Any]) -> Callable:
         )
 
     return forward
+
+
+def _chunkable(head: nn.Module) -> bool:
+    """Whether the head's projection can be recomputed chunk by chunk as it ran: autotp's plain vocab-parallel
+    column layer (not float8, whose tensorwise scale is the whole batch's; not LoRA's wrapper; not under SP)."""
+    return isinstance(head, LinearLayer) and head.float8 is None and not head.sequence_parallel
+
+
+def _chunked(
+    score: Callable, head: LinearLayer, hidden: torch.Tensor, target: torch.Tensor, chunk: int, group: Group
+) -> tuple:
+    """`score` over chunks of `chunk` scored tokens (the `loss_chunk` option), each chunk's logits recomputed in the
+    backward (activation checkpointing) rather than kept: autograd holds the hidden states and one chunk's logits at
+    a time. The projection is the head's local matmul after one entry into TP for all chunks (the hidden states'
+    gradient all-reduced once): the head's forward defers its weight gradient to its block, which a recompute would
+    not repeat alike. Every TP rank scores the same tokens, so the chunks' collectives match."""
+    project = functools.partial(_local_logits, head)
+    entered = copy_to_tp(hidden, group)
+    parts = [
+        checkpoint(score, project, h, t, use_reentrant=False) for h, t in zip(entered.split(chunk), target.split(chunk))
+    ]
+    return tuple(None if values[0] is None else torch.cat(values) for values in zip(*parts))
+
+
+def _local_logits(head: LinearLayer, hidden: torch.Tensor) -> torch.Tensor:
+    return head.local_linear(hidden, head.bias)

@@ -16,14 +16,14 @@ between them), then `INTEGRATIONS`, which act on the model all dimensions made. 
 5. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters (its experts whole);
 6. `GradientHooks`: gradient sums, on the parameters once they are final (`autotp.tp`);
 7. `ContextParallelism`: after vocab parallelism's loss, which it wraps (`autotp.cp`);
-7b. `PipelineParallelism`: this rank's stages keep their layers, the others' pass through (`autotp.pp`); last, on
+8. `PipelineParallelism`: this rank's stages keep their layers, the others' pass through (`autotp.pp`); last, on
    the model the other dimensions made (their plan holds only this rank's layers: its `split_plan`);
-8. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
-9. `ddp_guard`: DDP over a wrong group refused (each dimension's `check_ddp`);
-10. `input_check`: prepended, so it sees the caller's inputs;
-11. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
-12. `float8_over_dp`: torchao float8 casts spanning the tokens scaled over DP (`autotp.tp.float8.scale_over_dp`);
-13. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
+9. `hf_methods`: transformers' `save_pretrained` and `resize_token_embeddings`;
+10. `ddp_guard`: DDP over a wrong group refused (each dimension's `check_ddp`);
+11. `input_check`: prepended, so it sees the caller's inputs;
+12. `guards`: layers swapped, adapters loaded, state dicts, FSDP meshes (only with a TP group);
+13. `float8_over_dp`: torchao float8 casts spanning the tokens scaled over DP (`autotp.tp.float8.scale_over_dp`);
+14. `replica_broadcast`: last, as it writes once every rank has arrived; under CP at tp 1 too, as nothing else
     makes the CP ranks' weights equal; the experts over their expert-DP group (each dimension's part).
 
 The active dimensions are kept by axis in `TPState.dims`, which the gradient sync, the norm, FSDP, the DDP guard,
@@ -31,12 +31,12 @@ saving and exporting loop over.
 
 What the steps install outside the model's modules and parameters goes through `autotp.runtime.process_hooks`,
 whose `live()` lists it; a rollback undoes it and none of it outlives the model:
-- process-wide: one optimizer-step pre-hook (step 7's unsynced-step refusal, step 11's `MeshGuard`), CP's entries in
-  transformers' attention and mask registries (step 7), torch's module forward pre-hook (step 9's `DDPGuard`, when
-  DDP's constructor frame cannot be read), PEFT's `save_pretrained` and `update_layer` (step 11's adapters);
-- on the model's objects: `generate` and the experts' `forward` (step 4), the decoder layers' `__class__` (step 3),
-  `loss_function` (steps 2 and 7), `save_pretrained` and `resize_token_embeddings` (step 8), DDP's ignore list
-  (step 9), an unsharded torchao `Float8Linear`'s `forward` (step 12). `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step:
+- process-wide: one optimizer-step pre-hook (step 7's unsynced-step refusal, step 12's `MeshGuard`), CP's entries in
+  transformers' attention and mask registries (step 7), torch's module forward pre-hook (step 10's `DDPGuard`, when
+  DDP's constructor frame cannot be read), PEFT's `save_pretrained` and `update_layer` (step 12's adapters);
+- on the model's objects: `generate` and the experts' `forward` (step 4), the decoder layers' `__class__` (step 3), the LM head's `__class__` (step 2: the chunked loss), the model's `forward` at pp > 1 (step 8),
+  `loss_function` (steps 2 and 7), `save_pretrained` and `resize_token_embeddings` (step 9), DDP's ignore list
+  (step 10), an unsharded torchao `Float8Linear`'s `forward` (step 13). `wrap` lifts PEFT's LoRA out before and puts it back after. FSDP2 is not a step:
 `autotp.fully_shard(model)` stays the user's own call after `wrap`, as torch's `fully_shard` is.
 """
 

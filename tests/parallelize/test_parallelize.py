@@ -47,6 +47,6 @@ def steps_run(rank: int, world: int, path: str) -> list[str]:
 def test_steps_run_in_the_documented_order(tmp_path: Path) -> None:
     tiny_model("llama").save_pretrained(tmp_path)
     documented = documented_steps()
-    assert len(documented) == 12, documented
+    assert len(documented) == 14, documented
     for seen in run_ranks(steps_run, 2, str(tmp_path)):
         assert seen == documented

@@ -67,7 +67,7 @@ def only_rank0_wraps(rank: int, world: int, path: str) -> float | None:
     if rank != 0:
         return None
     model = autotp.wrap(tiny_model("llama"), 1)
-    loaded = autotp.from_pretrained(path, 1)
+    loaded = autotp.from_pretrained(path, 1).train()  # as the built model (transformers loads in eval mode)
     ids = batch()
     return (model(ids, labels=ids).loss - loaded(ids, labels=ids).loss).abs().item()
 

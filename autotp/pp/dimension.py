@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..compat.peft import is_peft_module
 from ..compat.torchao import is_torchao
 from ..mesh import Group, group_size, named_failure, new_group
 from ..options import WrapOptions
@@ -125,6 +126,7 @@ class PipelineParallelism(Dimension):
                 f"autotp.forward_backward at pp_size > 1 with {other}: a pipeline takes input_ids, attention_mask, "
                 f"position_ids and labels, each split by rows into the micro-batches"
             )
+        refuse_peft(model, self.cut.stages // len(self.stages))  # LoRA added after wrap: before any step
         self.running = True
         try:
             return self.runner.step(dict(batch))
@@ -178,6 +180,15 @@ class PipelineParallelism(Dimension):
                 f"rank needs a looped schedule ({', '.join(LOOPED)}), and at least one"
             )
         return find_cut(model, options.pp_size * per_rank, options.pp_split_points)
+
+
+def refuse_peft(model: nn.Module, pp: int) -> None:
+    """PEFT (LoRA) under a pipeline is not built: autotp's LoRA lift and adapters do not know the stages' layers."""
+    peft = next((name or type(m).__name__ for name, m in model.named_modules() if is_peft_module(m)), None)
+    if peft is not None:
+        raise NotImplementedError(
+            f"pp_size={pp} with PEFT ({peft}): LoRA under a pipeline is not built yet; train LoRA at pp_size=1"
+        )
 
 
 def without(plan: Plan, prefixes: tuple[str, ...]) -> Plan:

@@ -6,6 +6,7 @@ import copy
 
 import torch
 import transformers as tf
+from peft import LoraConfig, get_peft_model
 
 import autotp
 from autotp.testing import parity, tiny_config
@@ -34,7 +35,10 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     reference = tiny_model(family, **config)
     if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
         reference.gradient_checkpointing_enable()
+    compiled = options.pop("compile", False)
     model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
+    for layer in model.model.layers if compiled else []:  # torch.compile of each decoder layer after wrap
+        layer.compile()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, expected, norms = [], [], []
@@ -94,6 +98,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),
         "pp_stages_per_rank": dict(pp_stages_per_rank=2),  # 1F1B runs one stage per rank
+        "peft": dict(build=lambda: get_peft_model(tiny_model("llama"), LORA).base_model.model),  # as tests/tp wraps it
     }.items():
         build = options.pop("build", None)
         model = build() if build else tiny_model(options.pop("family", "llama"), **options.pop("config", {}))
@@ -120,7 +125,20 @@ def pp_refusals(rank: int, world: int) -> dict:
             call()
         except NotImplementedError as err:
             refused[f"call{len(refused)}"] = (str(err), True)
+    peft = get_peft_model(model, LORA)  # LoRA added after wrap: refused at the first step, before any weight changes
+    before = {n: p.detach().clone() for n, p in peft.named_parameters()}
+    try:
+        autotp.forward_backward(peft, **inputs)
+    except NotImplementedError as err:
+        grads = any(p.grad is not None for p in peft.parameters())
+        refused["peft after wrap"] = (
+            str(err),
+            not grads and all(torch.equal(p, before[n]) for n, p in peft.named_parameters()),
+        )
     return refused
+
+
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
 def micro_batch_means(family: str = "llama", microbatches: int = 4) -> tuple[float, float]:

@@ -37,6 +37,12 @@ def test_pp2_llama_matches_one_process_over_micro_batches_of_different_label_cou
     assert_pp_parity(results, reference_names=21)  # llama, 2 layers: 9 each, embedding, norm, head
 
 
+@pytest.mark.slow  # 35 s on 2 CPU cores: the compile; pipeline parity itself has the fast test above
+def test_pp2_llama_with_compiled_decoder_layers_matches_one_process() -> None:
+    """`layer.compile()` on each decoder layer after wrap, as benchmarks/gpu.py does; one process runs eagerly."""
+    assert_pp_parity(run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_microbatches=4, compile=True)), 21)
+
+
 def test_a_mean_of_micro_batch_means_fails_the_tolerance() -> None:
     """The control: the same micro-batches averaged per micro-batch are not one process's loss."""
     whole, mean_of_means = micro_batch_means()
@@ -68,6 +74,8 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "pp_stages_per_rank": "looped schedule",
         "forward": "autotp.forward_backward",
         "cu_seq_lens_q": "split by rows",
+        "peft": "PEFT",
+        "peft after wrap": "PEFT",
     }
     for name, words in expected.items():
         message, unchanged = refused[name]

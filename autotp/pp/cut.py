@@ -12,7 +12,7 @@ import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -53,6 +53,10 @@ class Cut:
         kept = {i for s in stages for i in self.layer_range(s)}
         root = f"{self.base}.{self.layers}" if self.base else self.layers
         return tuple(f"{root}.{i}." for i in range(self.bounds[-1]) if i not in kept)
+
+    def stage_of(self, layer: int) -> int:
+        """The stage that runs decoder layer `layer`."""
+        return next(s for s in range(self.stages) if layer < self.bounds[s + 1])
 
 
 def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None) -> Cut:
@@ -114,6 +118,25 @@ def skip_others(model: nn.Module, cut: Cut, stages: list[int]) -> None:
     for i in range(len(layers)):
         if i not in kept:
             layers[i] = Skipped(layers[i])
+
+
+def owner(model: nn.Module, cut: Cut) -> Callable[[str], int]:
+    """Which stage trains (and saves) each parameter or buffer, by its name: a decoder layer's its stage; the decoder
+    model's children registered before its layer list (the embeddings) and the input embedding the first stage; the
+    rest (the final norm, the head outside the decoder model) the last. A tied head is the embedding's one weight."""
+    base = model.get_submodule(cut.base)
+    prefix = f"{cut.base}." if cut.base else ""
+    children = list(dict(base.named_children()))
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    first = tuple(f"{prefix}{c}." for c in children[: children.index(cut.layers)]) + (f"{embedding}.",)
+    root = f"{prefix}{cut.layers}."
+
+    def stage(name: str) -> int:
+        if name.startswith(root):
+            return cut.stage_of(int(name[len(root) :].split(".", 1)[0]))
+        return 0 if name.startswith(first) else cut.stages - 1
+
+    return stage
 
 
 def stage_view(model: nn.Module, cut: Cut, stage: int) -> dict[str, nn.Module]:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from autotp.pp.cut import bounds
+from autotp.pp.cut import bounds, find_cut, owner
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
+from models import tiny_model
 from pp_workers import micro_batch_means, pp_parity, pp_refusals
 
 
@@ -167,3 +168,19 @@ def test_pp2_dp2_llama_matches_one_process() -> None:
     results = run_ranks(pp_parity, 4, "llama", 1, 2, dict(pp_microbatches=2, clip=0.5, pads=(0, 6, 3, 3)))
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert_pp_parity(results, reference_names=21)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_each_parameter_has_one_owning_stage(family: str) -> None:
+    """The embeddings belong to the first stage, a layer to its stage, the final norm and the head to the last."""
+    model = tiny_model(family)
+    cut = find_cut(model, 2, None)
+    stage = owner(model, cut)
+    owners = {name: stage(name) for name in model.state_dict()}
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    assert owners[f"{embedding}.weight"] == 0 and owners["lm_head.weight"] == 1, owners
+    root = f"{cut.base}.{cut.layers}"
+    assert {owners[n] for n in owners if n.startswith(f"{root}.0.")} == {0}, owners
+    assert {owners[n] for n in owners if n.startswith(f"{root}.1.")} == {1}, owners
+    final = [n for n in owners if n.startswith(cut.base) and not n.startswith((root, embedding))]
+    assert final and all(owners[n] == (0 if ".wpe." in n else 1) for n in final), owners

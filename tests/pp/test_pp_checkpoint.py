@@ -76,8 +76,10 @@ def save_then_resume(
         torch.manual_seed(999)  # whatever: the checkpoint's state must win
         model, optimizer, scheduler = layout(family, config, tp, pp, seed=7)
         state = autotp.load_checkpoint(path, model, optimizer, scheduler)
+        names = {id(p): n for n, p in model.named_parameters()}
+        loaded = {names[id(p)] for p in optimizer.state}  # Adam's state: only for what this rank trains
         losses = train(model, optimizer, scheduler, BATCHES[STEPS:])
-        report[(tp, pp)] = {"state": state, "losses": losses, "params": trained_params(model)}
+        report[(tp, pp)] = {"state": state, "losses": losses, "params": trained_params(model), "loaded": loaded}
         del model, optimizer, scheduler
     saved = tiny_model(family, **config).config
     more: dict = dict(num_hidden_layers=saved.num_hidden_layers + 1)
@@ -107,6 +109,7 @@ def straight_run(family: str, config: dict) -> dict:
 
 def check(report: dict, expected: dict, label: str) -> set[str]:
     assert report["state"] == {"step": STEPS}, (label, report["state"])
+    assert report["loaded"] == set(report["params"]), (label, report["loaded"] ^ set(report["params"]))
     losses = max(abs(a - b) for a, b in zip(report["losses"], expected["losses"][STEPS:]))
     assert losses <= parity.LOSS_ATOL, (label, report["losses"], expected["losses"][STEPS:])
     worst = max(((p - expected["params"][n]).abs().max().item(), n) for n, p in report["params"].items())
@@ -140,7 +143,8 @@ def one_process(path: str, reports: list[dict], expected: dict) -> dict:
     assert not any(info.values()), info
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
     losses = train(model, optimizer, scheduler, BATCHES[STEPS:])
-    return {"state": state, "losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    return {"state": state, "losses": losses, "params": params, "loaded": set(params)}
 
 
 def check_keys(path: Path, family: str, config: dict, pp: int, world: int) -> None:
@@ -168,7 +172,7 @@ def test_saved_at_pp2_tied_resumes_at_tp2_and_in_one_process(tmp_path: Path) -> 
     """The fast tier's case: qwen2 with tied embeddings saved at pp 2 (the first stage writes the embedding, the last
     the head: one process's two names of the one weight), resumed at pp 1 x tp 2 in the same two ranks and in one
     process, and consolidated."""
-    path, resumes = tmp_path / "ckpt", [(2, 1)]
+    path, resumes = tmp_path / "ckpt", [(2, 1), (1, 2)]
     expected = straight_run("qwen2", TIED)
     reports = run_ranks(save_then_resume, 2, "qwen2", TIED, (1, 2), resumes, str(path))
     assert [r["stage"] for r in reports] == [0, 1]

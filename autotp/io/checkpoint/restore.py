@@ -136,6 +136,7 @@ class _Reader:
         self.dp_rank = global_rank() if state is None else group_rank(state.dp_group)
         self.optimizer_state: dict[str, dict[str, str]] = {}  # parameter name -> state key -> DCP key
         self.fresh: dict[str, torch.Tensor] = {}  # DCP key -> the new optimizer state tensor it is read into
+        self.current: list[list[str]] = []  # this optimizer's parameter names, by group
         if optimizer is not None:
             self._plan_optimizer(index)
         if scheduler is not None and meta.get("scheduler"):
@@ -166,7 +167,7 @@ class _Reader:
         saved, current = self.meta.get("optimizer_params"), optimizer_names(self.model, self.optimizer)
         self.current = current
         if self.meta.get("pp_size", 1) > 1 or layout(self.model)["pp_size"] > 1:
-            self._check_stages(saved, current)
+            self._check_stages(saved or [], current)
         elif saved != current:
             sizes = [len(g) for g in saved] if isinstance(saved, list) else None
             first = next(

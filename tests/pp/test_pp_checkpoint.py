@@ -67,7 +67,7 @@ def save_then_resume(
 ) -> dict:
     """Train `STEPS` steps at `saved_at` (tp, pp) and save; then, in the same ranks, for each (tp, pp) of `resumes`,
     a model of other weights loads the checkpoint and trains `STEPS` more. Last, a model of another layer count is
-    refused."""
+    refused, and so is a save whose stages' optimizers hold other numbers of groups."""
     model, optimizer, scheduler = layout(family, config, *saved_at, seed=0)
     report: dict = {"saved": train(model, optimizer, scheduler, BATCHES[:STEPS]), "stage": autotp.pp_rank(model)}
     autotp.save_checkpoint(path, model, optimizer, scheduler, step=STEPS)
@@ -90,6 +90,12 @@ def save_then_resume(
         autotp.load_checkpoint(path, deeper)
     except autotp.CheckpointError as err:
         report["refused"] = str(err)
+    params = list(deeper.parameters())  # the first stage's optimizer of two groups, the others' of one
+    groups = [{"params": params[:1]}, {"params": params[1:]}] if autotp.pp_rank(deeper) == 0 else params
+    try:
+        autotp.save_checkpoint(Path(path).parent / "groups", deeper, torch.optim.AdamW(groups))
+    except ValueError as err:
+        report["groups"] = str(err) if not (Path(path).parent / "groups").exists() else "written"
     return report
 
 
@@ -123,6 +129,7 @@ def check_everywhere(reports: list[dict], expected: dict, resumes: list, path: P
     for report in reports:
         assert max(abs(a - b) for a, b in zip(report["saved"], expected["losses"])) <= parity.LOSS_ATOL, report
         assert "refused" in report, "a checkpoint of fewer layers was loaded"
+        assert "[1, 2] parameter groups" in report.get("groups", ""), report.get("groups")
     layer = f"model.layers.{expected['layers']}."  # the deeper model's last layer, which no stage saved
     assert any(layer in r["refused"] and "missing" in r["refused"] for r in reports), [r["refused"] for r in reports]
     for at in resumes:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
-from ...mesh import group_size
+from ...mesh import group_size, named_failure
 from ...pp.cut import owner
 from ...pp.dimension import PipelineParallelism
 from ...state import find_state
@@ -69,7 +69,9 @@ def optimizer_params(model: nn.Module, names: list[list[str]], group: dist.Proce
     stage = owner(model, pipeline.cut)
     mine = [[(stage(n), n) for n in g if stage(n) in pipeline.stages] for g in names]
     every: list[list[list[tuple[int, str]]]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, mine, group=group)
+    assert group is not None  # always: a pipeline runs under torch.distributed
+    with named_failure(group, "autotp.save_checkpoint's gather of the optimizer's parameter names over the stages"):
+        dist.all_gather_object(every, mine, group=group)
     counts = sorted({len(groups) for groups in every})
     if len(counts) > 1:
         raise ValueError(

@@ -9,7 +9,8 @@
 Every tensor is stored at its full shape under its name in the model's `state_dict()`: weights,
 each optimizer state tensor as `optimizer/NAME/KEY` (Adam's `exp_avg`, `exp_avg_sq`, `step`).
 Each rank writes the boxes of the full tensors it holds (`autotp.io.checkpoint.chunks`) and no rank gathers a
-tensor; a load at any tp x dp x ep, with or without `autotp.fully_shard`, reads only this rank's boxes.
+tensor; a load at any pp x tp x dp x ep, with or without `autotp.fully_shard`, reads only this rank's boxes
+(under a pipeline, of its stages' tensors: `autotp.io.checkpoint.stages`).
 The optimizer's hyperparameters, the scheduler and each rank's random generators travel as DCP
 byte items. Saves are staged (`autotp.io.staging`): a crash, even during an `async_save`, leaves
 the previous checkpoint in place.

@@ -67,7 +67,8 @@ def save_then_resume(
 ) -> dict:
     """Train `STEPS` steps at `saved_at` (tp, pp) and save; then, in the same ranks, for each (tp, pp) of `resumes`,
     a model of other weights loads the checkpoint and trains `STEPS` more. Last, a model of another layer count is
-    refused, and so is a save whose stages' optimizers hold other numbers of groups."""
+    refused, and so are a checkpoint of the older per-rank format and a save whose stages' optimizers hold other
+    numbers of groups."""
     model, optimizer, scheduler = layout(family, config, *saved_at, seed=0)
     report: dict = {"saved": train(model, optimizer, scheduler, BATCHES[:STEPS]), "stage": autotp.pp_rank(model)}
     autotp.save_checkpoint(path, model, optimizer, scheduler, step=STEPS)
@@ -90,6 +91,10 @@ def save_then_resume(
         autotp.load_checkpoint(path, deeper)
     except autotp.CheckpointError as err:
         report["refused"] = str(err)
+    try:  # the older per-rank format (`old_format`)
+        autotp.load_checkpoint(Path(path).parent / "old", deeper)
+    except autotp.CheckpointError as err:
+        report["old"] = str(err)
     params = list(deeper.parameters())  # the first stage's optimizer of two groups, the others' of one
     groups = [{"params": params[:1]}, {"params": params[1:]}] if autotp.pp_rank(deeper) == 0 else params
     try:
@@ -130,6 +135,7 @@ def check_everywhere(reports: list[dict], expected: dict, resumes: list, path: P
         assert max(abs(a - b) for a, b in zip(report["saved"], expected["losses"])) <= parity.LOSS_ATOL, report
         assert "refused" in report, "a checkpoint of fewer layers was loaded"
         assert "[1, 2] parameter groups" in report.get("groups", ""), report.get("groups")
+        assert "never under a pipeline" in report.get("old", ""), report.get("old")
     layer = f"model.layers.{expected['layers']}."  # the deeper model's last layer, which no stage saved
     assert any(layer in r["refused"] and "missing" in r["refused"] for r in reports), [r["refused"] for r in reports]
     for at in resumes:
@@ -175,12 +181,21 @@ def check_keys(path: Path, family: str, config: dict, pp: int, world: int) -> No
     assert (meta["pp_size"], meta["dp_size"], len(meta["pp_bounds"])) == (pp, 1, pp + 1), meta
 
 
+def old_format(directory: Path, world: int) -> None:
+    """The record of a checkpoint in the per-rank format before DCP (tests/io/test_checkpoint_faults.py writes whole
+    ones): a pipeline refuses it before reading any rank's files."""
+    record = {"format": "autotp-checkpoint/1", "tp_size": 1, "world_size": world, "state": {}, "partitions": {}}
+    directory.mkdir()
+    (directory / "autotp_checkpoint.json").write_text(json.dumps(record))
+
+
 def test_saved_at_pp2_tied_resumes_at_tp2_and_in_one_process(tmp_path: Path) -> None:
     """The fast tier's case: qwen2 with tied embeddings saved at pp 2 (the first stage writes the embedding, the last
     the head: one process's two names of the one weight), resumed at pp 1 x tp 2 in the same two ranks and in one
     process, and consolidated."""
     path, resumes = tmp_path / "ckpt", [(2, 1), (1, 2)]
     expected = straight_run("qwen2", TIED)
+    old_format(tmp_path / "old", 2)
     reports = run_ranks(save_then_resume, 2, "qwen2", TIED, (1, 2), resumes, str(path))
     assert [r["stage"] for r in reports] == [0, 1]
     check_keys(path, "qwen2", TIED, 2, 2)
@@ -193,6 +208,7 @@ def test_saved_at_pp2_tp2_resumes_at_pp4_at_tp2_dp2_and_in_one_process(tmp_path:
     pp 1 x tp 2 (x dp 2) in the same four ranks, and in one process."""
     path, resumes = tmp_path / "ckpt", [(1, 4), (2, 1)]
     expected = straight_run("llama", LLAMA4)
+    old_format(tmp_path / "old", 4)
     reports = run_ranks(save_then_resume, 4, "llama", LLAMA4, (2, 2), resumes, str(path))
     assert [r["stage"] for r in reports] == [0, 0, 1, 1]
     check_keys(path, "llama", LLAMA4, 2, 4)

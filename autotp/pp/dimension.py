@@ -182,8 +182,10 @@ class PipelineParallelism(Dimension):
             "each stage holds other layers"
         )
 
-    def layout(self) -> dict[str, int]:
-        raise NotImplementedError("autotp.save_checkpoint at pp_size > 1 is not built yet")
+    def layout(self) -> dict[str, Any]:
+        """A record: the stage cut saved at (each rank saves its stages' tensors under their full names, so a
+        checkpoint loads at any cut: `autotp.io.checkpoint.stages`)."""
+        return {"pp_bounds": list(self.cut.bounds)}
 
     def _cut(self, model: nn.Module, options: WrapOptions) -> Cut:
         looped = options.pp_schedule in LOOPED

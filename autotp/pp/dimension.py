@@ -163,10 +163,9 @@ class PipelineParallelism(Dimension):
         raise NotImplementedError(f"autotp.fully_shard at pp_size={state.options.pp_size} is not built yet")
 
     def split_group(self) -> Group:
-        raise NotImplementedError(
-            "saving or exporting a model at pp_size > 1 (autotp.save_pretrained, export_weights) is not built yet: "
-            "each stage holds other layers"
-        )
+        """Each stage holds its own tensors: saving and exporting gather each on its stage and send it on over PP
+        (`autotp.io.hf.stages`), with every rank taking part."""
+        return self.runner.group
 
     def layout(self) -> dict[str, int]:
         raise NotImplementedError("autotp.save_checkpoint at pp_size > 1 is not built yet")

@@ -24,14 +24,15 @@ from tqdm.auto import tqdm
 
 from ...compat.hf import adapter_module
 from ...compat.hf_conversion import SavedPart, SavedTensor
-from ...mesh import Group, global_rank, is_global_rank0
+from ...mesh import Group, global_rank, group_rank, is_global_rank0
 from ...runtime.rows import dp_full
 from ...runtime.shards import held_part, holders
 from ...state import find_state, outside_module_holders
 from ..staging import staged_directory
-from ..streaming import stream_full_to
+from ..streaming import gather_after_streams, stream_full_to
 from .parts import full_shape, gather_part, saved_layout
 from .safetensors import SafetensorsWriter, write_rows
+from .stages import stage_tensors
 
 
 def save_pretrained(
@@ -64,29 +65,49 @@ def save_pretrained(
     tp_group = None if state is None else state.tp_group
     params = model.state_dict(keep_vars=True)
     fsdp = state is not None and state.fsdp  # then every rank gathers its DP group's rows: all take part
+    stages = stage_tensors(model, params, state)  # at pp > 1: every stage's tensors (collective over PP)
 
     def writes(group: Group) -> bool:
-        """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts)."""
+        """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts); under a
+        pipeline, every stage of rank 0's replica gathers its own tensors."""
+        if stages is not None:
+            return fsdp or stages.first_replica
         return fsdp or global_rank() == 0 or (group is not None and 0 in dist.get_process_group_ranks(group))
 
     splits = [] if state is None else state.split_groups()
     in_writer_group = writes(tp_group) or any(writes(group) for group in splits)  # the experts: over EP
 
-    def fetch(name: str) -> torch.Tensor | None:
+    def fetch(name: str, sent: bool = False) -> torch.Tensor | None:
+        """`sent`: a full tensor for PP rank 0 (`autotp.io.hf.stages`), not a stream into this rank's file."""
         group = holders(params[name], tp_group)
         if not writes(group):  # the EP group of rank 0 holds the experts, its TP group the rest
             return None
         tensor = dp_full(params[name].detach())
         shard = held_part(params[name])
-        return tensor if shard is None else stream_full_to(tensor, shard.partition, group, dst=0, write_rows=write_rows)
+        if shard is None:
+            return tensor
+        if sent:
+            return gather_after_streams(tensor, shard.partition, group, dst=0)
+        return stream_full_to(tensor, shard.partition, group, dst=0, write_rows=write_rows)
 
     def fetch_part(part: SavedPart) -> torch.Tensor | None:
         group = holders(params[part.source], tp_group)
         return gather_part(params[part.source], part, group) if writes(group) else None
 
+    saved: Mapping[str, torch.Tensor] = params
+    fetches: tuple[Callable[[str], torch.Tensor | None], Callable[[SavedPart], torch.Tensor | None]] = (
+        fetch,
+        fetch_part,
+    )
+    if stages is not None:  # each tensor gathered on its own stage, then sent to PP rank 0
+        saved, fetches = (
+            stages.params,
+            stages.fetching(fetch, fetch_part, lead=writes(tp_group) and group_rank(tp_group) == 0),
+        )
+
     with staged_directory(save_directory, overwrite, into_existing=into_existing) as tmp:
         if in_writer_group:
-            write_hf_checkpoint(model, params, fetch, tmp, max_shard_size, fetch_part)
+            write_hf_checkpoint(model, saved, fetches[0], tmp, max_shard_size, fetches[1])
 
 
 def write_hf_checkpoint(

@@ -18,8 +18,9 @@ from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
 from ...compat.peft import base_keys, peft_inner
 from ...compat.torch import gloo_timeouts_at_most
-from ...state import outside_module_holders
+from ...state import find_state, outside_module_holders
 from ..hf.parts import saved_layout
+from ..hf.stages import stage_tensors
 from .export import export_weights
 
 
@@ -47,7 +48,9 @@ class AutotpWeightSource(WeightSource):
         root = peft_inner(outside_module_holders(self.model))
         raw = root.state_dict(keep_vars=True)
         keys = base_keys(root, list(raw), copies=self.merge_lora)
-        layout = saved_layout(root, {name: raw[key] for name, (key, _) in keys.items()})
+        params = {name: raw[key] for name, (key, _) in keys.items()}
+        stages = stage_tensors(root, params, find_state(root))  # at pp > 1 (collective over PP: every rank asks)
+        layout = saved_layout(root, params if stages is None else stages.params)
         return [ParamMeta(name, self.dtype or saved.dtype, tuple(saved.shape)) for name, saved in layout.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

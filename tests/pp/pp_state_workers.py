@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.io.rollout.export import EngineLayout
+from autotp.io.hf.parts import saved_layout
+from autotp.io.rollout.export import EngineLayout, exported_tensors
 from autotp.testing import parity
 from models import assert_same_checkpoint, tensors, tiny_model
 from pp_workers import pp_batch
@@ -22,7 +23,8 @@ TIED = dict(tie_word_embeddings=True)
 
 def pp_state(rank: int, world: int, tp: int, pp: int, cases: dict[str, tuple], steps: int = 2) -> dict:
     """Per case (label -> family, config overrides, wrap options), from one seed: `autotp.save_pretrained` and
-    `export_weights` (whole, and cut to an engine's 2 TP ranks) of the wrapped model right after wrap against
+    `export_weights` (whole, and cut to an engine's 2 TP ranks; and the names, dtypes and shapes `vllm_sync`'s source
+    declares) of the wrapped model right after wrap against
     transformers' own save of the one-process model; then after `steps` AdamW steps through the same calls, the
     save and the export against one process's save, and each rank's trained parameters (full) for the test to find
     in the saved checkpoint. Rank 0 compares; every rank reports what the exports handed it."""
@@ -41,11 +43,15 @@ def pp_state(rank: int, world: int, tp: int, pp: int, cases: dict[str, tuple], s
         exported = list(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
         engine = list(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET, target=EngineLayout(2)))
         result["handed"] = len(exported) + len(engine)
+        declared = saved_layout(model, exported_tensors(model, merge_lora=True)[1])  # vllm_sync's metadata()
         if rank == 0:
             want = flat(expected)
             result["saved"] = same_checkpoint(wrapped, expected)
             result["exported order"] = [n for n, _ in exported] == [n for n, _ in autotp.export_weights(reference)]
             result["exported"] = differing(dict(exported), want)
+            result["declared"] = [(n, t.dtype, t.shape) for n, t in exported] == [
+                (n, d.dtype, torch.Size(d.shape)) for n, d in declared.items()
+            ]
             result["engine rows"] = engine_rows(model, want, {(n, r): t for n, r, t in engine})
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

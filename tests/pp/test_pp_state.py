@@ -45,11 +45,11 @@ def pp2_tp2() -> list[dict]:
 
 def assert_saves(results: list[dict], cases: dict) -> None:
     """Right after wrap: the save is transformers' (files, names, order, values, config, index), the export yields
-    its tensors on rank 0 alone (in one process's export order), and so do the engine's rows."""
+    its tensors on rank 0 alone (in one process's export order, as declared to vLLM), and so do the engine's rows."""
     for label in cases:
         got = results[0][label]
         assert got["saved"] == "same", (label, got["saved"])
-        assert got["exported"] == [] and got["exported order"] and got["engine rows"], label
+        assert got["exported"] == [] and got["exported order"] and got["engine rows"] and got["declared"], label
         assert [r[label]["handed"] > 0 for r in results] == [True] + [False] * (len(results) - 1), label
 
 

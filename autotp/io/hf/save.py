@@ -46,7 +46,9 @@ def save_pretrained(
 
     Call it on every rank: the TP group of global rank 0 streams one tensor at a time and rank 0
     writes (on a local filesystem the other ranks of its TP group write their own rows into its files);
-    under expert parallelism the EP group of rank 0 streams the experts alike, each rank its own experts.
+    under expert parallelism the EP group of rank 0 streams the experts alike, each rank its own experts; under a
+    pipeline each stage's TP group (in rank 0's replica) gathers the tensors its stage owns (`autotp.pp.cut.owner`)
+    and sends each to rank 0 (`autotp.io.hf.stages`).
     `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
     whole, once the new one is complete). `into_existing=True` instead keeps the directory's other
     files (a Trainer's output directory): the checkpoint is staged completely, then its files are

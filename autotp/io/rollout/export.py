@@ -79,7 +79,8 @@ def export_weights(
     Call it and iterate it on every rank of the TP group (under `autotp.fully_shard` or `ep_size > 1`, on every rank):
     TP rank 0 of each group gets `(name, tensor)` (under EP the experts too, each gathered over its EP group), the
     other ranks take part in the gathers and get nothing. Every rank must exhaust the iterator; one that stops early
-    (`break`, `close()`) makes the others raise at their next bucket.
+    (`break`, `close()`) makes the others raise at their next bucket. At pp_size > 1 (every rank iterates) each stage
+    sends its buckets on to PP rank 0's TP rank 0, which yields every tensor, in one process's order.
     Tensors are gathered `bucket_bytes` at a time (one message per rank per bucket; under FSDP, one DP all-gather
     too): a rank holds at most one bucket plus one tensor beyond its shards, when the consumer drops each tensor
     before asking for the next (as `load_weights` does). Each yielded tensor is new (the model, its shards and its
@@ -101,11 +102,7 @@ def export_weights(
         dimension.refuse_export(target)
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
-    raw = root.state_dict(keep_vars=True)
-    keys = base_keys(root, list(raw), copies=merge_lora)
-    params = {name: raw[key] for name, (key, _) in keys.items()}
-    stages = stage_tensors(root, params, state)  # at pp > 1: every stage's tensors (collective over PP)
-    params = params if stages is None else dict(stages.params)
+    keys, params, stages = exported_tensors(root, merge_lora)
     loras = _loras_by_tensor(root, keys, params) if merge_lora else {}
     layout = saved_layout(root, params)
     engine = None if target is None else target.partitions(root)
@@ -164,6 +161,16 @@ def export_weights(
         )
     gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()}, stages)
     return _exported(items, size, requests, results, bucket_bytes, gathers, agree_group, local)
+
+
+def exported_tensors(root: nn.Module, merge_lora: bool) -> tuple[dict, dict[str, torch.Tensor], StageTensors | None]:
+    """What `export_weights` reads of `root` (PEFT's inner model): the checkpoint names' state-dict keys and LoRA
+    paths (`base_keys`), the tensors by name, and under a pipeline every stage's (collective over PP)."""
+    raw = root.state_dict(keep_vars=True)
+    keys = base_keys(root, list(raw), copies=merge_lora)
+    params = {name: raw[key] for name, (key, _) in keys.items()}
+    stages = stage_tensors(root, params, find_state(root))
+    return keys, params if stages is None else dict(stages.params), stages
 
 
 class _Gathers:

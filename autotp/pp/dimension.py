@@ -55,10 +55,6 @@ class PipelineParallelism(Dimension):
         for option, what in _NOT_YET.items():
             if getattr(options, option) not in (None, False, 1):
                 raise NotImplementedError(f"pp_size={pp} with {option}: {what} under a pipeline is not built yet")
-        if any(p.is_meta for p in model.parameters()):
-            raise NotImplementedError(
-                f"from_pretrained(..., pp_size={pp}) is not built yet: load the model, then autotp.wrap(model, ...)"
-            )
         if options.pp_schedule not in SCHEDULES:
             raise ValueError(
                 f"pp_schedule={options.pp_schedule!r}: choose one of torch's schedules {SCHEDULES} (ZBVZeroBubble and "

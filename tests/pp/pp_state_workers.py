@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -11,8 +12,11 @@ import torch
 import torch.distributed as dist
 
 import autotp
+from autotp.io.hf import load
 from autotp.io.hf.parts import saved_layout
+from autotp.io.hf.safetensors import read_header, read_rows
 from autotp.io.rollout.export import EngineLayout, exported_tensors
+from autotp.pp.cut import Skipped
 from autotp.testing import parity
 from models import assert_same_checkpoint, tensors, tiny_model
 from pp_workers import pp_batch
@@ -53,6 +57,7 @@ def pp_state(rank: int, world: int, tp: int, pp: int, cases: dict[str, tuple], s
                 (n, d.dtype, torch.Size(d.shape)) for n, d in declared.items()
             ]
             result["engine rows"] = engine_rows(model, want, {(n, r): t for n, r, t in engine})
+        result.update(read_stage(expected, model, tp, pp, options))
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(steps):
@@ -84,6 +89,31 @@ def pp_state(rank: int, world: int, tp: int, pp: int, cases: dict[str, tuple], s
     if rank == 0:
         shutil.rmtree(root)
     return out
+
+
+def read_stage(path: Path, wrapped: torch.nn.Module, tp: int, pp: int, options: dict) -> dict:
+    """`autotp.from_pretrained(path, tp, pp_size=pp)`: whether it equals `wrapped` (the wrap of the model saved at
+    `path`) bit for bit, the decoder layers whose tensors it read (a spy on the loader's reads) and those it runs."""
+    header = read_header(path / "model.safetensors")[0]
+    by_offsets = {tuple(entry["data_offsets"]): name for name, entry in header.items() if name != "__metadata__"}
+    read = []
+
+    def spy(f, entry, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        read.append(by_offsets[tuple(entry["data_offsets"])])
+        return read_rows(f, entry, *args, **kwargs)
+
+    load.read_rows = spy
+    try:
+        model = autotp.from_pretrained(path, tp, pp_size=pp, **options)
+    finally:
+        load.read_rows = read_rows
+    got, want = dict(model.named_parameters()), dict(wrapped.named_parameters())
+    layers = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    return {
+        "loaded": list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want),
+        "layers read": sorted({int(m.group(1)) for n in read if (m := re.search(r"\.(\d+)\.", n))}),
+        "layers run": [i for i, layer in enumerate(layers) if not isinstance(layer, Skipped)],
+    }
 
 
 def flat(directory: Path) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """A pipeline's state: `autotp.save_pretrained` and `autotp.export_weights` at pp 2 (and pp 2 x tp 2) write and hand
 out what transformers' own `save_pretrained` of the one-process model writes: every stage's tensors in one
-checkpoint, the same names in the same order, tied weights dropped as transformers drops them.
+checkpoint, the same names in the same order, tied weights dropped as transformers drops them; and
+`from_pretrained(..., pp_size=2)` reads only each stage's decoder layers, equal to the wrap of the loaded model.
 
 Right after wrap the tensors are the one-process model's bit for bit. After 2 AdamW steps the checkpoint holds each
 stage's trained parameters bit for bit, and those are one process's within the parity tolerance (fp32: only the
@@ -53,6 +54,15 @@ def assert_saves(results: list[dict], cases: dict) -> None:
         assert [r[label]["handed"] > 0 for r in results] == [True] + [False] * (len(results) - 1), label
 
 
+def assert_loaded(results: list[dict], cases: dict) -> None:
+    """`from_pretrained(..., pp_size=2)` equals the wrap of the loaded model, each rank having read the tensors of
+    exactly the decoder layers its stages run."""
+    for label in cases:
+        for result in (r[label] for r in results):
+            assert result["loaded"], label
+            assert result["layers read"] == result["layers run"] != [], (label, result["layers read"])
+
+
 def assert_trained(results: list[dict], cases: dict) -> None:
     """After training: every stage's trained parameters are in the checkpoint bit for bit, under transformers'
     names, and within the parity tolerance of one process's."""
@@ -70,6 +80,10 @@ def test_pp2_save_and_export_right_after_wrap_equal_transformers_save(pp2: list[
     assert_saves(pp2, PP2)
 
 
+def test_pp2_from_pretrained_reads_only_each_stage_layers(pp2: list[dict]) -> None:
+    assert_loaded(pp2, PP2)
+
+
 def test_pp2_save_and_export_after_training_hold_every_stage_trained_parameters(pp2: list[dict]) -> None:
     assert_trained(pp2, PP2)
 
@@ -77,4 +91,5 @@ def test_pp2_save_and_export_after_training_hold_every_stage_trained_parameters(
 @pytest.mark.slow
 def test_pp2_tp2_save_and_export_equal_transformers_save(pp2_tp2: list[dict]) -> None:
     assert_saves(pp2_tp2, PP2_TP2)
+    assert_loaded(pp2_tp2, PP2_TP2)
     assert_trained(pp2_tp2, PP2_TP2)

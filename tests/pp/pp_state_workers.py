@@ -23,6 +23,7 @@ from pp_workers import pp_batch
 
 SMALL_BUCKET = 8 << 10  # several buckets per stage even for a tiny model
 TIED = dict(tie_word_embeddings=True)
+SHARD = "100KB"  # several files and an index
 
 
 def pp_state(rank: int, world: int, tp: int, pp: int, cases: dict[str, tuple], steps: int = 2) -> dict:
@@ -42,8 +43,8 @@ def pp_state(rank: int, world: int, tp: int, pp: int, cases: dict[str, tuple], s
         result = out[label] = {}
         expected, wrapped, trained, after = (root / label / n for n in ("expected", "wrapped", "trained", "after"))
         if rank == 0:
-            reference.save_pretrained(expected)
-        autotp.save_pretrained(model, wrapped)
+            reference.save_pretrained(expected, max_shard_size=SHARD)
+        autotp.save_pretrained(model, wrapped, max_shard_size=SHARD)
         exported = list(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET))
         engine = list(autotp.export_weights(model, bucket_bytes=SMALL_BUCKET, target=EngineLayout(2)))
         result["handed"] = len(exported) + len(engine)
@@ -94,12 +95,15 @@ def pp_state(rank: int, world: int, tp: int, pp: int, cases: dict[str, tuple], s
 def read_stage(path: Path, wrapped: torch.nn.Module, tp: int, pp: int, options: dict) -> dict:
     """`autotp.from_pretrained(path, tp, pp_size=pp)`: whether it equals `wrapped` (the wrap of the model saved at
     `path`) bit for bit, the decoder layers whose tensors it read (a spy on the loader's reads) and those it runs."""
-    header = read_header(path / "model.safetensors")[0]
-    by_offsets = {tuple(entry["data_offsets"]): name for name, entry in header.items() if name != "__metadata__"}
+    by_offsets = {
+        (str(file), tuple(entry["data_offsets"])): name
+        for file in sorted(path.glob("*.safetensors"))
+        for name, entry in read_header(file)[0].items()
+    }
     read = []
 
     def spy(f, entry, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        read.append(by_offsets[tuple(entry["data_offsets"])])
+        read.append(by_offsets[(f.name, tuple(entry["data_offsets"]))])
         return read_rows(f, entry, *args, **kwargs)
 
     load.read_rows = spy

@@ -122,7 +122,8 @@ def stage_tensors(model: nn.Module, params: dict[str, torch.Tensor], state: TPSt
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in params.items():
         by_tensor.setdefault(id(tensor), []).append(name)
-    ties = [names for names in by_tensor.values() if len(names) > 1]
+    owned = {name for _, name, *_ in mine}  # a tie counts where the tensor is one this rank trains (not a stand-in)
+    ties = [names for names in by_tensor.values() if len(names) > 1 and owned.intersection(names)]
     gathered: list[Any] = [None] * group_size(pipeline.runner.group)
     with named_failure(pipeline.runner.group, "autotp: the stages' tensor names gathered over PP (save or export)"):
         dist.all_gather_object(gathered, (mine, ties), group=pipeline.runner.group)

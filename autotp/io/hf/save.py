@@ -32,7 +32,7 @@ from ..staging import staged_directory
 from ..streaming import gather_after_streams, stream_full_to
 from .parts import full_shape, gather_part, saved_layout
 from .safetensors import SafetensorsWriter, write_rows
-from .stages import stage_tensors
+from .stages import StageTensors, stage_tensors
 
 
 def save_pretrained(
@@ -67,7 +67,7 @@ def save_pretrained(
     tp_group = None if state is None else state.tp_group
     params = model.state_dict(keep_vars=True)
     fsdp = state is not None and state.fsdp  # then every rank gathers its DP group's rows: all take part
-    stages = stage_tensors(model, params, state)  # at pp > 1: every stage's tensors (collective over PP)
+    stages: StageTensors | None = None  # at pp > 1, set in the staged directory (after every rank has entered)
 
     def writes(group: Group) -> bool:
         """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts); under a
@@ -77,7 +77,6 @@ def save_pretrained(
         return fsdp or global_rank() == 0 or (group is not None and 0 in dist.get_process_group_ranks(group))
 
     splits = [] if state is None else state.split_groups()
-    in_writer_group = writes(tp_group) or any(writes(group) for group in splits)  # the experts: over EP
 
     def fetch(name: str, sent: bool = False) -> torch.Tensor | None:
         """`sent`: a full tensor for PP rank 0 (`autotp.io.hf.stages`), not a stream into this rank's file."""
@@ -96,20 +95,16 @@ def save_pretrained(
         group = holders(params[part.source], tp_group)
         return gather_part(params[part.source], part, group) if writes(group) else None
 
-    saved: Mapping[str, torch.Tensor] = params
-    fetches: tuple[Callable[[str], torch.Tensor | None], Callable[[SavedPart], torch.Tensor | None]] = (
-        fetch,
-        fetch_part,
-    )
-    if stages is not None:  # each tensor gathered on its own stage, then sent to PP rank 0
-        saved, fetches = (
-            stages.params,
-            stages.fetching(fetch, fetch_part, lead=writes(tp_group) and group_rank(tp_group) == 0),
-        )
-
     with staged_directory(save_directory, overwrite, into_existing=into_existing) as tmp:
-        if in_writer_group:
-            write_hf_checkpoint(model, saved, fetches[0], tmp, max_shard_size, fetches[1])
+        stages = stage_tensors(model, params, state)  # every stage's tensors (collective over PP)
+        saved: Mapping[str, torch.Tensor] = params
+        whole: Callable[[str], torch.Tensor | None] = fetch
+        part: Callable[[SavedPart], torch.Tensor | None] = fetch_part
+        if stages is not None:  # each tensor gathered on its own stage, then sent to PP rank 0
+            lead = writes(tp_group) and group_rank(tp_group) == 0  # where a tensor is gathered to at pp 1
+            saved, (whole, part) = stages.params, stages.fetching(fetch, fetch_part, lead)
+        if writes(tp_group) or any(writes(group) for group in splits):  # the experts: over EP
+            write_hf_checkpoint(model, saved, whole, tmp, max_shard_size, part)
 
 
 def write_hf_checkpoint(

@@ -120,7 +120,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         autotp.forward_backward(model, **inputs, cu_seq_lens_q=torch.tensor([0, 16]))
     except NotImplementedError as err:
         refused["cu_seq_lens_q"] = (str(err), True)
-    for call in (lambda: autotp.fully_shard(model), lambda: autotp.save_pretrained(model, "/nonexistent")):
+    for call in (lambda: autotp.fully_shard(model),):
         try:
             call()
         except NotImplementedError as err:

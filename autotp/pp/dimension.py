@@ -21,6 +21,7 @@ from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..state import TPState
 from .cut import Cut, find_cut, skip_others
+from .release import release, unowned
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
@@ -44,6 +45,7 @@ class PipelineParallelism(Dimension):
     cut: Cut
     stages: list[int]  # this rank's stages (two under a looped schedule)
     runner: Runner
+    released: dict[str, nn.Module]  # what this rank's stages do not own, by path, with what replaces it
     tied: nn.Parameter | None = None
     tied_group: Group = None
     running = False  # inside `forward_backward`: the model's own forward is the stages'
@@ -96,7 +98,8 @@ class PipelineParallelism(Dimension):
             options.pp_size,
             self.cut.stages // options.pp_size,
         )
-        return without(plan, self.cut.prefixes(self.stages)), ()
+        self.released = unowned(model, self.cut, self.stages)
+        return without(plan, self.cut.prefixes(self.stages) + tuple(f"{p}." for p in self.released)), ()
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         options = state.options
@@ -108,11 +111,13 @@ class PipelineParallelism(Dimension):
             model, self.cut, self.stages, group, options.pp_schedule, options.pp_microbatches or options.pp_size
         )
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        ends = 0 in self.stages or self.cut.stages - 1 in self.stages  # a middle stage holds no part of it
         if head.weight is embedding.weight:  # the tied group: every pipeline's first and last rank
-            self.tied, self.tied_group = head.weight, group if options.pp_size == 2 else None
+            self.tied, self.tied_group = head.weight if ends else None, group if options.pp_size == 2 else None
             for ranks in state.mesh.rank_groups("pp") if options.pp_size > 2 else []:  # collective over the world
                 made = new_group([ranks[0], ranks[-1]], state.timeout, "PP embedding group")
                 self.tied_group = made if dist.get_rank() in (ranks[0], ranks[-1]) else self.tied_group
+        release(model, self.released)
         patch_attribute(model, "forward", PipelineForward(self, model.forward))
         state.dims[self.name] = self
         return []

@@ -22,6 +22,7 @@ from ..runtime.rollback import Removable
 from ..state import TPState
 from .cut import Cut, find_cut, skip_others
 from .release import release, unowned
+from .router import Balance, unsupported
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
@@ -81,10 +82,11 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with dropout ({dropout[0]}): each micro-batch would draw other masks than one process "
                 f"draws; set the dropout to 0"
             )
-        if getattr(model.config, "output_router_logits", False):
+        why = unsupported(model) if getattr(model.config, "output_router_logits", False) else None
+        if why is not None:
             raise NotImplementedError(
-                f"pp_size={pp} with output_router_logits: the MoE load-balancing loss is summed over every layer's "
-                f"router in the last stage's forward, which sees only its own layers; set output_router_logits=False"
+                f"pp_size={pp} with output_router_logits: the MoE load-balancing loss is added across stages only "
+                f"in transformers' Switch form, and {why}; set output_router_logits=False"
             )
         self._cut(model, options)  # a model that cannot be cut, or split points that do not fit
 
@@ -107,8 +109,9 @@ class PipelineParallelism(Dimension):
             return []
         group = state.mesh.group("pp")
         skip_others(model, self.cut, self.stages)
+        balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
         self.runner = Runner(
-            model, self.cut, self.stages, group, options.pp_schedule, options.pp_microbatches or options.pp_size
+            model, self.cut, self.stages, group, options.pp_schedule, options.pp_microbatches or options.pp_size, balance
         )
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         ends = 0 in self.stages or self.cut.stages - 1 in self.stages  # a middle stage holds no part of it

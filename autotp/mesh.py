@@ -164,6 +164,7 @@ AXIS_TABLE = {  # every axis of the mesh, outermost first within each grid; a ne
     "dp": Axis("dense", "data parallel", "DP", DP_CP),
     "cp": Axis("dense", "context parallel", "CP", ("cp",)),
     "tp": Axis("dense", "tensor parallel", "TP", ("tp",)),
+    "epp": Axis("experts", "pipeline stage of the experts", "expert-PP", None),  # edp stays inside a stage
     "edp": Axis("experts", "expert data parallel", "expert-DP", None),
     "ep": Axis("experts", "expert parallel", "EP", ("ep",)),
 }
@@ -263,10 +264,11 @@ def dense_grid(sizes: dict[str, int], world: int) -> torch.Tensor:
 
 
 def expert_grid(sizes: dict[str, int], world: int) -> torch.Tensor | None:
-    """The experts' grid edp x ep folded over the same `world` ranks: EP groups of `ep` consecutive ranks (so TP ranks
-    first), expert-DP strided across them; None at ep 1."""
-    ep = sizes.get("ep", 1)
-    return torch.arange(world).reshape(world // ep, ep) if ep > 1 else None
+    """The experts' grid epp x edp x ep folded over the same `world` ranks: EP groups of `ep` consecutive ranks (so TP
+    ranks first), expert-DP strided across them inside each pipeline stage (epp: pp stages of consecutive ranks, whose
+    experts are other layers'); None at ep 1."""
+    ep, pp = sizes.get("ep", 1), sizes.get("pp", 1)
+    return torch.arange(world).reshape(pp, world // (pp * ep), ep) if ep > 1 else None
 
 
 def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
@@ -287,6 +289,12 @@ def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
         raise ValueError(
             f"ep_size={ep} must divide the world size {world}: the experts are split over ep_size "
             f"consecutive ranks and the rest of the world holds copies of them (expert data parallel)"
+        )
+    pp = sizes.get("pp", 1)
+    if ep > 1 and (world // pp) % ep:
+        raise ValueError(
+            f"ep_size={ep} must divide the {world // pp} ranks of a pipeline stage (world {world} / pp_size={pp}): "
+            f"an EP group splits the experts of its stage's layers"
         )
 
 

@@ -28,7 +28,6 @@ from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
     "cp_size": "context parallelism",
-    "ep_size": "expert parallelism",
     "sequence_parallel": "sequence parallelism",
     "tp_group": "a user's tp_group",
 }

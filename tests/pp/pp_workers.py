@@ -9,7 +9,8 @@ import transformers as tf
 from peft import LoraConfig, get_peft_model
 
 import autotp
-from autotp.testing import parity, tiny_config
+from autotp.testing import tiny_config
+from ep_workers import whole
 from models import batch, tiny_model
 
 
@@ -62,7 +63,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
         evaluated = (abs(got.loss.item() - want.loss.item()), (got.logits - want.logits).abs().max().item())
     ref = dict(reference.named_parameters())
     trained = {
-        name: parity.full_tensor(p, p, autotp.tp_group(model))
+        name: whole(p, p, model)  # experts gathered over EP, TP shards over TP
         for name, p in model.named_parameters()
         if p.grad is not None
     }
@@ -92,7 +93,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         "sequence_parallel": dict(sequence_parallel=True),
         "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
         "dropout": dict(config=dict(attention_dropout=0.1)),
-        "output_router_logits": dict(family="mixtral", config=dict(output_router_logits=True)),
+        "output_router_logits": dict(build=lambda: tf.AutoModelForCausalLM.from_config(router_logits("afmoe"))),
         "inline loss": dict(build=lambda: InlineLoss(tiny_model("llama").config)),
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
         "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
@@ -136,6 +137,13 @@ def pp_refusals(rank: int, world: int) -> dict:
             not grads and all(torch.equal(p, before[n]) for n, p in peft.named_parameters()),
         )
     return refused
+
+
+def router_logits(family: str) -> tf.PretrainedConfig:
+    """A tiny `family` config with its MoE load-balancing loss on (AFMoE's is not transformers' Switch loss)."""
+    config = tiny_config(family)
+    config.output_router_logits = True
+    return config
 
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

@@ -201,4 +201,5 @@ def router_outputs(module: nn.Module) -> tuple[Callable[[nn.Module], bool], int]
     index = getattr(spec, "index", 1)  # transformers' default for a bare class that is not a hidden state
     if name is not None:
         return (lambda m: type(m).__name__.endswith(name)), index
-    return (lambda m: isinstance(m, target)), index
+    cls: type = target
+    return (lambda m: isinstance(m, cls)), index

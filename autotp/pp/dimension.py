@@ -109,9 +109,8 @@ class PipelineParallelism(Dimension):
         group = state.mesh.group("pp")
         skip_others(model, self.cut, self.stages)
         balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
-        self.runner = Runner(
-            model, self.cut, self.stages, group, options.pp_schedule, options.pp_microbatches or options.pp_size, balance
-        )
+        microbatches = options.pp_microbatches or options.pp_size
+        self.runner = Runner(model, self.cut, self.stages, group, options.pp_schedule, microbatches, balance)
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         ends = 0 in self.stages or self.cut.stages - 1 in self.stages  # a middle stage holds no part of it
         if head.weight is embedding.weight:  # the tied group: every pipeline's first and last rank

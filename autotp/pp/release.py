@@ -38,7 +38,9 @@ class ShapeOnly(Released):
 
     weight: torch.Tensor
 
-    def forward(self, ids: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        ids = args[0]
+        assert isinstance(ids, torch.Tensor)  # an embedding's input: the token ids
         return torch.zeros(*ids.shape, self.weight.shape[-1], dtype=self.weight.dtype, device=ids.device)
 
 

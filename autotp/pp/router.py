@@ -34,7 +34,7 @@ def unsupported(model: nn.Module) -> str | None:
     over every router's logits and the attention mask, scaled by `router_aux_loss_coef`."""
     module = importlib.import_module(type(model).__module__)
     function = getattr(module, "load_balancing_loss_func", None)
-    switch = getattr(importlib.import_module(_SWITCH), "load_balancing_loss_func")
+    switch = importlib.import_module(_SWITCH).load_balancing_loss_func
     if function is None or inspect.getsource(function) != inspect.getsource(switch):
         return f"{module.__name__} has no load_balancing_loss_func of transformers' Switch form"
     forward = re.sub(r"\s+", "", inspect.getsource(type(model).forward))

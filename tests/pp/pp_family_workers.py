@@ -3,8 +3,8 @@ MoE, hybrid and vision-language models)."""
 
 from __future__ import annotations
 
-import models
 import autotp
+import models
 from autotp.testing import tiny_config
 from models import tiny_model
 from pp_workers import pp_parity
@@ -32,7 +32,8 @@ def expected_bytes(model, stage: int, stages: int) -> dict:  # noqa: ANN001
     tied = head is model.get_input_embeddings().weight
     return {
         "layers": parameter_bytes(children[layers]) / stages,
-        "ends": (before if stage == 0 else 0) + (after + head.numel() * head.element_size() if stage == stages - 1 else 0),
+        "ends": (before if stage == 0 else 0)
+        + (after + head.numel() * head.element_size() if stage == stages - 1 else 0),
         "tied": tied,
     }
 

@@ -9,7 +9,7 @@ import transformers as tf
 from peft import LoraConfig, get_peft_model
 
 import autotp
-from autotp.testing import tiny_config
+from autotp.testing import parity, tiny_config
 from ep_workers import whole
 from models import batch, tiny_model
 
@@ -81,6 +81,19 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
         "norms": norms,
         "eval": evaluated,
     }
+
+
+def assert_pp_parity(results: list[dict], reference_names: int | None = None) -> None:
+    for result in results:
+        for got, expected in zip(result["losses"], result["expected"]):
+            assert abs(got - expected) < parity.LOSS_ATOL, (result["stage"], result["losses"], result["expected"])
+        assert result["errors"] and max(result["errors"].values()) < parity.PARAM_ATOL, result["errors"]
+        assert result["eval"][0] < parity.LOSS_ATOL and result["eval"][1] < 1e-4, result["eval"]  # under no_grad
+        for expected, got in result["norms"]:  # clip_grad_norm_: the whole model's norm, on every stage
+            assert abs(got - expected) < 1e-5 * max(1.0, expected), result["norms"]
+    trained = set().union(*(r["errors"] for r in results))
+    if reference_names is not None:
+        assert len(trained) == reference_names, trained  # every parameter is trained on some stage
 
 
 def pp_refusals(rank: int, world: int) -> dict:

@@ -196,10 +196,9 @@ def router_outputs(module: nn.Module) -> tuple[Callable[[nn.Module], bool], int]
     if specs is None:
         return None
     spec = specs[0] if isinstance(specs, list) else specs
-    target = getattr(spec, "target_class", spec)
+    target: Any = getattr(spec, "target_class", spec)
     name = getattr(spec, "class_name", None) or (target if isinstance(target, str) else None)
     index = getattr(spec, "index", 1)  # transformers' default for a bare class that is not a hidden state
     if name is not None:
         return (lambda m: type(m).__name__.endswith(name)), index
-    cls: type = target
-    return (lambda m: isinstance(m, cls)), index
+    return (lambda m: isinstance(m, target)), index

@@ -32,7 +32,8 @@ _NOT_YET = {
     "tp_group": "a user's tp_group",
 }
 
-_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels"})  # what a pipeline splits by rows
+# what a pipeline splits by rows (a VLM's pixel_values: one image a row, for the first stage's vision tower)
+_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "pixel_values"})
 _EVALUATED = _INPUTS | {"use_cache", "return_dict"}
 
 
@@ -130,7 +131,8 @@ class PipelineParallelism(Dimension):
         if other:  # the schedule splits every input by rows: one that is not per row would be cut wrongly
             raise NotImplementedError(
                 f"autotp.forward_backward at pp_size > 1 with {other}: a pipeline takes input_ids, attention_mask, "
-                f"position_ids and labels, each split by rows into the micro-batches"
+                f"position_ids, labels and a VLM's pixel_values (one image a row), each split by rows into the "
+                f"micro-batches"
             )
         refuse_peft(model, self.cut.stages // len(self.stages))  # LoRA added after wrap: before any step
         self.running = True

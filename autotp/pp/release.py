@@ -47,8 +47,10 @@ class ShapeOnly(Released):
 def unowned(model: nn.Module, cut: Cut, stages: list[int]) -> dict[str, nn.Module]:
     """The modules outside the decoder layers whose parameters none of `stages` owns, by path, each with what
     replaces it: an embedding before the layers (this stage runs it) `ShapeOnly`, a module after them `Released`
-    (not on the last stage, which runs them all). A module holding a parameter one of `stages` owns (a tied head's
-    weight) stays, as does any other module before the layers (its output would be this stage's to compute)."""
+    (not on the last stage, which runs them all), and in a composite model what the base model holds beside the
+    decoder model (a VLM's vision tower and projector, which only the first stage is given inputs for) `Released`.
+    A module holding a parameter one of `stages` owns (a tied head's weight) stays, as does any other module before
+    the layers (its output would be this stage's to compute)."""
     stage = owner(model, cut)
     base = model.get_submodule(cut.base)
     root = f"{cut.base}.{cut.layers}" if cut.base else cut.layers
@@ -58,13 +60,19 @@ def unowned(model: nn.Module, cut: Cut, stages: list[int]) -> dict[str, nn.Modul
     mine = {p for p, ns in names.items() if any(stage(n) in stages for n in ns)}
     children = list(dict(base.named_children()))
     before = {f"{cut.base}.{c}" if cut.base else c for c in children[: children.index(cut.layers)]}
+    outer = next(n for n, m in model.named_modules() if m is model.base_model)
     replaced: dict[str, nn.Module] = {}
     metas: dict[int, torch.Tensor] = {}
     for path, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
-        if not own or path == root or path.startswith(f"{root}.") or any(id(p) in mine for p in module.parameters()):
+        held = list(module.parameters())
+        if not held or path == root or path.startswith(f"{root}.") or any(id(p) in mine for p in held):
             continue
-        if any(path == b or path.startswith(f"{b}.") for b in before):
+        decoder = f"{cut.base}.".startswith(f"{path}.") or path.startswith(f"{cut.base}.")  # it, in it, around it
+        if path.startswith(f"{outer}.") and not decoder:  # beside the decoder model: a VLM's vision tower
+            replaced[path] = Released(module, path, metas)
+        elif not list(module.parameters(recurse=False)):
+            continue
+        elif any(path == b or path.startswith(f"{b}.") for b in before):
             if isinstance(module, nn.Embedding):
                 replaced[path] = ShapeOnly(module, path, metas)
         elif cut.stages - 1 not in stages:

@@ -42,8 +42,8 @@ class _StageOutput(Exception):
 
 
 class StageModule(nn.Module):
-    """One stage's forward, for torch's `PipelineStage`: the model's own forward from the micro-batch's `input_ids`,
-    with only this stage's layers. Everything the model computes before its layers (the embeddings, position
+    """One stage's forward, for torch's `PipelineStage`: the model's own forward from the micro-batch's `input_ids`
+    (and a VLM's `pixel_values` on the first stage), with only this stage's layers. Everything the model computes before its layers (the embeddings, position
     embeddings, rotary tables, the mask) is computed on every stage as one process computes it; a stage after the
     first then hands its first layer the hidden states it received instead, and a stage before the last stops after
     its last layer. The last returns its micro-batch's share of the whole batch's loss."""
@@ -72,6 +72,8 @@ class StageModule(nn.Module):
         if self.balance is not None:  # the stage adds its routers' share itself, not the model's forward
             hooks += self.balance.hooks(self.layers, batch.get("attention_mask"))
             batch["output_router_logits"] = False
+        if not self.first:  # a VLM's images: the vision tower is the first stage's (`autotp.pp.release`)
+            batch.pop("pixel_values", None)
         try:
             with swapped(base, self.view):
                 if self.last:
@@ -83,7 +85,7 @@ class StageModule(nn.Module):
                         return out.logits.new_zeros(())
                     return out.loss if share is None else out.loss + share.to(out.loss.dtype)
                 batch.pop("labels", None)
-                base(input_ids=tokens, **batch, use_cache=False)
+                self.model.base_model(input_ids=tokens, **batch, use_cache=False)  # a VLM's: with its vision tower
         except _StageOutput as done:
             return done.hidden if self.balance is None else self.balance.attach(done.hidden)
         finally:
@@ -149,6 +151,13 @@ class Runner:
                 f"into the micro-batches, so give a multiple of {self.microbatches}"
             )
         kwargs = {k: v for k, v in batch.items() if v is not None} | {"tokens": ids}  # every stage's input_ids
+        uneven = next((k for k, v in kwargs.items() if torch.is_tensor(v) and v.shape[0] != ids.shape[0]), None)
+        if uneven is not None:
+            raise NotImplementedError(
+                f"{uneven} of {kwargs[uneven].shape[0]} rows beside input_ids of {ids.shape[0]}: a pipeline splits "
+                f"every input by rows into its micro-batches, so a VLM's pixel_values need one image a row (not "
+                f"flattened patches with image_grid_thw)"
+            )
         labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
         num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:

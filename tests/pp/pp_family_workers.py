@@ -3,14 +3,17 @@ MoE, hybrid and vision-language models)."""
 
 from __future__ import annotations
 
+import torch
+
 import autotp
 import models
+from autotp.pp.cut import find_cut
 from autotp.testing import tiny_config
 from models import tiny_model
 from pp_workers import pp_parity
 
 # families tests/models.py does not list (its lists parametrize other packages' tests), built from their defaults
-for _family in ("qwen3_moe", "jamba", "qwen3_next"):
+for _family in ("qwen3_moe", "jamba", "llava", "qwen2_vl"):
     models.CONFIGS.setdefault(_family, lambda family=_family: tiny_config(family))
 
 
@@ -21,20 +24,20 @@ def parameter_bytes(model) -> int:  # noqa: ANN001
 
 def expected_bytes(model, stage: int, stages: int) -> dict:  # noqa: ANN001
     """The acceptance's figure for one stage, from the one-process model: 1/P of the decoder layers, plus the
-    embeddings before them on the first stage and the final norm and the head on the last."""
-    base = model.base_model
-    children = dict(base.named_children())
-    layers = next(n for n, m in children.items() if m.__class__.__name__ == "ModuleList")
-    order = list(children)
-    before = sum(parameter_bytes(children[c]) for c in order[: order.index(layers)])
-    after = sum(parameter_bytes(children[c]) for c in order[order.index(layers) + 1 :])
+    embeddings before them (and a VLM's vision tower and projector) on the first stage, and the final norm and the
+    head on the last."""
+    cut = find_cut(model, stages, None)
+    decoder = model.get_submodule(cut.base)
+    children = list(dict(decoder.named_children()))
+    at = children.index(cut.layers)
+    before = sum(parameter_bytes(decoder.get_submodule(c)) for c in children[:at])
+    before += parameter_bytes(model.base_model) - parameter_bytes(decoder)  # a VLM's vision tower and projector
+    after = sum(parameter_bytes(decoder.get_submodule(c)) for c in children[at + 1 :])
     head = model.get_output_embeddings().weight
-    tied = head is model.get_input_embeddings().weight
     return {
-        "layers": parameter_bytes(children[layers]) / stages,
-        "ends": (before if stage == 0 else 0)
-        + (after + head.numel() * head.element_size() if stage == stages - 1 else 0),
-        "tied": tied,
+        "layers": parameter_bytes(decoder.get_submodule(cut.layers)) / stages,
+        "ends": (before if stage == 0 else 0) + (after + head.numel() * head.element_size() if stage == stages - 1 else 0),
+        "tied": head is model.get_input_embeddings().weight,
     }
 
 
@@ -47,3 +50,17 @@ def pp_family(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     result["bytes"] = parameter_bytes(model)
     result["expected_bytes"] = expected_bytes(tiny_model(family, **config), autotp.pp_rank(model), pp)
     return result
+
+
+def with_images(inputs: dict, config) -> dict:  # noqa: ANN001
+    """`inputs` with one image a row: its image tokens before the text (no loss on them), and its pixels."""
+    rows, tokens = inputs["input_ids"].shape[0], config.image_seq_length
+    size = config.vision_config.image_size
+    generator = torch.Generator().manual_seed(int(inputs["input_ids"].sum()))
+    image = torch.full((rows, tokens), config.image_token_id)
+    return {
+        "input_ids": torch.cat([image, inputs["input_ids"]], 1),
+        "attention_mask": torch.cat([torch.ones_like(image), inputs["attention_mask"]], 1),
+        "labels": torch.cat([torch.full_like(image, -100), inputs["labels"]], 1),
+        "pixel_values": torch.randn(rows, 3, size, size, generator=generator),
+    }

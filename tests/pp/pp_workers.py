@@ -37,6 +37,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
         reference.gradient_checkpointing_enable()
     compiled = options.pop("compile", False)
+    images = options.pop("images", None)  # a function adding a VLM's image inputs (one image a row) to a batch
     model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
     for layer in model.model.layers if compiled else []:  # torch.compile of each decoder layer after wrap
         layer.compile()
@@ -45,6 +46,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     losses, expected, norms = [], [], []
     for step in range(steps):
         inputs = pp_batch(seq=16 - 2 * step, seed=step + 1, pads=pads)  # the sequence length changes between steps
+        inputs = images(inputs, reference.config) if images else inputs
         out = autotp.forward_backward(reference, **inputs)
         expected.append(out.loss.item())
         if clip is not None:
@@ -59,6 +61,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
         opt.zero_grad(set_to_none=False)
     with torch.no_grad():  # evaluation: the forward-only schedule, the loss and logits on every rank
         inputs = pp_batch(seed=7)
+        inputs = images(inputs, reference.config) if images else inputs
         got, want = model(**inputs), reference(**inputs)
         evaluated = (abs(got.loss.item() - want.loss.item()), (got.logits - want.logits).abs().max().item())
     ref = dict(reference.named_parameters())

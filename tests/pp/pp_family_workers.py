@@ -10,7 +10,7 @@ import models
 from autotp.pp.cut import find_cut
 from autotp.testing import tiny_config
 from models import tiny_model
-from pp_workers import pp_parity
+from pp_workers import pp_batch, pp_parity
 
 # families tests/models.py does not list (its lists parametrize other packages' tests), built from their defaults
 for _family in ("qwen3_moe", "jamba", "llava", "qwen2_vl"):
@@ -36,7 +36,8 @@ def expected_bytes(model, stage: int, stages: int) -> dict:  # noqa: ANN001
     head = model.get_output_embeddings().weight
     return {
         "layers": parameter_bytes(decoder.get_submodule(cut.layers)) / stages,
-        "ends": (before if stage == 0 else 0) + (after + head.numel() * head.element_size() if stage == stages - 1 else 0),
+        "ends": (before if stage == 0 else 0)
+        + (after + head.numel() * head.element_size() if stage == stages - 1 else 0),
         "tied": head is model.get_input_embeddings().weight,
     }
 
@@ -64,3 +65,27 @@ def with_images(inputs: dict, config) -> dict:  # noqa: ANN001
         "labels": torch.cat([torch.full_like(image, -100), inputs["labels"]], 1),
         "pixel_values": torch.randn(rows, 3, size, size, generator=generator),
     }
+
+
+def pp_vlm(rank: int, world: int) -> dict:
+    """llava at pp 2 with one image a row; qwen2_vl on text rows; and what a VLM batch may not hold under a pipeline
+    (qwen2_vl's flattened patches with image_grid_thw, two images a row), refused by name before any step."""
+    results = {"llava": pp_family(rank, world, "llava", 1, 2, dict(pp_microbatches=4, images=with_images))}
+    results["qwen2_vl"] = pp_parity(rank, world, "qwen2_vl", 1, 2, dict(pp_microbatches=4))
+    refused = {}
+    qwen2_vl = autotp.wrap(tiny_model("qwen2_vl"), 1, pp_size=2)
+    grid = torch.tensor([[1, 2, 2]] * 4)
+    llava = autotp.wrap(tiny_model("llava"), 1, pp_size=2)
+    two = with_images(pp_batch(), llava.config)
+    two["pixel_values"] = torch.cat([two["pixel_values"]] * 2)
+    for name, model, inputs in [
+        ("image_grid_thw", qwen2_vl, dict(pp_batch(), pixel_values=torch.zeros(16, 1176), image_grid_thw=grid)),
+        ("two images a row", llava, two),
+    ]:
+        try:
+            autotp.forward_backward(model, **inputs)
+        except NotImplementedError as err:
+            untouched = all(p.grad is None for p in model.parameters())
+            refused[name] = (str(err), untouched)
+    results["refused"] = refused
+    return results

@@ -112,7 +112,6 @@ def pp_refusals(rank: int, world: int) -> dict:
         "output_router_logits": dict(build=lambda: tf.AutoModelForCausalLM.from_config(router_logits("afmoe"))),
         "inline loss": dict(build=lambda: InlineLoss(tiny_model("llama").config)),
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
-        "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),
         "pp_stages_per_rank": dict(pp_stages_per_rank=2),  # 1F1B runs one stage per rank
         "peft": dict(build=lambda: get_peft_model(tiny_model("llama"), LORA).base_model.model),  # as tests/tp wraps it

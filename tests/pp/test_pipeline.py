@@ -57,7 +57,6 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "output_router_logits": "load-balancing loss",
         "inline loss": "computes the loss itself",
         "t5": "encoder-decoder",
-        "qwen2_vl": "composite models",
         "pp_split_points": "pp_split_points",
         "pp_stages_per_rank": "looped schedule",
         "forward": "autotp.forward_backward",

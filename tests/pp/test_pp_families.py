@@ -18,7 +18,7 @@ from autotp.mesh import Mesh, check_world, dense_grid, expert_grid
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import tiny_model
-from pp_family_workers import pp_family
+from pp_family_workers import pp_family, pp_vlm
 from pp_workers import assert_pp_parity, pp_batch
 
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
@@ -99,3 +99,20 @@ def test_pp2_hybrid_jamba() -> None:
     results = run_ranks(pp_family, 2, "jamba", 1, 2, dict(pp_microbatches=4, config=config))
     assert_pp_parity(results)
     assert sum(len(r["errors"]) for r in results) == len(dict(tiny_model("jamba", **config).named_parameters()))
+
+
+@pytest.mark.slow
+def test_pp2_vision_language_models() -> None:
+    """llava at pp 2, one image a row: the vision tower and the projector on the first stage, trained there and
+    released on the last, which is given no pixels; qwen2_vl on text rows. A batch whose inputs are not per row
+    (qwen2_vl's flattened patches with image_grid_thw, two images a row) is refused by name before any step."""
+    results = run_ranks(pp_vlm, 2)
+    llava = [r["llava"] for r in results]
+    assert_pp_parity(llava)  # its tower's last layer is unused (vision_feature_layer -2): no gradient anywhere
+    trained = [{name.split(".")[1] for name in r["errors"]} for r in llava]  # lm_head.weight: "weight"
+    assert trained == [{"vision_tower", "multi_modal_projector", "language_model"}, {"language_model", "weight"}]
+    assert_stage_bytes(llava)
+    assert_pp_parity([r["qwen2_vl"] for r in results])
+    refused = results[0]["refused"]
+    assert "image_grid_thw" in refused["image_grid_thw"][0] and refused["image_grid_thw"][1], refused
+    assert "one image a row" in refused["two images a row"][0] and refused["two images a row"][1], refused

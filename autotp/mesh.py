@@ -216,6 +216,7 @@ class Mesh:
         """Every group along `axes` in the world, as global ranks, in the order every rank creates them."""
         grid, names = (self.experts, EXPERT_AXES) if axes[0] in EXPERT_AXES else (self.grid, AXES)
         assert grid is not None  # always: asked only of a mesh over the world (`build_mesh`; experts at ep > 1)
+        names = names[len(names) - grid.dim() :]  # the experts' grid has no epp axis at pp 1
         rest = [a for a in names if a not in axes]
         order = [names.index(a) for a in rest] + [names.index(a) for a in axes]
         width = math.prod(grid.shape[names.index(axis)] for axis in axes)
@@ -264,11 +265,14 @@ def dense_grid(sizes: dict[str, int], world: int) -> torch.Tensor:
 
 
 def expert_grid(sizes: dict[str, int], world: int) -> torch.Tensor | None:
-    """The experts' grid epp x edp x ep folded over the same `world` ranks: EP groups of `ep` consecutive ranks (so TP
-    ranks first), expert-DP strided across them inside each pipeline stage (epp: pp stages of consecutive ranks, whose
-    experts are other layers'); None at ep 1."""
+    """The experts' grid edp x ep folded over the same `world` ranks: EP groups of `ep` consecutive ranks (so TP ranks
+    first), expert-DP strided across them; None at ep 1. Under a pipeline, epp x edp x ep: expert-DP inside each
+    stage (epp: the pp stages, of consecutive ranks, whose experts are other layers')."""
     ep, pp = sizes.get("ep", 1), sizes.get("pp", 1)
-    return torch.arange(world).reshape(pp, world // (pp * ep), ep) if ep > 1 else None
+    if ep == 1:
+        return None
+    grid = torch.arange(world).reshape(pp, world // (pp * ep), ep)
+    return grid if pp > 1 else grid[0]
 
 
 def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:

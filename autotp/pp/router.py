@@ -91,6 +91,11 @@ class Balance:
         weight = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask.float()
         if not self.counting:
             assert self.weights is not None
+            if not probs.requires_grad:  # the router ran under no_grad: reentrant checkpointing's forward
+                raise RuntimeError(
+                    "the MoE load-balancing loss under a pipeline needs the routers' logits with their graph; they "
+                    "came without (activation checkpointing with use_reentrant=True): use use_reentrant=False"
+                )
             self.shares.append(((probs * weight.unsqueeze(-1)).sum(0) * self.weights.to(probs.device)).sum())
             return
         _, picked = torch.topk(probs, self.top_k, dim=-1)

@@ -74,7 +74,7 @@ class Balance:
         self.counting = True
         self.weights: torch.Tensor | None = None  # coef * E * T / R**2 per expert, once counted
         self.sums = torch.zeros(2 * self.experts + 1)  # T, P and R of this rank's stages
-        self.shares: list[torch.Tensor] = []  # this micro-batch's shares of the loss (with their graph)
+        self.routed: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # this micro-batch's logits and mask
         self.sent = torch.zeros(())  # the shares of this rank's stages before the last, for the loss reported
 
     def hooks(self, layers: list[nn.Module], mask: torch.Tensor | None) -> list[Any]:
@@ -87,17 +87,11 @@ class Balance:
         return [m.register_forward_hook(hook) for layer in layers for m in layer.modules() if self.is_router(m)]
 
     def _routed(self, logits: torch.Tensor, mask: torch.Tensor | None) -> None:
+        if not self.counting:  # its share is computed after the stage's layers (`take`): outside any checkpointed
+            self.routed.append((logits, mask))  # layer, whose recomputation must save what its forward saved
+            return
         probs = torch.softmax(logits.float(), dim=-1)
         weight = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask.float()
-        if not self.counting:
-            assert self.weights is not None
-            if not probs.requires_grad:  # the router ran under no_grad: reentrant checkpointing's forward
-                raise RuntimeError(
-                    "the MoE load-balancing loss under a pipeline needs the routers' logits with their graph; they "
-                    "came without (activation checkpointing with use_reentrant=True): use use_reentrant=False"
-                )
-            self.shares.append(((probs * weight.unsqueeze(-1)).sum(0) * self.weights.to(probs.device)).sum())
-            return
         _, picked = torch.topk(probs, self.top_k, dim=-1)
         picks = torch.zeros(self.experts, device=probs.device)
         picks.scatter_add_(0, picked.reshape(-1), weight.repeat_interleave(self.top_k))
@@ -106,7 +100,18 @@ class Balance:
 
     def take(self) -> torch.Tensor | None:
         """This micro-batch's share of the loss on this stage (None while counting, or with no router)."""
-        shares, self.shares = self.shares, []
+        routed, self.routed = self.routed, []
+        shares = []
+        for logits, mask in routed:
+            if not logits.requires_grad:  # the router ran under no_grad: reentrant checkpointing's forward
+                raise RuntimeError(
+                    "the MoE load-balancing loss under a pipeline needs the routers' logits with their graph; they "
+                    "came without (activation checkpointing with use_reentrant=True): use use_reentrant=False"
+                )
+            assert self.weights is not None
+            probs = torch.softmax(logits.float(), dim=-1)
+            weight = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask.float()
+            shares.append(((probs * weight.unsqueeze(-1)).sum(0) * self.weights.to(probs.device)).sum())
         return torch.stack(shares).sum() if shares else None
 
     def attach(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -85,8 +85,10 @@ def test_pp4_stage_bytes_with_tied_embeddings() -> None:
 @pytest.mark.slow
 def test_pp2_tp2_ep2_moe_with_load_balancing_loss() -> None:
     """4 ranks: each stage a TP pair whose two ranks split the experts (EP over the TP ranks, dp 1), the
-    load-balancing loss on, gradients clipped by the whole model's norm."""
-    results = run_ranks(pp_family, 4, "qwen3_moe", 2, 2, dict(pp_microbatches=4, ep_size=2, clip=0.5, config=AUX))
+    load-balancing loss on (its routers' logits read inside checkpointed layers), gradients clipped by the whole
+    model's norm."""
+    options = dict(pp_microbatches=4, ep_size=2, clip=0.5, checkpointing=True, config=AUX)
+    results = run_ranks(pp_family, 4, "qwen3_moe", 2, 2, options)
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert_pp_parity(results, reference_names=MOE_NAMES)
 

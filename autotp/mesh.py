@@ -164,6 +164,7 @@ AXIS_TABLE = {  # every axis of the mesh, outermost first within each grid; a ne
     "dp": Axis("dense", "data parallel", "DP", DP_CP),
     "cp": Axis("dense", "context parallel", "CP", ("cp",)),
     "tp": Axis("dense", "tensor parallel", "TP", ("tp",)),
+    "epp": Axis("experts", "pipeline stage of the experts", "expert-PP", None),  # edp stays inside a stage
     "edp": Axis("experts", "expert data parallel", "expert-DP", None),
     "ep": Axis("experts", "expert parallel", "EP", ("ep",)),
 }
@@ -215,6 +216,7 @@ class Mesh:
         """Every group along `axes` in the world, as global ranks, in the order every rank creates them."""
         grid, names = (self.experts, EXPERT_AXES) if axes[0] in EXPERT_AXES else (self.grid, AXES)
         assert grid is not None  # always: asked only of a mesh over the world (`build_mesh`; experts at ep > 1)
+        names = names[len(names) - grid.dim() :]  # the experts' grid has no epp axis at pp 1
         rest = [a for a in names if a not in axes]
         order = [names.index(a) for a in rest] + [names.index(a) for a in axes]
         width = math.prod(grid.shape[names.index(axis)] for axis in axes)
@@ -264,9 +266,13 @@ def dense_grid(sizes: dict[str, int], world: int) -> torch.Tensor:
 
 def expert_grid(sizes: dict[str, int], world: int) -> torch.Tensor | None:
     """The experts' grid edp x ep folded over the same `world` ranks: EP groups of `ep` consecutive ranks (so TP ranks
-    first), expert-DP strided across them; None at ep 1."""
-    ep = sizes.get("ep", 1)
-    return torch.arange(world).reshape(world // ep, ep) if ep > 1 else None
+    first), expert-DP strided across them; None at ep 1. Under a pipeline, epp x edp x ep: expert-DP inside each
+    stage (epp: the pp stages, of consecutive ranks, whose experts are other layers')."""
+    ep, pp = sizes.get("ep", 1), sizes.get("pp", 1)
+    if ep == 1:
+        return None
+    grid = torch.arange(world).reshape(pp, world // (pp * ep), ep)
+    return grid if pp > 1 else grid[0]
 
 
 def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
@@ -287,6 +293,12 @@ def check_world(sizes: dict[str, int], world: int, dense: bool = True) -> None:
         raise ValueError(
             f"ep_size={ep} must divide the world size {world}: the experts are split over ep_size "
             f"consecutive ranks and the rest of the world holds copies of them (expert data parallel)"
+        )
+    pp = sizes.get("pp", 1)
+    if ep > 1 and (world // pp) % ep:
+        raise ValueError(
+            f"ep_size={ep} must divide the {world // pp} ranks of a pipeline stage (world {world} / pp_size={pp}): "
+            f"an EP group splits the experts of its stage's layers"
         )
 
 

@@ -167,6 +167,8 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
         setattr(config, key, value)
     torch.manual_seed(seed)
     auto = AutoModelForMaskedLM if family == "bert" else AutoModelForCausalLM
+    if getattr(config, "vision_config", None) is not None:  # a VLM (tests/pp): its image-text-to-text class
+        auto = tf.AutoModelForImageTextToText
     return auto.from_config(config, dtype=torch.float32)
 
 

@@ -187,3 +187,18 @@ def causal_lm_loss() -> Callable[..., torch.Tensor]:
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     return LOSS_MAPPING["ForCausalLM"]
+
+
+def router_outputs(module: nn.Module) -> tuple[Callable[[nn.Module], bool], int] | None:
+    """Which submodules' outputs transformers records as a model's `router_logits` (`_can_record_outputs`, read by
+    its output capturing), and at which index of their output; None where `module`'s class records none."""
+    specs = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+    if specs is None:
+        return None
+    spec = specs[0] if isinstance(specs, list) else specs
+    target: Any = getattr(spec, "target_class", spec)
+    name = getattr(spec, "class_name", None) or (target if isinstance(target, str) else None)
+    index = getattr(spec, "index", 1)  # transformers' default for a bare class that is not a hidden state
+    if name is not None:
+        return (lambda m: type(m).__name__.endswith(name)), index
+    return (lambda m: isinstance(m, target)), index

@@ -72,15 +72,30 @@ def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None
             f"pp_size > 1 on {name}: its forward computes the loss itself, not through transformers' loss_function, "
             f"so a micro-batch's loss could not be normalised over the whole batch's label tokens"
         )
-    base_path = next(path for path, module in model.named_modules() if module is base)
-    children = dict(base.named_children())
+    decoder = _decoder(model)
+    base_path = next(path for path, module in model.named_modules() if module is decoder)
+    children = dict(decoder.named_children())
     lists = [n for n, m in children.items() if isinstance(m, nn.ModuleList)]
     if len(lists) != 1:
         raise NotImplementedError(
-            f"pp_size > 1 on {name}: its decoder model {type(base).__name__} does not hold one list of decoder "
-            f"layers (found {lists}); composite models (a VLM's vision tower) are not cut yet"
+            f"pp_size > 1 on {name}: its decoder model {type(decoder).__name__} does not hold one list of decoder "
+            f"layers (found {lists})"
         )
     return Cut(base_path, lists[0], bounds(len(children[lists[0]]), stages, split_points))
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder model: the base model, or in a composite model (a VLM: vision tower, projector, text model) the
+    module holding the input embedding beside one list of layers (its text model)."""
+    base, embedding = model.base_model, model.get_input_embeddings()
+    if sum(isinstance(m, nn.ModuleList) for m in base.children()) == 1:
+        return base
+    found = [
+        m
+        for m in base.modules()
+        if any(c is embedding for c in m.children()) and sum(isinstance(c, nn.ModuleList) for c in m.children()) == 1
+    ]
+    return found[0] if len(found) == 1 else base
 
 
 def _source(function: object) -> str:
@@ -122,19 +137,22 @@ def skip_others(model: nn.Module, cut: Cut, stages: list[int]) -> None:
 
 def owner(model: nn.Module, cut: Cut) -> Callable[[str], int]:
     """Which stage trains (and saves) each parameter or buffer, by its name: a decoder layer's its stage; the decoder
-    model's children registered before its layer list (the embeddings) and the input embedding the first stage; the
+    model's children registered before its layer list (the embeddings), the input embedding, and in a composite
+    model what its base model holds beside the decoder model (a VLM's vision tower and projector) the first stage; the
     rest (the final norm, the head outside the decoder model) the last. A tied head is the embedding's one weight."""
     base = model.get_submodule(cut.base)
     prefix = f"{cut.base}." if cut.base else ""
     children = list(dict(base.named_children()))
     embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     first = tuple(f"{prefix}{c}." for c in children[: children.index(cut.layers)]) + (f"{embedding}.",)
+    outer = next(f"{n}." for n, m in model.named_modules() if m is model.base_model)
     root = f"{prefix}{cut.layers}."
 
     def stage(name: str) -> int:
         if name.startswith(root):
             return cut.stage_of(int(name[len(root) :].split(".", 1)[0]))
-        return 0 if name.startswith(first) else cut.stages - 1
+        beside = outer != prefix and name.startswith(outer) and not name.startswith(prefix)  # a VLM's vision tower
+        return 0 if name.startswith(first) or beside else cut.stages - 1
 
     return stage
 

@@ -22,17 +22,19 @@ from ..runtime.rollback import Removable
 from ..state import TPState
 from .cut import Cut, find_cut, skip_others
 from .generate import PipelineGenerate
+from .release import release, unowned
+from .router import Balance, unsupported
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
     "cp_size": "context parallelism",
-    "ep_size": "expert parallelism",
     "sequence_parallel": "sequence parallelism",
     "tp_group": "a user's tp_group",
 }
 
-_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels"})  # what a pipeline splits by rows
+# what a pipeline splits by rows (a VLM's pixel_values: one image a row, for the first stage's vision tower)
+_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "pixel_values"})
 _EVALUATED = _INPUTS | {"use_cache", "return_dict"}
 
 
@@ -45,6 +47,7 @@ class PipelineParallelism(Dimension):
     cut: Cut
     stages: list[int]  # this rank's stages (two under a looped schedule)
     runner: Runner
+    released: dict[str, nn.Module]  # what this rank's stages do not own, by path, with what replaces it
     tied: nn.Parameter | None = None
     tied_group: Group = None
     running = False  # inside `forward_backward`: the model's own forward is the stages'
@@ -87,10 +90,11 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with dropout ({dropout[0]}): each micro-batch would draw other masks than one process "
                 f"draws; set the dropout to 0"
             )
-        if getattr(model.config, "output_router_logits", False):
+        why = unsupported(model) if getattr(model.config, "output_router_logits", False) else None
+        if why is not None:
             raise NotImplementedError(
-                f"pp_size={pp} with output_router_logits: the MoE load-balancing loss is summed over every layer's "
-                f"router in the last stage's forward, which sees only its own layers; set output_router_logits=False"
+                f"pp_size={pp} with output_router_logits: the MoE load-balancing loss is added across stages only "
+                f"in transformers' Switch form, and {why}; set output_router_logits=False"
             )
         self._cut(model, options)  # a model that cannot be cut, or split points that do not fit
 
@@ -104,7 +108,8 @@ class PipelineParallelism(Dimension):
             options.pp_size,
             self.cut.stages // options.pp_size,
         )
-        return without(plan, self.cut.prefixes(self.stages)), ()
+        self.released = unowned(model, self.cut, self.stages)
+        return without(plan, self.cut.prefixes(self.stages) + tuple(f"{p}." for p in self.released)), ()
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         options = state.options
@@ -112,15 +117,17 @@ class PipelineParallelism(Dimension):
             return []
         group = state.mesh.group("pp")
         skip_others(model, self.cut, self.stages)
-        self.runner = Runner(
-            model, self.cut, self.stages, group, options.pp_schedule, options.pp_microbatches or options.pp_size
-        )
+        balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
+        microbatches = options.pp_microbatches or options.pp_size
+        self.runner = Runner(model, self.cut, self.stages, group, options.pp_schedule, microbatches, balance)
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        ends = 0 in self.stages or self.cut.stages - 1 in self.stages  # a middle stage holds no part of it
         if head.weight is embedding.weight:  # the tied group: every pipeline's first and last rank
-            self.tied, self.tied_group = head.weight, group if options.pp_size == 2 else None
+            self.tied, self.tied_group = head.weight if ends else None, group if options.pp_size == 2 else None
             for ranks in state.mesh.rank_groups("pp") if options.pp_size > 2 else []:  # collective over the world
                 made = new_group([ranks[0], ranks[-1]], state.timeout, "PP embedding group")
                 self.tied_group = made if dist.get_rank() in (ranks[0], ranks[-1]) else self.tied_group
+        release(model, self.released)
         patch_attribute(model, "forward", PipelineForward(self, model.forward))
         if callable(getattr(model, "generate", None)):
             patch_attribute(model, "generate", PipelineGenerate(model.generate))
@@ -134,7 +141,8 @@ class PipelineParallelism(Dimension):
         if other:  # the schedule splits every input by rows: one that is not per row would be cut wrongly
             raise NotImplementedError(
                 f"autotp.forward_backward at pp_size > 1 with {other}: a pipeline takes input_ids, attention_mask, "
-                f"position_ids and labels, each split by rows into the micro-batches"
+                f"position_ids, labels and a VLM's pixel_values (one image a row), each split by rows into the "
+                f"micro-batches"
             )
         refuse_peft(model, self.cut.stages // len(self.stages))  # LoRA added after wrap: before any step
         self.running = True

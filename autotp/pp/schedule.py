@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import (
 
 from ..mesh import Group, device_of, named_failure
 from .cut import Cut, stage_view, swapped
+from .router import Balance
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
@@ -47,13 +48,13 @@ class _StageOutput(Exception):
 
 
 class StageModule(nn.Module):
-    """One stage's forward, for torch's `PipelineStage`: the model's own forward from the micro-batch's `input_ids`,
-    with only this stage's layers. Everything the model computes before its layers (the embeddings, position
+    """One stage's forward, for torch's `PipelineStage`: the model's own forward from the micro-batch's `input_ids`
+    (and a VLM's `pixel_values` on the first stage), with only this stage's layers. Everything the model computes before its layers (the embeddings, position
     embeddings, rotary tables, the mask) is computed on every stage as one process computes it; a stage after the
     first then hands its first layer the hidden states it received instead, and a stage before the last stops after
     its last layer. The last returns its micro-batch's share of the whole batch's loss."""
 
-    def __init__(self, model: nn.Module, cut: Cut, stage: int):
+    def __init__(self, model: nn.Module, cut: Cut, stage: int, balance: Balance | None = None):
         super().__init__()
         self.model = model
         self.cut, self.stage = cut, stage
@@ -63,6 +64,8 @@ class StageModule(nn.Module):
         mine = cut.layer_range(stage)
         object.__setattr__(self, "entry", view[cut.layers][mine.start])
         object.__setattr__(self, "exit", view[cut.layers][mine.stop - 1])
+        object.__setattr__(self, "balance", balance)  # the MoE load-balancing loss's share of its layers
+        object.__setattr__(self, "layers", [view[cut.layers][i] for i in mine])
         self.num_items: torch.Tensor | None = None
         self.logits: list[torch.Tensor] | None = None  # the last stage's, kept while evaluating
         self._received: torch.Tensor | None = None
@@ -72,17 +75,25 @@ class StageModule(nn.Module):
         self._received = None if self.first else x
         hooks = [] if self.first else [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True)]
         hooks += [] if self.last else [self.exit.register_forward_hook(self._leave)]
+        if self.balance is not None:  # the stage adds its routers' share itself, not the model's forward
+            hooks += self.balance.hooks(self.layers, batch.get("attention_mask"))
+            batch["output_router_logits"] = False
+        if not self.first:  # a VLM's images: the vision tower is the first stage's (`autotp.pp.release`)
+            batch.pop("pixel_values", None)
         try:
             with swapped(base, self.view):
                 if self.last:
                     out = self.model(input_ids=tokens, **batch, use_cache=False, num_items_in_batch=self.num_items)
                     if self.logits is not None:
                         self.logits.append(out.logits.detach())
-                    return out.loss if out.loss is not None else out.logits.new_zeros(())
+                    share = self.balance.take() if self.balance is not None else None
+                    if out.loss is None:
+                        return out.logits.new_zeros(())
+                    return out.loss if share is None else out.loss + share.to(out.loss.dtype)
                 batch.pop("labels", None)
-                base(input_ids=tokens, **batch, use_cache=False)
+                self.model.base_model(input_ids=tokens, **batch, use_cache=False)  # a VLM's: with its vision tower
         except _StageOutput as done:
-            return done.hidden
+            return done.hidden if self.balance is None else self.balance.attach(done.hidden)
         finally:
             self._received = None
             for hook in hooks:
@@ -106,10 +117,19 @@ def stages_of(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
 class Runner:
     """This rank's stages and schedule, rebuilt when the batch's shape changes."""
 
-    def __init__(self, model: nn.Module, cut: Cut, stages: list[int], group: Group, schedule: str, microbatches: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        cut: Cut,
+        stages: list[int],
+        group: Group,
+        schedule: str,
+        microbatches: int,
+        balance: Balance | None = None,
+    ):
         self.model, self.cut, self.stages, self.group = model, cut, stages, group
-        self.schedule_name, self.microbatches = schedule, microbatches
-        self.modules = [StageModule(model, cut, s) for s in stages]
+        self.schedule_name, self.microbatches, self.balance = schedule, microbatches, balance
+        self.modules = [StageModule(model, cut, s, balance) for s in stages]
         self._keys: dict[str, tuple] = {}  # "step" or "eval": the shapes its schedule was built for
         self._schedules: dict[str, Any] = {}
 
@@ -140,6 +160,13 @@ class Runner:
                 f"into the micro-batches, so give a multiple of {microbatches}"
             )
         kwargs = {k: v for k, v in batch.items() if v is not None} | {"tokens": ids}  # every stage's input_ids
+        uneven = next((k for k, v in kwargs.items() if torch.is_tensor(v) and v.shape[0] != ids.shape[0]), None)
+        if uneven is not None:
+            raise NotImplementedError(
+                f"{uneven} of {kwargs[uneven].shape[0]} rows beside input_ids of {ids.shape[0]}: a pipeline splits "
+                f"every input by rows into its micro-batches, so a VLM's pixel_values need one image a row (not "
+                f"flattened patches with image_grid_thw)"
+            )
         labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
         num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:
@@ -147,16 +174,27 @@ class Runner:
         schedule = self._schedule_for(ids, kwargs, how, microbatches)
         losses: list[torch.Tensor] = []
         args = (ids,) if 0 in self.stages else ()
+        balance = self.balance
+        if balance is not None:
+            balance.start()
         with named_failure(
             self.group,
             f"the pipeline schedule {self.schedule_name}",
             "Every rank must call autotp.forward_backward (or the model, to evaluate) with the same whole batch.",
         ):
+            if how == "step" and balance is not None:  # the whole batch's expert counts first (`autotp.pp.router`)
+                with torch.no_grad():
+                    schedule.eval(*args, target=labels, losses=[], return_outputs=False, **kwargs)
+                balance.counted()
             if how == "step":
                 schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             else:
                 schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
-        return self._shared_loss(losses)
+        loss = self._shared_loss(losses)
+        if balance is None or "labels" not in kwargs:
+            return loss
+        aux = balance.sent_total() if how == "step" else balance.loss(balance.counted())
+        return loss + aux.to(loss.device, loss.dtype)
 
     def _schedule_for(self, ids: torch.Tensor, kwargs: dict[str, Any], how: str, microbatches: int) -> Any:
         """The schedule for this batch's shapes, kept while they repeat (one for training, one for evaluation).

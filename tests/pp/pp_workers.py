@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 
 import autotp
 from autotp.testing import parity, tiny_config
+from ep_workers import whole
 from models import batch, tiny_model
 
 
@@ -36,6 +37,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
         reference.gradient_checkpointing_enable()
     compiled = options.pop("compile", False)
+    images = options.pop("images", None)  # a function adding a VLM's image inputs (one image a row) to a batch
     model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
     for layer in model.model.layers if compiled else []:  # torch.compile of each decoder layer after wrap
         layer.compile()
@@ -44,6 +46,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     losses, expected, norms = [], [], []
     for step in range(steps):
         inputs = pp_batch(seq=16 - 2 * step, seed=step + 1, pads=pads)  # the sequence length changes between steps
+        inputs = images(inputs, reference.config) if images else inputs
         out = autotp.forward_backward(reference, **inputs)
         expected.append(out.loss.item())
         if clip is not None:
@@ -58,11 +61,12 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
         opt.zero_grad(set_to_none=False)
     with torch.no_grad():  # evaluation: the forward-only schedule, the loss and logits on every rank
         inputs = pp_batch(seed=7)
+        inputs = images(inputs, reference.config) if images else inputs
         got, want = model(**inputs), reference(**inputs)
         evaluated = (abs(got.loss.item() - want.loss.item()), (got.logits - want.logits).abs().max().item())
     ref = dict(reference.named_parameters())
     trained = {
-        name: parity.full_tensor(p, p, autotp.tp_group(model))
+        name: whole(p, p, model)  # experts gathered over EP, TP shards over TP
         for name, p in model.named_parameters()
         if p.grad is not None
     }
@@ -82,6 +86,19 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     }
 
 
+def assert_pp_parity(results: list[dict], reference_names: int | None = None) -> None:
+    for result in results:
+        for got, expected in zip(result["losses"], result["expected"]):
+            assert abs(got - expected) < parity.LOSS_ATOL, (result["stage"], result["losses"], result["expected"])
+        assert result["errors"] and max(result["errors"].values()) < parity.PARAM_ATOL, result["errors"]
+        assert result["eval"][0] < parity.LOSS_ATOL and result["eval"][1] < 1e-4, result["eval"]  # under no_grad
+        for expected, got in result["norms"]:  # clip_grad_norm_: the whole model's norm, on every stage
+            assert abs(got - expected) < 1e-5 * max(1.0, expected), result["norms"]
+    trained = set().union(*(r["errors"] for r in results))
+    if reference_names is not None:
+        assert len(trained) == reference_names, trained  # every parameter is trained on some stage
+
+
 def pp_refusals(rank: int, world: int) -> dict:
     """What a pipeline refuses, each by name and before the model changes (its parameters the same objects, equal),
     and a plain forward of the wrapped model."""
@@ -92,10 +109,9 @@ def pp_refusals(rank: int, world: int) -> dict:
         "sequence_parallel": dict(sequence_parallel=True),
         "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
         "dropout": dict(config=dict(attention_dropout=0.1)),
-        "output_router_logits": dict(family="mixtral", config=dict(output_router_logits=True)),
+        "output_router_logits": dict(build=lambda: tf.AutoModelForCausalLM.from_config(router_logits("afmoe"))),
         "inline loss": dict(build=lambda: InlineLoss(tiny_model("llama").config)),
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),
-        "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),
         "pp_stages_per_rank": dict(pp_stages_per_rank=2),  # 1F1B runs one stage per rank
         "peft": dict(build=lambda: get_peft_model(tiny_model("llama"), LORA).base_model.model),  # as tests/tp wraps it
@@ -136,6 +152,13 @@ def pp_refusals(rank: int, world: int) -> dict:
             not grads and all(torch.equal(p, before[n]) for n, p in peft.named_parameters()),
         )
     return refused
+
+
+def router_logits(family: str) -> tf.PretrainedConfig:
+    """A tiny `family` config with its MoE load-balancing loss on (AFMoE's is not transformers' Switch loss)."""
+    config = tiny_config(family)
+    config.output_router_logits = True
+    return config
 
 
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

@@ -19,6 +19,7 @@ from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
+from ..runtime.rows import local_rows
 from ..state import TPState
 from .cut import Cut, find_cut, skip_others
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
@@ -136,20 +137,26 @@ class PipelineParallelism(Dimension):
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """The tied embedding: the first stage's gradient (from the embedding) and the last's (from the head) summed
         between them, so the two copies take the same step, as one process's one weight does."""
-        if self.tied is None or self.tied_group is None:
+        tied = self.tied_weight()
+        if tied is None or self.tied_group is None:
             return
-        if self.tied.grad is None:
-            self.tied.grad = torch.zeros_like(self.tied)
+        if tied.grad is None:
+            tied.grad = torch.zeros_like(tied)
         with named_failure(self.tied_group, "the tied embedding's gradient sum over the first and last stage"):
-            dist.all_reduce(self.tied.grad, group=self.tied_group)
+            dist.all_reduce(local_rows(tied.grad)[0], group=self.tied_group)  # under FSDP: both hold the same rows
 
     def norm(
         self, params: list[nn.Parameter], norm_type: float, state: TPState
     ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
         """The tied embedding once: the last stage leaves its copy to the first's (their gradients are summed)."""
-        if self.tied is None or self.cut.stages - 1 not in self.stages or 0 in self.stages:
+        tied = self.tied_weight()
+        if tied is None or self.cut.stages - 1 not in self.stages or 0 in self.stages:
             return params, None
-        return [p for p in params if p is not self.tied], None
+        return [p for p in params if p is not tied], None
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The tied embedding's weight now (`autotp.fully_shard` replaces the parameter with FSDP's), or None."""
+        return None if self.tied is None else self.runner.model.get_output_embeddings().weight
 
     def reduce_norm(self, total: torch.Tensor, norm_type: float, state: TPState) -> torch.Tensor:
         """Each stage's own layers' part, added (or maxed) over the pipeline."""
@@ -158,9 +165,6 @@ class PipelineParallelism(Dimension):
         with named_failure(group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over PP"):
             dist.all_reduce(total, op=op, group=group)
         return total
-
-    def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
-        raise NotImplementedError(f"autotp.fully_shard at pp_size={state.options.pp_size} is not built yet")
 
     def split_group(self) -> Group:
         raise NotImplementedError(

@@ -15,16 +15,17 @@ shape repeats): no stage locks the sequence length of its first step.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from ..mesh import Group, device_of, named_failure
 from .cut import Cut, stage_view, swapped
+from .sharded import SyncOnLast
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
@@ -64,7 +65,10 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, **batch: Any) -> torch.Tensor:
         base = self.model.get_submodule(self.cut.base)
         self._received = None if self.first else x
-        hooks = [] if self.first else [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True)]
+        # first, so that a hook of the layer's own (FSDP's gradient hooks) sees the received hidden states
+        hooks = (
+            [] if self.first else [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)]
+        )
         hooks += [] if self.last else [self.exit.register_forward_hook(self._leave)]
         try:
             with swapped(base, self.view):
@@ -74,13 +78,21 @@ class StageModule(nn.Module):
                         self.logits.append(out.logits.detach())
                     return out.loss if out.loss is not None else out.logits.new_zeros(())
                 batch.pop("labels", None)
-                base(input_ids=tokens, **batch, use_cache=False)
-        except _StageOutput as done:
-            return done.hidden
+                with body(self.model, lambda **kwargs: self._until_exit(base, kwargs)):
+                    return self.model(input_ids=tokens, **batch, use_cache=False)
         finally:
             self._received = None
             for hook in hooks:
                 hook.remove()
+
+    def _until_exit(self, base: nn.Module, kwargs: dict[str, Any]) -> torch.Tensor:
+        """A stage before the last: the decoder model's forward up to this stage's last layer, its output returned.
+        It runs as the model's forward, so the model's own hooks (the root's under `autotp.fully_shard`, which gather
+        the embedding's shards) run around it as around one process's forward."""
+        try:
+            base(**kwargs)
+        except _StageOutput as done:
+            return done.hidden
         raise RuntimeError(f"pipeline stage {self.stage}: its last layer never ran in {type(base).__name__}.forward")
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -90,6 +102,20 @@ class StageModule(nn.Module):
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         raise _StageOutput(output[0] if isinstance(output, tuple) else output)
+
+
+@contextmanager
+def body(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """`module.forward` replaced for the duration: `module(...)` then runs its hooks around `forward`."""
+    saved = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if saved is None:
+            del module.forward
+        else:
+            module.forward = saved
 
 
 def stages_of(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
@@ -164,13 +190,13 @@ class Runner:
             self._key = key
         return self._schedule
 
-    def _stage(self, module: StageModule, ids: torch.Tensor) -> PipelineStage:
+    def _stage(self, module: StageModule, ids: torch.Tensor) -> SyncOnLast:
         rows, device = ids.shape[0] // self.microbatches, device_of(self.group)
         weight = self.model.get_input_embeddings().weight
         # the metadata torch's stage reads (shape, dtype, and requires_grad: whether gradients flow back)
         hidden = torch.empty(rows, ids.shape[1], weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
         loss = torch.empty((), dtype=weight.dtype, device=device).requires_grad_()
-        return PipelineStage(
+        return SyncOnLast(
             module,
             module.stage,
             self.cut.stages,
@@ -178,6 +204,7 @@ class Runner:
             input_args=ids[:rows].to(device) if module.first else hidden,
             output_args=loss if module.last else hidden,
             group=self.group,
+            model=self.model,
         )
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -36,7 +36,10 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
         reference.gradient_checkpointing_enable()
     compiled = options.pop("compile", False)
+    shard = options.pop("fully_shard", False)  # FSDP2 within each stage, over its DP group
     model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
+    if shard:
+        autotp.fully_shard(model)
     for layer in model.model.layers if compiled else []:  # torch.compile of each decoder layer after wrap
         layer.compile()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -82,6 +85,19 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     }
 
 
+def assert_pp_parity(results: list[dict], reference_names: int | None = None) -> None:
+    for result in results:
+        for got, expected in zip(result["losses"], result["expected"]):
+            assert abs(got - expected) < parity.LOSS_ATOL, (result["stage"], result["losses"], result["expected"])
+        assert result["errors"] and max(result["errors"].values()) < parity.PARAM_ATOL, result["errors"]
+        assert result["eval"][0] < parity.LOSS_ATOL and result["eval"][1] < 1e-4, result["eval"]  # under no_grad
+        for expected, got in result["norms"]:  # clip_grad_norm_: the whole model's norm, on every stage
+            assert abs(got - expected) < 1e-5 * max(1.0, expected), result["norms"]
+    trained = set().union(*(r["errors"] for r in results))
+    if reference_names is not None:
+        assert len(trained) == reference_names, trained  # every parameter is trained on some stage
+
+
 def pp_refusals(rank: int, world: int) -> dict:
     """What a pipeline refuses, each by name and before the model changes (its parameters the same objects, equal),
     and a plain forward of the wrapped model."""
@@ -120,7 +136,7 @@ def pp_refusals(rank: int, world: int) -> dict:
         autotp.forward_backward(model, **inputs, cu_seq_lens_q=torch.tensor([0, 16]))
     except NotImplementedError as err:
         refused["cu_seq_lens_q"] = (str(err), True)
-    for call in (lambda: autotp.fully_shard(model), lambda: autotp.save_pretrained(model, "/nonexistent")):
+    for call in (lambda: autotp.save_pretrained(model, "/nonexistent"),):
         try:
             call()
         except NotImplementedError as err:

@@ -16,20 +16,7 @@ from autotp.pp.cut import bounds, find_cut, owner
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import tiny_model
-from pp_workers import micro_batch_means, pp_parity, pp_refusals
-
-
-def assert_pp_parity(results: list[dict], reference_names: int | None = None) -> None:
-    for result in results:
-        for got, expected in zip(result["losses"], result["expected"]):
-            assert abs(got - expected) < parity.LOSS_ATOL, (result["stage"], result["losses"], result["expected"])
-        assert result["errors"] and max(result["errors"].values()) < parity.PARAM_ATOL, result["errors"]
-        assert result["eval"][0] < parity.LOSS_ATOL and result["eval"][1] < 1e-4, result["eval"]  # under no_grad
-        for expected, got in result["norms"]:  # clip_grad_norm_: the whole model's norm, on every stage
-            assert abs(got - expected) < 1e-5 * max(1.0, expected), result["norms"]
-    trained = set().union(*(r["errors"] for r in results))
-    if reference_names is not None:
-        assert len(trained) == reference_names, trained  # every parameter is trained on some stage
+from pp_workers import assert_pp_parity, micro_batch_means, pp_parity, pp_refusals
 
 
 def test_pp2_llama_matches_one_process_over_micro_batches_of_different_label_counts() -> None:
@@ -81,7 +68,6 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
     for name, words in expected.items():
         message, unchanged = refused[name]
         assert words in message and unchanged, (name, message)
-    assert any("fully_shard" in m for m, _ in refused.values())
     assert any("save_pretrained" in m for m, _ in refused.values())
 
 

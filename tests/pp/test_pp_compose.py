@@ -1,0 +1,42 @@
+"""Pipeline parallelism composed with FSDP2 (`autotp.fully_shard` within each stage), sequence and context
+parallelism, PEFT LoRA and `AutoTPTrainer`: parity with one process.
+
+Parity as tests/pp/test_pipeline.py's (`pp_parity`): fp32, so only the order of reductions differs: the loss within
+1e-5 at every step and every parameter a stage trains within 3e-5 of one process's after 3 AdamW steps, one seed and
+the same calls (`autotp.forward_backward`, `allreduce_gradients`, `clip_grad_norm_`, the step). Micro-batches hold
+different label counts and the sequence length changes between steps. One spawn per layout; the 4- and 8-rank runs
+are slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autotp.testing.spawn import run_ranks
+from compose_workers import counted_pp_parity
+from pp_workers import assert_pp_parity, pp_parity
+
+DP_PADS = (0, 6, 3, 3)  # each DP replica's half of the batch holds 15 + 9 = 12 + 12 labels: its mean is one process's
+
+
+@pytest.mark.slow
+def test_pp2_tp2_dp2_fully_shard_matches_one_process_and_reduces_once_per_step() -> None:
+    """FSDP2 within each stage: its decoder layers and the root (embedding, final norm, head) sharded over the
+    stage's DP group. The micro-batches' gradients are reduce-scattered once per step, on the last micro-batch's
+    backward: one reduce-scatter per FSDP unit (the stage's one layer and the root) and step."""
+    options = dict(pp_microbatches=2, clip=0.5, pads=DP_PADS, fully_shard=True)
+    results = run_ranks(counted_pp_parity, 8, "llama", 2, 2, options)
+    assert [r["stage"] for r in results] == [0] * 4 + [1] * 4
+    assert_pp_parity(results, reference_names=21)
+    assert all(r["reduce_scatters"] == 2 * 3 for r in results), [r["reduce_scatters"] for r in results]
+
+
+@pytest.mark.slow
+def test_pp2_dp2_fully_shard_interleaved_with_tied_embeddings() -> None:
+    """A looped schedule (two stages per rank share the model's root) and a tied embedding held by the first and the
+    last stage, both sharded by FSDP: the tied weight's gradient shards are summed between them."""
+    config = dict(tie_word_embeddings=True, num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    options = dict(pp_schedule="Interleaved1F1B", pp_microbatches=2, clip=0.5, pads=DP_PADS, fully_shard=True)
+    results = run_ranks(pp_parity, 4, "qwen2", 1, 2, dict(options, config=config))
+    assert all(r["tied"] for r in results)
+    assert_pp_parity(results, reference_names=1 + 4 * 12 + 1)

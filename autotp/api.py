@@ -187,7 +187,7 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
         dimension.refuse(model, plan, options)
     if options.sequence_parallel:
-        sequence_layout(model, *base_plan(dimensions, model, plan, options))
+        sequence_layout(model, *base_plan(dimensions, model, plan, options), full=plan)
     return plan
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..mesh import Group, device_of, named_failure
 from .cut import Cut, stage_view, swapped
@@ -79,20 +80,21 @@ class StageModule(nn.Module):
                     return out.loss if out.loss is not None else out.logits.new_zeros(())
                 batch.pop("labels", None)
                 with body(self.model, lambda **kwargs: self._until_exit(base, kwargs)):
-                    return self.model(input_ids=tokens, **batch, use_cache=False)
+                    return self.model(input_ids=tokens, **batch, use_cache=False).last_hidden_state
         finally:
             self._received = None
             for hook in hooks:
                 hook.remove()
 
-    def _until_exit(self, base: nn.Module, kwargs: dict[str, Any]) -> torch.Tensor:
-        """A stage before the last: the decoder model's forward up to this stage's last layer, its output returned.
-        It runs as the model's forward, so the model's own hooks (the root's under `autotp.fully_shard`, which gather
-        the embedding's shards) run around it as around one process's forward."""
+    def _until_exit(self, base: nn.Module, kwargs: dict[str, Any]) -> BaseModelOutputWithPast:
+        """A stage before the last: the decoder model's forward up to this stage's last layer, its output returned as
+        the decoder model's. It runs as the model's forward, so the model's own hooks run around it as around one
+        process's forward: FSDP's root gathers the embedding, CP splits the micro-batch's sequence (and leaves the
+        hidden states, not a sequence's hidden-state tuple, as they are)."""
         try:
             base(**kwargs)
         except _StageOutput as done:
-            return done.hidden
+            return BaseModelOutputWithPast(last_hidden_state=done.hidden)
         raise RuntimeError(f"pipeline stage {self.stage}: its last layer never ran in {type(base).__name__}.forward")
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -130,6 +132,7 @@ class Runner:
         self.model, self.cut, self.stages, self.group = model, cut, stages, group
         self.schedule_name, self.microbatches = schedule, microbatches
         self.modules = [StageModule(model, cut, s) for s in stages]
+        self.sequence_length: Callable[[int], int] = lambda length: length  # of the hidden states the stages send
         self._key: tuple | None = None
         self._schedule: Any = None
 
@@ -194,7 +197,8 @@ class Runner:
         rows, device = ids.shape[0] // self.microbatches, device_of(self.group)
         weight = self.model.get_input_embeddings().weight
         # the metadata torch's stage reads (shape, dtype, and requires_grad: whether gradients flow back)
-        hidden = torch.empty(rows, ids.shape[1], weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
+        seq = self.sequence_length(ids.shape[1])  # CP's chunk, SP's part of it
+        hidden = torch.empty(rows, seq, weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
         loss = torch.empty((), dtype=weight.dtype, device=device).requires_grad_()
         return SyncOnLast(
             module,

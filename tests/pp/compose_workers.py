@@ -23,3 +23,8 @@ def counted_pp_parity(rank: int, world: int, *args: object) -> dict:
     finally:
         dist.reduce_scatter_single = reduce_scatter
     return {**result, "reduce_scatters": len(calls)}
+
+
+def pp_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    """`pp_parity` for each (family, tp, pp, options) in one set of ranks (one start-up for several layouts)."""
+    return [pp_parity(rank, world, *case) for case in cases]

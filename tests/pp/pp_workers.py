@@ -61,8 +61,14 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
         opt.zero_grad(set_to_none=False)
     with torch.no_grad():  # evaluation: the forward-only schedule, the loss and logits on every rank
         inputs = pp_batch(seed=7)
-        got, want = model(**inputs), reference(**inputs)
-        evaluated = (abs(got.loss.item() - want.loss.item()), (got.logits - want.logits).abs().max().item())
+        try:
+            got, want = model(**inputs), reference(**inputs)
+            evaluated: tuple | str = (
+                abs(got.loss.item() - want.loss.item()),
+                (got.logits - want.logits).abs().max().item(),
+            )
+        except NotImplementedError as err:  # a layout whose evaluation is refused: the message, for the test
+            evaluated = str(err)
     ref = dict(reference.named_parameters())
     trained = {
         name: parity.full_tensor(p, p, autotp.tp_group(model))
@@ -90,6 +96,7 @@ def assert_pp_parity(results: list[dict], reference_names: int | None = None) ->
         for got, expected in zip(result["losses"], result["expected"]):
             assert abs(got - expected) < parity.LOSS_ATOL, (result["stage"], result["losses"], result["expected"])
         assert result["errors"] and max(result["errors"].values()) < parity.PARAM_ATOL, result["errors"]
+        assert isinstance(result["eval"], tuple), result["eval"]
         assert result["eval"][0] < parity.LOSS_ATOL and result["eval"][1] < 1e-4, result["eval"]  # under no_grad
         for expected, got in result["norms"]:  # clip_grad_norm_: the whole model's norm, on every stage
             assert abs(got - expected) < 1e-5 * max(1.0, expected), result["norms"]
@@ -103,9 +110,7 @@ def pp_refusals(rank: int, world: int) -> dict:
     and a plain forward of the wrapped model."""
     refused = {}
     for name, options in {
-        "cp_size": dict(cp_size=2),
         "ep_size": dict(ep_size=2),
-        "sequence_parallel": dict(sequence_parallel=True),
         "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
         "dropout": dict(config=dict(attention_dropout=0.1)),
         "output_router_logits": dict(family="mixtral", config=dict(output_router_logits=True)),

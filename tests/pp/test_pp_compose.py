@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from autotp.testing.spawn import run_ranks
-from compose_workers import counted_pp_parity
-from pp_workers import assert_pp_parity, pp_parity
+from compose_workers import counted_pp_parity, pp_cases
+from pp_workers import assert_pp_parity
 
 DP_PADS = (0, 6, 3, 3)  # each DP replica's half of the batch holds 15 + 9 = 12 + 12 labels: its mean is one process's
 
@@ -31,12 +31,58 @@ def test_pp2_tp2_dp2_fully_shard_matches_one_process_and_reduces_once_per_step()
     assert all(r["reduce_scatters"] == 2 * 3 for r in results), [r["reduce_scatters"] for r in results]
 
 
+FOUR_RANKS = {  # one spawn of 4 ranks for the layouts below: (family, tp, pp, options)
+    "fsdp interleaved tied": (
+        "qwen2",
+        1,
+        2,
+        dict(
+            pp_schedule="Interleaved1F1B",
+            pp_microbatches=2,
+            clip=0.5,
+            pads=DP_PADS,
+            fully_shard=True,
+            config=dict(tie_word_embeddings=True, num_hidden_layers=4, layer_types=["full_attention"] * 4),
+        ),
+    ),
+    "sp": ("llama", 2, 2, dict(pp_microbatches=2, sequence_parallel=True, clip=0.5)),
+    "cp": ("llama", 1, 2, dict(pp_microbatches=2, cp_size=2, clip=0.5)),
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list[dict]]:
+    results = run_ranks(pp_cases, 4, list(FOUR_RANKS.values()))
+    return {name: [rank[i] for rank in results] for i, name in enumerate(FOUR_RANKS)}
+
+
 @pytest.mark.slow
-def test_pp2_dp2_fully_shard_interleaved_with_tied_embeddings() -> None:
+def test_pp2_dp2_fully_shard_interleaved_with_tied_embeddings(four_ranks: dict) -> None:
     """A looped schedule (two stages per rank share the model's root) and a tied embedding held by the first and the
     last stage, both sharded by FSDP: the tied weight's gradient shards are summed between them."""
-    config = dict(tie_word_embeddings=True, num_hidden_layers=4, layer_types=["full_attention"] * 4)
-    options = dict(pp_schedule="Interleaved1F1B", pp_microbatches=2, clip=0.5, pads=DP_PADS, fully_shard=True)
-    results = run_ranks(pp_parity, 4, "qwen2", 1, 2, dict(options, config=config))
+    results = four_ranks["fsdp interleaved tied"]
     assert all(r["tied"] for r in results)
     assert_pp_parity(results, reference_names=1 + 4 * 12 + 1)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_sequence_parallel_matches_one_process(four_ranks: dict) -> None:
+    """The stages send TP's sequence chunks (the receive buffers are seq / tp long): the first stage's first layer
+    splits the sequence, the last stage's last layer gathers it."""
+    results = four_ranks["sp"]
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    assert_pp_parity(results, reference_names=21)
+
+
+@pytest.mark.slow
+def test_pp2_cp2_matches_one_process_and_refuses_evaluation_by_name(four_ranks: dict) -> None:
+    """Each stage's forward is the model's, so context parallelism splits every micro-batch's sequence on every stage
+    alike (zigzag chunks, padded: 14 tokens become 2 chunks of 4 per rank) and the stages send those chunks; the loss
+    is summed over CP and divided by the whole batch's label count. Evaluation (`model(...)` under no_grad) is refused:
+    CP would split the batch before the pipeline splits its rows."""
+    results = four_ranks["cp"]
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    for result in results:
+        assert "cp_size > 1" in result["eval"], result["eval"]
+        result["eval"] = (0.0, 0.0)  # refused, checked above; the rest as every layout
+    assert_pp_parity(results, reference_names=21)

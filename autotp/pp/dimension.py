@@ -20,7 +20,7 @@ from ..runtime.dimension import Dimension
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..runtime.rows import local_rows
-from ..state import TPState
+from ..state import TPState, wrapped_model
 from .cut import Cut, find_cut, skip_others
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 
@@ -47,6 +47,7 @@ class PipelineParallelism(Dimension):
     tied_group: Group = None
     running = False  # inside `forward_backward`: the model's own forward is the stages'
     split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
+    adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         pp = options.pp_size
@@ -128,7 +129,7 @@ class PipelineParallelism(Dimension):
                 f"autotp.forward_backward at pp_size > 1 with {other}: a pipeline takes input_ids, attention_mask, "
                 f"position_ids and labels, each split by rows into the micro-batches"
             )
-        refuse_peft(model, self.cut.stages // len(self.stages))  # LoRA added after wrap: before any step
+        refuse_peft(model, self.cut.stages // len(self.stages), self.adapters)  # added after wrap: before any step
         self.running = True
         try:
             return self.runner.step(dict(batch))
@@ -139,7 +140,7 @@ class PipelineParallelism(Dimension):
         """The tied embedding: the first stage's gradient (from the embedding) and the last's (from the head) summed
         between them, so the two copies take the same step, as one process's one weight does."""
         tied = self.tied_weight()
-        if tied is None or self.tied_group is None:
+        if tied is None or self.tied_group is None or not tied.requires_grad:  # frozen (under LoRA): no step
             return
         if tied.grad is None:
             tied.grad = torch.zeros_like(tied)
@@ -187,12 +188,16 @@ class PipelineParallelism(Dimension):
         return find_cut(model, options.pp_size * per_rank, options.pp_split_points)
 
 
-def refuse_peft(model: nn.Module, pp: int) -> None:
-    """PEFT (LoRA) under a pipeline is not built: autotp's LoRA lift and adapters do not know the stages' layers."""
-    peft = next((name or type(m).__name__ for name, m in model.named_modules() if is_peft_module(m)), None)
+def refuse_peft(model: nn.Module, pp: int, adapters: frozenset[int]) -> None:
+    """PEFT added after wrap under a pipeline: each stage would draw only its own layers' adapters, other values than
+    one process draws for the whole model. LoRA put on before wrap (`adapters`) is drawn whole and trains."""
+    holder = wrapped_model(model)
+    inside = holder.named_modules() if holder is not None else ()
+    peft = next((n for n, m in inside if is_peft_module(m) and id(m) not in adapters), None)
     if peft is not None:
         raise NotImplementedError(
-            f"pp_size={pp} with PEFT ({peft}): LoRA under a pipeline is not built yet; train LoRA at pp_size=1"
+            f"pp_size={pp} with PEFT added after wrap ({peft}): each stage would draw its own layers' adapters, not "
+            f"the values one process draws; call get_peft_model before autotp.wrap(peft_model.base_model.model, ...)"
         )
 
 
@@ -243,6 +248,7 @@ class PipelineForward:
                 f"splits the batch's sequence before the pipeline could split its rows; train with "
                 f"autotp.forward_backward (its loss is the whole batch's), evaluate at cp_size=1"
             )
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}  # a default (PEFT's forward passes them on)
         other = sorted(set(kwargs) - _EVALUATED) + (["positional arguments"] if args else [])
         if other or kwargs.get("use_cache"):
             raise NotImplementedError(

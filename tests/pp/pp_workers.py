@@ -33,11 +33,15 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     clip = options.pop("clip", None)  # clip both runs' gradients to this norm every step
     pads = options.pop("pads", (0, 3, 6, 9))  # under DP: rows whose halves hold equal label counts
     reference = tiny_model(family, **config)
+    lora = options.pop("lora", None)  # PEFT's LoRA put on before wrap, as tests/tp's LoRA tests do
+    if lora is not None:
+        reference = get_peft_model(reference, lora)
     if options.pop("checkpointing", False):  # activation checkpointing, turned on before wrap as a user does
         reference.gradient_checkpointing_enable()
     compiled = options.pop("compile", False)
     shard = options.pop("fully_shard", False)  # FSDP2 within each stage, over its DP group
-    model = autotp.wrap(copy.deepcopy(reference), tp, pp_size=pp, **options)
+    model = copy.deepcopy(reference)
+    autotp.wrap(model.base_model.model if lora is not None else model, tp, pp_size=pp, **options)
     if shard:
         autotp.fully_shard(model)
     for layer in model.model.layers if compiled else []:  # torch.compile of each decoder layer after wrap
@@ -119,7 +123,6 @@ def pp_refusals(rank: int, world: int) -> dict:
         "qwen2_vl": dict(build=lambda: tf.AutoModelForImageTextToText.from_config(tiny_config("qwen2_vl"))),
         "pp_split_points": dict(pp_split_points=(0,)),
         "pp_stages_per_rank": dict(pp_stages_per_rank=2),  # 1F1B runs one stage per rank
-        "peft": dict(build=lambda: get_peft_model(tiny_model("llama"), LORA).base_model.model),  # as tests/tp wraps it
     }.items():
         build = options.pop("build", None)
         model = build() if build else tiny_model(options.pop("family", "llama"), **options.pop("config", {}))

@@ -60,7 +60,6 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "pp_stages_per_rank": "looped schedule",
         "forward": "autotp.forward_backward",
         "cu_seq_lens_q": "split by rows",
-        "peft": "PEFT",
         "peft after wrap": "PEFT",
     }
     for name, words in expected.items():

@@ -14,7 +14,7 @@ import pytest
 
 from autotp.testing.spawn import run_ranks
 from compose_workers import counted_pp_parity, pp_cases
-from pp_workers import assert_pp_parity
+from pp_workers import LORA, assert_pp_parity, pp_parity
 
 DP_PADS = (0, 6, 3, 3)  # each DP replica's half of the batch holds 15 + 9 = 12 + 12 labels: its mean is one process's
 
@@ -47,6 +47,7 @@ FOUR_RANKS = {  # one spawn of 4 ranks for the layouts below: (family, tp, pp, o
     ),
     "sp": ("llama", 2, 2, dict(pp_microbatches=2, sequence_parallel=True, clip=0.5)),
     "cp": ("llama", 1, 2, dict(pp_microbatches=2, cp_size=2, clip=0.5)),
+    "lora tp2": ("llama", 2, 2, dict(pp_microbatches=2, clip=0.5, lora=LORA)),
 }
 
 
@@ -86,3 +87,19 @@ def test_pp2_cp2_matches_one_process_and_refuses_evaluation_by_name(four_ranks: 
         assert "cp_size > 1" in result["eval"], result["eval"]
         result["eval"] = (0.0, 0.0)  # refused, checked above; the rest as every layout
     assert_pp_parity(results, reference_names=21)
+
+
+def test_pp2_lora_put_on_before_wrap_matches_one_process_peft() -> None:
+    """`get_peft_model` then `autotp.wrap(peft_model.base_model.model, 1, pp_size=2)`, as at pp 1: the adapters are
+    drawn for the whole model, as one process draws them; each stage trains its own layers' (the base frozen)."""
+    results = run_ranks(pp_parity, 2, "llama", 1, 2, dict(pp_microbatches=4, clip=0.5, lora=LORA))
+    assert [r["stage"] for r in results] == [0, 1]
+    assert all(name.split(".")[4] == str(r["stage"]) for r in results for name in r["errors"]), results
+    assert_pp_parity(results, reference_names=2 * 2 * 2)  # q and v of 2 layers, A and B each
+
+
+@pytest.mark.slow
+def test_pp2_tp2_lora_matches_one_process_peft(four_ranks: dict) -> None:
+    """The stage's LoRA layers around its sharded q and v (lora_B split by rows as the base), the other stage's
+    adapters left out of this rank's model."""
+    assert_pp_parity(four_ranks["lora tp2"], reference_names=2 * 2 * 2)

@@ -4,6 +4,7 @@ part of the gradient sync (the tied embedding's two copies summed, as Megatron's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -121,8 +122,10 @@ class PipelineParallelism(Dimension):
         return []
 
     def forward_backward(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        batch = dict(batch)
         if "labels" not in batch or "input_ids" not in batch:
             raise ValueError("autotp.forward_backward at pp_size > 1 needs input_ids and labels (the pipeline's loss)")
+        num_items = batch.pop("num_items_in_batch", None)  # the Trainer's, over its accumulation window
         other = sorted(set(batch) - _INPUTS)
         if other:  # the schedule splits every input by rows: one that is not per row would be cut wrongly
             raise NotImplementedError(
@@ -132,7 +135,7 @@ class PipelineParallelism(Dimension):
         refuse_peft(model, self.cut.stages // len(self.stages), self.adapters)  # added after wrap: before any step
         self.running = True
         try:
-            return self.runner.step(dict(batch))
+            return self.runner.step(dict(batch), num_items)
         finally:
             self.running = False
 
@@ -231,6 +234,7 @@ class PipelineForward:
 
     def __init__(self, pipeline: PipelineParallelism, forward: Any):
         self.pipeline, self.forward = pipeline, forward
+        self.__signature__ = inspect.signature(forward)  # what the Trainer reads for the columns a batch keeps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline.running:

@@ -136,9 +136,10 @@ class Runner:
         self._key: tuple | None = None
         self._schedule: Any = None
 
-    def step(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline."""
-        return self._run(batch, "step")
+    def step(self, batch: dict[str, Any], num_items: Any = None) -> torch.Tensor:
+        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline. `num_items`: the
+        label tokens the loss is divided by (the Trainer's count over its accumulation window), else the batch's."""
+        return self._run(batch, "step", num_items)
 
     def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
@@ -152,7 +153,7 @@ class Runner:
             last.logits = None
         return (loss if "labels" in batch else None), logits
 
-    def _run(self, batch: dict[str, Any], how: str) -> torch.Tensor:
+    def _run(self, batch: dict[str, Any], how: str, num_items: Any = None) -> torch.Tensor:
         ids = batch.pop("input_ids")
         if ids.shape[0] % self.microbatches:
             raise ValueError(
@@ -161,7 +162,8 @@ class Runner:
             )
         kwargs = {k: v for k, v in batch.items() if v is not None} | {"tokens": ids}  # every stage's input_ids
         labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
-        num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
+        if num_items is None:
+            num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:
             module.num_items = num_items
         schedule = self._schedule_for(ids, kwargs)

@@ -10,10 +10,13 @@ are slow.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from compose_workers import counted_pp_parity, pp_cases
+from compose_workers import counted_pp_parity, pp_cases, trainer_run
 from pp_workers import LORA, assert_pp_parity, pp_parity
 
 DP_PADS = (0, 6, 3, 3)  # each DP replica's half of the batch holds 15 + 9 = 12 + 12 labels: its mean is one process's
@@ -103,3 +106,18 @@ def test_pp2_tp2_lora_matches_one_process_peft(four_ranks: dict) -> None:
     """The stage's LoRA layers around its sharded q and v (lora_B split by rows as the base), the other stage's
     adapters left out of this rank's model."""
     assert_pp_parity(four_ranks["lora tp2"], reference_names=2 * 2 * 2)
+
+
+@pytest.mark.slow
+def test_trainer_at_pp2_matches_one_process_trainer(tmp_path: Path) -> None:
+    """AutoTPTrainer's step drives `autotp.forward_backward`: 2 gradient accumulation steps per optimizer step, each
+    one schedule over 2 micro-batches, every loss divided by the accumulation window's label tokens as Trainer
+    divides one process's: each accumulation step's loss and the trained parameters of one rank's run."""
+    (one,) = run_ranks(trainer_run, 1, str(tmp_path / "one"), 1)
+    results = run_ranks(trainer_run, 2, str(tmp_path / "pp"), 2)
+    assert len(one["losses"]) == 4, one["losses"]
+    for result in results:
+        assert max(abs(a - b) for a, b in zip(result["losses"], one["losses"], strict=True)) < parity.LOSS_ATOL
+        errors = {n: (p - one["params"][n]).abs().max().item() for n, p in result["params"].items()}
+        assert max(errors.values()) < parity.PARAM_ATOL, errors
+    assert set().union(*(r["params"] for r in results)) == set(one["params"])  # every parameter, on its stage

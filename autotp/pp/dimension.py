@@ -267,6 +267,7 @@ class PipelineForward:
                 f"autotp.forward_backward (its loss is the whole batch's), evaluate at cp_size=1"
             )
         kwargs = {k: v for k, v in kwargs.items() if v is not None}  # a default (PEFT's forward passes them on)
+        keep = kwargs.pop("logits_to_keep", 0)  # generate passes it, reading the model's signature (`__signature__`)
         other = sorted(set(kwargs) - _EVALUATED) + (["positional arguments"] if args else [])
         if other or kwargs.get("use_cache"):
             raise NotImplementedError(
@@ -279,4 +280,6 @@ class PipelineForward:
             loss, logits = self.pipeline.runner.evaluate(batch)
         finally:
             self.pipeline.running = False
+        if not isinstance(keep, int) or keep:
+            logits = logits[:, slice(-keep, None) if isinstance(keep, int) else keep]
         return CausalLMOutputWithPast(loss=loss, logits=logits)

@@ -45,6 +45,7 @@ from .parallelize import parallelize
 from .planning.plan import Plan
 from .planning.planner import build_plan
 from .pp.dimension import PipelineParallelism
+from .pp.load import drop_other_stages
 from .runtime.agreement import check_agreement, check_sizes
 from .runtime.dimension import base_plan
 from .sp.sequence import sequence_layout
@@ -123,7 +124,8 @@ def from_pretrained(
 
     def load(state: TPState) -> None:
         target = device_of(state.tp_group) if device is None else device
-        load_params(model, files, torch.device(target), dtype, show=is_global_rank0())
+        unread = drop_other_stages(model, state)  # at pp > 1: this rank reads only its stages' layers
+        load_params(model, files, torch.device(target), dtype, show=is_global_rank0(), unread=unread)
         model.to(target)  # buffers built at init
 
     _shard(model, tp_size, options, materialize=load, call="from_pretrained")

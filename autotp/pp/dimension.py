@@ -58,10 +58,6 @@ class PipelineParallelism(Dimension):
         for option, what in _NOT_YET.items():
             if getattr(options, option) not in (None, False, 1):
                 raise NotImplementedError(f"pp_size={pp} with {option}: {what} under a pipeline is not built yet")
-        if any(p.is_meta for p in model.parameters()):
-            raise NotImplementedError(
-                f"from_pretrained(..., pp_size={pp}) is not built yet: load the model, then autotp.wrap(model, ...)"
-            )
         if options.pp_schedule not in SCHEDULES:
             raise ValueError(
                 f"pp_schedule={options.pp_schedule!r}: choose one of torch's schedules {SCHEDULES} (ZBVZeroBubble and "
@@ -186,13 +182,14 @@ class PipelineParallelism(Dimension):
         return total
 
     def split_group(self) -> Group:
-        raise NotImplementedError(
-            "saving or exporting a model at pp_size > 1 (autotp.save_pretrained, export_weights) is not built yet: "
-            "each stage holds other layers"
-        )
+        """Each stage holds its own tensors: saving and exporting gather each on its stage and send it on over PP
+        (`autotp.io.hf.stages`), with every rank taking part."""
+        return self.runner.group
 
-    def layout(self) -> dict[str, int]:
-        raise NotImplementedError("autotp.save_checkpoint at pp_size > 1 is not built yet")
+    def layout(self) -> dict[str, Any]:
+        """A record: the stage cut saved at (each rank saves its stages' tensors under their full names, so a
+        checkpoint loads at any cut: `autotp.io.checkpoint.stages`)."""
+        return {"pp_bounds": list(self.cut.bounds)}
 
     def _cut(self, model: nn.Module, options: WrapOptions) -> Cut:
         looped = options.pp_schedule in LOOPED

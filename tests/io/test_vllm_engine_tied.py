@@ -6,7 +6,8 @@ CPU build keeps a packed copy of the head from the first load: each update was s
 (prompt log-probs off by 8e-3, then 1.5e-2, after this test's rounds). autotp's worker runs that processing again (`autotp.io.rollout.vllm_gloo`).
 After each of two rounds from a tp=2 trainer, the engine's greedy completions and prompt log-probs equal
 transformers' from the one-process model trained the same way. A round from an untied trainer (an `lm_head.weight`
-that vLLM would drop for the tied engine's alias) is refused by name, and the engine keeps the previous round.
+that vLLM would drop for the tied engine's alias) is refused by name, and the engine keeps the previous round. A
+round from a pp 2 trainer (each stage's layers sent on to rank 0, the tied weight on both stages) equals one process.
 
 Runs where vLLM is installed (its own venv: .ci/run's vLLM leg); one engine for the module, started once.
 """
@@ -26,7 +27,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 import autotp  # noqa: E402
 from autotp.rollout import vllm_sync  # noqa: E402
 from autotp.testing.spawn import run_ranks  # noqa: E402
-from vllm_server import against, completions, digests, refusal, serve, train_and_send  # noqa: E402
+from models import batch  # noqa: E402
+from vllm_server import LR, against, completions, digests, refusal, serve, train_and_send  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +88,30 @@ def test_tied_rounds_reach_the_engine_head_included(engine: tuple[str, str]) -> 
     assert report["rounds"][0]["logprobs"] != report["rounds"][1]["logprobs"]
     assert "tensors the engine's model lacks (lm_head.weight (512, 128))" in report["untied"], report["untied"]
     assert report["kept"]
+
+
+def pipeline_round(rank: int, world: int, url: str, model_dir: str) -> dict:
+    """Trainer ranks at pp 2: 2 SGD steps through `autotp.forward_backward` (one process: the same calls), one
+    round, and rank 0 compares the engine with one process."""
+    model = autotp.wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), 1, pp_size=2)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if rank == 0 else None
+    engine = vllm_sync(model, url, timeout_s=60)
+    ids = batch(vocab=VOCAB)
+    for trained in [model] if ref is None else [model, ref]:
+        optimizer = torch.optim.SGD(trained.parameters(), lr=LR)
+        for _ in range(2):
+            autotp.forward_backward(trained, input_ids=ids, labels=ids)
+            if trained is model:
+                autotp.allreduce_gradients(model)
+            optimizer.step()
+            optimizer.zero_grad()
+    engine.send_weights()
+    return against(url, ref) if ref is not None else {}
+
+
+@pytest.mark.timeout(300)
+def test_pp2_round_reaches_the_engine(engine: tuple[str, str]) -> None:
+    """pp 2: the stages' layers reach the engine through rank 0, the tied head included, as one process's."""
+    result = run_ranks(pipeline_round, 2, *engine)[0]
+    tokens, expected = result["tokens"]
+    assert tokens == expected and result["logprob_error"] <= LOGPROB_ATOL, result

@@ -65,7 +65,6 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
     for name, words in expected.items():
         message, unchanged = refused[name]
         assert words in message and unchanged, (name, message)
-    assert any("save_pretrained" in m for m, _ in refused.values())
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from ...mesh import global_rank, group_rank
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
 from ..errors import CheckpointError, describe, failures, world
-from . import legacy, rng_state
+from . import legacy, rng_state, stages
 from .save import (
     FORMAT,
     Chunks,
@@ -36,7 +36,8 @@ from .save import (
     wait_for_pending,
 )
 
-_LAYOUT = ("tp_size", "world_size", "fsdp", "cp_size")
+_LAYOUT = ("tp_size", "world_size", "fsdp", "cp_size", "pp_size")
+_BEFORE = {"pp_size": 1}  # what a checkpoint saved before a size was recorded was saved at
 
 
 def load_checkpoint(
@@ -71,6 +72,11 @@ def read(
     error, plan = None, None
     try:
         meta = read_meta(directory)
+        if meta["format"] != FORMAT and layout(model)["pp_size"] > 1:
+            raise CheckpointError(
+                f"{directory}: a per-rank checkpoint of format {meta['format']!r} loads at the layout it was saved "
+                f"at, never under a pipeline; load it at pp_size=1 and save it again with autotp.save_checkpoint"
+            )
         plan = (
             legacy.Reader(directory, meta, model, optimizer, scheduler)
             if meta["format"] != FORMAT
@@ -122,7 +128,7 @@ class _Reader:
         if weights:
             self.entries.update(model_entries(model))
             self._check_model(index)
-        self.same_layout = all(meta.get(k) == v for k, v in layout(model).items() if k in _LAYOUT)
+        self.same_layout = all(meta.get(k, _BEFORE.get(k)) == v for k, v in layout(model).items() if k in _LAYOUT)
         self.rng_key = f"rng/{global_rank() if self.same_layout else 0}" if meta.get("rng", True) else None
         if self.rng_key is not None:
             self.entries[self.rng_key] = b""
@@ -130,6 +136,7 @@ class _Reader:
         self.dp_rank = global_rank() if state is None else group_rank(state.dp_group)
         self.optimizer_state: dict[str, dict[str, str]] = {}  # parameter name -> state key -> DCP key
         self.fresh: dict[str, torch.Tensor] = {}  # DCP key -> the new optimizer state tensor it is read into
+        self.current: list[list[str]] = []  # this optimizer's parameter names, by group
         if optimizer is not None:
             self._plan_optimizer(index)
         if scheduler is not None and meta.get("scheduler"):
@@ -137,7 +144,9 @@ class _Reader:
 
     def _check_model(self, index: Metadata) -> None:
         saved = {k for k in index.state_dict_metadata if not k.startswith(("optimizer/", "rng/", "scheduler"))}
-        missing, extra = sorted(self.entries.keys() - saved), sorted(saved - self.entries.keys())
+        theirs = stages.elsewhere(self.model)  # under a pipeline: what other stages load
+        missing = sorted(self.entries.keys() - saved)
+        extra = sorted(k for k in saved - self.entries.keys() if not theirs(k))
         if missing or extra:
             raise CheckpointError(
                 f"{self.directory}: the checkpoint does not hold this model's tensors "
@@ -156,7 +165,10 @@ class _Reader:
 
     def _plan_optimizer(self, index: Metadata) -> None:
         saved, current = self.meta.get("optimizer_params"), optimizer_names(self.model, self.optimizer)
-        if saved != current:
+        self.current = current
+        if self.meta.get("pp_size", 1) > 1 or layout(self.model)["pp_size"] > 1:
+            self._check_stages(saved or [], current)
+        elif saved != current:
             sizes = [len(g) for g in saved] if isinstance(saved, list) else None
             first = next(
                 (
@@ -177,7 +189,7 @@ class _Reader:
                 name, key = fqn[len("optimizer/") :].rsplit("/", 1)
                 by_param.setdefault(name, {})[key] = (fqn, md)
         params = dict(self.model.named_parameters())
-        for name in (n for group in current for n in group):
+        for name in (n for group in stages.trained(self.model, current) for n in group):
             for key, (fqn, md) in by_param.get(name, {}).items():
                 self.optimizer_state.setdefault(name, {})[key] = fqn
                 if isinstance(md, BytesStorageMetadata):
@@ -185,6 +197,25 @@ class _Reader:
                 else:
                     self.fresh[fqn], self.entries[fqn] = _fresh(params[name], md.size, md.properties.dtype, fqn)
         self.entries["optimizer/param_groups"] = b""
+
+    def _check_stages(self, saved: list[list[str]], current: list[list[str]]) -> None:
+        """Saved or loaded under a pipeline: each group of this rank's optimizer trains parameters of one group of
+        the saved one (in one process: all of them). Parameters are matched by name, so another cut reads them."""
+        if len(saved) != len(current):
+            raise CheckpointError(
+                f"{self.directory}: the optimizer was saved with {len(saved)} parameter groups, this one has "
+                f"{len(current)}"
+            )
+        here = stages.trained(self.model, current)
+        whole = layout(self.model)["pp_size"] == 1
+        for index, (names, kept) in enumerate(zip(saved, here)):
+            absent = sorted(set(kept) - set(names)) or (sorted(set(names) - set(kept)) if whole else [])
+            if absent:
+                raise CheckpointError(
+                    f"{self.directory}: optimizer parameter group {index} (of {len(saved)} saved at pp_size="
+                    f"{self.meta.get('pp_size', 1)}) does not hold the same parameters here: {absent[:3]} in one "
+                    f"and not the other"
+                )
 
     def restore(self) -> dict[str, Any]:
         try:
@@ -204,7 +235,7 @@ class _Reader:
         return self.meta["state"]
 
     def _optimizer_state_dict(self) -> dict[str, Any]:
-        names = [n for group in self.meta["optimizer_params"] for n in group]
+        names = [n for group in self.current for n in group]  # this optimizer's order, matched by name
         state = {}
         for index, name in enumerate(names):
             entry = {}
@@ -213,9 +244,9 @@ class _Reader:
             if entry:
                 state[index] = entry
         groups, start = [], 0
-        for hyper, saved in zip(pickle.loads(self.entries["optimizer/param_groups"]), self.meta["optimizer_params"]):
-            groups.append({**hyper, "params": list(range(start, start + len(saved)))})
-            start += len(saved)
+        for hyper, held in zip(pickle.loads(self.entries["optimizer/param_groups"]), self.current):
+            groups.append({**hyper, "params": list(range(start, start + len(held)))})
+            start += len(held)
         return {"state": state, "param_groups": groups}
 
 

@@ -9,7 +9,8 @@
 Every tensor is stored at its full shape under its name in the model's `state_dict()`: weights,
 each optimizer state tensor as `optimizer/NAME/KEY` (Adam's `exp_avg`, `exp_avg_sq`, `step`).
 Each rank writes the boxes of the full tensors it holds (`autotp.io.checkpoint.chunks`) and no rank gathers a
-tensor; a load at any tp x dp x ep, with or without `autotp.fully_shard`, reads only this rank's boxes.
+tensor; a load at any pp x tp x dp x ep, with or without `autotp.fully_shard`, reads only this rank's boxes
+(under a pipeline, of its stages' tensors: `autotp.io.checkpoint.stages`).
 The optimizer's hyperparameters, the scheduler and each rank's random generators travel as DCP
 byte items. Saves are staged (`autotp.io.staging`): a crash, even during an `async_save`, leaves
 the previous checkpoint in place.
@@ -39,7 +40,7 @@ from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
 from ..errors import CheckpointError, agree, world
 from ..staging import staged_directory
-from . import rng_state
+from . import rng_state, stages
 from .chunks import Chunks
 
 META = "autotp_checkpoint.json"
@@ -57,22 +58,26 @@ def layout(model: nn.Module) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
+    pp = 1 if state is None else state.options.pp_size  # each stage's tensors saved by that stage's ranks
     record = {
         "tp_size": tp,
         "cp_size": cp,
         "ep_size": 1,
+        "pp_size": pp,
         "world_size": world_size,
-        "dp_size": world_size // (tp * cp),
+        "dp_size": world_size // (tp * cp * pp),
         "fsdp": state is not None and state.fsdp,
     }
-    for dimension in [] if state is None else state.dims.values():  # ep_size: a record, experts are stored whole
+    for dimension in [] if state is None else state.dims.values():  # ep_size, the pp cut: records, stored whole
         record.update(dimension.layout())
     return record
 
 
 def model_entries(model: nn.Module) -> dict[str, Chunks]:
-    """Every tensor of the model's state dict as this rank's boxes of the full tensor, under its own name."""
-    return {name: Chunks.of(t, held_part(t)) for name, t in model.state_dict(keep_vars=True).items()}
+    """Every tensor of the model's state dict as this rank's boxes of the full tensor, under its own name (under a
+    pipeline, those its stages own: `autotp.io.checkpoint.stages`)."""
+    mine = stages.owned(model)
+    return {name: Chunks.of(t, held_part(t)) for name, t in model.state_dict(keep_vars=True).items() if mine(name)}
 
 
 def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -92,8 +97,9 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
 
 def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     entries: dict[str, Any] = {}
+    mine = stages.owned(model)  # under a pipeline: the state of the parameters this rank's stages own
     for group, names in zip(optimizer.param_groups, optimizer_names(model, optimizer)):
-        for param, name in zip(group["params"], names):
+        for param, name in ((p, n) for p, n in zip(group["params"], names) if mine(n)):
             for key, value in optimizer.state.get(param, {}).items():
                 entries[f"optimizer/{name}/{key}"] = _state_entry(name, key, value, param)
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -287,7 +293,7 @@ def write(
         **layout(model),
         "model_class": type(model).__name__,
         "state": state,
-        "optimizer_params": optimizer_names(model, optimizer),
+        "optimizer_params": stages.optimizer_params(model, optimizer_names(model, optimizer), checkpoint_group()),
         "scheduler": scheduler is not None,
         "weights": weights,
         "rng": rng,

@@ -86,13 +86,15 @@ def load_params(
     dtype: torch.dtype,
     show: bool,
     in_place: bool = False,
+    unread: tuple[str, ...] = (),
 ) -> None:
     """Replace every meta parameter by its loaded rows (tied parameters stay one object).
 
     Everything is read first; then the TP group agrees (a collective when the model has one), and
     only if every rank succeeded does any parameter change. Checkpoint tensors the model does not
     use are listed in a warning, as transformers does. `in_place` copies into a wrapped model's
-    existing parameters instead, which keeps the optimizer's and the gradient hooks' references.
+    existing parameters instead, which keeps the optimizer's and the gradient hooks' references. `unread`: prefixes
+    of checkpoint tensors left out on purpose (other pipeline stages' layers), not warned about.
     """
     state = find_state(model)
     error = None
@@ -119,7 +121,7 @@ def load_params(
     for module_path, name, tensor in buffers:  # replaced, not written: one built from a meta weight is on meta
         model.get_submodule(module_path)._buffers[name] = tensor
     if show:
-        _warn_unused(model, files, sources)
+        _warn_unused(model, {n: f for n, f in files.items() if not n.startswith(unread)}, sources)
 
 
 def _read_all(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ...compat.hf_conversion import SavedTensor
 from ...compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
-from ...mesh import Group, device_of
+from ...mesh import Group, device_of, group_rank
 from ...options import WrapOptions
 from ...planning.placement import window
 from ...planning.planner import build_plan
@@ -32,7 +32,8 @@ from ...runtime.shards import held_part, held_shard, holders
 from ...state import find_state, outside_module_holders
 from ...tp.lora import adapt_all
 from ..hf.parts import finish_part, full_shape, local_part, saved_layout
-from .row_gather import RowRequest, dp_full_many, gather_rows_to
+from ..hf.stages import StageTensors, stage_tensors
+from .row_gather import RowRequest, delivered_shape, dp_full_many, gather_rows_to
 from .vllm_layout import vllm_partitions
 
 
@@ -78,7 +79,8 @@ def export_weights(
     Call it and iterate it on every rank of the TP group (under `autotp.fully_shard` or `ep_size > 1`, on every rank):
     TP rank 0 of each group gets `(name, tensor)` (under EP the experts too, each gathered over its EP group), the
     other ranks take part in the gathers and get nothing. Every rank must exhaust the iterator; one that stops early
-    (`break`, `close()`) makes the others raise at their next bucket.
+    (`break`, `close()`) makes the others raise at their next bucket. At pp_size > 1 (every rank iterates) each stage
+    sends its buckets on to PP rank 0's TP rank 0, which yields every tensor, in one process's order.
     Tensors are gathered `bucket_bytes` at a time (one message per rank per bucket; under FSDP, one DP all-gather
     too): a rank holds at most one bucket plus one tensor beyond its shards, when the consumer drops each tensor
     before asking for the next (as `load_weights` does). Each yielded tensor is new (the model, its shards and its
@@ -100,9 +102,7 @@ def export_weights(
         dimension.refuse_export(target)
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
-    raw = root.state_dict(keep_vars=True)
-    keys = base_keys(root, list(raw), copies=merge_lora)
-    params = {name: raw[key] for name, (key, _) in keys.items()}
+    keys, params, stages = exported_tensors(root, merge_lora)
     loras = _loras_by_tensor(root, keys, params) if merge_lora else {}
     layout = saved_layout(root, params)
     engine = None if target is None else target.partitions(root)
@@ -159,26 +159,53 @@ def export_weights(
             f"autotp.export_weights: {mixed[0]} joins experts split over the EP group with "
             f"tensors split over TP; not supported"
         )
-    gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()})
+    gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()}, stages)
     return _exported(items, size, requests, results, bucket_bytes, gathers, agree_group, local)
+
+
+def exported_tensors(root: nn.Module, merge_lora: bool) -> tuple[dict, dict[str, torch.Tensor], StageTensors | None]:
+    """What `export_weights` reads of `root` (PEFT's inner model): the checkpoint names' state-dict keys and LoRA
+    paths (`base_keys`), the tensors by name, and under a pipeline every stage's (collective over PP)."""
+    raw = root.state_dict(keep_vars=True)
+    keys = base_keys(root, list(raw), copies=merge_lora)
+    params = {name: raw[key] for name, (key, _) in keys.items()}
+    stages = stage_tensors(root, params, find_state(root))
+    return keys, params if stages is None else dict(stages.params), stages
 
 
 class _Gathers:
     """Where each exported tensor is gathered: over the TP group to its rank 0, or, for experts (`autotp.ep`), over
     the EP group to each of its ranks that is TP rank 0 (each such rank yields every tensor, as at ep 1)."""
 
-    def __init__(self, state, groups: dict[str, Group]):
+    def __init__(self, state, groups: dict[str, Group], stages: StageTensors | None = None):
         self.groups, self.writers = groups, {}  # group -> its ranks that get the tensors (else its rank 0)
+        self.stages, self.lead = stages, state is None or group_rank(state.tp_group) == 0
         for group in [] if state is None else state.split_groups():  # a dimension's own split (the experts over EP)
             firsts = set(state.mesh.grid[..., 0].flatten().tolist())  # TP rank 0 of every TP group (TP innermost)
             ranks = dist.get_process_group_ranks(group)
             self.writers[group] = [i for i, rank in enumerate(ranks) if rank in firsts]
 
-    def key(self, name: str) -> int:
-        """Tensors gathered over one group go in one bucket."""
-        return id(self.groups[name])
+    def key(self, name: str) -> tuple[int, int]:
+        """Tensors gathered over one group (under a pipeline, on one stage) go in one bucket."""
+        return id(self.groups[name]), -1 if self.stages is None else self.stages.stage[name]
 
     def __call__(self, bucket: list, reqs: list[RowRequest]) -> Iterator[torch.Tensor] | None:
+        """The bucket's tensors where they are gathered; under a pipeline, gathered on their stage and sent on to
+        PP rank 0's TP rank 0 (`autotp.io.hf.stages`)."""
+        if self.stages is None:
+            return self._gather(bucket, reqs)
+
+        def fetch(sent: bool) -> Any:
+            got = self._gather(bucket, reqs)
+            return list(got) if sent and got is not None else got
+
+        def like() -> list:
+            return [(delivered_shape(r), r.dtype) for r in reqs]
+
+        got = self.stages.forward(bucket[0][0], fetch, like, self.lead)
+        return iter(got) if isinstance(got, list) else got
+
+    def _gather(self, bucket: list, reqs: list[RowRequest]) -> Iterator[torch.Tensor] | None:
         group = self.groups[bucket[0][0]]
         mine = None
         for dst in self.writers.get(group, [0]):  # every gather completes its messages before it returns

@@ -84,6 +84,12 @@ def _shape(request: RowRequest, rank: int, dim: int, rows: int | None = None) ->
     return shape
 
 
+def delivered_shape(request: RowRequest) -> tuple[int, ...]:
+    """The shape `gather_rows_to` delivers for `request` (what a rank receiving it from elsewhere allocates)."""
+    dim, pieces = _pieces(request, 0)
+    return tuple(_shape(request, 0, dim, sum(piece.length for piece in pieces)))
+
+
 def _nbytes(request: RowRequest, dim: int, length: int) -> int:
     shape = _shape(request, 0, dim, length)
     return math.prod(shape) * request.dtype.itemsize

@@ -5,7 +5,8 @@ Why: vLLM's own `ModuleSource` walks `named_parameters()`, which under autotp ar
 names (not the checkpoint's, LoRA unmerged). `export_weights` already yields transformers' checkpoint names, LoRA
 merged, gathered bucket by bucket; this wraps it in the engine's protocol. Iteration is a collective over the TP
 group (over every rank under `fully_shard`): every trainer rank iterates it each round, and the TP rank 0 ranks get
-the tensors (the others get none), so only global rank 0 (vLLM's sender) may be the one that sends.
+the tensors (the others get none), so only global rank 0 (vLLM's sender) may be the one that sends. Under a
+pipeline every stage sends its tensors on to PP rank 0 (`autotp.io.hf.stages`), so rank 0 still gets all of them.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import torch
 from torch import nn
 from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
-from ...compat.peft import base_keys, peft_inner
+from ...compat.peft import peft_inner
 from ...compat.torch import gloo_timeouts_at_most
 from ...state import outside_module_holders
 from ..hf.parts import saved_layout
-from .export import export_weights
+from .export import export_weights, exported_tensors
 
 
 class AutotpWeightSource(WeightSource):
@@ -45,9 +46,7 @@ class AutotpWeightSource(WeightSource):
         """Every tensor the export yields, in its order, with its full shape and wire dtype; read from the shards'
         recorded full shapes, so nothing is gathered (the same list on every rank)."""
         root = peft_inner(outside_module_holders(self.model))
-        raw = root.state_dict(keep_vars=True)
-        keys = base_keys(root, list(raw), copies=self.merge_lora)
-        layout = saved_layout(root, {name: raw[key] for name, (key, _) in keys.items()})
+        layout = saved_layout(root, exported_tensors(root, self.merge_lora)[1])  # at pp > 1 collective over PP
         return [ParamMeta(name, self.dtype or saved.dtype, tuple(saved.shape)) for name, saved in layout.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,164 @@
+"""Every pipeline stage's tensors as one model's, for `save_pretrained` and `export_weights` at pp > 1.
+
+Why: each rank holds its own stages' decoder layers only (and copies of the embedding, the final norm and the head,
+which only the stage `autotp.pp.cut.owner` names trains), so no rank knows the whole model's names. `stage_tensors`
+learns every stage's names, full shapes and dtypes in one all-gather over the PP group and lists them in one
+process's order, the tensors of other stages as one-element stand-ins expanded to their full shape (a layout is
+computed from them; nothing is allocated). Names that hold one tensor on any rank (a tied head) hold one stand-in
+too, so transformers' own rule drops the tied alias. Each tensor is then gathered over TP on the stage that owns it,
+as at pp 1, and `StageTensors.forward` sends it from there to PP rank 0, one message per tensor (save) or bucket
+(export): no rank holds more than that beyond its own shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...compat.hf_conversion import SavedPart
+from ...mesh import group_rank, group_size, named_failure
+from ...pp.cut import owner
+from ...state import TPState
+from .parts import full_shape
+
+_TAG = 0x41545050  # apart from the streaming gather's, the row gather's and a user's point-to-point tags
+_ALIGN = 16  # every tensor starts on this many bytes of a message, so it can be viewed as any dtype
+
+Like = list[tuple[tuple[int, ...], torch.dtype]]  # the shapes and dtypes of the tensors of one message
+
+
+class StageTensors:
+    """`params`: every stage's tensors by name, in one process's order (this rank's own where it runs their stage,
+    stand-ins elsewhere); `stage`: the stage that owns each (`autotp.pp.cut.owner`)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], stage: dict[str, int], state: TPState) -> None:
+        pipeline = state.dims["pp"]
+        self.params, self.stage, self.mine = params, stage, set(pipeline.stages)
+        self.group = pipeline.runner.group
+        self.size = group_size(self.group)
+        grid = state.mesh.grid  # pp x dp x cp x tp: the replica of global rank 0 is dp 0, cp 0
+        self.first_replica = grid is None or dist.get_rank() in grid[:, 0, 0, :].flatten().tolist()
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank runs the stage that owns `name` (then it takes part in gathering it)."""
+        return self.stage[name] in self.mine
+
+    def forward(self, name: str, fetch: Callable[[bool], Any], like: Callable[[], Like], lead: bool) -> Any:
+        """What `fetch` returns for `name`'s tensors on the ranks of its stage (collective over its TP group), where the
+        stage is PP rank 0's; else `fetch(True)`'s tensors (a list) sent from the stage's `lead` rank (the one the
+        tensors are gathered to at pp 1) to PP rank 0's, in one message, received there as `like()` says (shapes,
+        dtypes). None on every other rank."""
+        src, me = self.stage[name] % self.size, group_rank(self.group)
+        if me == src:
+            got = fetch(src != 0)
+            if src == 0:
+                return got
+            if lead:
+                self._send(got)
+            return None
+        return self._receive(src, like()) if me == 0 and lead else None
+
+    def fetching(
+        self,
+        fetch: Callable[[str, bool], torch.Tensor | None],
+        fetch_part: Callable[[SavedPart], torch.Tensor | None],
+        lead: bool,
+    ) -> tuple[Callable[[str], torch.Tensor | None], Callable[[SavedPart], torch.Tensor | None]]:
+        """`save_pretrained`'s fetches of a whole tensor and of a part (one expert) under a pipeline: run on the
+        owning stage (`fetch(name, sent)`: a full tensor, not a stream, where it is sent on), the result at PP rank 0."""
+
+        def whole(name: str) -> torch.Tensor | None:
+            like = [(full_shape(self.params[name]), self.params[name].dtype)]
+            return _single(self.forward(name, lambda sent: _listed(fetch(name, sent), sent), lambda: like, lead))
+
+        def part(cut: SavedPart) -> torch.Tensor | None:
+            source = self.params[cut.source]
+            shape = cut.cut(torch.empty(full_shape(source), dtype=source.dtype, device="meta")).shape
+
+            def like() -> Like:
+                return [(tuple(shape), source.dtype)]
+
+            return _single(self.forward(cut.source, lambda sent: _listed(fetch_part(cut), sent), like, lead))
+
+        return whole, part
+
+    def _send(self, tensors: list[torch.Tensor]) -> None:
+        offsets, total = _offsets([(tuple(t.shape), t.dtype) for t in tensors])
+        if not total:
+            return
+        flat = torch.empty(total, dtype=torch.uint8)
+        for tensor, at in zip(tensors, offsets):
+            flat[at : at + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        with named_failure(self.group, "autotp: a stage's tensors sent to PP rank 0 (save or export)"):
+            dist.send(flat, dist.get_global_rank(self.group, 0), group=self.group, tag=_TAG)
+
+    def _receive(self, src: int, like: Like) -> list[torch.Tensor]:
+        offsets, total = _offsets(like)
+        flat = torch.empty(total, dtype=torch.uint8)
+        if total:
+            with named_failure(self.group, "autotp: a stage's tensors received on PP rank 0 (save or export)"):
+                dist.recv(flat, dist.get_global_rank(self.group, src), group=self.group, tag=_TAG)
+        return [
+            flat[at : at + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), at in zip(like, offsets)
+        ]
+
+
+def stage_tensors(model: nn.Module, params: dict[str, torch.Tensor], state: TPState | None) -> StageTensors | None:
+    """At pp > 1, every stage's tensors by name (see the module's docstring); None at pp 1. `params` is this rank's
+    state dict (keep_vars) of `model`, the model `autotp.wrap` cut. Collective over the PP group."""
+    if state is None or "pp" not in state.dims:
+        return None
+    pipeline = state.dims["pp"]
+    stage_of = owner(model, pipeline.cut)
+    mine = [
+        (stage_of(n), n, full_shape(t), t.dtype, isinstance(t, nn.Parameter))
+        for n, t in params.items()
+        if stage_of(n) in pipeline.stages
+    ]
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in params.items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    owned = {name for _, name, *_ in mine}  # a tie counts where the tensor is one this rank trains (not a stand-in)
+    ties = [names for names in by_tensor.values() if len(names) > 1 and owned.intersection(names)]
+    gathered: list[Any] = [None] * group_size(pipeline.runner.group)
+    with named_failure(pipeline.runner.group, "autotp: the stages' tensor names gathered over PP (save or export)"):
+        dist.all_gather_object(gathered, (mine, ties), group=pipeline.runner.group)
+    entries = sorted((e for listed, _ in gathered for e in listed), key=lambda e: e[0])  # stable: a stage's own order
+    merged: dict[str, torch.Tensor] = {}
+    for stage, name, shape, dtype, parameter in entries:
+        merged[name] = params[name] if stage in pipeline.stages else _stand_in(shape, dtype, parameter)
+    for names in (names for _, tied in gathered for names in tied):  # one tensor under several names on a rank
+        present = [n for n in names if n in merged]
+        held = [n for n in present if merged[n] is params.get(n)]
+        for name in present:
+            merged[name] = merged[(held or present)[0]]
+    return StageTensors(merged, {name: stage for stage, name, *_ in entries}, state)
+
+
+def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over one element: what a layout reads of another stage's tensor."""
+    tensor = torch.empty((), dtype=dtype).expand(shape)
+    return nn.Parameter(tensor, requires_grad=False) if parameter else tensor
+
+
+def _listed(got: Any, sent: bool) -> Any:
+    """A fetch's result as `forward` sends it: in a list."""
+    return [got] if sent and got is not None else got
+
+
+def _single(got: Any) -> Any:
+    """A received list of one tensor, or a fetch's own result, as the fetch returns it."""
+    return got[0] if isinstance(got, list) else got
+
+
+def _offsets(like: Like) -> tuple[list[int], int]:
+    """Where each tensor of a message starts, and its bytes."""
+    offsets, end = [], 0
+    for shape, dtype in like:
+        offsets.append(-(-end // _ALIGN) * _ALIGN)
+        end = offsets[-1] + torch.Size(shape).numel() * dtype.itemsize
+    return offsets, end

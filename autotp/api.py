@@ -44,7 +44,7 @@ from .parallelize import dimensions as pipeline_dimensions
 from .parallelize import parallelize
 from .planning.plan import Plan
 from .planning.planner import build_plan
-from .pp.dimension import refuse_peft
+from .pp.dimension import PipelineParallelism
 from .pp.load import drop_other_stages
 from .runtime.agreement import check_agreement, check_sizes
 from .runtime.dimension import base_plan
@@ -70,8 +70,6 @@ def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
     check_versions()
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
-    if options.pp_size > 1:  # before the lift below takes PEFT's layers out of sight
-        refuse_peft(model, options.pp_size)
     lifted = lora_lift.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
         refuse_adapters(model)
@@ -80,6 +78,9 @@ def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
         lora_lift.put_back(lifted)
         raise
     lora_lift.attach(model, lifted, state)
+    pipeline = state.dim(PipelineParallelism)
+    if pipeline is not None:  # LoRA added later would draw other values than one process draws: refused then
+        pipeline.adapters = frozenset(id(lora) for _, _, lora in lifted)
     device = device_of(state.tp_group)
     if device.type == "cuda":  # under NCCL: the shards to this rank's GPU
         model.to(device)
@@ -189,7 +190,7 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
         dimension.refuse(model, plan, options)
     if options.sequence_parallel:
-        sequence_layout(model, *base_plan(dimensions, model, plan, options))
+        sequence_layout(model, *base_plan(dimensions, model, plan, options), full=plan)
     return plan
 
 

@@ -12,6 +12,7 @@
 | `torch.testing._internal.distributed.fake_pg.FakeStore` | one rank of a larger world (benchmarks) | 2.13 |
 | `sys._current_frames`: torch's optimizer `step` wrapper  | a global step hook not removed mid-step  | 2.13       |
 | `distributed_c10d._world.pg_map`, `ProcessGroupGloo._set_default_timeout` | every gloo group bounded during a weight sync | 2.13 |
+| `PipelineStage._post_metadata_inference_cleanup` (overridden) | FSDP's gradients kept over pipeline steps | 2.13 |
 
 torch has no public getter for a group's timeout; a missing piece raises `versions.missing`'s error. The DDP
 frame read returns None instead, as `autotp.integrations.guards.DDPGuard` then checks the group at DDP's first forward.
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from .versions import missing, require
@@ -162,3 +164,14 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     except ImportError:
         raise missing("torch.testing._internal.distributed.fake_pg.FakeStore") from None
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+class StaticStage(PipelineStage):
+    """torch's `PipelineStage` for stages given their metadata (input and output shapes), so never inferred by a run
+    on real tensors. torch's cleanup after that inference, run whenever a schedule sets its stages up (a new batch
+    shape, a switch between training and evaluation), sets every gradient of an FSDP module to None: it would drop
+    the gradients accumulated over earlier steps (the Trainer's gradient accumulation) under `autotp.fully_shard`.
+    With nothing inferred there is nothing to clean."""
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        pass

@@ -17,6 +17,7 @@ leg (constraints.txt); the newest-releases leg runs the fast tier on whatever is
 | `Trainer._get_collator_with_removed_columns` | called: Trainer's collator for autotp's loaders | 5.19, 5.24 |
 | `Trainer._get_eval_sampler`                  | called: TRL's GRPO's own (prompts repeated)     | 5.24       |
 | `Trainer._train_batch_size`                  | read: the per-device batch size                 | 5.19, 5.24 |
+| `Trainer._prepare_inputs`                    | called: a pipeline's step (`autotp.forward_backward`) | 5.24 |
 | `Accelerator._models` (accelerate)           | read: whether a model was prepared (autocast)   | 1.15       |
 
 A replaced method that Trainer no longer has would silently never run, so `replace_privates` refuses it when
@@ -99,3 +100,8 @@ def train_batch_size(trainer: Trainer) -> int:
 def is_prepared(trainer: Trainer, model: nn.Module) -> bool:
     """Whether the trainer's accelerator has prepared `model` (its mixed-precision autocast applied)."""
     return any(m is model for m in require(trainer.accelerator, "_models", "accelerate.Accelerator._models"))
+
+
+def prepare_inputs(trainer: Trainer, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The batch on the model's device, as Trainer's `training_step` prepares it."""
+    return require(trainer, "_prepare_inputs", "transformers.Trainer._prepare_inputs")(inputs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import Group
+from ..mesh import Group, group_size
 from ..options import WrapOptions
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
@@ -14,6 +14,7 @@ from ..runtime.rollback import Removable
 from ..state import TPState
 from .apply import ContextParallel, install
 from .dropout import dropout_on
+from .layout import padded_length
 from .support import refuse_unsupported
 
 
@@ -48,6 +49,11 @@ class ContextParallelism(Dimension):
         self.context = context
         state.dims[self.name] = self
         return [context]
+
+    def sequence_length(self, length: int) -> int:
+        """This rank's zigzag chunks of the padded sequence (`autotp.cp.layout.padded_length`)."""
+        size, state = group_size(self.context.group), self.context.state
+        return padded_length(length, size, group_size(state.tp_group) if state.options.sequence_parallel else 1) // size
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         self.context.unsynced = False  # summed over CP here (or by FSDP)

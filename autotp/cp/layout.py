@@ -122,6 +122,12 @@ def segment_documents(cu_seq_lens: torch.Tensor, batch: int, length: int, padded
     return None if bool((docs == docs[:, :1]).all()) else docs
 
 
+def padded_length(length: int, size: int, multiple: int = 1) -> int:
+    """The sequence length padded to two chunks per CP rank, each a multiple of `multiple`."""
+    unit = 2 * size * multiple
+    return -(-length // unit) * unit
+
+
 def build_layout(
     length: int,
     group: Group,
@@ -137,8 +143,7 @@ def build_layout(
     Documents are where the positions restart, or, given a padding-free batch's `cu_seq_lens` (which flash reads in
     their place), its segments."""
     size, rank = group_size(group), group_rank(group)
-    unit = 2 * size * multiple
-    padded = -(-length // unit) * unit
+    padded = padded_length(length, size, multiple)
     local = zigzag(padded, size, rank, device)
     keys = torch.cat([zigzag(padded, size, r, device) for r in range(size)])
     docs = kept = None

@@ -28,12 +28,13 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
-from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_size
+from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, pp_size, tp_group, tp_size
 from ..compat import check_versions
 from ..compat import trainer as trainer_compat
 from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
 from ..dp.fsdp import fully_shard as autotp_fully_shard
 from ..mesh import group_size, named_failure
+from ..pp.step import forward_backward
 from ..runtime.collectives import all_gather
 from ..runtime.rng import sync_replicated_stream
 from ..state import state_of, wrapped_model
@@ -278,7 +279,10 @@ class AutoTPTrainer(Trainer):
         """The usual step; the loss returned for logging is the mean over DP replicas (TP ranks agree already). Under
         expert parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before
         Trainer clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        if pp_size(self.model) > 1:
+            loss = self._pipeline_step(inputs, num_items_in_batch)
+        else:
+            loss = super().training_step(model, inputs, num_items_in_batch)
         if not state_of(self.model).allows_ddp() and self.accelerator.sync_gradients:
             allreduce_gradients(wrapped_model(self.model))
         group = dp_group(self.model)
@@ -288,6 +292,24 @@ class AutoTPTrainer(Trainer):
                 dist.all_reduce(loss, group=group)
             loss /= group_size(group)
         return loss
+
+    def _pipeline_step(self, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        """Under a pipeline the step is `autotp.forward_backward` (a schedule interleaves its micro-batches' forwards
+        and backwards), each gradient accumulation step one schedule over `pp_microbatches` micro-batches of its batch.
+        Its loss is divided by the accumulation window's label tokens, as Trainer divides the model's at pp 1 (with
+        token averaging: the count over DP, each replica's share times the DP size, which the DP average undoes)."""
+        if num_items_in_batch is None:
+            raise NotImplementedError(
+                f"AutoTPTrainer at pp_size={pp_size(self.model)} without num_items_in_batch (a model whose forward "
+                f"takes no loss keywords, or batches without labels): a pipeline divides its loss by the label tokens "
+                f"Trainer counts"
+            )
+        self.model.train()
+        inputs = trainer_compat.prepare_inputs(self, inputs)
+        if self.args.average_tokens_across_devices:
+            num_items_in_batch = num_items_in_batch / dp_size(self.model)
+        with self.compute_loss_context_manager():
+            return forward_backward(self.model, **inputs, num_items_in_batch=num_items_in_batch).loss.detach()
 
     # Trainer's checkpoints, as `autotp.integrations.trainer_checkpoints` writes and reads them
     save_optimizer_and_scheduler = trainer_checkpoints.save_optimizer_and_scheduler

@@ -4,6 +4,7 @@ part of the gradient sync (the tied embedding's two copies summed, as Megatron's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
-from ..state import TPState
+from ..runtime.rows import local_rows
+from ..state import TPState, wrapped_model
 from .cut import Cut, find_cut, skip_others
 from .generate import PipelineGenerate
 from .release import release, unowned
@@ -28,8 +30,6 @@ from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
-    "cp_size": "context parallelism",
-    "sequence_parallel": "sequence parallelism",
     "tp_group": "a user's tp_group",
 }
 
@@ -51,6 +51,8 @@ class PipelineParallelism(Dimension):
     tied: nn.Parameter | None = None
     tied_group: Group = None
     running = False  # inside `forward_backward`: the model's own forward is the stages'
+    split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
+    adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         pp = options.pp_size
@@ -120,6 +122,8 @@ class PipelineParallelism(Dimension):
         balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
         microbatches = options.pp_microbatches or options.pp_size
         self.runner = Runner(model, self.cut, self.stages, group, options.pp_schedule, microbatches, balance)
+        self.runner.sequence_length = lambda length: sequence_length(state, length)
+        self.split_sequence = options.cp_size > 1  # by the model's forward pre-hook, around ours
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         ends = 0 in self.stages or self.cut.stages - 1 in self.stages  # a middle stage holds no part of it
         if head.weight is embedding.weight:  # the tied group: every pipeline's first and last rank
@@ -135,8 +139,10 @@ class PipelineParallelism(Dimension):
         return []
 
     def forward_backward(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        batch = dict(batch)
         if "labels" not in batch or "input_ids" not in batch:
             raise ValueError("autotp.forward_backward at pp_size > 1 needs input_ids and labels (the pipeline's loss)")
+        num_items = batch.pop("num_items_in_batch", None)  # the Trainer's, over its accumulation window
         other = sorted(set(batch) - _INPUTS)
         if other:  # the schedule splits every input by rows: one that is not per row would be cut wrongly
             raise NotImplementedError(
@@ -144,30 +150,36 @@ class PipelineParallelism(Dimension):
                 f"position_ids, labels and a VLM's pixel_values (one image a row), each split by rows into the "
                 f"micro-batches"
             )
-        refuse_peft(model, self.cut.stages // len(self.stages))  # LoRA added after wrap: before any step
+        refuse_peft(model, self.cut.stages // len(self.stages), self.adapters)  # added after wrap: before any step
         self.running = True
         try:
-            return self.runner.step(dict(batch))
+            return self.runner.step(dict(batch), num_items)
         finally:
             self.running = False
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """The tied embedding: the first stage's gradient (from the embedding) and the last's (from the head) summed
         between them, so the two copies take the same step, as one process's one weight does."""
-        if self.tied is None or self.tied_group is None:
+        tied = self.tied_weight()
+        if tied is None or self.tied_group is None or not tied.requires_grad:  # frozen (under LoRA): no step
             return
-        if self.tied.grad is None:
-            self.tied.grad = torch.zeros_like(self.tied)
+        if tied.grad is None:
+            tied.grad = torch.zeros_like(tied)
         with named_failure(self.tied_group, "the tied embedding's gradient sum over the first and last stage"):
-            dist.all_reduce(self.tied.grad, group=self.tied_group)
+            dist.all_reduce(local_rows(tied.grad)[0], group=self.tied_group)  # under FSDP: both hold the same rows
 
     def norm(
         self, params: list[nn.Parameter], norm_type: float, state: TPState
     ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
         """The tied embedding once: the last stage leaves its copy to the first's (their gradients are summed)."""
-        if self.tied is None or self.cut.stages - 1 not in self.stages or 0 in self.stages:
+        tied = self.tied_weight()
+        if tied is None or self.cut.stages - 1 not in self.stages or 0 in self.stages:
             return params, None
-        return [p for p in params if p is not self.tied], None
+        return [p for p in params if p is not tied], None
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """The tied embedding's weight now (`autotp.fully_shard` replaces the parameter with FSDP's), or None."""
+        return None if self.tied is None else self.runner.model.get_output_embeddings().weight
 
     def reduce_norm(self, total: torch.Tensor, norm_type: float, state: TPState) -> torch.Tensor:
         """Each stage's own layers' part, added (or maxed) over the pipeline."""
@@ -176,9 +188,6 @@ class PipelineParallelism(Dimension):
         with named_failure(group, "autotp.clip_grad_norm_'s all-reduce of the gradient norm over PP"):
             dist.all_reduce(total, op=op, group=group)
         return total
-
-    def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
-        raise NotImplementedError(f"autotp.fully_shard at pp_size={state.options.pp_size} is not built yet")
 
     def split_group(self) -> Group:
         """Each stage holds its own tensors: saving and exporting gather each on its stage and send it on over PP
@@ -201,13 +210,25 @@ class PipelineParallelism(Dimension):
         return find_cut(model, options.pp_size * per_rank, options.pp_split_points)
 
 
-def refuse_peft(model: nn.Module, pp: int) -> None:
-    """PEFT (LoRA) under a pipeline is not built: autotp's LoRA lift and adapters do not know the stages' layers."""
-    peft = next((name or type(m).__name__ for name, m in model.named_modules() if is_peft_module(m)), None)
+def refuse_peft(model: nn.Module, pp: int, adapters: frozenset[int]) -> None:
+    """PEFT added after wrap under a pipeline: each stage would draw only its own layers' adapters, other values than
+    one process draws for the whole model. LoRA put on before wrap (`adapters`) is drawn whole and trains."""
+    holder = wrapped_model(model)
+    inside = holder.named_modules() if holder is not None else ()
+    peft = next((n for n, m in inside if is_peft_module(m) and id(m) not in adapters), None)
     if peft is not None:
         raise NotImplementedError(
-            f"pp_size={pp} with PEFT ({peft}): LoRA under a pipeline is not built yet; train LoRA at pp_size=1"
+            f"pp_size={pp} with PEFT added after wrap ({peft}): each stage would draw its own layers' adapters, not "
+            f"the values one process draws; call get_peft_model before autotp.wrap(peft_model.base_model.model, ...)"
         )
+
+
+def sequence_length(state: TPState, length: int) -> int:
+    """The sequence length of the hidden states a stage sends for a `length`-token batch: what CP, then SP, leave each
+    rank (the dimensions in the reverse of their order: the model's split first, the layers' within it)."""
+    for dimension in reversed(state.dims.values()):
+        length = dimension.sequence_length(length)
+    return length
 
 
 def without(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
@@ -232,6 +253,7 @@ class PipelineForward:
 
     def __init__(self, pipeline: PipelineParallelism, forward: Any):
         self.pipeline, self.forward = pipeline, forward
+        self.__signature__ = inspect.signature(forward)  # what the Trainer reads for the columns a batch keeps
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline.running:
@@ -243,6 +265,14 @@ class PipelineForward:
                 f"out = autotp.forward_backward(model, **batch), which runs the pipeline's schedule (evaluate under "
                 f"torch.no_grad())"
             )
+        if self.pipeline.split_sequence:
+            raise NotImplementedError(
+                f"model(...) for evaluation at pp_size={size} with cp_size > 1 is not built yet: context parallelism "
+                f"splits the batch's sequence before the pipeline could split its rows; train with "
+                f"autotp.forward_backward (its loss is the whole batch's), evaluate at cp_size=1"
+            )
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}  # a default (PEFT's forward passes them on)
+        keep = kwargs.pop("logits_to_keep", 0)  # generate passes it, reading the model's signature (`__signature__`)
         other = sorted(set(kwargs) - _EVALUATED) + (["positional arguments"] if args else [])
         if other or kwargs.get("use_cache"):
             raise NotImplementedError(
@@ -255,4 +285,6 @@ class PipelineForward:
             loss, logits = self.pipeline.runner.evaluate(batch)
         finally:
             self.pipeline.running = False
+        if not isinstance(keep, int) or keep:
+            logits = logits[:, slice(-keep, None) if isinstance(keep, int) else keep]
         return CausalLMOutputWithPast(loss=loss, logits=logits)

@@ -16,22 +16,24 @@ shape repeats): no stage locks the sequence length of its first step.
 from __future__ import annotations
 
 import math
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     ScheduleGPipe,
     ScheduleLoopedBFS,
     get_schedule_class,
 )
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..mesh import Group, device_of, named_failure
 from .cut import Cut, stage_view, swapped
 from .router import Balance
+from .sharded import SyncOnLast
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
@@ -73,7 +75,10 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, **batch: Any) -> torch.Tensor:
         base = self.model.get_submodule(self.cut.base)
         self._received = None if self.first else x
-        hooks = [] if self.first else [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True)]
+        # first, so that a hook of the layer's own (FSDP's gradient hooks) sees the received hidden states
+        hooks = (
+            [] if self.first else [self.entry.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)]
+        )
         hooks += [] if self.last else [self.exit.register_forward_hook(self._leave)]
         if self.balance is not None:  # the stage adds its routers' share itself, not the model's forward
             hooks += self.balance.hooks(self.layers, batch.get("attention_mask"))
@@ -91,13 +96,24 @@ class StageModule(nn.Module):
                         return out.logits.new_zeros(())
                     return out.loss if share is None else out.loss + share.to(out.loss.dtype)
                 batch.pop("labels", None)
-                self.model.base_model(input_ids=tokens, **batch, use_cache=False)  # a VLM's: with its vision tower
-        except _StageOutput as done:
-            return done.hidden if self.balance is None else self.balance.attach(done.hidden)
+                with body(self.model, lambda **kwargs: self._until_exit(kwargs)):
+                    hidden = self.model(input_ids=tokens, **batch, use_cache=False).last_hidden_state
+                return hidden if self.balance is None else self.balance.attach(hidden)
         finally:
             self._received = None
             for hook in hooks:
                 hook.remove()
+
+    def _until_exit(self, kwargs: dict[str, Any]) -> BaseModelOutputWithPast:
+        """A stage before the last: the decoder model's forward up to this stage's last layer, its output returned as
+        the decoder model's. It runs as the model's forward, so the model's own hooks run around it as around one
+        process's forward: FSDP's root gathers the embedding, CP splits the micro-batch's sequence (and leaves the
+        hidden states, not a sequence's hidden-state tuple, as they are)."""
+        base = self.model.base_model  # a VLM's: with its vision tower
+        try:
+            base(**kwargs)
+        except _StageOutput as done:
+            return BaseModelOutputWithPast(last_hidden_state=done.hidden)
         raise RuntimeError(f"pipeline stage {self.stage}: its last layer never ran in {type(base).__name__}.forward")
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -107,6 +123,20 @@ class StageModule(nn.Module):
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         raise _StageOutput(output[0] if isinstance(output, tuple) else output)
+
+
+@contextmanager
+def body(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """`module.forward` replaced for the duration: `module(...)` then runs its hooks around `forward`."""
+    saved = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if saved is None:
+            del module.forward
+        else:
+            module.forward = saved
 
 
 def stages_of(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
@@ -130,12 +160,14 @@ class Runner:
         self.model, self.cut, self.stages, self.group = model, cut, stages, group
         self.schedule_name, self.microbatches, self.balance = schedule, microbatches, balance
         self.modules = [StageModule(model, cut, s, balance) for s in stages]
+        self.sequence_length: Callable[[int], int] = lambda length: length  # of the hidden states the stages send
         self._keys: dict[str, tuple] = {}  # "step" or "eval": the shapes its schedule was built for
         self._schedules: dict[str, Any] = {}
 
-    def step(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline."""
-        return self._run(batch, "step")
+    def step(self, batch: dict[str, Any], num_items: Any = None) -> torch.Tensor:
+        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline. `num_items`: the
+        label tokens the loss is divided by (the Trainer's count over its accumulation window), else the batch's."""
+        return self._run(batch, "step", num_items)
 
     def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
@@ -149,7 +181,7 @@ class Runner:
             last.logits = None
         return (loss if "labels" in batch else None), logits
 
-    def _run(self, batch: dict[str, Any], how: str) -> torch.Tensor:
+    def _run(self, batch: dict[str, Any], how: str, num_items: Any = None) -> torch.Tensor:
         ids = batch.pop("input_ids")
         microbatches = self.microbatches
         if how == "eval":  # any row count: as many micro-batches as divide it (generate's single row included)
@@ -168,7 +200,8 @@ class Runner:
                 f"flattened patches with image_grid_thw)"
             )
         labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
-        num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
+        if num_items is None:
+            num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:
             module.num_items = num_items
         schedule = self._schedule_for(ids, kwargs, how, microbatches)
@@ -216,13 +249,14 @@ class Runner:
             self._keys[how] = key
         return self._schedules[how]
 
-    def _stage(self, module: StageModule, ids: torch.Tensor, microbatches: int) -> PipelineStage:
+    def _stage(self, module: StageModule, ids: torch.Tensor, microbatches: int) -> SyncOnLast:
         rows, device = ids.shape[0] // microbatches, device_of(self.group)
         weight = self.model.get_input_embeddings().weight
         # the metadata torch's stage reads (shape, dtype, and requires_grad: whether gradients flow back)
-        hidden = torch.empty(rows, ids.shape[1], weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
+        seq = self.sequence_length(ids.shape[1])  # CP's chunk, SP's part of it
+        hidden = torch.empty(rows, seq, weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
         loss = torch.empty((), dtype=weight.dtype, device=device).requires_grad_()
-        return PipelineStage(
+        return SyncOnLast(
             module,
             module.stage,
             self.cut.stages,
@@ -230,6 +264,7 @@ class Runner:
             input_args=ids[:rows].to(device) if module.first else hidden,
             output_args=loss if module.last else hidden,
             group=self.group,
+            model=self.model,
         )
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -67,6 +67,11 @@ class Dimension:
         decoder layers: the parameters it sharded itself, by id, with the tag they keep."""
         return {}
 
+    def sequence_length(self, length: int) -> int:
+        """The length of the sequence each rank's decoder layers hold of a `length`-token batch, given the length the
+        outer dimensions leave (a pipeline's stages send hidden states of this length): CP's chunk, then SP's."""
+        return length
+
     def check_ddp(self, group: Group, state: TPState) -> None:
         """Refuse `DistributedDataParallel` over `group` when it would mix what this dimension splits."""
 

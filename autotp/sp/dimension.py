@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..mesh import group_size
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.rollback import Removable
@@ -16,9 +17,14 @@ class SequenceParallelism(Dimension):
     the experts at ep > 1) run on this rank's chunk of the tokens."""
 
     name = "sp"
+    size = 1  # the TP group's, over which the sequence is split
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         if not state.options.sequence_parallel:
             return []
         state.dims[self.name] = self
-        return list(apply_sequence_parallel(model, state.plan, state.tp_group, state, state.whole))
+        self.size = group_size(state.tp_group)
+        return list(apply_sequence_parallel(model, state.plan, state.tp_group, state, state.whole, plan))
+
+    def sequence_length(self, length: int) -> int:
+        return length // self.size

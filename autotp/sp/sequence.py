@@ -29,20 +29,21 @@ from ..runtime.seq_collectives import all_gather_seq_to_tp, gather_from_seq, own
 from ..tp.layers import LinearAllreduce
 
 
-def sequence_layout(model: nn.Module, plan: Plan, experts: tuple[str, ...] = ()) -> tuple[str, list[str], list[str]]:
+def sequence_layout(
+    model: nn.Module, plan: Plan, experts: tuple[str, ...] = (), full: Plan | None = None
+) -> tuple[str, list[str], list[str]]:
     """(decoder layer list path, block paths, names of the layer-level weights whose gradients are partial over TP)
     or a clear refusal: every weight between the sharded blocks must be per-channel (1-D), since that code sees one
     chunk of the sequence. `experts`: the experts modules expert parallelism splits (`autotp.ep`); their MoE blocks
     (router, top-k, token dispatch) are per-token code, so they run on the chunk too: the router's gradients are
-    partial like the norms', the experts' are expert parallelism's to sync."""
+    partial like the norms', the experts' are expert parallelism's to sync. `full`: the plan before the dimensions
+    cut it; a decoder layer it shards and `plan` does not is another pipeline stage's (`autotp.pp`), not run here."""
     if plan.regions or plan.head_inputs:
         raise ValueError(
             "sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
             "or per-head inputs (ALiBi)"
         )
-    blocks = sorted(
-        {layer.block for layer in plan.layers if layer.block and (plan.vocab is None or layer.path != plan.vocab.head)}
-    )
+    blocks = _blocks(plan)
     moe = tuple(f"{path.rpartition('.')[0]}." for path in experts)
     nested = [b for b in blocks if b.startswith(moe)]
     if nested:  # its gather and reduce-scatter would sit inside the MoE block, beside a router on the chunk
@@ -60,6 +61,9 @@ def sequence_layout(model: nn.Module, plan: Plan, experts: tuple[str, ...] = ())
     inside = {name for b in blocks for name, _ in model.get_submodule(b).named_parameters(prefix=b)}
     moe = tuple(prefix for prefix in moe if prefix.count(".") > list_path.count(".") + 2)  # not a whole layer
     split = tuple(f"{path}." for path in experts)
+    if full is not None:  # the layers other pipeline stages run
+        ours = {b.rsplit(".", 1)[0] for b in blocks}
+        split += tuple(f"{layer}." for layer in {b.rsplit(".", 1)[0] for b in _blocks(full)} - ours)
     outside = [
         (name, p)
         for name, p in model.get_submodule(list_path).named_parameters(prefix=list_path)
@@ -76,12 +80,19 @@ def sequence_layout(model: nn.Module, plan: Plan, experts: tuple[str, ...] = ())
     return list_path, blocks, [name for name, _ in outside]
 
 
+def _blocks(plan: Plan) -> list[str]:
+    """The sharded attention and MLP blocks of `plan`'s decoder layers."""
+    return sorted(
+        {layer.block for layer in plan.layers if layer.block and (plan.vocab is None or layer.path != plan.vocab.head)}
+    )
+
+
 def apply_sequence_parallel(
-    model: nn.Module, plan: Plan, group: Group, state, experts: tuple[str, ...] = ()
+    model: nn.Module, plan: Plan, group: Group, state, experts: tuple[str, ...] = (), full: Plan | None = None
 ) -> list[GradHook | LayerScope]:
     """Install the sequence split; returns what `remove()` undoes it on the layers (their scopes) and on the tensors
     (the gradient hooks on the layers' own norms and row biases)."""
-    list_path, blocks, norms = sequence_layout(model, plan, experts)
+    list_path, blocks, norms = sequence_layout(model, plan, experts, full)
     layers = model.get_submodule(list_path)
     chunked = Chunked()
     dropout = ChunkDropout(

@@ -44,6 +44,8 @@ def attach(model: nn.Module, lifted: list[tuple[nn.Module, str, nn.Module]], sta
     paths = {id(module): path for path, module in model.named_modules()}
     for parent, name, lora in lifted:
         layer = parent._modules[name]
+        if id(layer) not in paths:  # another pipeline stage's layer (`autotp.pp`): its adapters train there
+            continue
         path = paths[id(layer)]
         lora.base_layer = layer
         parent._modules[name] = lora

@@ -49,9 +49,7 @@ def test_the_cost_model_counts_the_embedding_and_the_head_as_layers() -> None:
 def test_pp2_refuses_by_name_before_the_model_changes() -> None:
     refused = run_ranks(pp_refusals, 2)[0]
     expected = {
-        "cp_size": "context parallelism",
         "ep_size": "expert parallelism",
-        "sequence_parallel": "sequence_parallel",
         "pp_schedule": "ZBVZeroBubble",
         "dropout": "dropout",
         "output_router_logits": "load-balancing loss",
@@ -61,13 +59,11 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
         "pp_stages_per_rank": "looped schedule",
         "forward": "autotp.forward_backward",
         "cu_seq_lens_q": "split by rows",
-        "peft": "PEFT",
         "peft after wrap": "PEFT",
     }
     for name, words in expected.items():
         message, unchanged = refused[name]
         assert words in message and unchanged, (name, message)
-    assert any("fully_shard" in m for m, _ in refused.values())
 
 
 @pytest.mark.slow

@@ -313,22 +313,10 @@ def replay(actions: list[list[tuple]], stages: int) -> tuple[float, float]:
     return span, statistics.mean(1 - sum(a[4] for a in rank) / span for rank in actions)
 
 
-def theory(schedule: str, pp: int, micro: int) -> float:
-    """The bubble's share of a step with equal stages: (P - 1) / (vM + P - 1), v stages per rank."""
-    return (pp - 1) / (stages_per_rank(schedule) * micro + pp - 1)
-
-
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule == "Interleaved1F1B" else 1
-
-
-def in_flight(schedule: str, pp: int, micro: int, stage: int) -> float:
-    """1F1B's micro-batches in flight on `stage` over GPipe's (all M): min(P - s, M) / M."""
-    return min(pp - stage, micro) / micro if schedule != "GPipe" else 1.0
-
-
 def tables(pp: int, ranks: list[dict], config: dict, rows: int, seq: int) -> tuple[list[str], list[str]]:
     """The speed rows and the bubble, memory and bytes rows of one pp size."""
+    from autotp.pp.report import bubble, in_flight, stages_per_rank
+
     median = statistics.median
     base = ranks[0]["one process"]
     wall = {run: median(map(max, zip(*(r[run]["times"] for r in ranks)))) for run in (*SCHEDULES, HAND)}
@@ -345,11 +333,11 @@ def tables(pp: int, ranks: list[dict], config: dict, rows: int, seq: int) -> tup
     for run in (*SCHEDULES, HAND):
         schedule = "1F1B" if run == HAND else run
         stages = pp * stages_per_rank(schedule)
-        span, bubble = replayed[run]
+        span, idle = replayed[run]
         measured = statistics.mean(1 - sum(a[3] for a in r[run]["actions"]) / r[run]["schedule"][-1] for r in ranks)
         peaks = [r[run]["peak_saved"] for r in ranks]
         against = " / ".join(
-            f"{p / g:.2f} ({in_flight(schedule, pp, rows, s):.2f})" for s, (p, g) in enumerate(zip(peaks, gpipe))
+            f"{p / g:.2f} ({in_flight(schedule, pp, rows, s) / rows:.2f})" for s, (p, g) in enumerate(zip(peaks, gpipe))
         )
         sent = sum(r[run]["sent"] for r in ranks)
         expected = 2 * (stages - 1) * rows * seq * config["hidden_size"] * 4
@@ -359,7 +347,7 @@ def tables(pp: int, ranks: list[dict], config: dict, rows: int, seq: int) -> tup
             f"{replayed[HAND][0] / span:.2f} | {' / '.join(f'{p / 2**20:.1f}' for p in peaks)} |"
         )
         shape.append(
-            f"| {name} | {theory(schedule, pp, rows):.3f} | {measured:.3f} | {bubble:.3f} | "
+            f"| {name} | {bubble(schedule, pp, rows):.3f} | {measured:.3f} | {idle:.3f} | "
             f"{against if run != 'GPipe' else ''} | {sent / 2**20:.1f} | {expected / 2**20:.1f} |"
         )
     return speed, shape

@@ -150,7 +150,8 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
 
 def layer_activation_bytes(model: nn.Module, plan: Plan, batch: int, seq: int, cp: int = 1) -> tuple[int, int]:
     """What autograd keeps for one decoder layer's backward on this rank, an estimate from the config (see
-    `context_cost`), and the gathered K/V of the whole sequence included in it."""
+    `context_cost`; a MoE layer's MLP part counted for each of a token's top-k experts), and the gathered K/V of the
+    whole sequence included in it."""
     config = model.config
     element = next(model.parameters()).element_size()
     tp = plan.tp_size
@@ -158,7 +159,12 @@ def layer_activation_bytes(model: nn.Module, plan: Plan, batch: int, seq: int, c
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kv_local = max(1, -(-kv_heads // tp))  # replicated KV heads: at least one per rank
-    inner = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 4 * hidden)
+    expert = getattr(config, "moe_intermediate_size", None)  # a MoE token runs through top-k experts' MLPs
+    inner = (
+        expert * getattr(config, "num_experts_per_tok", 1)
+        if expert
+        else getattr(config, "intermediate_size", 4 * hidden)
+    )
     per_token = 3 * hidden + 2 * (heads // tp) * head_dim + 3 * -(-inner // tp)
     kv_gathered = batch * seq * 2 * kv_local * head_dim * element
     return batch * -(-seq // cp) * per_token * element + kv_gathered, kv_gathered

@@ -57,14 +57,12 @@ def pipeline_cost(
     parameter names, split over `ep` ranks whole) and the training state's (gradients and Adam's moments in the
     parameter dtype); per schedule: the bubble and each rank's activations in flight at the peak (decoder layers
     only: the loss's logits are chunked by default); per rank the bytes it sends per step."""
-    if batch % microbatches:
-        raise ValueError(
-            f"batch {batch} does not split into pp_microbatches={microbatches} micro-batches of equal rows"
-        )
     try:
         cut = find_cut(model, pp, None)
     except NotImplementedError as err:  # a model wrap would refuse to cut: bad input for the plan
         raise ValueError(str(err)) from None
+    if batch % microbatches:
+        raise ValueError(f"batch {batch} rows do not split into {microbatches} micro-batches of equal rows")
     stage_of = owner(model, cut)
     sharded = plan.sharded_params(model)
     per_stage = [0] * pp

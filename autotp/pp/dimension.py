@@ -21,6 +21,7 @@ from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..state import TPState
 from .cut import Cut, find_cut, skip_others
+from .generate import PipelineGenerate
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
@@ -64,8 +65,19 @@ class PipelineParallelism(Dimension):
                 f"pp_schedule={options.pp_schedule!r}: choose one of torch's schedules {SCHEDULES} (ZBVZeroBubble and "
                 f"DualPipeV split the backward, which HF stages' non-tensor inputs do not allow yet)"
             )
-        if (options.pp_microbatches or pp) < 1:
+        microbatches = options.pp_microbatches or pp
+        if microbatches < 1:
             raise ValueError(f"pp_microbatches={options.pp_microbatches} must be at least 1")
+        if options.pp_schedule == "1F1B" and microbatches < pp:
+            raise ValueError(
+                f"pp_microbatches={microbatches} with pp_schedule='1F1B' at pp_size={pp}: torch's 1F1B runs at least "
+                f"one micro-batch per stage; give pp_microbatches >= {pp}, or pp_schedule='GPipe'"
+            )
+        if options.pp_schedule in LOOPED and microbatches % max(1, microbatches // pp):
+            raise ValueError(
+                f"pp_microbatches={microbatches} with pp_schedule={options.pp_schedule!r} at pp_size={pp}: torch's "
+                f"looped schedule runs the micro-batches in rounds of {pp}, so give a multiple of {pp} (or fewer)"
+            )
         float8 = next((n for n, m in model.named_modules() if is_torchao(type(m))), None)
         if float8 is not None:
             raise NotImplementedError(
@@ -114,6 +126,8 @@ class PipelineParallelism(Dimension):
                 made = new_group([ranks[0], ranks[-1]], state.timeout, "PP embedding group")
                 self.tied_group = made if dist.get_rank() in (ranks[0], ranks[-1]) else self.tied_group
         patch_attribute(model, "forward", PipelineForward(self, model.forward))
+        if callable(getattr(model, "generate", None)):
+            patch_attribute(model, "generate", PipelineGenerate(model.generate))
         state.dims[self.name] = self
         return []
 
@@ -228,7 +242,7 @@ class PipelineForward:
         if other or kwargs.get("use_cache"):
             raise NotImplementedError(
                 f"model(...) at pp_size={size} with {other or ['use_cache=True']}: evaluation under a pipeline takes "
-                f"input_ids, attention_mask, position_ids and labels by keyword (generate is not built yet)"
+                f"input_ids, attention_mask, position_ids and labels by keyword (model.generate runs without a KV cache)"
             )
         batch = {k: v for k, v in kwargs.items() if k not in ("use_cache", "return_dict")}
         self.pipeline.running = True

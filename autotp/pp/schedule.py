@@ -15,13 +15,19 @@ shape repeats): no stage locks the sequence length of its first step.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    ScheduleGPipe,
+    ScheduleLoopedBFS,
+    get_schedule_class,
+)
 
 from ..mesh import Group, device_of, named_failure
 from .cut import Cut, stage_view, swapped
@@ -104,8 +110,8 @@ class Runner:
         self.model, self.cut, self.stages, self.group = model, cut, stages, group
         self.schedule_name, self.microbatches = schedule, microbatches
         self.modules = [StageModule(model, cut, s) for s in stages]
-        self._key: tuple | None = None
-        self._schedule: Any = None
+        self._keys: dict[str, tuple] = {}  # "step" or "eval": the shapes its schedule was built for
+        self._schedules: dict[str, Any] = {}
 
     def step(self, batch: dict[str, Any]) -> torch.Tensor:
         """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline."""
@@ -125,17 +131,20 @@ class Runner:
 
     def _run(self, batch: dict[str, Any], how: str) -> torch.Tensor:
         ids = batch.pop("input_ids")
-        if ids.shape[0] % self.microbatches:
+        microbatches = self.microbatches
+        if how == "eval":  # any row count: as many micro-batches as divide it (generate's single row included)
+            microbatches = math.gcd(ids.shape[0], microbatches)
+        elif ids.shape[0] % microbatches:
             raise ValueError(
-                f"a batch of {ids.shape[0]} rows at pp_microbatches={self.microbatches}: the rows are split evenly "
-                f"into the micro-batches, so give a multiple of {self.microbatches}"
+                f"a batch of {ids.shape[0]} rows at pp_microbatches={microbatches}: the rows are split evenly "
+                f"into the micro-batches, so give a multiple of {microbatches}"
             )
         kwargs = {k: v for k, v in batch.items() if v is not None} | {"tokens": ids}  # every stage's input_ids
         labels = kwargs.get("labels", ids)  # the schedule's target: the loss comes from the model's own forward
         num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:
             module.num_items = num_items
-        schedule = self._schedule_for(ids, kwargs)
+        schedule = self._schedule_for(ids, kwargs, how, microbatches)
         losses: list[torch.Tensor] = []
         args = (ids,) if 0 in self.stages else ()
         with named_failure(
@@ -149,23 +158,28 @@ class Runner:
                 schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
         return self._shared_loss(losses)
 
-    def _schedule_for(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    def _schedule_for(self, ids: torch.Tensor, kwargs: dict[str, Any], how: str, microbatches: int) -> Any:
+        """The schedule for this batch's shapes, kept while they repeat (one for training, one for evaluation).
+        Evaluation runs a fill-drain schedule (GPipe, or LoopedBFS for several stages a rank): the forwards alone
+        give the same outputs in any order, and they take fewer micro-batches than stages (1F1B does not)."""
         key = (tuple(ids.shape), tuple((k, tuple(v.shape)) for k, v in kwargs.items() if torch.is_tensor(v)))
-        if key != self._key:
-            stages = [self._stage(module, ids) for module in self.modules]
+        if self._keys.get(how) != key:
+            stages = [self._stage(module, ids, microbatches) for module in self.modules]
             cls = get_schedule_class(self.schedule_name)
             single = issubclass(cls, PipelineScheduleSingle)
-            self._schedule = cls(
+            if how == "eval":
+                cls = ScheduleGPipe if single else ScheduleLoopedBFS
+            self._schedules[how] = cls(
                 stages[0] if single else stages,
-                n_microbatches=self.microbatches,
+                n_microbatches=microbatches,
                 loss_fn=lambda loss, target: loss,
                 scale_grads=False,
             )
-            self._key = key
-        return self._schedule
+            self._keys[how] = key
+        return self._schedules[how]
 
-    def _stage(self, module: StageModule, ids: torch.Tensor) -> PipelineStage:
-        rows, device = ids.shape[0] // self.microbatches, device_of(self.group)
+    def _stage(self, module: StageModule, ids: torch.Tensor, microbatches: int) -> PipelineStage:
+        rows, device = ids.shape[0] // microbatches, device_of(self.group)
         weight = self.model.get_input_embeddings().weight
         # the metadata torch's stage reads (shape, dtype, and requires_grad: whether gradients flow back)
         hidden = torch.empty(rows, ids.shape[1], weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()

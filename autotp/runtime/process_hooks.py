@@ -14,7 +14,7 @@ removed once the last is rolled back or garbage-collected (owners are held weakl
   (`autotp.io.rollout.adapters`).
 
 On the model's own objects, gone with the model and undone by a rollback (`patch_attribute`, `replace_ddp_ignored`):
-`model.generate` (`autotp.ep.apply`), an experts module's `forward` (`autotp.ep.dispatch`), each decoder layer's
+`model.generate` (`autotp.ep.apply`, `autotp.pp.dimension`), an experts module's `forward` (`autotp.ep.dispatch`), each decoder layer's
 `__class__` (`autotp.sp.sequence`), `loss_function` (`autotp.vocab.apply`, `autotp.cp.apply`), `save_pretrained`
 and `resize_token_embeddings` (`autotp.integrations.hf_methods`), and DDP's ignore list (`DDPGuard`,
 `compat.torch.set_ddp_ignored`).

@@ -439,15 +439,22 @@ def sync(device: torch.device) -> None:
 
 
 def step_times(
-    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, sizes: Sizes, device: torch.device
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    sizes: Sizes,
+    device: torch.device,
+    rows: int | None = None,
 ) -> list[float]:
-    """Seconds of each training step (forward, backward, optimizer) after the warm-up ones."""
+    """Seconds of each training step (forward, backward, optimizer) after the warm-up ones; with `rows`, the batch's
+    forward and backward run one micro-batch of `rows` rows at a time, as a pipeline stage runs them."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for step in range(sizes.warmup + sizes.steps):
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        for chunk in ids.split(rows or len(ids)):
+            model(input_ids=chunk, labels=chunk).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -889,16 +896,7 @@ def section_h(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
     init_fake_process_group(TP_C)
     model = autotp.wrap(build(sizes.stage, device), TP_C, timeout=timedelta(minutes=5))
     optimizer = adamw(model.parameters(), device)
-    times = []
-    for step in range(sizes.warmup + sizes.steps):
-        start = time.perf_counter()
-        for chunk in ids.split(rows):
-            model(input_ids=chunk, labels=chunk).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        if step >= sizes.warmup:
-            times.append(time.perf_counter() - start)
+    times = step_times(model, ids, optimizer, sizes, device, rows)
     rate, idle = ids.numel() / statistics.median(times) / TP_C, bubble("1F1B", PP_H, micro)
     layers = sizes.stage["num_hidden_layers"]
     figure(

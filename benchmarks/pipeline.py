@@ -1,11 +1,11 @@
 """Pipeline parallelism on CPU: autotp's schedules against one process and against torch.distributed.pipelining
 driven by hand, at pp 2 and pp 4.
 
-    python benchmarks/pipeline.py            # pp 2 and 4, hidden 256, 8 layers, 8 x 256 tokens (about 2 minutes)
+    python benchmarks/pipeline.py            # pp 2 and 4, hidden 256, 8 layers, 8 x 256 tokens (3 to 4 minutes)
     python benchmarks/pipeline.py --quick    # pp 2, a tiny Llama (seconds: tests run this)
 
 Each pp size runs in P freshly spawned CPU ranks (gloo, 1 thread). One Llama (seed 0, fp32, SDPA) and one batch of
-`ROWS` x `SEQ` tokens, cut into M = `ROWS` micro-batches of one row. Every step is a whole training step (forward,
+8 x 256 tokens (`--quick`: 4 x 32), cut into M = 8 (4) micro-batches of one row. Every step is a whole training step (forward,
 backward, `allreduce_gradients`, AdamW); the ranks meet at a barrier before each, and a step's time is its slowest
 rank's, the median over the timed steps. The runs on the same ranks:
 - one process (rank 0 alone, the others waiting): `model(**batch).loss.backward()` on the whole batch;
@@ -23,11 +23,13 @@ Measured on every rank, through torch's own `PipelineStage` (its methods timed a
   rank, and the same bubble "replayed": each rank's forwards and backwards, their measured CPU time (the thread's,
   so time spent descheduled is not counted), laid out again in the rank's order with a forward waiting for the
   previous stage's and a backward for the next stage's, sends free. At pp 4 the 4 ranks share 2 cores, so the wall
-  time measure mixes in waiting for a core: read the replayed one there.
+  time measure mixes in waiting for a core: read the replayed one there. The replayed step's span is also set
+  beside one process's CPU seconds: the step on one core per rank.
 - peak activation memory per stage: the most bytes autograd held saved for the backward at once during the step
   (`saved_tensors_hooks`, parameters excluded, each storage once; as `benchmarks/activation_memory.py` counts them, but
-  the peak over the step rather than after one forward), per rank, beside 1F1B's theory: stage s keeps
-  min(P - s, M) micro-batches in flight where GPipe keeps M;
+  the peak over the step rather than after one forward), per rank, over GPipe's, beside the theory
+  (`autotp.pp.report.in_flight`): stage s keeps min(P - s, M) micro-batches in flight under 1F1B where GPipe keeps M,
+  and Interleaved1F1B its warm-up's forwards plus one, each through half the rank's layers;
 - bytes sent per step: the tensors of every send torch's stages post (activations forward, their gradients
   back), summed over ranks, beside the count from the shapes: 2 (S - 1) M rows x seq x hidden x 4 bytes for S stages
   (autotp also broadcasts the 4-byte loss, not counted).

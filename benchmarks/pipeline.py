@@ -29,7 +29,10 @@ Measured on every rank, through torch's own `PipelineStage` (its methods timed a
   (`saved_tensors_hooks`, parameters excluded, each storage once; as `benchmarks/activation_memory.py` counts them, but
   the peak over the step rather than after one forward), per rank, over GPipe's, beside the theory
   (`autotp.pp.report.in_flight`): stage s keeps min(P - s, M) micro-batches in flight under 1F1B where GPipe keeps M,
-  and Interleaved1F1B its warm-up's forwards plus one, each through half the rank's layers;
+  and Interleaved1F1B its warm-up's forwards plus one, each through one of its 2 stages; counted in micro-batches
+  times decoder layers, since the cut into 2P stages gives a rank other layers than the cut into P (8 layers at pp 4:
+  (0, 2, 4, 7, 8), the embedding and the head counting as a layer each, against one layer a stage). The last stage's
+  head and loss are not in the theory;
 - bytes sent per step: the tensors of every send torch's stages post (activations forward, their gradients
   back), summed over ranks, beside the count from the shapes: 2 (S - 1) M rows x seq x hidden x 4 bytes for S stages
   (autotp also broadcasts the 4-byte loss, not counted).
@@ -317,7 +320,16 @@ def replay(actions: list[list[tuple]], stages: int) -> tuple[float, float]:
 
 def tables(pp: int, ranks: list[dict], config: dict, rows: int, seq: int) -> tuple[list[str], list[str]]:
     """The speed rows and the bubble, memory and bytes rows of one pp size."""
+    from autotp.pp.cut import bounds
     from autotp.pp.report import bubble, in_flight, stages_per_rank
+
+    def layers(schedule: str, rank: int) -> int:  # the decoder layers a rank runs under the schedule's cut
+        v = stages_per_rank(schedule)
+        cut = bounds(config["num_hidden_layers"], v * pp)
+        return sum(cut[rank + k * pp + 1] - cut[rank + k * pp] for k in range(v))
+
+    def theory(schedule: str, rank: int) -> float:  # in flight over GPipe's, in micro-batches x decoder layers
+        return in_flight(schedule, pp, rows, rank) * layers(schedule, rank) / (rows * layers("GPipe", rank))
 
     median = statistics.median
     base = ranks[0]["one process"]
@@ -338,9 +350,7 @@ def tables(pp: int, ranks: list[dict], config: dict, rows: int, seq: int) -> tup
         span, idle = replayed[run]
         measured = statistics.mean(1 - sum(a[3] for a in r[run]["actions"]) / r[run]["schedule"][-1] for r in ranks)
         peaks = [r[run]["peak_saved"] for r in ranks]
-        against = " / ".join(
-            f"{p / g:.2f} ({in_flight(schedule, pp, rows, s) / rows:.2f})" for s, (p, g) in enumerate(zip(peaks, gpipe))
-        )
+        against = " / ".join(f"{p / g:.2f} ({theory(schedule, s):.2f})" for s, (p, g) in enumerate(zip(peaks, gpipe)))
         sent = sum(r[run]["sent"] for r in ranks)
         expected = 2 * (stages - 1) * rows * seq * config["hidden_size"] * 4
         name = f"pp {pp}: " + (f"autotp {run}" if run != HAND else run)

@@ -124,10 +124,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .mesh import check_world
     from .options import WrapOptions
     from .planning.report import context_cost, expert_cost, expert_zero_bytes, summary
+    from .pp.report import describe as pipeline_lines
+    from .pp.report import pipeline_cost
 
     config, policy = load_config(args.model), read_policy(args.policy)
-    # the layout wrap would refuse at this world (tp x cp x dp ranks), with wrap's own error
-    check_world(WrapOptions(tp_size=args.tp, cp_size=args.cp, ep_size=args.ep).sizes(), args.tp * args.cp * args.dp)
+    # the layout wrap would refuse at this world (pp x dp x cp x tp ranks), with wrap's own error
+    sizes = WrapOptions(tp_size=args.tp, cp_size=args.cp, ep_size=args.ep, pp_size=args.pp).sizes()
+    check_world(sizes, args.pp * args.tp * args.cp * args.dp)
     with quiet_transformers():
         progress("plan", f"building {config.model_type} on the meta device in {args.dtype}")
         model = build(config, "meta", args.task, DTYPES[args.dtype])
@@ -150,6 +153,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         info["train_state_bytes_per_rank"] = [4 * b for b in e["param_bytes_per_rank"]]
     if args.cp > 1:
         info["context"] = [context_cost(model, plan, args.batch, args.seq, cp) for cp in sorted({1, args.cp})]
+    if args.pp > 1:  # the experts split over ep whole (EP under a pipeline: `autotp.pp`'s refusals say if built yet)
+        experts = frozenset(f"{p}.{n}" for p, names in layouts for n in names) if args.ep > 1 else frozenset()
+        micro = args.microbatches or args.pp
+        info["pipeline"] = pipeline_cost(model, dense, args.pp, micro, args.batch, args.seq, experts, args.ep)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -208,6 +215,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{mib(c['attention_bytes_per_step'])} per rank per step in {c['attention_collectives_per_step']} "
             f"collectives (K/V all-gather forward, reduce-scatter backward)"
         )
+    if args.pp > 1:
+        print("\n".join(pipeline_lines(info["pipeline"], args.batch, args.seq)))
     for item in info["replicated"]:
         print(f"  warning: {item['path']} stays replicated ({item['why']})")
     return 0
@@ -323,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-parallel size: per-rank bytes with the "
         "experts split by expert, and the all-to-all bytes of one step",
     )
+    plan.add_argument("--pp", type=positive_int, default=1, help="pipeline stages: bytes per stage, bubble, in flight")
+    plan.add_argument("--microbatches", type=positive_int, help="micro-batches of --batch under --pp (default: --pp)")
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage to price against DDP (default: all)")
     plan.add_argument(
         "--dtype",

@@ -3,6 +3,7 @@ parallelism's variable-length path, and the `gpu` tests.
 
     PYTHONPATH=. timeout 560 python benchmarks/gpu.py --pytest --pytest-budget 100 --out $OUT/gpu.jsonl  # b, f, g
     PYTHONPATH=. timeout 590 python benchmarks/gpu.py --sections acde --pytest --out $OUT/gpu.jsonl  # the first run's
+    PYTHONPATH=. timeout 200 python benchmarks/gpu.py --sections h --out $OUT/gpu-h.jsonl  # h: one pipeline stage
     python benchmarks/gpu.py --smoke --out /tmp/gpu.jsonl        # tiny sizes on CPU, seconds (tests run this)
     python benchmarks/gpu.py --table-from gpu.jsonl              # the docs table of a (possibly cut-off) run
 
@@ -38,6 +39,13 @@ budget as a "timeout" line, and the run goes on. Models are Llama configs with r
     bf16, full fine-tuning with AdamW, each run in its own process: the 1B shape at tp=1, each layer compiled; then
     one tp=8 rank of the 70B shape on the fake process group, 8 of its 80 layers (per-layer compute; the ratio to
     bf16 is the figure), eager. Skipped where torchao is not installed.
+(h) One pipeline stage's compute: the last stage of pp 4 x tp 8 on the 70B shape (19 of its 80 layers, the final
+    norm, the head and the loss), one tp=8 rank on the fake process group. A step is what that rank computes in a
+    1F1B step: 8 micro-batches of 1 x 4096 tokens, each its forward and backward, then AdamW; the sends between
+    stages, the collectives and the bubble cost nothing, so this is an upper bound. Beside it what a pipeline of
+    4 such stages would give per GPU at 1F1B's bubble, (P - 1) / (M + P - 1). torch's schedule itself does not run
+    on the fake group (its receives would read the fake backend's garbage shapes), so the micro-batches are driven
+    here, as the stage's own forward and backward.
 --pytest: `python -m pytest -m gpu tests` under --pytest-budget seconds; each test's outcome is a line.
 
 FLOPs per token (MFU = achieved / the card's bf16 dense peak: 989 TFLOP/s for H100 SXM and H200, 756 for H100
@@ -111,6 +119,7 @@ LLAMA_70B_LAYERS = dict(  # the 70B shape with 8 of its 80 layers: one tp=8 rank
     vocab_size=128256,
     tie_word_embeddings=False,
 )
+LLAMA_70B_STAGE = dict(LLAMA_70B_LAYERS, num_hidden_layers=19)  # (h): pp 4 cuts 80 layers at (0, 20, 40, 61, 80)
 CP_MODEL = dict(
     hidden_size=1024,
     intermediate_size=2816,
@@ -142,6 +151,7 @@ AUTOMODEL_LORA_8B = 12473  # tok/s, 1 x H100, Llama3-8B LoRA, bf16, seq 4096, MB
 TORCHTITAN_8B = {"eager": 5762, "compiled": 6667}  # tok/s/GPU, 8 x H100, FSDP, seq 8192 (torchtitan's benchmarks)
 VARLEN = "varlen_sdpa"  # the name the SDPA-backed variable-length function is registered under ("varlen": flash kind)
 TP_C = 8
+PP_H = 4
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,8 @@ class Sizes:
     steps: int
     budget: dict  # seconds per section
     compile: bool
+    stage: dict  # (h)'s stage
+    h: tuple[int, int, int]  # (micro-batches, rows, seq)
 
 
 FULL = Sizes(
@@ -175,8 +187,10 @@ FULL = Sizes(
     (2, 4096),
     3,
     8,
-    {"a": 130, "b": 90, "c": 50, "d": 40, "e": 5, "f": 160, "g": 170},
+    {"a": 130, "b": 90, "c": 50, "d": 40, "e": 5, "f": 160, "g": 170, "h": 90},
     True,
+    LLAMA_70B_STAGE,
+    (8, 1, 4096),
 )
 SMOKE = Sizes(
     TINY,
@@ -190,8 +204,10 @@ SMOKE = Sizes(
     (2, 64),
     1,
     2,
-    {"a": 30, "b": 60, "c": 30, "d": 30, "e": 5, "f": 60, "g": 90},
+    {"a": 30, "b": 60, "c": 30, "d": 30, "e": 5, "f": 60, "g": 90, "h": 30},
     False,
+    TINY,
+    (2, 1, 64),
 )
 
 
@@ -423,15 +439,22 @@ def sync(device: torch.device) -> None:
 
 
 def step_times(
-    model: torch.nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer, sizes: Sizes, device: torch.device
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    sizes: Sizes,
+    device: torch.device,
+    rows: int | None = None,
 ) -> list[float]:
-    """Seconds of each training step (forward, backward, optimizer) after the warm-up ones."""
+    """Seconds of each training step (forward, backward, optimizer) after the warm-up ones; with `rows`, the batch's
+    forward and backward run one micro-batch of `rows` rows at a time, as a pipeline stage runs them."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for step in range(sizes.warmup + sizes.steps):
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        for chunk in ids.split(rows or len(ids)):
+            model(input_ids=chunk, labels=chunk).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -861,6 +884,39 @@ def section_g(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
             base = base or result["times"]
 
 
+def section_h(rec: Recorder, sizes: Sizes, device: torch.device) -> None:
+    """One tp=8 rank of pp 4's last stage on the 70B shape, on the fake process group: M micro-batches' forwards and
+    backwards through the stage's layers, head and loss, then AdamW."""
+    import autotp
+    from autotp.compat.torch import init_fake_process_group
+    from autotp.pp.report import bubble
+
+    micro, rows, seq = sizes.h
+    ids = tokens(sizes.stage, micro * rows, seq, device)
+    init_fake_process_group(TP_C)
+    model = autotp.wrap(build(sizes.stage, device), TP_C, timeout=timedelta(minutes=5))
+    optimizer = adamw(model.parameters(), device)
+    times = step_times(model, ids, optimizer, sizes, device, rows)
+    rate, idle = ids.numel() / statistics.median(times) / TP_C, bubble("1F1B", PP_H, micro)
+    layers = sizes.stage["num_hidden_layers"]
+    figure(
+        rec,
+        "h",
+        f"one rank of pp {PP_H} x tp={TP_C}, its last stage ({layers} layers, the head and the loss), fake process "
+        f"group, {micro} micro-batches of {rows} x {seq}, AdamW, eager",
+        times,
+        ids,
+        full_flops(sizes.stage, seq),
+        ranks=TP_C,
+        upper_bound=True,
+        pipeline_tokens_per_s_per_gpu=round(rate / PP_H * (1 - idle), 1),
+        beside=f"upper bound (sends, collectives and the bubble cost nothing here); a pp {PP_H} pipeline of such "
+        f"stages: {rate / PP_H * (1 - idle):,.0f} tok/s per GPU at 1F1B's bubble {idle:.3f}",
+    )
+    del model, optimizer
+    torch.distributed.destroy_process_group()
+
+
 SECTIONS = {
     "a": section_a,
     "b": section_b,
@@ -869,6 +925,7 @@ SECTIONS = {
     "e": section_e,
     "f": section_f,
     "g": section_g,
+    "h": section_h,
 }
 
 

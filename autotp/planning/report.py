@@ -148,6 +148,28 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
     }
 
 
+def layer_activation_bytes(model: nn.Module, plan: Plan, batch: int, seq: int, cp: int = 1) -> tuple[int, int]:
+    """What autograd keeps for one decoder layer's backward on this rank, an estimate from the config (see
+    `context_cost`; a MoE layer's MLP part counted for each of a token's top-k experts), and the gathered K/V of the
+    whole sequence included in it."""
+    config = model.config
+    element = next(model.parameters()).element_size()
+    tp = plan.tp_size
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_local = max(1, -(-kv_heads // tp))  # replicated KV heads: at least one per rank
+    expert = getattr(config, "moe_intermediate_size", None)  # a MoE token runs through top-k experts' MLPs
+    inner = (
+        expert * getattr(config, "num_experts_per_tok", 1)
+        if expert
+        else getattr(config, "intermediate_size", 4 * hidden)
+    )
+    per_token = 3 * hidden + 2 * (heads // tp) * head_dim + 3 * -(-inner // tp)
+    kv_gathered = batch * seq * 2 * kv_local * head_dim * element
+    return batch * -(-seq // cp) * per_token * element + kv_gathered, kv_gathered
+
+
 def context_cost(model: nn.Module, plan: Plan, batch: int, seq: int, cp: int) -> dict:
     """Activation memory per rank, and the bytes context parallelism's attention moves per step, at tp x cp.
 
@@ -158,19 +180,11 @@ def context_cost(model: nn.Module, plan: Plan, batch: int, seq: int, cp: int) ->
     reduce-scatter backward: each rank sends (cp - 1) / cp of the gathered bytes each way (a ring's share).
     """
     config = model.config
-    element = next(model.parameters()).element_size()
-    tp = plan.tp_size
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    kv_local = max(1, -(-kv_heads // tp))  # replicated KV heads: at least one per rank
-    inner = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 4 * hidden)
+    layers, tp = config.num_hidden_layers, plan.tp_size
     vocab = config.vocab_size // (tp if plan.vocab is not None else 1)
     tokens = batch * -(-seq // cp)
-    per_token = 3 * hidden + 2 * (heads // tp) * head_dim + 3 * -(-inner // tp)
-    kv_gathered = batch * seq * 2 * kv_local * head_dim * element
-    activations = layers * (tokens * per_token * element + kv_gathered) + tokens * seq + tokens * vocab * 4
+    per_layer, kv_gathered = layer_activation_bytes(model, plan, batch, seq, cp)
+    activations = layers * per_layer + tokens * seq + tokens * vocab * 4
     moved = layers * 2 * kv_gathered * (cp - 1) // cp
     return {
         "cp_size": cp,

@@ -20,6 +20,7 @@ from ..runtime.dimension import Dimension
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..state import TPState
+from .chain import check_chain
 from .cut import Cut, find_cut, skip_others
 from .generate import PipelineGenerate
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
@@ -96,7 +97,7 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with output_router_logits: the MoE load-balancing loss is summed over every layer's "
                 f"router in the last stage's forward, which sees only its own layers; set output_router_logits=False"
             )
-        self._cut(model, options)  # a model that cannot be cut, or split points that do not fit
+        check_chain(model, self._cut(model, options), pp)  # a model that cannot be cut, or split points that do not fit
 
     def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:
         """Tensor parallelism shards only this rank's stages' layers."""

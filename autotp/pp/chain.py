@@ -22,7 +22,7 @@ from torch import nn
 
 from ..planning.probe import probe_inputs
 from ..planning.twin import structural_twin
-from .cut import Cut
+from .cut import Cut, owner
 from .schedule import StageModule
 
 Call = tuple[int, Any, list, tuple]  # (layer index, its hidden-states input, its tensor inputs, its outputs)
@@ -32,10 +32,11 @@ def check_chain(model: nn.Module, cut: Cut, pp: int) -> None:
     """Refuse, naming the layer, a model whose layers do not run as one chain a cut can split."""
     name = type(model).__name__
     subject = structural_twin(model) or model
-    with evaluating(subject), torch.no_grad():
+    with evaluating(subject):
         inputs = probe_inputs(subject)
         try:
-            calls, logits = _record(subject, cut, inputs)
+            with torch.no_grad():
+                calls = _record(subject, cut, inputs)
         except Exception as err:
             raise NotImplementedError(
                 f"pp_size={pp} on {name}: a probe forward, run to check that its decoder layers form one chain a "
@@ -43,7 +44,7 @@ def check_chain(model: nn.Module, cut: Cut, pp: int) -> None:
             ) from err
         why = _breaks([call[0] for call in calls], cut.bounds[-1]) or _links(calls, inputs, subject)
         if why is None:
-            why = _staged(subject, cut, inputs, logits)
+            why = _staged(subject, cut, inputs)
     if why is not None:
         raise NotImplementedError(f"pp_size={pp} on {name}: {why}")
 
@@ -58,8 +59,8 @@ def evaluating(module: nn.Module) -> Iterator[None]:
         module.train(training)
 
 
-def _record(subject: nn.Module, cut: Cut, inputs: dict) -> tuple[list[Call], torch.Tensor]:
-    """Every call of a decoder layer in one forward, and the logits."""
+def _record(subject: nn.Module, cut: Cut, inputs: dict) -> list[Call]:
+    """Every call of a decoder layer in one forward."""
     calls: list[Call] = []
 
     def record(index: int) -> Any:
@@ -73,7 +74,8 @@ def _record(subject: nn.Module, cut: Cut, inputs: dict) -> tuple[list[Call], tor
     layers = subject.get_submodule(cut.base).get_submodule(cut.layers)
     handles = [layer.register_forward_hook(record(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
-        return calls, subject(**inputs, use_cache=False).logits
+        subject(**inputs, use_cache=False)
+        return calls
     finally:
         for handle in handles:
             handle.remove()
@@ -118,28 +120,67 @@ def _links(calls: list[Call], inputs: dict, subject: nn.Module) -> str | None:
     return None
 
 
-def _staged(subject: nn.Module, cut: Cut, inputs: dict, logits: torch.Tensor) -> str | None:
-    """Why running the cut stage after stage in one process does not give the uncut logits, or None."""
+def _staged(subject: nn.Module, cut: Cut, inputs: dict) -> str | None:
+    """Why the cut, run stage after stage in one process as the pipeline runs it (each stage from the previous one's
+    detached output, the backwards last to first), does not give the whole model's logits and gradients, each
+    parameter's gradient on a stage that trains it, or None."""
     ids = inputs["input_ids"]
     rest = {k: v for k, v in inputs.items() if k != "input_ids"}
-    hidden = None
+    names: dict[int, list[str]] = {}
+    for name, param in subject.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    stage_of = owner(subject, cut)
+    params = {names[id(p)][0]: p for p in subject.parameters()}
+    trains = {n: {stage_of(m) for m in names[id(p)]} for n, p in params.items()}  # a tied weight: two stages
+    subject.zero_grad(set_to_none=True)
+    whole = subject(**inputs, labels=ids, use_cache=False)
+    whole.loss.backward()
+    expected = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+    subject.zero_grad(set_to_none=True)
     try:
+        received: list[torch.Tensor | None] = [None]  # each stage's input: the previous one's output, detached
+        outputs = []
         for stage in range(cut.stages):
             module = StageModule(subject, cut, stage)
             module.logits = [] if module.last else None
-            hidden = module(hidden, ids, **rest)
+            outputs.append(module(received[-1], ids, labels=ids, **rest))
+            received.append(outputs[-1].detach().requires_grad_())
         staged = module.logits[0]
+        got: dict[str, torch.Tensor] = {}
+        for stage in reversed(range(cut.stages)):
+            upstream = None if stage == cut.stages - 1 else received[stage + 1].grad
+            outputs[stage].backward(upstream)
+            for name, param in params.items():
+                if param.grad is None:
+                    continue
+                if stage not in trains[name]:
+                    if param.grad.abs().max() > 0:
+                        return (
+                            f"cut into {cut.stages} stages, stage {stage} gives a gradient to {name}, which stage "
+                            f"{min(trains[name])} trains: it uses, outside its decoder layers, what an earlier stage "
+                            f"holds, and that gradient would be lost"
+                        )
+                    continue
+                got[name] = got[name] + param.grad if name in got else param.grad.clone()
+            subject.zero_grad(set_to_none=True)
     except Exception as err:
         return (
             f"its forward, cut into {cut.stages} stages, fails ({type(err).__name__}: {str(err)[:160]}): it reads "
             f"more of the decoder layers than each stage holds"
         )
-    error = (staged - logits).abs().max().item()
-    if error > 1e-5 * max(1.0, logits.abs().max().item()):
+    error = (staged - whole.logits).abs().max().item()
+    if error > 1e-5 * max(1.0, whole.logits.abs().max().item()):
         return (
             f"its logits, cut into {cut.stages} stages, differ from the whole model's by {error:.2e}: it computes "
             f"something outside its decoder layers from their results"
         )
+    for name, grad in expected.items():
+        error = ((got[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-6)).item() if name in got else 1.0
+        if error > 1e-4:
+            return (
+                f"cut into {cut.stages} stages, the gradient of {name} differs from the whole model's (relative "
+                f"{error:.1e}): it computes something outside its decoder layers from their results"
+            )
     return None
 
 

@@ -30,6 +30,7 @@ TASKS = {
 }
 TP4 = "sweep_results_tp4.json"  # causal LMs only
 EP = "sweep_results_ep.json"  # causal LMs with routed experts only (scripts/sweep_expert_parallel.py)
+PP = "sweep_results_pp.json"  # causal LMs at pp 2 (scripts/sweep_pipeline.py)
 EP_VERDICTS = ["matched", "refused", "run-time error", "MISMATCH", "not built", "no experts found"]
 
 INTRO = """\
@@ -73,6 +74,12 @@ routed experts, built tiny (from a hand-written config in `tests/ep/ep_workers.p
 not build small), trained 3 AdamW steps at ep 2 on 2 CPU ranks and at tp 2 x ep 2 on 4, against one
 process: loss, gradients, parameters and every MoE layer's top-k. "refused" gives autotp's reason, "-"
 is a dense model. See [Mixture of experts](moe.md).
+
+The causal-LM column "pp 2" is pipeline parallelism (`scripts/sweep_pipeline.py`): each type built tiny as above,
+trained 3 AdamW steps at pp 2 on 2 CPU ranks (2 decoder layers cut into 2 stages, 2 micro-batches, 1F1B) through
+`autotp.forward_backward`, against one process through the same call: the loss of every step, the first step's
+gradients and the parameters after the steps, each stage checking what it trains, and every parameter trained on
+some stage. "refused" gives autotp's reason. See [Pipeline parallelism](pipeline.md).
 """
 
 
@@ -120,11 +127,13 @@ def summary() -> list[str]:
         )
     tp4 = load(TP4)
     lines.append(f"- causal-LM at tp=4: {counts(tp4)}.")
+    lines.append(f"- causal-LM at pp 2: {pp_tally(load(PP))}.")
     return lines
 
 
 def expert_parallel(r: dict | None) -> str:
-    """A type's "ep 2" cell: "-" for a dense model, the verdict, and autotp's reason where it is not matched."""
+    """A type's "ep 2" or "pp 2" cell: "-" where not swept (a dense model at ep), the verdict, and the reason or the
+    error where it is not matched."""
     if r is None:
         return "-"
     return r["result"] if r["result"] == "matched" else f"{r['result']}: {r['note']}".replace("|", "/")
@@ -139,7 +148,22 @@ def ep_counts(ep: dict[str, dict]) -> str:
     )
 
 
-def table(results: dict[str, dict], tp4: dict[str, dict] | None = None, ep: dict[str, dict] | None = None) -> list[str]:
+def pp_tally(pp: dict[str, dict]) -> str:
+    """'110 matched, 20 refused, ...': the verdicts the pipeline sweep gave, in the order above."""
+    tally = {v: sum(r["result"] == v for r in pp.values()) for v in VERDICTS}
+    return ", ".join(f"{n} {verdict}" for verdict, n in tally.items() if n)
+
+
+def pp_counts(pp: dict[str, dict]) -> str:
+    return f"{len(pp)} types at pp 2: {pp_tally(pp)}. Reproduce with `python scripts/sweep_pipeline.py`."
+
+
+def table(
+    results: dict[str, dict],
+    tp4: dict[str, dict] | None = None,
+    ep: dict[str, dict] | None = None,
+    pp: dict[str, dict] | None = None,
+) -> list[str]:
     head = f"| model type | result | plan from | from_pretrained plan = wrap plan | {LOADS} = wrap | {SAVES} | note |"
     rule = "|---|---|---|---|---|---|---|"
     if tp4 is not None:
@@ -148,6 +172,9 @@ def table(results: dict[str, dict], tp4: dict[str, dict] | None = None, ep: dict
     if ep is not None:
         head = head.replace("| plan from |", "| ep 2 | plan from |")
         rule += "---|"
+    if pp is not None:
+        head = head.replace("| plan from |", "| pp 2 | plan from |")
+        rule += "---|"
     lines = [head, rule]
     for model_type, r in sorted(results.items()):
         cells = [model_type, r["result"]]
@@ -155,6 +182,8 @@ def table(results: dict[str, dict], tp4: dict[str, dict] | None = None, ep: dict
             cells.append(tp4[model_type]["result"] if model_type in tp4 else "")
         if ep is not None:
             cells.append(expert_parallel(ep.get(model_type)))
+        if pp is not None:
+            cells.append(expert_parallel(pp.get(model_type)))
         cells += [
             r.get("plan", ""),
             r.get("meta plan = wrap plan", ""),
@@ -179,7 +208,7 @@ def render() -> str:
             "",
         ]
         if task == "causal-lm":
-            parts += [ep_counts(load(EP)), "", *table(results, load(TP4), load(EP)), ""]
+            parts += [ep_counts(load(EP)), "", pp_counts(load(PP)), "", *table(results, load(TP4), load(EP), load(PP)), ""]
         else:
             parts += table(results) + [""]
     return "\n".join(parts)

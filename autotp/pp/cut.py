@@ -20,13 +20,20 @@ from torch import nn
 
 class Skipped(nn.Module):
     """A decoder layer another stage runs: it hands the hidden states on unchanged. It keeps the layer's index in the
-    list, so parameter names and per-layer lookups by index (the mask of a sliding-window layer) keep theirs."""
+    list, so parameter names and per-layer lookups by index (the mask of a sliding-window layer) keep theirs, and the
+    layer's plain attributes (not its modules or tensors), which some decoder models' loops read."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
-        for name in ("attention_type", "layer_type", "layer_idx"):  # read by some decoder models' loops
-            if hasattr(layer, name):
-                setattr(self, name, getattr(layer, name))
+        for name in dir(layer):  # what decoder models' loops read (attention_type, layer_idx...), properties too
+            if name.startswith("_") or hasattr(nn.Module, name):
+                continue
+            try:
+                value = getattr(layer, name)
+            except Exception:  # a property that cannot be read on its own
+                continue
+            if not callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
+                setattr(self, name, value)
 
     def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return hidden_states

@@ -22,6 +22,7 @@ from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..runtime.rows import local_rows
 from ..state import TPState, wrapped_model
+from .chain import check_chain
 from .cut import Cut, find_cut, skip_others
 from .generate import PipelineGenerate
 from .release import release, unowned
@@ -98,7 +99,7 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with output_router_logits: the MoE load-balancing loss is added across stages only "
                 f"in transformers' Switch form, and {why}; set output_router_logits=False"
             )
-        self._cut(model, options)  # a model that cannot be cut, or split points that do not fit
+        check_chain(model, self._cut(model, options), pp)  # a model that cannot be cut, or split points that do not fit
 
     def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:
         """Tensor parallelism shards only this rank's stages' layers."""

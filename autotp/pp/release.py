@@ -10,6 +10,9 @@ the embedding's, owned by the first and the last stage alike.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -80,8 +83,22 @@ def unowned(model: nn.Module, cut: Cut, stages: list[int]) -> dict[str, nn.Modul
     return {p: m for p, m in replaced.items() if not any(p.startswith(f"{q}.") for q in replaced if q != p)}
 
 
-def release(model: nn.Module, modules: dict[str, nn.Module]) -> None:
-    """Put `unowned`'s replacements in their slots: the released modules' parameters are freed with them."""
+def release(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Put `unowned`'s replacements in their slots (the released modules' parameters are freed with them); returns
+    what they replaced, by path."""
+    replaced = {}
     for path, module in modules.items():
         parent, _, name = path.rpartition(".")
+        replaced[path] = model.get_submodule(path)
         setattr(model.get_submodule(parent), name, module)
+    return replaced
+
+
+@contextmanager
+def released(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[None]:
+    """`release` for the duration (one stage's view of a whole model, as `autotp.pp.chain` runs it)."""
+    replaced = release(model, modules)
+    try:
+        yield
+    finally:
+        release(model, replaced)

@@ -122,7 +122,7 @@ class StageModule(nn.Module):
         return args, {**kwargs, "hidden_states": self._received}
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        raise _StageOutput(output[0] if isinstance(output, tuple) else output)
+        raise _StageOutput((output[0] if isinstance(output, tuple) else output).contiguous())  # sent as one buffer
 
 
 @contextmanager

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from ..api import wrap
+from ..dp.ddp import allreduce_gradients
 from ..mesh import Group
 from ..planning.probe import image_token, probe_inputs
+from ..pp.step import forward_backward
 from ..runtime.collectives import all_gather_full
 from ..runtime.rows import dp_full
 from ..state import state_of
@@ -81,6 +83,7 @@ def compare_training(
     vocab_parallel: bool = True,
     edit: Callable[[nn.Module], Any] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
+    pp_size: int = 1,
 ) -> dict:
     """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
 
@@ -93,6 +96,8 @@ def compare_training(
     from the same random state: what a user does to a loaded model (resize its vocabulary, unfreeze).
     `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.planning.probe`); `ids` may
     be None when they hold the model's main input (Whisper's `input_features`), and then `labels` is needed.
+    At `pp_size` > 1 both take their steps through `autotp.forward_backward` (`model(**batch)` and the backward for
+    the reference), the wrapped one then `allreduce_gradients`; a rank reports the parameters its stages train.
     """
     model = wrap(
         copy.deepcopy(reference),
@@ -100,6 +105,7 @@ def compare_training(
         policy=policy,
         sequence_parallel=sequence_parallel,
         vocab_parallel=vocab_parallel,
+        pp_size=pp_size,
     )
     if edit is not None:
         rng = torch.get_rng_state()
@@ -114,20 +120,24 @@ def compare_training(
     for step in range(steps):
         losses = []
         for m in (reference, model):
-            loss = m(**({} if ids is None else {"input_ids": ids}), labels=labels, **(inputs or {})).loss
-            loss.backward()
-            losses.append(loss.item())
+            batch = {**({} if ids is None else {"input_ids": ids}), "labels": labels, **(inputs or {})}
+            losses.append(forward_backward(m, **batch).loss.item())
+        if pp_size > 1:
+            allreduce_gradients(model)
         report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))
         if step == 0:
+            if pp_size > 1:  # what one process trains: each name on some stage
+                report["reference_trained"] = sum(p.grad is not None for p in ref_params.values())
             for name, p in model.named_parameters():
                 expected = ref_params[name].grad
-                if expected is not None:
+                if expected is not None and (pp_size == 1 or p.grad is not None):
                     report["grad"][name] = grad_error(full_tensor(p.grad, p, group), expected)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
     for name, p in model.named_parameters():
-        report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
+        if pp_size == 1 or name in report["grad"]:  # under a pipeline: the parameters this rank's stages train
+            report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
     report["sharded"] = sum(hasattr(p, "autotp_shard") for p in model.parameters())
     return report
 

@@ -189,14 +189,14 @@ def _staged(subject: nn.Module, cut: Cut, inputs: dict) -> str | None:
     if error > 1e-5 * max(1.0, whole.logits.abs().max().item()):
         return (
             f"its logits, cut into {cut.stages} stages, differ from the whole model's by {error:.2e}: it computes "
-            f"something outside its decoder layers from their results"
+            f"something outside its decoder layers (from the embeddings, or from the layers' results) that a stage does not have"
         )
     for name, grad in expected.items():
         error = ((got[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-6)).item() if name in got else 1.0
         if error > 1e-4:
             return (
                 f"cut into {cut.stages} stages, the gradient of {name} differs from the whole model's (relative "
-                f"{error:.1e}): it computes something outside its decoder layers from their results"
+                f"{error:.1e}): it computes something outside its decoder layers (from the embeddings, or from the layers' results) that a stage does not have"
             )
     return None
 

@@ -16,7 +16,7 @@ REFUSED = {
     "dory": "runs decoder layer 0 2 times",  # a recurrent block: some layers looped
     "zaya": "also takes output 1 of layer 0",  # a second stream carried from layer to layer
     "deepseek_v4": "hands on hidden states of shape (1, 8, 4,",  # hyper-connections: 4 streams
-    "inkling2_text": "stage 1 gives a gradient to model.embed_tokens.weight",  # block states from the embeddings
+    "inkling2_text": "its logits, cut into 2 stages, differ",  # block states from the embeddings, freed on stage 1
     "rwkv": "fails",  # its forward rescales every layer's weights
 }
 

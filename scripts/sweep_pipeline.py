@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+import supported_models
 import torch
 from sweep_architectures import auto, batch, build, buildable, within_tolerance
 
-import supported_models
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 

@@ -208,7 +208,14 @@ def render() -> str:
             "",
         ]
         if task == "causal-lm":
-            parts += [ep_counts(load(EP)), "", pp_counts(load(PP)), "", *table(results, load(TP4), load(EP), load(PP)), ""]
+            parts += [
+                ep_counts(load(EP)),
+                "",
+                pp_counts(load(PP)),
+                "",
+                *table(results, load(TP4), load(EP), load(PP)),
+                "",
+            ]
         else:
             parts += table(results) + [""]
     return "\n".join(parts)

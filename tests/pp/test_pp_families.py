@@ -19,7 +19,7 @@ from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from models import tiny_model
 from pp_family_workers import pp_family, pp_vlm
-from pp_workers import assert_pp_parity, pp_batch
+from pp_workers import assert_pp_parity, pp_batch, pp_parity
 
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 MOE_NAMES = 3 + 2 * 11  # embedding, norm, head; 11 a layer (attention 8, router, the experts' 2 tensors)
@@ -91,6 +91,25 @@ def test_pp2_tp2_ep2_moe_with_load_balancing_loss() -> None:
     results = run_ranks(pp_family, 4, "qwen3_moe", 2, 2, options)
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert_pp_parity(results, reference_names=MOE_NAMES)
+
+
+@pytest.mark.slow
+def test_pp2_ep2_moe_with_expert_data_parallel_inside_each_stage() -> None:
+    """4 ranks at tp 1: each stage's two ranks are DP replicas that split the experts (ep 2). The replicas' halves of
+    the batch hold equal label counts (their mean is one process's loss) and each replica's two micro-batches
+    different ones. The same layout at pp 1 (dp 2 x ep 2, 2 ranks) ends 3.2e-4 from one process on the embedding
+    rows of this padded batch, at pp 1 as here (a DP x EP matter, not the pipeline's): so the pipeline is held to
+    that layout's parameters within 1e-6, and every other parameter to one process's tolerance."""
+    options = dict(pp_microbatches=2, ep_size=2, clip=0.5, pads=(0, 3, 0, 3))
+    flat = run_ranks(pp_parity, 2, "qwen3_moe", 1, 1, options)[0]["errors"]
+    results = run_ranks(pp_parity, 4, "qwen3_moe", 1, 2, options)
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    for result in results:
+        assert max(abs(a - b) for a, b in zip(result["losses"], result["expected"])) < parity.LOSS_ATOL, result
+        for name, error in result["errors"].items():
+            assert abs(error - flat[name]) < 1e-6, (name, error, flat[name])
+            assert name == "model.embed_tokens.weight" or error < parity.PARAM_ATOL, (name, error)
+    assert len(set().union(*(r["errors"] for r in results))) == MOE_NAMES
 
 
 @pytest.mark.slow

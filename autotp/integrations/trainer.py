@@ -90,6 +90,7 @@ class AutoTPTrainer(Trainer):
         super().__init__(*args, **kwargs)
         trainer_compat.own_clipping(self)
         check_trl_setup(self)
+        refuse_own_loss(self)
         model = wrapped_model(self.model)
         if fully_shard and not state_of(self.model).fsdp:
             autotp_fully_shard(model, **({} if fully_shard is True else fully_shard))
@@ -332,6 +333,19 @@ class AutoTPTrainer(Trainer):
         self.save_to(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
+
+
+def refuse_own_loss(trainer: Trainer) -> None:
+    """Under a pipeline the step is `autotp.forward_backward`, whose loss is the model's own on the last stage: a
+    subclass's `compute_loss` (TRL's trainers, a user's) would never run, its loss silently replaced, so refuse it."""
+    own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (AutoTPTrainer, Trainer)]
+    if own and pp_size(trainer.model) > 1:
+        raise NotImplementedError(
+            f"{type(trainer).__name__} at pp_size={pp_size(trainer.model)}: {own[0]}.compute_loss computes the loss "
+            f"itself, but under a pipeline a step is autotp.forward_backward, whose loss is the model's own (from "
+            f"the labels, on the last stage), so that compute_loss would not run; a trainer with its own loss (TRL's) "
+            f"under a pipeline is not built yet: use AutoTPTrainer, or pp_size=1"
+        )
 
 
 def tp_trainer(trainer_class: type[Trainer]) -> type[Trainer]:

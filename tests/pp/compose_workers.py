@@ -89,4 +89,14 @@ def trainer_run(rank: int, world: int, path: str, pp: int) -> dict:
     trainer.train()
     stage = owner(model, find_cut(tiny_model("llama"), pp, None)) if pp > 1 else (lambda name: 0)
     params = {n: p.detach().clone() for n, p in model.named_parameters() if stage(n) == autotp.pp_rank(model)}
-    return {"losses": trainer.losses, "params": params}
+    refused = None
+
+    class OwnLoss(AutoTPTrainer):  # a loss the pipeline would not run (as TRL's trainers compute theirs)
+        def compute_loss(self, *args: object, **kwargs: object) -> torch.Tensor:
+            return super().compute_loss(*args, **kwargs) * 2
+
+    try:
+        OwnLoss(model=model, args=args, train_dataset=Padded())
+    except NotImplementedError as err:
+        refused = str(err)
+    return {"losses": trainer.losses, "params": params, "own loss": refused}

@@ -6,7 +6,9 @@ dory and inkling2 trained at pp 2 with a loss 1e-2 off one process's."""
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers as tf
+from torch import nn
 
 from autotp.pp.chain import check_chain
 from autotp.pp.cut import find_cut
@@ -37,3 +39,31 @@ def test_a_decoder_model_a_cut_would_get_wrong_is_refused_by_name(model_type: st
 def test_the_families_the_parity_tests_train_pass(model_type: str) -> None:
     subject = model(model_type)
     check_chain(subject, find_cut(subject, 2, None), 2)
+
+
+class LateBias(tf.LlamaForCausalLM):
+    """A decoder model with a learned bias registered before its layers (so the first stage owns it) and added after
+    them: every stage computes it alike, so the cut's logits are right, but its gradient arises on the last stage."""
+
+    def __init__(self, config: tf.LlamaConfig):
+        super().__init__(config)
+        base = self.model
+        children = dict(base._modules)
+        base._modules.clear()
+        base._modules["embed_tokens"] = children.pop("embed_tokens")
+        base._modules["bias"] = nn.Linear(1, config.hidden_size)
+        base._modules.update(children)
+        forward = base.forward
+
+        def biased(*args: object, **kwargs: object) -> object:
+            out = forward(*args, **kwargs)
+            out.last_hidden_state = out.last_hidden_state + base.bias(torch.ones(1))
+            return out
+
+        base.forward = biased
+
+
+def test_a_gradient_arising_on_a_stage_that_does_not_train_the_parameter_is_refused() -> None:
+    subject = LateBias(model("llama").config)
+    with pytest.raises(NotImplementedError, match="stage 1 gives a gradient to model.bias.weight, which stage 0"):
+        check_chain(subject, find_cut(subject, 2, None), 2)

@@ -119,3 +119,6 @@ def test_trainer_at_pp2_matches_one_process_trainer(tmp_path: Path) -> None:
         errors = {n: (p - one["params"][n]).abs().max().item() for n, p in result["params"].items()}
         assert max(errors.values()) < parity.PARAM_ATOL, errors
     assert set().union(*(r["params"] for r in results)) == set(one["params"])  # every parameter, on its stage
+    assert one["own loss"] is None  # at pp 1 a subclass's compute_loss runs as Trainer runs it
+    for result in results:  # under a pipeline it would not: refused by name when the trainer is made
+        assert "OwnLoss.compute_loss computes the loss itself" in result["own loss"], result["own loss"]

@@ -62,6 +62,16 @@ def auto(task: str):
     return getattr(tf, TASKS[task])
 
 
+def causal_types(doc: str) -> tuple[list[str], bool]:
+    """The causal-LM types a per-type sweep runs (its `--only`, or every one), and whether `--only` chose them; the
+    sweep's ranks are forked from this process, so it runs one thread."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    return args.only or sorted(auto("causal-lm")._model_mapping._model_mapping), bool(args.only)
+
+
 def build(model_type: str, recipe: str = "shrunk", seed: int = 0, task: str = "causal-lm"):
     torch.manual_seed(seed)
     return auto(task).from_config(tiny_config(model_type, recipe), dtype=torch.float32)

@@ -11,13 +11,11 @@ run-time error, not built. The exit status is 1 when any type is MISMATCH.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
 
-import torch
-from sweep_architectures import auto, batch, build, buildable, within_tolerance
+from sweep_architectures import batch, build, buildable, causal_types, within_tolerance
 
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
@@ -51,11 +49,7 @@ def classify(model_type: str) -> tuple[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # ranks are forked from this process
-    types = args.only or sorted(auto(TASK)._model_mapping._model_mapping)
+    types, only = causal_types(__doc__)
     counts: collections.Counter = collections.Counter()
     for i, model_type in enumerate(types, 1):
         start = time.monotonic()

@@ -22,10 +22,14 @@ from torch import nn
 
 from ..planning.probe import probe_inputs
 from ..planning.twin import structural_twin
-from .cut import Cut, owner
+from .cut import Cut, trainers
 from .release import released, unowned
 from .schedule import StageModule
 
+OUTSIDE = (
+    "it computes something outside its decoder layers (from the embeddings, or from the layers' results) that a stage "
+    "does not have"
+)
 Call = tuple[int, Any, list, tuple]  # (layer index, its hidden-states input, its tensor inputs, its outputs)
 
 
@@ -141,12 +145,9 @@ def _staged(subject: nn.Module, cut: Cut, inputs: dict) -> str | None:
     parameter's gradient on a stage that trains it, or None."""
     ids = inputs["input_ids"]
     rest = {k: v for k, v in inputs.items() if k != "input_ids"}
-    names: dict[int, list[str]] = {}
-    for name, param in subject.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    stage_of = owner(subject, cut)
-    params = {names[id(p)][0]: p for p in subject.parameters()}
-    trains = {n: {stage_of(m) for m in names[id(p)]} for n, p in params.items()}  # a tied weight: two stages
+    params = dict(subject.named_parameters())
+    by_id = trainers(subject, cut)
+    trains = {n: by_id[id(p)] for n, p in params.items()}  # a tied weight: two stages
     subject.zero_grad(set_to_none=True)
     whole = subject(**inputs, labels=ids, use_cache=False)
     whole.loss.backward()
@@ -187,16 +188,13 @@ def _staged(subject: nn.Module, cut: Cut, inputs: dict) -> str | None:
         )
     error = (staged - whole.logits).abs().max().item()
     if error > 1e-5 * max(1.0, whole.logits.abs().max().item()):
-        return (
-            f"its logits, cut into {cut.stages} stages, differ from the whole model's by {error:.2e}: it computes "
-            f"something outside its decoder layers (from the embeddings, or from the layers' results) that a stage does not have"
-        )
+        return f"its logits, cut into {cut.stages} stages, differ from the whole model's by {error:.2e}: {OUTSIDE}"
     for name, grad in expected.items():
         error = ((got[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-6)).item() if name in got else 1.0
         if error > 1e-4:
             return (
                 f"cut into {cut.stages} stages, the gradient of {name} differs from the whole model's (relative "
-                f"{error:.1e}): it computes something outside its decoder layers (from the embeddings, or from the layers' results) that a stage does not have"
+                f"{error:.1e}): {OUTSIDE}"
             )
     return None
 

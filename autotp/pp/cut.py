@@ -164,6 +164,16 @@ def owner(model: nn.Module, cut: Cut) -> Callable[[str], int]:
     return stage
 
 
+def trainers(model: nn.Module, cut: Cut) -> dict[int, set[int]]:
+    """The stages that train each parameter, by its id: the owners of all its names (`owner`), so a tied weight's are
+    the first and the last stage."""
+    stage = owner(model, cut)
+    found: dict[int, set[int]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        found.setdefault(id(param), set()).add(stage(name))
+    return found
+
+
 def stage_view(model: nn.Module, cut: Cut, stage: int) -> dict[str, nn.Module]:
     """What `swapped` puts in the decoder model for one stage: a list holding its layers only."""
     layers = model.get_submodule(cut.base).get_submodule(cut.layers)

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .cut import Cut, owner
+from .cut import Cut, trainers
 
 
 class Released(nn.Module):
@@ -54,13 +54,9 @@ def unowned(model: nn.Module, cut: Cut, stages: list[int]) -> dict[str, nn.Modul
     decoder model (a VLM's vision tower and projector, which only the first stage is given inputs for) `Released`.
     A module holding a parameter one of `stages` owns (a tied head's weight) stays, as does any other module before
     the layers (its output would be this stage's to compute)."""
-    stage = owner(model, cut)
     base = model.get_submodule(cut.base)
     root = f"{cut.base}.{cut.layers}" if cut.base else cut.layers
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    mine = {p for p, ns in names.items() if any(stage(n) in stages for n in ns)}
+    mine = {p for p, trained in trainers(model, cut).items() if trained.intersection(stages)}
     children = list(dict(base.named_children()))
     before = {f"{cut.base}.{c}" if cut.base else c for c in children[: children.index(cut.layers)]}
     outer = next(n for n, m in model.named_modules() if m is model.base_model)

@@ -1,7 +1,7 @@
 """A training checkpoint under a pipeline: each rank saves and loads only what its stages own.
 
-Every stage holds the embedding, the final norm and the head (untrained copies where it does not own them), and
-the layers of other stages are not there at all. `autotp.pp.cut.owner` names the stage that trains and saves each
+Each stage holds its own layers, the embedding on the first stage and the final norm and the head on the last
+(`autotp.pp.release` frees the others; a tied head keeps the embedding's weight). `autotp.pp.cut.owner` names the stage that trains and saves each
 tensor: a rank saves (and loads) the tensors its stages own, and the optimizer state of the parameters it trains,
 each under its full name, so the checkpoint holds the keys one process's holds, each once, and any layout (another
 pp, another cut, one process) reads it. A tied embedding is one process's two names of one weight: the first stage
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...mesh import group_size, named_failure
-from ...pp.cut import owner
+from ...pp.cut import owner, trainers
 from ...pp.dimension import PipelineParallelism
 from ...state import find_state
 
@@ -52,12 +52,8 @@ def trained(model: nn.Module, names: list[list[str]]) -> list[list[str]]:
     pipeline = _pipeline(model)
     if pipeline is None:
         return names
-    mine = owned(model)
-    aliases: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    canonical = {name: aliases[id(param)] for name, param in model.named_parameters()}
-    return [[n for n in group if any(mine(a) for a in canonical[n])] for group in names]
+    by_id, params = trainers(model, pipeline.cut), dict(model.named_parameters())
+    return [[n for n in group if by_id[id(params[n])].intersection(pipeline.stages)] for group in names]
 
 
 def optimizer_params(model: nn.Module, names: list[list[str]], group: dist.ProcessGroup | None) -> list[list[str]]:

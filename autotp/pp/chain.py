@@ -37,7 +37,7 @@ def check_chain(model: nn.Module, cut: Cut, pp: int) -> None:
     """Refuse, naming the layer, a model whose layers do not run as one chain a cut can split."""
     name = type(model).__name__
     subject = structural_twin(model) or model
-    with evaluating(subject), _without_router_loss(subject):
+    with evaluating(subject), _without_router_loss(subject), _grads_kept(subject):
         inputs = probe_inputs(subject)
         try:
             with torch.no_grad():
@@ -76,6 +76,17 @@ def _without_router_loss(model: nn.Module) -> Iterator[None]:
     finally:
         if saved:
             config.output_router_logits = saved
+
+
+@contextmanager
+def _grads_kept(model: nn.Module) -> Iterator[None]:
+    """Each parameter's gradient as it was: the check's backwards run on the model itself where no twin builds."""
+    saved = [(p, p.grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for param, grad in saved:
+            param.grad = grad
 
 
 def _record(subject: nn.Module, cut: Cut, inputs: dict) -> list[Call]:

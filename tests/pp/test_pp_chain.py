@@ -10,6 +10,7 @@ import torch
 import transformers as tf
 from torch import nn
 
+from autotp.pp import chain
 from autotp.pp.chain import check_chain
 from autotp.pp.cut import find_cut
 from autotp.testing import tiny_config
@@ -67,3 +68,17 @@ def test_a_gradient_arising_on_a_stage_that_does_not_train_the_parameter_is_refu
     subject = LateBias(model("llama").config)
     with pytest.raises(NotImplementedError, match="stage 1 gives a gradient to model.bias.weight, which stage 0"):
         check_chain(subject, find_cut(subject, 2, None), 2)
+
+
+def test_without_a_twin_the_check_runs_on_the_model_and_leaves_its_gradients_and_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no structural twin builds, the check runs the model itself (forwards and backwards): the user's
+    gradients and train mode are as they were."""
+    monkeypatch.setattr(chain, "structural_twin", lambda model: None)
+    subject = model("llama").train()
+    subject(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
+    before = {n: p.grad.clone() for n, p in subject.named_parameters()}
+    check_chain(subject, find_cut(subject, 2, None), 2)
+    assert subject.training
+    assert all(torch.equal(p.grad, before[n]) for n, p in subject.named_parameters())

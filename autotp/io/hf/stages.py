@@ -1,7 +1,7 @@
 """Every pipeline stage's tensors as one model's, for `save_pretrained` and `export_weights` at pp > 1.
 
-Why: each rank holds its own stages' decoder layers only (and copies of the embedding, the final norm and the head,
-which only the stage `autotp.pp.cut.owner` names trains), so no rank knows the whole model's names. `stage_tensors`
+Why: each rank holds its own stages' tensors only (its decoder layers, the embedding on the first stage, the final
+norm and the head on the last: `autotp.pp.cut.owner`), so no rank knows the whole model's names. `stage_tensors`
 learns every stage's names, full shapes and dtypes in one all-gather over the PP group and lists them in one
 process's order, the tensors of other stages as one-element stand-ins expanded to their full shape (a layout is
 computed from them; nothing is allocated). Names that hold one tensor on any rank (a tied head) hold one stand-in
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...compat.hf_conversion import SavedPart
-from ...mesh import group_rank, group_size, named_failure
+from ...mesh import device_of, group_rank, group_size, named_failure
 from ...pp.cut import owner
 from ...state import TPState
 from .parts import full_shape
@@ -89,7 +89,7 @@ class StageTensors:
         offsets, total = _offsets([(tuple(t.shape), t.dtype) for t in tensors])
         if not total:
             return
-        flat = torch.empty(total, dtype=torch.uint8)
+        flat = torch.empty(total, dtype=torch.uint8, device=device_of(self.group))  # NCCL sends device memory
         for tensor, at in zip(tensors, offsets):
             flat[at : at + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         with named_failure(self.group, "autotp: a stage's tensors sent to PP rank 0 (save or export)"):
@@ -97,7 +97,7 @@ class StageTensors:
 
     def _receive(self, src: int, like: Like) -> list[torch.Tensor]:
         offsets, total = _offsets(like)
-        flat = torch.empty(total, dtype=torch.uint8)
+        flat = torch.empty(total, dtype=torch.uint8, device=device_of(self.group))
         if total:
             with named_failure(self.group, "autotp: a stage's tensors received on PP rank 0 (save or export)"):
                 dist.recv(flat, dist.get_global_rank(self.group, src), group=self.group, tag=_TAG)

@@ -62,7 +62,8 @@ class WrapOptions:
     - `loss_chunk`: tokens per chunk of the LM head and loss in a training forward with labels, vocab-parallel or
       replicated, at tp 1 too (`autotp.vocab.chunked`): the batch x seq x vocab logits are never held whole; None or 0
       turns it off. Where it would not be exact (FSDP2, a float8 or LoRA head, logits
-      transformed other than by a number or a tanh) the whole logits are used.
+      transformed other than by a number or a tanh) the whole logits are used; second-order gradients through it are
+      refused (`autotp.runtime.second_order`).
     """
 
     tp_size: int = 1

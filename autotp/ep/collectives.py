@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..mesh import named_failure
+from ..runtime.second_order import refuse_second_order
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -37,6 +38,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_second_order(
+            "the expert-parallel all-to-all of the tokens (a collective: no derivative)", "wrap with ep_size=1 for them"
+        )
         return _all_to_all(grad, ctx.receive, ctx.send, ctx.group), None, None, None
 
 

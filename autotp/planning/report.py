@@ -60,8 +60,7 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
         out.append(Collective("vocab-parallel loss (max log-sum-exp)", "forward", 1, tokens * 4))  # fp32
         out.append(
             Collective(
-                "vocab-parallel loss (sum-exp, target logit; label smoothing adds the logits' sum, "
-                "4 more bytes a token)",
+                "vocab-parallel loss (sum-exp, target logit)",
                 "forward",
                 1,
                 tokens * 2 * 4,

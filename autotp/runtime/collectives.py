@@ -19,6 +19,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import Partition
+from .second_order import refuse_second_order
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
@@ -74,6 +75,10 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_second_order(
+            "a tensor-parallel layer's input, whose gradient is all-reduced over TP (a collective: no derivative)",
+            "wrap with tp_size=1 for them",
+        )
         # Out of place: autograd may hand the same gradient buffer to other branches.
         grad = grad.clone(memory_format=torch.contiguous_format)
         all_reduce(grad, ctx.group)

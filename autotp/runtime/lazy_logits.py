@@ -29,9 +29,12 @@ class _LazyLogits:
         self.__dict__["logits"] = value
 
     def autotp_resolve(self) -> None:
+        """Gather the logits, in the forward's grad mode: read first under no_grad, they still carry the graph a
+        later loss term on them needs, as one process's logits do."""
         pending = self.__dict__.get("autotp_pending")
         if pending is not None:
-            self["logits"] = pending()  # type: ignore[index]  # mixed into a ModelOutput, an OrderedDict
+            with torch.inference_mode(False), torch.set_grad_enabled(self.__dict__["autotp_grad_mode"]):
+                self["logits"] = pending()  # type: ignore[index]  # mixed into a ModelOutput, an OrderedDict
 
     def __getitem__(self, key):
         if not isinstance(key, str) or key == "logits":
@@ -61,6 +64,7 @@ def lazy_logits(output, gather: Callable[[], torch.Tensor]):
         )
     output.__class__ = _LAZY[cls]
     output.__dict__["autotp_pending"] = gather
+    output.__dict__["autotp_grad_mode"] = torch.is_grad_enabled()  # the forward's
     return output
 
 
@@ -93,11 +97,16 @@ _SCALAR_OPS = {
 class PendingLogits(torch.Tensor):
     """Logits not computed yet: an expanded zero (no memory) of their shape. Reading its shape, dtype or device costs
     nothing; multiplying or dividing it by a number or taking its tanh gives a stand-in with that step added to its
-    `transforms`; any other operation computes the real logits once (`materialize`) and runs on them."""
+    `transforms`; any other operation computes the real logits once (`materialize`) and runs on them.
+
+    `stale` says why the head can no longer compute the forward's logits (its weight changed since: an optimizer
+    step), or None."""
 
     hidden: torch.Tensor
     head: Callable[[torch.Tensor], torch.Tensor]
+    stale: Callable[[], str | None]
     transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...]
+    grad_mode: bool
     computed: torch.Tensor | None
 
     @staticmethod
@@ -105,13 +114,15 @@ class PendingLogits(torch.Tensor):
         cls,
         hidden: torch.Tensor,
         head: Callable[[torch.Tensor], torch.Tensor],
+        stale: Callable[[], str | None],
         width: int,
         dtype: Any,
         transforms: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (),
     ):
         empty = torch.zeros((), dtype=dtype, device=hidden.device).expand(*hidden.shape[:-1], width)
         out = subclass_alias(cls, empty, hidden.requires_grad)
-        out.hidden, out.head, out.transforms, out.computed = hidden, head, transforms, None
+        out.hidden, out.head, out.stale, out.transforms, out.computed = hidden, head, stale, transforms, None
+        out.grad_mode = torch.is_grad_enabled()  # the forward's
         return out
 
     def transform(self, logits: torch.Tensor) -> torch.Tensor:
@@ -121,9 +132,15 @@ class PendingLogits(torch.Tensor):
         return logits
 
     def materialize(self) -> torch.Tensor:
-        """The real logits, through the head and the transforms (differentiable), computed once."""
+        """The real logits, through the head and the transforms, computed once as the forward would have: in its grad
+        mode, differentiable even when first read under no_grad (a later loss term reads them again, for its
+        gradient); refused once the head changed, whose forward weights are gone."""
         if self.computed is None:
-            self.computed = self.transform(self.head(self.hidden))
+            why = self.stale()
+            if why is not None:
+                raise RuntimeError(why)
+            with torch.inference_mode(False), torch.set_grad_enabled(self.grad_mode):
+                self.computed = self.transform(self.head(self.hidden))
         return self.computed
 
     @classmethod
@@ -138,7 +155,9 @@ class PendingLogits(torch.Tensor):
                 (pending,) = stand_ins
                 step = lambda t: func(*(t if a is pending else a for a in args))  # noqa: E731
                 width = pending.shape[-1]
-                return PendingLogits(pending.hidden, pending.head, width, pending.dtype, (*pending.transforms, step))
+                return PendingLogits(
+                    pending.hidden, pending.head, pending.stale, width, pending.dtype, (*pending.transforms, step)
+                )
         return func(*_real(args), **_real(kwargs))
 
 

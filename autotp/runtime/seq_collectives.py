@@ -22,6 +22,7 @@ from ..compat import torch as torch_compat
 from ..mesh import Group, group_rank, group_size, named_failure
 from ..planning.sharding import split_ranges
 from .collectives import weight_grad
+from .second_order import refuse_second_order
 
 
 def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[int]:
@@ -107,6 +108,10 @@ class _AllGatherDim0(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_second_order(
+            f"a sequence or context split's all-gather{ctx.of} (a collective: no derivative)",
+            "wrap with tp_size=1 and cp_size=1 for them",
+        )
         return _reduce_scatter(grad, ctx.group, ctx.of), None, None
 
 
@@ -129,6 +134,10 @@ class _ReduceScatterDim0(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_second_order(
+            f"a sequence or context split's reduce-scatter{ctx.of} (a collective: no derivative)",
+            "wrap with tp_size=1 and cp_size=1 for them",
+        )
         grad = start_all_gather(grad, ctx.group, of=ctx.of)()
         if ctx.prefetch is not None:
             ctx.prefetch.prefetch(*ctx.saved_tensors)
@@ -155,6 +164,10 @@ class _KeepDim0Share(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        refuse_second_order(
+            f"a sequence or context split's kept share{ctx.of} (a collective: no derivative)",
+            "wrap with tp_size=1 and cp_size=1 for them",
+        )
         return (
             None,
             None,
@@ -297,6 +310,10 @@ class _SeqParallelColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_second_order(
+            "a sequence-parallel column layer, whose input is all-gathered again (a collective: no derivative)",
+            "wrap with sequence_parallel=False for them",
+        )
         chunk, weight = ctx.saved_tensors
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         return grad @ weight, weight_grad(grad, ctx.saved.full(chunk)), grad_bias, None

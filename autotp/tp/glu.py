@@ -21,15 +21,25 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.collectives import weight_grad
+from ..runtime.second_order import refuse_second_order
 
 Activation = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+
+
+def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """silu's backward as autograd computes it: aten's kernel, or, building a graph for second-order gradients, the
+    differentiable formula autograd uses there (aten's `silu_backward` has no derivative)."""
+    if not torch.is_grad_enabled():
+        return torch.ops.aten.silu_backward(grad, x)
+    sigmoid = torch.sigmoid(x)
+    return grad * sigmoid * (1 + x * (1 - sigmoid))
 
 
 def _activation(node) -> Activation | None:
     """(forward, backward) of the activation whose autograd node is `node`, as autograd itself computes them."""
     name = type(node).__name__
     if name == "SiluBackward0":
-        return F.silu, torch.ops.aten.silu_backward
+        return F.silu, _silu_backward
     if name == "GeluBackward0":
         approximate = node._saved_approximate
         return (
@@ -93,7 +103,8 @@ class _GLURowLinear(torch.autograd.Function):
         transposed: bool,
     ) -> torch.Tensor:
         device = product.device.type
-        if torch.is_autocast_enabled(device):  # autocast's cast, made here so backward sees the same dtypes
+        ctx.cast = torch.is_autocast_enabled(device)
+        if ctx.cast:  # autocast's cast, made here so backward sees the same dtypes
             dtype = torch.get_autocast_dtype(device)
             product, weight = product.to(dtype), weight.to(dtype)
         ctx.save_for_backward(gate, up, weight)
@@ -103,6 +114,12 @@ class _GLURowLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # gate, up and the weight are its inputs, so a graph built for second-order gradients reaches them
+        if ctx.cast:
+            refuse_second_order(
+                "a gated MLP's row layer under autocast, whose backward reads the weight's autocast copy",
+                "wrap with recompute_glu=False for them",
+            )
         gate, up, weight = ctx.saved_tensors
         forward, backward = ctx.act
         with torch.autocast(ctx.device, enabled=False):

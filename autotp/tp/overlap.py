@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..mesh import Group, group_size
 from ..runtime.collectives import all_reduce_packed, weight_grad
+from ..runtime.second_order import refuse_second_order
 
 
 class DeferredWeights:
@@ -85,6 +86,10 @@ class _CopyToTPJoined(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        refuse_second_order(
+            "a tensor-parallel layer's input, whose gradient is all-reduced over TP (a collective: no derivative)",
+            "wrap with tp_size=1 for them",
+        )
         reduced = grads[: ctx.joined + 1]  # dL/dX and the replicated weights' partial gradients
         wanted = [i for i, grad in enumerate(reduced) if ctx.needs_input_grad[i + 3] and grad is not None]
         later: list = []

@@ -24,18 +24,24 @@ from torch import nn
 
 from ..compat.hf import causal_lm_loss
 from ..mesh import Group
+from ..runtime import param_steps
 from ..runtime.collectives import copy_to_tp
 from ..runtime.lazy_logits import PendingLogits, lazy_logits, real_logits
 from ..runtime.process_hooks import Patch, patch_attribute
+from ..runtime.second_order import refuse_second_order
 from ..tp.float8 import computes_float8
 from ..tp.layers import ParallelLinear
-from .layers import logits_loss_sum, mean_loss, shard_grad_, shard_loss, shifted_targets
+from .layers import mean_loss, shard_grad_, shard_loss, shifted_targets
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed loss of `transform(hidden @ weight.T (+ bias))` against `target` on a vocab shard, chunk by chunk; each
-    chunk's gradients for the hidden states, weight and bias are computed in the forward (at unit output gradient), so
-    only they are kept: the backward scales them by the output's gradient."""
+    chunk's gradients for the hidden states, weight and bias are computed in the forward, so only they are kept: the
+    backward scales them by the output's gradient.
+
+    They are computed for the mean over the rows learnt from (1 / their count before any cast to the head's dtype, as
+    one process's backward applies the mean's 1 / N to the logits' gradient): unscaled, an fp16 head's gradient
+    summed over many tokens overflows where one process's is finite."""
 
     @staticmethod
     def forward(
@@ -45,9 +51,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         target: torch.Tensor,
         start: int,
-        full_vocab: int,
         ignore_index: int,
-        smoothing: float,
         group: Group,
         chunk: int,
         transform: PendingLogits,
@@ -58,6 +62,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = (
             torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         )
+        ctx.count = (target != ignore_index).sum()
+        mean = 1 / ctx.count.clamp(min=1).float()
         for at in range(0, hidden.shape[0], chunk):
             h = hidden[at : at + chunk]
             raw = F.linear(h, weight, bias)
@@ -67,12 +73,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 with torch.enable_grad():
                     logits = transform.transform(raw)
             loss, softmax, local, mine, valid = shard_loss(
-                logits.detach(), target[at : at + chunk], start, full_vocab, ignore_index, smoothing, group
+                logits.detach(), target[at : at + chunk], start, ignore_index, group
             )
             total += (loss * valid).sum()
-            dlogits = shard_grad_(softmax, local, mine, smoothing, full_vocab)
-            if not valid.all():  # rows not to learn from (a prompt, padding): few, so not a pass over every row
-                dlogits[~valid] = 0
+            # each row's share of the mean; 0 for rows not to learn from (a prompt, padding)
+            dlogits = shard_grad_(softmax, local, mine).mul_(torch.where(valid, mean, 0).unsqueeze(-1))
             if transform.transforms:
                 (dlogits,) = torch.autograd.grad(logits, raw, dlogits.to(logits.dtype))
             dlogits = dlogits.to(weight.dtype)  # the matmuls in the head's dtype, as its own backward runs them
@@ -94,9 +99,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_second_order(
+            "the chunked loss, whose backward scales gradients computed in the forward",
+            "wrap with loss_chunk=None for them",
+        )
         grad_hidden, grad_weight = ctx.saved_tensors
-        scaled = [None if g is None else g * grad.to(g.dtype) for g in (grad_hidden, grad_weight, ctx.grad_bias)]
-        return (*scaled, None, None, None, None, None, None, None, None)
+        # the gradients are the mean's: times the count; no row learnt from: all 0, whatever `grad` is (the mean of
+        # no rows is NaN, its gradient infinite), as one process's are
+        scale = torch.where(ctx.count > 0, grad * ctx.count, 0)
+        scaled = [None if g is None else g * scale for g in (grad_hidden, grad_weight, ctx.grad_bias)]
+        return (*scaled, None, None, None, None, None, None)
 
 
 class ChunkedHead:
@@ -159,7 +171,30 @@ class ChunkedHead:
         if torch.is_autocast_enabled(x.device.type):  # here, not in `before`: accelerate enters it inside the forward
             return None
         self.armed = False  # the model's own head call; any other is the head's
-        return PendingLogits(copy_to_tp(x, self.group), self.logits, self.head.weight.shape[0], x.dtype)
+        width = self.head.weight.shape[0]
+        return PendingLogits(copy_to_tp(x, self.group), self.logits, self.stale_after(), width, x.dtype)
+
+    def stale_after(self) -> Callable[[], str | None]:
+        """Says, when called, why logits computed from the head now would not be the ones of now (this forward):
+        its weight or bias changed since, in place or by an optimizer step (`autotp.runtime.param_steps`)."""
+        params = (self.head.weight, self.head.bias)
+        for param in params:
+            if param is not None:
+                param_steps.watch(param)
+        then = param_steps.stamp(params)
+
+        def stale() -> str | None:
+            if param_steps.stamp(params) == then:
+                return None
+            return (
+                f"autotp: output.logits read after the LM head ({type(self.head).__name__}, "
+                f"{tuple(self.head.weight.shape)}) changed since the forward (optimizer.step(), or an in-place "
+                f"write): under the chunked loss (loss_chunk={self.chunk}) they are computed when first read, and "
+                "the forward's head weights are gone. Read output.logits before optimizer.step(), or wrap with "
+                "loss_chunk=None to have the forward compute them"
+            )
+
+        return stale
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's logits (this rank's shard) of `hidden`, differentiably: what the stand-in stands for."""
@@ -169,13 +204,7 @@ class ChunkedHead:
         return F.linear(hidden, head.weight, head.bias)
 
     def loss_sum(
-        self,
-        logits: torch.Tensor,
-        target: torch.Tensor,
-        start: int,
-        full_vocab: int,
-        ignore_index: int,
-        smoothing: float,
+        self, logits: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int
     ) -> torch.Tensor | None:
         """The summed loss over chunks when `logits` is this head's stand-in, not computed; else None."""
         if not isinstance(logits, PendingLogits) or logits.computed is not None or logits.head != self.logits:
@@ -189,9 +218,7 @@ class ChunkedHead:
             head.bias,
             target,
             start,
-            full_vocab,
             ignore_index,
-            smoothing,
             self.group,
             self.chunk,
             logits,
@@ -213,14 +240,11 @@ class WholeHeadLoss:
         num_items_in_batch: Any = None,
         ignore_index: int = -100,
         shift_labels: torch.Tensor | None = None,
-        label_smoothing: float = 0.0,
         **kwargs: Any,
     ) -> torch.Tensor:
-        target = shifted_targets(labels, shift_labels, ignore_index, logits.device)
-        smoothing, width = float(label_smoothing), logits.shape[-1]
-        total = self.chunked.loss_sum(logits, target, 0, width, ignore_index, smoothing)
-        if total is None and smoothing:  # transformers' own loss drops label_smoothing; the sharded loss keeps it
-            total = logits_loss_sum(real_logits(logits), target, 0, width, ignore_index, smoothing, None)
+        """transformers' `ForCausalLMLoss`; its other keywords (`label_smoothing`) it ignores too."""
+        target = shifted_targets(labels, shift_labels, ignore_index, logits)
+        total = self.chunked.loss_sum(logits, target, 0, ignore_index)
         if total is not None:
             return mean_loss(total, target, num_items_in_batch, ignore_index)
         # transformers' own, in its parameters' order

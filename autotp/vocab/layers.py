@@ -9,6 +9,7 @@ A caller that wants logits (evaluation, generation, no labels) gets them gathere
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,7 @@ from ..mesh import Group, group_rank, group_size
 from ..planning.sharding import Partition
 from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
 from ..runtime.lazy_logits import lazy_logits, real_logits
+from ..runtime.second_order import refuse_second_order
 from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
 
 
@@ -88,38 +90,34 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits: torch.Tensor,
         target: torch.Tensor,
         start: int,
-        full_vocab: int,
         ignore_index: int,
-        smoothing: float,
         group: dist.ProcessGroup,
     ) -> torch.Tensor:
         ctx.dtype = logits.dtype
-        loss, softmax, local, mine, valid = shard_loss(
-            logits, target, start, full_vocab, ignore_index, smoothing, group
-        )
+        loss, softmax, local, mine, valid = shard_loss(logits, target, start, ignore_index, group)
         ctx.save_for_backward(softmax, local, mine, valid)
-        ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
         return loss * valid
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        refuse_second_order(
+            "the vocab-parallel loss, whose backward reads a softmax saved without a graph",
+            "wrap with tp_size=1 for them",
+        )
         softmax, local, mine, valid = ctx.saved_tensors
-        out = shard_grad_(softmax, local, mine, ctx.smoothing, ctx.full_vocab)
-        out *= (grad * valid).unsqueeze(-1)
-        return out.to(ctx.dtype), None, None, None, None, None, None
+        out = shard_grad_(softmax, local, mine)
+        # a row not learnt from gets 0 whatever its gradient (an infinite one: the mean of no rows), as in torch
+        out *= torch.where(valid, grad, 0).unsqueeze(-1)
+        return out.to(ctx.dtype), None, None, None, None
 
 
-def shard_grad_(
-    softmax: torch.Tensor, local: torch.Tensor, mine: torch.Tensor, smoothing: float, full_vocab: int
-) -> torch.Tensor:
+def shard_grad_(softmax: torch.Tensor, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     """dloss/dlogits of each row (`shard_loss`'s softmax, overwritten), before scaling by the rows' gradients."""
     out = softmax
-    # minus (1 - smoothing) at each row's target, where this rank holds it: a scatter, not a nonzero
+    # minus 1 at each row's target, where this rank holds it: a scatter, not a nonzero
     # (whose data-dependent shape breaks torch.compile's graph)
     target = local.clamp(0, out.shape[-1] - 1).unsqueeze(-1)
-    out.scatter_add_(-1, target, mine.to(out.dtype).unsqueeze(-1) * -(1 - smoothing))
-    if smoothing:
-        out -= smoothing / full_vocab
+    out.scatter_add_(-1, target, -mine.to(out.dtype).unsqueeze(-1))
     return out
 
 
@@ -127,9 +125,7 @@ def shard_loss(
     logits: torch.Tensor,
     target: torch.Tensor,
     start: int,
-    full_vocab: int,
     ignore_index: int,
-    smoothing: float,
     group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, ...]:
     """Each row's loss over the whole vocabulary from this rank's logit shard (three all-reduces), and what its
@@ -151,13 +147,11 @@ def shard_loss(
     mine = valid & (local >= 0) & (local < logits.shape[-1])
     picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     picked = torch.where(mine, picked, torch.zeros_like(picked))  # not `* mine`: a masked logit is -inf
-    sums = torch.stack([(local_lse - top).exp(), picked, *([logits.sum(-1)] if smoothing else [])])
+    sums = torch.stack([(local_lse - top).exp(), picked])
     if not whole:
         all_reduce(sums, group)
     lse = top + sums[0].log()  # log of the softmax denominator over the whole vocabulary
     loss = lse - sums[1]
-    if smoothing:
-        loss = (1 - smoothing) * loss + smoothing * (lse - sums[2] / full_vocab)
     if not whole:  # else torch.softmax normalised it already
         softmax.mul_((local_lse - lse).exp().unsqueeze(-1))  # normalised over the whole vocabulary
     return loss, softmax, local, mine, valid
@@ -186,9 +180,9 @@ class VocabParallelLoss:
         num_items_in_batch: Any = None,
         ignore_index: int = -100,
         shift_labels: torch.Tensor | None = None,
-        label_smoothing: float = 0.0,
         **kwargs: Any,
     ) -> torch.Tensor:
+        """transformers' `ForCausalLMLoss` on the shards; its other keywords (`label_smoothing`) it ignores too."""
         if logits.shape[-1] == self.full_vocab:
             return self.full_loss(
                 logits,
@@ -197,13 +191,11 @@ class VocabParallelLoss:
                 num_items_in_batch=num_items_in_batch,
                 ignore_index=ignore_index,
                 shift_labels=shift_labels,
-                label_smoothing=label_smoothing,
                 **kwargs,
             )
         self.calls += 1
-        target = shifted_targets(labels, shift_labels, ignore_index, logits.device)
-        smoothing = float(label_smoothing)
-        args = (target, self.start, self.full_vocab, ignore_index, smoothing)
+        target = shifted_targets(labels, shift_labels, ignore_index, logits)
+        args = (target, self.start, ignore_index)
         total = None if self.chunked is None else self.chunked(logits, *args)
         if total is None:
             total = logits_loss_sum(real_logits(logits), *args, self.group)
@@ -211,32 +203,35 @@ class VocabParallelLoss:
 
 
 def logits_loss_sum(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    start: int,
-    full_vocab: int,
-    ignore_index: int,
-    smoothing: float,
-    group: Group,
+    logits: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int, group: Group
 ) -> torch.Tensor:
-    """The loss summed over the rows of `logits` (this rank's shard, or the whole vocabulary with `group` None)."""
+    """The loss summed over the rows of `logits`, this rank's shard of the vocabulary."""
     flat = logits.reshape(-1, logits.shape[-1])
-    return _VocabParallelCrossEntropy.apply(flat, target, start, full_vocab, ignore_index, smoothing, group).sum()
+    return _VocabParallelCrossEntropy.apply(flat, target, start, ignore_index, group).sum()
 
 
 def shifted_targets(
-    labels: torch.Tensor, shift_labels: torch.Tensor | None, ignore_index: int, device: torch.device
+    labels: torch.Tensor, shift_labels: torch.Tensor | None, ignore_index: int, logits: torch.Tensor
 ) -> torch.Tensor:
     """Each token's target, flat, as transformers' causal-LM loss takes it: `shift_labels`, else `labels` shifted
-    left with `ignore_index` appended."""
+    left with `ignore_index` appended. One per position of `logits`, or refused as transformers refuses it (its
+    cross-entropy's batch-size mismatch): the loss must not pair positions with other positions' labels."""
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return shift_labels.reshape(-1).to(device)
+    positions = math.prod(logits.shape[:-1])  # the shape only: a chunked head's stand-in computes nothing for it
+    if shift_labels.numel() != positions:
+        raise ValueError(
+            f"autotp: {shift_labels.numel()} labels for {positions} positions of logits {tuple(logits.shape)} "
+            "(transformers' loss refuses it too: its input and target batch sizes differ); with logits_to_keep, "
+            "pass logits_to_keep=0 for a loss over every position, or labels of the kept positions only"
+        )
+    return shift_labels.reshape(-1).to(logits.device)
 
 
 def mean_loss(total: torch.Tensor, target: torch.Tensor, num_items_in_batch: Any, ignore_index: int) -> torch.Tensor:
     """The summed loss divided as transformers divides it: by `num_items_in_batch` if given, else by the count of
-    targets that are not `ignore_index`."""
+    targets that are not `ignore_index` (no target: NaN, as transformers' mean of no rows is; the losses' backwards
+    give such rows 0 gradient, whatever the division's)."""
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..mesh import group_size
 from ..runtime.collectives import all_reduce
+from ..runtime.second_order import refuse_second_order
 
 STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")  # TRL's FusedCausalLMOutput fields
 
@@ -72,6 +73,10 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_):
+        refuse_second_order(
+            "the vocab-parallel log-probabilities, whose backward reads values saved without a graph",
+            "wrap with tp_size=1 for them",
+        )
         z, local, mine, log_z, entropy = ctx.saved_tensors
         log_p = z - log_z.unsqueeze(-1)
         p = log_p.exp()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import autotp
 from autotp.options import WrapOptions
@@ -48,21 +47,15 @@ def one_step(
 ) -> dict:
     """One training step of one process and of tp=`world` (same seed, same calls): the loss's difference, each
     parameter gradient's and the hidden states' (the head's input) gradient's, and what the head returned (the
-    stand-in, or whole logits). Label smoothing, which transformers' own loss drops, is one process's
-    `F.cross_entropy(label_smoothing=...)` on its logits, the sum divided as transformers divides it."""
+    stand-in, or whole logits). `label_smoothing`, passed to both, transformers' own loss drops: so does autotp's."""
     ids = batch(vocab=250, size=(2, 16 if sequence_parallel else 15))  # SP splits the sequence evenly
     labels = labels_with_ignored(ids)
-    extra = {"num_items_in_batch": torch.tensor(17)} if num_items else {}
+    extra: dict = {"num_items_in_batch": torch.tensor(17)} if num_items else {}
+    if smoothing:
+        extra["label_smoothing"] = smoothing
     reference = build(family, tied)
     reference_hidden = hidden_grad(reference)
-    if smoothing:
-        logits = reference(input_ids=ids).logits
-        target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
-        total = F.cross_entropy(logits.reshape(target.numel(), -1), target, label_smoothing=smoothing, reduction="sum")
-        expected = total / (extra["num_items_in_batch"] if num_items else (target != -100).sum())
-        extra["label_smoothing"] = smoothing
-    else:
-        expected = reference(input_ids=ids, labels=labels, **extra).loss
+    expected = reference(input_ids=ids, labels=labels, **extra).loss
     expected.backward()
     model = autotp.wrap(
         build(family, tied),
@@ -159,7 +152,7 @@ def test_turned_off_the_whole_logits_are_used_and_match() -> None:
 )
 def test_under_sequence_parallelism_the_loss_runs_over_chunks_and_matches(family: str, vocab_parallel: bool) -> None:
     """Before, sequence parallelism took the whole logits. The head reads whole sequences there (the last layer's
-    output is gathered), so its chunks are the same as without SP; 32 tokens, label smoothing, num_items_in_batch."""
+    output is gathered), so its chunks are the same as without SP; 32 tokens, label_smoothing (ignored), num_items_in_batch."""
     assert_chunked(run_ranks(one_step, 2, family, 5, True, family == "gemma2", True, vocab_parallel, 0.1))
 
 
@@ -233,18 +226,16 @@ def test_a_loss_chunk_that_is_not_a_token_count_is_refused(chunk) -> None:
         WrapOptions(loss_chunk=chunk)
 
 
-def test_a_replicated_heads_loss_on_whole_logits_keeps_label_smoothing_too() -> None:
-    """A head scaled by a tensor computes its logits whole; at tp 1 the loss then still applies `label_smoothing`, as
-    over chunks (transformers' own loss would drop it): one process's `F.cross_entropy(label_smoothing=0.1)`."""
+def test_a_replicated_heads_loss_on_whole_logits_ignores_label_smoothing_too() -> None:
+    """A head scaled by a tensor computes its logits whole; at tp 1 the loss then drops `label_smoothing`, as over
+    chunks and as one process's (transformers' own loss drops it)."""
     ids = batch(vocab=250, size=(2, 15))
     labels = labels_with_ignored(ids)
     reference, model = build("llama", False), autotp.wrap(build("llama", False), 1, loss_chunk=4)
     for m in (reference, model):
         head_of(m).register_forward_hook(lambda m, a, logits: logits * torch.tensor(0.5))
     built = head_outputs(model)
-    target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
-    logits = reference(input_ids=ids).logits
-    expected = F.cross_entropy(logits.reshape(target.numel(), -1), target, label_smoothing=0.1)
+    expected = reference(input_ids=ids, labels=labels, label_smoothing=0.1).loss
     loss = model(input_ids=ids, labels=labels, label_smoothing=0.1).loss
     assert built == ["Tensor"]
     assert abs(loss.item() - expected.item()) <= parity.LOSS_ATOL

@@ -170,13 +170,13 @@ class Runner:
         label tokens the loss is divided by (the Trainer's count over its accumulation window), else the batch's."""
         return self._run(batch, "step", num_items)
 
-    def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def evaluate(self, batch: dict[str, Any], num_items: Any = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
-        whole batch, on every rank of the pipeline."""
+        whole batch, on every rank of the pipeline. `num_items`: as `step`'s (Trainer's evaluation passes it)."""
         last = self.modules[-1]
         last.logits = [] if last.last else None
         try:
-            loss = self._run(batch, "eval")
+            loss = self._run(batch, "eval", num_items)
             logits = self._shared(torch.cat(last.logits) if last.logits else None)
         finally:
             last.logits = None

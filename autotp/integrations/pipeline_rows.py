@@ -32,7 +32,7 @@ def refuse_uneven_batches(trainer: Trainer, sampler: Sampler | None) -> None:
             f"AutoTPTrainer at pp_size={pp}: per_device_train_batch_size={size} rows do not split evenly into "
             f"pp_microbatches={micro} micro-batches; give a batch size that is a multiple of {micro}"
         )
-    samples = len(sampler) if sampler is not None and hasattr(sampler, "__len__") else None  # type: ignore[arg-type]
+    samples = len(sampler) if sampler is not None and hasattr(sampler, "__len__") else None
     if samples is None or trainer.args.dataloader_drop_last or samples % size % micro == 0:
         return
     args = trainer.args

@@ -4,7 +4,7 @@ the calls refused by name): the rank workers of tests/pp/test_pp_edges.py (a hel
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -148,7 +148,8 @@ def one_process_evaluation(rank: int, world: int, path: str) -> dict[str, float]
 
 def trainer_cases(path: str) -> dict:
     """AutoTPTrainer at pp 2: `evaluate` as `one_process_evaluation` does it; training on 10 rows in batches of 4
-    (the epoch's last batch 2 rows) at 4 micro-batches, refused before the first step, the weights unchanged."""
+    (the epoch's last batch 2 rows) at 4 micro-batches, refused before the first step, the weights unchanged; and with
+    a sampler of no known length, refused at that batch (the steps before it taken)."""
     from autotp.hf_trainer import AutoTPTrainer
 
     model = autotp.wrap(tiny_model("llama"), 1, pp_size=2, pp_microbatches=2)
@@ -162,7 +163,27 @@ def trainer_cases(path: str) -> dict:
     except ValueError as err:
         unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         report["short batch"] = (str(err), trainer.state.global_step == 0 and unchanged)
+
+    class Unsized(AutoTPTrainer):  # a sampler of no known length: the short batch is only seen when it comes
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> torch.utils.data.Sampler:
+            return InOrder(10)
+
+    trainer = Unsized(model, trainer_arguments(path, max_steps=3), train_dataset=Padded(size=10))
+    try:
+        trainer.train()
+    except ValueError as err:
+        report["unsized short batch"] = (str(err), trainer.state.global_step)
     return report
+
+
+class InOrder(torch.utils.data.Sampler):
+    """The indices 0 to `size` - 1 in order, with no `__len__`."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.size))
 
 
 def refused_calls(rank: int) -> dict:

@@ -91,11 +91,16 @@ def test_trainer_evaluate_matches_one_process_trainer(pp2: list[dict], tmp_path:
 
 
 def test_trainer_refuses_a_short_last_batch_before_the_first_step(pp2: list[dict]) -> None:
+    """Before, it failed after 2 steps, naming the schedule's micro-batches and not dataloader_drop_last. With a
+    sampler of no known length it fails at that batch (after 2 steps), naming it."""
     for report in pp2:
         message, untouched = report["trainer"]["short batch"]
         assert "dataloader_drop_last=True" in message and "pp_microbatches=4" in message, message
         assert "a training batch of 2 rows" in message and "per_device_train_batch_size=4" in message, message
         assert untouched, message
+        message, steps = report["trainer"]["unsized short batch"]
+        assert "a training batch of 2 rows (this batch" in message and "dataloader_drop_last=True" in message, message
+        assert steps == 2, steps
 
 
 def test_stages_fed_different_batches_are_named_on_every_rank(pp2: list[dict]) -> None:

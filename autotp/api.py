@@ -214,8 +214,9 @@ def _planned_everywhere(error: Exception | None, options: WrapOptions, call: str
             group,
             f"comparing the ranks' sizes and plans in {call}",
             f"Every rank must call {call} with the same {options.size_words()}: a rank at "
-            f"{options.size_words(1)} without tp_group runs no collective, and goes on alone. Nothing was "
-            f"changed.",
+            f"{options.size_words(1)} without tp_group runs no collective, and goes on alone (this rank called "
+            f"{call} with {', '.join(f'{axis}_size={n}' for axis, n in options.sizes().items())}"
+            f"{', tp_group given' if options.tp_group is not None else ''}). Nothing was changed.",
         )
     ):
         failed, sizes_by_rank = outcomes(error, group, sizes)

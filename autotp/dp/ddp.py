@@ -63,9 +63,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     state = state_of(model)
     refuse_torch_fsdp(wrapped_model(model), state, deep=True)
     params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return torch.tensor(0.0)
-    device = params[0].grad.device
+    # no early return without gradients: a pipeline stage whose parameters are all frozen still joins every all-reduce
+    device = params[0].grad.device if params else next(model.parameters(), torch.zeros(())).device
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     dense, own = params, []

@@ -39,6 +39,7 @@ from ..runtime.collectives import all_gather
 from ..runtime.rng import sync_replicated_stream
 from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
+from .pipeline_rows import refuse_uneven_batch, refuse_uneven_batches
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 
 
@@ -137,8 +138,10 @@ class AutoTPTrainer(Trainer):
             sampler = trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset)
             return generation_loader(self, dataset, sampler)
         sampler, own = trainer_compat.train_sampler(self, AutoTPTrainer, dataset)
+        dealt = own and dp_size(self.model) > 1  # each replica's batches are dealt from one sampler's
+        refuse_uneven_batches(self, None if dealt else sampler)  # under a pipeline: before the first step
         batches = _EpochBatches(sampler, trainer_compat.train_batch_size(self), self.args.dataloader_drop_last)
-        if own and dp_size(self.model) > 1:
+        if dealt:
             batches = _DealtBatches(batches, dp_size(self.model), dp_rank(self.model))
         return _EpochLoader(
             dataset,
@@ -305,6 +308,7 @@ class AutoTPTrainer(Trainer):
                 f"takes no loss keywords, or batches without labels): a pipeline divides its loss by the label tokens "
                 f"Trainer counts"
             )
+        refuse_uneven_batch(self, find_batch_size(inputs))
         self.model.train()
         inputs = trainer_compat.prepare_inputs(self, inputs)
         if self.args.average_tokens_across_devices:

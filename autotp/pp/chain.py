@@ -130,6 +130,12 @@ def _links(calls: list[Call], inputs: dict, subject: nn.Module) -> str | None:
     expected = (*inputs["input_ids"].shape, subject.get_input_embeddings().weight.shape[-1])
     for (i, _, _, out), (j, hidden, tensors, _) in zip(calls, calls[1:]):
         sent = out[0]
+        if torch.is_tensor(sent) and tuple(sent.shape[:-1]) == expected[:-1] and sent.shape[-1] != expected[-1]:
+            return (
+                f"its decoder layers' hidden states are {sent.shape[-1]} wide, its input embedding {expected[-1]} (a "
+                f"projection between them: OPT's project_in, word_embed_proj_dim != hidden_size), and a stage's "
+                f"receive buffer takes the embedding's width: not built yet, train it at pp_size=1"
+            )
         if not torch.is_tensor(sent) or tuple(sent.shape) != expected:
             shape = tuple(sent.shape) if torch.is_tensor(sent) else type(sent).__name__
             return (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -71,9 +72,24 @@ def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None
     name = type(model).__name__
     if getattr(model.config, "is_encoder_decoder", False):
         raise NotImplementedError(f"pp_size > 1 on {name}: encoder-decoder models are not cut into stages")
-    base = model.base_model
-    if base is model or model.get_output_embeddings() is None:
-        raise NotImplementedError(f"pp_size > 1 on {name}: a pipeline needs a causal LM with its head (a loss)")
+    if model.get_output_embeddings() is None:
+        raise NotImplementedError(
+            f"pp_size > 1 on {name}: it has no head (get_output_embeddings() is None), and a pipeline's last stage "
+            f"computes the loss from the head; use the model's causal-LM class"
+        )
+    if base_of(model) is None:
+        text = _causal_lm_class(model)
+        raise NotImplementedError(
+            f"pp_size > 1 on {name}: a composite model (its children {list(dict(model.named_children()))}: a "
+            f"vision-language or conditional-generation model) whose base_model is the model itself "
+            f"(base_model_prefix {model.base_model_prefix!r} names none of them), so the pipeline cannot tell its "
+            f"text model from its other parts; "
+            + (
+                f"train the text model alone as {text} (AutoModelForCausalLM from the same config or checkpoint)"
+                if text
+                else "train it at pp_size=1"
+            )
+        )
     if "loss_function" not in _source(type(model).forward):
         raise NotImplementedError(
             f"pp_size > 1 on {name}: its forward computes the loss itself, not through transformers' loss_function, "
@@ -91,10 +107,33 @@ def find_cut(model: nn.Module, stages: int, split_points: tuple[int, ...] | None
     return Cut(base_path, lists[0], bounds(len(children[lists[0]]), stages, split_points))
 
 
+def base_of(model: nn.Module) -> nn.Module | None:
+    """The model's base model: transformers' `base_model` (its decoder model, or a composite model's vision and text
+    parts). Where `base_model_prefix` names none of the model's children (Llama4ForCausalLM and MllamaForCausalLM say
+    "language_model" and hold their decoder model as `.model`), `base_model` is the model itself: the base model is
+    then its one child holding the input embedding, if the model holds nothing else but its head; else None."""
+    base = model.base_model
+    if base is not model:
+        return base
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    others = [c for c in model.children() if c is not head]
+    holds = len(others) == 1 and any(m is embedding for m in others[0].modules())
+    return others[0] if holds else None
+
+
+def _causal_lm_class(model: nn.Module) -> str | None:
+    """The name of the text-only causal-LM class transformers maps the model's type to, if not the model's own."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(model.config, "model_type", ""))
+    return name if isinstance(name, str) and name != type(model).__name__ else None
+
+
 def _decoder(model: nn.Module) -> nn.Module:
     """The decoder model: the base model, or in a composite model (a VLM: vision tower, projector, text model) the
     module holding the input embedding beside one list of layers (its text model)."""
-    base, embedding = model.base_model, model.get_input_embeddings()
+    base, embedding = base_of(model), model.get_input_embeddings()
+    assert base is not None  # `find_cut` refused the model otherwise
     if sum(isinstance(m, nn.ModuleList) for m in base.children()) == 1:
         return base
     found = [
@@ -142,17 +181,31 @@ def skip_others(model: nn.Module, cut: Cut, stages: list[int]) -> None:
             layers[i] = Skipped(layers[i])
 
 
+def before_layers(decoder: nn.Module, layers: str) -> list[str]:
+    """The decoder model's children that run before its layers: those registered before its layer list (the
+    embeddings), less those its forward's source first names after the layers (OPT registers its final_layer_norm and
+    project_out before its layers and runs them after). A child its forward never names keeps its registration's
+    place; the chain check (`autotp.pp.chain`) then tells a wrong guess, where a stage would use what another holds."""
+    children = list(dict(decoder.named_children()))
+    source = _source(type(decoder).forward)
+    loop = re.search(rf"self\.{re.escape(layers)}\b", source)
+    if loop is None:
+        return children[: children.index(layers)]
+    first = {c: re.search(rf"self\.{re.escape(c)}\b", source) for c in children}
+    return [c for c in children[: children.index(layers)] if (m := first[c]) is None or m.start() < loop.start()]
+
+
 def owner(model: nn.Module, cut: Cut) -> Callable[[str], int]:
     """Which stage trains (and saves) each parameter or buffer, by its name: a decoder layer's its stage; the decoder
-    model's children registered before its layer list (the embeddings), the input embedding, and in a composite
-    model what its base model holds beside the decoder model (a VLM's vision tower and projector) the first stage; the
-    rest (the final norm, the head outside the decoder model) the last. A tied head is the embedding's one weight."""
+    model's children that run before its layers (`before_layers`: the embeddings), the input embedding, and in a
+    composite model what its base model holds beside the decoder model (a VLM's vision tower and projector) the first
+    stage; the rest (the final norm, the head outside the decoder model) the last. A tied head is the embedding's one
+    weight."""
     base = model.get_submodule(cut.base)
     prefix = f"{cut.base}." if cut.base else ""
-    children = list(dict(base.named_children()))
     embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    first = tuple(f"{prefix}{c}." for c in children[: children.index(cut.layers)]) + (f"{embedding}.",)
-    outer = next(f"{n}." for n, m in model.named_modules() if m is model.base_model)
+    first = tuple(f"{prefix}{c}." for c in before_layers(base, cut.layers)) + (f"{embedding}.",)
+    outer = next(f"{n}." for n, m in model.named_modules() if m is base_of(model))
     root = f"{prefix}{cut.layers}."
 
     def stage(name: str) -> int:

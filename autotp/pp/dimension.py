@@ -18,6 +18,7 @@ from ..mesh import Group, group_size, named_failure, new_group
 from ..options import WrapOptions
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
+from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
 from ..runtime.rows import local_rows
@@ -54,6 +55,7 @@ class PipelineParallelism(Dimension):
     running = False  # inside `forward_backward`: the model's own forward is the stages'
     split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
     adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
+    checks_inputs = False  # `wrap(..., check_inputs=True)`: the pipeline's ranks compare their batches (`check_inputs`)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         pp = options.pp_size
@@ -125,6 +127,7 @@ class PipelineParallelism(Dimension):
         self.runner = Runner(model, self.cut, self.stages, group, options.pp_schedule, microbatches, balance)
         self.runner.sequence_length = lambda length: sequence_length(state, length)
         self.split_sequence = options.cp_size > 1  # by the model's forward pre-hook, around ours
+        self.checks_inputs = options.check_inputs
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         ends = 0 in self.stages or self.cut.stages - 1 in self.stages  # a middle stage holds no part of it
         if head.weight is embedding.weight:  # the tied group: every pipeline's first and last rank
@@ -152,11 +155,21 @@ class PipelineParallelism(Dimension):
                 f"micro-batches"
             )
         refuse_peft(model, self.cut.stages // len(self.stages), self.adapters)  # added after wrap: before any step
+        self.check_inputs(batch, num_items)
         self.running = True
         try:
             return self.runner.step(dict(batch), num_items)
         finally:
             self.running = False
+
+    def check_inputs(self, batch: dict[str, Any], num_items: Any) -> None:
+        """`wrap(..., check_inputs=True)`: every rank of the pipeline was given the same whole batch (each stage takes
+        its micro-batches' rows from it), else every rank raises naming the first tensor that differs. The TP and CP
+        ranks of each stage compare their micro-batches in the model's forward (`autotp.integrations.guards`)."""
+        if self.checks_inputs:
+            named = {**batch, "num_items_in_batch": num_items}
+            tensors = [(f"{k}=", named[k]) for k in sorted(named) if torch.is_tensor(named[k])]  # in any call order
+            check_same_batch(self.runner.group, tensors, "PP")
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """The tied embedding: the first stage's gradient (from the embedding) and the last's (from the head) summed
@@ -274,6 +287,7 @@ class PipelineForward:
             )
         kwargs = {k: v for k, v in kwargs.items() if v is not None}  # a default (PEFT's forward passes them on)
         keep = kwargs.pop("logits_to_keep", 0)  # generate passes it, reading the model's signature (`__signature__`)
+        num_items = kwargs.pop("num_items_in_batch", None)  # Trainer's evaluation: the batch's label tokens
         other = sorted(set(kwargs) - _EVALUATED) + (["positional arguments"] if args else [])
         if other or kwargs.get("use_cache"):
             raise NotImplementedError(
@@ -281,11 +295,14 @@ class PipelineForward:
                 f"input_ids, attention_mask, position_ids and labels by keyword (model.generate runs without a KV cache)"
             )
         batch = {k: v for k, v in kwargs.items() if k not in ("use_cache", "return_dict")}
+        self.pipeline.check_inputs(batch, num_items)
         self.pipeline.running = True
         try:
-            loss, logits = self.pipeline.runner.evaluate(batch)
+            loss, logits = self.pipeline.runner.evaluate(batch, num_items)
         finally:
             self.pipeline.running = False
         if not isinstance(keep, int) or keep:
             logits = logits[:, slice(-keep, None) if isinstance(keep, int) else keep]
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+        # transformers' `can_return_tuple`: return_dict=False (passed, or the config's) gives the output's tuple
+        return out if kwargs.get("return_dict", self.pipeline.runner.model.config.return_dict) else out.to_tuple()

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .cut import Cut, trainers
+from .cut import Cut, base_of, before_layers, trainers
 
 
 class Released(nn.Module):
@@ -37,14 +37,20 @@ class Released(nn.Module):
 
 class ShapeOnly(Released):
     """An embedding another stage owns, which this stage runs: zeros of its output's shape and dtype (the stage's
-    first layer replaces the hidden states)."""
+    first layer replaces the hidden states), on the ids' device, or the released weight's where a decoder model moved
+    the ids to this stand-in's meta weight first (Llama-4's `input_ids.to(self.embed_tokens.weight.device)`)."""
 
     weight: torch.Tensor
+
+    def __init__(self, module: nn.Module, path: str, metas: dict[int, torch.Tensor]):
+        super().__init__(module, path, metas)
+        self.device = module.weight.device
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         ids = args[0]
         assert isinstance(ids, torch.Tensor)  # an embedding's input: the token ids
-        return torch.zeros(*ids.shape, self.weight.shape[-1], dtype=self.weight.dtype, device=ids.device)
+        device = self.device if ids.device.type == "meta" else ids.device
+        return torch.zeros(*ids.shape, self.weight.shape[-1], dtype=self.weight.dtype, device=device)
 
 
 def unowned(model: nn.Module, cut: Cut, stages: list[int]) -> dict[str, nn.Module]:
@@ -57,9 +63,8 @@ def unowned(model: nn.Module, cut: Cut, stages: list[int]) -> dict[str, nn.Modul
     base = model.get_submodule(cut.base)
     root = f"{cut.base}.{cut.layers}" if cut.base else cut.layers
     mine = {p for p, trained in trainers(model, cut).items() if trained.intersection(stages)}
-    children = list(dict(base.named_children()))
-    before = {f"{cut.base}.{c}" if cut.base else c for c in children[: children.index(cut.layers)]}
-    outer = next(n for n, m in model.named_modules() if m is model.base_model)
+    before = {f"{cut.base}.{c}" if cut.base else c for c in before_layers(base, cut.layers)}
+    outer = next(n for n, m in model.named_modules() if m is base_of(model))
     replaced: dict[str, nn.Module] = {}
     metas: dict[int, torch.Tensor] = {}
     for path, module in model.named_modules():

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..compat.hf import router_outputs
 from ..mesh import Group, device_of, named_failure
+from .cut import base_of
 
 _SWITCH = "transformers.models.mixtral.modeling_mixtral"  # the Switch loss, as transformers copies it per model
 _CALL = "load_balancing_loss_func(outputs.router_logits,self.num_experts,self.num_experts_per_tok,attention_mask,)"
@@ -40,8 +41,9 @@ def unsupported(model: nn.Module) -> str | None:
     forward = re.sub(r"\s+", "", inspect.getsource(type(model).forward))
     if _CALL not in forward or "self.router_aux_loss_coef*aux_loss" not in forward:
         return f"{type(model).__name__}.forward does not add it as transformers' MoE causal LMs do"
-    if router_outputs(model.base_model) is None:
-        return f"{type(model.base_model).__name__} records no router_logits"
+    base = base_of(model) or model
+    if router_outputs(base) is None:
+        return f"{type(base).__name__} records no router_logits"
     return None
 
 
@@ -65,7 +67,7 @@ class Balance:
     shares of the training pass."""
 
     def __init__(self, model: nn.Module, group: Group):
-        found = router_outputs(model.base_model)
+        found = router_outputs(base_of(model) or model)
         assert found is not None  # `unsupported` refused the model otherwise
         self.is_router, self.index = found
         self.group = group

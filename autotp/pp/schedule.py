@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..mesh import Group, device_of, named_failure
-from .cut import Cut, stage_view, swapped
+from .cut import Cut, base_of, stage_view, swapped
 from .router import Balance
 from .sharded import SyncOnLast
 
@@ -109,7 +109,8 @@ class StageModule(nn.Module):
         the decoder model's. It runs as the model's forward, so the model's own hooks run around it as around one
         process's forward: FSDP's root gathers the embedding, CP splits the micro-batch's sequence (and leaves the
         hidden states, not a sequence's hidden-state tuple, as they are)."""
-        base = self.model.base_model  # a VLM's: with its vision tower
+        base = base_of(self.model)  # a VLM's: with its vision tower
+        assert base is not None  # `autotp.pp.cut.find_cut` refused the model otherwise
         try:
             base(**kwargs)
         except _StageOutput as done:
@@ -169,13 +170,13 @@ class Runner:
         label tokens the loss is divided by (the Trainer's count over its accumulation window), else the batch's."""
         return self._run(batch, "step", num_items)
 
-    def evaluate(self, batch: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def evaluate(self, batch: dict[str, Any], num_items: Any = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
-        whole batch, on every rank of the pipeline."""
+        whole batch, on every rank of the pipeline. `num_items`: as `step`'s (Trainer's evaluation passes it)."""
         last = self.modules[-1]
         last.logits = [] if last.last else None
         try:
-            loss = self._run(batch, "eval")
+            loss = self._run(batch, "eval", num_items)
             logits = self._shared(torch.cat(last.logits) if last.logits else None)
         finally:
             last.logits = None
@@ -268,9 +269,10 @@ class Runner:
         )
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The sum of the micro-batches' losses, sent from the last stage to every rank of the pipeline."""
-        weight = self.model.get_input_embeddings().weight
-        loss = torch.stack([x.detach() for x in losses]).sum() if losses else torch.zeros((), dtype=weight.dtype)
+        """The sum of the micro-batches' losses, sent from the last stage to every rank of the pipeline, in fp32 on
+        every rank: a broadcast's size must agree, and the last stage's loss is fp32 (transformers' loss upcasts the
+        logits) where another rank would otherwise hold the parameters' dtype (bf16)."""
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         loss = loss.to(device_of(self.group))
         last = dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
         with named_failure(self.group, "the pipeline's loss broadcast from the last stage"):

@@ -21,6 +21,15 @@ def forward_backward(model: nn.Module, **batch: Any) -> Any:
     `autotp.allreduce_gradients(model)` (it also sums a tied embedding's two copies) and `optimizer.step()`.
     """
     state = find_state(model)
+    compiled = getattr(model, "_orig_mod", None) if state is None else None  # torch.compile(model)'s module
+    inner = find_state(compiled) if isinstance(compiled, nn.Module) else None
+    if inner is not None and inner.dim(PipelineParallelism) is not None:
+        raise NotImplementedError(
+            f"autotp.forward_backward(torch.compile(model)) at pp_size={inner.options.pp_size}: a pipeline runs the "
+            f"model's own forward on each stage through torch's schedule, so a compiled whole model would never run; "
+            f"pass the wrapped model itself (autotp.forward_backward(model, **batch)) and compile its decoder layers "
+            f"instead (for layer in model.model.layers: layer.compile())"
+        )
     pipeline = None if state is None else state.dim(PipelineParallelism)
     if pipeline is None:
         out = model(**batch)

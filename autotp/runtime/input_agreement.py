@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 from ..mesh import Group, group_size, named_failure
 
-_KINDS = {"TP": "tensor-parallel", "CP": "context-parallel"}
+_KINDS = {"TP": "tensor-parallel", "CP": "context-parallel", "PP": "pipeline-parallel"}
+_WHY = {  # what the ranks of each kind of group must read
+    "TP": "every TP rank of a replica must read the same batch",
+    "CP": "every CP rank of a replica must read the same whole batch (autotp splits it over CP)",
+    "PP": "every rank of a pipeline must read the same whole batch (autotp splits it into micro-batches)",
+}
 _SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit patterns as integers
 _CHUNK = 1 << 24  # elements summed at once: a checksum of a long inputs_embeds never holds it all as int64
 _MASK = (1 << 62) - 1  # keeps a checksum's negation in int64
@@ -111,12 +116,11 @@ def _difference(everyone: list[list[tuple]], ranks: list[int], kind: str) -> str
                 assert differing is not None  # always: `ours != other`, so not both None
                 name = differing[0]
                 values = " (same shape, other values)" if ours and other and ours[1:3] == other[1:3] else ""
-                why = "the same batch" if kind == "TP" else "the same whole batch (autotp splits it over CP)"
                 return (
                     f"{_KINDS[kind]} ranks got different inputs: {name} on rank {ranks[0]} "
-                    f"{_described(ours)} differs from rank {rank}'s {_described(other)}{values}; every {kind} "
-                    f"rank of a replica must read {why}: sample with autotp.data_parallel_sampler(dataset, "
-                    f"model), not a DistributedSampler over the whole world"
+                    f"{_described(ours)} differs from rank {rank}'s {_described(other)}{values}; {_WHY[kind]}: "
+                    f"sample with autotp.data_parallel_sampler(dataset, model), not a DistributedSampler over the "
+                    f"whole world"
                 )
     return f"{_KINDS[kind]} ranks {ranks} got different inputs"
 

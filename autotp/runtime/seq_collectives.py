@@ -25,14 +25,19 @@ from .collectives import weight_grad
 from .second_order import refuse_second_order
 
 
+def check_divisible(length: int, size: int) -> None:
+    """Refuse a sequence that does not split evenly over the TP group's `size` ranks."""
+    if length % size:
+        raise ValueError(
+            f"sequence_parallel needs the sequence length ({length}) to be a multiple of tp_size={size}; pad the "
+            f"batch (a tokenizer's pad_to_multiple_of={size})"
+        )
+
+
 def _chunk_shape(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> list[int]:
     """The shape of one rank's chunk of `x`: `dim` (the sequence) divided by the group size."""
     size = group_size(group)
-    if x.shape[dim] % size:
-        raise ValueError(
-            f"sequence_parallel needs the sequence length ({x.shape[dim]}) to be a multiple of "
-            f"tp_size={size}; pad the batch"
-        )
+    check_divisible(x.shape[dim], size)
     shape = list(x.shape)
     shape[dim] //= size
     return shape

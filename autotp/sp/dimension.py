@@ -8,6 +8,7 @@ from ..mesh import group_size
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.rollback import Removable
+from ..runtime.seq_collectives import check_divisible
 from ..state import TPState
 from .sequence import apply_sequence_parallel
 
@@ -27,4 +28,7 @@ class SequenceParallelism(Dimension):
         return list(apply_sequence_parallel(model, state.plan, state.tp_group, state, state.whole, plan))
 
     def sequence_length(self, length: int) -> int:
+        """Each TP rank's part; a pipeline asks before its schedule, so a length that does not split is refused on
+        every stage's ranks, not on the first stage's alone inside the schedule."""
+        check_divisible(length, self.size)
         return length // self.size

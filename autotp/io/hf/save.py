@@ -73,7 +73,7 @@ def save_pretrained(
         """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts); under a
         pipeline, every stage of rank 0's replica gathers its own tensors."""
         if stages is not None:
-            return fsdp or stages.first_replica
+            return fsdp or stages.gathers(group)
         return fsdp or global_rank() == 0 or (group is not None and 0 in dist.get_process_group_ranks(group))
 
     splits = [] if state is None else state.split_groups()

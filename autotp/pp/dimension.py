@@ -28,7 +28,7 @@ from .generate import PipelineGenerate
 from .release import release, unowned
 from .router import Balance, unsupported
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
-from .shared import SharedGroup, shared_groups, sync_shared, uncounted
+from .shared import SharedGroup, shared_groups, sync_shared, tied_names, uncounted
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
@@ -52,6 +52,7 @@ class PipelineParallelism(Dimension):
     runner: Runner
     released: dict[str, nn.Module]  # what this rank's stages do not own, by path, with what replaces it
     shared: list[SharedGroup]
+    ties: list[tuple[str, ...]]  # the names of each parameter held under several, over the whole model
     running = False  # inside `forward_backward`: the model's own forward is the stages'
     split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
     adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
@@ -87,13 +88,6 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with torchao's float8 ({float8}): each micro-batch of a pipeline would take its own "
                 f"scales, where one process scales the whole batch; wrap without the conversion or without pp_size"
             )
-        dropout = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-        dropout += [k for k in ("attention_dropout", "hidden_dropout") if getattr(model.config, k, 0) or 0]
-        if dropout:
-            raise NotImplementedError(
-                f"pp_size={pp} with dropout ({dropout[0]}): each micro-batch would draw other masks than one process "
-                f"draws; set the dropout to 0"
-            )
         why = unsupported(model) if getattr(model.config, "output_router_logits", False) else None
         if why is not None:
             raise NotImplementedError(
@@ -121,6 +115,7 @@ class PipelineParallelism(Dimension):
             return []
         group = state.mesh.group("pp")
         self.shared = shared_groups(model, self.cut, self.stages, state)  # the whole model's, collective
+        self.ties = tied_names(model)
         skip_others(model, self.cut, self.stages)
         balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
         microbatches = options.pp_microbatches or options.pp_size

@@ -80,3 +80,12 @@ def sync_shared(model: nn.Module, groups: list[SharedGroup]) -> None:
 def uncounted(model: nn.Module, groups: list[SharedGroup]) -> set[int]:
     """The ids of the shared parameters another rank counts in the gradient norm."""
     return {id(model.get_parameter(n)) for shared in groups if not shared.counted for n in shared.names}
+
+
+def tied_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """Every name of each parameter the whole model holds under several (before the stages drop each other's layers,
+    when no rank would see a tie whose names lie on two stages): what a save drops as transformers does."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tuple(held) for held in names.values() if len(held) > 1]

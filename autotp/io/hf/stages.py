@@ -4,8 +4,9 @@ Why: each rank holds its own stages' tensors only (its decoder layers, the embed
 norm and the head on the last: `autotp.pp.cut.owner`), so no rank knows the whole model's names. `stage_tensors`
 learns every stage's names, full shapes and dtypes in one all-gather over the PP group and lists them in one
 process's order, the tensors of other stages as one-element stand-ins expanded to their full shape (a layout is
-computed from them; nothing is allocated). Names that hold one tensor on any rank (a tied head) hold one stand-in
-too, so transformers' own rule drops the tied alias. Each tensor is then gathered over TP on the stage that owns it,
+computed from them; nothing is allocated). Names that hold one tensor on any rank (a tied head), or in the whole
+model as wrapped (a block that layers on two stages share: Zamba's), hold one tensor or stand-in too, so
+transformers' own rule drops the tied aliases. Each tensor is then gathered over TP on the stage that owns it,
 as at pp 1, and `StageTensors.forward` sends it from there to PP rank 0, one message per tensor (save) or bucket
 (export): no rank holds more than that beyond its own shards.
 """
@@ -142,7 +143,8 @@ def stage_tensors(model: nn.Module, params: dict[str, torch.Tensor], state: TPSt
     merged: dict[str, torch.Tensor] = {}
     for stage, name, shape, dtype, parameter, _ in entries:
         merged[name] = params[name] if stage in pipeline.stages else _stand_in(shape, dtype, parameter)
-    for names in (names for _, tied in gathered for names in tied):  # one tensor under several names on a rank
+    every = [names for _, tied in gathered for names in tied] + pipeline.ties  # on a rank, and over the whole model
+    for names in every:  # one tensor under several names (a tied head; a block layers on two stages share)
         present = [n for n in names if n in merged]
         held = [n for n in present if merged[n] is params.get(n)]
         for name in present:

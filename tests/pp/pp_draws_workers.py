@@ -67,12 +67,10 @@ def quick(rank: int, world: int) -> dict:
     return {
         "gpt2": trained(rank, world, "gpt2", dropout),
         "gpt2 again": trained(rank, world, "gpt2", dropout),
-        "gpt2 GPipe": trained(rank, world, "gpt2", dropout, pp_schedule="GPipe"),
         "gpt2 checkpointed": trained(rank, world, "gpt2", dropout, checkpointing=True),
         "gpt2 p=0": trained(rank, world, "gpt2", {}),
         "gpt2 eval": pp_parity(rank, world, "gpt2", 1, 2, dict(pp_microbatches=2, config=dropout, eval=True)),
         "lora": trained(rank, world, "llama", {}, lora=LORA_DROPOUT),
-        "lora again": trained(rank, world, "llama", {}, lora=LORA_DROPOUT),
         "mixtral": trained(rank, world, "mixtral", JITTER),
         "mixtral again": trained(rank, world, "mixtral", JITTER),
         "mixtral no jitter": trained(rank, world, "mixtral", {}),
@@ -85,6 +83,9 @@ def four_ranks(rank: int, world: int) -> dict:
     return {
         "gpt2": trained(rank, world, "gpt2", dict(GPT2_DROPOUT), tp=2),
         "gpt2 again": trained(rank, world, "gpt2", dict(GPT2_DROPOUT), tp=2),
+        "gpt2 GPipe": trained(rank, world, "gpt2", dict(GPT2_DROPOUT), tp=2, pp_schedule="GPipe"),
+        "lora": trained(rank, world, "llama", {}, tp=2, lora=LORA_DROPOUT),
+        "lora again": trained(rank, world, "llama", {}, tp=2, lora=LORA_DROPOUT),
         "mixtral": trained(rank, world, "mixtral", JITTER, tp=2),
         "mixtral again": trained(rank, world, "mixtral", JITTER, tp=2),
     }

@@ -3,14 +3,15 @@ stage and micro-batch (`autotp.pp.draws`).
 
 One process draws one mask over the whole batch, which a pipeline's micro-batches cannot reproduce, so these runs
 are not compared with one process's numbers. What is checked instead, each run 3 AdamW steps on one batch, seeded
-alike after wrap: a run repeats itself bit for bit (losses and parameters), and so does the same run under GPipe
-instead of 1F1B (the draws do not depend on the schedule's order) and under activation checkpointing (its
-recomputation draws the masks its forward drew); the masks are applied (the losses and parameters differ from the
-same run without dropout or jitter) and training goes on (finite losses, falling on the repeated batch); with dropout
-configured but the models in eval mode, parity with one process holds as at every pp 2 layout (loss within 1e-5,
-parameters within 3e-5, `pp_parity`); a step's counting pass for the load-balancing loss routes as its training pass
-does (every router's logits bit for bit: the same jitter). At pp 2 x tp 2 (slow), the TP ranks of a stage draw the
-same masks: their replicated tensors stay bit-identical (`autotp.check_replicas`), and runs repeat.
+alike after wrap: a run repeats itself bit for bit (losses and parameters), and so does the same run under
+activation checkpointing (its recomputation draws the masks its forward drew); the masks are applied (the losses and
+parameters differ from the same run without dropout or jitter) and training goes on (finite losses, falling on the
+repeated batch), LoRA with lora_dropout=0.05 included; with dropout configured but the models in eval mode, parity
+with one process holds as at every pp 2 layout (loss within 1e-5, parameters within 3e-5, `pp_parity`); a step's
+counting pass for the load-balancing loss routes as its training pass does (every router's logits bit for bit: the
+same jitter). At pp 2 x tp 2 (slow), the TP ranks of a stage draw the same masks: their replicated tensors stay
+bit-identical (`autotp.check_replicas`), for GPT-2's dropout, mixtral's jitter and LoRA's dropout; runs repeat, and
+under GPipe as under 1F1B (the draws do not depend on the schedule's order).
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def applied(run: dict, without: dict) -> bool:
 def test_pp2_dropout_and_router_jitter_train_seeded_per_stage_and_micro_batch() -> None:
     results = run_ranks(quick, 2)
     for rank in results:
-        assert same(rank["gpt2"], rank["gpt2 again"]) and same(rank["gpt2"], rank["gpt2 GPipe"])
-        assert same(rank["gpt2"], rank["gpt2 checkpointed"])
+        assert same(rank["gpt2"], rank["gpt2 again"]) and same(rank["gpt2"], rank["gpt2 checkpointed"])
         assert applied(rank["gpt2"], rank["gpt2 p=0"]), (rank["gpt2"]["losses"], rank["gpt2 p=0"]["losses"])
-        assert same(rank["lora"], rank["lora again"]) and rank["lora"]["losses"][-1] < rank["lora"]["losses"][0]
+        assert (
+            all(map(math.isfinite, rank["lora"]["losses"])) and rank["lora"]["losses"][-1] < rank["lora"]["losses"][0]
+        )
         assert same(rank["mixtral"], rank["mixtral again"])
         assert applied(rank["mixtral"], rank["mixtral no jitter"])
         counted, trained = rank["routed"]["counted"], rank["routed"]["trained"]
@@ -58,6 +60,7 @@ def test_pp2_dropout_and_router_jitter_train_seeded_per_stage_and_micro_batch() 
 @pytest.mark.slow
 def test_pp2_tp2_dropout_and_router_jitter_draw_alike_on_a_stages_tp_ranks() -> None:
     for rank in run_ranks(four_ranks, 4):
-        for label in ("gpt2", "mixtral"):
+        for label in ("gpt2", "mixtral", "lora"):
             assert rank[label]["replicas"] == "equal", (label, rank[label]["replicas"])
             assert same(rank[label], rank[f"{label} again"]), label
+        assert same(rank["gpt2"], rank["gpt2 GPipe"])

@@ -26,13 +26,25 @@ _MIX = 1_000_003  # a prime: (seed, stage, micro-batch) -> distinct seeds
 
 
 class Draws:
-    """The seed of the schedule's current run (None in eval mode: no seeding)."""
+    """The seed of the schedule's current run (None in eval mode: no seeding), and whether the run drew at all."""
 
     seed: int | None = None
+    drew = False
 
     def start(self, training: bool) -> None:
-        """At each run of the schedule: a seed from the shared stream, advancing it by one draw, when training."""
-        self.seed = int(torch.randint(0, 2**62, (1,)).item()) if training else None
+        """At each run of the schedule, when training: the seed the shared stream's next draw gives, the stream left
+        as it is until the run has drawn (`finish`)."""
+        self.seed, self.drew = None, False
+        if training:
+            saved = capture()
+            self.seed = int(torch.randint(0, 2**62, (1,)).item())
+            restore(saved)
+
+    def finish(self) -> None:
+        """After the run: the stream advanced by the seed's draw if the run drew random numbers (a model that draws
+        none leaves it as one process's, for the user's own draws; the next run that draws takes another seed)."""
+        if self.seed is not None and self.drew:
+            torch.randint(0, 2**62, (1,))
 
     @contextmanager
     def chunk(self, stage: int, microbatch: int) -> Iterator[None]:
@@ -45,9 +57,11 @@ class Draws:
         torch.default_generator.manual_seed(seed)
         if len(saved) > 1:
             torch.cuda.manual_seed(seed)
+        seeded = capture(cuda=len(saved) > 1)
         try:
             yield
         finally:
+            self.drew = self.drew or any(not torch.equal(a, b) for a, b in zip(capture(cuda=len(saved) > 1), seeded))
             restore(saved)
 
 

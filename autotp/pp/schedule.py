@@ -225,6 +225,7 @@ class Runner:
                 schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             else:
                 schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        self.draws.finish()
         loss = self._shared_loss(losses)
         if balance is None or "labels" not in kwargs:
             return loss

@@ -18,7 +18,8 @@ LORA_DROPOUT = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
 def trained(rank: int, world: int, family: str, config: dict, tp: int = 1, **options: object) -> dict:
     """`family` wrapped at pp 2 (`options`: wrap's, and `lora`, `checkpointing`), seeded 7 after wrap alike on every
     rank, 3 AdamW steps in training mode on one batch through `forward_backward`: each step's loss, the parameters
-    after (this rank's), and whether the TP ranks' replicated tensors are equal (`autotp.check_replicas`)."""
+    after (this rank's), whether the TP ranks' replicated tensors are equal (`autotp.check_replicas`) and whether the
+    steps moved the CPU random stream (one process's steps move it only by drawing)."""
     lora = options.pop("lora", None)
     model = tiny_model(family, **config)
     if lora is not None:
@@ -28,6 +29,7 @@ def trained(rank: int, world: int, family: str, config: dict, tp: int = 1, **opt
     autotp.wrap(model.base_model.model if lora is not None else model, tp, pp_size=2, pp_microbatches=2, **options)
     model.train()
     torch.manual_seed(7)
+    seeded = torch.get_rng_state()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     inputs, losses = pp_batch(), []
     for _ in range(3):
@@ -35,13 +37,14 @@ def trained(rank: int, world: int, family: str, config: dict, tp: int = 1, **opt
         autotp.allreduce_gradients(model)
         optimizer.step()
         optimizer.zero_grad()
+    moved = not torch.equal(torch.get_rng_state(), seeded)
     try:
         autotp.check_replicas(model)
         replicas = "equal"
     except RuntimeError as err:
         replicas = str(err)
     params = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
-    return {"losses": losses, "params": params, "replicas": replicas}
+    return {"losses": losses, "params": params, "replicas": replicas, "stream moved": moved}
 
 
 def routed(rank: int, world: int) -> dict:

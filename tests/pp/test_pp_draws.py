@@ -9,9 +9,10 @@ parameters differ from the same run without dropout or jitter) and training goes
 repeated batch), LoRA with lora_dropout=0.05 included; with dropout configured but the models in eval mode, parity
 with one process holds as at every pp 2 layout (loss within 1e-5, parameters within 3e-5, `pp_parity`); a step's
 counting pass for the load-balancing loss routes as its training pass does (every router's logits bit for bit: the
-same jitter). At pp 2 x tp 2 (slow), the TP ranks of a stage draw the same masks: their replicated tensors stay
-bit-identical (`autotp.check_replicas`), for GPT-2's dropout, mixtral's jitter and LoRA's dropout; runs repeat, and
-under GPipe as under 1F1B (the draws do not depend on the schedule's order).
+same jitter); a run that draws nothing leaves the random stream as one process leaves it. At pp 2 x tp 2 (slow),
+the TP ranks of a stage draw the same masks: their replicated tensors stay bit-identical (`autotp.check_replicas`),
+for GPT-2's dropout, mixtral's jitter and LoRA's dropout; runs repeat, and under GPipe as under 1F1B (the draws do
+not depend on the schedule's order).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def test_pp2_dropout_and_router_jitter_train_seeded_per_stage_and_micro_batch() 
     for rank in results:
         assert same(rank["gpt2"], rank["gpt2 again"]) and same(rank["gpt2"], rank["gpt2 checkpointed"])
         assert applied(rank["gpt2"], rank["gpt2 p=0"]), (rank["gpt2"]["losses"], rank["gpt2 p=0"]["losses"])
+        moved = [rank[label]["stream moved"] for label in ("gpt2", "gpt2 p=0", "mixtral", "mixtral no jitter")]
+        assert moved == [True, False, True, False], moved  # without draws, the stream is left as one process leaves it
         assert (
             all(map(math.isfinite, rank["lora"]["losses"])) and rank["lora"]["losses"][-1] < rank["lora"]["losses"][0]
         )

@@ -12,7 +12,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.placement`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
-   `planning.policy_plan`, `planning.planner`, `planning.report`
+   `planning.policy_plan`, `planning.ties`, `planning.planner`, `planning.report`
 4. the mesh, the state and the shared runtime: `mesh`, `state`, `accessors`, `runtime`, `runtime.rows`, `runtime.collectives`,
    `runtime.seq_collectives`, `runtime.grad_hooks`, `runtime.replicas`, `runtime.agreement`, `runtime.rollback`,
    `runtime.process_hooks`, `runtime.slot_guard`, `runtime.input_agreement`, `runtime.rng`, `runtime.shards`,
@@ -23,7 +23,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
-   `ep.apply`, `ep.dimension`, `pp`, `pp.cut`, `pp.release`, `pp.router`, `pp.sharded`, `pp.schedule`, `pp.chain`, `pp.dimension`, `pp.generate`, `pp.load`, `pp.step`, `pp.report`
+   `ep.apply`, `ep.dimension`, `pp`, `pp.cut`, `pp.release`, `pp.router`, `pp.sharded`, `pp.draws`, `pp.schedule`, `pp.shared`, `pp.chain`, `pp.dimension`, `pp.generate`, `pp.load`, `pp.step`, `pp.report`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.stages`, `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.stages`, `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,

@@ -24,6 +24,7 @@ from .plan import LayerPlan, Plan, VocabPlan
 from .policy import Policy, as_policy, find_policy
 from .policy_plan import plan_from_policy
 from .sharding import Partition
+from .ties import keep_ties
 from .twin import structural_twin
 from .verify import apply_verdicts, verdicts, verify_by_emulation
 
@@ -48,7 +49,7 @@ def build_plan(
             f"autotp shards Hugging Face models (a transformers PreTrainedModel with a .config); got "
             f"{type(model).__name__}. Wrap the PreTrainedModel itself, not a module around it"
         )
-    plan = _build_plan(model, tp_size, policy, example_inputs)
+    plan = keep_ties(model, _build_plan(model, tp_size, policy, example_inputs))
     if not vocab_parallel:
         return replace(plan, vocab_reason="vocab_parallel=False")
     return with_vocab(model, plan)

@@ -77,6 +77,11 @@ def apply_verdicts(model: nn.Module, plan: Plan, found: Verdicts, only_custom: b
         reason = found[key] if key in found else missing or "it was never checked"
         if reason:
             reasons[block] = reason
+    return without_blocks(plan, reasons)
+
+
+def without_blocks(plan: Plan, reasons: dict[str, str]) -> Plan:
+    """`plan` without the blocks in `reasons` (their layers replicated, with the reason) and what it plans inside."""
     if not reasons:
         return plan
     rejected = set(reasons)

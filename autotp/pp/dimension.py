@@ -1,5 +1,6 @@
 """Pipeline parallelism as a `Dimension` (`autotp.runtime.dimension`): its refusals, its step (the stage cut), and its
-part of the gradient sync (the tied embedding's two copies summed, as Megatron's embedding group does)."""
+part of the gradient sync (the copies of a parameter several stages train summed, as Megatron's embedding group sums
+the tied embedding's: `autotp.pp.shared`)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..compat.peft import is_peft_module
 from ..compat.torchao import is_torchao
-from ..mesh import Group, group_size, named_failure, new_group
+from ..mesh import Group, group_size, named_failure
 from ..options import WrapOptions
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import patch_attribute
 from ..runtime.rollback import Removable
-from ..runtime.rows import local_rows
 from ..state import TPState, wrapped_model
 from .chain import check_chain
 from .cut import Cut, find_cut, skip_others
@@ -29,6 +29,7 @@ from .generate import PipelineGenerate
 from .release import release, unowned
 from .router import Balance, unsupported
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
+from .shared import SharedGroup, shared_groups, sync_shared, tied_names, uncounted
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
@@ -41,17 +42,18 @@ _EVALUATED = _INPUTS | {"use_cache", "return_dict"}
 
 
 class PipelineParallelism(Dimension):
-    """Active at pp_size > 1, holding this rank's stages (`runner`) and the tied embedding's group."""
+    """Active at pp_size > 1, holding this rank's stages (`runner`) and the groups of the parameters it shares with
+    other stages (`shared`)."""
 
     name = "pp"
-    allows_ddp = False  # the tied embedding's two copies are summed by `autotp.allreduce_gradients`
+    allows_ddp = False  # the copies of a parameter several stages train are summed by `autotp.allreduce_gradients`
 
     cut: Cut
     stages: list[int]  # this rank's stages (two under a looped schedule)
     runner: Runner
     released: dict[str, nn.Module]  # what this rank's stages do not own, by path, with what replaces it
-    tied: nn.Parameter | None = None
-    tied_group: Group = None
+    shared: list[SharedGroup]
+    ties: list[tuple[str, ...]]  # the names of each parameter held under several, over the whole model
     running = False  # inside `forward_backward`: the model's own forward is the stages'
     split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
     adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
@@ -88,13 +90,6 @@ class PipelineParallelism(Dimension):
                 f"pp_size={pp} with torchao's float8 ({float8}): each micro-batch of a pipeline would take its own "
                 f"scales, where one process scales the whole batch; wrap without the conversion or without pp_size"
             )
-        dropout = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-        dropout += [k for k in ("attention_dropout", "hidden_dropout") if getattr(model.config, k, 0) or 0]
-        if dropout:
-            raise NotImplementedError(
-                f"pp_size={pp} with dropout ({dropout[0]}): each micro-batch would draw other masks than one process "
-                f"draws; set the dropout to 0"
-            )
         why = unsupported(model) if getattr(model.config, "output_router_logits", False) else None
         if why is not None:
             raise NotImplementedError(
@@ -121,6 +116,8 @@ class PipelineParallelism(Dimension):
         if options.pp_size == 1:
             return []
         group = state.mesh.group("pp")
+        self.shared = shared_groups(model, self.cut, self.stages, state)  # the whole model's, collective
+        self.ties = tied_names(model)
         skip_others(model, self.cut, self.stages)
         balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
         microbatches = options.pp_microbatches or options.pp_size
@@ -128,13 +125,6 @@ class PipelineParallelism(Dimension):
         self.runner.sequence_length = lambda length: sequence_length(state, length)
         self.split_sequence = options.cp_size > 1  # by the model's forward pre-hook, around ours
         self.checks_inputs = options.check_inputs
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        ends = 0 in self.stages or self.cut.stages - 1 in self.stages  # a middle stage holds no part of it
-        if head.weight is embedding.weight:  # the tied group: every pipeline's first and last rank
-            self.tied, self.tied_group = head.weight if ends else None, group if options.pp_size == 2 else None
-            for ranks in state.mesh.rank_groups("pp") if options.pp_size > 2 else []:  # collective over the world
-                made = new_group([ranks[0], ranks[-1]], state.timeout, "PP embedding group")
-                self.tied_group = made if dist.get_rank() in (ranks[0], ranks[-1]) else self.tied_group
         release(model, self.released)
         patch_attribute(model, "forward", PipelineForward(self, model.forward))
         if callable(getattr(model, "generate", None)):
@@ -172,28 +162,17 @@ class PipelineParallelism(Dimension):
             check_same_batch(self.runner.group, tensors, "PP")
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
-        """The tied embedding: the first stage's gradient (from the embedding) and the last's (from the head) summed
-        between them, so the two copies take the same step, as one process's one weight does."""
-        tied = self.tied_weight()
-        if tied is None or self.tied_group is None or not tied.requires_grad:  # frozen (under LoRA): no step
-            return
-        if tied.grad is None:
-            tied.grad = torch.zeros_like(tied)
-        with named_failure(self.tied_group, "the tied embedding's gradient sum over the first and last stage"):
-            dist.all_reduce(local_rows(tied.grad)[0], group=self.tied_group)  # under FSDP: both hold the same rows
+        """A parameter several stages train (the tied embedding: the first stage's gradient from the embedding, the
+        last's from the head): the stages' parts summed between them, so the copies take the same step, as one
+        process's one weight does."""
+        sync_shared(self.runner.model, self.shared)
 
     def norm(
         self, params: list[nn.Parameter], norm_type: float, state: TPState
     ) -> tuple[list[nn.Parameter], torch.Tensor | None]:
-        """The tied embedding once: the last stage leaves its copy to the first's (their gradients are summed)."""
-        tied = self.tied_weight()
-        if tied is None or self.cut.stages - 1 not in self.stages or 0 in self.stages:
-            return params, None
-        return [p for p in params if p is not tied], None
-
-    def tied_weight(self) -> nn.Parameter | None:
-        """The tied embedding's weight now (`autotp.fully_shard` replaces the parameter with FSDP's), or None."""
-        return None if self.tied is None else self.runner.model.get_output_embeddings().weight
+        """A parameter several stages train, once: the first of their ranks counts it (their gradients are summed)."""
+        others = uncounted(self.runner.model, self.shared)
+        return [p for p in params if id(p) not in others], None
 
     def reduce_norm(self, total: torch.Tensor, norm_type: float, state: TPState) -> torch.Tensor:
         """Each stage's own layers' part, added (or maxed) over the pipeline."""

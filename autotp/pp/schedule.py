@@ -32,8 +32,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..mesh import Group, device_of, named_failure
 from .cut import Cut, base_of, stage_view, swapped
+from .draws import Draws, SeededStage
 from .router import Balance
-from .sharded import SyncOnLast
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
@@ -161,6 +161,7 @@ class Runner:
         self.model, self.cut, self.stages, self.group = model, cut, stages, group
         self.schedule_name, self.microbatches, self.balance = schedule, microbatches, balance
         self.modules = [StageModule(model, cut, s, balance) for s in stages]
+        self.draws = Draws()  # dropout's and a router's jitter's seeds, per stage and micro-batch
         self.sequence_length: Callable[[int], int] = lambda length: length  # of the hidden states the stages send
         self._keys: dict[str, tuple] = {}  # "step" or "eval": the shapes its schedule was built for
         self._schedules: dict[str, Any] = {}
@@ -211,6 +212,7 @@ class Runner:
         balance = self.balance
         if balance is not None:
             balance.start()
+        self.draws.start(self.model.training)  # one seed for this run's passes: the counting pass routes alike
         with named_failure(
             self.group,
             f"the pipeline schedule {self.schedule_name}",
@@ -224,6 +226,7 @@ class Runner:
                 schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             else:
                 schedule.eval(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
+        self.draws.finish()
         loss = self._shared_loss(losses)
         if balance is None or "labels" not in kwargs:
             return loss
@@ -250,14 +253,14 @@ class Runner:
             self._keys[how] = key
         return self._schedules[how]
 
-    def _stage(self, module: StageModule, ids: torch.Tensor, microbatches: int) -> SyncOnLast:
+    def _stage(self, module: StageModule, ids: torch.Tensor, microbatches: int) -> SeededStage:
         rows, device = ids.shape[0] // microbatches, device_of(self.group)
         weight = self.model.get_input_embeddings().weight
         # the metadata torch's stage reads (shape, dtype, and requires_grad: whether gradients flow back)
         seq = self.sequence_length(ids.shape[1])  # CP's chunk, SP's part of it
         hidden = torch.empty(rows, seq, weight.shape[-1], dtype=weight.dtype, device=device).requires_grad_()
         loss = torch.empty((), dtype=weight.dtype, device=device).requires_grad_()
-        return SyncOnLast(
+        return SeededStage(
             module,
             module.stage,
             self.cut.stages,
@@ -266,6 +269,7 @@ class Runner:
             output_args=loss if module.last else hidden,
             group=self.group,
             model=self.model,
+            draws=self.draws,
         )
 
     def _shared_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

@@ -42,10 +42,14 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     compiled = options.pop("compile", False)
     images = options.pop("images", None)  # a function adding a VLM's image inputs (one image a row) to a batch
     shard = options.pop("fully_shard", False)  # FSDP2 within each stage, over its DP group
+    evaluating = options.pop("eval", False)  # both models trained in eval mode (dropout configured but off)
     model = copy.deepcopy(reference)
     autotp.wrap(model.base_model.model if lora is not None else model, tp, pp_size=pp, **options)
     if shard:
         autotp.fully_shard(model)
+    if evaluating:
+        reference.eval()
+        model.eval()
     for layer in model.model.layers if compiled else []:  # torch.compile of each decoder layer after wrap
         layer.compile()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -77,7 +81,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
             )
         except NotImplementedError as err:  # a layout whose evaluation is refused: the message, for the test
             evaluated = str(err)
-    ref = dict(reference.named_parameters())
+    ref = dict(reference.named_parameters(remove_duplicate=False))  # a tied tensor under the name a stage holds
     trained = {
         name: whole(p, p, model)  # experts gathered over EP, TP shards over TP
         for name, p in model.named_parameters()
@@ -122,7 +126,6 @@ def pp_refusals(rank: int, world: int) -> dict:
     for name, options in {
         "ep_size": dict(ep_size=2),
         "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
-        "dropout": dict(config=dict(attention_dropout=0.1)),
         "output_router_logits": dict(build=lambda: tf.AutoModelForCausalLM.from_config(router_logits("afmoe"))),
         "inline loss": dict(build=lambda: InlineLoss(tiny_model("llama").config)),
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),

@@ -51,7 +51,6 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
     expected = {
         "ep_size": "expert parallelism",
         "pp_schedule": "ZBVZeroBubble",
-        "dropout": "dropout",
         "output_router_logits": "load-balancing loss",
         "inline loss": "computes the loss itself",
         "t5": "encoder-decoder",

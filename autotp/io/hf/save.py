@@ -47,8 +47,9 @@ def save_pretrained(
     Call it on every rank: the TP group of global rank 0 streams one tensor at a time and rank 0
     writes (on a local filesystem the other ranks of its TP group write their own rows into its files);
     under expert parallelism the EP group of rank 0 streams the experts alike, each rank its own experts; under a
-    pipeline each stage's TP group (in rank 0's replica) gathers the tensors its stage owns (`autotp.pp.cut.owner`)
-    and sends each to rank 0 (`autotp.io.hf.stages`).
+    pipeline each stage's TP group (in rank 0's replica) gathers the tensors its stage owns (`autotp.pp.cut.owner`),
+    its experts over the EP group holding them (other replicas' ranks among it too), and sends each to rank 0
+    (`autotp.io.hf.stages`).
     `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
     whole, once the new one is complete). `into_existing=True` instead keeps the directory's other
     files (a Trainer's output directory): the checkpoint is staged completely, then its files are
@@ -71,9 +72,9 @@ def save_pretrained(
 
     def writes(group: Group) -> bool:
         """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts); under a
-        pipeline, every stage of rank 0's replica gathers its own tensors."""
+        pipeline, every stage of rank 0's replica gathers its own tensors, with the rest of an EP group among it."""
         if stages is not None:
-            return fsdp or stages.first_replica
+            return fsdp or stages.gathers(group)
         return fsdp or global_rank() == 0 or (group is not None and 0 in dist.get_process_group_ranks(group))
 
     splits = [] if state is None else state.split_groups()

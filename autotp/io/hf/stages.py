@@ -4,8 +4,9 @@ Why: each rank holds its own stages' tensors only (its decoder layers, the embed
 norm and the head on the last: `autotp.pp.cut.owner`), so no rank knows the whole model's names. `stage_tensors`
 learns every stage's names, full shapes and dtypes in one all-gather over the PP group and lists them in one
 process's order, the tensors of other stages as one-element stand-ins expanded to their full shape (a layout is
-computed from them; nothing is allocated). Names that hold one tensor on any rank (a tied head) hold one stand-in
-too, so transformers' own rule drops the tied alias. Each tensor is then gathered over TP on the stage that owns it,
+computed from them; nothing is allocated). Names that hold one tensor on any rank (a tied head), or in the whole
+model as wrapped (a block that layers on two stages share: Zamba's), hold one tensor or stand-in too, so
+transformers' own rule drops the tied aliases. Each tensor is then gathered over TP on the stage that owns it,
 as at pp 1, and `StageTensors.forward` sends it from there to PP rank 0, one message per tensor (save) or bucket
 (export): no rank holds more than that beyond its own shards.
 """
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...compat.hf_conversion import SavedPart
-from ...mesh import device_of, group_rank, group_size, named_failure
+from ...mesh import Group, device_of, group_rank, group_size, named_failure
 from ...pp.cut import owner
 from ...state import TPState
 from .parts import full_shape
@@ -32,15 +33,26 @@ Like = list[tuple[tuple[int, ...], torch.dtype]]  # the shapes and dtypes of the
 
 class StageTensors:
     """`params`: every stage's tensors by name, in one process's order (this rank's own where it runs their stage,
-    stand-ins elsewhere); `stage`: the stage that owns each (`autotp.pp.cut.owner`)."""
+    stand-ins elsewhere); `stage`: the stage that owns each (`autotp.pp.cut.owner`); `experts`: those split over EP
+    on their stage (a stand-in does not say)."""
 
-    def __init__(self, params: dict[str, torch.Tensor], stage: dict[str, int], state: TPState) -> None:
+    def __init__(
+        self, params: dict[str, torch.Tensor], stage: dict[str, int], state: TPState, experts: frozenset[str]
+    ) -> None:
         pipeline = state.dims["pp"]
-        self.params, self.stage, self.mine = params, stage, set(pipeline.stages)
+        self.params, self.stage, self.experts, self.mine = params, stage, experts, set(pipeline.stages)
         self.group = pipeline.runner.group
         self.size = group_size(self.group)
         grid = state.mesh.grid  # pp x dp x cp x tp: the replica of global rank 0 is dp 0, cp 0
-        self.first_replica = grid is None or dist.get_rank() in grid[:, 0, 0, :].flatten().tolist()
+        self.replica = set(range(dist.get_world_size()) if grid is None else grid[:, 0, 0, :].flatten().tolist())
+        self.first_replica = dist.get_rank() in self.replica
+
+    def gathers(self, group: Group) -> bool:
+        """Whether this rank takes part in gathering a tensor split over `group` (TP, or EP for the experts), on its
+        stage: the first replica's ranks, and the other ranks of an EP group folded over DP with one of them."""
+        return self.first_replica or (
+            group is not None and not self.replica.isdisjoint(dist.get_process_group_ranks(group))
+        )
 
     def holds(self, name: str) -> bool:
         """Whether this rank runs the stage that owns `name` (then it takes part in gathering it)."""
@@ -115,7 +127,7 @@ def stage_tensors(model: nn.Module, params: dict[str, torch.Tensor], state: TPSt
     pipeline = state.dims["pp"]
     stage_of = owner(model, pipeline.cut)
     mine = [
-        (stage_of(n), n, full_shape(t), t.dtype, isinstance(t, nn.Parameter))
+        (stage_of(n), n, full_shape(t), t.dtype, isinstance(t, nn.Parameter), hasattr(t, "autotp_expert"))
         for n, t in params.items()
         if stage_of(n) in pipeline.stages
     ]
@@ -129,14 +141,16 @@ def stage_tensors(model: nn.Module, params: dict[str, torch.Tensor], state: TPSt
         dist.all_gather_object(gathered, (mine, ties), group=pipeline.runner.group)
     entries = sorted((e for listed, _ in gathered for e in listed), key=lambda e: e[0])  # stable: a stage's own order
     merged: dict[str, torch.Tensor] = {}
-    for stage, name, shape, dtype, parameter in entries:
+    for stage, name, shape, dtype, parameter, _ in entries:
         merged[name] = params[name] if stage in pipeline.stages else _stand_in(shape, dtype, parameter)
-    for names in (names for _, tied in gathered for names in tied):  # one tensor under several names on a rank
+    every = [names for _, tied in gathered for names in tied] + pipeline.ties  # on a rank, and over the whole model
+    for names in every:  # one tensor under several names (a tied head; a block layers on two stages share)
         present = [n for n in names if n in merged]
         held = [n for n in present if merged[n] is params.get(n)]
         for name in present:
             merged[name] = merged[(held or present)[0]]
-    return StageTensors(merged, {name: stage for stage, name, *_ in entries}, state)
+    experts = frozenset(name for _, name, *_, expert in entries if expert)
+    return StageTensors(merged, {name: stage for stage, name, *_ in entries}, state, experts)
 
 
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) -> torch.Tensor:

@@ -159,7 +159,8 @@ def export_weights(
             f"autotp.export_weights: {mixed[0]} joins experts split over the EP group with "
             f"tensors split over TP; not supported"
         )
-    gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()}, stages)
+    sources = {name: saved.parts[0].source for name, saved in items}  # one expert's name: its experts tensor's stage
+    gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()}, stages, sources)
     return _exported(items, size, requests, results, bucket_bytes, gathers, agree_group, local)
 
 
@@ -177,8 +178,11 @@ class _Gathers:
     """Where each exported tensor is gathered: over the TP group to its rank 0, or, for experts (`autotp.ep`), over
     the EP group to each of its ranks that is TP rank 0 (each such rank yields every tensor, as at ep 1)."""
 
-    def __init__(self, state, groups: dict[str, Group], stages: StageTensors | None = None):
+    def __init__(
+        self, state, groups: dict[str, Group], stages: StageTensors | None = None, sources: dict[str, str] | None = None
+    ):
         self.groups, self.writers = groups, {}  # group -> its ranks that get the tensors (else its rank 0)
+        self.sources = sources or {}  # an exported name -> the model tensor it is cut from (the stage's name)
         self.stages, self.lead = stages, state is None or group_rank(state.tp_group) == 0
         for group in [] if state is None else state.split_groups():  # a dimension's own split (the experts over EP)
             firsts = set(state.mesh.grid[..., 0].flatten().tolist())  # TP rank 0 of every TP group (TP innermost)
@@ -186,8 +190,12 @@ class _Gathers:
             self.writers[group] = [i for i, rank in enumerate(ranks) if rank in firsts]
 
     def key(self, name: str) -> tuple[int, int]:
-        """Tensors gathered over one group (under a pipeline, on one stage) go in one bucket."""
-        return id(self.groups[name]), -1 if self.stages is None else self.stages.stage[name]
+        """Tensors gathered over one group go in one bucket; under a pipeline, one stage's experts or its other
+        tensors (alike on every rank: another stage's are stand-ins, which hold no group)."""
+        if self.stages is None:
+            return id(self.groups[name]), -1
+        source = self.sources[name]
+        return int(source in self.stages.experts), self.stages.stage[source]
 
     def __call__(self, bucket: list, reqs: list[RowRequest]) -> Iterator[torch.Tensor] | None:
         """The bucket's tensors where they are gathered; under a pipeline, gathered on their stage and sent on to
@@ -202,7 +210,7 @@ class _Gathers:
         def like() -> list:
             return [(delivered_shape(r), r.dtype) for r in reqs]
 
-        got = self.stages.forward(bucket[0][0], fetch, like, self.lead)
+        got = self.stages.forward(self.sources[bucket[0][0]], fetch, like, self.lead)
         return iter(got) if isinstance(got, list) else got
 
     def _gather(self, bucket: list, reqs: list[RowRequest]) -> Iterator[torch.Tensor] | None:

@@ -39,9 +39,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     chunk's gradients for the hidden states, weight and bias are computed in the forward, so only they are kept: the
     backward scales them by the output's gradient.
 
-    They are computed for the mean over the rows learnt from (1 / their count before any cast to the head's dtype, as
-    one process's backward applies the mean's 1 / N to the logits' gradient): unscaled, an fp16 head's gradient
-    summed over many tokens overflows where one process's is finite."""
+    A half-precision head's are computed for the mean over the rows learnt from (1 / their count before the cast to
+    the head's dtype, as one process's backward applies the mean's 1 / N to the logits' gradient): unscaled, an fp16
+    head's gradient summed over many tokens overflows where one process's is finite. An fp32 head's are kept at unit
+    scale, which rounds no differently."""
 
     @staticmethod
     def forward(
@@ -63,7 +64,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
         )
         ctx.count = (target != ignore_index).sum()
-        mean = 1 / ctx.count.clamp(min=1).float()
+        ctx.prescaled = weight.dtype != torch.float32
+        mean = 1 / ctx.count.clamp(min=1).float() if ctx.prescaled else 1.0
         for at in range(0, hidden.shape[0], chunk):
             h = hidden[at : at + chunk]
             raw = F.linear(h, weight, bias)
@@ -104,9 +106,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             "wrap with loss_chunk=None for them",
         )
         grad_hidden, grad_weight = ctx.saved_tensors
-        # the gradients are the mean's: times the count; no row learnt from: all 0, whatever `grad` is (the mean of
-        # no rows is NaN, its gradient infinite), as one process's are
-        scale = torch.where(ctx.count > 0, grad * ctx.count, 0)
+        # prescaled gradients are the mean's: times the count; no row learnt from: all 0, whatever `grad` is (the mean
+        # of no rows is NaN, its gradient infinite), as one process's are
+        scale = torch.where(ctx.count > 0, grad * ctx.count if ctx.prescaled else grad, 0)
         scaled = [None if g is None else g * scale for g in (grad_hidden, grad_weight, ctx.grad_bias)]
         return (*scaled, None, None, None, None, None, None)
 

@@ -189,6 +189,15 @@ def causal_lm_loss() -> Callable[..., torch.Tensor]:
     return LOSS_MAPPING["ForCausalLM"]
 
 
+def own_loss(model: nn.Module) -> str | None:
+    """The name of the function the user set as a causal LM's `model.loss_function`, or None where it is transformers'
+    causal-LM loss (the default): autotp's sharded losses compute that one, and stand in for nothing else."""
+    loss = getattr(model, "loss_function", None)
+    if loss is None or loss is causal_lm_loss():
+        return None
+    return getattr(loss, "__qualname__", None) or type(loss).__qualname__
+
+
 def router_outputs(module: nn.Module) -> tuple[Callable[[nn.Module], bool], int] | None:
     """Which submodules' outputs transformers records as a model's `router_logits` (`_can_record_outputs`, read by
     its output capturing), and at which index of their output; None where `module`'s class records none."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..compat.hf import own_loss
 from ..compat.peft import is_peft_module
 from ..compat.torchao import is_torchao
 from ..mesh import Group, group_size, named_failure, new_group
@@ -54,6 +55,7 @@ class PipelineParallelism(Dimension):
     running = False  # inside `forward_backward`: the model's own forward is the stages'
     split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
     adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
+    loss: Any = None  # the model's loss_function when wrapped (`refuse_replaced_loss`)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         pp = options.pp_size
@@ -92,6 +94,13 @@ class PipelineParallelism(Dimension):
             raise NotImplementedError(
                 f"pp_size={pp} with dropout ({dropout[0]}): each micro-batch would draw other masks than one process "
                 f"draws; set the dropout to 0"
+            )
+        loss = own_loss(model)
+        if loss is not None:
+            raise NotImplementedError(
+                f"pp_size={pp}: the model's loss_function is {loss}, not transformers' causal-LM loss; a pipeline adds "
+                f"up each micro-batch's loss as that loss's token sums over the whole batch's label count, which "
+                f"another function's need not be; use pp_size=1 for a loss_function of your own"
             )
         why = unsupported(model) if getattr(model.config, "output_router_logits", False) else None
         if why is not None:
@@ -133,6 +142,7 @@ class PipelineParallelism(Dimension):
                 made = new_group([ranks[0], ranks[-1]], state.timeout, "PP embedding group")
                 self.tied_group = made if dist.get_rank() in (ranks[0], ranks[-1]) else self.tied_group
         release(model, self.released)
+        self.loss = model.loss_function  # transformers' or a dimension's stand-in for it: what the stages compute
         patch_attribute(model, "forward", PipelineForward(self, model.forward))
         if callable(getattr(model, "generate", None)):
             patch_attribute(model, "generate", PipelineGenerate(model.generate))
@@ -152,11 +162,23 @@ class PipelineParallelism(Dimension):
                 f"micro-batches"
             )
         refuse_peft(model, self.cut.stages // len(self.stages), self.adapters)  # added after wrap: before any step
+        self.refuse_replaced_loss()
         self.running = True
         try:
             return self.runner.step(dict(batch), num_items)
         finally:
             self.running = False
+
+    def refuse_replaced_loss(self) -> None:
+        """A `loss_function` the user set after wrap: refused as `refuse` refuses one set before (see there)."""
+        model = self.runner.model
+        if model.loss_function is not self.loss:
+            raise NotImplementedError(
+                f"pp_size={group_size(self.runner.group)}: {type(model).__name__}.loss_function was replaced after "
+                f"autotp.wrap (by {own_loss(model) or 'transformers causal-LM loss'}); a pipeline adds up each "
+                f"micro-batch's loss as transformers' causal-LM token sums, which another function's need not be; use "
+                f"pp_size=1 for a loss_function of your own"
+            )
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """The tied embedding: the first stage's gradient (from the embedding) and the last's (from the head) summed
@@ -281,6 +303,8 @@ class PipelineForward:
                 f"input_ids, attention_mask, position_ids and labels by keyword (model.generate runs without a KV cache)"
             )
         batch = {k: v for k, v in kwargs.items() if k not in ("use_cache", "return_dict")}
+        if "labels" in batch:
+            self.pipeline.refuse_replaced_loss()
         self.pipeline.running = True
         try:
             loss, logits = self.pipeline.runner.evaluate(batch)

@@ -72,7 +72,7 @@ def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
     lifted = lora_lift.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
-        refuse_adapters(model)
+        refuse_adapters(model, options)
         state = _shard(model, tp_size, options)
     except BaseException:
         lora_lift.put_back(lifted)

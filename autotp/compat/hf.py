@@ -36,10 +36,11 @@ def is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
-def adapter_module(model: nn.Module) -> tuple[str, str] | None:
-    """The first module (path, class) that a parameter-efficient tuning library (PEFT) put into `model`."""
+def adapter_module(model: nn.Module, where: Callable[[nn.Module], bool] = lambda m: True) -> tuple[str, str] | None:
+    """The first module (path, class) that a parameter-efficient tuning library (PEFT) put into `model` (of those
+    `where` accepts)."""
     for path, module in model.named_modules():
-        if is_peft_module(module):
+        if is_peft_module(module) and where(module):
             return path or "the model itself", f"{type(module).__module__}.{type(module).__qualname__}"
     return None
 

@@ -11,6 +11,7 @@ at once, and again only when its parameter groups change size.
 from __future__ import annotations
 
 import weakref
+
 import torch
 from torch import nn
 
@@ -23,7 +24,8 @@ class ReplacedParameters:
 
     def __init__(self, replaced: dict[str, tuple[nn.Parameter, nn.Parameter]]):
         self.old = {
-            id(old): (weakref.ref(old), name, tuple(old.shape), tuple(new.shape)) for name, (old, new) in replaced.items()
+            id(old): (weakref.ref(old), name, tuple(old.shape), tuple(new.shape))
+            for name, (old, new) in replaced.items()
         }
         self.checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = weakref.WeakKeyDictionary()
         self.watch = watch_optimizer_steps(self, ReplacedParameters.before_step)
@@ -61,4 +63,3 @@ def track_replaced(before: dict[str, nn.Parameter], model: nn.Module) -> Replace
         name: (before[name], p) for name, p in model.named_parameters() if name in before and before[name] is not p
     }
     return ReplacedParameters(replaced) if replaced else None
-

@@ -42,11 +42,9 @@ def reading_trainer(path: str, tp: int, steps: int, sequential: bool = False, **
             self.read = [*self.read, dataset.index_of(inputs["input_ids"])]
             return loss
 
-    if sequential:
-
-        class Reading(Reading):  # type: ignore[no-redef]  # noqa: F811
-            def train_sampler(self, train_dataset=None):
-                return SequentialSampler(self.train_dataset)
+    class Sequential(Reading):
+        def train_sampler(self, train_dataset=None):
+            return SequentialSampler(self.train_dataset)
 
     args = TrainingArguments(
         output_dir=path,
@@ -61,7 +59,7 @@ def reading_trainer(path: str, tp: int, steps: int, sequential: bool = False, **
         **{"save_strategy": "steps", "save_steps": 1, **arguments},
     )
     model = autotp.wrap(tiny_model("llama"), tp_size=tp) if tp else tiny_model("llama")
-    return Reading(model=model, args=args, train_dataset=dataset)
+    return (Sequential if sequential else Reading)(model=model, args=args, train_dataset=dataset)
 
 
 def resume_in_second_epoch(rank: int, world: int, path: str) -> dict:
@@ -111,7 +109,7 @@ def test_a_trainers_own_sampler_is_dealt_over_dp_replicas(tmp_path: Path) -> Non
     for rank, report in enumerate(run_ranks(sequential_reads, 2, str(tmp_path))):
         assert report["own"] == [list(range(4 * rank, 4 * rank + 4))] * 2, (rank, report)
         assert report["subclass"] == [[0, 1, 2, 3], [4, 5, 6, 7]], (rank, report)
-        assert "Reading.train_sampler gave 8 samples" in report["replicas"], report["replicas"]
+        assert "Sequential.train_sampler gave 8 samples" in report["replicas"], report["replicas"]
         assert "override _get_train_sampler" in report["replicas"], report["replicas"]
 
 

@@ -48,6 +48,7 @@ from .pp.dimension import PipelineParallelism
 from .pp.load import drop_other_stages
 from .runtime.agreement import check_agreement, check_sizes
 from .runtime.dimension import base_plan
+from .runtime.replaced import track_replaced
 from .sp.sequence import sequence_layout
 from .state import TPState, find_state
 from .tp import lora_lift
@@ -70,14 +71,16 @@ def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
     check_versions()
     if find_state(model) is not None or parallel_layers(model):
         raise RuntimeError(f"{type(model).__name__} is already wrapped by autotp; wrap it once")
+    before = dict(model.named_parameters())  # what an optimizer made before wrap holds
     lifted = lora_lift.lift(model)  # PEFT's LoRA before wrap: sharded as the layers it wraps, then put back around them
     try:
-        refuse_adapters(model)
+        refuse_adapters(model, options)
         state = _shard(model, tp_size, options)
     except BaseException:
         lora_lift.put_back(lifted)
         raise
     lora_lift.attach(model, lifted, state)
+    state.replaced = track_replaced(before, model)  # such an optimizer's step refused where wrap put a new object
     pipeline = state.dim(PipelineParallelism)
     if pipeline is not None:  # LoRA added later would draw other values than one process draws: refused then
         pipeline.adapters = frozenset(id(lora) for _, _, lora in lifted)

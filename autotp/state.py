@@ -58,6 +58,7 @@ class TPState:
     mesh_guard: Any = None  # autotp.integrations.guards.MeshGuard, kept alive by the model it watches
     dims: dict = field(default_factory=dict)  # the active dimensions by axis (autotp.runtime.dimension.Dimension)
     whole: tuple[str, ...] = ()  # modules a dimension keeps whole and splits itself (the experts at ep > 1)
+    replaced: Any = None  # runtime.replaced.ReplacedParameters: an optimizer made before wrap is refused at its step
 
     def dim(self, kind: type[D]) -> D | None:
         """The active dimension of class `kind` (None: inactive), typed for its own package's use."""

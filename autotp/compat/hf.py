@@ -36,10 +36,11 @@ def is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
-def adapter_module(model: nn.Module) -> tuple[str, str] | None:
-    """The first module (path, class) that a parameter-efficient tuning library (PEFT) put into `model`."""
+def adapter_module(model: nn.Module, where: Callable[[nn.Module], bool] = lambda m: True) -> tuple[str, str] | None:
+    """The first module (path, class) that a parameter-efficient tuning library (PEFT) put into `model` (of those
+    `where` accepts)."""
     for path, module in model.named_modules():
-        if is_peft_module(module):
+        if is_peft_module(module) and where(module):
             return path or "the model itself", f"{type(module).__module__}.{type(module).__qualname__}"
     return None
 
@@ -187,6 +188,15 @@ def causal_lm_loss() -> Callable[..., torch.Tensor]:
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     return LOSS_MAPPING["ForCausalLM"]
+
+
+def own_loss(model: nn.Module) -> str | None:
+    """The name of the function the user set as a causal LM's `model.loss_function`, or None where it is transformers'
+    causal-LM loss (the default): autotp's sharded losses compute that one, and stand in for nothing else."""
+    loss = getattr(model, "loss_function", None)
+    if loss is None or loss is causal_lm_loss():
+        return None
+    return getattr(loss, "__qualname__", None) or type(loss).__qualname__
 
 
 def router_outputs(module: nn.Module) -> tuple[Callable[[nn.Module], bool], int] | None:

@@ -21,7 +21,8 @@ leg (constraints.txt); the newest-releases leg runs the fast tier on whatever is
 | `Accelerator._models` (accelerate)           | read: whether a model was prepared (autocast)   | 1.15       |
 
 A replaced method that Trainer no longer has would silently never run, so `replace_privates` refuses it when
-`autotp.hf_trainer` is imported; every piece raises `versions.missing`'s error naming it.
+`autotp.hf_trainer` is imported; every piece raises `versions.missing`'s error naming it. Each private name calls
+AutoTPTrainer's public method by name, so a subclass that overrides the public one is heard.
 """
 
 from __future__ import annotations
@@ -48,12 +49,21 @@ REPLACED = {
 
 
 def replace_privates(cls: type) -> type:
-    """Class decorator: each method of `cls` named in `REPLACED` installed under the private name Trainer calls,
-    after checking that Trainer still has it."""
+    """Class decorator: under each private name Trainer calls (after checking that Trainer still has it), a call of the
+    method of `cls` that `REPLACED` names, looked up on the trainer, so that a subclass's override of it runs."""
     for method, private in REPLACED.items():
         require(Trainer, private, f"transformers.Trainer.{private}")
-        setattr(cls, private, vars(cls)[method])
+        setattr(cls, private, _calling(method, private))
     return cls
+
+
+def _calling(method: str, private: str) -> Callable[..., Any]:
+    def call(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, method)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = private
+    call.__doc__ = f"Trainer's `{private}`, as `{method}` (a subclass's own included)."
+    return call
 
 
 def replaced(trainer: Trainer, cls: type, method: str) -> Callable[..., Any]:
@@ -63,12 +73,12 @@ def replaced(trainer: Trainer, cls: type, method: str) -> Callable[..., Any]:
     return require(super(cls, trainer), private, f"transformers.Trainer.{private}")
 
 
-def train_sampler(trainer: Trainer, cls: type, dataset: Any) -> tuple[Any, bool]:
-    """The sampler `trainer`'s `_get_train_sampler` gives `dataset`, and whether it is a subclass's own (a fixed
-    order, say) rather than `cls`'s replacement of it (`REPLACED`)."""
+def own_train_sampler(trainer: Trainer, cls: type) -> Callable[[Any], Any] | None:
+    """`trainer`'s `_get_train_sampler` where a subclass (or the instance) has its own (a fixed order, say), rather
+    than `cls`'s replacement of it (`REPLACED`); else None."""
     private = REPLACED["train_sampler"]
     method = require(trainer, private, f"transformers.Trainer.{private}")
-    return method(dataset), getattr(method, "__func__", None) is not vars(cls)["train_sampler"]
+    return method if getattr(method, "__func__", None) is not vars(cls)[private] else None
 
 
 def own_clipping(trainer: Trainer) -> None:

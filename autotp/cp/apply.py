@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..compat.hf import (
     FLASH_VARLEN_KWARGS,
     FUSED_LM_HEAD_KWARG,
+    own_loss,
     passed_cache,
     set_config_attn_implementation,
 )
@@ -158,6 +159,13 @@ class ContextParallel:
         self.layout = None
         if passed_cache(kwargs) is not None:
             return (), kwargs
+        if kwargs.get("labels") is not None and module.loss_function is not self.loss.value:
+            raise NotImplementedError(
+                f"cp_size={group_size(self.group)}: {type(module).__name__}.loss_function was replaced after "
+                f"autotp.wrap (by {own_loss(module) or 'transformers causal-LM loss'}); context parallelism computes "
+                f"the loss on each rank's chunk of the sequence through its own stand-in, which adds up transformers' "
+                f"causal-LM loss alone; use cp_size=1 for a loss_function of your own"
+            )
         if not torch.compiler.is_compiling():  # a host sync, left out of a compiled forward (as the RNG check is)
             check_same_batch(
                 self.group,

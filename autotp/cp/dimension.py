@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from ..compat.hf import own_loss
 from ..mesh import Group, group_size
 from ..options import WrapOptions
 from ..planning.plan import Plan
@@ -30,6 +31,13 @@ class ContextParallelism(Dimension):
         if cp == 1:
             return
         refuse_unsupported(model, cp)
+        loss = own_loss(model)
+        if loss is not None:
+            raise NotImplementedError(
+                f"cp_size={cp}: the model's loss_function is {loss}, not transformers' causal-LM loss; context "
+                f"parallelism adds up each rank's chunk of the sequence as that loss's token sums, which another "
+                f"function's need not be; use cp_size=1 for a loss_function of your own"
+            )
         if options.tp_group is not None:
             raise NotImplementedError(
                 f"cp_size={cp} with tp_group=: context parallelism builds its own groups; leave tp_group out"

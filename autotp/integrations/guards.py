@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from transformers.pytorch_utils import Conv1D
 
 from ..compat.hf import adapter_module
 from ..compat.peft import is_modules_to_save
@@ -109,12 +110,15 @@ def _ddp_under_construction() -> DistributedDataParallel | None:
 PEFT_UNSUPPORTED = (
     "Of PEFT's methods autotp shards only LoRA on linear layers (get_peft_model before or after "
     "autotp.wrap); any other adapter would see only this rank's shard and its update would never be "
-    "reduced, giving wrong results. Use LoRA, or train this adapter at tp_size=1"
+    "reduced, giving wrong results. Use LoRA, or, for an adapter that is not around a linear layer (LoRA on "
+    "the embedding), put it on before wrapping where autotp splits nothing (tp_size=1, every other *_size 1)"
 )
 
 
-def refuse_adapters(model: nn.Module) -> None:
-    """Refuse a model that already holds PEFT modules, before anything changes."""
+def refuse_adapters(model: nn.Module, options: WrapOptions) -> None:
+    """Refuse a model that already holds PEFT modules, before anything changes. Where nothing is split (every `*_size`
+    1) an adapter around a layer the plan leaves as it is (LoRA on the embedding: the plan replaces linears only)
+    sees whole weights, and trains as in one process."""
     found = adapter_module(model)
     if (
         found is not None
@@ -131,8 +135,17 @@ def refuse_adapters(model: nn.Module) -> None:
             f"get_peft_model after autotp.wrap works: wrap the model without PEFT, then call "
             f"get_peft_model(model, LoraConfig(..., modules_to_save=[...])) on the wrapped model"
         )
-    if found is not None:
+    if found is None:
+        return
+    if options.tp_group is not None or any(n > 1 for n in options.sizes().values()):
         raise TypeError(f"autotp: {found[0]} is a {found[1]}. {PEFT_UNSUPPORTED}")
+    linear = adapter_module(model, lambda m: isinstance(getattr(m, "base_layer", None), (nn.Linear, Conv1D)))
+    if linear is not None:
+        raise TypeError(
+            f"autotp: {linear[0]} is a {linear[1]} around a linear layer, which wrap replaces even at tp_size=1; of "
+            f"PEFT's methods autotp carries over only LoRA on linear layers to the new layer. Use LoRA, or train this "
+            f"adapter without autotp.wrap"
+        )
 
 
 class MeshGuard:

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..io.hf.save import save_pretrained
 from ..planning.planner import with_vocab
+from ..runtime.process_hooks import patched
 from ..runtime.replicas import broadcast_tensors
 from ..runtime.shards import forget_shard
 from ..state import TPState
@@ -108,6 +109,7 @@ class ResizeTokenEmbeddings:
         for hook in state.vocab_hooks:
             hook.remove()
         state.vocab_hooks.clear()
+        users = model.loss_function if model.loss_function is not patched(model, "loss_function") else None
         model.loss_function = state.full_loss
         embedding = resize(model, new_num_tokens, pad_to_multiple_of, mean_resizing)
         broadcast_tensors(_vocab_tensors(model), state.tp_group)
@@ -120,6 +122,8 @@ class ResizeTokenEmbeddings:
             raise RuntimeError(f"after resizing, vocab parallelism no longer applies: {plan.vocab_reason}")
         state.plan = plan
         apply_vocab(model, plan.vocab, state.tp_group, state)
+        if users is not None:  # set after wrap: kept, and given whole logits (`autotp.vocab.layers.LogitsGate`)
+            model.loss_function = users
         if state.swap_guards:  # the new head and embedding replace the ones the guards watched
             SwapGuard.refresh(model, state, [path for path in (plan.vocab.head, plan.vocab.embedding) if path])
         return model.get_input_embeddings()

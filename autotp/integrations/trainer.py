@@ -125,20 +125,27 @@ class AutoTPTrainer(Trainer):
         return _TPOnly(model)
 
     def train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
-        """Each DP replica its own part of the data; the TP ranks of a replica the same."""
+        """This DP replica's part of the data; the TP ranks of a replica the same. A subclass may override it (its
+        sampler is then this replica's: `autotp.data_parallel_sampler` gives one), or override Trainer's
+        `_get_train_sampler` instead with a sampler over the whole dataset, whose batches are dealt over DP replicas."""
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         return data_parallel_sampler(dataset, self.model, shuffle=True, seed=self.args.seed)
 
     def get_train_dataloader(self) -> DataLoader:
-        """The DP-aware sampler, and no `accelerator.prepare`, which would shard the data over all ranks again. A
-        subclass's own `_get_train_sampler` (Trainer's hook: a fixed order, say) is read as Trainer reads it, its
-        batches dealt over DP replicas in turn as accelerate deals them over processes."""
+        """The DP-aware sampler (`train_sampler`, a subclass's own included), and no `accelerator.prepare`, which would
+        shard the data over all ranks again. A subclass's own `_get_train_sampler` (Trainer's hook: a fixed order,
+        say) is read as Trainer reads it, its batches dealt over DP replicas in turn as accelerate deals them over
+        processes."""
         dataset = self.train_dataset
-        if generates(self):
-            sampler = trainer_compat.replaced(self, AutoTPTrainer, "train_sampler")(dataset)
+        own = trainer_compat.own_train_sampler(self, AutoTPTrainer)
+        if generates(self):  # TRL's generation batches: a sampler over the whole dataset, dealt over DP
+            refuse_replica_sampler(self, "TRL's generation batches, dealt over DP replicas,")
+            sampler = (own or trainer_compat.replaced(self, AutoTPTrainer, "train_sampler"))(dataset)
             return generation_loader(self, dataset, sampler)
-        sampler, own = trainer_compat.train_sampler(self, AutoTPTrainer, dataset)
-        dealt = own and dp_size(self.model) > 1  # each replica's batches are dealt from one sampler's
+        sampler = self.train_sampler(dataset) if own is None else own(dataset)
+        if own is None:
+            check_replica_part(self, sampler, dataset)
+        dealt = own is not None and dp_size(self.model) > 1  # each replica's batches are dealt from one sampler's
         refuse_uneven_batches(self, None if dealt else sampler)  # under a pipeline: before the first step
         batches = _EpochBatches(sampler, trainer_compat.train_batch_size(self), self.args.dataloader_drop_last)
         if dealt:
@@ -337,6 +344,32 @@ class AutoTPTrainer(Trainer):
         self.save_to(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
+
+
+def refuse_replica_sampler(trainer: Trainer, reader: str) -> None:
+    """A subclass's `train_sampler` (one DP replica's part) where `reader` needs a sampler over the whole dataset."""
+    if type(trainer).train_sampler is not AutoTPTrainer.train_sampler:
+        raise NotImplementedError(
+            f"autotp: {type(trainer).__name__}.train_sampler gives one DP replica's part of the data, but {reader} "
+            f"read a sampler over the whole dataset: override _get_train_sampler (Trainer's hook) instead"
+        )
+
+
+def check_replica_part(trainer: Trainer, sampler: Sampler, dataset: Dataset) -> None:
+    """A subclass's `train_sampler` that gives more samples than one DP replica's share would have the replicas
+    read the same samples (a `SequentialSampler` of the whole dataset, say): refused, naming the fix."""
+    dp = dp_size(trainer.model)
+    if dp == 1 or not hasattr(sampler, "__len__") or not hasattr(dataset, "__len__"):
+        return
+    share = -(-len(dataset) // dp)
+    if len(sampler) > share:
+        raise ValueError(
+            f"autotp: {type(trainer).__name__}.train_sampler gave {len(sampler)} samples of the dataset's "
+            f"{len(dataset)}, more than one of {dp} data-parallel replicas reads ({share}), so the replicas would "
+            f"read the same ones: return this replica's part (autotp.data_parallel_sampler(dataset, model)), or "
+            f"override _get_train_sampler (Trainer's hook) with a sampler over the whole dataset, whose batches "
+            f"autotp deals over the replicas"
+        )
 
 
 def refuse_own_loss(trainer: Trainer) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..compat.hf import is_causal_lm
+from ..compat.hf import is_causal_lm, own_loss
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
 from .plan import LayerPlan, Plan, VocabPlan
@@ -195,6 +195,9 @@ def _vocab_refusal(model: nn.Module, plan: Plan) -> str:
         return "only models covered by a policy (the loss and logits path of others is unchecked)"
     if not is_causal_lm(model):
         return f"{type(model).__name__} is not a causal LM"
+    loss = own_loss(model)
+    if loss is not None:  # the sharded loss computes transformers' cross-entropy; the user's runs on whole logits
+        return f"the model's loss_function is {loss}, not transformers' causal-LM loss, so it gets whole logits"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or any(layer.path.endswith(".lm_head") for layer in plan.layers):
         return "no plain nn.Linear LM head"

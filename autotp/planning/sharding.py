@@ -90,6 +90,15 @@ class Partition:
     def local_size(self, rank: int) -> int:
         return sum(length for _, length in self.runs[rank])
 
+    def is_whole(self, rank: int) -> bool:
+        """Whether `rank` holds every row in order (tp 1): its shard is the full tensor as it is."""
+        at = 0
+        for start, length in self.runs[rank]:
+            if start != at:
+                return False
+            at += length
+        return at == self.full_size
+
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's rows of `full`, as a new contiguous tensor that does not keep `full` alive."""
         if full.shape[self.dim] != self.full_size:

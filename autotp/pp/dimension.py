@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..compat.hf import own_loss
 from ..compat.peft import is_peft_module
 from ..compat.torchao import is_torchao
 from ..mesh import Group, group_size, named_failure
@@ -58,6 +59,7 @@ class PipelineParallelism(Dimension):
     split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
     adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
     checks_inputs = False  # `wrap(..., check_inputs=True)`: the pipeline's ranks compare their batches (`check_inputs`)
+    loss: Any = None  # the model's loss_function when wrapped (`refuse_replaced_loss`)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         pp = options.pp_size
@@ -89,6 +91,13 @@ class PipelineParallelism(Dimension):
             raise NotImplementedError(
                 f"pp_size={pp} with torchao's float8 ({float8}): each micro-batch of a pipeline would take its own "
                 f"scales, where one process scales the whole batch; wrap without the conversion or without pp_size"
+            )
+        loss = own_loss(model)
+        if loss is not None:
+            raise NotImplementedError(
+                f"pp_size={pp}: the model's loss_function is {loss}, not transformers' causal-LM loss; a pipeline adds "
+                f"up each micro-batch's loss as that loss's token sums over the whole batch's label count, which "
+                f"another function's need not be; use pp_size=1 for a loss_function of your own"
             )
         why = unsupported(model) if getattr(model.config, "output_router_logits", False) else None
         if why is not None:
@@ -126,6 +135,7 @@ class PipelineParallelism(Dimension):
         self.split_sequence = options.cp_size > 1  # by the model's forward pre-hook, around ours
         self.checks_inputs = options.check_inputs
         release(model, self.released)
+        self.loss = model.loss_function  # transformers' or a dimension's stand-in for it: what the stages compute
         patch_attribute(model, "forward", PipelineForward(self, model.forward))
         if callable(getattr(model, "generate", None)):
             patch_attribute(model, "generate", PipelineGenerate(model.generate))
@@ -146,6 +156,7 @@ class PipelineParallelism(Dimension):
             )
         refuse_peft(model, self.cut.stages // len(self.stages), self.adapters)  # added after wrap: before any step
         self.check_inputs(batch, num_items)
+        self.refuse_replaced_loss()
         self.running = True
         try:
             return self.runner.step(dict(batch), num_items)
@@ -160,6 +171,17 @@ class PipelineParallelism(Dimension):
             named = {**batch, "num_items_in_batch": num_items}
             tensors = [(f"{k}=", named[k]) for k in sorted(named) if torch.is_tensor(named[k])]  # in any call order
             check_same_batch(self.runner.group, tensors, "PP")
+
+    def refuse_replaced_loss(self) -> None:
+        """A `loss_function` the user set after wrap: refused as `refuse` refuses one set before (see there)."""
+        model = self.runner.model
+        if model.loss_function is not self.loss:
+            raise NotImplementedError(
+                f"pp_size={group_size(self.runner.group)}: {type(model).__name__}.loss_function was replaced after "
+                f"autotp.wrap (by {own_loss(model) or 'transformers causal-LM loss'}); a pipeline adds up each "
+                f"micro-batch's loss as transformers' causal-LM token sums, which another function's need not be; use "
+                f"pp_size=1 for a loss_function of your own"
+            )
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """A parameter several stages train (the tied embedding: the first stage's gradient from the embedding, the
@@ -275,6 +297,8 @@ class PipelineForward:
             )
         batch = {k: v for k, v in kwargs.items() if k not in ("use_cache", "return_dict")}
         self.pipeline.check_inputs(batch, num_items)
+        if "labels" in batch:
+            self.pipeline.refuse_replaced_loss()
         self.pipeline.running = True
         try:
             loss, logits = self.pipeline.runner.evaluate(batch, num_items)

@@ -279,6 +279,15 @@ def patch_attribute(obj: object, name: str, value: Any) -> Patch:
     return Patch(obj, name, value)
 
 
+def patched(obj: object, name: str) -> Any:
+    """What autotp last set `obj.name` to (`patch_attribute`) and has not undone, or None: a caller that finds another
+    value there now knows the user replaced it."""
+    for patch in reversed(vars(obj).get(_KEPT, ())):
+        if patch.name == name and not patch.removed:
+            return patch.value
+    return None
+
+
 def replace_ddp_ignored(model: nn.Module, ignored: Any) -> Patch:
     """DDP's ignore list of `model` replaced by `ignored` (an iterable DDP reads while it is built: `DDPGuard`)."""
     return Patch(model, "DDP's ignore list", ignored, set_ddp_ignored(model, ignored))

@@ -25,6 +25,8 @@ class Snapshot:
 
     def __init__(self, model: nn.Module):
         self._modules = [(vars(m), dict(vars(m)), _containers(m)) for m in model.modules()]
+        # a parameter kept as it is (tp 1) is tagged (`autotp_shard`): its attributes, not its values
+        self._params = [(vars(p), dict(vars(p))) for p in model.parameters()]
         self._rng = capture()
         self._mark = process_hooks.mark()  # what it installs outside the model, undone first
         self._handles: list[Removable] = []
@@ -41,6 +43,9 @@ class Snapshot:
             for container, contents in containers:  # in place: hook handles hold these very objects
                 container.clear()
                 container.update(contents)
+            attributes.clear()
+            attributes.update(saved)
+        for attributes, saved in self._params:
             attributes.clear()
             attributes.update(saved)
         restore(self._rng)

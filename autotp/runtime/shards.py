@@ -15,7 +15,11 @@ from .collectives import all_gather_full
 
 
 def shard_parameter(param: nn.Parameter, partition: Partition, rank: int) -> nn.Parameter:
-    """A new Parameter holding this rank's rows, tagged with its `Shard` (works on the meta device too)."""
+    """A new Parameter holding this rank's rows, tagged with its `Shard` (works on the meta device too); where this
+    rank holds every row (tp 1), `param` itself, tagged: an optimizer made before `wrap` still trains it."""
+    if partition.is_whole(rank):
+        param.autotp_shard = Shard(partition, rank)
+        return param
     shard = nn.Parameter(partition.shard(param.detach(), rank), requires_grad=param.requires_grad)
     shard.autotp_shard = Shard(partition, rank)
     return shard

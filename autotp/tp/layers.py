@@ -56,10 +56,8 @@ class ParallelLinear(nn.Linear):
         self.bias = None
         if linear.bias is not None:
             bias_partition = self._bias_partition()
-            self.bias = (
-                nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-                if bias_partition is None
-                else shard_parameter(linear.bias, bias_partition, self.tp_rank)
+            self.bias = (  # a whole bias (a row layer's) is the layer's own: an optimizer made before wrap trains it
+                linear.bias if bias_partition is None else shard_parameter(linear.bias, bias_partition, self.tp_rank)
             )
         self._set_features()
 

@@ -20,6 +20,7 @@ from ..mesh import Group, group_rank, group_size
 from ..planning.sharding import Partition
 from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
 from ..runtime.lazy_logits import lazy_logits, real_logits
+from ..runtime.process_hooks import patched
 from ..runtime.second_order import refuse_second_order
 from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
 
@@ -251,22 +252,26 @@ class LogitsGate:
 
     The LM head called outside the model's forward (`model.lm_head(h)`, `get_output_embeddings()(h)`: chunked
     log-probabilities in RL code) returns whole logits too (`head_after`); only the model's own forward, whose loss
-    is computed on the shards, keeps them sharded.
+    is computed on the shards, keeps them sharded. So does the model's forward once the user replaced
+    `model.loss_function` after wrap (`whole`): that function is theirs, and gets the logits one process computes.
     """
 
     def __init__(self, partition: Partition, group: Group, state, loss: VocabParallelLoss):
         self.partition, self.group, self.state, self.loss = partition, group, state, loss
         self._calls_before = 0
+        self.whole = False  # this forward's head gathers its logits: the model's loss_function is the user's
         self.gathers = 0  # how many times logits were gathered (a training step reading only its loss: none)
         ((_, self.local),) = partition.runs[group_rank(group)]
 
     def before(self, module: nn.Module, args, kwargs) -> None:
         self._calls_before = self.loss.calls
+        self.whole = module.loss_function is not patched(module, "loss_function")
 
     def head_after(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
-        """The head's logits gathered, differentiably, when it was called outside the model's forward."""
+        """The head's logits gathered, differentiably, when it was called outside the model's forward, or for a loss
+        function the user set after wrap."""
         if (
-            self.state.forwards
+            (self.state.forwards and not self.whole)
             or not torch.is_tensor(output)
             or output.shape[-1] != self.local
             or self.local == self.partition.full_size

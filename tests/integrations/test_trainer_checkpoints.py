@@ -24,9 +24,10 @@ class OneProcess(Trainer):
         return DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=self.args.seed)
 
 
-def reading_trainer(path: str, tp: int, steps: int, **arguments):
+def reading_trainer(path: str, tp: int, steps: int, sequential: bool = False, **arguments):
     """AutoTPTrainer on a tiny Llama at `tp` (0: `OneProcess` without autotp), 8 samples in global batches of 4 (2
-    steps an epoch), keeping each step's loss unrounded in `.losses` and the samples it read in `.read`."""
+    steps an epoch), keeping each step's loss unrounded in `.losses` and the samples it read in `.read`.
+    `sequential`: a subclass overriding AutoTPTrainer's public `train_sampler` with the data in order."""
     from autotp.hf_trainer import AutoTPTrainer
 
     dataset = Sequences(8, seq=8)
@@ -41,6 +42,10 @@ def reading_trainer(path: str, tp: int, steps: int, **arguments):
             self.read = [*self.read, dataset.index_of(inputs["input_ids"])]
             return loss
 
+    class Sequential(Reading):
+        def train_sampler(self, train_dataset=None):
+            return SequentialSampler(self.train_dataset)
+
     args = TrainingArguments(
         output_dir=path,
         per_device_train_batch_size=4,
@@ -51,12 +56,10 @@ def reading_trainer(path: str, tp: int, steps: int, **arguments):
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
-        save_strategy="steps",
-        save_steps=1,
-        **arguments,
+        **{"save_strategy": "steps", "save_steps": 1, **arguments},
     )
     model = autotp.wrap(tiny_model("llama"), tp_size=tp) if tp else tiny_model("llama")
-    return Reading(model=model, args=args, train_dataset=dataset)
+    return (Sequential if sequential else Reading)(model=model, args=args, train_dataset=dataset)
 
 
 def resume_in_second_epoch(rank: int, world: int, path: str) -> dict:
@@ -81,20 +84,33 @@ def test_a_resume_inside_the_second_epoch_reads_that_epochs_samples(tmp_path: Pa
     assert len(resumed_losses) == 1 and abs(resumed_losses[0] - losses[3]) <= 1e-6, (resumed_losses, losses)
 
 
-def sequential_reads(rank: int, world: int, path: str) -> list[list[int]]:
-    """Two steps at tp 1 x dp `world` of a trainer given its own `_get_train_sampler` (the data in order)."""
-    trainer = reading_trainer(path, 1, 2)
+def sequential_reads(rank: int, world: int, path: str) -> dict:
+    """Two steps at tp 1 x dp `world` of a trainer given its own `_get_train_sampler` (the data in order); two at tp
+    `world` of a subclass overriding `train_sampler` (the data in order); the error of that subclass at dp `world`."""
+    trainer = reading_trainer(f"{path}/own", 1, 2, save_strategy="no")
     trainer._get_train_sampler = lambda train_dataset=None: SequentialSampler(trainer.train_dataset)
     trainer.train()
-    return trainer.read
+    subclass = reading_trainer(f"{path}/subclass", world, 2, sequential=True, save_strategy="no")
+    subclass.train()
+    try:
+        reading_trainer(f"{path}/replicas", 1, 2, sequential=True, save_strategy="no").train()
+        error = "no error"
+    except ValueError as err:
+        error = str(err)
+    return {"own": trainer.read, "subclass": subclass.read, "replicas": error}
 
 
 @pytest.mark.timeout(120)
 def test_a_trainers_own_sampler_is_dealt_over_dp_replicas(tmp_path: Path) -> None:
     """Before: AutoTPTrainer ignored a `_get_train_sampler` of the user's for its shuffled DP sampler, silently. Now
-    its batches are dealt over the DP replicas in turn, as accelerate deals a plain Trainer's over processes."""
-    for rank, read in enumerate(run_ranks(sequential_reads, 2, str(tmp_path))):
-        assert read == [list(range(4 * rank, 4 * rank + 4))] * 2, (rank, read)
+    its batches are dealt over the DP replicas in turn, as accelerate deals a plain Trainer's over processes. A
+    subclass's `train_sampler` (AutoTPTrainer's own public hook: one replica's part) was ignored too; now the model
+    reads its order, and where it would give each DP replica the same samples it is refused, naming both hooks."""
+    for rank, report in enumerate(run_ranks(sequential_reads, 2, str(tmp_path))):
+        assert report["own"] == [list(range(4 * rank, 4 * rank + 4))] * 2, (rank, report)
+        assert report["subclass"] == [[0, 1, 2, 3], [4, 5, 6, 7]], (rank, report)
+        assert "Sequential.train_sampler gave 8 samples" in report["replicas"], report["replicas"]
+        assert "override _get_train_sampler" in report["replicas"], report["replicas"]
 
 
 def resume_model_only(rank: int, world: int, path: str) -> list[float]:

@@ -151,6 +151,14 @@ def test_lora_before_wrap_matches_one_process_peft(family: str, targets: list[st
         assert report["sharded_adapters"] == report["adapters"] // 2, report
 
 
+def test_lora_on_the_embedding_before_wrap_at_tp_1_matches_one_process_peft() -> None:
+    """Before: refused at tp_size=1 itself, telling the user to "train this adapter at tp_size=1". Nothing is split
+    there, so PEFT's LoRA on the embedding (beside the linears') trains as one-process PEFT's."""
+    (report,) = run_ranks(lora_parity, 1, "llama", [*LLAMA_ALL, "embed_tokens"], None, True)
+    assert_close(report)
+    assert report["adapters"] == 2 * (2 * len(LLAMA_ALL) + 1), report  # two layers' linears and the embedding
+
+
 def dropout_masks(rank: int, world: int) -> list[torch.Tensor]:
     """What LoRA's dropout passes on in a GPT-2 whose own dropout makes its blocks draw per-rank streams."""
     torch.manual_seed(0)

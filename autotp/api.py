@@ -47,6 +47,7 @@ from .planning.planner import build_plan
 from .pp.dimension import PipelineParallelism
 from .pp.load import drop_other_stages
 from .runtime.agreement import check_agreement, check_sizes
+from .tp.hooked import refuse_hooked_layers
 from .runtime.dimension import base_plan
 from .sp.sequence import sequence_layout
 from .state import TPState, find_state
@@ -186,6 +187,7 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     refuse_quantized(model)
     refuse_torchao(model, options)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
+    refuse_hooked_layers(model, plan)
     dimensions = pipeline_dimensions()
     for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
         dimension.refuse(model, plan, options)

@@ -47,12 +47,12 @@ from .planning.planner import build_plan
 from .pp.dimension import PipelineParallelism
 from .pp.load import drop_other_stages
 from .runtime.agreement import check_agreement, check_sizes
-from .tp.hooked import refuse_hooked_layers
 from .runtime.dimension import base_plan
 from .sp.sequence import sequence_layout
 from .state import TPState, find_state
 from .tp import lora_lift
 from .tp.apply import parallel_layers
+from .tp.hooked import refuse_hooked_layers
 
 log = logging.getLogger("autotp")
 

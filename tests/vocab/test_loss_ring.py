@@ -237,7 +237,10 @@ def one_token(world: int) -> dict:
 
 def sp_odd(world: int) -> str:
     """Sequence parallelism on a 15-token sequence at tp 2: refused by name, or the loss's and gradients' error."""
-    reference, model = tiny_model("llama").train(), autotp.wrap(tiny_model("llama").train(), world, sequence_parallel=True)
+    reference, model = (
+        tiny_model("llama").train(),
+        autotp.wrap(tiny_model("llama").train(), world, sequence_parallel=True),
+    )
     try:
         out = model(input_ids=IDS, labels=LABELS)
         out.loss.backward()

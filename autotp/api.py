@@ -53,6 +53,7 @@ from .sp.sequence import sequence_layout
 from .state import TPState, find_state
 from .tp import lora_lift
 from .tp.apply import parallel_layers
+from .tp.hooked import refuse_hooked_layers
 
 log = logging.getLogger("autotp")
 
@@ -189,6 +190,7 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     refuse_quantized(model)
     refuse_torchao(model, options)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
+    refuse_hooked_layers(model, plan)
     dimensions = pipeline_dimensions()
     for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
         dimension.refuse(model, plan, options)

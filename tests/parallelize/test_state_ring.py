@@ -258,7 +258,7 @@ def two_ranks(rank: int, world: int) -> dict:
         "hooks": guarded(lambda: hooks_and_twice(ids)),
     }
     for case in ("norms at tp 2", "dp 2", "fully_shard", "pp 2"):
-        report[case] = guarded(lambda: optimizer_before(case, ids))
+        report[case] = guarded(lambda case=case: optimizer_before(case, ids))
     return report
 
 

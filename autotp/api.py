@@ -81,7 +81,9 @@ def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
         lora_lift.put_back(lifted)
         raise
     lora_lift.attach(model, lifted, state)
-    state.replaced = track_replaced(before, model)  # such an optimizer's step refused where wrap put a new object
+    state.replaced = track_replaced(
+        before, model, "autotp.wrap"
+    )  # such an optimizer's step refused where wrap put a new object
     pipeline = state.dim(PipelineParallelism)
     if pipeline is not None:  # LoRA added later would draw other values than one process draws: refused then
         pipeline.adapters = frozenset(id(lora) for _, _, lora in lifted)

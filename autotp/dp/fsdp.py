@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from ..compat.hf import adapter_module
 from ..compat.torch import is_fsdp_hook
 from ..mesh import device_of, group_size
+from ..runtime.replaced import track_replaced
 from ..runtime.rows import local_rows
 from ..state import TPState, state_of, wrapped_model
 
@@ -78,6 +79,7 @@ def fully_shard(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": offload_policy or OffloadPolicy(),
     }
+    before = dict(root.named_parameters())  # what an optimizer made before this call holds
     shards = {
         name: p.autotp_shard for name, p in root.named_parameters(remove_duplicate=False) if hasattr(p, "autotp_shard")
     }
@@ -95,6 +97,7 @@ def fully_shard(
             param.autotp_expert = experts[id(param)]
             tagged.append(name)
     state.fsdp, state.fsdp_sharded = True, frozenset(shards) | frozenset(tagged)
+    state.replaced = track_replaced(before, root, "autotp.fully_shard", state.replaced)  # its step refused by name
     return model
 
 

@@ -46,7 +46,9 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         raise ValueError(
             f"policy {policy.name!r} shards nothing in {type(model).__name__}: no rule matches its modules"
         )
-    order = {name: i for i, name in enumerate(modules)}
+    # every name of each module (one registered twice, as a block shares it, too): a rule reaches its submodules by
+    # the path under the module it matched, which may be the name named_modules() dropped as a duplicate
+    order = {name: i for i, name in enumerate(dict(model.named_modules(remove_duplicate=False)))}
     acc.layers.sort(key=lambda layer: order[layer.path])
     sharded = {layer.path for layer in acc.layers}
     replicated = tuple(

@@ -22,13 +22,22 @@ class ReplacedParameters:
     """The parameters wrap replaced, held weakly by id (an object id is reused only once its object is gone), each
     with its name and shapes; kept alive by the model's state (`TPState.replaced`)."""
 
-    def __init__(self, replaced: dict[str, tuple[nn.Parameter, nn.Parameter]]):
-        self.old = {
-            id(old): (weakref.ref(old), name, tuple(old.shape), tuple(new.shape))
-            for name, (old, new) in replaced.items()
-        }
+    def __init__(self, replaced: dict[str, tuple[nn.Parameter, nn.Parameter]], by: str):
+        self.old: dict[int, tuple[weakref.ref[nn.Parameter], str, tuple[int, ...], tuple[int, ...], str]] = {}
         self.checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, ...]] = weakref.WeakKeyDictionary()
+        self.add(replaced, by)
         self.watch = watch_optimizer_steps(self, ReplacedParameters.before_step)
+
+    def add(self, replaced: dict[str, tuple[nn.Parameter, nn.Parameter]], by: str) -> None:
+        """Parameters `by` (a call: `autotp.wrap`, `autotp.fully_shard`) put new objects in place of; every optimizer
+        is looked at again."""
+        self.old.update(
+            {
+                id(old): (weakref.ref(old), name, tuple(old.shape), tuple(new.shape), by)
+                for name, (old, new) in replaced.items()
+            }
+        )
+        self.checked = weakref.WeakKeyDictionary()
 
     def __deepcopy__(self, memo: dict) -> ReplacedParameters:
         """A deep copy of the model (an EMA or reference model) shares it: the old parameters are the original's."""
@@ -45,21 +54,31 @@ class ReplacedParameters:
             if (found := self.old.get(id(p))) is not None and found[0]() is p
         ]
         if held:
-            _, name, old, new = held[0]
+            _, name, old, new, by = held[0]
             more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+            what = "this rank's shard" if by == "autotp.wrap" else "FSDP's parameter sharded over the DP group"
+            shapes = f" ({old} -> {new})" if old != new else ""
             raise RuntimeError(
-                f"autotp: this {type(optimizer).__name__} holds {name}{more} as it was before autotp.wrap, which "
-                f"replaced it with this rank's shard ({old} -> {new}): no forward reads the old parameter, so this "
-                f"step would train nothing there. Make the optimizer (and its LR scheduler) after autotp.wrap, from "
+                f"autotp: this {type(optimizer).__name__} holds {name}{more} as it was before {by}, which "
+                f"replaced it with {what}{shapes}: no forward reads the old parameter, so this "
+                f"step would train nothing there. Make the optimizer (and its LR scheduler) after {by}, from "
                 f"model.parameters()"
             )
         self.checked[optimizer] = sizes
 
 
-def track_replaced(before: dict[str, nn.Parameter], model: nn.Module) -> ReplacedParameters | None:
-    """What `before` (the model's parameters by name before wrap) held that the wrapped `model` holds another object
-    for under the same name; None where wrap replaced none (nothing is watched then)."""
+def track_replaced(
+    before: dict[str, nn.Parameter], model: nn.Module, by: str, known: ReplacedParameters | None = None
+) -> ReplacedParameters | None:
+    """What `before` (the model's parameters by name before `by`) held that `model` holds another object for under
+    the same name, added to `known` (those an earlier call replaced); None where none was replaced (nothing is
+    watched then)."""
     replaced: dict[str, tuple[nn.Parameter, nn.Parameter]] = {
         name: (before[name], p) for name, p in model.named_parameters() if name in before and before[name] is not p
     }
-    return ReplacedParameters(replaced) if replaced else None
+    if not replaced:
+        return known
+    if known is None:
+        return ReplacedParameters(replaced, by)
+    known.add(replaced, by)
+    return known

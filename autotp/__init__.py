@@ -19,7 +19,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `runtime.shards`, `runtime.lazy_logits`, `runtime.param_steps`, `runtime.second_order`, `runtime.dimension`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
    `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
-   `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.chunked`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
+   `tp.hooked`, `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.chunked`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
@@ -27,14 +27,14 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.stages`, `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.stages`, `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
-   `io.checkpoint.latest`, `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.row_gather`, `io.rollout.export`, `io.rollout.sync`,
+   `io.checkpoint.latest`, `io.checkpoint.consolidate`, `io.rollout`, `io.rollout.adapters`, `io.rollout.vllm_layout`, `io.rollout.row_gather`, `io.rollout.gathers`, `io.rollout.export`, `io.rollout.sync`,
    `io.rollout.vllm_source`, `io.rollout.vllm_channel`, `io.rollout.vllm_reload`, `io.rollout.vllm_gloo`, `io.rollout.vllm_gloo_worker`, `io.rollout.vllm_connect`, `io.rollout.vllm_check`,
    `io.rollout.vllm_client`
 7. the integrations and the entry points: `integrations`, `integrations.guards`, `integrations.gather`,
    `integrations.hf_methods`, `parallelize`, `api`
 8. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.trainer`,
+9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.pipeline_rows`, `integrations.trainer`,
    `integrations.trainer_checkpoints`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
 """
 

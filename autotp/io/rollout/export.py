@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ...compat.hf_conversion import SavedTensor
 from ...compat.peft import adapter_state_dict, base_keys, merged_weight, peft_inner
-from ...mesh import Group, device_of, group_rank
+from ...mesh import device_of
 from ...options import WrapOptions
 from ...planning.placement import window
 from ...planning.planner import build_plan
@@ -33,7 +33,8 @@ from ...state import find_state, outside_module_holders
 from ...tp.lora import adapt_all
 from ..hf.parts import finish_part, full_shape, local_part, saved_layout
 from ..hf.stages import StageTensors, stage_tensors
-from .row_gather import RowRequest, delivered_shape, dp_full_many, gather_rows_to
+from .gathers import Gathers
+from .row_gather import RowRequest, dp_full_many
 from .vllm_layout import vllm_partitions
 
 
@@ -160,7 +161,7 @@ def export_weights(
             f"tensors split over TP; not supported"
         )
     sources = {name: saved.parts[0].source for name, saved in items}  # one expert's name: its experts tensor's stage
-    gathers = _Gathers(state, {name: held.pop() for name, held in groups.items()}, stages, sources)
+    gathers = Gathers(state, {name: held.pop() for name, held in groups.items()}, stages, sources)
     return _exported(items, size, requests, results, bucket_bytes, gathers, agree_group, local)
 
 
@@ -172,54 +173,6 @@ def exported_tensors(root: nn.Module, merge_lora: bool) -> tuple[dict, dict[str,
     params = {name: raw[key] for name, (key, _) in keys.items()}
     stages = stage_tensors(root, params, find_state(root))
     return keys, params if stages is None else dict(stages.params), stages
-
-
-class _Gathers:
-    """Where each exported tensor is gathered: over the TP group to its rank 0, or, for experts (`autotp.ep`), over
-    the EP group to each of its ranks that is TP rank 0 (each such rank yields every tensor, as at ep 1)."""
-
-    def __init__(
-        self, state, groups: dict[str, Group], stages: StageTensors | None = None, sources: dict[str, str] | None = None
-    ):
-        self.groups, self.writers = groups, {}  # group -> its ranks that get the tensors (else its rank 0)
-        self.sources = sources or {}  # an exported name -> the model tensor it is cut from (the stage's name)
-        self.stages, self.lead = stages, state is None or group_rank(state.tp_group) == 0
-        for group in [] if state is None else state.split_groups():  # a dimension's own split (the experts over EP)
-            firsts = set(state.mesh.grid[..., 0].flatten().tolist())  # TP rank 0 of every TP group (TP innermost)
-            ranks = dist.get_process_group_ranks(group)
-            self.writers[group] = [i for i, rank in enumerate(ranks) if rank in firsts]
-
-    def key(self, name: str) -> tuple[int, int]:
-        """Tensors gathered over one group go in one bucket; under a pipeline, one stage's experts or its other
-        tensors (alike on every rank: another stage's are stand-ins, which hold no group)."""
-        if self.stages is None:
-            return id(self.groups[name]), -1
-        source = self.sources[name]
-        return int(source in self.stages.experts), self.stages.stage[source]
-
-    def __call__(self, bucket: list, reqs: list[RowRequest]) -> Iterator[torch.Tensor] | None:
-        """The bucket's tensors where they are gathered; under a pipeline, gathered on their stage and sent on to
-        PP rank 0's TP rank 0 (`autotp.io.hf.stages`)."""
-        if self.stages is None:
-            return self._gather(bucket, reqs)
-
-        def fetch(sent: bool) -> Any:
-            got = self._gather(bucket, reqs)
-            return list(got) if sent and got is not None else got
-
-        def like() -> list:
-            return [(delivered_shape(r), r.dtype) for r in reqs]
-
-        got = self.stages.forward(self.sources[bucket[0][0]], fetch, like, self.lead)
-        return iter(got) if isinstance(got, list) else got
-
-    def _gather(self, bucket: list, reqs: list[RowRequest]) -> Iterator[torch.Tensor] | None:
-        group = self.groups[bucket[0][0]]
-        mine = None
-        for dst in self.writers.get(group, [0]):  # every gather completes its messages before it returns
-            got = gather_rows_to(reqs, group, dst=dst)
-            mine = got if got is not None else mine
-        return mine
 
 
 def _loras_by_tensor(
@@ -402,5 +355,5 @@ def export_adapters(
         return torch.Size(entry.shape).numel() * (dtype or entry.dtype).itemsize
 
     tp_group = None if state is None else state.tp_group
-    gathers = _Gathers(None, {name: tp_group for name in tensors})
+    gathers = Gathers(None, {name: tp_group for name in tensors})
     return _exported(items, size, requests, results, bucket_bytes, gathers, tp_group, lambda name: tensors[name])

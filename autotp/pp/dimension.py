@@ -21,7 +21,7 @@ from ..options import WrapOptions
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.input_agreement import check_same_batch
-from ..runtime.process_hooks import patch_attribute
+from ..runtime.process_hooks import patch_attribute, watch_optimizer_steps
 from ..runtime.rollback import Removable
 from ..state import TPState, wrapped_model
 from .chain import check_chain
@@ -60,6 +60,7 @@ class PipelineParallelism(Dimension):
     adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
     checks_inputs = False  # `wrap(..., check_inputs=True)`: the pipeline's ranks compare their batches (`check_inputs`)
     loss: Any = None  # the model's loss_function when wrapped (`refuse_replaced_loss`)
+    unsynced = False  # a step's gradients of parameters several stages train are not summed yet (`before_step`)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         pp = options.pp_size
@@ -126,6 +127,8 @@ class PipelineParallelism(Dimension):
             return []
         group = state.mesh.group("pp")
         self.shared = shared_groups(model, self.cut, self.stages, state)  # the whole model's, collective
+        if self.shared:  # kept with this dimension, which the model's state keeps
+            self.watch = watch_optimizer_steps(self, PipelineParallelism.before_step)
         self.ties = tied_names(model)
         skip_others(model, self.cut, self.stages)
         balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
@@ -162,6 +165,7 @@ class PipelineParallelism(Dimension):
             return self.runner.step(dict(batch), num_items)
         finally:
             self.running = False
+            self.unsynced = bool(self.shared)
 
     def check_inputs(self, batch: dict[str, Any], num_items: Any) -> None:
         """`wrap(..., check_inputs=True)`: every rank of the pipeline was given the same whole batch (each stage takes
@@ -188,6 +192,26 @@ class PipelineParallelism(Dimension):
         last's from the head): the stages' parts summed between them, so the copies take the same step, as one
         process's one weight does."""
         sync_shared(self.runner.model, self.shared)
+        self.unsynced = False
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer step after `forward_backward` without `autotp.allreduce_gradients`: each stage's copy of a
+        parameter several stages train holds only its own stages' part of the gradient, so the copies would step
+        apart, silently; refused, naming the parameter."""
+        if not self.unsynced:
+            return
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        model = self.runner.model
+        for shared in self.shared:
+            name = next((n for n in shared.names if id(model.get_parameter(n)) in held), None)
+            if name is not None and model.get_parameter(name).grad is not None:
+                raise RuntimeError(
+                    f"autotp: {type(optimizer).__name__}.step() after autotp.forward_backward at "
+                    f"pp_size={group_size(self.runner.group)} without autotp.allreduce_gradients(model): {name} is "
+                    f"trained by stages on PP ranks {shared.ranks}, each holding its own copy with only its stages' "
+                    f"part of the gradient, so the copies would step apart. Call autotp.allreduce_gradients(model) "
+                    f"after the last forward_backward of the step, before optimizer.step()"
+                )
 
     def norm(
         self, params: list[nn.Parameter], norm_type: float, state: TPState

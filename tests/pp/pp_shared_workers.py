@@ -80,3 +80,24 @@ def experts_saved(rank: int, world: int) -> dict:
         "pp2 ep2": saved(rank, MOE, 1, dict(ep_size=2)),
         "pp2 tp2 ep2": saved(rank, MOE, 2, dict(ep_size=2)),
     }
+
+
+def step_unsynced(rank: int, world: int) -> dict:
+    """A tied llama at pp 2: `optimizer.step()` straight after `forward_backward`, without
+    `autotp.allreduce_gradients`, is refused before any weight changes (each stage's copy of the tied embedding holds
+    its part of the gradient only); after the sum, the step runs."""
+    model = autotp.wrap(tiny_model("llama", tie_word_embeddings=True), 1, pp_size=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = models.batch(size=(2, 8))
+    autotp.forward_backward(model, input_ids=ids, labels=ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out: dict = {"refused": None}
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        out["refused"] = str(error)
+    out["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    autotp.allreduce_gradients(model)
+    optimizer.step()
+    out["stepped"] = not all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from autotp.testing.spawn import run_ranks
-from pp_shared_workers import experts_saved, shared_block
+from pp_shared_workers import experts_saved, shared_block, step_unsynced
 from pp_workers import assert_pp_parity
 
 
@@ -38,3 +38,10 @@ def test_pp2_ep2_save_and_export_equal_transformers_save() -> None:
         assert results[0][layout]["saved"] == "same", (layout, results[0][layout]["saved"])
         handed = [r[layout].get("exported") for r in results]
         assert handed[0] is True and all(h in (True, None) for h in handed), (layout, handed)
+
+
+def test_a_step_without_the_gradient_sum_of_a_tied_embedding_is_refused_by_name() -> None:
+    for result in run_ranks(step_unsynced, 2):
+        assert "model.embed_tokens.weight" in result["refused"] or "lm_head.weight" in result["refused"], result
+        assert "autotp.allreduce_gradients(model)" in result["refused"], result
+        assert result["unchanged"] and result["stepped"], result

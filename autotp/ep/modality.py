@@ -25,6 +25,7 @@ class ModalityGroup:
         self.skipped: list[torch.Tensor] = []
         block.register_forward_pre_hook(self._start, with_kwargs=True)
         block.register_forward_hook(self._finish)
+        block.register_forward_hook(self._drop, always_call=True)  # a forward that raised holds no activation
         for region in regions:
             region.modality = self
 
@@ -54,6 +55,11 @@ class ModalityGroup:
                 self.skipped.append(region.dispatch_nothing(hidden_states))
         finally:
             self.skipping = False
+
+    def _drop(self, block: nn.Module, args: tuple, output) -> None:
+        """After every forward, one that raised included: what `_start` kept (its input, the skipped dispatches'
+        outputs) is let go, without the collectives `_finish` runs."""
+        self.skipped, self.anchor = [], None
 
     def _finish(self, block: nn.Module, args: tuple, output):
         if self.regions[0].state.is_gathered():  # every expert on every rank: no collective to pair

@@ -46,7 +46,7 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
                 entries[parent_path] = BlockEntry(
                     tp_group, overlap=options.overlap, sequence_parallel=_sequence_parallel(options, layer.block)
                 )
-                parent.register_forward_hook(entries[parent_path].clear)
+                parent.register_forward_hook(entries[parent_path].clear, always_call=True)  # after a raise too
             setattr(parent, name, LinearLayer(getattr(parent, name), layer.partition, tp_group, entries[parent_path]))
     for layer in plan.layers:
         if layer.style != "column":

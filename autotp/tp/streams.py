@@ -25,7 +25,9 @@ class ShardedStream:
 
     A span starts at its first column layer (or a sharded module's entry) and ends when its row
     layer (or the module) returns, so a dropout applied to the block's reduced output (GPT-2's
-    resid_dropout) still draws from the shared stream, as replicated code must.
+    resid_dropout) still draws from the shared stream, as replicated code must. The block's (or module's) own
+    hook ends it also when its forward raised: left on the rank's seed, the next replicated dropout would
+    draw apart on each rank, and the next span would not start.
     """
 
     def __init__(self, rank: int):
@@ -97,10 +99,10 @@ def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[s
                 module.register_forward_hook(stream.leave)
             if isinstance(module, (LinearLayer, LinearAllreduce)):
                 module.autotp_stream = stream  # LoRA's dropout on the replicated input draws from the shared one
-        block.register_forward_hook(stream.leave)
+        block.register_forward_hook(stream.leave, always_call=True)  # a raise inside must not leave the rank's seed
     for path in regions:
         module = model.get_submodule(path)
         if _has_dropout(module):
             stream = ShardedStream(rank)
             module.register_forward_pre_hook(state.sharded_only(stream.enter))
-            module.register_forward_hook(stream.leave)
+            module.register_forward_hook(stream.leave, always_call=True)

@@ -3,8 +3,9 @@
 accelerate's `find_executable_batch_size` (and the GPU benchmark) retry a step that ran out of memory with a smaller
 batch: the retry must find none of the failed step's activations still held (a block entry kept its input, and the
 graph behind it, when its block raised) and must train as one process retrying the same way does. Memory is checked
-deterministically: weak references to the failed try's decoder-layer outputs are dead once it has unwound. Losses at
-LOSS_ATOL, gradients at GRAD_RTOL (fp32, only the order of sums differs: `autotp.testing.parity`).
+deterministically: weak references to the failed try's decoder-layer outputs are dead once it has unwound, and no
+tensor the failed try made is held by autotp's objects on the model (`held_by_autotp`). Losses at LOSS_ATOL, gradients
+at GRAD_RTOL (fp32, only the order of sums differs: `autotp.testing.parity`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from torch import nn
 import autotp
 from autotp.testing.parity import GRAD_RTOL, LOSS_ATOL, full_tensor, grad_error
 from autotp.testing.spawn import run_ranks
-from models import GPT2_DROPOUT, batch, tiny_model
+from models import GPT2_DROPOUT, OUT_OF_MEMORY, FailOnce, batch, held_by_autotp, tiny_model
 
-OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test)"  # what accelerate retries on
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], lora_dropout=0.0)
 # tp, LoRA, a deep copy of the wrapped model, where the first try raises: inside the last decoder layer's MLP, or in
 # the LM head's or the embedding's forward (after its own computation, before autotp's hooks after it: a hook of the
@@ -39,18 +39,6 @@ CASES = [
     (2, False, False, "embedding"),
 ]
 RETURNED = {"mlp": 1, "head": 2, "embedding": 0}  # decoder layers that return in the failed try, by where it raises
-
-
-class FailOnce:
-    """A forward hook that raises an out-of-memory error the first time its module runs."""
-
-    def __init__(self) -> None:
-        self.armed = True
-
-    def __call__(self, module: nn.Module, args: tuple, output: object) -> None:
-        if self.armed:
-            self.armed = False
-            raise RuntimeError(OUT_OF_MEMORY)
 
 
 def build(tp: int | None, lora: bool, copied: bool, reference: nn.Module | None = None, **options) -> nn.Module:
@@ -118,36 +106,6 @@ def retried_steps(model: nn.Module, group: dist.ProcessGroup | None, where: str)
     report = train()
     report["failed"] = len(failed)
     return report
-
-
-def held_by_autotp(model: nn.Module) -> dict[int, str]:
-    """The tensors (not parameters or buffers) held by the objects autotp keeps on the model's modules, id -> a path
-    to it: the modules' hooks and public attributes, walked through containers, bound methods and autotp's objects."""
-    own = {id(t) for t in (*model.parameters(), *model.buffers())}
-    found: dict[int, str] = {}
-    seen: set[int] = set()
-    stack: list[tuple[str, object]] = []
-    for name, module in model.named_modules():
-        hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-        stack += [(f"{name} hook {i}", hook) for i, hook in enumerate(hooks)]
-        stack += [(f"{name}.{key}", value) for key, value in vars(module).items() if not key.startswith("_")]
-    while stack:
-        path, obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (nn.Module, str, int, float, bool, type(None))):
-            continue
-        seen.add(id(obj))
-        if torch.is_tensor(obj):
-            if id(obj) not in own:
-                found[id(obj)] = f"{path} {list(obj.shape)}"
-        elif isinstance(obj, dict):
-            stack += [(f"{path}[{key!r}]", value) for key, value in obj.items()]
-        elif isinstance(obj, (list, tuple, set)):
-            stack += [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
-        elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):  # a bound method
-            stack.append((path, obj.__self__))
-        elif type(obj).__module__.startswith("autotp") and hasattr(obj, "__dict__"):
-            stack += [(f"{path}.{key}", value) for key, value in vars(obj).items()]
-    return found
 
 
 def dropout_after_a_raise(rank: int, world: int) -> list[bool]:

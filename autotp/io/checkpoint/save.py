@@ -199,14 +199,10 @@ def named(err: CheckpointException) -> Exception:
 
 
 class _Pending:
-    """An `async_save` being written: its future and the staged directory it is put in place from.
-
-    DCP's write succeeds on a rank only once every rank's data and the index are written (its ranks exchange their
-    outcomes in the write's own background thread, over `checkpoint_group()`), so global rank 0 puts the directory in
-    place as soon as its write completes (`place_now`, from that thread: no collective on the training's groups). A
-    process killed after that keeps the save; one killed before leaves only the hidden staging directory. `wait`
-    (the next save, load, `latest_checkpoint` or `autotp.finish()`) exchanges the outcome and raises a failure on
-    every rank."""
+    """An `async_save` being written: its future and the staged directory it is put in place from. DCP's write
+    succeeds only once every rank's data and the index are written (its ranks exchange outcomes in the write's thread,
+    over `checkpoint_group()`), so global rank 0 puts it in place as soon as its write completes (`place_now`, from
+    that thread: no collective of training's). `wait` exchanges the outcome, raising a failure on every rank."""
 
     def __init__(self, future: Any, staging: ExitStack, tmp: Path, target: Path):
         self.future, self.staging = future, staging

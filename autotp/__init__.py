@@ -16,7 +16,8 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 4. the mesh, the state and the shared runtime: `mesh`, `state`, `accessors`, `runtime`, `runtime.rows`, `runtime.collectives`,
    `runtime.seq_collectives`, `runtime.grad_hooks`, `runtime.replicas`, `runtime.agreement`, `runtime.rollback`,
    `runtime.process_hooks`, `runtime.replaced`, `runtime.slot_guard`, `runtime.input_agreement`, `runtime.rng`,
-   `runtime.shards`, `runtime.lazy_logits`, `runtime.param_steps`, `runtime.second_order`, `runtime.dimension`
+   `runtime.shards`, `runtime.lazy_logits`, `runtime.param_steps`, `runtime.second_order`, `runtime.dimension`,
+   `runtime.forward_end`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
    `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.hooked`, `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.chunked`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,

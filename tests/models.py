@@ -302,3 +302,49 @@ def assert_same_checkpoint(ours: Path, theirs: Path, config: bool = True) -> Non
         assert json.loads((ours / index).read_text()) == json.loads((theirs / index).read_text())
     if config:
         assert json.loads((ours / "config.json").read_text()) == json.loads((theirs / "config.json").read_text())
+
+
+# A forward that raises (tests/tp/test_raised_forward.py, tests/ep/test_ep_modality.py)
+OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test)"  # what accelerate retries on
+
+
+class FailOnce:
+    """A forward hook that raises an out-of-memory error the first time its module runs."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def __call__(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError(OUT_OF_MEMORY)
+
+
+def held_by_autotp(model: nn.Module) -> dict[int, str]:
+    """The tensors (not parameters or buffers) held by the objects autotp keeps on the model's modules, id -> a path
+    to it: the modules' hooks and public attributes, walked through containers, bound methods and autotp's objects."""
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    found: dict[int, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, object]] = []
+    for name, module in model.named_modules():
+        hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+        stack += [(f"{name} hook {i}", hook) for i, hook in enumerate(hooks)]
+        stack += [(f"{name}.{key}", value) for key, value in vars(module).items() if not key.startswith("_")]
+    while stack:
+        path, obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (nn.Module, str, int, float, bool, type(None))):
+            continue
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            if id(obj) not in own:
+                found[id(obj)] = f"{path} {list(obj.shape)}"
+        elif isinstance(obj, dict):
+            stack += [(f"{path}[{key!r}]", value) for key, value in obj.items()]
+        elif isinstance(obj, (list, tuple, set)):
+            stack += [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
+        elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):  # a bound method
+            stack.append((path, obj.__self__))
+        elif type(obj).__module__.startswith("autotp") and hasattr(obj, "__dict__"):
+            stack += [(f"{path}.{key}", value) for key, value in vars(obj).items()]
+    return found

@@ -43,7 +43,9 @@ class ExpertRegion:
     def __init__(self, path: str, module: nn.Module, names: list[str], experts: ExpertGroups, tp_group, state):
         self.path, self.module, self.names, self.experts, self.tp_group = path, module, names, experts, tp_group
         self.state, self.modality = state, None  # modality: its `autotp.ep.modality.ModalityGroup`, if any
-        self.fed = False  # called on tokens of this rank's, with grad, since the last gradient sync (`autotp.ep.grads`)
+        # a backward ran through a call on tokens of this rank's since the last gradient sync (`autotp.ep.grads`): set
+        # by the backward, as one process's module gets a gradient only then (not after a forward that raised)
+        self.fed = False
         self.total = module.num_experts
         self.local = self.total // experts.size
         self.first = experts.rank * self.local
@@ -76,7 +78,6 @@ class ExpertRegion:
             return self.own_forward(hidden_states, top_k_index, top_k_weights, **kwargs)
         if self.modality is not None:
             self.modality.before(self, hidden_states)
-        self.fed |= hidden_states.numel() > 0 and torch.is_grad_enabled()
         shape = hidden_states.shape  # [tokens, hidden], or DBRX's [batch, seq, hidden]
         out = self._dispatch(hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
         # never a view: an in-place op on a view an FSDP2 module returned would drop FSDP's pre-backward hook (torch
@@ -108,7 +109,13 @@ class ExpertRegion:
         # by the inverse permutation (argsort of `order`: inverse[order[i]] = i) puts pair p back at row p.
         by_slot = output[torch.argsort(order)].view(-1, slots, output.shape[-1])  # [t, k, H]
         combined = (by_slot * weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)  # [t, H]
-        return gather_dim0_shares(combined, n_tokens, self.tp_group, of=_OVER_TP)  # [T, H]
+        out = gather_dim0_shares(combined, n_tokens, self.tp_group, of=_OVER_TP)  # [T, H]
+        if n_tokens and out.requires_grad:  # here, run eagerly: a hook on a tensor would break a compiled graph
+            out.register_hook(self._backward_ran)
+        return out
+
+    def _backward_ran(self, grad: torch.Tensor) -> None:
+        self.fed = True
 
     def dispatch_nothing(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The dispatch with no token of this rank's (`autotp.ep.modality`): its all-to-alls still pair with the

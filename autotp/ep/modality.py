@@ -14,17 +14,21 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..runtime.forward_end import after_every_forward
+
 
 class ModalityGroup:
     """The experts modules (`ExpertRegion`s, module order) under one block: hooks on the block, `before` called by
     each region's dispatch. A block that runs them out of module order, or one twice, is refused by name."""
 
-    def __init__(self, path: str, block: nn.Module, regions: list):
+    def __init__(self, path: str, model: nn.Module, regions: list):
         self.path, self.regions = path, regions
         self.ran, self.anchor, self.skipping = 0, None, False
         self.skipped: list[torch.Tensor] = []
+        block = model.get_submodule(path)
         block.register_forward_pre_hook(self._start, with_kwargs=True)
         block.register_forward_hook(self._finish)
+        after_every_forward(model, path, self._drop)  # a forward that raised holds no activation of the block's
         for region in regions:
             region.modality = self
 
@@ -55,6 +59,11 @@ class ModalityGroup:
         finally:
             self.skipping = False
 
+    def _drop(self) -> None:
+        """After every forward, one that raised included: what `_start` kept (its input, the skipped dispatches'
+        outputs) is let go, without the collectives `_finish` runs."""
+        self.skipped, self.anchor = [], None
+
     def _finish(self, block: nn.Module, args: tuple, output):
         if self.regions[0].state.is_gathered():  # every expert on every rank: no collective to pair
             return output
@@ -75,6 +84,4 @@ def modality_groups(model: nn.Module, regions: list) -> list[ModalityGroup]:
     blocks: dict[str, list] = {}
     for region in regions:
         blocks.setdefault(".".join(region.path.split(".")[:-2]), []).append(region)
-    return [
-        ModalityGroup(path, model.get_submodule(path), members) for path, members in blocks.items() if len(members) > 1
-    ]
+    return [ModalityGroup(path, model, members) for path, members in blocks.items() if len(members) > 1]

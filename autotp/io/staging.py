@@ -1,6 +1,7 @@
 """Writing a directory atomically across ranks: stage it in a hidden sibling, swap it into place at the end.
 
-Every rank calls `staged_directory`; global rank 0 alone touches the filesystem around the body.
+Every rank calls `staged_directory`; global rank 0 alone touches the filesystem around the body (and, for a body
+that returns before its background write ends, from that write's thread once it completed: `place_now`).
 Any failure is raised on every rank, so no rank waits in a collective for a peer that gave up:
 - a rank that never calls the save is reported within `ENTRY_TIMEOUT` (gloo);
 - a refused target, or an OS error while rank 0 sets up, reaches every rank before anything is written;
@@ -107,7 +108,11 @@ def staged_directory(
     finish_error = None
     if is_global_rank0():
         try:
-            if failed:
+            if tmp in _placed:  # put in place already, when the body's background write completed
+                placed = _placed.pop(tmp)
+                if placed is not None:
+                    raise placed
+            elif failed:
                 _remove(tmp)
             elif into_existing:
                 move_files_in(tmp, target)
@@ -126,6 +131,21 @@ def staged_directory(
         message = f"{what} to {target} failed on {describe(failed)}"
         code = failed[min(failed)][0]
         raise OSError(code, message) if code is not None else RuntimeError(message)
+
+
+_placed: dict[Path, Exception | None] = {}  # staged directories `place_now` handled -> its failure (None: in place)
+
+
+def place_now(tmp: Path, target: Path) -> None:
+    """Global rank 0, before its `staged_directory` ends: put the staged `tmp` in place at `target` now, without a
+    collective (from a background thread: an async save's, once every rank's write is known to be complete). The
+    context's end then only exchanges the outcome: a failure here is raised there, on every rank."""
+    try:
+        _move_into_place(tmp, target)
+        _placed[tmp] = None
+    except Exception as err:
+        _remove(tmp)
+        _placed[tmp] = err
 
 
 def _all_ranks_enter(what: str) -> None:

@@ -18,6 +18,7 @@ from ..mesh import build_subgroups
 from ..options import WrapOptions
 from ..planning.plan import AttrPlan, HeadInputPlan
 from ..planning.sharding import Partition
+from ..runtime.forward_end import after_every_forward
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from ..runtime.rng import sync_replicated_stream
 from ..state import TPState, attach
@@ -47,6 +48,7 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
                     tp_group, overlap=options.overlap, sequence_parallel=_sequence_parallel(options, layer.block)
                 )
                 parent.register_forward_hook(entries[parent_path].clear)
+                after_every_forward(model, parent_path, entries[parent_path].clear)  # a forward that raised too
             setattr(parent, name, LinearLayer(getattr(parent, name), layer.partition, tp_group, entries[parent_path]))
     for layer in plan.layers:
         if layer.style != "column":

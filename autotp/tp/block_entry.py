@@ -7,8 +7,9 @@ block's other mechanics need from that one point, each behind a method:
 - LoRA: replicated adapter weights `join` the input, their partial gradients summed in the same all-reduce;
 - sequence parallelism: the gathered input is saved once, as this rank's chunk (`saved_chunk`);
 - `autotp.tp.glu`: the readers' outputs are recorded until the block's forward ends.
-Its options are fixed when `apply_plan` builds it. The owning block clears it after each call, so no
-activation outlives the forward.
+Its options are fixed when `apply_plan` builds it. The owning block clears it after each call, one that raised
+included (a hook with `always_call`), so no activation outlives the forward: a step retried after an out-of-memory
+error would otherwise find the failed step's activations still held.
 """
 
 from __future__ import annotations

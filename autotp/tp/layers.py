@@ -193,8 +193,11 @@ class LinearLayer(ParallelLinear):
         return self.entry.sequence_parallel
 
     def _deepcopy_entries(self, new: ParallelLinear, memo: dict) -> None:
-        """The copy reads its input alone: a fresh entry (not the siblings', nor their LoRA)."""
-        memo[id(self.entry)] = self.entry.fresh(new)
+        """A copy of the layer alone reads its input alone: a fresh entry (not the siblings', nor their LoRA). In a
+        copy of its block (of the model) it shares the block's copied entry with its copied siblings, which the
+        block's copied hook clears after each forward."""
+        if id(self.entry) not in memo:
+            memo[id(self.entry)] = self.entry.fresh(new)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         entry = self.entry

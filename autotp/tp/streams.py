@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..mesh import Group, group_rank, group_size
+from ..runtime.forward_end import after_every_forward
 from ..runtime.rng import StreamCheck, capture, restore
 from .layers import LinearAllreduce, LinearLayer
 
@@ -25,7 +26,9 @@ class ShardedStream:
 
     A span starts at its first column layer (or a sharded module's entry) and ends when its row
     layer (or the module) returns, so a dropout applied to the block's reduced output (GPT-2's
-    resid_dropout) still draws from the shared stream, as replicated code must.
+    resid_dropout) still draws from the shared stream, as replicated code must. It ends also when the forward
+    raised (`autotp.runtime.forward_end`): left on the rank's seed, the next replicated dropout would draw
+    apart on each rank, and the next span would not start.
     """
 
     def __init__(self, rank: int):
@@ -40,10 +43,14 @@ class ShardedStream:
         torch.manual_seed(seed + _OFFSET * (self.rank + 1))
 
     def leave(self, module: nn.Module, args, output):
+        self.restore()
+        return output
+
+    def restore(self) -> None:
+        """End the span: back on the shared stream (nothing to do outside a span)."""
         if self._saved is not None:
             restore(self._saved)
             self._saved = None
-        return output
 
     @contextmanager
     def shared(self) -> Iterator[None]:
@@ -98,9 +105,11 @@ def install_sharded_streams(model: nn.Module, blocks: list[str], regions: list[s
             if isinstance(module, (LinearLayer, LinearAllreduce)):
                 module.autotp_stream = stream  # LoRA's dropout on the replicated input draws from the shared one
         block.register_forward_hook(stream.leave)
+        after_every_forward(model, path, stream.restore)  # a raise inside must not leave the rank's seed on
     for path in regions:
         module = model.get_submodule(path)
         if _has_dropout(module):
             stream = ShardedStream(rank)
             module.register_forward_pre_hook(state.sharded_only(stream.enter))
             module.register_forward_hook(stream.leave)
+            after_every_forward(model, path, stream.restore)

@@ -29,7 +29,7 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
     entry = BlockEntry(tp_group, overlap=state.options.overlap)  # the head is the only reader of its input
     head = LinearLayer(getattr(parent, head_name), vocab.partition, tp_group, entry)
     setattr(parent, head_name, head)
-    state.vocab_hooks.append(head.register_forward_hook(head.entry.clear))
+    state.vocab_hooks.append(head.register_forward_hook(head.entry.clear, always_call=True))
     if vocab.embedding is not None:
         embedding = model.get_submodule(vocab.embedding)
         state.regions.append(VocabParallelEmbedding(embedding, vocab.partition, tp_group, state))

@@ -153,8 +153,9 @@ class ChunkedHead:
         )
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """The model's forward hook: disarm; a replicated head's stand-in in the output becomes logits computed when
-        read (a vocab-parallel one is gathered when read, by `LogitsGate`)."""
+        """The model's forward hook, also after a forward that raised (`output` None then): disarm; a replicated
+        head's stand-in in the output becomes logits computed when read (a vocab-parallel one is gathered when read,
+        by `LogitsGate`)."""
         chunked = _chunked_head(module)
         if chunked is None:
             return None
@@ -289,7 +290,8 @@ def chunk_head(model: nn.Module, head: nn.Linear, group: Group, state: Any) -> C
         patch_attribute(head, "autotp_chunked", chunked),
         patch_attribute(head, "__class__", _chunked_class(type(head))),
         model.register_forward_pre_hook(state.sharded_only(chunked.before), with_kwargs=True),
-        model.register_forward_hook(state.sharded_only(chunked.after), with_kwargs=True),
+        # disarmed after a forward that raised too: an armed head called alone would return a stand-in
+        model.register_forward_hook(state.sharded_only(chunked.after), with_kwargs=True, always_call=True),
     ]
     return chunked
 

@@ -40,6 +40,7 @@ class VocabParallelEmbedding:
         self._hooks = [
             module.register_forward_pre_hook(state.sharded_only(self._enter)),
             module.register_forward_hook(state.sharded_only(self._leave)),
+            module.register_forward_hook(self._drop, always_call=True),  # a forward that raised keeps no mask
         ]
         module.autotp_region = self
 
@@ -70,6 +71,9 @@ class VocabParallelEmbedding:
         output = output.masked_fill(self._mask.unsqueeze(-1), 0)
         self._mask = None
         return reduce_from_tp(output, self.group)
+
+    def _drop(self, module, args, output) -> None:
+        self._mask = None
 
     def gather_(self) -> None:
         gather_parameter_(self.module.weight, self.group)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import autotp
 from autotp.testing import run_ranks
-from ep_workers import GLOBAL, check_training, ep_rank_run, moe_model, single_process
+from ep_workers import GLOBAL, check_training, ep_rank_run, moe_model, single_process, whole
+from models import OUT_OF_MEMORY, FailOnce, held_by_autotp
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,3 +70,52 @@ def test_fully_shard_of_modality_experts_at_ep2_is_refused_by_name() -> None:
             "experts) only on the batches holding their modality's tokens" in report["message"]
         ), report["message"]
         assert report["dtensors"] == []
+
+
+def raised_then_text_only(model: torch.nn.Module, first: int, rows: int) -> dict:
+    """A step whose forward raises in Ernie 4.5 VL's vision experts (rows with vision tokens), then an AdamW step on
+    text-only rows: what autotp's objects still hold of the failed try, the retry's loss, gradients and parameters."""
+    layer = model.model.language_model.layers[1].mlp
+    layer.vision_moe.experts.register_forward_hook(FailOnce())
+    before = held_by_autotp(model)
+    ids = GLOBAL[first : first + rows]
+    try:
+        model(input_ids=ids, labels=ids, moe_mm_token_type_ids=token_types(MIXED)[first : first + rows])
+    except RuntimeError as err:
+        assert OUT_OF_MEMORY in str(err)
+    kept = sorted(path for key, path in held_by_autotp(model).items() if key not in before)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    loss = model(input_ids=ids, labels=ids, moe_mm_token_type_ids=token_types([(0, 0)] * 4)[first : first + rows]).loss
+    loss.backward()
+    if dist.is_initialized():
+        autotp.allreduce_gradients(model)
+        dist.all_reduce(loss := loss.detach(), group=autotp.dp_group(model))
+        loss /= autotp.dp_size(model)
+    full = (lambda t, p: whole(t, p, model)) if dist.is_initialized() else (lambda t, p: t.detach())
+    # after the sync every rank holds a gradient or none does (an experts module no token reached: none)
+    grads = {n: full(p.grad, p) for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    return {
+        "kept": kept,
+        "losses": [loss.item()],
+        "grads": grads,
+        "params": {n: full(p, p) for n, p in model.named_parameters()},
+    }
+
+
+def ep_raised_then_text_only(rank: int, world: int) -> dict:
+    model = autotp.wrap(moe_model("ernie4_5_vl_moe"), 1, ep_size=2)
+    rows = GLOBAL.shape[0] // world
+    return raised_then_text_only(model, rank * rows, rows)
+
+
+def test_a_forward_raising_in_the_modality_experts_leaves_no_state_behind() -> None:
+    """dp 2 x ep 2, replica 1's rows with vision tokens: a forward raising in the vision experts (replica 0 runs them
+    with none) held the MoE block's input and skipped outputs, and left the vision experts marked as fed, so the next,
+    text-only step gave them zero gradients where one process gives none, and AdamW's weight decay moved them."""
+    expected = raised_then_text_only(moe_model("ernie4_5_vl_moe"), 0, GLOBAL.shape[0])
+    assert expected["kept"] == []
+    for report in run_ranks(ep_raised_then_text_only, 2):
+        assert report["kept"] == [], report["kept"]
+        assert report["grads"].keys() == expected["grads"].keys(), report["grads"].keys() ^ expected["grads"].keys()
+        check_training(report, expected)

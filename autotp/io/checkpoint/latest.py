@@ -3,8 +3,9 @@
 A save is finished when its directory is in place under its own name. `save_checkpoint` writes into a
 hidden sibling (`autotp.io.staging`): every rank writes and fsyncs its data files (DCP's writer,
 `sync_files`), rank 0 writes DCP's `.metadata` last (a temporary file, fsynced, then renamed), and only
-once every rank reported success is the directory renamed into place. A save cut off at any point,
-sync or async, leaves at most a hidden directory, which is never a candidate. A visible directory is
+once every rank reported success is the directory renamed into place (an async save's by rank 0 as soon as its
+write completes: `autotp.io.checkpoint.save._Pending`). A save cut off at any point, sync or async, leaves at most a
+hidden directory, which is never a candidate. A visible directory is
 also checked as `load_checkpoint` checks it before reading anything (its `autotp_checkpoint.json`,
 DCP's index, every data file at the length the index gives it); one that fails (damaged, partly
 copied) is skipped with a warning naming what is wrong, so the older complete one is taken.

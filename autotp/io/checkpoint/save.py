@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import pickle
+import threading
 import time
 import warnings
 from contextlib import ExitStack, contextmanager
@@ -39,7 +40,7 @@ from ...mesh import at_finish, global_rank, group_size, new_group, world_timeout
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
 from ..errors import CheckpointError, agree, world
-from ..staging import staged_directory
+from ..staging import place_now, staged_directory
 from . import rng_state, stages
 from .chunks import Chunks
 
@@ -198,10 +199,25 @@ def named(err: CheckpointException) -> Exception:
 
 
 class _Pending:
-    """An `async_save` being written: its future and the staged directory it is put in place from."""
+    """An `async_save` being written: its future and the staged directory it is put in place from. DCP's write
+    succeeds only once every rank's data and the index are written (its ranks exchange outcomes in the write's thread,
+    over `checkpoint_group()`), so global rank 0 puts it in place as soon as its write completes (`place_now`, from
+    that thread: no collective of training's). `wait` exchanges the outcome, raising a failure on every rank."""
 
-    def __init__(self, future: Any, staging: ExitStack):
+    def __init__(self, future: Any, staging: ExitStack, tmp: Path, target: Path):
         self.future, self.staging = future, staging
+        self.placed = threading.Event()  # rank 0's completion callback has run (the others have none)
+        if global_rank() == 0:
+            future.add_done_callback(lambda done: self._place(done, tmp, target))
+        else:
+            self.placed.set()
+
+    def _place(self, done: Any, tmp: Path, target: Path) -> None:
+        try:
+            if not done.cancelled() and done.exception() is None:
+                place_now(tmp, target)
+        finally:
+            self.placed.set()
 
     def wait(self) -> None:
         try:
@@ -209,6 +225,8 @@ class _Pending:
                 self.future.result()
             except CheckpointException as err:
                 raise named(err) from None
+            finally:  # the future runs its callbacks after waking those waiting for its result
+                self.placed.wait()
         except BaseException as err:  # the staging exit tells every rank, and removes what was written
             if not self.staging.__exit__(type(err), err, err.__traceback__):
                 raise
@@ -258,8 +276,10 @@ def save_checkpoint(
 
     A non-empty `directory` is replaced only with `overwrite=True`, and only once the new one is complete.
     A failure on any rank (a full disk, say) is raised on every rank and leaves the previous one in place.
-    `async_save=True` returns once this rank's tensors are copied to CPU memory and writes in the background;
-    the next save, load, or `autotp.finish()` waits for it (and raises its failure, on every rank).
+    `async_save=True` returns once this rank's tensors are copied to CPU memory and writes in the background; the
+    checkpoint is put in place as soon as every rank's write completed (a process killed after that keeps it), and
+    the next save, load, `latest_checkpoint` or `autotp.finish()` waits for it (and raises its failure, on every
+    rank).
     """
     try:
         json.dumps(state)
@@ -310,7 +330,7 @@ def write(
         writer = _Writer(tmp, directory)
         if async_save:
             future = run_dcp(dcp.async_save, entries, storage_writer=writer, async_stager=_Copied())
-            _pending.append(_Pending(future, staging))
+            _pending.append(_Pending(future, staging, tmp, Path(directory)))
             return
         run_dcp(dcp.save, entries, storage_writer=writer)
     except BaseException as err:

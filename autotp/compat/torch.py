@@ -175,3 +175,9 @@ class StaticStage(PipelineStage):
 
     def _post_metadata_inference_cleanup(self) -> None:
         pass
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """Raise `message` where the one-element `condition` is false: on CUDA a device-side assert, with no host sync
+    (torch's private `_assert_async`)."""
+    torch._assert_async(condition, message)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compat.torch import assert_async
 from ..mesh import Group, group_rank, group_size
 from ..planning.sharding import Partition
 from ..runtime.collectives import all_reduce, gather_from_tp, reduce_from_tp
@@ -64,6 +65,14 @@ class VocabParallelEmbedding:
 
     def _enter(self, module, args):
         ids = args[0]
+        # an id outside the whole vocabulary is masked on every rank, so it would look up zeros and train, silently,
+        # where one process's embedding raises IndexError
+        assert_async(
+            ((ids >= 0) & (ids < self.full_rows)).all(),
+            f"autotp: a token id outside the vocabulary of {self.full_rows} rows reached the vocab-parallel "
+            f"{type(module).__name__} (one process raises IndexError there): check the tokenizer's ids against the "
+            f"model's vocab_size, or resize_token_embeddings before autotp.wrap",
+        )
         self._mask = (ids < self.start) | (ids >= self.start + self.count)
         return ((ids - self.start).masked_fill(self._mask, 0), *args[1:])
 

@@ -251,6 +251,19 @@ def sp_odd(world: int) -> str:
     return f"ran: loss {abs(out.loss.item() - expected.loss.item())}"
 
 
+def id_out_of_range(world: int) -> str:
+    """A token id past the vocabulary: one process's embedding raises IndexError; the vocab-parallel one (whose every
+    rank masks it) must raise too, not look up zeros and train."""
+    model = autotp.wrap(tiny_model("llama").train(), world)
+    ids = IDS.clone()
+    ids[0, 3] = model.config.vocab_size + 5
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    except (IndexError, RuntimeError) as error:
+        return message(error)
+    return "ran"
+
+
 def ring(rank: int, world: int) -> dict:
     """Every case at tp=`world`."""
     chunked = dict(loss_chunk=CHUNK)
@@ -276,6 +289,7 @@ def ring(rank: int, world: int) -> dict:
     }
     if world > 1:
         report["sp odd"] = sp_odd(world)
+        report["id out of range"] = id_out_of_range(world)
     return report
 
 
@@ -342,3 +356,10 @@ def test_sequence_parallel_on_a_sequence_tp_does_not_divide_is_refused_by_name(r
     for report in reports[1:]:
         assert "sequence_parallel needs the sequence length (15) to be a multiple of tp_size=2" in report["sp odd"]
         assert "pad_to_multiple_of=2" in report["sp odd"], report["sp odd"]
+
+
+def test_a_token_id_past_the_vocabulary_raises_under_vocab_parallelism_as_one_process_raises(
+    reports: list[dict],
+) -> None:
+    for report in reports[1:]:
+        assert "a token id outside the vocabulary of 256 rows" in report["id out of range"], report["id out of range"]

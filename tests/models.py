@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers as tf
 from safetensors import safe_open
 from torch import nn
@@ -348,3 +349,23 @@ def held_by_autotp(model: nn.Module) -> dict[int, str]:
         elif type(obj).__module__.startswith("autotp") and hasattr(obj, "__dict__"):
             stack += [(f"{path}.{key}", value) for key, value in vars(obj).items()]
     return found
+
+
+def focal_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    num_items_in_batch: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """A user's causal-LM loss, as transformers calls a model's `loss_function`: the mean focal loss (gamma 2) of the
+    next tokens, which is not cross-entropy and ignores `num_items_in_batch`."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
+    target = shift_labels.reshape(-1).to(logp.device)
+    kept = target != ignore_index
+    picked = logp[kept].gather(-1, target[kept, None]).squeeze(-1)
+    return (-((1 - picked.exp()) ** 2) * picked).mean()

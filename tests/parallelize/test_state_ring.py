@@ -23,25 +23,13 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import batch, tiny_model
+from models import batch, focal_loss, tiny_model
 from pp_workers import pp_batch
-
-
-def focal_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw):
-    """A user's loss (mean focal loss of the next tokens), as transformers calls `loss_function`."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
-    target = shift_labels.reshape(-1).to(logp.device)
-    kept = target != ignore_index
-    picked = logp[kept].gather(-1, target[kept, None]).squeeze(-1)
-    return (-((1 - picked.exp()) ** 2) * picked).mean()
 
 
 def decay_groups(model: torch.nn.Module) -> list[dict]:

@@ -13,32 +13,11 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
 import autotp
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from models import batch, labels_with_ignored, tiny_model
-
-
-def focal_loss(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    vocab_size: int | None = None,
-    num_items_in_batch: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor:
-    """A user's causal-LM loss, as transformers calls a model's `loss_function`: the mean focal loss (gamma 2) of the
-    next tokens, which is not cross-entropy and ignores `num_items_in_batch`."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    logp = F.log_softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
-    target = shift_labels.reshape(-1).to(logp.device)
-    kept = target != ignore_index
-    picked = logp[kept].gather(-1, target[kept, None]).squeeze(-1)
-    return (-((1 - picked.exp()) ** 2) * picked).mean()
+from models import batch, focal_loss, labels_with_ignored, tiny_model
 
 
 def set_loss(model: torch.nn.Module) -> None:

@@ -28,7 +28,7 @@ def bf16_parity(rank: int, world: int, tp: int, pp: int, options: dict) -> dict:
     process's bf16 against its fp32, the error the wrapped bf16 against one process's bf16; and the tokens."""
     options = dict(options)
     pads = options.pop("pads", (0, 3, 6, 9))
-    fp32 = tiny_model("llama")
+    fp32 = tiny_model("llama", num_hidden_layers=options.pop("layers", 2))
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     model = autotp.wrap(copy.deepcopy(bf16), tp, pp_size=pp, **options)
     runs = {"fp32": fp32, "bf16": bf16, "wrapped": model}
@@ -243,12 +243,16 @@ def pp2_edges(rank: int, world: int, path: str) -> dict:
 
 
 def pp4_edges(rank: int, world: int) -> dict:
-    """The 4-rank cases of tests/pp/test_pp_edges.py in one spawn: bf16 at pp 2 x tp 2 and at pp 2 x dp 2 (each DP
-    replica's half of the batch holding as many labels as the other), and at pp 2 x tp 2 with sequence parallelism
+    """The 4-rank cases of tests/pp/test_pp_edges.py in one spawn: bf16 at pp 2 x tp 2, at pp 2 x dp 2 (each DP
+    replica's half of the batch holding as many labels as the other), at pp 4 and under Interleaved1F1B at pp 2 x dp 2, and at pp 2 x tp 2 with sequence parallelism
     a sequence that does not split over TP, refused on every rank before the schedule."""
     report: dict[str, Any] = {
         "tp": bf16_parity(rank, world, 2, 2, dict(pp_microbatches=2)),
         "dp": bf16_parity(rank, world, 1, 2, dict(pp_microbatches=2, pads=(0, 6, 3, 3))),
+        "pp4": bf16_parity(rank, world, 1, 4, dict(pp_microbatches=4, layers=4)),
+        "interleaved dp": bf16_parity(
+            rank, world, 1, 2, dict(pp_schedule="Interleaved1F1B", pp_microbatches=2, layers=4, pads=(0, 6, 3, 3))
+        ),
     }
     model = autotp.wrap(tiny_model("llama"), 2, pp_size=2, sequence_parallel=True)
     inputs = pp_batch(seq=15, pads=(0, 0, 0, 0))

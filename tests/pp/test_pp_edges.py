@@ -1,5 +1,6 @@
 """Pipeline parallelism's edges, each against one process (plain transformers, same seed, same calls) or refused by
-name on every rank before anything changes: bf16 (training, evaluation, generate) at pp 2, pp 2 x tp 2 and pp 2 x dp 2;
+name on every rank before anything changes: bf16 (training, evaluation, generate) at pp 2, pp 2 x tp 2, pp 2 x dp 2,
+pp 4 and Interleaved1F1B;
 a stage with nothing to train under `clip_grad_norm_`; `return_dict=False`; AutoTPTrainer's `evaluate` and its
 batches that do not split into the micro-batches; batches that differ between stages (check_inputs=True);
 `resize_token_embeddings`; a compiled model; OPT's final norm on the last stage; Llama-4; ranks that disagree on
@@ -52,11 +53,11 @@ def test_bf16_at_pp2_trains_evaluates_and_generates_within_bf16_noise(pp2: list[
 
 
 @pytest.mark.slow  # 4 ranks; pp 2 keeps the quick test above
-def test_bf16_at_pp2_tp2_and_pp2_dp2_within_bf16_noise_and_sp_padding_refused_on_every_rank() -> None:
+def test_bf16_at_pp2_tp2_pp2_dp2_pp4_and_interleaved_within_bf16_noise_and_sp_padding_refused_on_every_rank() -> None:
     reports = run_ranks(pp4_edges, 4)
     for report in reports:
-        assert_bf16_parity(report["tp"])
-        assert_bf16_parity(report["dp"])
+        for layout in ("tp", "dp", "pp4", "interleaved dp"):
+            assert_bf16_parity(report[layout])
         message, untouched = report["sp"]
         assert "sequence_parallel needs the sequence length (15) to be a multiple of tp_size=2" in message
         assert "pad_to_multiple_of=2" in message and untouched, report["sp"]

@@ -3,6 +3,8 @@ of tests/pp/test_pp_compose.py (a helper module beside them; the parity harness 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
@@ -12,6 +14,22 @@ import autotp
 from autotp.pp.cut import find_cut, owner
 from models import batch, tiny_model
 from pp_workers import pp_parity
+
+
+def trainer_arguments(path: str, **options: Any) -> TrainingArguments:
+    """The pipeline Trainer runs' arguments: batches of 4 rows on the CPU, no reports, saves or progress bars."""
+    return TrainingArguments(
+        output_dir=path,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-3,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        **options,
+    )
 
 
 def counted_pp_parity(rank: int, world: int, *args: object) -> dict:
@@ -72,19 +90,7 @@ def trainer_run(rank: int, world: int, path: str, pp: int) -> dict:
             return loss
 
     model = autotp.wrap(tiny_model("llama"), 1, pp_size=pp, pp_microbatches=2)
-    args = TrainingArguments(
-        output_dir=path,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        max_grad_norm=0.5,
-        learning_rate=1e-3,
-        seed=0,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        save_strategy="no",
-    )
+    args = trainer_arguments(path, gradient_accumulation_steps=2, max_steps=2, max_grad_norm=0.5)
     trainer = Recording(model=model, args=args, train_dataset=Padded())
     trainer.train()
     stage = owner(model, find_cut(tiny_model("llama"), pp, None)) if pp > 1 else (lambda name: 0)

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 import transformers as tf
 from peft import LoraConfig, get_peft_model
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 import autotp
 from autotp.testing import parity, tiny_config
-from compose_workers import Padded
+from compose_workers import Padded, trainer_arguments
 from ep_workers import whole
 from models import batch, tiny_model
 from pp_workers import pp_batch, pp_parity, replica_rows, replicas_loss
@@ -121,21 +121,6 @@ def metric(prediction: Any) -> dict[str, float]:
     scores = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, targets.clamp_min(0).unsqueeze(-1))[..., 0]
     kept = targets != -100
     return {"log_likelihood": (scores * kept).sum().item() / kept.sum().item()}
-
-
-def trainer_arguments(path: str, **options: Any) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=path,
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-3,
-        seed=0,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        save_strategy="no",
-        **options,
-    )
 
 
 def one_process_evaluation(rank: int, world: int, path: str) -> dict[str, float]:

@@ -1,9 +1,11 @@
-"""Fixtures every test module may use. Shared non-fixture helpers live in tests/models.py (a helper module), a
-package's own rank workers beside its tests (tests/io/resume_workers.py, tests/cp/cp_workers.py); test
-modules never import each other (tests/package/test_suite_hygiene.py checks)."""
+"""Fixtures every test module may use, and the quick tier's rule for parametrised tests (one case each). Shared
+non-fixture helpers live in tests/models.py (a helper module), a package's own rank workers beside its tests
+(tests/io/resume_workers.py, tests/cp/cp_workers.py); test modules never import each other
+(tests/package/test_suite_hygiene.py checks)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -55,3 +57,22 @@ def gloo_group_of_one():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` deselection reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The quick tier keeps one case of each parametrised test, its first case not already `slow`; the other cases
+    are `slow` too. CI runs both tiers, so every case still runs there; the quick tier stays a few minutes.
+    `AUTOTP_EVERY_CASE=1` keeps every case in the tier that marks name (CI's newest-torch leg runs the torch-facing
+    quick tests so, as before this rule)."""
+    if os.environ.get("AUTOTP_EVERY_CASE") == "1":
+        return
+    kept: set[tuple[str, str]] = set()
+    for item in items:
+        if getattr(item, "callspec", None) is None or item.get_closest_marker("slow"):
+            continue
+        test = (str(item.path), getattr(item, "originalname", item.name))
+        if test in kept:
+            item.add_marker(pytest.mark.slow)
+        else:
+            kept.add(test)

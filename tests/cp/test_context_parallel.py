@@ -75,6 +75,7 @@ def test_parity_at_cp2_llama_plain_packed_padding() -> None:
         assert_cp_parity(list(rank_reports), "llama cp=2")
 
 
+@pytest.mark.slow  # a family sweep; Llama's cp2 parity stays quick
 @pytest.mark.timeout(120)
 def test_parity_at_cp2_qwen3_mixtral_gpt2() -> None:
     """Per-head q/k norms (Qwen3), an MoE family (Mixtral; with its load-balancing loss, from every token's router
@@ -97,6 +98,7 @@ def test_sdpa_in_query_blocks_matches_one_process(mode: str) -> None:
     assert_cp_parity(run_ranks(cp_parity_in_blocks, 2, mode), f"sdpa blocks cp=2 {mode}")
 
 
+@pytest.mark.slow  # about 1.5 s; cp2 parity stays quick
 @pytest.mark.timeout(120)
 def test_parity_at_cp2_through_the_flash_branch() -> None:
     """The variable-length (flash) branch, through a reference function with flash's signature registered with
@@ -148,6 +150,7 @@ def test_sequence_parallel_inside_cp_at_tp2_cp2() -> None:
         assert_cp_parity(list(rank_reports), "sequence_parallel tp=2 x cp=2")
 
 
+@pytest.mark.slow  # about 1 s; cp2 parity stays quick
 @pytest.mark.timeout(120)
 def test_parity_at_cp2_with_activation_checkpointing() -> None:
     """A checkpointed decoder layer recomputed in backward finds its forward's split and masks (they come down with
@@ -383,6 +386,7 @@ def test_ddp_averages_over_dp_cp_and_refuses_dp_alone() -> None:
         run_ranks(cp_ddp, 2, "dp_group")
 
 
+@pytest.mark.slow  # a memory measurement (about 1 s); cp2 parity stays quick
 @pytest.mark.timeout(120)
 def test_activations_held_per_rank_fall_with_cp() -> None:
     """At 2048 tokens a cp=2 rank holds at most 0.6x the activations of one process (the issue's acceptance)."""

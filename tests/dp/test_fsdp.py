@@ -99,6 +99,7 @@ def test_fsdp_dp2_tp2_equals_one_process(case: str, reshard: bool) -> None:
         assert report["moments"] == report["local"]
 
 
+@pytest.mark.slow  # about 2 s; FSDP's parity at dp2 x tp2 stays quick
 def test_fsdp_gradient_accumulation_without_sync_equals_one_process() -> None:
     family, config, options = CASES["llama-kv1"]
     expected = one_process(family, config)
@@ -175,6 +176,7 @@ def mixed_precision(rank: int, world: int) -> dict:
     return {"losses": losses, "compute": seen[0], "stored": next(model.parameters()).dtype}
 
 
+@pytest.mark.slow  # about 1.5 s; FSDP's parity at dp2 x tp2 stays quick
 def test_fsdp_mixed_precision_computes_in_bf16_and_tracks_fp32() -> None:
     """bf16 compute keeps ~3 significant digits: the loss within 2e-2 of the fp32 one-process run."""
     expected = one_process("qwen3", {})["losses"]
@@ -229,6 +231,7 @@ def gathered_under_fsdp(rank: int, world: int, path: str) -> dict:
     }
 
 
+@pytest.mark.slow  # about 1.5 s; FSDP's parity at dp2 x tp2 stays quick
 def test_gather_under_fsdp_holds_full_weights_and_gives_them_back(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -303,6 +306,7 @@ def resume_rank(rank: int, world: int, path: str) -> dict:
     }
 
 
+@pytest.mark.slow  # about 3 s; FSDP's parity at dp2 x tp2 stays quick
 def test_fsdp_resume_is_bit_exact_and_consolidates(tmp_path) -> None:
     """Each rank writes its DP rows of its TP shard (and of its Adam moments) as boxes of the full tensors: the same
     layout resumes bit-exactly, a model without fully_shard reads it too, and consolidate joins them."""

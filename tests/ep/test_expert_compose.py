@@ -387,6 +387,7 @@ def resumed_in_one_process(path: str) -> dict:
     }
 
 
+@pytest.mark.slow  # about 2 s; ep2 checkpoints stay quick (test_expert_state.py)
 def test_checkpoints_under_fully_shard_at_ep2_resume_in_one_process_and_at_ep2(tmp_path) -> None:
     """3 steps under fully_shard at ep 2, `save_checkpoint`; resumed in one process and under fully_shard at ep 2,
     each as 6 straight steps of one process go (tolerances of tests/io/test_reshard_resume.py: loss 1e-5,

@@ -188,6 +188,7 @@ def test_saved_at_ep2_resumes_without_ep_and_in_one_process(tmp_path: Path) -> N
     consolidated(tmp_path, path)
 
 
+@pytest.mark.slow  # about 1 s; a checkpoint saved at ep2 resuming stays quick
 def test_saved_without_ep_resumes_at_ep2(tmp_path: Path) -> None:
     """The other direction: saved at tp 2 (experts split by width), resumed at ep 2 (split by expert)."""
     path = str(tmp_path / "ckpt")

@@ -72,6 +72,7 @@ def resume_in_second_epoch(rank: int, world: int, path: str) -> dict:
     return {"whole": (whole.read, whole.losses), "resumed": (resumed.read, resumed.losses)}
 
 
+@pytest.mark.slow  # Trainer runs (about 2 s); a Trainer resume stays quick
 @pytest.mark.timeout(120)
 def test_a_resume_inside_the_second_epoch_reads_that_epochs_samples(tmp_path: Path) -> None:
     """Trainer skips the resumed epoch's first batches with accelerate's `skip_first_batches` and sets the epoch on the
@@ -100,6 +101,7 @@ def sequential_reads(rank: int, world: int, path: str) -> dict:
     return {"own": trainer.read, "subclass": subclass.read, "replicas": error}
 
 
+@pytest.mark.slow  # Trainer runs (about 2 s); a Trainer resume stays quick
 @pytest.mark.timeout(120)
 def test_a_trainers_own_sampler_is_dealt_over_dp_replicas(tmp_path: Path) -> None:
     """Before: AutoTPTrainer ignored a `_get_train_sampler` of the user's for its shuffled DP sampler, silently. Now
@@ -123,6 +125,7 @@ def resume_model_only(rank: int, world: int, path: str) -> list[float]:
     return resumed.losses
 
 
+@pytest.mark.slow  # Trainer runs (about 3 s); a Trainer resume stays quick
 @pytest.mark.timeout(120)
 def test_a_checkpoint_of_the_model_alone_resumes_as_trainers_does(tmp_path: Path) -> None:
     """Trainer resumes a `save_only_model=True` checkpoint with a fresh optimizer and scheduler (there is no state to

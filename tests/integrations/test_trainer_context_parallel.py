@@ -17,6 +17,7 @@ def cp_trainer_losses(rank: int, world: int, path: str, cp: int) -> list[float]:
     return trainer.losses
 
 
+@pytest.mark.slow  # a Trainer run (about 1.5 s); cp2 parity and a Trainer resume stay quick
 @pytest.mark.timeout(120)
 def test_trainer_under_context_parallelism_trains_as_one_rank(tmp_path: Path) -> None:
     """cp=2: each CP rank computes its half of every sequence, the gradients are summed over CP (DDP over DP x CP),

@@ -52,6 +52,7 @@ def test_sft_at_ep2_trains_as_one_process(tmp_path: Path, tp: int, aux: bool) ->
         assert_close(report, one)
 
 
+@pytest.mark.slow  # TRL at dp2 x ep2 (about 3 s); TRL's SFT at ep 2 stays quick
 def test_sft_load_balancing_loss_at_dp2_ep2_weighs_as_one_process(tmp_path: Path) -> None:
     """Every sequence alike, so each replica's router statistics are the whole batch's and the mean over replicas of
     their load-balancing losses is one process's. Before: AutoTPTrainer scaled TRL's SFT loss by the DP size for

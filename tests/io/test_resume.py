@@ -194,6 +194,7 @@ def logits_at(rank: int, world: int, path: str) -> torch.Tensor:
         return model(batch()).logits
 
 
+@pytest.mark.slow  # 4 ranks; resuming at another layout stays quick
 def test_reshard_tp4_checkpoint_to_tp2_and_plain(tmp_path: Path) -> None:
     run_ranks(save_both, 4, str(tmp_path / "ckpt"), str(tmp_path / "full"))
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "full")

@@ -83,6 +83,7 @@ def test_relative_links_point_to_existing_files(page: Path) -> None:
     assert not broken, f"{page.name}: {broken}"
 
 
+@pytest.mark.slow  # mkdocs (about 3 s); CI also runs `mkdocs build --strict` itself
 @pytest.mark.timeout(120)
 def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")

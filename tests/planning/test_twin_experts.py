@@ -42,6 +42,7 @@ def qwen3_235b() -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN3_235B))
 
 
+@pytest.mark.slow  # the 235B config on meta (about 3 s); its EP check stays quick
 @pytest.mark.timeout(240)
 def test_a_235b_moe_on_meta_shards_every_attention_projection(qwen3_235b: torch.nn.Module) -> None:
     """Before, no twin was built (too many experts) and all 376 attention projections stayed replicated."""

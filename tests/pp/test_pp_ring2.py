@@ -84,6 +84,7 @@ def two_ranks(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.slow  # about 2 s; bf16 at pp2 stays quick (test_pp_edges.py, test_pp_ring.py)
 def test_pp2_draws_in_bf16_and_accumulated_and_zambas_shared_block_frozen_or_with_lora() -> None:
     for report in run_ranks(two_ranks, 2):
         first, again = report["bf16"], report["bf16 again"]

@@ -162,6 +162,7 @@ def checkpointed(rank: int, world: int) -> dict:
     return report
 
 
+@pytest.mark.slow  # about 1.5 s; SP parity stays quick
 def test_activation_checkpointing_keeps_no_sequence_chunk_and_keeps_parity() -> None:
     """Checkpointing keeps only each layer's input: the column layers' shared chunk must not outlive the block's
     forward outside autograd's saved tensors, or SP would hold more than it saves."""

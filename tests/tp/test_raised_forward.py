@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import weakref
 
 import torch
@@ -63,6 +64,19 @@ def build(tp: int | None, lora: bool, copied: bool, reference: nn.Module | None 
     return model
 
 
+def held_after_unwinding(failed: list[weakref.ref]) -> int:
+    """How many of the failed try's decoder-layer outputs are still alive once it has unwound. A gloo worker thread
+    drops its reference to a collective's tensors just after the waiting rank resumes (on a loaded machine, a moment
+    later): a tensor only it holds is released within the second given here; a leak is held for good."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        gc.collect()
+        held = sum(ref() is not None for ref in failed)
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.01)
+
+
 def retried_steps(model: nn.Module, group: dist.ProcessGroup | None, where: str) -> dict:
     """Two AdamW steps through `find_executable_batch_size`: its first try (4 rows) raises at `where`, its retry
     (2 rows) trains. What the retry finds held of the failed try, and what it trains."""
@@ -85,8 +99,7 @@ def retried_steps(model: nn.Module, group: dist.ProcessGroup | None, where: str)
 
     @find_executable_batch_size(starting_batch_size=4, reduce_batch_size_fn=lambda: 2)
     def train(rows: int) -> dict:
-        gc.collect()
-        report = {"rows": rows, "held": sum(ref() is not None for ref in failed), "losses": [], "grads": {}}
+        report = {"rows": rows, "held": held_after_unwinding(failed), "losses": [], "grads": {}}
         report["kept"] = sorted(path for key, path in held_by_autotp(model).items() if key not in before)
         if not fault.armed:  # after the raise, the LM head called alone (RL code's log-probabilities) gives logits
             with torch.no_grad():

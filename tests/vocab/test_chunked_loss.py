@@ -175,6 +175,7 @@ def saved_bytes(rank: int, world: int, chunk: int | None) -> int:
     return sum(saved.values())
 
 
+@pytest.mark.slow  # a memory measurement (about 1.5 s); the chunked loss's parity stays quick
 def test_a_chunked_step_saves_at_most_an_eighth_of_the_whole_logits_step() -> None:
     chunked = run_ranks(saved_bytes, 2, 1024)
     whole = run_ranks(saved_bytes, 2, None)

@@ -30,8 +30,8 @@ class Part(Protocol):
     """What this rank holds of a model split by names over ranks (a pipeline's stages), for a training checkpoint:
     each rank saves and loads its part under the full names (`Dimension.owned`)."""
 
-    where: str  # how the model is held, for an error ("under a pipeline at pp_size=2")
-    whole: str  # the option that holds it whole, for an error ("pp_size=1")
+    where: str  # how the model is held, for an error ("under a pipeline" and its size)
+    whole: str  # the option that holds it whole, for an error (its size at 1)
 
     def holds(self, name: str) -> bool:
         """Whether this rank saves and loads the tensor of that state-dict name."""

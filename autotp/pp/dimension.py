@@ -260,9 +260,9 @@ class PipelineParallelism(Dimension):
         return self.runner.group
 
     def layout(self) -> dict[str, Any]:
-        """A record: the stage cut saved at (each rank saves its stages' tensors under their full names, so a
-        checkpoint loads at any cut: `autotp.pp.stage_names`)."""
-        return {"pp_bounds": list(self.cut.bounds)}
+        """A record: the pipeline's size and the stage cut saved at (each rank saves its stages' tensors under their
+        full names, so a checkpoint loads at any cut: `autotp.pp.stage_names`)."""
+        return {"pp_size": group_size(self.runner.group), "pp_bounds": list(self.cut.bounds)}
 
     def owned(self, model: nn.Module) -> StageNames:
         """A training checkpoint: this rank saves and loads what its stages own (`autotp.pp.stage_names`)."""

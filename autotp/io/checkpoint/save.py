@@ -59,18 +59,18 @@ def layout(model: nn.Module) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
-    pp = 1 if state is None else state.options.pp_size  # each stage's tensors saved by that stage's ranks
     record = {
         "tp_size": tp,
         "cp_size": cp,
         "ep_size": 1,
-        "pp_size": pp,
+        "pp_size": 1,
         "world_size": world_size,
-        "dp_size": world_size // (tp * cp * pp),
+        "dp_size": world_size,
         "fsdp": state is not None and state.fsdp,
     }
-    for dimension in [] if state is None else state.dims.values():  # ep_size, the pp cut: records, stored whole
+    for dimension in [] if state is None else state.dims.values():  # ep_size, the pipeline's size and cut: records
         record.update(dimension.layout())
+    record["dp_size"] = world_size // (tp * cp * record["pp_size"])  # each stage's tensors saved by its ranks
     return record
 
 

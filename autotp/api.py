@@ -44,8 +44,6 @@ from .parallelize import dimensions as pipeline_dimensions
 from .parallelize import parallelize
 from .planning.plan import Plan
 from .planning.planner import build_plan
-from .pp.dimension import PipelineParallelism
-from .pp.load import drop_other_stages
 from .runtime.agreement import check_agreement, check_sizes
 from .runtime.dimension import base_plan
 from .runtime.replaced import track_replaced
@@ -84,9 +82,9 @@ def wrap(model: nn.Module, tp_size: int, **kw: Unpack[WrapKwargs]) -> nn.Module:
     state.replaced = track_replaced(
         before, model, "autotp.wrap"
     )  # such an optimizer's step refused where wrap put a new object
-    pipeline = state.dim(PipelineParallelism)
-    if pipeline is not None:  # LoRA added later would draw other values than one process draws: refused then
-        pipeline.adapters = frozenset(id(lora) for _, _, lora in lifted)
+    adapters = frozenset(id(lora) for _, _, lora in lifted)
+    for dimension in state.dims.values():
+        dimension.after_wrap(model, state, adapters)
     device = device_of(state.tp_group)
     if device.type == "cuda":  # under NCCL: the shards to this rank's GPU
         model.to(device)
@@ -128,9 +126,9 @@ def from_pretrained(
         model = build_model(config, task, dtype=dtype)
     model.tie_weights()  # tied parameters become one object, loaded once under whichever name the file has
 
-    def load(state: TPState) -> None:
+    def load(state: TPState, unread: tuple[str, ...]) -> None:
+        """`unread`: what the dimensions dropped before the read (at pp > 1, the layers other stages run)."""
         target = device_of(state.tp_group) if device is None else device
-        unread = drop_other_stages(model, state)  # at pp > 1: this rank reads only its stages' layers
         load_params(model, files, torch.device(target), dtype, show=is_global_rank0(), unread=unread)
         model.to(target)  # buffers built at init
 
@@ -156,7 +154,7 @@ def _shard(
     model: nn.Module,
     tp_size: int,
     options: WrapOptions,
-    materialize: Callable[[TPState], None] | None = None,
+    materialize: Callable[[TPState, tuple[str, ...]], None] | None = None,
     call: str = "wrap",
 ) -> TPState:
     """The one sharding pipeline, all or nothing: every check runs before `parallelize` changes the model, and a
@@ -197,7 +195,8 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
         dimension.refuse(model, plan, options)
     if options.sequence_parallel:
-        sequence_layout(model, *base_plan(dimensions, model, plan, options), full=plan)
+        tp_plan, whole, _ = base_plan(dimensions, model, plan, options)
+        sequence_layout(model, tp_plan, whole, full=plan)
     return plan
 
 

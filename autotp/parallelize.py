@@ -13,7 +13,8 @@ between them), then `INTEGRATIONS`, which act on the model all dimensions made. 
 3. `SequenceParallelism`: around the decoder layers just made parallel (`autotp.sp`);
 4. `ExpertParallelism`: each MoE layer keeps its EP rank's experts and dispatches tokens to them (`autotp.ep`);
    before `materialize`, so that a load reads only this rank's experts;
-5. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters (its experts whole);
+5. `materialize`: `from_pretrained` reads each rank's slices into the sharded parameters (its experts whole), after
+   each dimension's `before_load` (a pipeline drops the layers other stages run);
 6. `GradientHooks`: gradient sums, on the parameters once they are final (`autotp.tp`);
 7. `ContextParallelism`: after vocab parallelism's loss, which it wraps (`autotp.cp`);
 8. `PipelineParallelism`: this rank's stages keep their layers, the others' pass through (`autotp.pp`); last, on
@@ -69,15 +70,20 @@ from .vocab.dimension import VocabParallelism
 
 
 def parallelize(
-    model: nn.Module, plan: Plan, mesh: Mesh, options: WrapOptions, materialize: Callable[[TPState], None] | None = None
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh,
+    options: WrapOptions,
+    materialize: Callable[[TPState, tuple[str, ...]], None] | None = None,
 ) -> TPState:
     """Apply `plan` and every parallelism `options` asks for to `model`, in the order the module docstring gives;
-    returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`)."""
+    returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`),
+    given the name prefixes of the tensors it need not read (each dimension's `before_load`)."""
     snapshot = Snapshot(model)
     steps = parallelisms(materialize)
     try:
-        tp_plan, whole = base_plan([s for s in steps if isinstance(s, Dimension)], model, plan, options)
-        state = TPState(tp_plan, mesh, group_rank(mesh.tp), options, whole=whole)
+        tp_plan, whole, found = base_plan([s for s in steps if isinstance(s, Dimension)], model, plan, options)
+        state = TPState(tp_plan, mesh, group_rank(mesh.tp), options, whole=whole, found=found)
         for step in steps:
             snapshot.track(step.apply(model, plan, state))
         for integration in (hf_methods, ddp_guard, input_check, guards, float8_over_dp, replica_broadcast):
@@ -89,18 +95,20 @@ def parallelize(
     return state
 
 
-def parallelisms(materialize: Callable[[TPState], None] | None = None) -> list[Step]:
+def parallelisms(materialize: Callable[[TPState, tuple[str, ...]], None] | None = None) -> list[Step]:
     """The dimensions' steps in order, new objects for one wrap: a dimension is one line here."""
-    return [
+    steps: list[Step] = []
+    steps += [  # in place: `Materialize` reads the dimensions of this list
         TensorParallelism(),
         VocabParallelism(),
         SequenceParallelism(),
         ExpertParallelism(),
-        Materialize(materialize),
+        Materialize(materialize, steps),
         GradientHooks(),
         ContextParallelism(),
         PipelineParallelism(),
     ]
+    return steps
 
 
 def dimensions() -> list[Dimension]:
@@ -109,14 +117,16 @@ def dimensions() -> list[Dimension]:
 
 
 class Materialize:
-    """`from_pretrained`'s load into the sharded parameters (nothing for `wrap`)."""
+    """`from_pretrained`'s load into the sharded parameters (nothing for `wrap`), after each dimension of `steps` has
+    dropped what this rank will not hold (`before_load`)."""
 
-    def __init__(self, load: Callable[[TPState], None] | None):
-        self.load = load
+    def __init__(self, load: Callable[[TPState, tuple[str, ...]], None] | None, steps: list[Step]):
+        self.load, self.steps = load, steps
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         if self.load is not None:
-            self.load(state)
+            dims = [step for step in self.steps if isinstance(step, Dimension)]
+            self.load(state, tuple(prefix for d in dims for prefix in d.before_load(model, state)))
         return []
 
 

@@ -57,6 +57,7 @@ class TPState:
     fsdp_sharded: frozenset = frozenset()  # names of TP-sharded parameters (FSDP's unsharded copies lack the tag)
     mesh_guard: Any = None  # autotp.integrations.guards.MeshGuard, kept alive by the model it watches
     dims: dict = field(default_factory=dict)  # the active dimensions by axis (autotp.runtime.dimension.Dimension)
+    found: dict = field(default_factory=dict)  # what each dimension's split_plan found, by axis (the pipeline's cut)
     whole: tuple[str, ...] = ()  # modules a dimension keeps whole and splits itself (the experts at ep > 1)
     replaced: Any = None  # runtime.replaced.ReplacedParameters: an optimizer made before wrap is refused at its step
 

@@ -29,9 +29,9 @@ class ExpertParallelism(Dimension):
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         refuse_unsupported(model, plan, options)
 
-    def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:
+    def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...], None]:
         """The experts are taken whole, out of tensor parallelism's plan."""
-        return dense_plan(plan, options), expert_paths(model, plan, options)
+        return dense_plan(plan, options), expert_paths(model, plan, options), None
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         """Before loading, so that a load reads only this rank's experts."""

@@ -31,6 +31,8 @@ from .release import release, unowned
 from .router import Balance, unsupported
 from .schedule import LOOPED, SCHEDULES, Runner, stages_of
 from .shared import SharedGroup, shared_groups, sync_shared, tied_names, uncounted
+from .stage_names import StageNames
+from .stage_tensors import StageTensors, stage_tensors
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
@@ -40,6 +42,16 @@ _NOT_YET = {
 # what a pipeline splits by rows (a VLM's pixel_values: one image a row, for the first stage's vision tower)
 _INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "pixel_values"})
 _EVALUATED = _INPUTS | {"use_cache", "return_dict"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """What `split_plan` finds, kept in `TPState.found` for the step and `before_load`: the cut, this rank's
+    stages, and what they do not own (by path)."""
+
+    cut: Cut
+    stages: list[int]
+    released: dict[str, nn.Module]
 
 
 class PipelineParallelism(Dimension):
@@ -108,23 +120,33 @@ class PipelineParallelism(Dimension):
             )
         check_chain(model, self._cut(model, options), pp)  # a model that cannot be cut, or split points that do not fit
 
-    def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:
-        """Tensor parallelism shards only this rank's stages' layers."""
+    def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...], Any]:
+        """Tensor parallelism shards only this rank's stages' layers; the cut and this rank's stages (`Split`)."""
         if options.pp_size == 1:
-            return plan, ()
-        self.cut = self._cut(model, options)
-        self.stages = stages_of(
-            dist.get_rank() // (dist.get_world_size() // options.pp_size),
-            options.pp_size,
-            self.cut.stages // options.pp_size,
-        )
-        self.released = unowned(model, self.cut, self.stages)
-        return without(plan, self.cut.prefixes(self.stages) + tuple(f"{p}." for p in self.released)), ()
+            return plan, (), None
+        cut = self._cut(model, options)
+        pp = options.pp_size
+        stages = stages_of(dist.get_rank() // (dist.get_world_size() // pp), pp, cut.stages // pp)
+        released = unowned(model, cut, stages)
+        kept = without(plan, cut.prefixes(stages) + tuple(f"{p}." for p in released))
+        return kept, (), Split(cut, stages, released)
+
+    def before_load(self, model: nn.Module, state: TPState) -> tuple[str, ...]:
+        """`from_pretrained(..., pp_size=P)`: the layers other stages run become pass-throughs in the meta model
+        before the read (which runs before this dimension's step), so each rank reads only its stages' layers; the
+        prefixes of the checkpoint tensors it leaves out on purpose."""
+        split = state.found.get(self.name)
+        if split is None:
+            return ()
+        skip_others(model, split.cut, split.stages)
+        return split.cut.prefixes(split.stages)
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         options = state.options
         if options.pp_size == 1:
             return []
+        found: Split = state.found[self.name]
+        self.cut, self.stages, self.released = found.cut, found.stages, found.released
         group = state.mesh.group("pp")
         self.shared = shared_groups(model, self.cut, self.stages, state)  # the whole model's, collective
         if self.shared:  # kept with this dimension, which the model's state keeps
@@ -144,6 +166,10 @@ class PipelineParallelism(Dimension):
             patch_attribute(model, "generate", PipelineGenerate(model.generate))
         state.dims[self.name] = self
         return []
+
+    def after_wrap(self, model: nn.Module, state: TPState, adapters: frozenset[int]) -> None:
+        """LoRA added later would draw other values than one process draws: refused then (`refuse_peft`)."""
+        self.adapters = adapters
 
     def forward_backward(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         batch = dict(batch)
@@ -230,13 +256,21 @@ class PipelineParallelism(Dimension):
 
     def split_group(self) -> Group:
         """Each stage holds its own tensors: saving and exporting gather each on its stage and send it on over PP
-        (`autotp.io.hf.stages`), with every rank taking part."""
+        (`autotp.pp.stage_tensors`), with every rank taking part."""
         return self.runner.group
 
     def layout(self) -> dict[str, Any]:
-        """A record: the stage cut saved at (each rank saves its stages' tensors under their full names, so a
-        checkpoint loads at any cut: `autotp.io.checkpoint.stages`)."""
-        return {"pp_bounds": list(self.cut.bounds)}
+        """A record: the pipeline's size and the stage cut saved at (each rank saves its stages' tensors under their
+        full names, so a checkpoint loads at any cut: `autotp.pp.stage_names`)."""
+        return {"pp_size": group_size(self.runner.group), "pp_bounds": list(self.cut.bounds)}
+
+    def owned(self, model: nn.Module) -> StageNames:
+        """A training checkpoint: this rank saves and loads what its stages own (`autotp.pp.stage_names`)."""
+        return StageNames(model, self.cut, self.stages, group_size(self.runner.group))
+
+    def collect(self, model: nn.Module, params: dict[str, torch.Tensor], state: TPState) -> StageTensors:
+        """`save_pretrained` and `export_weights`: every stage's tensors as one model's (`autotp.pp.stage_tensors`)."""
+        return stage_tensors(model, params, state, self.cut, self.stages, self.runner.group, self.ties)
 
     def _cut(self, model: nn.Module, options: WrapOptions) -> Cut:
         looped = options.pp_schedule in LOOPED

@@ -5,12 +5,14 @@ Each dimension package (`autotp.tp`, `autotp.vocab`, `autotp.sp`, `autotp.cp`, `
 `autotp.parallelize` lists them in order, and each one's `apply` records it in `TPState.dims` when it is active. The
 gradient sync and norm (`autotp.dp.ddp`), FSDP (`autotp.dp.fsdp`), the DDP guard, the saved and exported layouts and
 the Trainer loop over `TPState.dims` instead of branching on one dimension. Every hook does nothing by default, so a
-dimension implements only the parts it has.
+dimension implements only the parts it has. A dimension that holds the model in parts over its ranks (a pipeline's
+stages) says what this rank holds (`owned`, a `Part`) and how every part is collected as one model's (`collect`, a
+`Collected`), so saving, loading and exporting need not know which dimension it is.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -18,8 +20,63 @@ from torch import nn
 from ..mesh import Group
 from ..options import WrapOptions
 from ..planning.plan import Plan
-from ..state import TPState
+from ..state import TPState, find_state
 from .rollback import Removable
+
+Like = list[tuple[tuple[int, ...], torch.dtype]]  # the shapes and dtypes of the tensors of one message
+
+
+class Part(Protocol):
+    """What this rank holds of a model split by names over ranks (a pipeline's stages), for a training checkpoint:
+    each rank saves and loads its part under the full names (`Dimension.owned`)."""
+
+    where: str  # how the model is held, for an error ("under a pipeline" and its size)
+    whole: str  # the option that holds it whole, for an error (its size at 1)
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank saves and loads the tensor of that state-dict name."""
+        ...
+
+    def elsewhere(self, name: str) -> bool:
+        """Whether a saved name is another rank's part (a loader checks the rest against the model)."""
+        ...
+
+    def trained(self, names: list[list[str]]) -> list[list[str]]:
+        """The parameters of each optimizer group (by name) whose state this rank saves and loads."""
+        ...
+
+    def optimizer_names(self, names: list[list[str]], group: Group) -> list[list[str]]:
+        """The optimizer's parameter names as one process's optimizer holds them, each rank's part gathered over
+        `group` (the world); collective."""
+        ...
+
+
+class Collected(Protocol):
+    """Every rank's part as one model's tensors, for `save_pretrained` and `export_weights` (`Dimension.collect`):
+    `params` holds every name in one process's order (another part's tensors as stand-ins of their full shape)."""
+
+    params: dict[str, torch.Tensor]
+
+    def gathers(self, group: Group) -> bool:
+        """Whether this rank takes part in gathering a tensor split over `group` (TP, or a dimension's own)."""
+        ...
+
+    def key(self, name: str) -> tuple[int, int]:
+        """Which tensors may travel in one export bucket: alike on every rank."""
+        ...
+
+    def forward(self, name: str, fetch: Callable[[bool], Any], like: Callable[[], Like], lead: bool) -> Any:
+        """What `fetch` returns for `name`'s tensors where they are gathered, sent on to where they are written."""
+        ...
+
+    def fetching(
+        self,
+        fetch: Callable[[str, bool], torch.Tensor | None],
+        fetch_part: Callable[[Any], torch.Tensor | None],
+        lead: bool,
+    ) -> tuple[Callable[[str], torch.Tensor | None], Callable[[Any], torch.Tensor | None]]:
+        """`save_pretrained`'s fetches of a whole tensor and of a part of one, run where each is held."""
+        ...
 
 
 class Step(Protocol):
@@ -39,13 +96,25 @@ class Dimension:
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         """Raise, naming the reason, for options this model cannot take: at planning time, with no process group."""
 
-    def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...]]:
-        """The plan left to tensor parallelism, and the modules this dimension keeps whole and splits itself."""
-        return plan, ()
+    def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...], Any]:
+        """The plan left to tensor parallelism, the modules this dimension keeps whole and splits itself, and what it
+        found in splitting (None: nothing), which `autotp.parallelize` keeps in `TPState.found` under its name for
+        its later hooks (a pipeline's cut and this rank's stages)."""
+        return plan, (), None
+
+    def before_load(self, model: nn.Module, state: TPState) -> tuple[str, ...]:
+        """Before `from_pretrained` reads the checkpoint into the meta model (`autotp.parallelize`'s materialize
+        step, before this dimension's own step): drop what this rank will not hold; returns the name prefixes of the
+        checkpoint tensors it need not read."""
+        return ()
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         """Its pipeline step; records itself in `state.dims` when active."""
         return []
+
+    def after_wrap(self, model: nn.Module, state: TPState, adapters: frozenset[int]) -> None:
+        """Once `autotp.wrap` has put PEFT's LoRA layers back (`adapters`: their ids), which it lifts out around the
+        steps."""
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """Its part of `autotp.allreduce_gradients` (`replicas`: the DP x CP size the dense gradients average over)."""
@@ -89,13 +158,43 @@ class Dimension:
     def refuse_export(self, target: Any) -> None:
         """Raise if `autotp.export_weights` cannot send its tensors to the engine layout `target`."""
 
+    def owned(self, model: nn.Module) -> Part | None:
+        """What this rank saves and loads of a training checkpoint when it holds the model's names in part (None:
+        every name)."""
+        return None
+
+    def collect(self, model: nn.Module, params: dict[str, torch.Tensor], state: TPState) -> Collected | None:
+        """Every rank's part of `params` (this rank's state dict, keep_vars) as one model's tensors, for saving and
+        exporting (None: this rank holds every name); collective over the ranks holding the other parts."""
+        return None
+
 
 def base_plan(
     dimensions: list[Dimension], model: nn.Module, plan: Plan, options: WrapOptions
-) -> tuple[Plan, tuple[str, ...]]:
-    """The plan tensor parallelism applies, and the modules the dimensions keep whole (each one's `split_plan`)."""
+) -> tuple[Plan, tuple[str, ...], dict[str, Any]]:
+    """The plan tensor parallelism applies, the modules the dimensions keep whole, and what each found in splitting,
+    by axis (each one's `split_plan`)."""
     whole: tuple[str, ...] = ()
+    found: dict[str, Any] = {}
     for dimension in dimensions:
-        plan, kept = dimension.split_plan(model, plan, options)
+        plan, kept, own = dimension.split_plan(model, plan, options)
         whole += kept
-    return plan, whole
+        if own is not None:
+            found[dimension.name] = own
+    return plan, whole, found
+
+
+def owned_part(model: nn.Module) -> Part | None:
+    """What this rank saves and loads of `model`'s names (`Dimension.owned`); None: every name."""
+    state = find_state(model)
+    parts = [] if state is None else [d.owned(model) for d in state.dims.values()]
+    return next((part for part in parts if part is not None), None)
+
+
+def collected(model: nn.Module, params: dict[str, torch.Tensor], state: TPState | None) -> Collected | None:
+    """Every rank's part of `params` as one model's (`Dimension.collect`); None where this rank holds every name."""
+    for dimension in [] if state is None else state.dims.values():
+        found = dimension.collect(model, params, state)
+        if found is not None:
+            return found
+    return None

@@ -44,6 +44,12 @@ def held_part(tensor: torch.Tensor) -> Shard | None:
     return held_shard(tensor) if region is None else region.held(tensor)
 
 
+def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The full (unsharded) shape of a model tensor, from its `autotp_shard` tag (or its experts' `autotp_expert`)."""
+    shard = held_part(tensor)
+    return tuple(tensor.shape) if shard is None else shard.full_shape(tensor.shape)
+
+
 def holders(tensor: torch.Tensor, tp_group: Group) -> Group:
     """The group over which `held_part(tensor)` splits it: the EP group for experts, else `tp_group`."""
     region = getattr(tensor, "autotp_expert", None)

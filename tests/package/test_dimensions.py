@@ -54,7 +54,8 @@ def test_every_dimension_names_its_axis_and_is_a_pipeline_line() -> None:
 def test_a_dimension_hook_does_nothing_by_default() -> None:
     """A dimension implements only its parts: every other hook leaves the operation as it is."""
     base, params = Dimension(), []
-    assert base.apply(None, None, None) == [] and base.split_plan(None, "plan", None) == ("plan", ())
+    assert base.apply(None, None, None) == [] and base.split_plan(None, "plan", None) == ("plan", (), None)
+    assert base.before_load(None, None) == () and base.owned(None) is None and base.collect(None, {}, None) is None
     assert base.norm(params, 2.0, None) == (params, None) and base.fully_shard({}, None) == {}
     assert base.split_group() is None and base.layout() == {} and base.allows_ddp
     total = torch.ones(())
@@ -65,5 +66,6 @@ def test_a_dimension_hook_does_nothing_by_default() -> None:
         base.check_ddp(None, None),
         base.broadcast_replicas(None, None),
         base.refuse_export(None),
+        base.after_wrap(None, None, frozenset()),
     ):
         assert hook is None

@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ...mesh import global_rank, group_rank
+from ...runtime.dimension import owned_part
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
 from ..errors import CheckpointError, describe, failures, world
-from . import legacy, rng_state, stages
+from . import legacy, rng_state
 from .save import (
     FORMAT,
     Chunks,
@@ -38,6 +39,7 @@ from .save import (
 
 _LAYOUT = ("tp_size", "world_size", "fsdp", "cp_size", "pp_size")
 _BEFORE = {"pp_size": 1}  # what a checkpoint saved before a size was recorded was saved at
+_PARTS = ("pp_size",)  # the record's sizes at which each rank saved only its part of the names (`Dimension.owned`)
 
 
 def load_checkpoint(
@@ -71,11 +73,11 @@ def read(
     directory, model = Path(directory), outside_module_holders(model)
     error, plan = None, None
     try:
-        meta = read_meta(directory)
-        if meta["format"] != FORMAT and layout(model)["pp_size"] > 1:
+        meta, part = read_meta(directory), owned_part(model)
+        if meta["format"] != FORMAT and part is not None:
             raise CheckpointError(
                 f"{directory}: a per-rank checkpoint of format {meta['format']!r} loads at the layout it was saved "
-                f"at, never under a pipeline; load it at pp_size=1 and save it again with autotp.save_checkpoint"
+                f"at, never {part.where}; load it at {part.whole} and save it again with autotp.save_checkpoint"
             )
         plan = (
             legacy.Reader(directory, meta, model, optimizer, scheduler)
@@ -123,7 +125,7 @@ class _Reader:
                 f"{directory}: holds the optimizer state alone (an AutoTPTrainer checkpoint's "
                 f"optimizer/); load the model from the full checkpoint beside it"
             )
-        index = read_index(directory)
+        index, self.part = read_index(directory), owned_part(model)  # `part`: held in parts, what this rank loads
         self.entries: dict[str, Any] = {}  # DCP key -> what it is read into (built apart: it holds b"" too)
         if weights:
             self.entries.update(model_entries(model))
@@ -144,9 +146,8 @@ class _Reader:
 
     def _check_model(self, index: Metadata) -> None:
         saved = {k for k in index.state_dict_metadata if not k.startswith(("optimizer/", "rng/", "scheduler"))}
-        theirs = stages.elsewhere(self.model)  # under a pipeline: what other stages load
-        missing = sorted(self.entries.keys() - saved)
-        extra = sorted(k for k in saved - self.entries.keys() if not theirs(k))
+        missing = sorted(self.entries.keys() - saved)  # held in parts: what other ranks load is not extra here
+        extra = sorted(k for k in saved - self.entries.keys() if self.part is None or not self.part.elsewhere(k))
         if missing or extra:
             raise CheckpointError(
                 f"{self.directory}: the checkpoint does not hold this model's tensors "
@@ -166,8 +167,8 @@ class _Reader:
     def _plan_optimizer(self, index: Metadata) -> None:
         saved, current = self.meta.get("optimizer_params"), optimizer_names(self.model, self.optimizer)
         self.current = current
-        if self.meta.get("pp_size", 1) > 1 or layout(self.model)["pp_size"] > 1:
-            self._check_stages(saved or [], current)
+        if self.part is not None or any(self.meta.get(size, 1) > 1 for size in _PARTS):  # matched by name
+            self._check_parts(saved or [], current)
         elif saved != current:
             sizes = [len(g) for g in saved] if isinstance(saved, list) else None
             first = next(
@@ -189,7 +190,7 @@ class _Reader:
                 name, key = fqn[len("optimizer/") :].rsplit("/", 1)
                 by_param.setdefault(name, {})[key] = (fqn, md)
         params = dict(self.model.named_parameters())
-        for name in (n for group in stages.trained(self.model, current) for n in group):
+        for name in (n for group in self._trained(current) for n in group):
             for key, (fqn, md) in by_param.get(name, {}).items():
                 self.optimizer_state.setdefault(name, {})[key] = fqn
                 if isinstance(md, BytesStorageMetadata):
@@ -198,23 +199,26 @@ class _Reader:
                     self.fresh[fqn], self.entries[fqn] = _fresh(params[name], md.size, md.properties.dtype, fqn)
         self.entries["optimizer/param_groups"] = b""
 
-    def _check_stages(self, saved: list[list[str]], current: list[list[str]]) -> None:
-        """Saved or loaded under a pipeline: each group of this rank's optimizer trains parameters of one group of
-        the saved one (in one process: all of them). Parameters are matched by name, so another cut reads them."""
+    def _trained(self, names: list[list[str]]) -> list[list[str]]:
+        """The parameters of each optimizer group whose state this rank loads (held in parts: its part's)."""
+        return names if self.part is None else self.part.trained(names)
+
+    def _check_parts(self, saved: list[list[str]], current: list[list[str]]) -> None:
+        """Saved or loaded in parts (a pipeline's stages): each group of this rank's optimizer trains parameters of
+        one group of the saved one (held whole: all of them). Parameters are matched by name, so another cut reads
+        them."""
         if len(saved) != len(current):
             raise CheckpointError(
                 f"{self.directory}: the optimizer was saved with {len(saved)} parameter groups, this one has "
                 f"{len(current)}"
             )
-        here = stages.trained(self.model, current)
-        whole = layout(self.model)["pp_size"] == 1
-        for index, (names, kept) in enumerate(zip(saved, here)):
-            absent = sorted(set(kept) - set(names)) or (sorted(set(names) - set(kept)) if whole else [])
+        at = ", ".join(f"{size}={self.meta.get(size, 1)}" for size in _PARTS)
+        for index, (names, kept) in enumerate(zip(saved, self._trained(current))):
+            absent = sorted(set(kept) - set(names)) or (sorted(set(names) - set(kept)) if self.part is None else [])
             if absent:
                 raise CheckpointError(
-                    f"{self.directory}: optimizer parameter group {index} (of {len(saved)} saved at pp_size="
-                    f"{self.meta.get('pp_size', 1)}) does not hold the same parameters here: {absent[:3]} in one "
-                    f"and not the other"
+                    f"{self.directory}: optimizer parameter group {index} (of {len(saved)} saved at {at}) does not "
+                    f"hold the same parameters here: {absent[:3]} in one and not the other"
                 )
 
     def restore(self) -> dict[str, Any]:

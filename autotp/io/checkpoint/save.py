@@ -6,14 +6,13 @@
       config.json               the model config, so `consolidate` needs no model code
       .metadata, __R_0.distcp   DCP's index and each rank's data
 
-Every tensor is stored at its full shape under its name in the model's `state_dict()`: weights,
-each optimizer state tensor as `optimizer/NAME/KEY` (Adam's `exp_avg`, `exp_avg_sq`, `step`).
-Each rank writes the boxes of the full tensors it holds (`autotp.io.checkpoint.chunks`) and no rank gathers a
-tensor; a load at any pp x tp x dp x ep, with or without `autotp.fully_shard`, reads only this rank's boxes
-(under a pipeline, of its stages' tensors: `autotp.io.checkpoint.stages`).
-The optimizer's hyperparameters, the scheduler and each rank's random generators travel as DCP
-byte items. Saves are staged (`autotp.io.staging`): a crash, even during an `async_save`, leaves
-the previous checkpoint in place.
+Every tensor is stored at its full shape under its name in the model's `state_dict()`: weights, each optimizer
+state tensor as `optimizer/NAME/KEY` (Adam's `exp_avg`, `exp_avg_sq`, `step`). Each rank writes the boxes of the full
+tensors it holds (`autotp.io.checkpoint.chunks`) and no rank gathers a tensor; a load at any pp x tp x dp x ep, with
+or without `autotp.fully_shard`, reads only this rank's boxes (where a dimension holds the model in parts over its
+ranks, of its part: `Dimension.owned`, a pipeline's stages). The optimizer's hyperparameters, the scheduler and each
+rank's random generators travel as DCP byte items. Saves are staged (`autotp.io.staging`): a crash, even during an
+`async_save`, leaves the previous checkpoint in place.
 """
 
 from __future__ import annotations
@@ -37,11 +36,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ...mesh import at_finish, global_rank, group_size, new_group, world_timeout
+from ...runtime.dimension import owned_part
 from ...runtime.shards import held_part
 from ...state import find_state, outside_module_holders
 from ..errors import CheckpointError, agree, world
 from ..staging import place_now, staged_directory
-from . import rng_state, stages
+from . import rng_state
 from .chunks import Chunks
 
 META = "autotp_checkpoint.json"
@@ -59,26 +59,26 @@ def layout(model: nn.Module) -> dict[str, Any]:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
     cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
-    pp = 1 if state is None else state.options.pp_size  # each stage's tensors saved by that stage's ranks
     record = {
         "tp_size": tp,
         "cp_size": cp,
         "ep_size": 1,
-        "pp_size": pp,
+        "pp_size": 1,
         "world_size": world_size,
-        "dp_size": world_size // (tp * cp * pp),
+        "dp_size": world_size,
         "fsdp": state is not None and state.fsdp,
     }
-    for dimension in [] if state is None else state.dims.values():  # ep_size, the pp cut: records, stored whole
+    for dimension in [] if state is None else state.dims.values():  # ep_size, the pipeline's size and cut: records
         record.update(dimension.layout())
+    record["dp_size"] = world_size // (tp * cp * record["pp_size"])  # each stage's tensors saved by its ranks
     return record
 
 
 def model_entries(model: nn.Module) -> dict[str, Chunks]:
-    """Every tensor of the model's state dict as this rank's boxes of the full tensor, under its own name (under a
-    pipeline, those its stages own: `autotp.io.checkpoint.stages`)."""
-    mine = stages.owned(model)
-    return {name: Chunks.of(t, held_part(t)) for name, t in model.state_dict(keep_vars=True).items() if mine(name)}
+    """Every tensor of the model's state dict as this rank's boxes of the full tensor, under its own name (where the
+    model is held in parts, this rank's part: `Dimension.owned`)."""
+    part, tensors = owned_part(model), model.state_dict(keep_vars=True).items()
+    return {name: Chunks.of(t, held_part(t)) for name, t in tensors if part is None or part.holds(name)}
 
 
 def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -98,9 +98,9 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
 
 def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     entries: dict[str, Any] = {}
-    mine = stages.owned(model)  # under a pipeline: the state of the parameters this rank's stages own
+    part = owned_part(model)  # held in parts: the state of the parameters this rank's part holds
     for group, names in zip(optimizer.param_groups, optimizer_names(model, optimizer)):
-        for param, name in ((p, n) for p, n in zip(group["params"], names) if mine(n)):
+        for param, name in ((p, n) for p, n in zip(group["params"], names) if part is None or part.holds(n)):
             for key, value in optimizer.state.get(param, {}).items():
                 entries[f"optimizer/{name}/{key}"] = _state_entry(name, key, value, param)
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -305,15 +305,16 @@ def write(
     Trainer's own files) may leave those out (`weights=False`, `rng=False`)."""
     wait_for_pending()
     model = outside_module_holders(model)
-    tp_state = find_state(model)
+    tp_state, part = find_state(model), owned_part(model)  # `part`: the names this rank saves, where held in parts
     if tp_state is not None:
         tp_state.refuse_gathered(what)
+    record, names, group = layout(model), optimizer_names(model, optimizer), checkpoint_group()
     meta = {
         "format": FORMAT,
-        **layout(model),
+        **record,
         "model_class": type(model).__name__,
-        "state": state,
-        "optimizer_params": stages.optimizer_params(model, optimizer_names(model, optimizer), checkpoint_group()),
+        "state": state,  # the optimizer's names as one process's holds them (held in parts: gathered over the world)
+        "optimizer_params": names if part is None else part.optimizer_names(names, group),
         "scheduler": scheduler is not None,
         "weights": weights,
         "rng": rng,

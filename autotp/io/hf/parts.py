@@ -25,14 +25,8 @@ from ...mesh import named_failure
 from ...planning.placement import Placement, window
 from ...planning.sharding import Partition, Shard
 from ...runtime.rows import dp_full, local_rows
-from ...runtime.shards import held_part
+from ...runtime.shards import full_shape, held_part
 from ..streaming import gather_after_streams
-
-
-def full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The full (unsharded) shape of a model tensor, from its `autotp_shard` tag (or its experts' `autotp_expert`)."""
-    shard = held_part(tensor)
-    return tuple(tensor.shape) if shard is None else shard.full_shape(tensor.shape)
 
 
 def saved_layout(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, SavedTensor]:

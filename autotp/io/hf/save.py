@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from ...compat.hf import adapter_module
 from ...compat.hf_conversion import SavedPart, SavedTensor
 from ...mesh import Group, global_rank, group_rank, is_global_rank0
+from ...runtime.dimension import Collected, collected
 from ...runtime.rows import dp_full
 from ...runtime.shards import held_part, holders
 from ...state import find_state, outside_module_holders
@@ -32,7 +33,6 @@ from ..staging import staged_directory
 from ..streaming import gather_after_streams, stream_full_to
 from .parts import full_shape, gather_part, saved_layout
 from .safetensors import SafetensorsWriter, write_rows
-from .stages import StageTensors, stage_tensors
 
 
 def save_pretrained(
@@ -49,7 +49,7 @@ def save_pretrained(
     under expert parallelism the EP group of rank 0 streams the experts alike, each rank its own experts; under a
     pipeline each stage's TP group (in rank 0's replica) gathers the tensors its stage owns (`autotp.pp.cut.owner`),
     its experts over the EP group holding them (other replicas' ranks among it too), and sends each to rank 0
-    (`autotp.io.hf.stages`).
+    (a dimension holding the model in parts collects them: `Dimension.collect`, `autotp.pp.stage_tensors`).
     `save_directory` must not exist or be empty, unless `overwrite=True` (it is replaced
     whole, once the new one is complete). `into_existing=True` instead keeps the directory's other
     files (a Trainer's output directory): the checkpoint is staged completely, then its files are
@@ -68,19 +68,19 @@ def save_pretrained(
     tp_group = None if state is None else state.tp_group
     params = model.state_dict(keep_vars=True)
     fsdp = state is not None and state.fsdp  # then every rank gathers its DP group's rows: all take part
-    stages: StageTensors | None = None  # at pp > 1, set in the staged directory (after every rank has entered)
+    parts: Collected | None = None  # held in parts: set in the staged directory (after every rank has entered)
 
     def writes(group: Group) -> bool:
-        """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts); under a
-        pipeline, every stage of rank 0's replica gathers its own tensors, with the rest of an EP group among it."""
-        if stages is not None:
-            return fsdp or stages.gathers(group)
+        """Whether this rank takes part in gathering the tensors split over `group` (TP, or EP for experts); held in
+        parts (a pipeline), every part of rank 0's replica gathers its own tensors, with the rest of an EP group."""
+        if parts is not None:
+            return fsdp or parts.gathers(group)
         return fsdp or global_rank() == 0 or (group is not None and 0 in dist.get_process_group_ranks(group))
 
     splits = [] if state is None else state.split_groups()
 
     def fetch(name: str, sent: bool = False) -> torch.Tensor | None:
-        """`sent`: a full tensor for PP rank 0 (`autotp.io.hf.stages`), not a stream into this rank's file."""
+        """`sent`: a full tensor sent on to where it is written (`Collected.fetching`), not a stream into a file."""
         group = holders(params[name], tp_group)
         if not writes(group):  # the EP group of rank 0 holds the experts, its TP group the rest
             return None
@@ -97,13 +97,13 @@ def save_pretrained(
         return gather_part(params[part.source], part, group) if writes(group) else None
 
     with staged_directory(save_directory, overwrite, into_existing=into_existing) as tmp:
-        stages = stage_tensors(model, params, state)  # every stage's tensors (collective over PP)
+        parts = collected(model, params, state)  # every part's tensors (collective over the parts' ranks)
         saved: Mapping[str, torch.Tensor] = params
         whole: Callable[[str], torch.Tensor | None] = fetch
         part: Callable[[SavedPart], torch.Tensor | None] = fetch_part
-        if stages is not None:  # each tensor gathered on its own stage, then sent to PP rank 0
-            lead = writes(tp_group) and group_rank(tp_group) == 0  # where a tensor is gathered to at pp 1
-            saved, (whole, part) = stages.params, stages.fetching(fetch, fetch_part, lead)
+        if parts is not None:  # each tensor gathered where it is held, then sent on to rank 0
+            lead = writes(tp_group) and group_rank(tp_group) == 0  # where a tensor is gathered to when held whole
+            saved, (whole, part) = parts.params, parts.fetching(fetch, fetch_part, lead)
         if writes(tp_group) or any(writes(group) for group in splits):  # the experts: over EP
             write_hf_checkpoint(model, saved, whole, tmp, max_shard_size, part)
 

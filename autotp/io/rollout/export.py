@@ -28,11 +28,11 @@ from ...planning.placement import window
 from ...planning.planner import build_plan
 from ...planning.sharding import Partition
 from ...runtime.collectives import all_reduce, buckets
+from ...runtime.dimension import Collected, collected
 from ...runtime.shards import held_part, held_shard, holders
 from ...state import find_state, outside_module_holders
 from ...tp.lora import adapt_all
 from ..hf.parts import finish_part, full_shape, local_part, saved_layout
-from ..hf.stages import StageTensors, stage_tensors
 from .gathers import Gathers
 from .row_gather import RowRequest, dp_full_many
 from .vllm_layout import vllm_partitions
@@ -80,7 +80,7 @@ def export_weights(
     Call it and iterate it on every rank of the TP group (under `autotp.fully_shard` or `ep_size > 1`, on every rank):
     TP rank 0 of each group gets `(name, tensor)` (under EP the experts too, each gathered over its EP group), the
     other ranks take part in the gathers and get nothing. Every rank must exhaust the iterator; one that stops early
-    (`break`, `close()`) makes the others raise at their next bucket. At pp_size > 1 (every rank iterates) each stage
+    (`break`, `close()`) makes the others raise at their next bucket. Under a pipeline (every rank iterates) each stage
     sends its buckets on to PP rank 0's TP rank 0, which yields every tensor, in one process's order.
     Tensors are gathered `bucket_bytes` at a time (one message per rank per bucket; under FSDP, one DP all-gather
     too): a rank holds at most one bucket plus one tensor beyond its shards, when the consumer drops each tensor
@@ -103,7 +103,7 @@ def export_weights(
         dimension.refuse_export(target)
     if state is not None and state.tp_group is not None:
         adapt_all(root, state)  # adapters PEFT added since the last forward: split now (collective over TP)
-    keys, params, stages = exported_tensors(root, merge_lora)
+    keys, params, parts = exported_tensors(root, merge_lora)
     loras = _loras_by_tensor(root, keys, params) if merge_lora else {}
     layout = saved_layout(root, params)
     engine = None if target is None else target.partitions(root)
@@ -161,18 +161,19 @@ def export_weights(
             f"tensors split over TP; not supported"
         )
     sources = {name: saved.parts[0].source for name, saved in items}  # one expert's name: its experts tensor's stage
-    gathers = Gathers(state, {name: held.pop() for name, held in groups.items()}, stages, sources)
+    gathers = Gathers(state, {name: held.pop() for name, held in groups.items()}, parts, sources)
     return _exported(items, size, requests, results, bucket_bytes, gathers, agree_group, local)
 
 
-def exported_tensors(root: nn.Module, merge_lora: bool) -> tuple[dict, dict[str, torch.Tensor], StageTensors | None]:
+def exported_tensors(root: nn.Module, merge_lora: bool) -> tuple[dict, dict[str, torch.Tensor], Collected | None]:
     """What `export_weights` reads of `root` (PEFT's inner model): the checkpoint names' state-dict keys and LoRA
-    paths (`base_keys`), the tensors by name, and under a pipeline every stage's (collective over PP)."""
+    paths (`base_keys`), the tensors by name, and where the model is held in parts every part's (collective over
+    their ranks: `Dimension.collect`)."""
     raw = root.state_dict(keep_vars=True)
     keys = base_keys(root, list(raw), copies=merge_lora)
     params = {name: raw[key] for name, (key, _) in keys.items()}
-    stages = stage_tensors(root, params, find_state(root))
-    return keys, params if stages is None else dict(stages.params), stages
+    parts = collected(root, params, find_state(root))
+    return keys, params if parts is None else dict(parts.params), parts
 
 
 def _loras_by_tensor(

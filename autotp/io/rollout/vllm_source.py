@@ -6,7 +6,7 @@ names (not the checkpoint's, LoRA unmerged). `export_weights` already yields tra
 merged, gathered bucket by bucket; this wraps it in the engine's protocol. Iteration is a collective over the TP
 group (over every rank under `fully_shard`): every trainer rank iterates it each round, and the TP rank 0 ranks get
 the tensors (the others get none), so only global rank 0 (vLLM's sender) may be the one that sends. Under a
-pipeline every stage sends its tensors on to PP rank 0 (`autotp.io.hf.stages`), so rank 0 still gets all of them.
+pipeline every stage sends its tensors on to PP rank 0 (`autotp.pp.stage_tensors`), so rank 0 still gets all of them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ computed from them; nothing is allocated). Names that hold one tensor on any ran
 model as wrapped (a block that layers on two stages share: Zamba's), hold one tensor or stand-in too, so
 transformers' own rule drops the tied aliases. Each tensor is then gathered over TP on the stage that owns it,
 as at pp 1, and `StageTensors.forward` sends it from there to PP rank 0, one message per tensor (save) or bucket
-(export): no rank holds more than that beyond its own shards.
+(export): no rank holds more than that beyond its own shards. The pipeline's `collect` hook
+(`autotp.runtime.dimension.Collected`), which `autotp.io.hf.save` and `autotp.io.rollout.export` call.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...compat.hf_conversion import SavedPart
-from ...mesh import Group, device_of, group_rank, group_size, named_failure
-from ...pp.cut import owner
-from ...state import TPState
-from .parts import full_shape
+from ..compat.hf_conversion import SavedPart
+from ..mesh import Group, device_of, group_rank, group_size, named_failure
+from ..runtime.dimension import Like
+from ..runtime.shards import full_shape
+from ..state import TPState
+from .cut import Cut, owner
 
 _TAG = 0x41545050  # apart from the streaming gather's, the row gather's and a user's point-to-point tags
 _ALIGN = 16  # every tensor starts on this many bytes of a message, so it can be viewed as any dtype
-
-Like = list[tuple[tuple[int, ...], torch.dtype]]  # the shapes and dtypes of the tensors of one message
 
 
 class StageTensors:
@@ -37,11 +37,16 @@ class StageTensors:
     on their stage (a stand-in does not say)."""
 
     def __init__(
-        self, params: dict[str, torch.Tensor], stage: dict[str, int], state: TPState, experts: frozenset[str]
+        self,
+        params: dict[str, torch.Tensor],
+        stage: dict[str, int],
+        state: TPState,
+        experts: frozenset[str],
+        stages: list[int],
+        group: Group,
     ) -> None:
-        pipeline = state.dims["pp"]
-        self.params, self.stage, self.experts, self.mine = params, stage, experts, set(pipeline.stages)
-        self.group = pipeline.runner.group
+        self.params, self.stage, self.experts, self.mine = params, stage, experts, set(stages)
+        self.group = group
         self.size = group_size(self.group)
         grid = state.mesh.grid  # pp x dp x cp x tp: the replica of global rank 0 is dp 0, cp 0
         self.replica = set(range(dist.get_world_size()) if grid is None else grid[:, 0, 0, :].flatten().tolist())
@@ -57,6 +62,11 @@ class StageTensors:
     def holds(self, name: str) -> bool:
         """Whether this rank runs the stage that owns `name` (then it takes part in gathering it)."""
         return self.stage[name] in self.mine
+
+    def key(self, name: str) -> tuple[int, int]:
+        """An export bucket holds one stage's experts or its other tensors (alike on every rank: another stage's are
+        stand-ins, which hold no group)."""
+        return int(name in self.experts), self.stage[name]
 
     def forward(self, name: str, fetch: Callable[[bool], Any], like: Callable[[], Like], lead: bool) -> Any:
         """What `fetch` returns for `name`'s tensors on the ranks of its stage (collective over its TP group), where the
@@ -119,38 +129,44 @@ class StageTensors:
         ]
 
 
-def stage_tensors(model: nn.Module, params: dict[str, torch.Tensor], state: TPState | None) -> StageTensors | None:
-    """At pp > 1, every stage's tensors by name (see the module's docstring); None at pp 1. `params` is this rank's
-    state dict (keep_vars) of `model`, the model `autotp.wrap` cut. Collective over the PP group."""
-    if state is None or "pp" not in state.dims:
-        return None
-    pipeline = state.dims["pp"]
-    stage_of = owner(model, pipeline.cut)
+def stage_tensors(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    state: TPState,
+    cut: Cut,
+    stages: list[int],
+    group: Group,
+    ties: list[tuple[str, ...]],
+) -> StageTensors:
+    """Every stage's tensors by name (see the module's docstring): `params` is this rank's state dict (keep_vars) of
+    `model`, the model `autotp.wrap` cut at `cut`, this rank running `stages`; `ties`, the names of each tensor held
+    under several over the whole model as wrapped. Collective over the PP `group`."""
+    stage_of = owner(model, cut)
     mine = [
         (stage_of(n), n, full_shape(t), t.dtype, isinstance(t, nn.Parameter), hasattr(t, "autotp_expert"))
         for n, t in params.items()
-        if stage_of(n) in pipeline.stages
+        if stage_of(n) in stages
     ]
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in params.items():
         by_tensor.setdefault(id(tensor), []).append(name)
     owned = {name for _, name, *_ in mine}  # a tie counts where the tensor is one this rank trains (not a stand-in)
-    ties = [names for names in by_tensor.values() if len(names) > 1 and owned.intersection(names)]
-    gathered: list[Any] = [None] * group_size(pipeline.runner.group)
-    with named_failure(pipeline.runner.group, "autotp: the stages' tensor names gathered over PP (save or export)"):
-        dist.all_gather_object(gathered, (mine, ties), group=pipeline.runner.group)
+    tied_here = [names for names in by_tensor.values() if len(names) > 1 and owned.intersection(names)]
+    gathered: list[Any] = [None] * group_size(group)
+    with named_failure(group, "autotp: the stages' tensor names gathered over PP (save or export)"):
+        dist.all_gather_object(gathered, (mine, tied_here), group=group)
     entries = sorted((e for listed, _ in gathered for e in listed), key=lambda e: e[0])  # stable: a stage's own order
     merged: dict[str, torch.Tensor] = {}
     for stage, name, shape, dtype, parameter, _ in entries:
-        merged[name] = params[name] if stage in pipeline.stages else _stand_in(shape, dtype, parameter)
-    every = [names for _, tied in gathered for names in tied] + pipeline.ties  # on a rank, and over the whole model
+        merged[name] = params[name] if stage in stages else _stand_in(shape, dtype, parameter)
+    every = [names for _, tied in gathered for names in tied] + ties  # on a rank, and over the whole model
     for names in every:  # one tensor under several names (a tied head; a block layers on two stages share)
         present = [n for n in names if n in merged]
         held = [n for n in present if merged[n] is params.get(n)]
         for name in present:
             merged[name] = merged[(held or present)[0]]
     experts = frozenset(name for _, name, *_, expert in entries if expert)
-    return StageTensors(merged, {name: stage for stage, name, *_ in entries}, state, experts)
+    return StageTensors(merged, {name: stage for stage, name, *_ in entries}, state, experts, stages, group)
 
 
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) -> torch.Tensor:

@@ -40,7 +40,7 @@ from .mesh import (
     world_timeout,
 )
 from .options import OPTION_NAMES, WrapKwargs, WrapOptions, takes_wrap_options, wrap_options
-from .parallelize import dimensions as pipeline_dimensions
+from .parallelize import dimensions as parallelize_dimensions
 from .parallelize import parallelize
 from .planning.plan import Plan
 from .planning.planner import build_plan
@@ -193,8 +193,8 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     refuse_torchao(model, options)
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     refuse_hooked_layers(model, plan)
-    dimensions = pipeline_dimensions()
-    for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
+    dimensions = parallelize_dimensions()
+    for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in `parallelize.steps`' order
         dimension.refuse(model, plan, options)
     if options.sequence_parallel:
         sequence_layout(model, *base_plan(dimensions, model, plan, options), full=plan)

@@ -4,8 +4,8 @@
 model is changed only here, and a failure at any step puts it back exactly as it was
 (`runtime.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
 Two lists, each step `step.apply(model, plan, state)` or `step(model, plan, state)`, returning what it installed:
-`parallelisms` (each dimension's step, `autotp.runtime.dimension.Dimension`, one line each, and the two steps
-between them), then `INTEGRATIONS`, which act on the model all dimensions made. The order, and why:
+`steps` (each dimension's step, `autotp.runtime.dimension.Dimension`, one line each, and the two steps between
+them), then `integrations`, which act on the model all dimensions made. The order, and why:
 
 1. `TensorParallelism`: the plan's layers, experts and heads (`autotp.tp`); under expert parallelism without the
    experts, which step 4 takes whole (`state.plan`, `autotp.runtime.dimension.base_plan`);
@@ -74,13 +74,13 @@ def parallelize(
     """Apply `plan` and every parallelism `options` asks for to `model`, in the order the module docstring gives;
     returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`)."""
     snapshot = Snapshot(model)
-    steps = parallelisms(materialize)
+    ordered = steps(materialize)
     try:
-        tp_plan, whole = base_plan([s for s in steps if isinstance(s, Dimension)], model, plan, options)
+        tp_plan, whole = base_plan([s for s in ordered if isinstance(s, Dimension)], model, plan, options)
         state = TPState(tp_plan, mesh, group_rank(mesh.tp), options, whole=whole)
-        for step in steps:
+        for step in ordered:
             snapshot.track(step.apply(model, plan, state))
-        for integration in (hf_methods, ddp_guard, input_check, guards, float8_over_dp, replica_broadcast):
+        for integration in integrations():
             snapshot.track(integration(model, plan, state))
     except BaseException:
         snapshot.restore()
@@ -89,7 +89,7 @@ def parallelize(
     return state
 
 
-def parallelisms(materialize: Callable[[TPState], None] | None = None) -> list[Step]:
+def steps(materialize: Callable[[TPState], None] | None = None) -> list[Step]:
     """The dimensions' steps in order, new objects for one wrap: a dimension is one line here."""
     return [
         TensorParallelism(),
@@ -104,8 +104,13 @@ def parallelisms(materialize: Callable[[TPState], None] | None = None) -> list[S
 
 
 def dimensions() -> list[Dimension]:
-    """The dimensions, in the pipeline's order (their refusals run in `autotp.api`'s planning)."""
-    return [step for step in parallelisms() if isinstance(step, Dimension)]
+    """The dimensions, in `steps`' order (their refusals run in `autotp.api`'s planning)."""
+    return [step for step in steps() if isinstance(step, Dimension)]
+
+
+def integrations() -> list[Callable[[nn.Module, Plan, TPState], list[Removable]]]:
+    """The steps after the dimensions', in order, each acting on the model they all made."""
+    return [hf_methods, ddp_guard, input_check, guards, float8_over_dp, replica_broadcast]
 
 
 class Materialize:

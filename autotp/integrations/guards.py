@@ -47,7 +47,8 @@ def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]
     tensors = [(name, t) for name, t in named if torch.is_tensor(t)]
     check_same_batch(state.tp_group, tensors, "TP")
-    check_same_batch(state.cp_group, tensors, "CP")
+    for label, group in state.batch_groups():
+        check_same_batch(group, tensors, label)
 
 
 class InputCheck:

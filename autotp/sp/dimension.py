@@ -18,6 +18,7 @@ class SequenceParallelism(Dimension):
     the experts at ep > 1) run on this rank's chunk of the tokens."""
 
     name = "sp"
+    splits_sequence = True
     size = 1  # the TP group's, over which the sequence is split
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:

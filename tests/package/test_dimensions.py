@@ -266,3 +266,26 @@ def test_a_dimension_hook_does_nothing_by_default() -> None:
         base.refuse_export(None),
     ):
         assert hook is None
+
+
+def test_contributing_lists_every_member_of_the_protocol() -> None:
+    """CONTRIBUTING's list of what a dimension may override is the `Dimension` class's members, read from it."""
+    section = (ROOT / "CONTRIBUTING.md").read_text().split("## Add a parallel dimension")[1].split("\n## ")[0]
+    listed = [
+        name for item in re.findall(r"^- (`\w+`[^:]*):", section, flags=re.M) for name in re.findall(r"`(\w+)`", item)
+    ]
+    members = [name for name in vars(Dimension) if not name.startswith("_") and name != "name"]
+    assert sorted(listed) == sorted(members), "list each member of autotp.runtime.dimension.Dimension in CONTRIBUTING"
+    assert len(listed) == len(set(listed))
+
+
+def test_the_architecture_diagram_has_parallelizes_steps_in_order() -> None:
+    """docs/architecture.md's diagram numbers the steps as `autotp.parallelize` runs them."""
+    diagram = (ROOT / "docs" / "architecture.md").read_text().split("```mermaid")[1].split("```")[0]
+    drawn = sorted((int(n), name) for n, name in re.findall(r"\bs\d+\[(\d+) (\w+)", diagram))
+    steps = [
+        "materialize" if isinstance(step, parallelize.Materialize) else type(step).__name__
+        for step in parallelize.steps()
+    ]
+    assert [name for _, name in drawn] == steps + [f.__name__ for f in parallelize.integrations()]
+    assert [n for n, _ in drawn] == list(range(1, len(drawn) + 1))

@@ -23,7 +23,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from .compat import check_versions
 from .compat.hf import build_model
-from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
+from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.hf.load import checkpoint_files, load_params
 from .mesh import (
@@ -53,6 +53,7 @@ from .sp.sequence import sequence_layout
 from .state import TPState, find_state
 from .tp import lora_lift
 from .tp.apply import parallel_layers
+from .tp.float8 import refuse_torchao
 from .tp.hooked import refuse_hooked_layers
 
 log = logging.getLogger("autotp")
@@ -190,7 +191,7 @@ def _shard(
 def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     """The plan, and every refusal that needs no process group; nothing is changed."""
     refuse_quantized(model)
-    refuse_torchao(model, options)
+    refuse_torchao(model)  # float8 under a dimension not composed with it: that dimension's `refuse`
     plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
     refuse_hooked_layers(model, plan)
     dimensions = parallelize_dimensions()

@@ -13,6 +13,7 @@ from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.rollback import Removable
 from ..state import TPState
+from ..tp.float8 import refuse_torchao
 from .apply import ContextParallel, install
 from .dropout import dropout_on
 from .layout import padded_length
@@ -32,6 +33,7 @@ class ContextParallelism(Dimension):
         cp = options.cp_size
         if cp == 1:
             return
+        refuse_torchao(model, f"cp_size={cp}")
         refuse_unsupported(model, cp)
         loss = own_loss(model)
         if loss is not None:

@@ -38,15 +38,9 @@ BASE = "tp"
 PLANNER = (
     "the planner decides whether a plan has a vocab part (layer 3, below the dimensions): autotp.build_plan's argument"
 )
-FLOAT8 = (
-    "torchao float8 is refused, before planning, in one message naming each option it is not composed with yet (a"
-    " CP or EP rank's amax would be its part's): a hook for one refusal would split one message over three packages"
-)
 ALLOWED: dict[str, str] = {
     "planning/planner.py (vocab): vocab_parallel: bool = True,": PLANNER,
     "planning/planner.py (vocab): if not vocab_parallel:": PLANNER,
-    'integrations/guards.py (cp): (f"cp_size={options.cp_size}", options.cp_size > 1),': FLOAT8,
-    'integrations/guards.py (ep): (f"ep_size={options.ep_size}", options.ep_size > 1),': FLOAT8,
 }
 
 # Lines of other dimensions not moved yet, in modules issue 50's other items rewrite now (api, testing.parity,

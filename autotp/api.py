@@ -43,7 +43,7 @@ from .options import OPTION_NAMES, WrapKwargs, WrapOptions, takes_wrap_options, 
 from .parallelize import dimensions as parallelize_dimensions
 from .parallelize import parallelize
 from .planning.plan import Plan
-from .planning.planner import build_plan
+from .planning.planner import plan_for
 from .pp.dimension import PipelineParallelism
 from .pp.load import drop_other_stages
 from .runtime.agreement import check_agreement, check_sizes
@@ -183,7 +183,7 @@ def _shard(
     state = parallelize(model, plan, mesh, replace(options, timeout=timeout), materialize)
     if is_global_rank0():
         log.info(plan.summary())
-        for warning in plan.warnings(vocab_requested=options.vocab_parallel):
+        for warning in plan.warnings():
             log.warning(warning)
     return state
 
@@ -192,7 +192,7 @@ def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     """The plan, and every refusal that needs no process group; nothing is changed."""
     refuse_quantized(model)
     refuse_torchao(model)  # float8 under a dimension not composed with it: that dimension's `refuse`
-    plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
+    plan = plan_for(model, tp_size, options)
     refuse_hooked_layers(model, plan)
     dimensions = parallelize_dimensions()
     for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in `parallelize.steps`' order

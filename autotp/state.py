@@ -76,8 +76,7 @@ class TPState:
 
     def batch_groups(self) -> list[tuple[str, Group]]:
         """The groups besides TP whose ranks are each given the same whole batch (the CP group), by their label."""
-        groups = [(AXIS_TABLE[d.name].label, d.batch_group()) for d in self.dims.values()]
-        return [(label, group) for label, group in groups if group is not None]
+        return [(AXIS_TABLE[d.name].label, g) for d in self.dims.values() if (g := d.batch_group()) is not None]
 
     def allows_ddp(self) -> bool:
         """Whether DDP can sync every gradient (not under expert parallelism: `autotp.allreduce_gradients` must)."""

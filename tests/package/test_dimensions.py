@@ -36,28 +36,27 @@ BASE = "tp"
 
 # The lines left, as "module (axis): the line's code" (without its comment), each with its reason; at most 4 lines.
 PLANNER = (
-    "the planner decides whether a plan has a vocab part (layer 3, below the dimensions): autotp.build_plan's argument"
+    "the planner decides whether a plan has a vocab part (planning is below the dimensions): autotp.build_plan's "
+    "argument, and plan_for, which passes wrap's options to it"
 )
 ALLOWED: dict[str, str] = {
     "planning/planner.py (vocab): vocab_parallel: bool = True,": PLANNER,
     "planning/planner.py (vocab): if not vocab_parallel:": PLANNER,
+    "planning/planner.py (vocab): return build_plan(model, tp_size, options.policy, options.vocab_parallel or "
+    "split_vocab, options.example_inputs)": PLANNER,
 }
 
-# Lines of other dimensions not moved yet, in modules issue 50's other items rewrite now (api, testing.parity,
-# io.checkpoint.save, the pipeline's dimension): held apart from ALLOWED, to move or allow once those land.
-PASS_OPTIONS = "wrap's options passed on by name to the planner or to wrap: an entry taking WrapOptions would hold them"
+# Lines of other dimensions not moved yet, in functions issue 50's other items rewrite now (testing.parity,
+# io.checkpoint.save.layout, the pipeline's forward): held apart from ALLOWED, to move once those land.
 NOT_YET_MOVED: dict[str, str] = {
-    "api.py (vocab): for warning in plan.warnings(vocab_requested=options.vocab_parallel):": PASS_OPTIONS,
-    "api.py (vocab): plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)": PASS_OPTIONS,
-    'io/rollout/export.py (vocab): vocab_parallel = options.vocab_parallel or self.engine == "vllm"': PASS_OPTIONS,
-    "io/rollout/export.py (vocab): plan = build_plan(twin, self.tp_size, options.policy, vocab_parallel, options.example_inputs)": PASS_OPTIONS,
-    "testing/parity.py (vocab): vocab_parallel: bool = True,": PASS_OPTIONS,
-    "testing/parity.py (vocab): vocab_parallel=vocab_parallel,": PASS_OPTIONS,
+    "testing/parity.py (vocab): vocab_parallel: bool = True,": "compare_training's options passed on to wrap by name",
+    "testing/parity.py (vocab): vocab_parallel=vocab_parallel,": "the same (beside its pp_size, which ppstep rewrites)",
     "io/checkpoint/save.py (cp): cp = group_size(None if state is None else state.cp_group)": (
-        "the checkpoint's layout record, beside the pipeline's line that `layout` hooks take (helper ppio)"
+        "the checkpoint's layout record: CP's `layout` hook can give cp_size (dp_size from the DP group), in the "
+        "function whose pp line ppio moves behind the hooks"
     ),
     "pp/dimension.py (cp): self.split_sequence = options.cp_size > 1": (
-        "the pipeline's stage forward, under CP's pre-hook that splits the sequence (helper ppstep rewrites it)"
+        "evaluation through the pipeline's patched forward refused under CP, which ppstep's `step` rewrites"
     ),
 }
 

@@ -248,7 +248,8 @@ def test_a_dimension_hook_does_nothing_by_default() -> None:
     base, params = Dimension(), []
     assert base.apply(None, None, None) == [] and base.split_plan(None, "plan", None) == ("plan", ())
     assert base.norm(params, 2.0, None) == (params, None) and base.fully_shard({}, None) == {}
-    assert base.split_group() is None and base.layout() == {} and base.allows_ddp
+    assert base.split_group() is None and base.batch_group() is None and base.layout() == {} and base.allows_ddp
+    assert not base.splits_sequence and base.sequence_length(7) == 7
     total = torch.ones(())
     assert base.reduce_norm(total, 2.0, None) is total
     for hook in (

@@ -47,7 +47,7 @@ def test_contributing_lists_the_files_the_toy_dimension_touches(tmp_path: Path) 
     assert add_toy(tmp_path) == {f.replace("<axis>", "toy") for f in contributing_files()}
 
 
-@pytest.mark.slow  # a copy of autotp imported in a fresh interpreter, then 2 ranks: about 15 s
+@pytest.mark.slow  # a copy of autotp imported in a fresh interpreter, then 2 ranks: 25 s on the loaded 2-core machine
 def test_a_toy_dimension_wraps_trains_saves_and_resumes(tmp_path: Path) -> None:
     add_toy(tmp_path)
     paths = [str(tmp_path), str(ROOT / "tests")]

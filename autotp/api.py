@@ -23,7 +23,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from .compat import check_versions
 from .compat.hf import build_model
-from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized, refuse_torchao
+from .integrations.guards import refuse_adapters, refuse_meta, refuse_quantized
 from .io.errors import CheckpointError, agree, outcomes, world
 from .io.hf.load import checkpoint_files, load_params
 from .mesh import (
@@ -40,10 +40,10 @@ from .mesh import (
     world_timeout,
 )
 from .options import OPTION_NAMES, WrapKwargs, WrapOptions, takes_wrap_options, wrap_options
-from .parallelize import dimensions as pipeline_dimensions
+from .parallelize import dimensions as parallelize_dimensions
 from .parallelize import parallelize
 from .planning.plan import Plan
-from .planning.planner import build_plan
+from .planning.planner import plan_for
 from .runtime.agreement import check_agreement, check_sizes
 from .runtime.dimension import base_plan
 from .runtime.replaced import track_replaced
@@ -51,6 +51,7 @@ from .sp.sequence import sequence_layout
 from .state import TPState, find_state
 from .tp import lora_lift
 from .tp.apply import parallel_layers
+from .tp.float8 import refuse_torchao
 from .tp.hooked import refuse_hooked_layers
 
 log = logging.getLogger("autotp")
@@ -180,7 +181,7 @@ def _shard(
     state = parallelize(model, plan, mesh, replace(options, timeout=timeout), materialize)
     if is_global_rank0():
         log.info(plan.summary())
-        for warning in plan.warnings(vocab_requested=options.vocab_parallel):
+        for warning in plan.warnings():
             log.warning(warning)
     return state
 
@@ -188,11 +189,11 @@ def _shard(
 def _plan(model: nn.Module, tp_size: int, options: WrapOptions) -> Plan:
     """The plan, and every refusal that needs no process group; nothing is changed."""
     refuse_quantized(model)
-    refuse_torchao(model, options)
-    plan = build_plan(model, tp_size, options.policy, options.vocab_parallel, options.example_inputs)
+    refuse_torchao(model)  # float8 under a dimension not composed with it: that dimension's `refuse`
+    plan = plan_for(model, tp_size, options)
     refuse_hooked_layers(model, plan)
-    dimensions = pipeline_dimensions()
-    for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in the pipeline's order
+    dimensions = parallelize_dimensions()
+    for dimension in dimensions:  # each dimension's refusals (cp's and ep's), in `parallelize.steps`' order
         dimension.refuse(model, plan, options)
     if options.sequence_parallel:
         tp_plan, whole, _ = base_plan(dimensions, model, plan, options)

@@ -4,8 +4,8 @@
 model is changed only here, and a failure at any step puts it back exactly as it was
 (`runtime.rollback.Snapshot`; each step that adds hooks on tensors the model keeps returns them).
 Two lists, each step `step.apply(model, plan, state)` or `step(model, plan, state)`, returning what it installed:
-`parallelisms` (each dimension's step, `autotp.runtime.dimension.Dimension`, one line each, and the two steps
-between them), then `INTEGRATIONS`, which act on the model all dimensions made. The order, and why:
+`steps` (each dimension's step, `autotp.runtime.dimension.Dimension`, one line each, and the two steps between
+them), then `integrations`, which act on the model all dimensions made. The order, and why:
 
 1. `TensorParallelism`: the plan's layers, experts and heads (`autotp.tp`); under expert parallelism without the
    experts, which step 4 takes whole (`state.plan`, `autotp.runtime.dimension.base_plan`);
@@ -80,13 +80,13 @@ def parallelize(
     returns the model's state. `materialize` replaces meta parameters once the plan is applied (`from_pretrained`),
     given the name prefixes of the tensors it need not read (each dimension's `before_load`)."""
     snapshot = Snapshot(model)
-    steps = parallelisms(materialize)
+    ordered = steps(materialize)
     try:
-        tp_plan, whole, found = base_plan([s for s in steps if isinstance(s, Dimension)], model, plan, options)
+        tp_plan, whole, found = base_plan([s for s in ordered if isinstance(s, Dimension)], model, plan, options)
         state = TPState(tp_plan, mesh, group_rank(mesh.tp), options, whole=whole, found=found)
-        for step in steps:
+        for step in ordered:
             snapshot.track(step.apply(model, plan, state))
-        for integration in (hf_methods, ddp_guard, input_check, guards, float8_over_dp, replica_broadcast):
+        for integration in integrations():
             snapshot.track(integration(model, plan, state))
     except BaseException:
         snapshot.restore()
@@ -95,25 +95,30 @@ def parallelize(
     return state
 
 
-def parallelisms(materialize: Callable[[TPState, tuple[str, ...]], None] | None = None) -> list[Step]:
+def steps(materialize: Callable[[TPState, tuple[str, ...]], None] | None = None) -> list[Step]:
     """The dimensions' steps in order, new objects for one wrap: a dimension is one line here."""
-    steps: list[Step] = []
-    steps += [  # in place: `Materialize` reads the dimensions of this list
+    ordered: list[Step] = []
+    ordered += [  # in place: `Materialize` reads the dimensions of this list
         TensorParallelism(),
         VocabParallelism(),
         SequenceParallelism(),
         ExpertParallelism(),
-        Materialize(materialize, steps),
+        Materialize(materialize, ordered),
         GradientHooks(),
         ContextParallelism(),
         PipelineParallelism(),
     ]
-    return steps
+    return ordered
 
 
 def dimensions() -> list[Dimension]:
-    """The dimensions, in the pipeline's order (their refusals run in `autotp.api`'s planning)."""
-    return [step for step in parallelisms() if isinstance(step, Dimension)]
+    """The dimensions, in `steps`' order (their refusals run in `autotp.api`'s planning)."""
+    return [step for step in steps() if isinstance(step, Dimension)]
+
+
+def integrations() -> list[Callable[[nn.Module, Plan, TPState], list[Removable]]]:
+    """The steps after the dimensions', in order, each acting on the model they all made."""
+    return [hf_methods, ddp_guard, input_check, guards, float8_over_dp, replica_broadcast]
 
 
 class Materialize:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, TypeVar, cast
 from torch import nn
 from transformers import PreTrainedModel
 
-from .mesh import Group, Mesh
+from .mesh import AXIS_TABLE, Group, Mesh
 from .options import WrapOptions
 from .planning.plan import Plan
 
@@ -70,6 +70,14 @@ class TPState:
         """The groups the active dimensions split their own tensors over besides TP (the experts' EP group), which
         saving and exporting gather over."""
         return [group for group in (d.split_group() for d in self.dims.values()) if group is not None]
+
+    def splits_sequence(self) -> bool:
+        """Whether each rank's decoder layers hold part of the sequence (sequence or context parallelism)."""
+        return any(d.splits_sequence for d in self.dims.values())
+
+    def batch_groups(self) -> list[tuple[str, Group]]:
+        """The groups besides TP whose ranks are each given the same whole batch (the CP group), by their label."""
+        return [(AXIS_TABLE[d.name].label, g) for d in self.dims.values() if (g := d.batch_group()) is not None]
 
     def allows_ddp(self) -> bool:
         """Whether DDP can sync every gradient (not under expert parallelism: `autotp.allreduce_gradients` must)."""

@@ -13,6 +13,7 @@ from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.rollback import Removable
 from ..state import TPState
+from ..tp.float8 import refuse_torchao
 from .apply import ContextParallel, install
 from .dropout import dropout_on
 from .layout import padded_length
@@ -23,6 +24,8 @@ class ContextParallelism(Dimension):
     """Active at cp_size > 1, holding the installed `ContextParallel` (`context`)."""
 
     name = "cp"
+    splits_sequence = True
+    group: Group = None  # the CP group, set by `apply` when active: its ranks are given one whole batch
 
     context: ContextParallel  # set by `apply` when active: the hooks run only then
 
@@ -30,6 +33,7 @@ class ContextParallelism(Dimension):
         cp = options.cp_size
         if cp == 1:
             return
+        refuse_torchao(model, f"cp_size={cp}")
         refuse_unsupported(model, cp)
         loss = own_loss(model)
         if loss is not None:
@@ -54,7 +58,7 @@ class ContextParallelism(Dimension):
         context = install(model, state.cp_group, state, state.options.cp_size)
         if context is None:
             return []
-        self.context = context
+        self.context, self.group = context, state.cp_group
         state.dims[self.name] = self
         return [context]
 
@@ -65,6 +69,9 @@ class ContextParallelism(Dimension):
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         self.context.unsynced = False  # summed over CP here (or by FSDP)
+
+    def batch_group(self) -> Group:
+        return self.group
 
     def check_ddp(self, group: Group, state: TPState) -> None:
         """DDP must average over DP x CP: over the DP group alone it would leave each CP rank with its own tokens'

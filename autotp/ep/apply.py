@@ -1,4 +1,4 @@
-"""Expert parallelism on a planned model: what is refused before any group exists, and the pipeline's step.
+"""Expert parallelism on a planned model: what is refused before any group exists, and its `autotp.parallelize` step.
 
 The routed experts come from the plan's expert regions (a shipped policy, transformers' plans) and from structure
 (`autotp.ep.regions`). Under `ep_size > 1` the plan's regions are not width-sliced over TP: the EP step keeps whole

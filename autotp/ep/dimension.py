@@ -13,6 +13,7 @@ from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.rollback import Removable
 from ..state import TPState
+from ..tp.float8 import refuse_torchao
 from .apply import broadcast_experts, dense_plan, expert_parallel, expert_paths, refuse_unsupported
 from .groups import ExpertGroups
 
@@ -27,6 +28,8 @@ class ExpertParallelism(Dimension):
     experts: ExpertGroups  # set by `apply` when active: the hooks run only then
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
+        if options.ep_size > 1:
+            refuse_torchao(model, f"ep_size={options.ep_size}")
         refuse_unsupported(model, plan, options)
 
     def split_plan(self, model: nn.Module, plan: Plan, options: WrapOptions) -> tuple[Plan, tuple[str, ...], None]:

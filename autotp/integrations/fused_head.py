@@ -47,7 +47,7 @@ def make_vocab_parallel(model: nn.Module, state: TPState, fused: Callable, train
     why = None
     if missing:
         why = f"its fused head lacks the settings autotp reads ({', '.join(missing)}): another TRL version"
-    elif state.options.sequence_parallel or state.cp_group is not None:
+    elif state.splits_sequence():
         why = "its fused head under sequence or context parallelism is not supported yet"
     elif getattr(settings["text_config"], "output_router_logits", False):
         why = "its fused head's MoE load-balancing loss is not supported yet"

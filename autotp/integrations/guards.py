@@ -6,7 +6,6 @@
   each dimension: `autotp.runtime.dimension.Dimension.check_ddp`).
 - A sharded layer swapped for another module after `wrap`, other than PEFT's LoRA, which `autotp.tp.lora`
   makes tensor-parallel (any other adapter sees only the shard and adds an update nobody reduces) (`SwapGuard`).
-- torchao layers autotp cannot shard exactly (`refuse_torchao`; float8 it shards: `autotp.tp.float8`).
 - torch's own `fully_shard` on a wrapped model (use `autotp.fully_shard`), and FSDP over a mesh that holds two ranks
   of one TP group, checked at the first forward or optimizer step (`MeshGuard`).
 """
@@ -26,7 +25,6 @@ from transformers.pytorch_utils import Conv1D
 from ..compat.hf import adapter_module
 from ..compat.peft import is_modules_to_save
 from ..compat.torch import ddp_under_construction
-from ..compat.torchao import is_torchao
 from ..dp.fsdp import check_mesh
 from ..options import WrapOptions
 from ..runtime.input_agreement import check_same_batch
@@ -34,7 +32,6 @@ from ..runtime.process_hooks import Hold, module_forward_pre_hook, watch_optimiz
 from ..runtime.replicas import check_replicas
 from ..runtime.slot_guard import SlotGuard
 from ..state import TPState, refuse_torch_fsdp, state_of
-from ..tp.float8 import refusal
 from ..tp.lora import adapt
 
 REPLICA_CHECK_EVERY = 100
@@ -47,7 +44,8 @@ def check_same_inputs(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     named = [(f"argument {i}", v) for i, v in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]
     tensors = [(name, t) for name, t in named if torch.is_tensor(t)]
     check_same_batch(state.tp_group, tensors, "TP")
-    check_same_batch(state.cp_group, tensors, "CP")
+    for label, group in state.batch_groups():
+        check_same_batch(group, tensors, label)
 
 
 class InputCheck:
@@ -206,48 +204,6 @@ def refuse_meta(model: nn.Module, call: str = "wrap") -> None:
         f"hold no values to shard. Load the weights before {call} (build the model on a real device, or call "
         f"model.to_empty(device=...) and then load_state_dict), or let autotp.from_pretrained(path, tp_size) read "
         f"each rank's shards straight from the checkpoint. Nothing was changed."
-    )
-
-
-def refuse_torchao(model: nn.Module, options: WrapOptions | None = None) -> None:
-    """Refuse, by name and before anything changes, torchao layers or tensors autotp cannot shard exactly: all but
-    `convert_to_float8_training`'s `Float8Linear` (any recipe: `autotp.tp.float8`), its weight in FSDP2's float8
-    all-gather subclass, a quantised weight, and float8 under sequence, context or expert parallelism (a CP rank's
-    amax would be its part of the sequence's, one process's the whole's). Found by the module their class is defined
-    in: torchao is not a dependency."""
-    found = [
-        (name, type(module), refusal(module)) for name, module in model.named_modules() if is_torchao(type(module))
-    ]
-    unmade = (
-        []
-        if options is None
-        else [
-            f"float8 under {option} is not supported yet"
-            for option, on in (
-                ("sequence_parallel", options.sequence_parallel),
-                (f"cp_size={options.cp_size}", options.cp_size > 1),
-                (f"ep_size={options.ep_size}", options.ep_size > 1),
-            )
-            if on
-        ]
-    )
-    if unmade:
-        found = [(name, cls, why or unmade[0]) for name, cls, why in found]
-    found = [entry for entry in found if entry[2] is not None]
-    found += [
-        (name, type(p), "autotp shards plain weights only")
-        for name, p in model.named_parameters()
-        if is_torchao(type(p))
-    ]
-    if not found:
-        return
-    (path, cls, why), more = found[0], len(found) - 1
-    raise NotImplementedError(
-        f"autotp: {path} is torchao's {cls.__name__} ({cls.__module__}.{cls.__qualname__})"
-        f"{f', and {more} more modules or parameters' if more else ''}: {why}. autotp's sharded linears would "
-        f"replace these and lose float8 or compute it on shards. Convert with convert_to_float8_training (the "
-        f"tensorwise, rowwise or rowwise_with_gw_hp recipe, without enable_fsdp_float8_all_gather), or wrap the "
-        f"model without the conversion. Nothing was changed."
     )
 
 

@@ -8,15 +8,17 @@ parallelism splits, so under vocab parallelism autotp's own fused head takes its
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from ..accessors import cp_size, dp_rank, dp_size
+from ..accessors import dp_rank, dp_size
 from ..compat import trainer as trainer_compat
-from ..state import find_state, wrapped_model
+from ..mesh import group_size
+from ..state import find_state, state_of, wrapped_model
 from .fused_head import make_vocab_parallel
 
 
@@ -31,7 +33,8 @@ def check_trl_setup(trainer: Trainer) -> None:
     one batch) where TRL's DPO, KTO, SFT and reward trainers divide their `num_tokens` metric, summed over every
     process, by the TP size (they read it from accelerate, which knows neither)."""
     if hasattr(trainer, "_tp_size"):
-        trainer._tp_size = trainer.get_tp_size() * cp_size(trainer.model)
+        batch_groups = state_of(trainer.model).batch_groups()
+        trainer._tp_size = trainer.get_tp_size() * math.prod(group_size(group) for _, group in batch_groups)
     for candidate in (trainer.model, getattr(trainer, "ref_model", None)):
         model = wrapped_model(candidate) if candidate is not None else None
         if model is None:

@@ -16,6 +16,8 @@ from torch import nn
 from .policy import Origin
 from .sharding import Partition
 
+VOCAB_OFF = "vocab_parallel=False"  # a plan's `vocab_reason` when vocab parallelism was not asked for: no warning
+
 
 class Replicated(enum.Enum):
     """Why a linear stays replicated; the value is the display text (with the detail where it has one)."""
@@ -166,8 +168,9 @@ class Plan:
             f"replicated, {vocab}"
         )
 
-    def warnings(self, vocab_requested: bool = True) -> list[str]:
-        """What a user should hear about: nothing sharded, blocks left replicated, vocab parallelism off."""
+    def warnings(self) -> list[str]:
+        """What a user should hear about: nothing sharded, blocks left replicated, vocab parallelism off (unless asked
+        for: `VOCAB_OFF`)."""
         out = []
         if self.tp_size > 1 and not self.layers and not self.regions:
             out.append(f"autotp: nothing is sharded at tp_size={self.tp_size}; every rank holds the whole model")
@@ -181,7 +184,7 @@ class Plan:
                 f"autotp: {len(rejected)} attention/MLP blocks stay replicated: {shown}"
                 + (" ..." if len(rejected) > 3 else "")
             )
-        if vocab_requested and self.tp_size > 1 and self.vocab is None:
+        if self.tp_size > 1 and self.vocab is None and self.vocab_reason != VOCAB_OFF:
             out.append(f"autotp: vocab parallelism is off: {self.vocab_reason}")
         return out
 

@@ -18,9 +18,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..compat.hf import is_causal_lm, own_loss
+from ..options import WrapOptions
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
-from .plan import LayerPlan, Plan, VocabPlan
+from .plan import VOCAB_OFF, LayerPlan, Plan, VocabPlan
 from .policy import Policy, as_policy, find_policy
 from .policy_plan import plan_from_policy
 from .sharding import Partition
@@ -51,8 +52,14 @@ def build_plan(
         )
     plan = keep_ties(model, _build_plan(model, tp_size, policy, example_inputs))
     if not vocab_parallel:
-        return replace(plan, vocab_reason="vocab_parallel=False")
+        return replace(plan, vocab_reason=VOCAB_OFF)
     return with_vocab(model, plan)
+
+
+def plan_for(model: nn.Module, tp_size: int, options: WrapOptions, split_vocab: bool = False) -> Plan:
+    """`build_plan` with `wrap`'s options (`autotp.api` and an engine's layout plan alike); `split_vocab`: by
+    vocabulary whatever they say (an engine that always splits it: vLLM)."""
+    return build_plan(model, tp_size, options.policy, options.vocab_parallel or split_vocab, options.example_inputs)
 
 
 def _build_plan(model: nn.Module, tp_size: int, policy, example: Mapping[str, Any] | None) -> Plan:

@@ -1,5 +1,5 @@
-"""A parallel dimension as one unit: its axis, its refusals, its pipeline step, and its part of each operation that
-spans the dimensions.
+"""A parallel dimension as one unit: its axis, its refusals, its step in `autotp.parallelize`, and its part of each
+operation that spans the dimensions.
 
 Each dimension package (`autotp.tp`, `autotp.vocab`, `autotp.sp`, `autotp.cp`, `autotp.ep`) defines one `Dimension`;
 `autotp.parallelize` lists them in order, and each one's `apply` records it in `TPState.dims` when it is active. The
@@ -92,6 +92,7 @@ class Dimension:
 
     name: str = ""
     allows_ddp: bool = True  # whether DDP may sync its gradients (else `autotp.allreduce_gradients` must, each step)
+    splits_sequence: bool = False  # whether each of its ranks holds part of the sequence (no whole-sequence head)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         """Raise, naming the reason, for options this model cannot take: at planning time, with no process group."""
@@ -109,7 +110,7 @@ class Dimension:
         return ()
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
-        """Its pipeline step; records itself in `state.dims` when active."""
+        """Its step in `autotp.parallelize.steps`; records itself in `state.dims` when active."""
         return []
 
     def after_wrap(self, model: nn.Module, state: TPState, adapters: frozenset[int]) -> None:
@@ -146,6 +147,11 @@ class Dimension:
 
     def broadcast_replicas(self, model: nn.Module, state: TPState) -> None:
         """Its part of the last step: make the copies it holds on several ranks equal."""
+
+    def batch_group(self) -> Group:
+        """The group besides TP whose ranks are each given the same whole batch, which `check_inputs` compares and
+        TRL's token counts divide by (None: none)."""
+        return None
 
     def split_group(self) -> Group:
         """The group its own tensors are split over besides TP, which saving and exporting gather over (None: none)."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from ..mesh import group_size
+from ..options import WrapOptions
 from ..planning.plan import Plan
 from ..runtime.dimension import Dimension
 from ..runtime.rollback import Removable
 from ..runtime.seq_collectives import check_divisible
 from ..state import TPState
+from ..tp.float8 import refuse_torchao
 from .sequence import apply_sequence_parallel
 
 
@@ -18,7 +20,12 @@ class SequenceParallelism(Dimension):
     the experts at ep > 1) run on this rank's chunk of the tokens."""
 
     name = "sp"
+    splits_sequence = True
     size = 1  # the TP group's, over which the sequence is split
+
+    def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
+        if options.sequence_parallel:
+            refuse_torchao(model, "sequence_parallel")
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         if not state.options.sequence_parallel:

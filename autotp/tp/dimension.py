@@ -40,7 +40,7 @@ class TensorParallelism(Dimension):
 
 
 class GradientHooks:
-    """The pipeline step after loading: gradient sums on the parameters once they are final (`register_grad_hooks`)."""
+    """The `autotp.parallelize` step after loading: gradient sums on the parameters once they are final (`register_grad_hooks`)."""
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
         return list(register_grad_hooks(model, state))

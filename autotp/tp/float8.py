@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat.torchao import is_float8_linear
+from ..compat.torchao import is_float8_linear, is_torchao
 from ..mesh import Group, group_rank, group_size
 from ..runtime.collectives import all_reduce
 from ..runtime.process_hooks import patch_attribute
@@ -58,6 +58,36 @@ def refusal(module: nn.Module) -> str | None:
             "autotp casts it exactly"
         )
     return None
+
+
+def refuse_torchao(model: nn.Module, under: str | None = None) -> None:
+    """Refuse, by name and before anything changes, torchao layers or tensors autotp cannot shard exactly: all but
+    `convert_to_float8_training`'s `Float8Linear` (any recipe), its weight in FSDP2's float8 all-gather subclass, a
+    quantised weight; and, with `under` (an option such as "cp_size=2"), float8 under a dimension it is not composed
+    with yet, whose `refuse` calls this (sequence, context or expert parallelism: a CP rank's amax would be its part
+    of the sequence's, one process's the whole's). Found by the module their class is defined in: torchao is not a
+    dependency."""
+    found = [
+        (name, type(module), refusal(module)) for name, module in model.named_modules() if is_torchao(type(module))
+    ]
+    if under is not None:
+        found = [(name, cls, why or f"float8 under {under} is not supported yet") for name, cls, why in found]
+    found = [entry for entry in found if entry[2] is not None]
+    found += [
+        (name, type(p), "autotp shards plain weights only")
+        for name, p in model.named_parameters()
+        if is_torchao(type(p))
+    ]
+    if not found:
+        return
+    (path, cls, why), more = found[0], len(found) - 1
+    raise NotImplementedError(
+        f"autotp: {path} is torchao's {cls.__name__} ({cls.__module__}.{cls.__qualname__})"
+        f"{f', and {more} more modules or parameters' if more else ''}: {why}. autotp's sharded linears would "
+        f"replace these and lose float8 or compute it on shards. Convert with convert_to_float8_training (the "
+        f"tensorwise, rowwise or rowwise_with_gw_hp recipe, without enable_fsdp_float8_all_gather), or wrap the "
+        f"model without the conversion. Nothing was changed."
+    )
 
 
 # the axis of each operand, as `Float8Matmul.cast` gets it, along which the tokens run (input and grad_output

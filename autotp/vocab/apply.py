@@ -1,4 +1,4 @@
-"""The vocabulary step of the pipeline: the LM head and embedding split by vocabulary, the loss sharded.
+"""The vocabulary step of `autotp.parallelize`: the LM head and embedding split by vocabulary, the loss sharded.
 
 It runs after tensor parallelism (the head is a column layer with its own block entry) and before context
 parallelism, which wraps the sharded loss.
@@ -49,8 +49,8 @@ def apply_vocab(model: nn.Module, vocab: VocabPlan, tp_group: Group, state: TPSt
 
 
 def vocab_parallel(model: nn.Module, plan: Plan, state: TPState) -> None:
-    """The pipeline step: the model's own loss is kept (the sharded loss falls back to it), then the split; without
-    it (tp 1, or vocab parallelism off) the replicated head's loss over chunks where it applies."""
+    """The `autotp.parallelize` step: the model's own loss is kept (the sharded loss falls back to it), then the split;
+    without it (tp 1, or vocab parallelism off) the replicated head's loss over chunks where it applies."""
     if plan.vocab is None:
         chunk_replicated_head(model, state)
         return

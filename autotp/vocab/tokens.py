@@ -28,7 +28,7 @@ def token_log_probs(
     if state is None or vocab is None or group_size(state.tp_group) == 1:  # vocab is None without a state
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
         return torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    if state.options.sequence_parallel or state.cp_group is not None:
+    if state.splits_sequence():
         raise NotImplementedError(
             "autotp: token_log_probs under sequence or context parallelism is not supported "
             "yet (the backbone's output is split by sequence there)"

@@ -180,8 +180,8 @@ def test_a_model_on_the_meta_device_is_refused_at_tp1(no_launcher) -> None:
 def test_a_torchao_float8_model_autotp_cannot_shard_is_refused_by_name_before_it_changes(no_launcher) -> None:
     """torchao's convert_to_float8_training with FSDP2's float8 all-gather (each weight scaled by its amax over FSDP's
     mesh only, a TP shard's own scale; the recipes without it autotp shards: tests/tp/test_float8.py), and float8
-    under sequence or context parallelism. Before autotp sharded float8, wrap replaced Float8Linear layers by its own,
-    and the model trained in fp32 without a word. torchao is not a dependency (in the suite's environment it would
+    under sequence, context or expert parallelism (each refused by that dimension's `refuse`). Before autotp sharded
+    float8, wrap replaced Float8Linear layers by its own, and the model trained in fp32 without a word. torchao is not a dependency (in the suite's environment it would
     slow every test by a fifth): skipped without it, and .ci/run runs it with it."""
     float8 = pytest.importorskip("torchao.float8")
     all_gather = tiny_model("llama")
@@ -205,6 +205,12 @@ def test_a_torchao_float8_model_autotp_cannot_shard_is_refused_by_name_before_it
             assert re.search(why, str(refused.value)), str(refused.value)
         assert_unchanged(before, model)
         assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"
+    moe = tiny_model("mixtral")  # and under expert parallelism, refused by the EP dimension's own `refuse`
+    float8.convert_to_float8_training(moe)
+    before = snapshot(moe)
+    with pytest.raises(NotImplementedError, match=r"Float8Linear .*float8 under ep_size=2 is not supported yet"):
+        autotp.explain(moe, 2, ep_size=2)
+    assert_unchanged(before, moe)
 
 
 def test_a_transformers_experts_kernel_failure_is_named_with_its_fix() -> None:

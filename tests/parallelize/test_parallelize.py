@@ -19,7 +19,7 @@ def documented_steps() -> list[str]:
 def steps_run(rank: int, world: int, path: str) -> list[str]:
     import autotp
     import autotp.api as api
-    import autotp.parallelize as pipeline
+    import autotp.parallelize as parallelize
 
     seen: list[str] = []
 
@@ -31,11 +31,11 @@ def steps_run(rank: int, world: int, path: str) -> list[str]:
         return run
 
     for name in documented_steps():
-        step = getattr(pipeline, name, None)
-        if isinstance(step, type):  # a step object of `pipeline.parallelisms`: its `apply`
+        step = getattr(parallelize, name, None)
+        if isinstance(step, type):  # a step object of `parallelize.steps`: its `apply`
             step.apply = spy(name, step.apply)
         elif step is not None:  # an integration
-            setattr(pipeline, name, spy(name, step))
+            setattr(parallelize, name, spy(name, step))
     real = api.parallelize
     api.parallelize = lambda model, plan, groups, options, materialize: real(
         model, plan, groups, options, spy("materialize", materialize)

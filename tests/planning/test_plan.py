@@ -171,6 +171,13 @@ def test_wrap_logs_a_summary_and_warns_on_rank0_only() -> None:
     ) in first
 
 
+def test_vocab_parallelism_off_is_a_warning_only_when_it_was_asked_for() -> None:
+    """The plan knows whether vocab parallelism was asked for (`VOCAB_OFF`), so its warnings need no option passed."""
+    off = "autotp: vocab parallelism is off"
+    assert not any(w.startswith(off) for w in autotp.explain(tiny_model("llama"), 2, vocab_parallel=False).warnings())
+    assert any(w.startswith(off) for w in autotp.explain(tiny_model("olmo"), 2).warnings())  # not covered by a policy
+
+
 HF_MLP_PLAN = {
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",

@@ -25,7 +25,7 @@ from ...compat.peft import adapter_state_dict, base_keys, merged_weight, peft_in
 from ...mesh import device_of
 from ...options import WrapOptions
 from ...planning.placement import window
-from ...planning.planner import build_plan
+from ...planning.planner import plan_for
 from ...planning.sharding import Partition
 from ...runtime.collectives import all_reduce, buckets
 from ...runtime.dimension import Collected, collected
@@ -60,8 +60,7 @@ class EngineLayout:
         options = state.options if state is not None else WrapOptions()
         with torch.device("meta"):
             twin = type(model)(copy.deepcopy(model.config))
-        vocab_parallel = options.vocab_parallel or self.engine == "vllm"  # vLLM always splits the vocabulary
-        plan = build_plan(twin, self.tp_size, options.policy, vocab_parallel, options.example_inputs)
+        plan = plan_for(twin, self.tp_size, options, split_vocab=self.engine == "vllm")  # vLLM always splits it
         if self.engine == "vllm":
             return vllm_partitions(twin, plan, plan.sharded_params(twin))
         return plan.sharded_params(twin)

@@ -73,6 +73,10 @@ class ContextParallelism(Dimension):
     def batch_group(self) -> Group:
         return self.group
 
+    def layout(self) -> dict[str, int]:
+        """A record: the weights are replicated over CP (each CP rank of a DP replica saves the same rows)."""
+        return {"cp_size": group_size(self.group)}
+
     def check_ddp(self, group: Group, state: TPState) -> None:
         """DDP must average over DP x CP: over the DP group alone it would leave each CP rank with its own tokens'
         share of the gradient, and the replicas would train apart."""

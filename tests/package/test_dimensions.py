@@ -53,10 +53,6 @@ ALLOWED: dict[str, str] = {
 NOT_YET_MOVED: dict[str, str] = {
     "testing/parity.py (vocab): vocab_parallel: bool = True,": "compare_training's options passed on to wrap by name",
     "testing/parity.py (vocab): vocab_parallel=vocab_parallel,": "the same (beside its pp_size, which ppstep rewrites)",
-    "io/checkpoint/save.py (cp): cp = group_size(None if state is None else state.cp_group)": (
-        "the checkpoint's layout record: CP's `layout` hook can give cp_size (dp_size from the DP group), in the "
-        "function whose pp line ppio moves behind the hooks"
-    ),
     "pp/dimension.py (cp): self.split_sequence = options.cp_size > 1": (
         "evaluation through the pipeline's patched forward refused under CP, which ppstep's `step` rewrites"
     ),

@@ -58,19 +58,18 @@ def layout(model: nn.Module) -> dict[str, Any]:
     state = find_state(model)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     tp = group_size(None if state is None else state.tp_group)
-    cp = group_size(None if state is None else state.cp_group)  # context parallelism: weights replicated over CP
     record = {
         "tp_size": tp,
-        "cp_size": cp,
+        "cp_size": 1,
         "ep_size": 1,
         "pp_size": 1,
         "world_size": world_size,
         "dp_size": world_size,
         "fsdp": state is not None and state.fsdp,
     }
-    for dimension in [] if state is None else state.dims.values():  # ep_size, the pipeline's size and cut: records
+    for dimension in [] if state is None else state.dims.values():  # cp_size, ep_size, the pipeline's size and cut
         record.update(dimension.layout())
-    record["dp_size"] = world_size // (tp * cp * record["pp_size"])  # each stage's tensors saved by its ranks
+    record["dp_size"] = world_size // (tp * record["cp_size"] * record["pp_size"])  # each stage's tensors' savers
     return record
 
 

@@ -29,8 +29,10 @@ from .cut import Cut, find_cut, skip_others
 from .generate import PipelineGenerate
 from .release import release, unowned
 from .router import Balance, unsupported
-from .schedule import LOOPED, SCHEDULES, Runner, stages_of
+from .schedule import LOOPED, SCHEDULES, Runner
 from .shared import SharedGroup, shared_groups, sync_shared, tied_names, uncounted
+from . import zero_bubble
+from .zero_bubble import ZERO_BUBBLE, rank_stages, refuse_fully_shard, stage_rank
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
@@ -69,14 +71,15 @@ class PipelineParallelism(Dimension):
         for option, what in _NOT_YET.items():
             if getattr(options, option) not in (None, False, 1):
                 raise NotImplementedError(f"pp_size={pp} with {option}: {what} under a pipeline is not built yet")
-        if options.pp_schedule not in SCHEDULES:
+        if options.pp_schedule not in SCHEDULES + ZERO_BUBBLE:
             raise ValueError(
-                f"pp_schedule={options.pp_schedule!r}: choose one of torch's schedules {SCHEDULES} (ZBVZeroBubble and "
-                f"DualPipeV split the backward, which HF stages' non-tensor inputs do not allow yet)"
+                f"pp_schedule={options.pp_schedule!r}: choose one of torch's schedules {SCHEDULES + ZERO_BUBBLE}"
             )
         microbatches = options.pp_microbatches or pp
         if microbatches < 1:
             raise ValueError(f"pp_microbatches={options.pp_microbatches} must be at least 1")
+        if options.pp_schedule in ZERO_BUBBLE:
+            zero_bubble.refuse(model, options, microbatches)
         if options.pp_schedule == "1F1B" and microbatches < pp:
             raise ValueError(
                 f"pp_microbatches={microbatches} with pp_schedule='1F1B' at pp_size={pp}: torch's 1F1B runs at least "
@@ -113,10 +116,11 @@ class PipelineParallelism(Dimension):
         if options.pp_size == 1:
             return plan, ()
         self.cut = self._cut(model, options)
-        self.stages = stages_of(
-            dist.get_rank() // (dist.get_world_size() // options.pp_size),
+        self.stages = rank_stages(
+            options.pp_schedule,
             options.pp_size,
             self.cut.stages // options.pp_size,
+            dist.get_rank() // (dist.get_world_size() // options.pp_size),
         )
         self.released = unowned(model, self.cut, self.stages)
         return without(plan, self.cut.prefixes(self.stages) + tuple(f"{p}." for p in self.released)), ()
@@ -126,7 +130,8 @@ class PipelineParallelism(Dimension):
         if options.pp_size == 1:
             return []
         group = state.mesh.group("pp")
-        self.shared = shared_groups(model, self.cut, self.stages, state)  # the whole model's, collective
+        rank_of = lambda stage: stage_rank(options.pp_schedule, options.pp_size, stage)  # noqa: E731
+        self.shared = shared_groups(model, self.cut, self.stages, state, rank_of)  # the whole model's, collective
         if self.shared:  # kept with this dimension, which the model's state keeps
             self.watch = watch_optimizer_steps(self, PipelineParallelism.before_step)
         self.ties = tied_names(model)
@@ -228,6 +233,15 @@ class PipelineParallelism(Dimension):
             dist.all_reduce(total, op=op, group=group)
         return total
 
+    def stage_rank(self, stage: int) -> int:
+        """The PP rank that runs `stage` (a loop, or the zero-bubble schedules' V: `autotp.pp.zero_bubble`)."""
+        return stage_rank(self.runner.schedule_name, group_size(self.runner.group), stage)
+
+    def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
+        """FSDP within each stage (`autotp.pp.sharded`), but not under a split backward (`refuse_fully_shard`)."""
+        refuse_fully_shard(state.options.pp_schedule, state.options.pp_size)
+        return {}
+
     def split_group(self) -> Group:
         """Each stage holds its own tensors: saving and exporting gather each on its stage and send it on over PP
         (`autotp.io.hf.stages`), with every rank taking part."""
@@ -239,12 +253,12 @@ class PipelineParallelism(Dimension):
         return {"pp_bounds": list(self.cut.bounds)}
 
     def _cut(self, model: nn.Module, options: WrapOptions) -> Cut:
-        looped = options.pp_schedule in LOOPED
+        looped = options.pp_schedule in LOOPED + ZERO_BUBBLE  # the zero-bubble schedules: 2 (`zero_bubble.refuse`)
         per_rank = options.pp_stages_per_rank or (2 if looped else 1)
         if per_rank < 1 or (per_rank > 1 and not looped):
             raise ValueError(
                 f"pp_stages_per_rank={per_rank} with pp_schedule={options.pp_schedule!r}: more than one stage per "
-                f"rank needs a looped schedule ({', '.join(LOOPED)}), and at least one"
+                f"rank needs a looped schedule ({', '.join(LOOPED + ZERO_BUBBLE)}), and at least one"
             )
         return find_cut(model, options.pp_size * per_rank, options.pp_split_points)
 

@@ -39,7 +39,7 @@ class StageTensors:
     def __init__(
         self, params: dict[str, torch.Tensor], stage: dict[str, int], state: TPState, experts: frozenset[str]
     ) -> None:
-        pipeline = state.dims["pp"]
+        pipeline = self.pipeline = state.dims["pp"]
         self.params, self.stage, self.experts, self.mine = params, stage, experts, set(pipeline.stages)
         self.group = pipeline.runner.group
         self.size = group_size(self.group)
@@ -63,7 +63,7 @@ class StageTensors:
         stage is PP rank 0's; else `fetch(True)`'s tensors (a list) sent from the stage's `lead` rank (the one the
         tensors are gathered to at pp 1) to PP rank 0's, in one message, received there as `like()` says (shapes,
         dtypes). None on every other rank."""
-        src, me = self.stage[name] % self.size, group_rank(self.group)
+        src, me = self.pipeline.stage_rank(self.stage[name]), group_rank(self.group)
         if me == src:
             got = fetch(src != 0)
             if src == 0:

@@ -49,6 +49,13 @@ def refuse(model: Any, options: WrapOptions, microbatches: int) -> None:
             f"pp_microbatches={microbatches} with pp_schedule='DualPipeV' at pp_size={pp}: torch's DualPipeV runs at "
             f"least one micro-batch per stage; give pp_microbatches >= {2 * pp}, or pp_schedule='ZBVZeroBubble'"
         )
+    if options.tp_size > 1 and options.overlap:
+        raise NotImplementedError(
+            f"pp_size={pp} with pp_schedule={schedule!r} at tp_size={options.tp_size} with overlap=True: TP's overlap "
+            f"leaves the column layers' weight gradients to their block entry's backward, which the split backward "
+            f"runs in the input's part, before the weights' part that needs them; wrap with overlap=False (the "
+            f"schedule's weights' part fills the pipeline's bubble instead)"
+        )
     if getattr(model.config, "output_router_logits", False):
         raise NotImplementedError(
             f"pp_size={pp} with pp_schedule={schedule!r} and output_router_logits: the MoE load-balancing loss's "

@@ -1,0 +1,90 @@
+"""torch's zero-bubble schedules (`pp_schedule="ZBVZeroBubble"`, `"DualPipeV"`): each rank runs two stages placed in a
+V (rank r: stages r and 2P - 1 - r) and splits each stage's backward into the input's part and the weights' part.
+Parity with one process as tests/pp/test_pipeline.py's (`pp_parity`): fp32, so only the order of reductions differs:
+the loss within 1e-5 at every step, every parameter a stage trains within 3e-5 of one process's after 3 AdamW steps
+(the gradient norm clipped), and the evaluation's loss and logits under no_grad. The chunked loss is on (the default)
+and is checked to have run; the weights' parts of the split backward are counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autotp.pp.zero_bubble import ZERO_BUBBLE, bubble
+from autotp.testing.spawn import run_ranks
+from pp_workers import LORA, assert_pp_parity
+from zb_workers import trained_layers, zb_run
+
+LAYERS = dict(num_hidden_layers=4)
+TIED = dict(tie_word_embeddings=True, num_hidden_layers=4, layer_types=["full_attention"] * 4)
+PP2 = {  # one spawn of 2 ranks: (family, tp, pp, options)
+    "zbv tied": ("qwen2", 1, 2, dict(pp_schedule="ZBVZeroBubble", pp_microbatches=4, clip=0.5, config=TIED)),
+    "dualpipev lora": (
+        "llama",
+        1,
+        2,
+        dict(pp_schedule="DualPipeV", pp_microbatches=4, clip=0.5, lora=LORA, config=LAYERS, checkpointing=True),
+    ),
+}
+
+
+REFUSED = {  # what each refusal names
+    "pp_stages_per_rank": "exactly 2 stages per rank",
+    "DualPipeV microbatches": "pp_microbatches >= 4",
+    "output_router_logits": "load-balancing loss",
+    "fully_shard": "autotp.fully_shard at pp_size=2 with pp_schedule='ZBVZeroBubble'",
+}
+
+
+def test_pp2_zero_bubble_schedules_match_one_process_and_refuse_by_name() -> None:
+    """ZBVZeroBubble on qwen2 with tied embeddings: the embedding (stage 0) and the head (stage 3) are both rank 0's,
+    one tensor, so no PP group sums them. DualPipeV with LoRA put on before wrap and activation checkpointing, whose
+    recomputation the two parts of the backward share. Then what they refuse, before the model changes."""
+    results = run_ranks(zb_run, 2, list(PP2.values()), 1)
+    cases = {name: [rank["cases"][i] for rank in results] for i, name in enumerate(PP2)}
+    for name, ranks in cases.items():
+        assert trained_layers(ranks) == [{0, 3}, {1, 2}], (name, trained_layers(ranks))  # the V
+        assert [r["chunked"] for r in ranks] == [3 * 4, 0], name  # the last stage is rank 0's: 4 micro-batches a step
+        assert all(r["weight_backwards"] > 0 for r in ranks), name  # the backward was split
+    assert all(r["tied"] for r in cases["zbv tied"])
+    assert "model.embed_tokens.weight" in cases["zbv tied"][0]["errors"]
+    assert_pp_parity(cases["zbv tied"], reference_names=2 + 4 * 12)  # embedding, final norm, 12 per qwen2 layer
+    assert_pp_parity(cases["dualpipev lora"], reference_names=4 * 2 * 2)  # q and v of 4 layers, A and B each
+    for rank in results:
+        assert set(rank["refused"]) == set(REFUSED), rank["refused"]
+        for name, words in REFUSED.items():
+            message, unchanged = rank["refused"][name]
+            assert words in message and unchanged, (name, message)
+
+
+@pytest.mark.slow  # 4 ranks on 2 cores
+def test_pp4_and_pp2_tp2_zero_bubble_schedules_match_one_process() -> None:
+    """pp 4 (8 stages of one layer) under both schedules, 8 micro-batches (DualPipeV runs at least one a stage), LoRA
+    under ZBV; and ZBV at pp 2 x tp 2 (overlap=False): TP's collectives in the split backward. TP's overlap, refused."""
+    pads = (0, 3, 6, 9, 1, 4, 7, 2)
+    eight = dict(num_hidden_layers=8)
+    cases = [
+        ("llama", 1, 4, dict(pp_schedule="DualPipeV", pp_microbatches=8, clip=0.5, pads=pads, config=eight)),
+        ("llama", 1, 4, dict(pp_schedule="ZBVZeroBubble", pp_microbatches=8, pads=pads, lora=LORA, config=eight)),
+        ("llama", 2, 2, dict(pp_schedule="ZBVZeroBubble", pp_microbatches=4, clip=0.5, overlap=False, config=LAYERS)),
+    ]
+    results = run_ranks(zb_run, 4, cases, 2)
+    dualpipev, zbv_lora, tp2 = ([rank["cases"][i] for rank in results] for i in range(3))
+    assert trained_layers(dualpipev) == [{0, 7}, {1, 6}, {2, 5}, {3, 4}]
+    assert_pp_parity(dualpipev, reference_names=2 + 8 * 9 + 1)
+    assert_pp_parity(zbv_lora, reference_names=8 * 2 * 2)
+    assert [r["stage"] for r in tp2] == [0, 0, 1, 1]
+    assert_pp_parity(tp2, reference_names=2 + 4 * 9 + 1)
+    for ranks in (dualpipev, zbv_lora, tp2):
+        assert all(r["weight_backwards"] > 0 for r in ranks)
+    for rank in results:  # TP's overlap at tp 2: refused, naming overlap=False
+        message, unchanged = rank["refused"]["overlap"]
+        assert "wrap with overlap=False" in message and unchanged, message
+
+
+def test_zero_bubble_theory_is_below_1f1b() -> None:
+    """The bubble of torch's own order of actions, forward, input and weight backward one unit each: below 1F1B's
+    (P - 1) / (M + P - 1) at the same micro-batch count."""
+    for pp, microbatches in ((2, 4), (4, 8)):
+        for schedule in ZERO_BUBBLE:
+            assert bubble(schedule, pp, microbatches) < (pp - 1) / (microbatches + pp - 1) / 3, (schedule, pp)

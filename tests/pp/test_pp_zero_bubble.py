@@ -8,6 +8,8 @@ and is checked to have run; the weights' parts of the split backward are counted
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from autotp.pp.zero_bubble import ZERO_BUBBLE, bubble
@@ -36,11 +38,12 @@ REFUSED = {  # what each refusal names
 }
 
 
-def test_pp2_zero_bubble_schedules_match_one_process_and_refuse_by_name() -> None:
+def test_pp2_zero_bubble_schedules_match_one_process_and_refuse_by_name(tmp_path: Path) -> None:
     """ZBVZeroBubble on qwen2 with tied embeddings: the embedding (stage 0) and the head (stage 3) are both rank 0's,
     one tensor, so no PP group sums them. DualPipeV with LoRA put on before wrap and activation checkpointing, whose
-    recomputation the two parts of the backward share. Then what they refuse, before the model changes."""
-    results = run_ranks(zb_run, 2, list(PP2.values()), 1)
+    recomputation the two parts of the backward share. Then what they refuse, before the model changes, and
+    `save_pretrained` from the V (the last stage's tensors are rank 0's)."""
+    results = run_ranks(zb_run, 2, list(PP2.values()), 1, str(tmp_path))
     cases = {name: [rank["cases"][i] for rank in results] for i, name in enumerate(PP2)}
     for name, ranks in cases.items():
         assert trained_layers(ranks) == [{0, 3}, {1, 2}], (name, trained_layers(ranks))  # the V
@@ -50,6 +53,7 @@ def test_pp2_zero_bubble_schedules_match_one_process_and_refuse_by_name() -> Non
     assert "model.embed_tokens.weight" in cases["zbv tied"][0]["errors"]
     assert_pp_parity(cases["zbv tied"], reference_names=2 + 4 * 12)  # embedding, final norm, 12 per qwen2 layer
     assert_pp_parity(cases["dualpipev lora"], reference_names=4 * 2 * 2)  # q and v of 4 layers, A and B each
+    assert [rank["refused"].pop("saved") for rank in results] == [True, None]
     for rank in results:
         assert set(rank["refused"]) == set(REFUSED), rank["refused"]
         for name, words in REFUSED.items():

@@ -46,9 +46,10 @@ def trained_layers(results: list[dict]) -> list[set[int]]:
     return [{int(n.split(".")[n.split(".").index("layers") + 1]) for n in r["errors"] if ".layers." in n} for r in results]
 
 
-def zb_refusals(rank: int, world: int, tp: int) -> dict[str, tuple[str, bool]]:
+def zb_refusals(rank: int, world: int, tp: int, path: str) -> dict[str, Any]:
     """What the zero-bubble schedules refuse at pp 2 (`tp`: the TP size), each by name and before the model changes:
-    the message, and whether the model's parameters are the same objects, equal (for fully_shard: not sharded)."""
+    the message, and whether the model's parameters are the same objects, equal (for fully_shard: not sharded). At
+    tp 1 also `saved`: whether a ZBV model saved to `path` loads in transformers as the model it was wrapped from."""
     import transformers as tf
 
     zbv = dict(pp_schedule="ZBVZeroBubble")
@@ -72,6 +73,7 @@ def zb_refusals(rank: int, world: int, tp: int) -> dict[str, tuple[str, bool]]:
             refused[name] = (str(err), same and not hasattr(model, "autotp_state"))
     if tp == 1:
         model = autotp.wrap(tiny_model("llama", num_hidden_layers=4), 1, pp_size=2, **zbv)
+        refused["saved"] = saved_equal(model, path)
         try:
             autotp.fully_shard(model)
         except NotImplementedError as err:
@@ -79,6 +81,19 @@ def zb_refusals(rank: int, world: int, tp: int) -> dict[str, tuple[str, bool]]:
     return refused
 
 
-def zb_run(rank: int, world: int, cases: list[tuple], tp: int) -> dict:
+def saved_equal(model: torch.nn.Module, path: str) -> bool | None:
+    """`autotp.save_pretrained` of a wrapped, untrained 4-layer llama (each rank holding its V's stages; rank 0 the
+    first and the last), loaded by transformers on rank 0: equal to the model wrap was given (None elsewhere)."""
+    import transformers as tf
+
+    autotp.save_pretrained(model, path)
+    if torch.distributed.get_rank() != 0:
+        return None
+    loaded = dict(tf.AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    whole = dict(tiny_model("llama", num_hidden_layers=4).named_parameters())
+    return loaded.keys() == whole.keys() and all(torch.equal(loaded[n], p) for n, p in whole.items())
+
+
+def zb_run(rank: int, world: int, cases: list[tuple], tp: int, path: str = "") -> dict:
     """`zb_cases` and `zb_refusals` in one set of ranks."""
-    return {"cases": zb_cases(rank, world, cases), "refused": zb_refusals(rank, world, tp)}
+    return {"cases": zb_cases(rank, world, cases), "refused": zb_refusals(rank, world, tp, path)}

@@ -31,8 +31,7 @@ from .release import release, unowned
 from .router import Balance, unsupported
 from .schedule import LOOPED, SCHEDULES, Runner
 from .shared import SharedGroup, shared_groups, sync_shared, tied_names, uncounted
-from . import zero_bubble
-from .zero_bubble import ZERO_BUBBLE, rank_stages, refuse_fully_shard, stage_rank
+from .zero_bubble import ZERO_BUBBLE, rank_stages, refuse_fully_shard, refuse_options, stage_rank
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
@@ -79,7 +78,7 @@ class PipelineParallelism(Dimension):
         if microbatches < 1:
             raise ValueError(f"pp_microbatches={options.pp_microbatches} must be at least 1")
         if options.pp_schedule in ZERO_BUBBLE:
-            zero_bubble.refuse(model, options, microbatches)
+            refuse_options(model, options, microbatches)
         if options.pp_schedule == "1F1B" and microbatches < pp:
             raise ValueError(
                 f"pp_microbatches={microbatches} with pp_schedule='1F1B' at pp_size={pp}: torch's 1F1B runs at least "
@@ -253,7 +252,7 @@ class PipelineParallelism(Dimension):
         return {"pp_bounds": list(self.cut.bounds)}
 
     def _cut(self, model: nn.Module, options: WrapOptions) -> Cut:
-        looped = options.pp_schedule in LOOPED + ZERO_BUBBLE  # the zero-bubble schedules: 2 (`zero_bubble.refuse`)
+        looped = options.pp_schedule in LOOPED + ZERO_BUBBLE  # the zero-bubble schedules: 2 (`refuse_options`)
         per_rank = options.pp_stages_per_rank or (2 if looped else 1)
         if per_rank < 1 or (per_rank > 1 and not looped):
             raise ValueError(

@@ -10,7 +10,7 @@ weights meet the input's path a second time, from the gradients the first part r
 part is autograd's own: a tensor hook on a parameter (autotp's gradient hooks for TP's replicated heads) runs in the
 weights' part, and autotp's autograd Functions there (the chunked loss, the TP collectives) compute from what they
 saved, so running one twice gives the same gradients. What does not compose is refused before the model changes
-(`refuse`, `refuse_fully_shard`).
+(`refuse_options`, `refuse_fully_shard`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def rank_stages(schedule: str, pp: int, per_rank: int, rank: int) -> list[int]:
     return [s for s in range(pp * per_rank) if stage_rank(schedule, pp, s) == rank]
 
 
-def refuse(model: Any, options: WrapOptions, microbatches: int) -> None:
+def refuse_options(model: Any, options: WrapOptions, microbatches: int) -> None:
     """What the zero-bubble schedules cannot run exactly, by name, at planning time."""
     pp, schedule = options.pp_size, options.pp_schedule
     if options.pp_stages_per_rank not in (None, 2):
@@ -85,9 +85,9 @@ class VForwardOnly(ScheduleLoopedBFS):
     def __init__(self, stages: list[Any], n_microbatches: int, **kwargs: Any):
         super().__init__(stages, n_microbatches, **kwargs)
         backward = {_ComputationType.FULL_BACKWARD, _ComputationType.SEND_B, _ComputationType.RECV_B}
+        lowered: dict[int, list[_Action]] = self.pipeline_order_with_comms  # type: ignore[has-type]
         self.pipeline_order_with_comms = {
-            rank: [a for a in actions if a.computation_type not in backward]
-            for rank, actions in self.pipeline_order_with_comms.items()
+            rank: [a for a in actions if a.computation_type not in backward] for rank, actions in lowered.items()
         }
 
     def _calculate_single_rank_operations(self, rank: int) -> list[_Action | None]:

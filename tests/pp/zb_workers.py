@@ -43,7 +43,9 @@ def zb_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
 
 def trained_layers(results: list[dict]) -> list[set[int]]:
     """The decoder layers each rank trained (from the parameters it compared)."""
-    return [{int(n.split(".")[n.split(".").index("layers") + 1]) for n in r["errors"] if ".layers." in n} for r in results]
+    return [
+        {int(n.split(".")[n.split(".").index("layers") + 1]) for n in r["errors"] if ".layers." in n} for r in results
+    ]
 
 
 def zb_refusals(rank: int, world: int, tp: int, path: str) -> dict[str, Any]:

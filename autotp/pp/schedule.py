@@ -34,7 +34,7 @@ from ..mesh import Group, device_of, named_failure
 from .cut import Cut, base_of, stage_view, swapped
 from .draws import Draws, SeededStage
 from .router import Balance
-from .zero_bubble import ZERO_BUBBLE, VForwardOnly, stage_rank
+from .zero_bubble import ZERO_BUBBLE, VForwardOnly, refuse_compiled, stage_rank
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
@@ -202,6 +202,8 @@ class Runner:
             num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:
             module.num_items = num_items
+        if how == "step" and self.schedule_name in ZERO_BUBBLE:
+            refuse_compiled(self.model, self.schedule_name)
         schedule = self._schedule_for(ids, kwargs, how, microbatches)
         losses: list[torch.Tensor] = []
         args = (ids,) if 0 in self.stages else ()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
 from torch.distributed.pipelining.schedules import ScheduleLoopedBFS, _Action, _ComputationType
 
 from ..options import WrapOptions
@@ -72,6 +73,19 @@ def refuse_fully_shard(schedule: str, pp: int) -> None:
             f"autotp.fully_shard at pp_size={pp} with pp_schedule={schedule!r}: FSDP reduce-scatters a stage's "
             f"gradients in the backward of its input, and the split backward computes the weights' gradients after "
             f"it; use pp_schedule='1F1B' or 'Interleaved1F1B' with FSDP, or DDP-style autotp.allreduce_gradients"
+        )
+
+
+def refuse_compiled(model: nn.Module, schedule: str) -> None:
+    """A module compiled in place (`layer.compile()`, as for the other schedules) under a zero-bubble schedule,
+    refused at the step, before it runs: torch's split backward does not support compiled stages (its own check
+    looks only for `torch.compile(module)`'s wrapper)."""
+    found = next((n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None), None)
+    if found is not None:
+        raise NotImplementedError(
+            f"pp_schedule={schedule!r} with {found or type(model).__name__} compiled (Module.compile()): torch's "
+            f"zero-bubble schedules split the backward, which they do not support through torch.compile; use "
+            f"pp_schedule='1F1B' or 'Interleaved1F1B' with compiled layers, or run them eagerly"
         )
 
 

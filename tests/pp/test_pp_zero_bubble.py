@@ -35,6 +35,7 @@ REFUSED = {  # what each refusal names
     "DualPipeV microbatches": "pp_microbatches >= 4",
     "output_router_logits": "load-balancing loss",
     "fully_shard": "autotp.fully_shard at pp_size=2 with pp_schedule='ZBVZeroBubble'",
+    "compile": "model.layers.1 compiled",
 }
 
 
@@ -64,23 +65,42 @@ def test_pp2_zero_bubble_schedules_match_one_process_and_refuse_by_name(tmp_path
 @pytest.mark.slow  # 4 ranks on 2 cores
 def test_pp4_and_pp2_tp2_zero_bubble_schedules_match_one_process() -> None:
     """pp 4 (8 stages of one layer) under both schedules, 8 micro-batches (DualPipeV runs at least one a stage), LoRA
-    under ZBV; and ZBV at pp 2 x tp 2 (overlap=False): TP's collectives in the split backward. TP's overlap, refused."""
+    under ZBV; ZBV at pp 2 x tp 2 (overlap=False: TP's collectives in the split backward), with sequence parallelism
+    too (a column layer's saved sequence chunk gathered again in each part); DualPipeV at pp 2 x cp 2 (its evaluation
+    refused, as under every schedule). TP's overlap, refused."""
     pads = (0, 3, 6, 9, 1, 4, 7, 2)
     eight = dict(num_hidden_layers=8)
-    cases = [
-        ("llama", 1, 4, dict(pp_schedule="DualPipeV", pp_microbatches=8, clip=0.5, pads=pads, config=eight)),
-        ("llama", 1, 4, dict(pp_schedule="ZBVZeroBubble", pp_microbatches=8, pads=pads, lora=LORA, config=eight)),
-        ("llama", 2, 2, dict(pp_schedule="ZBVZeroBubble", pp_microbatches=4, clip=0.5, overlap=False, config=LAYERS)),
-    ]
-    results = run_ranks(zb_run, 4, cases, 2)
-    dualpipev, zbv_lora, tp2 = ([rank["cases"][i] for rank in results] for i in range(3))
-    assert trained_layers(dualpipev) == [{0, 7}, {1, 6}, {2, 5}, {3, 4}]
-    assert_pp_parity(dualpipev, reference_names=2 + 8 * 9 + 1)
-    assert_pp_parity(zbv_lora, reference_names=8 * 2 * 2)
-    assert [r["stage"] for r in tp2] == [0, 0, 1, 1]
-    assert_pp_parity(tp2, reference_names=2 + 4 * 9 + 1)
-    for ranks in (dualpipev, zbv_lora, tp2):
-        assert all(r["weight_backwards"] > 0 for r in ranks)
+    zbv = dict(pp_schedule="ZBVZeroBubble", pp_microbatches=4, clip=0.5, overlap=False, config=LAYERS)
+    cases = {
+        "pp4 dualpipev": (
+            "llama",
+            1,
+            4,
+            dict(pp_schedule="DualPipeV", pp_microbatches=8, clip=0.5, pads=pads, config=eight),
+        ),
+        "pp4 zbv lora": (
+            "llama",
+            1,
+            4,
+            dict(pp_schedule="ZBVZeroBubble", pp_microbatches=8, pads=pads, lora=LORA, config=eight),
+        ),
+        "tp2": ("llama", 2, 2, zbv),
+        "tp2 sp": ("llama", 2, 2, dict(zbv, sequence_parallel=True)),
+        "cp2": ("llama", 1, 2, dict(pp_schedule="DualPipeV", pp_microbatches=4, cp_size=2, clip=0.5, config=LAYERS)),
+    }
+    results = run_ranks(zb_run, 4, list(cases.values()), 2)
+    found = {name: [rank["cases"][i] for rank in results] for i, name in enumerate(cases)}
+    assert trained_layers(found["pp4 dualpipev"]) == [{0, 7}, {1, 6}, {2, 5}, {3, 4}]
+    assert_pp_parity(found["pp4 dualpipev"], reference_names=2 + 8 * 9 + 1)
+    assert_pp_parity(found["pp4 zbv lora"], reference_names=8 * 2 * 2)
+    for name in ("tp2", "tp2 sp", "cp2"):
+        assert [r["stage"] for r in found[name]] == [0, 0, 1, 1], name
+    assert_pp_parity(found["tp2"], reference_names=2 + 4 * 9 + 1)
+    assert_pp_parity(found["tp2 sp"], reference_names=2 + 4 * 9 + 1)
+    assert all("cp_size > 1" in r["eval"] for r in found["cp2"]), [r["eval"] for r in found["cp2"]]
+    assert_pp_parity(found["cp2"], reference_names=2 + 4 * 9 + 1, evaluated=False)
+    for name, ranks in found.items():
+        assert all(r["weight_backwards"] > 0 for r in ranks), name
     for rank in results:  # TP's overlap at tp 2: refused, naming overlap=False
         message, unchanged = rank["refused"]["overlap"]
         assert "wrap with overlap=False" in message and unchanged, message

@@ -12,7 +12,7 @@ import autotp
 from autotp.state import state_of
 from autotp.vocab.chunked import ChunkedHead
 from models import tiny_model
-from pp_workers import pp_parity, router_logits
+from pp_workers import pp_batch, pp_parity, router_logits
 
 
 def zb_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
@@ -76,6 +76,13 @@ def zb_refusals(rank: int, world: int, tp: int, path: str) -> dict[str, Any]:
     if tp == 1:
         model = autotp.wrap(tiny_model("llama", num_hidden_layers=4), 1, pp_size=2, **zbv)
         refused["saved"] = saved_equal(model, path)
+        model.model.layers[1].compile()  # in place, as for the other schedules: nothing compiles before a call
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            autotp.forward_backward(model, **pp_batch())
+        except NotImplementedError as err:
+            untouched = all(p.grad is None and torch.equal(p, before[n]) for n, p in model.named_parameters())
+            refused["compile"] = (str(err), untouched)
         try:
             autotp.fully_shard(model)
         except NotImplementedError as err:

@@ -5,12 +5,15 @@ Both cut the model into 2P stages and place them in a V: rank r runs stages r an
 first and the last stage (the embedding and the head), and rank P - 1 the two middle ones, handing the hidden states
 from one to the other without a send. Both split a stage's backward into the input's gradient (torch's
 `stage_backward_input`, sent on at once to the previous stage) and the weights' (`stage_backward_weight`, run later to
-fill the bubble), both from one forward's autograd graph: the weights' part differentiates the nodes where the
-weights meet the input's path a second time, from the gradients the first part recorded there. What runs in each
-part is autograd's own: a tensor hook on a parameter (autotp's gradient hooks for TP's replicated heads) runs in the
-weights' part, and autotp's autograd Functions there (the chunked loss, the TP collectives) compute from what they
-saved, so running one twice gives the same gradients. What does not compose is refused before the model changes
-(`refuse_options`, `refuse_fully_shard`).
+fill the bubble), both from one forward's autograd graph: the weights' part differentiates again the nodes where the
+weights meet the input's path, from the gradients the input's part recorded there (the first stage runs its whole
+backward as its weights' part). What runs in each part is autograd's own: a tensor hook on a parameter (autotp's
+gradient hooks for TP's replicated heads) runs in the weights' part, and autotp's autograd Functions met twice (the
+chunked loss, TP's and SP's column layers) compute again from what they saved, all-gathering SP's sequence again, so
+they give the same gradients. What keeps state from one part to the other does not compose, and is refused before
+the model changes (`refuse_options`, `refuse_fully_shard`, `refuse_compiled`): TP's overlap (its column layers leave
+their weight gradients to the block entry's backward, run in the input's part), FSDP's reduction, compiled layers,
+the MoE load-balancing loss's shares.
 """
 
 from __future__ import annotations

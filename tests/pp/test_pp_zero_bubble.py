@@ -65,9 +65,9 @@ def test_pp2_zero_bubble_schedules_match_one_process_and_refuse_by_name(tmp_path
 @pytest.mark.slow  # 4 ranks on 2 cores
 def test_pp4_and_pp2_tp2_zero_bubble_schedules_match_one_process() -> None:
     """pp 4 (8 stages of one layer) under both schedules, 8 micro-batches (DualPipeV runs at least one a stage), LoRA
-    under ZBV; ZBV at pp 2 x tp 2 (overlap=False: TP's collectives in the split backward), with sequence parallelism
-    too (a column layer's saved sequence chunk gathered again in each part); DualPipeV at pp 2 x cp 2 (its evaluation
-    refused, as under every schedule). TP's overlap, refused."""
+    under ZBV; ZBV at pp 2 x tp 2 (overlap=False): qwen3, whose per-head q and k norms' gradients TP's hooks sum in
+    the weights' part, and llama with sequence parallelism (a column layer's saved sequence chunk gathered again in
+    each part); DualPipeV at pp 2 x cp 2 (its evaluation refused, as under every schedule). TP's overlap, refused."""
     pads = (0, 3, 6, 9, 1, 4, 7, 2)
     eight = dict(num_hidden_layers=8)
     zbv = dict(pp_schedule="ZBVZeroBubble", pp_microbatches=4, clip=0.5, overlap=False, config=LAYERS)
@@ -84,7 +84,7 @@ def test_pp4_and_pp2_tp2_zero_bubble_schedules_match_one_process() -> None:
             4,
             dict(pp_schedule="ZBVZeroBubble", pp_microbatches=8, pads=pads, lora=LORA, config=eight),
         ),
-        "tp2": ("llama", 2, 2, zbv),
+        "tp2 qwen3": ("qwen3", 2, 2, dict(zbv, config=dict(LAYERS, layer_types=["full_attention"] * 4))),
         "tp2 sp": ("llama", 2, 2, dict(zbv, sequence_parallel=True)),
         "cp2": ("llama", 1, 2, dict(pp_schedule="DualPipeV", pp_microbatches=4, cp_size=2, clip=0.5, config=LAYERS)),
     }
@@ -93,9 +93,9 @@ def test_pp4_and_pp2_tp2_zero_bubble_schedules_match_one_process() -> None:
     assert trained_layers(found["pp4 dualpipev"]) == [{0, 7}, {1, 6}, {2, 5}, {3, 4}]
     assert_pp_parity(found["pp4 dualpipev"], reference_names=2 + 8 * 9 + 1)
     assert_pp_parity(found["pp4 zbv lora"], reference_names=8 * 2 * 2)
-    for name in ("tp2", "tp2 sp", "cp2"):
+    for name in ("tp2 qwen3", "tp2 sp", "cp2"):
         assert [r["stage"] for r in found[name]] == [0, 0, 1, 1], name
-    assert_pp_parity(found["tp2"], reference_names=2 + 4 * 9 + 1)
+    assert_pp_parity(found["tp2 qwen3"], reference_names=2 + 4 * 11 + 1)  # 9 a layer and its q and k norms
     assert_pp_parity(found["tp2 sp"], reference_names=2 + 4 * 9 + 1)
     assert all("cp_size > 1" in r["eval"] for r in found["cp2"]), [r["eval"] for r in found["cp2"]]
     assert_pp_parity(found["cp2"], reference_names=2 + 4 * 9 + 1, evaluated=False)

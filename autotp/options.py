@@ -53,9 +53,11 @@ class WrapOptions:
     - `pp_size`: pipeline parallelism, the decoder layers cut into that many stages, one per group of ranks (PP
       outermost: world = pp x dp x cp x tp); a step is `autotp.forward_backward(model, **batch)` (`autotp.pp`,
       docs/pipeline.md). Every rank is given the same whole batch.
-    - `pp_schedule`: torch.distributed.pipelining's schedule, as torch names it: "GPipe", "1F1B" or "Interleaved1F1B".
+    - `pp_schedule`: torch.distributed.pipelining's schedule, as torch names it: "GPipe", "1F1B", "Interleaved1F1B",
+      or the zero-bubble "ZBVZeroBubble" and "DualPipeV" (2 stages per rank in a V, the backward split into the
+      input's and the weights' parts: `autotp.pp.zero_bubble`).
     - `pp_stages_per_rank`: the stages each rank runs under a looped schedule (None: 2 for "Interleaved1F1B", 1
-      for the others, which take only 1).
+      for "GPipe" and "1F1B", which take only 1; the zero-bubble schedules take exactly 2).
     - `pp_microbatches`: the micro-batches each batch is split into along its rows (None: pp_size).
     - `pp_split_points`: the index of the first decoder layer of every stage but the first (None: balanced by a cost
       model in which the embedding and the head each count as one layer).

@@ -74,7 +74,7 @@ QUICK = dict(
     num_key_value_heads=2,
     vocab_size=256,
 )
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 HAND = "torch by hand, Schedule1F1B"
 
 
@@ -88,7 +88,7 @@ class Trace:
 
         self.actions: list[tuple[str, int, int, float, float]] = []
         self.sent = 0
-        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
             setattr(PipelineStage, name, self._timed(kind, getattr(PipelineStage, name)))
         for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
             setattr(PipelineStage, name, self._counted(getattr(PipelineStage, name)))
@@ -103,7 +103,8 @@ class Trace:
                 return method(stage, chunk, *args, **kwargs)
             finally:
                 done = (time.perf_counter() - wall, time.thread_time() - cpu)
-                self.actions.append((kind, stage.stage_index, chunk, *done))
+                split = kind == "B" and not kwargs.get("full_backward", True)  # the input's part of a split backward
+                self.actions.append(("I" if split else kind, stage.stage_index, chunk, *done))
 
         return call
 
@@ -295,7 +296,8 @@ def hand_run(rank: int, world: int, config: dict, ids: torch.Tensor, steps: int,
 def replay(actions: list[list[tuple]], stages: int) -> tuple[float, float]:
     """The step's span and the ranks' mean idle share when each rank's forwards and backwards (their CPU seconds),
     in its own order, wait only for their inputs: a forward for the previous stage's forward of its micro-batch, a
-    backward for the next stage's backward (sends free, one core per rank)."""
+    backward (whole, or a split backward's input part I) for the next stage's, a split backward's weight part W for
+    nothing more (its input part ran before it on the same rank); sends free, one core per rank."""
     done: dict[tuple[str, int, int], float] = {}
     queues = [list(rank) for rank in actions]
     clocks = [0.0] * len(queues)
@@ -304,12 +306,12 @@ def replay(actions: list[list[tuple]], stages: int) -> tuple[float, float]:
         for r, queue in enumerate(queues):
             while queue:
                 kind, stage, mb, _, cpu = queue[0]
-                edge = kind == "F" and stage == 0 or kind == "B" and stage == stages - 1
+                edge = kind == "F" and stage == 0 or kind != "F" and stage == stages - 1 or kind == "W"
                 need = None if edge else ("F", stage - 1, mb) if kind == "F" else ("B", stage + 1, mb)
                 if need is not None and need not in done:
                     break
                 clocks[r] = max(clocks[r], done.get(need, 0.0) if need else 0.0) + cpu
-                done[(kind, stage, mb)] = clocks[r]
+                done[("B" if kind == "I" else kind, stage, mb)] = clocks[r]
                 queue.pop(0)
                 progressed = True
         if not progressed:
@@ -318,24 +320,52 @@ def replay(actions: list[list[tuple]], stages: int) -> tuple[float, float]:
     return span, statistics.mean(1 - sum(a[4] for a in rank) / span for rank in actions)
 
 
+def per_rank(schedule: str) -> int:
+    """The stages each rank runs under `schedule` (2 under the looped and the V schedules)."""
+    from autotp.pp.report import stages_per_rank
+    from autotp.pp.zero_bubble import ZERO_BUBBLE
+
+    return 2 if schedule in ZERO_BUBBLE else stages_per_rank(schedule)
+
+
+def theory_bubble(schedule: str, pp: int, rows: int) -> float:
+    """(P - 1) / (vM + P - 1), or for a zero-bubble schedule its own order with F = I = W (`autotp.pp.zero_bubble`)."""
+    from autotp.pp import report, zero_bubble
+
+    if schedule in zero_bubble.ZERO_BUBBLE:
+        return zero_bubble.bubble(schedule, pp, rows)
+    return report.bubble(schedule, pp, rows)
+
+
+def sent_edges(schedule: str, pp: int) -> int:
+    """The stage boundaries whose hidden states cross ranks (the V's middle two stages share rank P - 1)."""
+    from autotp.pp.zero_bubble import stage_rank
+
+    stages = pp * per_rank(schedule)
+    return sum(stage_rank(schedule, pp, s) != stage_rank(schedule, pp, s + 1) for s in range(stages - 1))
+
+
 def tables(pp: int, ranks: list[dict], config: dict, rows: int, seq: int) -> tuple[list[str], list[str]]:
     """The speed rows and the bubble, memory and bytes rows of one pp size."""
     from autotp.pp.cut import bounds
-    from autotp.pp.report import bubble, in_flight, stages_per_rank
+    from autotp.pp.report import in_flight
+    from autotp.pp.zero_bubble import ZERO_BUBBLE, rank_stages
 
     def layers(schedule: str, rank: int) -> int:  # the decoder layers a rank runs under the schedule's cut
-        v = stages_per_rank(schedule)
+        v = per_rank(schedule)
         cut = bounds(config["num_hidden_layers"], v * pp)
-        return sum(cut[rank + k * pp + 1] - cut[rank + k * pp] for k in range(v))
+        return sum(cut[s + 1] - cut[s] for s in rank_stages(schedule, pp, v, rank))
 
-    def theory(schedule: str, rank: int) -> float:  # in flight over GPipe's, in micro-batches x decoder layers
-        return in_flight(schedule, pp, rows, rank) * layers(schedule, rank) / (rows * layers("GPipe", rank))
+    def theory(schedule: str, rank: int) -> str:  # in flight over GPipe's, in micro-batches x decoder layers
+        if schedule in ZERO_BUBBLE:  # no count of torch's for them
+            return ""
+        return f" ({in_flight(schedule, pp, rows, rank) * layers(schedule, rank) / (rows * layers('GPipe', rank)):.2f})"
 
     median = statistics.median
     base = ranks[0]["one process"]
     wall = {run: median(map(max, zip(*(r[run]["times"] for r in ranks)))) for run in (*SCHEDULES, HAND)}
     replayed = {
-        run: replay([r[run]["actions"] for r in ranks], pp * stages_per_rank("1F1B" if run == HAND else run))
+        run: replay([r[run]["actions"] for r in ranks], pp * per_rank("1F1B" if run == HAND else run))
         for run in (*SCHEDULES, HAND)
     }
     single_wall, single_cpu = median(base["times"]), median(base["cpu"])
@@ -346,20 +376,19 @@ def tables(pp: int, ranks: list[dict], config: dict, rows: int, seq: int) -> tup
     gpipe = [r["GPipe"]["peak_saved"] for r in ranks]
     for run in (*SCHEDULES, HAND):
         schedule = "1F1B" if run == HAND else run
-        stages = pp * stages_per_rank(schedule)
         span, idle = replayed[run]
         measured = statistics.mean(1 - sum(a[3] for a in r[run]["actions"]) / r[run]["schedule"][-1] for r in ranks)
         peaks = [r[run]["peak_saved"] for r in ranks]
-        against = " / ".join(f"{p / g:.2f} ({theory(schedule, s):.2f})" for s, (p, g) in enumerate(zip(peaks, gpipe)))
+        against = " / ".join(f"{p / g:.2f}{theory(schedule, s)}" for s, (p, g) in enumerate(zip(peaks, gpipe)))
         sent = sum(r[run]["sent"] for r in ranks)
-        expected = 2 * (stages - 1) * rows * seq * config["hidden_size"] * 4
+        expected = 2 * sent_edges(schedule, pp) * rows * seq * config["hidden_size"] * 4
         name = f"pp {pp}: " + (f"autotp {run}" if run != HAND else run)
         speed.append(
             f"| {name} | {single_wall / wall[run]:.2f} | {wall[HAND] / wall[run]:.2f} | {single_cpu / span:.2f} | "
             f"{replayed[HAND][0] / span:.2f} | {' / '.join(f'{p / 2**20:.1f}' for p in peaks)} |"
         )
         shape.append(
-            f"| {name} | {bubble(schedule, pp, rows):.3f} | {measured:.3f} | {idle:.3f} | "
+            f"| {name} | {theory_bubble(schedule, pp, rows):.3f} | {measured:.3f} | {idle:.3f} | "
             f"{against if run != 'GPipe' else ''} | {sent / 2**20:.1f} | {expected / 2**20:.1f} |"
         )
     return speed, shape

@@ -29,10 +29,11 @@ from .cut import Cut, find_cut, skip_others
 from .generate import PipelineGenerate
 from .release import release, unowned
 from .router import Balance, unsupported
-from .schedule import LOOPED, SCHEDULES, Runner, stages_of
+from .schedule import LOOPED, SCHEDULES, Runner
 from .shared import SharedGroup, shared_groups, sync_shared, tied_names, uncounted
 from .stage_names import StageNames
 from .stage_tensors import StageTensors, stage_tensors
+from .zero_bubble import ZERO_BUBBLE, rank_stages, refuse_fully_shard, refuse_options, stage_rank
 
 # what a pipeline does not compose with yet, refused before the model changes: option -> why
 _NOT_YET = {
@@ -81,14 +82,15 @@ class PipelineParallelism(Dimension):
         for option, what in _NOT_YET.items():
             if getattr(options, option) not in (None, False, 1):
                 raise NotImplementedError(f"pp_size={pp} with {option}: {what} under a pipeline is not built yet")
-        if options.pp_schedule not in SCHEDULES:
+        if options.pp_schedule not in SCHEDULES + ZERO_BUBBLE:
             raise ValueError(
-                f"pp_schedule={options.pp_schedule!r}: choose one of torch's schedules {SCHEDULES} (ZBVZeroBubble and "
-                f"DualPipeV split the backward, which HF stages' non-tensor inputs do not allow yet)"
+                f"pp_schedule={options.pp_schedule!r}: choose one of torch's schedules {SCHEDULES + ZERO_BUBBLE}"
             )
         microbatches = options.pp_microbatches or pp
         if microbatches < 1:
             raise ValueError(f"pp_microbatches={options.pp_microbatches} must be at least 1")
+        if options.pp_schedule in ZERO_BUBBLE:
+            refuse_options(model, options, microbatches)
         if options.pp_schedule == "1F1B" and microbatches < pp:
             raise ValueError(
                 f"pp_microbatches={microbatches} with pp_schedule='1F1B' at pp_size={pp}: torch's 1F1B runs at least "
@@ -126,7 +128,9 @@ class PipelineParallelism(Dimension):
             return plan, (), None
         cut = self._cut(model, options)
         pp = options.pp_size
-        stages = stages_of(dist.get_rank() // (dist.get_world_size() // pp), pp, cut.stages // pp)
+        stages = rank_stages(
+            options.pp_schedule, pp, cut.stages // pp, dist.get_rank() // (dist.get_world_size() // pp)
+        )
         released = unowned(model, cut, stages)
         kept = without(plan, cut.prefixes(stages) + tuple(f"{p}." for p in released))
         return kept, (), Split(cut, stages, released)
@@ -148,7 +152,8 @@ class PipelineParallelism(Dimension):
         found: Split = state.found[self.name]
         self.cut, self.stages, self.released = found.cut, found.stages, found.released
         group = state.mesh.group("pp")
-        self.shared = shared_groups(model, self.cut, self.stages, state)  # the whole model's, collective
+        rank_of = lambda stage: stage_rank(options.pp_schedule, options.pp_size, stage)  # noqa: E731
+        self.shared = shared_groups(model, self.cut, self.stages, state, rank_of)  # the whole model's, collective
         if self.shared:  # kept with this dimension, which the model's state keeps
             self.watch = watch_optimizer_steps(self, PipelineParallelism.before_step)
         self.ties = tied_names(model)
@@ -254,6 +259,15 @@ class PipelineParallelism(Dimension):
             dist.all_reduce(total, op=op, group=group)
         return total
 
+    def stage_rank(self, stage: int) -> int:
+        """The PP rank that runs `stage` (a loop, or the zero-bubble schedules' V: `autotp.pp.zero_bubble`)."""
+        return stage_rank(self.runner.schedule_name, group_size(self.runner.group), stage)
+
+    def fully_shard(self, options: dict[str, Any], state: TPState) -> dict[int, Any]:
+        """FSDP within each stage (`autotp.pp.sharded`), but not under a split backward (`refuse_fully_shard`)."""
+        refuse_fully_shard(state.options.pp_schedule, state.options.pp_size)
+        return {}
+
     def split_group(self) -> Group:
         """Each stage holds its own tensors: saving and exporting gather each on its stage and send it on over PP
         (`autotp.pp.stage_tensors`), with every rank taking part."""
@@ -270,15 +284,15 @@ class PipelineParallelism(Dimension):
 
     def collect(self, model: nn.Module, params: dict[str, torch.Tensor], state: TPState) -> StageTensors:
         """`save_pretrained` and `export_weights`: every stage's tensors as one model's (`autotp.pp.stage_tensors`)."""
-        return stage_tensors(model, params, state, self.cut, self.stages, self.runner.group, self.ties)
+        return stage_tensors(model, params, state, self.cut, self.stages, self.runner.group, self.ties, self.stage_rank)
 
     def _cut(self, model: nn.Module, options: WrapOptions) -> Cut:
-        looped = options.pp_schedule in LOOPED
+        looped = options.pp_schedule in LOOPED + ZERO_BUBBLE  # the zero-bubble schedules: 2 (`refuse_options`)
         per_rank = options.pp_stages_per_rank or (2 if looped else 1)
         if per_rank < 1 or (per_rank > 1 and not looped):
             raise ValueError(
                 f"pp_stages_per_rank={per_rank} with pp_schedule={options.pp_schedule!r}: more than one stage per "
-                f"rank needs a looped schedule ({', '.join(LOOPED)}), and at least one"
+                f"rank needs a looped schedule ({', '.join(LOOPED + ZERO_BUBBLE)}), and at least one"
             )
         return find_cut(model, options.pp_size * per_rank, options.pp_split_points)
 

@@ -34,6 +34,7 @@ from ..mesh import Group, device_of, named_failure
 from .cut import Cut, base_of, stage_view, swapped
 from .draws import Draws, SeededStage
 from .router import Balance
+from .zero_bubble import ZERO_BUBBLE, VForwardOnly, refuse_compiled, stage_rank
 
 IGNORE_INDEX = -100  # transformers' loss ignores these labels
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
@@ -140,11 +141,6 @@ def body(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
             module.forward = saved
 
 
-def stages_of(pp_rank: int, pp_size: int, per_rank: int) -> list[int]:
-    """The stages a rank runs: itself, and with looped schedules every `pp_size`-th after it."""
-    return [pp_rank + k * pp_size for k in range(per_rank)]
-
-
 class Runner:
     """This rank's stages and schedule, rebuilt when the batch's shape changes."""
 
@@ -206,6 +202,8 @@ class Runner:
             num_items = (labels[..., 1:] != IGNORE_INDEX).sum()
         for module in self.modules:
             module.num_items = num_items
+        if how == "step" and self.schedule_name in ZERO_BUBBLE:
+            refuse_compiled(self.model, self.schedule_name)
         schedule = self._schedule_for(ids, kwargs, how, microbatches)
         losses: list[torch.Tensor] = []
         args = (ids,) if 0 in self.stages else ()
@@ -235,15 +233,17 @@ class Runner:
 
     def _schedule_for(self, ids: torch.Tensor, kwargs: dict[str, Any], how: str, microbatches: int) -> Any:
         """The schedule for this batch's shapes, kept while they repeat (one for training, one for evaluation).
-        Evaluation runs a fill-drain schedule (GPipe, or LoopedBFS for several stages a rank): the forwards alone
-        give the same outputs in any order, and they take fewer micro-batches than stages (1F1B does not)."""
+        Evaluation runs a fill-drain schedule (GPipe, or LoopedBFS for several stages a rank, `VForwardOnly` on the
+        zero-bubble schedules' V): the forwards alone give the same outputs in any order, and they take fewer
+        micro-batches than stages (1F1B does not)."""
         key = (tuple(ids.shape), tuple((k, tuple(v.shape)) for k, v in kwargs.items() if torch.is_tensor(v)))
         if self._keys.get(how) != key:
             stages = [self._stage(module, ids, microbatches) for module in self.modules]
             cls = get_schedule_class(self.schedule_name)
             single = issubclass(cls, PipelineScheduleSingle)
             if how == "eval":
-                cls = ScheduleGPipe if single else ScheduleLoopedBFS
+                looped = VForwardOnly if self.schedule_name in ZERO_BUBBLE else ScheduleLoopedBFS
+                cls = ScheduleGPipe if single else looped
             self._schedules[how] = cls(
                 stages[0] if single else stages,
                 n_microbatches=microbatches,
@@ -278,14 +278,14 @@ class Runner:
         logits) where another rank would otherwise hold the parameters' dtype (bf16)."""
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         loss = loss.to(device_of(self.group))
-        last = dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
+        last = self._last_rank()
         with named_failure(self.group, "the pipeline's loss broadcast from the last stage"):
             dist.broadcast(loss, src=last, group=self.group)
         return loss
 
     def _shared(self, tensor: torch.Tensor | None) -> torch.Tensor:
         """A tensor the last stage holds, sent to every rank of the pipeline (its shape first)."""
-        last = dist.get_global_rank(self.group, dist.get_world_size(self.group) - 1)
+        last = self._last_rank()
         meta: list[Any] = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
         with named_failure(self.group, "the pipeline's logits broadcast from the last stage"):
             dist.broadcast_object_list(meta, src=last, group=self.group, device=device_of(self.group))
@@ -293,3 +293,8 @@ class Runner:
             out = tensor if tensor is not None else torch.empty(shape, dtype=dtype, device=device_of(self.group))
             dist.broadcast(out, src=last, group=self.group)
         return out
+
+    def _last_rank(self) -> int:
+        """The global rank of the last stage's PP rank: the last under a loop, the first under a V."""
+        pp = dist.get_world_size(self.group)
+        return dist.get_global_rank(self.group, stage_rank(self.schedule_name, pp, self.cut.stages - 1))

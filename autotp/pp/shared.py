@@ -8,6 +8,7 @@ parameter once. Stages of one rank (a looped schedule) share the one tensor and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,12 @@ class SharedGroup:
     counted: bool
 
 
-def shared_groups(model: nn.Module, cut: Cut, stages: list[int], state: TPState) -> list[SharedGroup]:
-    """This rank's groups of parameters that stages on several PP ranks train. Collective over the world (it creates
-    the groups every pipeline needs, in one order on every rank); called with the whole model, before this rank's
-    stages drop the other stages' layers."""
+def shared_groups(
+    model: nn.Module, cut: Cut, stages: list[int], state: TPState, rank_of: Callable[[int], int]
+) -> list[SharedGroup]:
+    """This rank's groups of parameters that stages on several PP ranks train (`rank_of`: each stage's PP rank).
+    Collective over the world (it creates the groups every pipeline needs, in one order on every rank); called with
+    the whole model, before this rank's stages drop the other stages' layers."""
     pp_group = state.mesh.group("pp")
     pp, me = state.options.pp_size, group_rank(pp_group)
     stage_of, trained = owner(model, cut), trainers(model, cut)
@@ -43,10 +46,10 @@ def shared_groups(model: nn.Module, cut: Cut, stages: list[int], state: TPState)
         names.setdefault(id(param), []).append(name)
     by_ranks: dict[tuple[int, ...], list[str]] = {}
     for key, held in names.items():
-        ranks = tuple(sorted({stage % pp for stage in trained[key]}))
+        ranks = tuple(sorted({rank_of(stage) for stage in trained[key]}))
         if len(ranks) > 1 and me in ranks:
             by_ranks.setdefault(ranks, []).append(next(n for n in held if stage_of(n) in stages))
-    wanted = sorted({tuple(sorted({s % pp for s in t})) for t in trained.values()} - {(r,) for r in range(pp)})
+    wanted = sorted({tuple(sorted({rank_of(s) for s in t})) for t in trained.values()} - {(r,) for r in range(pp)})
     found = []
     for ranks in wanted:  # every rank creates every pipeline's group for every set, in this order
         group = pp_group if len(ranks) == pp else None

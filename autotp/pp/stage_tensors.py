@@ -44,9 +44,10 @@ class StageTensors:
         experts: frozenset[str],
         stages: list[int],
         group: Group,
+        rank_of: Callable[[int], int],
     ) -> None:
         self.params, self.stage, self.experts, self.mine = params, stage, experts, set(stages)
-        self.group = group
+        self.group, self.rank_of = group, rank_of
         self.size = group_size(self.group)
         grid = state.mesh.grid  # pp x dp x cp x tp: the replica of global rank 0 is dp 0, cp 0
         self.replica = set(range(dist.get_world_size()) if grid is None else grid[:, 0, 0, :].flatten().tolist())
@@ -73,7 +74,7 @@ class StageTensors:
         stage is PP rank 0's; else `fetch(True)`'s tensors (a list) sent from the stage's `lead` rank (the one the
         tensors are gathered to at pp 1) to PP rank 0's, in one message, received there as `like()` says (shapes,
         dtypes). None on every other rank."""
-        src, me = self.stage[name] % self.size, group_rank(self.group)
+        src, me = self.rank_of(self.stage[name]), group_rank(self.group)
         if me == src:
             got = fetch(src != 0)
             if src == 0:
@@ -137,10 +138,12 @@ def stage_tensors(
     stages: list[int],
     group: Group,
     ties: list[tuple[str, ...]],
+    rank_of: Callable[[int], int],
 ) -> StageTensors:
     """Every stage's tensors by name (see the module's docstring): `params` is this rank's state dict (keep_vars) of
     `model`, the model `autotp.wrap` cut at `cut`, this rank running `stages`; `ties`, the names of each tensor held
-    under several over the whole model as wrapped. Collective over the PP `group`."""
+    under several over the whole model as wrapped; `rank_of`, the PP rank running a stage. Collective over the PP
+    `group`."""
     stage_of = owner(model, cut)
     mine = [
         (stage_of(n), n, full_shape(t), t.dtype, isinstance(t, nn.Parameter), hasattr(t, "autotp_expert"))
@@ -166,7 +169,7 @@ def stage_tensors(
         for name in present:
             merged[name] = merged[(held or present)[0]]
     experts = frozenset(name for _, name, *_, expert in entries if expert)
-    return StageTensors(merged, {name: stage for stage, name, *_ in entries}, state, experts, stages, group)
+    return StageTensors(merged, {name: stage for stage, name, *_ in entries}, state, experts, stages, group, rank_of)
 
 
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, parameter: bool) -> torch.Tensor:

@@ -56,7 +56,7 @@ def pp_parity(rank: int, world: int, family: str, tp: int, pp: int, options: dic
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, expected, norms = [], [], []
     for step in range(steps):
-        inputs = pp_batch(seq=16 - 2 * step, seed=step + 1, pads=pads)  # the sequence length changes between steps
+        inputs = pp_batch(len(pads), seq=16 - 2 * step, seed=step + 1, pads=pads)  # the length changes between steps
         inputs = images(inputs, reference.config) if images else inputs
         out = autotp.forward_backward(reference, **inputs)
         expected.append(out.loss.item())
@@ -125,7 +125,7 @@ def pp_refusals(rank: int, world: int) -> dict:
     refused = {}
     for name, options in {
         "ep_size": dict(ep_size=2),
-        "pp_schedule": dict(pp_schedule="ZBVZeroBubble"),
+        "pp_schedule": dict(pp_schedule="InterleavedZeroBubble"),  # torch's, not offered
         "output_router_logits": dict(build=lambda: tf.AutoModelForCausalLM.from_config(router_logits("afmoe"))),
         "inline loss": dict(build=lambda: InlineLoss(tiny_model("llama").config)),
         "t5": dict(build=lambda: tf.AutoModelForSeq2SeqLM.from_config(tiny_config("t5"))),

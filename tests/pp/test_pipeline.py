@@ -50,7 +50,7 @@ def test_pp2_refuses_by_name_before_the_model_changes() -> None:
     refused = run_ranks(pp_refusals, 2)[0]
     expected = {
         "ep_size": "expert parallelism",
-        "pp_schedule": "ZBVZeroBubble",
+        "pp_schedule": "choose one of torch's schedules",
         "output_router_logits": "load-balancing loss",
         "inline loss": "computes the loss itself",
         "t5": "encoder-decoder",

@@ -58,6 +58,18 @@ class RegionPlan:
 
 
 @dataclass(frozen=True)
+class ParamPlan:
+    """A parameter of a sharded mixer split in place with the mixer's heads or channels (a depthwise convolution's
+    weight, `A_log`, a gate's per-head matrices): its input is already this rank's channels, so it needs no collective
+    and its gradient is local. `path` is the parameter's full name, `block` the mixer holding it."""
+
+    path: str
+    shape: tuple[int, ...]
+    partition: Partition
+    block: str
+
+
+@dataclass(frozen=True)
 class AttrPlan:
     """An integer a block reads as a head count or width (`config.x` for a config field): full and per rank."""
 
@@ -124,9 +136,14 @@ class Plan:
     replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
+    params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place
 
     def partitions(self) -> list[Partition]:
-        return [layer.partition for layer in self.layers] + [p for r in self.regions for _, _, p in r.partitions]
+        return (
+            [layer.partition for layer in self.layers]
+            + [p for r in self.regions for _, _, p in r.partitions]
+            + [param.partition for param in self.params]
+        )
 
     def replica_groups(self) -> set[tuple[int, ...]]:
         """Sets of TP ranks that hold the same rows of some tensor (replicated KV heads)."""
@@ -141,6 +158,7 @@ class Plan:
                 out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
         for region in self.regions:
             out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
+        out.update({param.path: param.partition for param in self.params})
         if self.vocab is not None and self.vocab.embedding is not None:
             out[f"{self.vocab.embedding}.weight"] = self.vocab.partition
         return out
@@ -199,6 +217,11 @@ class Plan:
                     f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
                     f"  ({region.reason})"
                 )
+        for param in self.params:
+            lines.append(
+                f"  {'in place':<10} {param.path}  {param.shape} -> {_local_shapes(param.shape, param.partition)}"
+                f"  (with {param.block}'s channels)"
+            )
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

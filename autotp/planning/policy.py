@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-_LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}}
+_LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}, "mixer": {"w"}}
 
 
 class Origin(Enum):
@@ -42,17 +42,18 @@ class Origin(Enum):
 class Rule:
     """One block pattern and how to shard it."""
 
-    kind: str  # "attention", "mlp" or "experts"
+    kind: str  # "attention", "mlp", "experts" or "mixer" (a recurrent or convolutional token mixer)
     match: str
     column: Mapping[str, str] = field(default_factory=dict)  # child path -> layout
     row: Mapping[str, str] = field(default_factory=dict)
-    params: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # experts: name -> (dim, layout)
+    params: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # experts, mixer: name -> (dim, layout)
     heads: str | int = "num_attention_heads"
     kv_heads: str | int | None = None
     when: Mapping[str, Any] = field(default_factory=dict)
     head_norms: tuple[str, ...] = ()
     head_inputs: tuple[str, ...] = ()  # kwargs holding (batch*heads, ...) tensors, such as ALiBi
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
+    local_attrs: tuple[str, ...] = ()  # mixer: attributes (dotted, under the block) holding its head count or width
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ _RULE_KEYS = {
     "head_norms",
     "head_inputs",
     "local_config",
+    "local_attrs",
 }
 
 
@@ -92,6 +94,8 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
     if "match" not in raw:
         raise ValueError(f"{where}: missing the key 'match'")
     default = "w" if kind != "attention" else None
+    if kind == "mixer" and "heads" not in raw:
+        raise ValueError(f"{where}: a mixer rule needs 'heads' (the config field or count its width splits into)")
     column = raw.get("column", {})
     column = {name: default for name in column} if isinstance(column, list) else dict(column)
     row = raw.get("row", {})
@@ -113,6 +117,7 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         head_norms=tuple(raw.get("head_norms", ())),
         head_inputs=_names(raw.get("head_inputs", ()), f"{where}: head_inputs"),
         local_config=tuple(raw.get("local_config", ())),
+        local_attrs=_names(raw.get("local_attrs", ()), f"{where}: local_attrs"),
     )
 
 

@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, Plan, RegionPlan, Replicated, Why
+from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, ParamPlan, Plan, RegionPlan, Replicated, Why
 from .policy import Policy, Rule
 from .sharding import HeadLayout, layout_partition, split_ranges
 
@@ -39,7 +39,9 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         if any(getattr(config, key, None) != value for key, value in rule.when.items()):
             continue
         for path in [name for name in modules if fnmatchcase(name, rule.match) and name not in claimed]:
-            planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts}[rule.kind]
+            planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts, "mixer": _plan_mixer}[
+                rule.kind
+            ]
             if planner(path, modules[path], rule, config, tp_size, acc):
                 claimed.add(path)
     if policy.rules and not claimed and policy.origin.checked_by_hand:
@@ -67,6 +69,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         tuple(acc.attention),
         replicated,
         vocab_reason=policy.no_vocab_parallel,
+        params=tuple(acc.params),
     )
 
 
@@ -78,6 +81,7 @@ class _Accumulator:
     head_norms: list[str] = field(default_factory=list)
     head_inputs: list[HeadInputPlan] = field(default_factory=list)
     attention: list[HeadsPlan] = field(default_factory=list)
+    params: list[ParamPlan] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -227,3 +231,67 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
     )
     acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
     return True
+
+
+def _plan_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
+    """A token mixer (short convolution, RG-LRU, linear attention) split by whole heads (or channels): its column
+    projections, the parameters inside it along their channel dim, its row projection; no head is cut."""
+    children = _children(block, [*rule.column, *rule.row])
+    params = _params(block, rule.params)
+    if children is None or params is None:
+        return False
+    heads = _count(config, rule.heads)
+    row_name = next(iter(rule.row))
+    width, rest = divmod(features(children[row_name])[1], _parts(rule.row[row_name]))
+    if rest or width % heads:
+        raise ValueError(f"{path}.{row_name}: its input is not a whole number of {heads} heads")
+    _check_width(path, "mixer head count", heads, tp)
+    owned, unit = {"w": split_ranges(heads, tp)}, {"w": width // heads}
+    reason = f"mixer width {width} in {heads} heads"
+    for style, mapping in (("column", rule.column), ("row", rule.row)):
+        for name, spec in mapping.items():
+            module = children[name]
+            partition = layout_partition(spec, weight_dim(module, style), owned, unit)
+            rows = features(module)[0 if style == "column" else 1]
+            if partition.full_size != rows:
+                raise ValueError(
+                    f"{path}.{name}: {rows} features, but layout {spec!r} of width {width} gives {partition.full_size}"
+                )
+            acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition, reason, path))
+    for name, param in params.items():
+        dim, spec = rule.params[name]
+        partition = layout_partition(spec, dim, owned, {"w": param.shape[dim] // (heads * _parts(spec))})
+        if partition.full_size != param.shape[dim]:
+            raise ValueError(
+                f"{path}.{name}: dim {dim} of {tuple(param.shape)} is not layout {spec!r} of {heads} heads"
+            )
+        acc.params.append(ParamPlan(f"{path}.{name}", tuple(param.shape), partition, path))
+    local_heads = tuple(len(r) for r in owned["w"])
+    for name in rule.local_attrs:
+        owner, _, attr = name.rpartition(".")
+        value = getattr(block.get_submodule(owner), attr, None)
+        if value not in (heads, width):
+            raise ValueError(f"{path}.{name}={value} is neither the mixer's head count {heads} nor its width {width}")
+        _attr(acc, f"{path}.{owner}" if owner else path, attr, value, tuple(n * value // heads for n in local_heads))
+    acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
+    return True
+
+
+def _params(block: nn.Module, names) -> dict[str, nn.Parameter] | None:
+    """The parameters at the dotted `names` under `block` (one that is None, such as an absent bias, left out), or
+    None if any is missing or not a parameter: not this block."""
+    found = {}
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        try:
+            module = block.get_submodule(owner)
+        except AttributeError:
+            return None
+        if not hasattr(module, attr):
+            return None
+        param = getattr(module, attr)
+        if param is not None and not isinstance(param, nn.Parameter):
+            return None
+        if param is not None:
+            found[name] = param
+    return found

@@ -78,6 +78,8 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
     }
     for region in plan.regions:
         entries[region.path] = f"experts {[(name, shape, p.dim, p.runs) for name, shape, p in region.partitions]}"
+    for param in plan.params:
+        entries[param.path] = f"in place {param.shape} dim {param.partition.dim} {param.partition.runs}"
     for attr in plan.attrs:
         entries[f"{attr.path}.{attr.name}"] = f"{attr.full} {attr.local}"
     for head_input in plan.head_inputs:

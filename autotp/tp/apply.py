@@ -24,6 +24,7 @@ from ..runtime.rng import sync_replicated_stream
 from ..state import TPState, attach
 from .block_entry import BlockEntry
 from .heads import AttentionWeights, tag_heads
+from .inplace import InPlaceParams
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
 from .streams import install_sharded_streams
 
@@ -70,6 +71,8 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
         _experts_path(modules[region.path], partitions.values())
+    if plan.params:
+        state.regions.append(InPlaceParams(model, plan.params, tp_group, rank))
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)

@@ -13,6 +13,7 @@ import autotp
 from autotp.state import state_of
 from autotp.testing import assert_parity, compare_training
 from autotp.testing.spawn import run_ranks
+from autotp.vocab.tokens import token_log_probs
 from models import batch
 
 MIXERS = {
@@ -28,6 +29,17 @@ MIXERS = {
         layer_types=["conv", "full_attention"],
         conv_bias=True,
         block_auto_adjust_ff_dim=False,
+    ),
+    # an RG-LRU recurrent block (layer 0) and local attention (layer 1)
+    "recurrent_gemma": lambda: tf.RecurrentGemmaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        block_types=["recurrent", "attention"],
+        attention_window_size=16,
     ),
 }
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -51,7 +63,12 @@ def ranks_mixers(rank: int, world: int) -> dict:
         report = compare_training(mixer_model(family), batch(), world, steps=3)
         wrapped = autotp.wrap(mixer_model(family).eval(), world)
         report["in_place"] = len(state_of(wrapped).plan.params)
-        report["generate"] = torch.equal(complete(wrapped), complete(mixer_model(family).eval()))
+        reference = mixer_model(family).eval()
+        report["generate"] = torch.equal(complete(wrapped), complete(reference))
+        with torch.no_grad():  # the logits' own transforms (RecurrentGemma's soft cap) on the vocab shards
+            logits = reference(PROMPT).logits[:, :-1].log_softmax(-1)
+            expected = logits.gather(-1, PROMPT[:, 1:, None]).squeeze(-1)
+            report["log_probs"] = (token_log_probs(wrapped, PROMPT) - expected).abs().max().item()
         out[family] = report
     return out
 
@@ -64,3 +81,4 @@ def test_mixers_train_and_generate_as_one_process(tp: int) -> None:
             assert_parity(report)
             assert report["in_place"] > 0, f"{family}: no mixer parameter was sharded"
             assert report["generate"], f"{family}: generate with a cache differs from one process"
+            assert report["log_probs"] < 1e-5, f"{family}: token_log_probs differs by {report['log_probs']}"

@@ -70,6 +70,20 @@ class ParamPlan:
 
 
 @dataclass(frozen=True)
+class MixerState:
+    """A recurrent state a sharded mixer receives as the keyword `arg` (RWKV's list of tensors, batch x channels x
+    layers, held whole by the model): the mixer reads and writes the channels `partition` gives this rank of the items
+    `items`, and its layer's slice (the mixer's attribute `layer` indexes the last dim) is gathered back whole after
+    it, so the state the model returns is one process's."""
+
+    path: str
+    arg: str
+    items: tuple[int, ...]
+    layer: str
+    partition: Partition
+
+
+@dataclass(frozen=True)
 class AttrPlan:
     """An integer a block reads as a head count or width (`config.x` for a config field): full and per rank."""
 
@@ -137,6 +151,8 @@ class Plan:
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
     params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place
+    states: tuple[MixerState, ...] = ()  # mixer states passed in whole, read and written by channel
+    gathered: tuple[str, ...] = ()  # column layers whose output is gathered whole (a gate on a row layer's sum)
 
     def partitions(self) -> list[Partition]:
         return (
@@ -207,8 +223,9 @@ class Plan:
         """A table of every decision, for people; with the model, also each rank's parameter bytes."""
         lines = [f"autotp plan: tp_size={self.tp_size}, from {self.origin.value} {self.source}"]
         for layer in self.layers:
+            style = "gathered" if layer.path in self.gathered else layer.style
             lines.append(
-                f"  {layer.style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
+                f"  {style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
                 f"  ({layer.reason})"
             )
         for region in self.regions:
@@ -221,6 +238,11 @@ class Plan:
             lines.append(
                 f"  {'in place':<10} {param.path}  {param.shape} -> {_local_shapes(param.shape, param.partition)}"
                 f"  (with {param.block}'s channels)"
+            )
+        for mixer_state in self.states:
+            lines.append(
+                f"  {'state':<10} {mixer_state.path}({mixer_state.arg}=...)  items {list(mixer_state.items)} read "
+                f"and written by channel (dim {mixer_state.partition.dim}), the layer's slice gathered back"
             )
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")

@@ -54,6 +54,8 @@ class Rule:
     head_inputs: tuple[str, ...] = ()  # kwargs holding (batch*heads, ...) tensors, such as ALiBi
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
     local_attrs: tuple[str, ...] = ()  # mixer: attributes (dotted, under the block) holding its head count or width
+    state: Mapping[str, Any] = field(default_factory=dict)  # mixer: a recurrent state passed in (`MixerState`)
+    gathered: tuple[str, ...] = ()  # mlp, mixer: linears split by output whose output is gathered (a gate on the sum)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,10 @@ _RULE_KEYS = {
     "head_inputs",
     "local_config",
     "local_attrs",
+    "state",
+    "gathered",
 }
+_STATE_KEYS = {"arg", "items", "dim", "layer"}
 
 
 def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
@@ -118,7 +123,23 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         head_inputs=_names(raw.get("head_inputs", ()), f"{where}: head_inputs"),
         local_config=tuple(raw.get("local_config", ())),
         local_attrs=_names(raw.get("local_attrs", ()), f"{where}: local_attrs"),
+        state=_state(raw.get("state", {}), f"{where}: state"),
+        gathered=_names(raw.get("gathered", ()), f"{where}: gathered"),
     )
+
+
+def _state(value: Any, where: str) -> dict[str, Any]:
+    """A mixer's state entry: the keyword argument, which items of its list, their channel dim, the layer attribute."""
+    if not value:
+        return {}
+    if not isinstance(value, Mapping) or set(value) != _STATE_KEYS:
+        raise ValueError(f"{where} must be a table with the keys {sorted(_STATE_KEYS)}, got {value!r}")
+    return {
+        "arg": str(value["arg"]),
+        "items": tuple(int(i) for i in value["items"]),
+        "dim": int(value["dim"]),
+        "layer": str(value["layer"]),
+    }
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:

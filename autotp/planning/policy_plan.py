@@ -13,9 +13,20 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, ParamPlan, Plan, RegionPlan, Replicated, Why
+from .plan import (
+    AttrPlan,
+    HeadInputPlan,
+    HeadsPlan,
+    LayerPlan,
+    MixerState,
+    ParamPlan,
+    Plan,
+    RegionPlan,
+    Replicated,
+    Why,
+)
 from .policy import Policy, Rule
-from .sharding import HeadLayout, layout_partition, split_ranges
+from .sharding import HeadLayout, Partition, layout_partition, split_ranges
 
 # Attributes HF attention code may read to reshape heads, and which count each holds.
 _HEAD_ATTRS = {
@@ -70,6 +81,8 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         replicated,
         vocab_reason=policy.no_vocab_parallel,
         params=tuple(acc.params),
+        states=tuple(acc.states),
+        gathered=tuple(acc.gathered),
     )
 
 
@@ -82,6 +95,8 @@ class _Accumulator:
     head_inputs: list[HeadInputPlan] = field(default_factory=list)
     attention: list[HeadsPlan] = field(default_factory=list)
     params: list[ParamPlan] = field(default_factory=list)
+    states: list[MixerState] = field(default_factory=list)
+    gathered: list[str] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -181,7 +196,7 @@ def _attr(acc: _Accumulator, path: str, name: str, full: int, local: tuple[int, 
 
 def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
     children = _children(block, [*rule.column, *rule.row])
-    if children is None:
+    if children is None or not _plan_gathered(path, block, rule, tp, acc):
         return False
     widths = {}
     for style, mapping in (("column", rule.column), ("row", rule.row)):
@@ -238,7 +253,7 @@ def _plan_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _
     projections, the parameters inside it along their channel dim, its row projection; no head is cut."""
     children = _children(block, [*rule.column, *rule.row])
     params = _params(block, rule.params)
-    if children is None or params is None:
+    if children is None or params is None or not _plan_gathered(path, block, rule, tp, acc):
         return False
     heads = _count(config, rule.heads)
     row_name = next(iter(rule.row))
@@ -274,6 +289,12 @@ def _plan_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _
             raise ValueError(f"{path}.{name}={value} is neither the mixer's head count {heads} nor its width {width}")
         _attr(acc, f"{path}.{owner}" if owner else path, attr, value, tuple(n * value // heads for n in local_heads))
     acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
+    if rule.state:
+        state = rule.state
+        if not isinstance(getattr(block, state["layer"], None), int):
+            raise ValueError(f"{path}: its state's layer attribute {state['layer']!r} is not an integer")
+        partition = layout_partition("w", state["dim"], owned, unit)
+        acc.states.append(MixerState(path, state["arg"], state["items"], state["layer"], partition))
     return True
 
 
@@ -295,3 +316,19 @@ def _params(block: nn.Module, names) -> dict[str, nn.Parameter] | None:
         if param is not None:
             found[name] = param
     return found
+
+
+def _plan_gathered(path: str, block: nn.Module, rule: Rule, tp: int, acc: _Accumulator) -> bool:
+    """The rule's gathered linears (a gate multiplying the row layer's sum, as RWKV's channel mixing's receptance):
+    each split evenly by output, its output gathered whole; False if one is missing (not this block)."""
+    children = _children(block, rule.gathered)
+    if children is None:
+        return False
+    for name, module in children.items():
+        rows = features(module)[0]
+        _check_width(f"{path}.{name}", "output width", rows, tp)
+        partition = Partition.even(weight_dim(module, "column"), rows, tp)
+        layer = LayerPlan(f"{path}.{name}", "column", tuple(module.weight.shape), partition, "output gathered", path)
+        acc.layers.append(layer)
+        acc.gathered.append(layer.path)
+    return True

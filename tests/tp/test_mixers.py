@@ -41,6 +41,15 @@ MIXERS = {
         block_types=["recurrent", "attention"],
         attention_window_size=16,
     ),
+    # time mixing (per-channel recurrence, its state in the model's list) and channel mixing
+    "rwkv": lambda: tf.RwkvConfig(
+        hidden_size=64,
+        attention_hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        vocab_size=256,
+        context_length=64,
+    ),
 }
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 
@@ -69,6 +78,12 @@ def ranks_mixers(rank: int, world: int) -> dict:
             logits = reference(PROMPT).logits[:, :-1].log_softmax(-1)
             expected = logits.gather(-1, PROMPT[:, 1:, None]).squeeze(-1)
             report["log_probs"] = (token_log_probs(wrapped, PROMPT) - expected).abs().max().item()
+            # a state the model returns (RWKV's list): whole on every rank, as one process's
+            ours, theirs = wrapped(PROMPT, use_cache=True), reference(PROMPT, use_cache=True)
+            states = zip(getattr(ours, "state", None) or [], getattr(theirs, "state", None) or [])
+            report["state"] = max(
+                [((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in states], default=0.0
+            )
         out[family] = report
     return out
 
@@ -82,3 +97,4 @@ def test_mixers_train_and_generate_as_one_process(tp: int) -> None:
             assert report["in_place"] > 0, f"{family}: no mixer parameter was sharded"
             assert report["generate"], f"{family}: generate with a cache differs from one process"
             assert report["log_probs"] < 1e-5, f"{family}: token_log_probs differs by {report['log_probs']}"
+            assert report["state"] < 1e-5, f"{family}: the returned state differs by {report['state']}"

@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-_LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}, "mixer": {"w"}}
+_LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}, "mixer": {"w"}}  # mixer: see `_rule`
 
 
 class Origin(Enum):
@@ -108,6 +108,8 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
     params = {name: (int(spec["dim"]), spec.get("layout", "w")) for name, spec in raw.get("params", {}).items()}
     for name, layout in {**column, **row, **{k: v[1] for k, v in params.items()}}.items():
         roles = {tok.strip("()*") for part in str(layout).split("|") for tok in part.split()}
+        if kind == "mixer":  # a mixer's parts: "w" (equal parts) or the block attribute holding the part's rows
+            roles = {"w"} if all(role.isidentifier() for role in roles) else roles
         if layout is None or not roles <= _LAYOUT_ROLES[kind]:
             raise ValueError(f"{where}: {name} has layout {layout!r}; {kind} layouts use {sorted(_LAYOUT_ROLES[kind])}")
     return Rule(

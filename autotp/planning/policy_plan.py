@@ -249,53 +249,62 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
 
 
 def _plan_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
-    """A token mixer (short convolution, RG-LRU, linear attention) split by whole heads (or channels): its column
-    projections, the parameters inside it along their channel dim, its row projection; no head is cut."""
+    """A token mixer (short convolution, RG-LRU, gated delta-net, linear attention) split by whole heads (or
+    channels): its column projections, the parameters inside it along their channel dim, its row projection, the
+    attributes counting its heads or widths; no head is cut."""
     children = _children(block, [*rule.column, *rule.row])
     params = _params(block, rule.params)
     if children is None or params is None or not _plan_gathered(path, block, rule, tp, acc):
         return False
     heads = _count(config, rule.heads)
-    row_name = next(iter(rule.row))
-    width, rest = divmod(features(children[row_name])[1], _parts(rule.row[row_name]))
-    if rest or width % heads:
-        raise ValueError(f"{path}.{row_name}: its input is not a whole number of {heads} heads")
     _check_width(path, "mixer head count", heads, tp)
-    owned, unit = {"w": split_ranges(heads, tp)}, {"w": width // heads}
-    reason = f"mixer width {width} in {heads} heads"
+    owned = split_ranges(heads, tp)
+    reason = f"mixer of {heads} heads"
     for style, mapping in (("column", rule.column), ("row", rule.row)):
         for name, spec in mapping.items():
-            module = children[name]
-            partition = layout_partition(spec, weight_dim(module, style), owned, unit)
-            rows = features(module)[0 if style == "column" else 1]
-            if partition.full_size != rows:
-                raise ValueError(
-                    f"{path}.{name}: {rows} features, but layout {spec!r} of width {width} gives {partition.full_size}"
-                )
+            module, dim = children[name], weight_dim(children[name], style)
+            partition = _mixer_partition(block, f"{path}.{name}", spec, dim, module.weight.shape[dim], owned)
             acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition, reason, path))
     for name, param in params.items():
         dim, spec = rule.params[name]
-        partition = layout_partition(spec, dim, owned, {"w": param.shape[dim] // (heads * _parts(spec))})
-        if partition.full_size != param.shape[dim]:
-            raise ValueError(
-                f"{path}.{name}: dim {dim} of {tuple(param.shape)} is not layout {spec!r} of {heads} heads"
-            )
+        partition = _mixer_partition(block, f"{path}.{name}", spec, dim, param.shape[dim], owned)
         acc.params.append(ParamPlan(f"{path}.{name}", tuple(param.shape), partition, path))
-    local_heads = tuple(len(r) for r in owned["w"])
+    local_heads = tuple(len(r) for r in owned)
     for name in rule.local_attrs:
         owner, _, attr = name.rpartition(".")
         value = getattr(block.get_submodule(owner), attr, None)
-        if value not in (heads, width):
-            raise ValueError(f"{path}.{name}={value} is neither the mixer's head count {heads} nor its width {width}")
+        if not isinstance(value, int) or value % heads:
+            raise ValueError(f"{path}.{name}={value} is not a whole multiple of the mixer's {heads} heads")
         _attr(acc, f"{path}.{owner}" if owner else path, attr, value, tuple(n * value // heads for n in local_heads))
     acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
     if rule.state:
         state = rule.state
         if not isinstance(getattr(block, state["layer"], None), int):
             raise ValueError(f"{path}: its state's layer attribute {state['layer']!r} is not an integer")
-        partition = layout_partition("w", state["dim"], owned, unit)
+        partition = _mixer_partition(block, f"{path} state", "w", state["dim"], heads, owned)
         acc.states.append(MixerState(path, state["arg"], state["items"], state["layer"], partition))
     return True
+
+
+def _mixer_partition(block: nn.Module, where: str, layout: str, dim: int, rows: int, owned: list[range]) -> Partition:
+    """The rows of a mixer's tensor each rank holds: its parts ("|": "w" for equal parts, else the block attribute
+    holding the part's rows), each a run of whole heads, every head the same rows."""
+    parts = [part.strip() for part in layout.split("|")]
+    named = [getattr(block, part, None) for part in parts]
+    sizes: list = [rows // len(parts)] * len(parts) if all(part == "w" for part in parts) else named
+    heads = owned[-1].stop
+    if sum(s if isinstance(s, int) else 0 for s in sizes) != rows or any(
+        not isinstance(s, int) or s % heads for s in sizes
+    ):
+        raise ValueError(f"{where}: {rows} rows along dim {dim} are not layout {layout!r} ({sizes}) of {heads} heads")
+    runs: list[list[tuple[int, int]]] = [[] for _ in owned]
+    offset = 0
+    for size in sizes:
+        unit = size // heads
+        for rank, mine in enumerate(owned):
+            runs[rank].append((offset + mine.start * unit, len(mine) * unit))
+        offset += size
+    return Partition(dim, rows, tuple(tuple(r) for r in runs))
 
 
 def _params(block: nn.Module, names) -> dict[str, nn.Parameter] | None:

@@ -187,6 +187,11 @@ def builtin_policies() -> list[Policy]:
     return [load_policy(p, Origin.SHIPPED) for p in sorted(_policy_dir().glob("*.toml"))]
 
 
+def mixer_rules() -> tuple[Rule, ...]:
+    """The token mixers recognised in any model (`policies/mixers.toml`, which claims no model type)."""
+    return load_policy(_policy_dir() / "mixers.toml", Origin.SHIPPED).rules
+
+
 def find_policy(model_type: str) -> Policy | None:
     """The shipped policy covering `model_type`, if any."""
     return next((p for p in builtin_policies() if model_type in p.model_types), None)

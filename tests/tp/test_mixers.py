@@ -50,6 +50,27 @@ MIXERS = {
         vocab_size=256,
         context_length=64,
     ),
+    # a gated delta-net (layer 0: 4 key heads, 2 value heads each; planned from transformers' plan and
+    # policies/mixers.toml, verified by emulation) and gated attention (layer 1), each with MoE experts
+    "qwen3_next": lambda: tf.Qwen3NextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
 }
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
 

@@ -83,7 +83,7 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
         replicated=tuple((move(p), why) for p, why in plan.replicated),
         params=tuple(replace(p, path=move(p.path), block=move(p.block)) for p in plan.params),
         states=tuple(replace(s, path=move(s.path)) for s in plan.states),
-        gathered=tuple(move(g) for g in plan.gathered),
+        gathered_outputs=tuple(move(g) for g in plan.gathered_outputs),
     )
 
 
@@ -115,7 +115,7 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
         vocab_reason=next((p.vocab_reason for _, p in parts if p.vocab_reason), ""),
         params=tuple(param for _, p in parts for param in p.params),
         states=tuple(s for _, p in parts for s in p.states),
-        gathered=tuple(g for _, p in parts for g in p.gathered),
+        gathered_outputs=tuple(g for _, p in parts for g in p.gathered_outputs),
     )
 
 

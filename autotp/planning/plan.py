@@ -152,7 +152,7 @@ class Plan:
     vocab_reason: str = ""
     params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place
     states: tuple[MixerState, ...] = ()  # mixer states passed in whole, read and written by channel
-    gathered: tuple[str, ...] = ()  # column layers whose output is gathered whole (a gate on a row layer's sum)
+    gathered_outputs: tuple[str, ...] = ()  # column layers whose output is gathered whole (a gate on a row layer's sum)
 
     def partitions(self) -> list[Partition]:
         return (
@@ -223,7 +223,7 @@ class Plan:
         """A table of every decision, for people; with the model, also each rank's parameter bytes."""
         lines = [f"autotp plan: tp_size={self.tp_size}, from {self.origin.value} {self.source}"]
         for layer in self.layers:
-            style = "gathered" if layer.path in self.gathered else layer.style
+            style = "gathered" if layer.path in self.gathered_outputs else layer.style
             lines.append(
                 f"  {style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
                 f"  ({layer.reason})"

@@ -55,7 +55,9 @@ class Rule:
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
     local_attrs: tuple[str, ...] = ()  # mixer: attributes (dotted, under the block) holding its head count or width
     state: Mapping[str, Any] = field(default_factory=dict)  # mixer: a recurrent state passed in (`MixerState`)
-    gathered: tuple[str, ...] = ()  # mlp, mixer: linears split by output whose output is gathered (a gate on the sum)
+    gathered_outputs: tuple[
+        str, ...
+    ] = ()  # mlp, mixer: linears split by output whose output is gathered (a gate on the sum)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ _RULE_KEYS = {
     "local_config",
     "local_attrs",
     "state",
-    "gathered",
+    "gathered_outputs",
 }
 _STATE_KEYS = {"arg", "items", "dim", "layer"}
 
@@ -126,7 +128,7 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         local_config=tuple(raw.get("local_config", ())),
         local_attrs=_names(raw.get("local_attrs", ()), f"{where}: local_attrs"),
         state=_state(raw.get("state", {}), f"{where}: state"),
-        gathered=_names(raw.get("gathered", ()), f"{where}: gathered"),
+        gathered_outputs=_names(raw.get("gathered_outputs", ()), f"{where}: gathered_outputs"),
     )
 
 

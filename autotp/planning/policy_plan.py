@@ -82,7 +82,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         vocab_reason=policy.no_vocab_parallel,
         params=tuple(acc.params),
         states=tuple(acc.states),
-        gathered=tuple(acc.gathered),
+        gathered_outputs=tuple(acc.gathered_outputs),
     )
 
 
@@ -96,7 +96,7 @@ class _Accumulator:
     attention: list[HeadsPlan] = field(default_factory=list)
     params: list[ParamPlan] = field(default_factory=list)
     states: list[MixerState] = field(default_factory=list)
-    gathered: list[str] = field(default_factory=list)
+    gathered_outputs: list[str] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -330,7 +330,7 @@ def _params(block: nn.Module, names) -> dict[str, nn.Parameter] | None:
 def _plan_gathered(path: str, block: nn.Module, rule: Rule, tp: int, acc: _Accumulator) -> bool:
     """The rule's gathered linears (a gate multiplying the row layer's sum, as RWKV's channel mixing's receptance):
     each split evenly by output, its output gathered whole; False if one is missing (not this block)."""
-    children = _children(block, rule.gathered)
+    children = _children(block, rule.gathered_outputs)
     if children is None:
         return False
     for name, module in children.items():
@@ -339,5 +339,5 @@ def _plan_gathered(path: str, block: nn.Module, rule: Rule, tp: int, acc: _Accum
         partition = Partition.even(weight_dim(module, "column"), rows, tp)
         layer = LayerPlan(f"{path}.{name}", "column", tuple(module.weight.shape), partition, "output gathered", path)
         acc.layers.append(layer)
-        acc.gathered.append(layer.path)
+        acc.gathered_outputs.append(layer.path)
     return True

@@ -106,7 +106,7 @@ def without_blocks(plan: Plan, reasons: dict[str, str]) -> Plan:
         head_norms=tuple(h for h in plan.head_norms if not inside(h)),
         params=tuple(p for p in plan.params if p.block not in rejected),
         states=tuple(s for s in plan.states if s.path not in rejected),
-        gathered=tuple(g for g in plan.gathered if g in {layer.path for layer in kept}),
+        gathered_outputs=tuple(g for g in plan.gathered_outputs if g in {layer.path for layer in kept}),
         head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
         attention=tuple(a for a in plan.attention if not inside(a.path)),
     )

@@ -90,7 +90,7 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
         entries[f"{head_input.path}.{head_input.name}"] = f"heads {head_input.heads} {head_input.local}"
     entries.update({path: "replicated" for path, _ in plan.replicated})
     entries["per-head norms"] = str(plan.head_norms)
-    entries["gathered outputs"] = str(plan.gathered)
+    entries["gathered outputs"] = str(plan.gathered_outputs)
     vocab = plan.vocab
     entries["vocab"] = (
         "none" if vocab is None else f"{vocab.head} {vocab.embedding} {vocab.tied} {vocab.partition.runs}"

@@ -75,7 +75,7 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
         _experts_path(modules[region.path], partitions.values())
     if plan.params:
         state.regions.append(InPlaceParams(model, plan.params, tp_group, rank))
-    for layer in (layer for layer in plan.layers if layer.path in plan.gathered):
+    for layer in (layer for layer in plan.layers if layer.path in plan.gathered_outputs):
         gather = functools.partial(_gathered_output, layer.partition, tp_group)
         model.get_submodule(layer.path).register_forward_hook(state.sharded_only(gather))
     for mixer_state in plan.states:

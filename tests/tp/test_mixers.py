@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 import autotp
 from autotp.state import state_of
 from autotp.testing import assert_parity, compare_training
+from autotp.testing.parity import compare_loading
 from autotp.testing.spawn import run_ranks
 from autotp.vocab.tokens import token_log_probs
 from models import MIXERS, batch
@@ -28,12 +29,14 @@ def complete(model: torch.nn.Module) -> torch.Tensor:
         return model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
 
 
-def ranks_mixers(rank: int, world: int) -> dict:
-    """Per family: the training parity report, how many in-place mixer parameters the plan shards, and whether
-    greedy generation with a cache gives one process's tokens."""
+def ranks_mixers(rank: int, world: int, saved: str) -> dict:
+    """Per family: the training parity report, how many in-place mixer parameters the plan shards, whether greedy
+    generation with a cache gives one process's tokens, and `autotp.from_pretrained` against `wrap` (`saved`: the
+    folder holding each family's checkpoint)."""
     out = {}
     for family in MIXERS:
         report = compare_training(mixer_model(family), batch(), world, steps=3)
+        report["load"] = compare_loading(rank, world, f"{saved}/{family}")
         wrapped = autotp.wrap(mixer_model(family).eval(), world)
         report["in_place"] = len(state_of(wrapped).plan.params)
         reference = mixer_model(family).eval()
@@ -53,8 +56,10 @@ def ranks_mixers(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_mixers_train_and_generate_as_one_process(tp: int) -> None:
-    for reports in run_ranks(ranks_mixers, tp):
+def test_mixers_train_and_generate_as_one_process(tp: int, tmp_path) -> None:
+    for family in MIXERS:
+        mixer_model(family).save_pretrained(tmp_path / family)
+    for reports in run_ranks(ranks_mixers, tp, str(tmp_path)):
         for family, report in reports.items():
             # fp32, the harness's tolerances: sums over shards differ from one process's only in rounding order
             assert_parity(report)
@@ -62,3 +67,5 @@ def test_mixers_train_and_generate_as_one_process(tp: int) -> None:
             assert report["generate"], f"{family}: generate with a cache differs from one process"
             assert report["log_probs"] < 1e-5, f"{family}: token_log_probs differs by {report['log_probs']}"
             assert report["state"] < 1e-5, f"{family}: the returned state differs by {report['state']}"
+            load = report["load"]  # each rank reads its rows of the checkpoint: bit-equal to wrap after a full load
+            assert load["keys"] and not load["unequal"] and load["loss"] == 0.0 and not load["grads"], (family, load)

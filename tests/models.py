@@ -212,6 +212,31 @@ MIXERS = {
         vocab_size=256,
         max_position_embeddings=64,
     ),
+    # delta attention (layer 0: per-channel decay, low-rank gates kept whole; from policies/mixers.toml, verified
+    # by emulation) and MLA attention (layer 1)
+    "kimi_linear": lambda: tf.KimiLinearConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=256,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 LLAMA_FAMILY = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
 # Every other family a shipped policy covers: fused projections, MQA/GQA, MoE, encoders.

@@ -84,6 +84,7 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
         params=tuple(replace(p, path=move(p.path), block=move(p.block)) for p in plan.params),
         states=tuple(replace(s, path=move(s.path)) for s in plan.states),
         gathered_outputs=tuple(move(g) for g in plan.gathered_outputs),
+        whole=tuple(move(w) for w in plan.whole),
     )
 
 
@@ -116,6 +117,7 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
         params=tuple(param for _, p in parts for param in p.params),
         states=tuple(s for _, p in parts for s in p.states),
         gathered_outputs=tuple(g for _, p in parts for g in p.gathered_outputs),
+        whole=tuple(w for _, p in parts for w in p.whole),
     )
 
 

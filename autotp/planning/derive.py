@@ -34,7 +34,11 @@ def derive_policy(model: nn.Module) -> Policy:
     mixers = tuple(r for r in mixer_rules() if r.match not in claimed and not _spoken(r.match, sharding))
     modules = list(dict(model.named_modules()))
     mixers = tuple(r for r in mixers if any(fnmatchcase(name, r.match) for name in modules))
-    return replace(policy, rules=policy.rules + mixers) if mixers else policy
+    if not mixers:
+        return policy
+    # a mixer owns what is inside it: a block detected there (Kimi's forget gate) is a part of the mixer's
+    kept = tuple(r for r in policy.rules if not any(r.match.startswith(m.match + ".") for m in mixers))
+    return replace(policy, rules=kept + mixers)
 
 
 def _derived(model: nn.Module) -> Policy:

@@ -152,6 +152,7 @@ class Plan:
     vocab_reason: str = ""
     params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place
     states: tuple[MixerState, ...] = ()  # mixer states passed in whole, read and written by channel
+    whole: tuple[str, ...] = ()  # inside sharded mixers: computed whole on the replicated input, gradients whole
     gathered_outputs: tuple[str, ...] = ()  # column layers whose output is gathered whole (a gate on a row layer's sum)
 
     def partitions(self) -> list[Partition]:
@@ -244,6 +245,8 @@ class Plan:
                 f"  {'state':<10} {mixer_state.path}({mixer_state.arg}=...)  items {list(mixer_state.items)} read "
                 f"and written by channel (dim {mixer_state.partition.dim}), the layer's slice gathered back"
             )
+        for path in self.whole:
+            lines.append(f"  {'whole':<10} {path}  replicated inside the mixer, on its replicated input")
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

@@ -55,9 +55,8 @@ class Rule:
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
     local_attrs: tuple[str, ...] = ()  # mixer: attributes (dotted, under the block) holding its head count or width
     state: Mapping[str, Any] = field(default_factory=dict)  # mixer: a recurrent state passed in (`MixerState`)
-    gathered_outputs: tuple[
-        str, ...
-    ] = ()  # mlp, mixer: linears split by output whose output is gathered (a gate on the sum)
+    gathered_outputs: tuple[str, ...] = ()  # mlp, mixer: split by output, the output gathered (a gate on the sum)
+    whole: tuple[str, ...] = ()  # mixer: modules or parameters under it computed whole on its replicated input
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,7 @@ _RULE_KEYS = {
     "local_attrs",
     "state",
     "gathered_outputs",
+    "whole",
 }
 _STATE_KEYS = {"arg", "items", "dim", "layer"}
 
@@ -128,6 +128,7 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         local_config=tuple(raw.get("local_config", ())),
         local_attrs=_names(raw.get("local_attrs", ()), f"{where}: local_attrs"),
         state=_state(raw.get("state", {}), f"{where}: state"),
+        whole=_names(raw.get("whole", ()), f"{where}: whole"),
         gathered_outputs=_names(raw.get("gathered_outputs", ()), f"{where}: gathered_outputs"),
     )
 

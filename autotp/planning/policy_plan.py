@@ -83,6 +83,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         params=tuple(acc.params),
         states=tuple(acc.states),
         gathered_outputs=tuple(acc.gathered_outputs),
+        whole=tuple(acc.whole),
     )
 
 
@@ -97,6 +98,7 @@ class _Accumulator:
     params: list[ParamPlan] = field(default_factory=list)
     states: list[MixerState] = field(default_factory=list)
     gathered_outputs: list[str] = field(default_factory=list)
+    whole: list[str] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -277,6 +279,7 @@ def _plan_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _
             raise ValueError(f"{path}.{name}={value} is not a whole multiple of the mixer's {heads} heads")
         _attr(acc, f"{path}.{owner}" if owner else path, attr, value, tuple(n * value // heads for n in local_heads))
     acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
+    acc.whole.extend(f"{path}.{name}" for name in rule.whole)
     if rule.state:
         state = rule.state
         if not isinstance(getattr(block, state["layer"], None), int):

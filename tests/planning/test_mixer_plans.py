@@ -28,6 +28,9 @@ def test_the_plan_shows_each_mixer_and_what_it_shards_in_place() -> None:
     qwen = autotp.explain(mixer_model("qwen3_next"), 2)  # derived, verified by emulation: sharded, not replicated
     assert {p.path.rpartition(".")[2] for p in qwen.params} == {"weight", "A_log", "dt_bias"}
     assert not [path for path, _ in qwen.replicated if ".linear_attn." in path]
+    kimi = autotp.explain(mixer_model("kimi_linear"), 2)  # its gates' low-rank down-projections stay whole
+    assert kimi.whole == ("model.layers.0.self_attn.forget_gate.f_a_proj", "model.layers.0.self_attn.g_a_proj")
+    assert "model.layers.0.self_attn.forget_gate.f_b_proj" in {layer.path for layer in kimi.layers}
     conv = next(p for p in qwen.params if p.path.endswith("conv1d.weight"))
     # [q | k | v] channels (32 | 32 | 64) by key-head group: each rank two q, two k heads and their four v heads
     assert conv.partition.runs == (((0, 16), (32, 16), (64, 32)), ((16, 16), (48, 16), (96, 32)))

@@ -46,10 +46,15 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
     modules = dict(model.named_modules())
     acc = _Accumulator()
     claimed: set[str] = set()
+    refused: dict[str, str] = {}  # a recognised mixer whose rule does not fit it: why
     for rule in policy.rules:
         if any(getattr(config, key, None) != value for key, value in rule.when.items()):
             continue
         for path in [name for name in modules if fnmatchcase(name, rule.match) and name not in claimed]:
+            if rule.kind == "mixer" and not policy.origin.checked_by_hand:
+                if _try_mixer(path, modules[path], rule, config, tp_size, acc, refused):
+                    claimed.add(path)
+                continue
             planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts, "mixer": _plan_mixer}[
                 rule.kind
             ]
@@ -65,7 +70,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
     acc.layers.sort(key=lambda layer: order[layer.path])
     sharded = {layer.path for layer in acc.layers}
     replicated = tuple(
-        (name, Why(Replicated.NOT_COVERED)) for name, m in modules.items() if is_linear(m) and name not in sharded
+        (name, _why_replicated(name, refused)) for name, m in modules.items() if is_linear(m) and name not in sharded
     )
     source = repr(policy.name) + (f" ({policy.description})" if policy.description else "")
     return Plan(
@@ -85,6 +90,26 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         gathered_outputs=tuple(acc.gathered_outputs),
         whole=tuple(acc.whole),
     )
+
+
+def _try_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator, refused: dict) -> bool:
+    """A derived plan's mixer rule (`policies/mixers.toml`): a block whose shapes do not fit it stays replicated with
+    the reason (a rule names children; another model may hold the same names in other shapes)."""
+    trial = _Accumulator()
+    try:
+        if not _plan_mixer(path, block, rule, config, tp, trial):
+            return False
+    except ValueError as err:
+        refused[path] = str(err)
+        return False
+    for name, items in vars(trial).items():
+        getattr(acc, name).extend(items)
+    return True
+
+
+def _why_replicated(name: str, refused: dict[str, str]) -> Why:
+    owner = next((path for path in refused if name.startswith(path + ".")), None)
+    return Why(Replicated.NOT_COVERED) if owner is None else Why(Replicated.NOT_VERIFIED, refused[owner])
 
 
 @dataclass
@@ -269,6 +294,8 @@ def _plan_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _
             acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition, reason, path))
     for name, param in params.items():
         dim, spec = rule.params[name]
+        if dim >= param.dim():
+            raise ValueError(f"{path}.{name}: a tensor of shape {tuple(param.shape)} has no dim {dim}")
         partition = _mixer_partition(block, f"{path}.{name}", spec, dim, param.shape[dim], owned)
         acc.params.append(ParamPlan(f"{path}.{name}", tuple(param.shape), partition, path))
     local_heads = tuple(len(r) for r in owned)

@@ -237,6 +237,22 @@ MIXERS = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Qwen3.5's gated delta-net (q | k | v in one projection of unequal parts), then gated attention
+    "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
 }
 LLAMA_FAMILY = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
 # Every other family a shipped policy covers: fused projections, MQA/GQA, MoE, encoders.

@@ -35,7 +35,7 @@ def ranks_mixers(rank: int, world: int, saved: str) -> dict:
     folder holding each family's checkpoint)."""
     out = {}
     for family in MIXERS:
-        report = compare_training(mixer_model(family), batch(), world, steps=3)
+        report = compare_training(mixer_model(family), batch(), world, steps=2)
         report["load"] = compare_loading(rank, world, f"{saved}/{family}")
         wrapped = autotp.wrap(mixer_model(family).eval(), world)
         report["in_place"] = len(state_of(wrapped).plan.params)

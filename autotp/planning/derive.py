@@ -31,7 +31,7 @@ def derive_policy(model: nn.Module) -> Policy:
     claimed = [rule.match for rule in policy.rules]
     hf_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     sharding = [path for path, style in zip(_hf_paths(model, hf_plan), hf_plan.values()) if style not in _WHOLE]
-    mixers = tuple(r for r in mixer_rules() if r.match not in claimed and not _spoken(r.match, sharding))
+    mixers = tuple(r for r in mixer_rules() if r.refuse or r.match not in claimed and not _spoken(r.match, sharding))
     modules = list(dict(model.named_modules()))
     mixers = tuple(r for r in mixers if any(fnmatchcase(name, r.match) for name in modules))
     if not mixers:

@@ -57,6 +57,7 @@ class Rule:
     state: Mapping[str, Any] = field(default_factory=dict)  # mixer: a recurrent state passed in (`MixerState`)
     gathered_outputs: tuple[str, ...] = ()  # mlp, mixer: split by output, the output gathered (a gate on the sum)
     whole: tuple[str, ...] = ()  # mixer: modules or parameters under it computed whole on its replicated input
+    refuse: str = ""  # mixer: why a block it recognises stays replicated (it cannot be split exactly)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ _RULE_KEYS = {
     "state",
     "gathered_outputs",
     "whole",
+    "refuse",
 }
 _STATE_KEYS = {"arg", "items", "dim", "layer"}
 
@@ -101,7 +103,7 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
     if "match" not in raw:
         raise ValueError(f"{where}: missing the key 'match'")
     default = "w" if kind != "attention" else None
-    if kind == "mixer" and "heads" not in raw:
+    if kind == "mixer" and "heads" not in raw and "refuse" not in raw:
         raise ValueError(f"{where}: a mixer rule needs 'heads' (the config field or count its width splits into)")
     column = raw.get("column", {})
     column = {name: default for name in column} if isinstance(column, list) else dict(column)
@@ -129,6 +131,7 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         local_attrs=_names(raw.get("local_attrs", ()), f"{where}: local_attrs"),
         state=_state(raw.get("state", {}), f"{where}: state"),
         whole=_names(raw.get("whole", ()), f"{where}: whole"),
+        refuse=str(raw.get("refuse", "")),
         gathered_outputs=_names(raw.get("gathered_outputs", ()), f"{where}: gathered_outputs"),
     )
 

@@ -51,7 +51,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         if any(getattr(config, key, None) != value for key, value in rule.when.items()):
             continue
         for path in [name for name in modules if fnmatchcase(name, rule.match) and name not in claimed]:
-            if rule.kind == "mixer" and not policy.origin.checked_by_hand:
+            if rule.kind == "mixer" and (rule.refuse or not policy.origin.checked_by_hand):
                 if _try_mixer(path, modules[path], rule, config, tp_size, acc, refused):
                     claimed.add(path)
                 continue
@@ -95,6 +95,10 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
 def _try_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator, refused: dict) -> bool:
     """A derived plan's mixer rule (`policies/mixers.toml`): a block whose shapes do not fit it stays replicated with
     the reason (a rule names children; another model may hold the same names in other shapes)."""
+    if rule.refuse:  # a mixer known not to split exactly: its linears stay replicated, with the rule's reason
+        if _children(block, [*rule.column, *rule.row]) is not None:
+            refused[path] = rule.refuse
+        return False
     trial = _Accumulator()
     try:
         if not _plan_mixer(path, block, rule, config, tp, trial):

@@ -11,6 +11,7 @@ import autotp
 from autotp.planning.policy import Origin, parse_policy
 from autotp.planning.policy_plan import plan_from_policy
 from autotp.planning.verify import verify_by_emulation
+from autotp.testing import tiny_config
 from models import MIXERS
 
 
@@ -54,6 +55,13 @@ def test_a_mixer_that_emulation_cannot_prove_exact_stays_replicated_with_the_rea
     assert not plan.params
     reasons = {str(why) for path, why in plan.replicated if ".linear_attn." in path}
     assert reasons and all("not verified" in why for why in reasons), reasons
+
+
+def test_a_mixer_known_not_to_split_says_why_in_the_plan() -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("minimax"))  # layer 1: lightning attention
+    reasons = {path: str(why) for path, why in autotp.explain(model, 2).replicated}
+    assert "normalises all its heads together" in reasons["model.layers.1.self_attn.qkv_proj"]
 
 
 @pytest.mark.parametrize(

@@ -156,6 +156,104 @@ DERIVED = {
     ),  # detection, nested blocks
 }
 CONFIGS.update(DERIVED)
+# Token mixers sharded by heads or channels (tests/tp/test_mixers.py); not in CONFIGS, whose sweeps they would lengthen
+MIXERS = {
+    # a short convolution (layer 0) and attention with per-head norms (layer 1)
+    "lfm2": lambda: tf.Lfm2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=64,
+        layer_types=["conv", "full_attention"],
+        conv_bias=True,
+        block_auto_adjust_ff_dim=False,
+    ),
+    # an RG-LRU recurrent block (layer 0) and local attention (layer 1)
+    "recurrent_gemma": lambda: tf.RecurrentGemmaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        block_types=["recurrent", "attention"],
+        attention_window_size=16,
+    ),
+    # time mixing (per-channel recurrence, its state in the model's list) and channel mixing
+    "rwkv": lambda: tf.RwkvConfig(
+        hidden_size=64,
+        attention_hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        vocab_size=256,
+        context_length=64,
+    ),
+    # a gated delta-net (layer 0: 4 key heads, 2 value heads each; planned from transformers' plan and
+    # policies/mixers.toml, verified by emulation) and gated attention (layer 1), each with MoE experts
+    "qwen3_next": lambda: tf.Qwen3NextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
+    # delta attention (layer 0: per-channel decay, low-rank gates kept whole; from policies/mixers.toml, verified
+    # by emulation) and MLA attention (layer 1)
+    "kimi_linear": lambda: tf.KimiLinearConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=256,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # Qwen3.5's gated delta-net (q | k | v in one projection of unequal parts), then gated attention
+    "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
+}
 LLAMA_FAMILY = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
 # Every other family a shipped policy covers: fused projections, MQA/GQA, MoE, encoders.
 OTHER_POLICY_FAMILIES = [f for f in CONFIGS if f not in LLAMA_FAMILY and f not in DERIVED]

@@ -81,6 +81,10 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
         head_inputs=tuple(replace(h, path=move(h.path)) for h in plan.head_inputs),
         attention=tuple(replace(a, path=move(a.path)) for a in plan.attention),
         replicated=tuple((move(p), why) for p, why in plan.replicated),
+        params=tuple(replace(p, path=move(p.path), block=move(p.block)) for p in plan.params),
+        states=tuple(replace(s, path=move(s.path)) for s in plan.states),
+        gathered_outputs=tuple(move(g) for g in plan.gathered_outputs),
+        whole=tuple(move(w) for w in plan.whole),
     )
 
 
@@ -110,6 +114,10 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
         attention=tuple(a for _, p in parts for a in p.attention),
         replicated=tuple(r for _, p in parts for r in p.replicated) + outside,
         vocab_reason=next((p.vocab_reason for _, p in parts if p.vocab_reason), ""),
+        params=tuple(param for _, p in parts for param in p.params),
+        states=tuple(s for _, p in parts for s in p.states),
+        gathered_outputs=tuple(g for _, p in parts for g in p.gathered_outputs),
+        whole=tuple(w for _, p in parts for w in p.whole),
     )
 
 

@@ -16,13 +16,32 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .linears import features, is_linear
-from .policy import Origin, Policy, parse_policy
+from .policy import Origin, Policy, mixer_rules, parse_policy
 
 _ATTENTION_HINTS = ("attn", "attention")
+_WHOLE = {"colwise_gather_output", "rowwise_split_input"}  # HF's styles that keep a block's computation whole
 _OUTPUT_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "proj", "wo", "o", "output", "out"}  # then verified
 
 
 def derive_policy(model: nn.Module) -> Policy:
+    """`_derived`, with the token mixers of `policies/mixers.toml` for the blocks neither shards (verified as every
+    derived block is). A mixer HF's plan keeps whole (`colwise_gather_output`: every rank computes all of it) is
+    one transformers could not split, not one that must not be: its rule applies, and verification decides."""
+    policy = _derived(model)
+    claimed = [rule.match for rule in policy.rules]
+    hf_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    sharding = [path for path, style in zip(_hf_paths(model, hf_plan), hf_plan.values()) if style not in _WHOLE]
+    mixers = tuple(r for r in mixer_rules() if r.refuse or r.match not in claimed and not _spoken(r.match, sharding))
+    modules = list(dict(model.named_modules()))
+    mixers = tuple(r for r in mixers if any(fnmatchcase(name, r.match) for name in modules))
+    if not mixers:
+        return policy
+    # a mixer owns what is inside it: a block detected there (Kimi's forget gate) is a part of the mixer's
+    kept = tuple(r for r in policy.rules if not any(r.match.startswith(m.match + ".") for m in mixers))
+    return replace(policy, rules=kept + mixers)
+
+
+def _derived(model: nn.Module) -> Policy:
     """HF's plan translated where the config has one, and structural detection for every block it leaves out.
 
     transformers' plans speak for some blocks only (since 5.24, the embedding alone for a dozen model types; MoE

@@ -60,6 +60,32 @@ class RegionPlan:
 
 
 @dataclass(frozen=True)
+class ParamPlan:
+    """A parameter of a sharded mixer split in place with the mixer's heads or channels (a depthwise convolution's
+    weight, `A_log`, a gate's per-head matrices): its input is already this rank's channels, so it needs no collective
+    and its gradient is local. `path` is the parameter's full name, `block` the mixer holding it."""
+
+    path: str
+    shape: tuple[int, ...]
+    partition: Partition
+    block: str
+
+
+@dataclass(frozen=True)
+class MixerState:
+    """A recurrent state a sharded mixer receives as the keyword `arg` (RWKV's list of tensors, batch x channels x
+    layers, held whole by the model): the mixer reads and writes the channels `partition` gives this rank of the items
+    `items`, and its layer's slice (the mixer's attribute `layer` indexes the last dim) is gathered back whole after
+    it, so the state the model returns is one process's."""
+
+    path: str
+    arg: str
+    items: tuple[int, ...]
+    layer: str
+    partition: Partition
+
+
+@dataclass(frozen=True)
 class AttrPlan:
     """An integer a block reads as a head count or width (`config.x` for a config field): full and per rank."""
 
@@ -126,9 +152,17 @@ class Plan:
     replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
+    params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place
+    states: tuple[MixerState, ...] = ()  # mixer states passed in whole, read and written by channel
+    whole: tuple[str, ...] = ()  # inside sharded mixers: computed whole on the replicated input, gradients whole
+    gathered_outputs: tuple[str, ...] = ()  # column layers whose output is gathered whole (a gate on a row layer's sum)
 
     def partitions(self) -> list[Partition]:
-        return [layer.partition for layer in self.layers] + [p for r in self.regions for _, _, p in r.partitions]
+        return (
+            [layer.partition for layer in self.layers]
+            + [p for r in self.regions for _, _, p in r.partitions]
+            + [param.partition for param in self.params]
+        )
 
     def replica_groups(self) -> set[tuple[int, ...]]:
         """Sets of TP ranks that hold the same rows of some tensor (replicated KV heads)."""
@@ -143,6 +177,7 @@ class Plan:
                 out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
         for region in self.regions:
             out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
+        out.update({param.path: param.partition for param in self.params})
         if self.vocab is not None and self.vocab.embedding is not None:
             out[f"{self.vocab.embedding}.weight"] = self.vocab.partition
         return out
@@ -192,8 +227,9 @@ class Plan:
         """A table of every decision, for people; with the model, also each rank's parameter bytes."""
         lines = [f"autotp plan: tp_size={self.tp_size}, from {self.origin.value} {self.source}"]
         for layer in self.layers:
+            style = "gathered" if layer.path in self.gathered_outputs else layer.style
             lines.append(
-                f"  {layer.style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
+                f"  {style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
                 f"  ({layer.reason})"
             )
         for region in self.regions:
@@ -202,6 +238,18 @@ class Plan:
                     f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
                     f"  ({region.reason})"
                 )
+        for param in self.params:
+            lines.append(
+                f"  {'in place':<10} {param.path}  {param.shape} -> {_local_shapes(param.shape, param.partition)}"
+                f"  (with {param.block}'s channels)"
+            )
+        for mixer_state in self.states:
+            lines.append(
+                f"  {'state':<10} {mixer_state.path}({mixer_state.arg}=...)  items {list(mixer_state.items)} read "
+                f"and written by channel (dim {mixer_state.partition.dim}), the layer's slice gathered back"
+            )
+        for path in self.whole:
+            lines.append(f"  {'whole':<10} {path}  replicated inside the mixer, on its replicated input")
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-_LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}}
+_LAYOUT_ROLES = {"attention": {"q", "k", "v"}, "mlp": {"w"}, "experts": {"w"}, "mixer": {"w"}}  # mixer: see `_rule`
 
 
 class Origin(Enum):
@@ -42,17 +42,22 @@ class Origin(Enum):
 class Rule:
     """One block pattern and how to shard it."""
 
-    kind: str  # "attention", "mlp" or "experts"
+    kind: str  # "attention", "mlp", "experts" or "mixer" (a recurrent or convolutional token mixer)
     match: str
     column: Mapping[str, str] = field(default_factory=dict)  # child path -> layout
     row: Mapping[str, str] = field(default_factory=dict)
-    params: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # experts: name -> (dim, layout)
+    params: Mapping[str, tuple[int, str]] = field(default_factory=dict)  # experts, mixer: name -> (dim, layout)
     heads: str | int = "num_attention_heads"
     kv_heads: str | int | None = None
     when: Mapping[str, Any] = field(default_factory=dict)
     head_norms: tuple[str, ...] = ()
     head_inputs: tuple[str, ...] = ()  # kwargs holding (batch*heads, ...) tensors, such as ALiBi
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
+    local_attrs: tuple[str, ...] = ()  # mixer: attributes (dotted, under the block) holding its head count or width
+    state: Mapping[str, Any] = field(default_factory=dict)  # mixer: a recurrent state passed in (`MixerState`)
+    gathered_outputs: tuple[str, ...] = ()  # mlp, mixer: split by output, the output gathered (a gate on the sum)
+    whole: tuple[str, ...] = ()  # mixer: modules or parameters under it computed whole on its replicated input
+    refuse: str = ""  # mixer: why a block it recognises stays replicated (it cannot be split exactly)
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,13 @@ _RULE_KEYS = {
     "head_norms",
     "head_inputs",
     "local_config",
+    "local_attrs",
+    "state",
+    "gathered_outputs",
+    "whole",
+    "refuse",
 }
+_STATE_KEYS = {"arg", "items", "dim", "layer"}
 
 
 def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
@@ -92,6 +103,8 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
     if "match" not in raw:
         raise ValueError(f"{where}: missing the key 'match'")
     default = "w" if kind != "attention" else None
+    if kind == "mixer" and "heads" not in raw and "refuse" not in raw:
+        raise ValueError(f"{where}: a mixer rule needs 'heads' (the config field or count its width splits into)")
     column = raw.get("column", {})
     column = {name: default for name in column} if isinstance(column, list) else dict(column)
     row = raw.get("row", {})
@@ -99,6 +112,8 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
     params = {name: (int(spec["dim"]), spec.get("layout", "w")) for name, spec in raw.get("params", {}).items()}
     for name, layout in {**column, **row, **{k: v[1] for k, v in params.items()}}.items():
         roles = {tok.strip("()*") for part in str(layout).split("|") for tok in part.split()}
+        if kind == "mixer":  # a mixer's parts: "w" (equal parts) or the block attribute holding the part's rows
+            roles = {"w"} if all(role.isidentifier() for role in roles) else roles
         if layout is None or not roles <= _LAYOUT_ROLES[kind]:
             raise ValueError(f"{where}: {name} has layout {layout!r}; {kind} layouts use {sorted(_LAYOUT_ROLES[kind])}")
     return Rule(
@@ -113,7 +128,26 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         head_norms=tuple(raw.get("head_norms", ())),
         head_inputs=_names(raw.get("head_inputs", ()), f"{where}: head_inputs"),
         local_config=tuple(raw.get("local_config", ())),
+        local_attrs=_names(raw.get("local_attrs", ()), f"{where}: local_attrs"),
+        state=_state(raw.get("state", {}), f"{where}: state"),
+        whole=_names(raw.get("whole", ()), f"{where}: whole"),
+        refuse=str(raw.get("refuse", "")),
+        gathered_outputs=_names(raw.get("gathered_outputs", ()), f"{where}: gathered_outputs"),
     )
+
+
+def _state(value: Any, where: str) -> dict[str, Any]:
+    """A mixer's state entry: the keyword argument, which items of its list, their channel dim, the layer attribute."""
+    if not value:
+        return {}
+    if not isinstance(value, Mapping) or set(value) != _STATE_KEYS:
+        raise ValueError(f"{where} must be a table with the keys {sorted(_STATE_KEYS)}, got {value!r}")
+    return {
+        "arg": str(value["arg"]),
+        "items": tuple(int(i) for i in value["items"]),
+        "dim": int(value["dim"]),
+        "layer": str(value["layer"]),
+    }
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:
@@ -157,6 +191,11 @@ def load_policy(path: str | Path, origin: Origin = Origin.USER) -> Policy:
 def builtin_policies() -> list[Policy]:
     """Every policy shipped with autotp."""
     return [load_policy(p, Origin.SHIPPED) for p in sorted(_policy_dir().glob("*.toml"))]
+
+
+def mixer_rules() -> tuple[Rule, ...]:
+    """The token mixers recognised in any model (`policies/mixers.toml`, which claims no model type)."""
+    return load_policy(_policy_dir() / "mixers.toml", Origin.SHIPPED).rules
 
 
 def find_policy(model_type: str) -> Policy | None:

@@ -13,9 +13,20 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, Plan, RegionPlan, Replicated, Why
+from .plan import (
+    AttrPlan,
+    HeadInputPlan,
+    HeadsPlan,
+    LayerPlan,
+    MixerState,
+    ParamPlan,
+    Plan,
+    RegionPlan,
+    Replicated,
+    Why,
+)
 from .policy import Policy, Rule
-from .sharding import HeadLayout, layout_partition, split_ranges
+from .sharding import HeadLayout, Partition, layout_partition, split_ranges
 
 # Attributes HF attention code may read to reshape heads, and which count each holds.
 _HEAD_ATTRS = {
@@ -35,11 +46,18 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
     modules = dict(model.named_modules())
     acc = _Accumulator()
     claimed: set[str] = set()
+    refused: dict[str, str] = {}  # a recognised mixer whose rule does not fit it: why
     for rule in policy.rules:
         if any(getattr(config, key, None) != value for key, value in rule.when.items()):
             continue
         for path in [name for name in modules if fnmatchcase(name, rule.match) and name not in claimed]:
-            planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts}[rule.kind]
+            if rule.kind == "mixer" and (rule.refuse or not policy.origin.checked_by_hand):
+                if _try_mixer(path, modules[path], rule, config, tp_size, acc, refused):
+                    claimed.add(path)
+                continue
+            planner = {"attention": _plan_attention, "mlp": _plan_mlp, "experts": _plan_experts, "mixer": _plan_mixer}[
+                rule.kind
+            ]
             if planner(path, modules[path], rule, config, tp_size, acc):
                 claimed.add(path)
     if policy.rules and not claimed and policy.origin.checked_by_hand:
@@ -52,7 +70,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
     acc.layers.sort(key=lambda layer: order[layer.path])
     sharded = {layer.path for layer in acc.layers}
     replicated = tuple(
-        (name, Why(Replicated.NOT_COVERED)) for name, m in modules.items() if is_linear(m) and name not in sharded
+        (name, _why_replicated(name, refused)) for name, m in modules.items() if is_linear(m) and name not in sharded
     )
     source = repr(policy.name) + (f" ({policy.description})" if policy.description else "")
     return Plan(
@@ -67,7 +85,35 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         tuple(acc.attention),
         replicated,
         vocab_reason=policy.no_vocab_parallel,
+        params=tuple(acc.params),
+        states=tuple(acc.states),
+        gathered_outputs=tuple(acc.gathered_outputs),
+        whole=tuple(acc.whole),
     )
+
+
+def _try_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator, refused: dict) -> bool:
+    """A derived plan's mixer rule (`policies/mixers.toml`): a block whose shapes do not fit it stays replicated with
+    the reason (a rule names children; another model may hold the same names in other shapes)."""
+    if rule.refuse:  # a mixer known not to split exactly: its linears stay replicated, with the rule's reason
+        if _children(block, [*rule.column, *rule.row]) is not None:
+            refused[path] = rule.refuse
+        return False
+    trial = _Accumulator()
+    try:
+        if not _plan_mixer(path, block, rule, config, tp, trial):
+            return False
+    except ValueError as err:
+        refused[path] = str(err)
+        return False
+    for name, items in vars(trial).items():
+        getattr(acc, name).extend(items)
+    return True
+
+
+def _why_replicated(name: str, refused: dict[str, str]) -> Why:
+    owner = next((path for path in refused if name.startswith(path + ".")), None)
+    return Why(Replicated.NOT_COVERED) if owner is None else Why(Replicated.NOT_VERIFIED, refused[owner])
 
 
 @dataclass
@@ -78,6 +124,10 @@ class _Accumulator:
     head_norms: list[str] = field(default_factory=list)
     head_inputs: list[HeadInputPlan] = field(default_factory=list)
     attention: list[HeadsPlan] = field(default_factory=list)
+    params: list[ParamPlan] = field(default_factory=list)
+    states: list[MixerState] = field(default_factory=list)
+    gathered_outputs: list[str] = field(default_factory=list)
+    whole: list[str] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -177,7 +227,7 @@ def _attr(acc: _Accumulator, path: str, name: str, full: int, local: tuple[int, 
 
 def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
     children = _children(block, [*rule.column, *rule.row])
-    if children is None:
+    if children is None or not _plan_gathered(path, block, rule, tp, acc):
         return False
     widths = {}
     for style, mapping in (("column", rule.column), ("row", rule.row)):
@@ -226,4 +276,102 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
         for name, (dim, spec) in rule.params.items()
     )
     acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
+    return True
+
+
+def _plan_mixer(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
+    """A token mixer (short convolution, RG-LRU, gated delta-net, linear attention) split by whole heads (or
+    channels): its column projections, the parameters inside it along their channel dim, its row projection, the
+    attributes counting its heads or widths; no head is cut."""
+    children = _children(block, [*rule.column, *rule.row])
+    params = _params(block, rule.params)
+    if children is None or params is None or not _plan_gathered(path, block, rule, tp, acc):
+        return False
+    heads = _count(config, rule.heads)
+    _check_width(path, "mixer head count", heads, tp)
+    owned = split_ranges(heads, tp)
+    reason = f"mixer of {heads} heads"
+    for style, mapping in (("column", rule.column), ("row", rule.row)):
+        for name, spec in mapping.items():
+            module, dim = children[name], weight_dim(children[name], style)
+            partition = _mixer_partition(block, f"{path}.{name}", spec, dim, module.weight.shape[dim], owned)
+            acc.layers.append(LayerPlan(f"{path}.{name}", style, tuple(module.weight.shape), partition, reason, path))
+    for name, param in params.items():
+        dim, spec = rule.params[name]
+        if dim >= param.dim():
+            raise ValueError(f"{path}.{name}: a tensor of shape {tuple(param.shape)} has no dim {dim}")
+        partition = _mixer_partition(block, f"{path}.{name}", spec, dim, param.shape[dim], owned)
+        acc.params.append(ParamPlan(f"{path}.{name}", tuple(param.shape), partition, path))
+    local_heads = tuple(len(r) for r in owned)
+    for name in rule.local_attrs:
+        owner, _, attr = name.rpartition(".")
+        value = getattr(block.get_submodule(owner), attr, None)
+        if not isinstance(value, int) or value % heads:
+            raise ValueError(f"{path}.{name}={value} is not a whole multiple of the mixer's {heads} heads")
+        _attr(acc, f"{path}.{owner}" if owner else path, attr, value, tuple(n * value // heads for n in local_heads))
+    acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
+    acc.whole.extend(f"{path}.{name}" for name in rule.whole)
+    if rule.state:
+        state = rule.state
+        if not isinstance(getattr(block, state["layer"], None), int):
+            raise ValueError(f"{path}: its state's layer attribute {state['layer']!r} is not an integer")
+        partition = _mixer_partition(block, f"{path} state", "w", state["dim"], heads, owned)
+        acc.states.append(MixerState(path, state["arg"], state["items"], state["layer"], partition))
+    return True
+
+
+def _mixer_partition(block: nn.Module, where: str, layout: str, dim: int, rows: int, owned: list[range]) -> Partition:
+    """The rows of a mixer's tensor each rank holds: its parts ("|": "w" for equal parts, else the block attribute
+    holding the part's rows), each a run of whole heads, every head the same rows."""
+    parts = [part.strip() for part in layout.split("|")]
+    named = [getattr(block, part, None) for part in parts]
+    sizes: list = [rows // len(parts)] * len(parts) if all(part == "w" for part in parts) else named
+    heads = owned[-1].stop
+    if sum(s if isinstance(s, int) else 0 for s in sizes) != rows or any(
+        not isinstance(s, int) or s % heads for s in sizes
+    ):
+        raise ValueError(f"{where}: {rows} rows along dim {dim} are not layout {layout!r} ({sizes}) of {heads} heads")
+    runs: list[list[tuple[int, int]]] = [[] for _ in owned]
+    offset = 0
+    for size in sizes:
+        unit = size // heads
+        for rank, mine in enumerate(owned):
+            runs[rank].append((offset + mine.start * unit, len(mine) * unit))
+        offset += size
+    return Partition(dim, rows, tuple(tuple(r) for r in runs))
+
+
+def _params(block: nn.Module, names) -> dict[str, nn.Parameter] | None:
+    """The parameters at the dotted `names` under `block` (one that is None, such as an absent bias, left out), or
+    None if any is missing or not a parameter: not this block."""
+    found = {}
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        try:
+            module = block.get_submodule(owner)
+        except AttributeError:
+            return None
+        if not hasattr(module, attr):
+            return None
+        param = getattr(module, attr)
+        if param is not None and not isinstance(param, nn.Parameter):
+            return None
+        if param is not None:
+            found[name] = param
+    return found
+
+
+def _plan_gathered(path: str, block: nn.Module, rule: Rule, tp: int, acc: _Accumulator) -> bool:
+    """The rule's gathered linears (a gate multiplying the row layer's sum, as RWKV's channel mixing's receptance):
+    each split evenly by output, its output gathered whole; False if one is missing (not this block)."""
+    children = _children(block, rule.gathered_outputs)
+    if children is None:
+        return False
+    for name, module in children.items():
+        rows = features(module)[0]
+        _check_width(f"{path}.{name}", "output width", rows, tp)
+        partition = Partition.even(weight_dim(module, "column"), rows, tp)
+        layer = LayerPlan(f"{path}.{name}", "column", tuple(module.weight.shape), partition, "output gathered", path)
+        acc.layers.append(layer)
+        acc.gathered_outputs.append(layer.path)
     return True

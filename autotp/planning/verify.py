@@ -104,6 +104,10 @@ def without_blocks(plan: Plan, reasons: dict[str, str]) -> Plan:
         replicated=replicated,
         attrs=tuple(a for a in plan.attrs if not inside(a.path)),
         head_norms=tuple(h for h in plan.head_norms if not inside(h)),
+        params=tuple(p for p in plan.params if p.block not in rejected),
+        states=tuple(s for s in plan.states if s.path not in rejected),
+        whole=tuple(w for w in plan.whole if not inside(w)),
+        gathered_outputs=tuple(g for g in plan.gathered_outputs if g in {layer.path for layer in kept}),
         head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
         attention=tuple(a for a in plan.attention if not inside(a.path)),
     )
@@ -223,8 +227,11 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     layers = [layer for layer in plan.layers if layer.block == path]
     sharded = {id(p) for layer in layers for p in block.get_submodule(layer.path[len(path) + 1 :]).parameters()}
     extra = [name for name, p in block.named_parameters() if id(p) not in sharded]
-    allowed = {h[len(path) + 1 :] for h in plan.head_norms if h.startswith(path + ".")}
-    extra = [name for name in extra if name.rsplit(".", 1)[0] not in allowed]
+    # per-head norms (gradients summed), and what the mixer computes whole on its replicated input: the column
+    # projections reading it all-reduce their input's gradient, so its gradient is whole on every rank
+    allowed = {h[len(path) + 1 :] for h in (*plan.head_norms, *plan.whole) if h.startswith(path + ".")}
+    in_place = {p.path[len(path) + 1 :] for p in plan.params if p.block == path}
+    extra = [name for name in extra if not _under(name.rsplit(".", 1)[0], allowed) and name not in in_place]
     if extra:
         return f"it holds parameters besides its projections ({extra[0]}), whose gradients would be partial"
     attrs = [a for a in plan.attrs if a.path == path or a.path.startswith(path + ".")]
@@ -233,7 +240,7 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     total = torch.zeros_like(expected)
     for rank in range(plan.tp_size):
         try:
-            total += _partial(block, path, layers, attrs, rank, record).float()
+            total += _partial(block, path, layers, attrs, rank, record, plan).float()
         except Exception as err:  # the block cannot run on a shard at all: keep it whole
             return f"a shard of it fails to run ({_what(err, 100)})"
     gap = (total - expected).abs().max().item()
@@ -242,6 +249,11 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     if not gap <= tolerance:
         return f"the sum of the emulated shards differs from the block's output by {gap:.3g} (scale {scale:.3g})"
     return None
+
+
+def _under(path: str, paths: set[str]) -> bool:
+    """Whether the module `path` is one of `paths`, or lies under one of them."""
+    return any(path == p or path.startswith(p + ".") for p in paths)
 
 
 def _relative_tolerance(dtype: torch.dtype) -> float:
@@ -254,9 +266,13 @@ def _relative_tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if torch.finfo(dtype).bits >= 32 else 2e-2
 
 
-def _partial(block: nn.Module, path: str, layers, attrs, rank: int, record: dict) -> torch.Tensor:
+def _partial(block: nn.Module, path: str, layers, attrs, rank: int, record: dict, plan: Plan) -> torch.Tensor:
     """One rank's partial output: a copy of `block` holding only that rank's rows (row bias on rank 0)."""
     clone = copy.deepcopy(block)
+    for param in (p for p in plan.params if p.block == path):
+        owner, _, name = param.path[len(path) + 1 :].rpartition(".")
+        module = clone.get_submodule(owner)
+        setattr(module, name, nn.Parameter(param.partition.shard(getattr(module, name).detach(), rank)))
     for layer in layers:
         linear = clone.get_submodule(layer.path[len(path) + 1 :])
         linear.weight = nn.Parameter(layer.partition.shard(linear.weight.detach(), rank))

@@ -78,12 +78,20 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
     }
     for region in plan.regions:
         entries[region.path] = f"experts {[(name, shape, p.dim, p.runs) for name, shape, p in region.partitions]}"
+    for param in plan.params:
+        entries[param.path] = f"in place {param.shape} dim {param.partition.dim} {param.partition.runs}"
+    for mixer_state in plan.states:
+        entries[f"{mixer_state.path}({mixer_state.arg}=...)"] = (
+            f"state {mixer_state.items} {mixer_state.partition.runs}"
+        )
     for attr in plan.attrs:
         entries[f"{attr.path}.{attr.name}"] = f"{attr.full} {attr.local}"
     for head_input in plan.head_inputs:
         entries[f"{head_input.path}.{head_input.name}"] = f"heads {head_input.heads} {head_input.local}"
     entries.update({path: "replicated" for path, _ in plan.replicated})
     entries["per-head norms"] = str(plan.head_norms)
+    entries["gathered outputs"] = str(plan.gathered_outputs)
+    entries["whole inside mixers"] = str(plan.whole)
     vocab = plan.vocab
     entries["vocab"] = (
         "none" if vocab is None else f"{vocab.head} {vocab.embedding} {vocab.tied} {vocab.partition.runs}"

@@ -43,6 +43,12 @@ def sequence_layout(
             "sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
             "or per-head inputs (ALiBi)"
         )
+    if plan.params or plan.states or plan.gathered_outputs:
+        mixer = next(iter([p.block for p in plan.params] + [s.path for s in plan.states] + list(plan.gathered_outputs)))
+        raise ValueError(
+            f"sequence_parallel supports dense attention and MLP blocks; this plan shards a token mixer or a gated "
+            f"output ({mixer}), whose code mixes tokens or gates on the whole sequence; use sequence_parallel=False"
+        )
     blocks = _blocks(plan)
     moe = tuple(f"{path.rpartition('.')[0]}." for path in experts)
     nested = [b for b in blocks if b.startswith(moe)]

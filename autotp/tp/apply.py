@@ -18,13 +18,16 @@ from ..mesh import build_subgroups
 from ..options import WrapOptions
 from ..planning.plan import AttrPlan, HeadInputPlan
 from ..planning.sharding import Partition
+from ..runtime.collectives import gather_from_tp
 from ..runtime.forward_end import after_every_forward
 from ..runtime.grad_hooks import GradHook, grad_allreduce_hook, replica_grad_hook
 from ..runtime.rng import sync_replicated_stream
 from ..state import TPState, attach
 from .block_entry import BlockEntry
 from .heads import AttentionWeights, tag_heads
+from .inplace import InPlaceParams
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
+from .mixer_state import StateChannels
 from .streams import install_sharded_streams
 
 
@@ -70,6 +73,13 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
         _experts_path(modules[region.path], partitions.values())
+    if plan.params:
+        state.regions.append(InPlaceParams(model, plan.params, tp_group, rank))
+    for layer in (layer for layer in plan.layers if layer.path in plan.gathered_outputs):
+        gather = functools.partial(_gathered_output, layer.partition, tp_group)
+        model.get_submodule(layer.path).register_forward_hook(state.sharded_only(gather))
+    for mixer_state in plan.states:
+        StateChannels(modules[mixer_state.path], mixer_state, tp_group, rank, state)
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
@@ -91,6 +101,11 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
     attach(model, state)
+
+
+def _gathered_output(partition: Partition, group, module, args, output: torch.Tensor) -> torch.Tensor:
+    """A column layer's output gathered whole (the plan's `gathered`: a gate on a row layer's sum)."""
+    return gather_from_tp(output, partition.with_dim(output.dim() - 1), group)
 
 
 def _experts_path(module: nn.Module, partitions: Iterable[Partition]) -> None:

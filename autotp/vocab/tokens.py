@@ -42,7 +42,9 @@ def token_log_probs(
         state.forwards -= 1
     config = model.config.get_text_config()  # what the model's own forward applies to its logits
     logits = logits.float() * (getattr(config, "logit_scale", None) or 1.0)
-    if (softcap := getattr(config, "final_logit_softcapping", None)) is not None:
+    # Gemma 2's name for the tanh cap, and RecurrentGemma's
+    softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+    if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     log_probs = vocab_parallel_log_probs(

@@ -99,6 +99,29 @@ class HeadsPlan:
 
 
 @dataclass(frozen=True)
+class ParamPlan:
+    """A parameter of a state-space mixer sharded in place with its heads or channels (conv1d, `A_log`, `D`,
+    `dt_bias`, the gated norm's weight): no collective of its own, its block's linears carry them."""
+
+    path: str  # the module holding it
+    name: str
+    shape: tuple[int, ...]
+    partition: Partition
+    reason: str
+
+
+@dataclass(frozen=True)
+class GroupNormPlan:
+    """A gated RMS norm over groups of channels a shard cuts (Mamba-2 with fewer groups than ranks): each rank's
+    channels lie in group `group[rank]` of `groups`, whose statistics are summed over TP (`group_size` channels)."""
+
+    path: str
+    groups: int
+    group_size: int
+    group: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class VocabPlan:
     """Vocab parallelism: the LM head (a column layer in `layers`) and the embedding share this row split."""
 
@@ -124,9 +147,17 @@ class Plan:
     replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
+    params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place (`autotp.planning.mixers`)
+    group_norms: tuple[GroupNormPlan, ...] = ()
+    mixers: tuple[tuple[str, str], ...] = ()  # (state-space mixer path, why it stays replicated)
+    reentries: tuple[str, ...] = ()  # row layers whose summed output sharded compute reads (Mamba's x_proj)
 
     def partitions(self) -> list[Partition]:
-        return [layer.partition for layer in self.layers] + [p for r in self.regions for _, _, p in r.partitions]
+        return (
+            [layer.partition for layer in self.layers]
+            + [p for r in self.regions for _, _, p in r.partitions]
+            + [param.partition for param in self.params]
+        )
 
     def replica_groups(self) -> set[tuple[int, ...]]:
         """Sets of TP ranks that hold the same rows of some tensor (replicated KV heads)."""
@@ -141,6 +172,7 @@ class Plan:
                 out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
         for region in self.regions:
             out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
+        out.update({f"{param.path}.{param.name}": param.partition for param in self.params})
         if self.vocab is not None and self.vocab.embedding is not None:
             out[f"{self.vocab.embedding}.weight"] = self.vocab.partition
         return out
@@ -199,6 +231,20 @@ class Plan:
                     f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
                     f"  ({region.reason})"
                 )
+        for param in self.params:
+            lines.append(
+                f"  {'in place':<10} {param.path}.{param.name}  {param.shape} -> "
+                f"{_local_shapes(param.shape, param.partition)}  ({param.reason})"
+            )
+        for norm in self.group_norms:
+            lines.append(
+                f"  {'group-norm':<10} {norm.path}  statistics of its {norm.groups} groups of {norm.group_size} "
+                f"summed over TP (a group spans ranks)"
+            )
+        for path in self.reentries:
+            lines.append(f"  {'re-enter':<10} {path}  its summed output enters the TP span again")
+        for path, why in self.mixers:
+            lines.append(f"  {'mixer':<10} {path}  replicated: {why}")
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

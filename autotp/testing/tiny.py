@@ -118,11 +118,36 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         ):
             setattr(config, key, 0.0)
     _cut_per_layer(config, before, heterogeneous)
+    _ssm_heads(config)
     if isinstance(getattr(config, "attention_types", None), list):  # GPT-Neo: [[kinds, repeats]] makes the list
         kinds = config.attention_types[0][0]
         config.attention_types = [[kinds, max(1, config.num_layers // len(kinds))]]
     if all(isinstance(getattr(config, k, None), int) for k in ("d_head", "d_model", "n_head")):
         config.d_head = config.d_model // config.n_head  # XLNet checks it
+
+
+# Mamba-2 mixers' (heads, head width, expansion) fields: the heads must fill the expanded width
+SSM_HEADS = (
+    ("num_heads", "head_dim", "expand"),
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
+)
+
+
+def _ssm_heads(config: PretrainedConfig) -> None:
+    """A Mamba-2 mixer's heads that fill its shrunk width (expand x hidden, Falcon-H1's `mamba_d_ssm` shrunk to it),
+    as the model requires; a head wider than half of it (Zamba2's 640) narrowed to 16."""
+    hidden = getattr(config, "hidden_size", None)
+    for heads, width, expand in SSM_HEADS:
+        values = [getattr(config, name, None) for name in (heads, width, expand)]
+        if not isinstance(hidden, int) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue
+        channels = int(values[2] * hidden)
+        if isinstance(getattr(config, "mamba_d_ssm", None), int):
+            config.mamba_d_ssm = channels
+        if 2 * int(values[1]) > channels or channels % int(values[1]):
+            setattr(config, width, 16)
+        setattr(config, heads, channels // getattr(config, width))
 
 
 def _cut_per_layer(config: PretrainedConfig, before: int | None, heterogeneous: bool) -> None:

@@ -25,6 +25,7 @@ from ..state import TPState, attach
 from .block_entry import BlockEntry
 from .heads import AttentionWeights, tag_heads
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
+from .mixer import GroupStatNorm, InPlaceParams, reenter
 from .streams import install_sharded_streams
 
 
@@ -70,6 +71,7 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
         _experts_path(modules[region.path], partitions.values())
+    _mixers(model, state)
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
@@ -91,6 +93,16 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
     attach(model, state)
+
+
+def _mixers(model: nn.Module, state: TPState) -> None:
+    """State-space mixers' parts besides their linears (`autotp.tp.mixer`): in-place parameters, group norms, re-entries."""
+    plan, group = state.plan, state.tp_group
+    if plan.params:
+        state.regions.append(InPlaceParams(model, plan.params, group))
+    state.regions.extend(GroupStatNorm(model.get_submodule(norm.path), norm, group) for norm in plan.group_norms)
+    for path in plan.reentries:
+        model.get_submodule(path).register_forward_hook(state.sharded_only(reenter(group)))
 
 
 def _experts_path(module: nn.Module, partitions: Iterable[Partition]) -> None:

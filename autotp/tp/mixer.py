@@ -1,0 +1,78 @@
+"""State-space mixers on a shard (`autotp.planning.mixers`): parameters sharded in place, a gated norm whose groups
+span ranks, and a row layer whose summed output the sharded channels read again.
+
+The mixer keeps its class and transformers' forward: its linears are the plan's column and row layers, its head
+counts the plan's attributes; what is here is the rest, each switched off while the model is gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..mesh import Group, group_rank
+from ..planning.plan import GroupNormPlan, ParamPlan
+from ..runtime.collectives import copy_to_tp, reduce_from_tp
+from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
+
+
+class InPlaceParams:
+    """The plan's in-place parameters of one model (conv1d, `A_log`, `D`, `dt_bias`, a norm's weight): this rank's
+    rows, tagged with their `Shard`; no collective of their own (their block's linears enter and leave the span)."""
+
+    def __init__(self, model: nn.Module, params: tuple[ParamPlan, ...], group: Group):
+        self.group = group
+        rank = group_rank(group)
+        self.params = []
+        for plan in params:
+            module = model.get_submodule(plan.path)
+            setattr(module, plan.name, shard_parameter(getattr(module, plan.name), plan.partition, rank))
+            self.params.append(getattr(module, plan.name))
+
+    def gather_(self) -> None:
+        for param in self.params:
+            gather_parameter_(param, self.group)
+
+    def partition_(self) -> None:
+        for param in self.params:
+            partition_parameter_(param)
+
+
+class GroupStatNorm:
+    """A gated RMS norm (Mamba-2's) on a shard of one group's channels: the group's sum of squares is summed over TP,
+    so each rank normalises by the whole group's statistics, as one process does. Gathered, the norm's own forward."""
+
+    def __init__(self, norm: nn.Module, plan: GroupNormPlan, group: Group):
+        self.norm, self.plan, self.group = norm, plan, group
+        self.index = plan.group[group_rank(group)]
+        self.partition_()
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        norm, plan = self.norm, self.plan
+        dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        if gate is not None:
+            x = x * F.silu(gate.to(torch.float32))
+        squares = x.pow(2).sum(-1, keepdim=True)
+        by_group = F.pad(squares, (self.index, plan.groups - self.index - 1))  # this rank's sum at its group
+        summed = copy_to_tp(reduce_from_tp(by_group, self.group), self.group)  # every rank's, gradients summed back
+        variance = summed[..., self.index : self.index + 1] / plan.group_size
+        x = x * torch.rsqrt(variance + norm.variance_epsilon)
+        return norm.weight * x.to(dtype)
+
+    def gather_(self) -> None:
+        self.norm.__dict__.pop("forward", None)
+
+    def partition_(self) -> None:
+        self.norm.forward = self.forward
+
+
+def reenter(group: Group):
+    """A forward hook: a row layer's summed output enters the TP span again (its gradient, partial on each rank
+    since each reads it for its own channels, is summed)."""
+
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(output, group)
+
+    return hook

@@ -1,0 +1,100 @@
+"""Mamba and Mamba-2 mixers split by heads (issue 51, items 1-2): equal to one process in training and in cached
+generation, planned so at the families' default sizes too.
+
+Tolerances: the parity harness's fp32 ones (`autotp.testing.parity`): a sharded sum of per-head partial products
+rounds differently from one matmul by a few ulps; a wrong split is off by a good part of the scale. Generation is
+greedy, compared token for token, and the cached step's logits to 1e-4 of their scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import autotp
+from autotp.planning.planner import build_plan
+from autotp.testing import parity
+from autotp.testing.spawn import run_ranks
+from autotp.testing.tiny import tiny_config
+
+# family -> config edits: `n_groups` chosen so that both norms run: whole groups per rank, and one group over several ranks (statistics summed)
+# chosen so that both norms run: whole groups per rank, and one group over several ranks (statistics summed); the
+# hybrids with an attention layer, which their cache needs to generate
+CASES = {
+    "mamba2": {"n_groups": 1, "state_size": 8},
+    "nemotron_h": {"n_groups": 4, "ssm_state_size": 8},
+    "bamba": {"mamba_n_groups": 1, "mamba_d_state": 8, "attn_layer_indices": [1]},
+    "zamba2": {
+        "mamba_ngroups": 2,
+        "mamba_d_state": 8,
+        "layers_block_type": ["linear_attention", "hybrid"],
+        "attention_hidden_size": 128,
+        "kv_channels": 16,
+        "num_query_groups": 4,
+        "hybrid_layer_ids": [1],
+    },
+    "granitemoehybrid": {"mamba_n_groups": 1, "mamba_d_state": 8, "layer_types": ["linear_attention", "full_attention"]},
+    "mamba": {"state_size": 8},
+    "falcon_mamba": {"state_size": 8},
+    "jamba": {"mamba_d_state": 8, "attn_layer_period": 2, "attn_layer_offset": 1},
+}
+QUICK = ("mamba2", "nemotron_h", "mamba", "jamba")
+
+
+def _model(family: str) -> torch.nn.Module:
+    tiny = tiny_config(family)
+    config = type(tiny)(**{**tiny.to_dict(), **CASES[family]})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _generation(reference: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """Greedy generation with the cache, both models: equal tokens, and the last cached step's logits."""
+    out = {}
+    for name, m in (("reference", reference), ("wrapped", model)):
+        m.eval()
+        with torch.no_grad():
+            tokens = m.generate(ids[:, :6], max_new_tokens=4, do_sample=False, use_cache=True)
+            full = m(tokens).logits[:, -1]
+        out[name] = (tokens, full)
+    (tokens, logits), (got, got_logits) = out["reference"], out["wrapped"]
+    scale = logits.abs().max().item() or 1.0
+    return {"tokens": torch.equal(tokens, got), "logits": (logits - got_logits).abs().max().item() / scale}
+
+
+def mixers_parity(rank: int, world: int, families: tuple[str, ...]) -> dict:
+    """Runs on each rank: per family, the training report against one process, what the plan split, and the
+    generation check."""
+    reports = {}
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for family in families:
+        reference = _model(family)
+        plan = build_plan(reference, world)
+        report = parity.compare_training(reference, ids, world, steps=2)
+        model = autotp.wrap(_model(family), world)
+        report["generate"] = _generation(_model(family), model, ids)
+        report["mixers"] = len({p.path.rsplit(".", 1)[0] for p in plan.params})
+        report["group_norms"] = len(plan.group_norms)
+        reports[family] = report
+    return reports
+
+
+def _check(reports: list[dict]) -> None:
+    for report in reports:
+        for family, found in report.items():
+            assert found["mixers"] >= 1, f"{family}: no mixer split"
+            parity.assert_parity(found)
+            assert found["generate"]["tokens"], f"{family}: greedy tokens differ with the cache"
+            assert found["generate"]["logits"] <= 1e-4, f"{family}: logits differ by {found['generate']['logits']}"
+
+
+def test_mamba_mixers_tp2() -> None:
+    _check(run_ranks(mixers_parity, 2, QUICK))
+
+
+@pytest.mark.slow
+def test_mamba_mixers_every_family_tp4() -> None:
+    reports = run_ranks(mixers_parity, 4, tuple(CASES))
+    _check(reports)
+    assert reports[0]["mamba2"]["group_norms"] and reports[0]["nemotron_h"]["group_norms"]  # 1 and 4 groups at tp 4

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..compat.hf import eager_experts
 from .probe import IMAGE_TOKEN_KEYS, probe_inputs
 
 log = logging.getLogger("autotp")
@@ -213,6 +214,7 @@ def structural_twin(model: nn.Module) -> nn.Module | None:
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(0)  # the same twin whatever ran before: a plan depends on the config only
             twin = type(model)(config).float()
+            eager_experts(twin)  # its narrow experts may break grouped_mm's 16-byte strides; the sums are the same
             if fewer is not None:  # a cut its code cannot run (routing the fields above do not describe) is no twin
                 with torch.no_grad():
                     twin.eval()(**probe_inputs(twin))

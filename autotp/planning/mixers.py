@@ -90,19 +90,24 @@ def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
     state, inner, conv_dim = mixer.ssm_state_size, mixer.intermediate_size, mixer.conv_dim
     norm = getattr(mixer, "norm", None)
     group_size = getattr(norm, "group_size", None)
-    if heads * head_dim != inner or conv_dim != inner + 2 * groups * state or group_size != inner // groups:
+    if heads * head_dim != inner or conv_dim != inner + 2 * groups * state:
         raise ValueError(
             f"its sizes do not make a Mamba-2 mixer ({heads} heads of {head_dim}, {inner} channels, {groups} groups "
-            f"of state {state}, conv {conv_dim}, norm groups of {group_size})"
+            f"of state {state}, conv {conv_dim})"
         )
     if mixer.in_proj.out_features != inner + conv_dim + heads:
         raise ValueError(f"in_proj writes {mixer.in_proj.out_features} rows, not z, x, B, C and dt")
     known = {f"{name}.weight" for name in ("in_proj", "out_proj", "conv1d", "norm")}
-    known |= {f"{name}.bias" for name in ("in_proj", "out_proj", "conv1d")} | {"A_log", "D", "dt_bias"}
+    known |= {f"{name}.bias" for name in ("in_proj", "out_proj", "conv1d")} | {"A_log", "D", "dt_bias", "mup_vector"}
     extra = _others(mixer, known)
     if extra:
         raise ValueError(f"it holds {extra[0]}, which autotp does not know how to split")
     layout = HeadLayout.plan(heads, groups, plan.tp_size)
+    norm_groups = getattr(norm, "n_groups", None)  # Falcon-H1's gated norm: by its group count, not their width
+    if isinstance(norm, nn.Identity):
+        norm = None
+    elif group_size != inner // groups and not (norm_groups == groups and groups % plan.tp_size == 0):
+        raise ValueError(f"its gated norm ({type(norm).__name__}) does not split over {groups} groups at this tp size")
     owned = {"h": layout.q, "g": layout.kv, "t": layout.q}
     units = {"h": head_dim, "g": state, "t": 1}
 
@@ -117,7 +122,11 @@ def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
     params = [ParamPlan(path, name, tuple(getattr(mixer, name).shape), part(_MAMBA2[name]), f"per head, {what}") for name in ("A_log", "D", "dt_bias")]
     for name, param in mixer.conv1d.named_parameters():
         params.append(ParamPlan(f"{path}.conv1d", name, tuple(param.shape), part(_MAMBA2["conv1d"]), "x | B | C channels"))
-    params.append(ParamPlan(f"{path}.norm", "weight", tuple(norm.weight.shape), part("h"), "gated norm, per channel"))
+    if norm is not None:
+        params.append(ParamPlan(f"{path}.norm", "weight", tuple(norm.weight.shape), part("h"), "gated norm, per channel"))
+    mup = getattr(mixer, "mup_vector", None)
+    if mup is not None:  # Falcon-H1's per-row multipliers of the projection: sliced as its rows
+        params.append(ParamPlan(path, "mup_vector", tuple(mup.shape), part(_MAMBA2["in_proj"], mup.dim() - 1), "in_proj's rows", True))
     local_heads = tuple(len(r) for r in layout.q)
     local_groups = tuple(len(r) for r in layout.kv)
     local_inner = tuple(n * head_dim for n in local_heads)
@@ -129,8 +138,12 @@ def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
         AttrPlan(path, "conv_dim", conv_dim, local_conv),
         *(AttrPlan(f"{path}.conv1d", name, conv_dim, local_conv) for name in ("in_channels", "out_channels", "groups")),
     ]
+    if isinstance(getattr(mixer, "groups_time_state_size", None), int):
+        attrs.append(AttrPlan(path, "groups_time_state_size", groups * state, tuple(g * state for g in local_groups)))
+    if norm is not None and norm_groups == groups:
+        attrs.append(AttrPlan(f"{path}.norm", "n_groups", groups, local_groups))
     norms = ()
-    if groups < plan.tp_size:  # a group's channels span ranks: its statistics are summed over them
+    if norm is not None and groups < plan.tp_size:  # a group's channels span ranks: its statistics are summed over them
         norms = (GroupNormPlan(f"{path}.norm", groups, group_size, tuple(r.start for r in layout.kv)),)
     return _added(plan, path, layers, params, attrs, norms)
 

@@ -108,6 +108,7 @@ class ParamPlan:
     shape: tuple[int, ...]
     partition: Partition
     reason: str
+    buffer: bool = False  # a non-persistent buffer (Falcon-H1's mup_vector): sliced, never saved
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class Plan:
                 out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
         for region in self.regions:
             out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
-        out.update({f"{param.path}.{param.name}": param.partition for param in self.params})
+        out.update({f"{param.path}.{param.name}": param.partition for param in self.params if not param.buffer})
         if self.vocab is not None and self.vocab.embedding is not None:
             out[f"{self.vocab.embedding}.weight"] = self.vocab.partition
         return out

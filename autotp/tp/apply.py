@@ -25,7 +25,7 @@ from ..state import TPState, attach
 from .block_entry import BlockEntry
 from .heads import AttentionWeights, tag_heads
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
-from .mixer import GroupStatNorm, InPlaceParams, reenter
+from .mixer import GroupStatNorm, InPlaceParams, reenter, slice_buffer
 from .streams import install_sharded_streams
 
 
@@ -100,6 +100,8 @@ def _mixers(model: nn.Module, state: TPState) -> None:
     plan, group = state.plan, state.tp_group
     if plan.params:
         state.regions.append(InPlaceParams(model, plan.params, group))
+    for buffer in (param for param in plan.params if param.buffer):
+        slice_buffer(model.get_submodule(buffer.path), buffer, state.tp_rank, state)
     state.regions.extend(GroupStatNorm(model.get_submodule(norm.path), norm, group) for norm in plan.group_norms)
     for path in plan.reentries:
         model.get_submodule(path).register_forward_hook(state.sharded_only(reenter(group)))

@@ -26,9 +26,10 @@ class InPlaceParams:
         rank = group_rank(group)
         self.params = []
         for plan in params:
-            module = model.get_submodule(plan.path)
-            setattr(module, plan.name, shard_parameter(getattr(module, plan.name), plan.partition, rank))
-            self.params.append(getattr(module, plan.name))
+            if not plan.buffer:
+                module = model.get_submodule(plan.path)
+                setattr(module, plan.name, shard_parameter(getattr(module, plan.name), plan.partition, rank))
+                self.params.append(getattr(module, plan.name))
 
     def gather_(self) -> None:
         for param in self.params:
@@ -37,6 +38,25 @@ class InPlaceParams:
     def partition_(self) -> None:
         for param in self.params:
             partition_parameter_(param)
+
+
+def slice_buffer(module: nn.Module, plan: ParamPlan, rank: int, state) -> None:
+    """A constant buffer (Falcon-H1's mup_vector) read by a sharded forward as this rank's rows: sliced as the forward
+    starts and put back as it ends (raised included), so the module holds the full one otherwise (a later load or
+    init writes it; the gathered model reads it)."""
+    held: list[torch.Tensor] = []
+
+    def enter(mod: nn.Module, args) -> None:
+        full = getattr(mod, plan.name)
+        held.append(full)
+        setattr(mod, plan.name, plan.partition.shard(full, rank))
+
+    def leave(mod: nn.Module, args, output) -> None:
+        if held:
+            setattr(mod, plan.name, held.pop())
+
+    module.register_forward_pre_hook(state.sharded_only(enter))
+    module.register_forward_hook(leave, always_call=True)
 
 
 class GroupStatNorm:

@@ -38,6 +38,7 @@ CASES = {
     "mamba": {"state_size": 8},
     "falcon_mamba": {"state_size": 8},
     "jamba": {"mamba_d_state": 8, "attn_layer_period": 2, "attn_layer_offset": 1},
+    "falcon_h1": {"mamba_d_state": 8, "mamba_n_groups": 4, "mamba_rms_norm": True},
 }
 QUICK = ("mamba2", "nemotron_h", "mamba", "jamba")
 

@@ -58,7 +58,9 @@ def _kind(module: nn.Module) -> int | None:
     """2 for a Mamba-2 mixer, 1 for a Mamba mixer, None for anything else (by its parts, not its name)."""
     if not all(isinstance(getattr(module, name, None), nn.Linear) for name in ("in_proj", "out_proj")):
         return None
-    if not isinstance(getattr(module, "conv1d", None), nn.Conv1d) or not isinstance(getattr(module, "D", None), nn.Parameter):
+    if not isinstance(getattr(module, "conv1d", None), nn.Conv1d) or not isinstance(
+        getattr(module, "D", None), nn.Parameter
+    ):
         return None
     if isinstance(getattr(module, "dt_bias", None), nn.Parameter) and _ints(module, _MAMBA2_ATTRS):
         return 2
@@ -102,7 +104,12 @@ def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
     extra = _others(mixer, known)
     if extra:
         raise ValueError(f"it holds {extra[0]}, which autotp does not know how to split")
-    layout = HeadLayout.plan(heads, groups, plan.tp_size)
+    try:
+        layout = HeadLayout.plan(heads, groups, plan.tp_size)
+    except ValueError as err:  # its words are of query and key/value heads: the mixer's heads and groups
+        raise ValueError(
+            f"its {heads} heads in {groups} groups do not split over tp_size={plan.tp_size} ({err})"
+        ) from None
     norm_groups = getattr(norm, "n_groups", None)  # Falcon-H1's gated norm: by its group count, not their width
     if isinstance(norm, nn.Identity):
         norm = None
@@ -116,17 +123,35 @@ def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
 
     what = f"{heads} heads of {head_dim} in {groups} groups of state {state}"
     layers = (
-        LayerPlan(f"{path}.in_proj", "column", tuple(mixer.in_proj.weight.shape), part(_MAMBA2["in_proj"]), f"z | x | B | C | dt, {what}", path),
+        LayerPlan(
+            f"{path}.in_proj",
+            "column",
+            tuple(mixer.in_proj.weight.shape),
+            part(_MAMBA2["in_proj"]),
+            f"z | x | B | C | dt, {what}",
+            path,
+        ),
         LayerPlan(f"{path}.out_proj", "row", tuple(mixer.out_proj.weight.shape), part("h", 1), f"{what}", path),
     )
-    params = [ParamPlan(path, name, tuple(getattr(mixer, name).shape), part(_MAMBA2[name]), f"per head, {what}") for name in ("A_log", "D", "dt_bias")]
+    params = [
+        ParamPlan(path, name, tuple(getattr(mixer, name).shape), part(_MAMBA2[name]), f"per head, {what}")
+        for name in ("A_log", "D", "dt_bias")
+    ]
     for name, param in mixer.conv1d.named_parameters():
-        params.append(ParamPlan(f"{path}.conv1d", name, tuple(param.shape), part(_MAMBA2["conv1d"]), "x | B | C channels"))
+        params.append(
+            ParamPlan(f"{path}.conv1d", name, tuple(param.shape), part(_MAMBA2["conv1d"]), "x | B | C channels")
+        )
     if norm is not None:
-        params.append(ParamPlan(f"{path}.norm", "weight", tuple(norm.weight.shape), part("h"), "gated norm, per channel"))
+        params.append(
+            ParamPlan(f"{path}.norm", "weight", tuple(norm.weight.shape), part("h"), "gated norm, per channel")
+        )
     mup = getattr(mixer, "mup_vector", None)
     if mup is not None:  # Falcon-H1's per-row multipliers of the projection: sliced as its rows
-        params.append(ParamPlan(path, "mup_vector", tuple(mup.shape), part(_MAMBA2["in_proj"], mup.dim() - 1), "in_proj's rows", True))
+        params.append(
+            ParamPlan(
+                path, "mup_vector", tuple(mup.shape), part(_MAMBA2["in_proj"], mup.dim() - 1), "in_proj's rows", True
+            )
+        )
     local_heads = tuple(len(r) for r in layout.q)
     local_groups = tuple(len(r) for r in layout.kv)
     local_inner = tuple(n * head_dim for n in local_heads)
@@ -159,7 +184,9 @@ def _mamba1(path: str, mixer: nn.Module, plan: Plan) -> Plan:
         or mixer.conv1d.weight.shape[0] != inner
     ):
         raise ValueError(f"its sizes do not make a Mamba mixer ({inner} channels, dt rank {rank_dt}, state {state})")
-    known = {f"{name}.{p}" for name in ("in_proj", "out_proj", "conv1d", "dt_proj", "x_proj") for p in ("weight", "bias")}
+    known = {
+        f"{name}.{p}" for name in ("in_proj", "out_proj", "conv1d", "dt_proj", "x_proj") for p in ("weight", "bias")
+    }
     known |= {"A_log", "D"}
     extra = _others(mixer, known)
     norms = sorted({name.rpartition(".")[0] for name in extra if name.rpartition(".")[0].endswith("layernorm")})
@@ -172,10 +199,20 @@ def _mamba1(path: str, mixer: nn.Module, plan: Plan) -> Plan:
     what = f"{inner} channels"
     layers = (
         LayerPlan(f"{path}.in_proj", "column", tuple(mixer.in_proj.weight.shape), both, f"x | z, {what}", path),
-        LayerPlan(f"{path}.x_proj", "row", tuple(mixer.x_proj.weight.shape), channels.with_dim(1), "dt | B | C, summed and read by every channel", ""),
+        LayerPlan(
+            f"{path}.x_proj",
+            "row",
+            tuple(mixer.x_proj.weight.shape),
+            channels.with_dim(1),
+            "dt | B | C, summed and read by every channel",
+            "",
+        ),
         LayerPlan(f"{path}.out_proj", "row", tuple(mixer.out_proj.weight.shape), channels.with_dim(1), what, path),
     )
-    params = [ParamPlan(path, name, tuple(getattr(mixer, name).shape), channels, f"per channel, {what}") for name in ("A_log", "D")]
+    params = [
+        ParamPlan(path, name, tuple(getattr(mixer, name).shape), channels, f"per channel, {what}")
+        for name in ("A_log", "D")
+    ]
     for sub in ("conv1d", "dt_proj"):
         for name, param in getattr(mixer, sub).named_parameters():
             params.append(ParamPlan(f"{path}.{sub}", name, tuple(param.shape), channels, f"per channel, {what}"))

@@ -59,6 +59,27 @@ _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_n
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "moe_top_k", "top_k_experts")
 
 
+# Mamba-2 mixers' (heads, head width, expansion) fields: the heads must fill the expanded width
+SSM_HEADS = (
+    ("num_heads", "head_dim", "expand"),
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
+)
+
+
+def ssm_heads(config) -> list[tuple[str, str, int]]:
+    """(heads field, head width field, channels) of each Mamba-2 mixer the config describes: channels are its
+    expansion of the hidden size (Falcon-H1's own `mamba_d_ssm` where set), which the heads times their width fill."""
+    hidden = getattr(config, "hidden_size", None)
+    out = []
+    for heads, width, expand in SSM_HEADS:
+        values = [getattr(config, name, None) for name in (heads, width, expand)]
+        if isinstance(hidden, int) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            own = getattr(config, "mamba_d_ssm", None)
+            out.append((heads, width, own if isinstance(own, int) else int(values[2] * hidden)))
+    return out
+
+
 def width_fields(config) -> dict[str, int]:
     """The config's integer width fields: names above, and `*_intermediate_size` / `*_head_dim`."""
     out = {}
@@ -149,6 +170,11 @@ def twin_config(config, factor: int | None = None):
             and getattr(twin, key) >= text_vocab
         ):
             setattr(twin, key, text_vocab - 1)
+    if isinstance(getattr(twin, "mamba_d_ssm", None), int):
+        twin.mamba_d_ssm //= factor
+    for heads, width, channels in ssm_heads(twin):  # the heads kept (the plan splits them), each narrowed
+        if channels % getattr(twin, heads) == 0:
+            setattr(twin, width, channels // getattr(twin, heads))
     twin.use_cache = False
     return twin
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import AutoConfig, PretrainedConfig
 
 from ..planning.probe import IMAGE_TOKEN_KEYS
+from ..planning.twin import ssm_heads
 
 SHRINK = {
     "hidden_size": 64,
@@ -126,26 +127,13 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         config.d_head = config.d_model // config.n_head  # XLNet checks it
 
 
-# Mamba-2 mixers' (heads, head width, expansion) fields: the heads must fill the expanded width
-SSM_HEADS = (
-    ("num_heads", "head_dim", "expand"),
-    ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
-    ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
-)
-
-
 def _ssm_heads(config: PretrainedConfig) -> None:
     """A Mamba-2 mixer's heads that fill its shrunk width (expand x hidden, Falcon-H1's `mamba_d_ssm` shrunk to it),
     as the model requires; a head wider than half of it (Zamba2's 640) narrowed to 16."""
-    hidden = getattr(config, "hidden_size", None)
-    for heads, width, expand in SSM_HEADS:
-        values = [getattr(config, name, None) for name in (heads, width, expand)]
-        if not isinstance(hidden, int) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            continue
-        channels = int(values[2] * hidden)
-        if isinstance(getattr(config, "mamba_d_ssm", None), int):
-            config.mamba_d_ssm = channels
-        if 2 * int(values[1]) > channels or channels % int(values[1]):
+    if isinstance(getattr(config, "mamba_d_ssm", None), int):
+        config.mamba_d_ssm = None  # the expansion of the shrunk hidden size
+    for heads, width, channels in ssm_heads(config):
+        if 2 * getattr(config, width) > channels or channels % getattr(config, width):
             setattr(config, width, 16)
         setattr(config, heads, channels // getattr(config, width))
 

@@ -24,7 +24,13 @@ from autotp.testing.tiny import tiny_config
 CASES = {
     "mamba2": {"n_groups": 1, "state_size": 8},
     "nemotron_h": {"n_groups": 4, "ssm_state_size": 8},
-    "bamba": {"mamba_n_groups": 1, "mamba_d_state": 8, "attn_layer_indices": [1]},
+    "bamba": {
+        "mamba_n_groups": 1,
+        "mamba_d_state": 8,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "attn_layer_indices": [1],
+    },
     "zamba2": {
         "mamba_ngroups": 2,
         "mamba_d_state": 8,
@@ -34,7 +40,13 @@ CASES = {
         "num_query_groups": 4,
         "hybrid_layer_ids": [1],
     },
-    "granitemoehybrid": {"mamba_n_groups": 1, "mamba_d_state": 8, "layer_types": ["linear_attention", "full_attention"]},
+    "granitemoehybrid": {
+        "mamba_n_groups": 1,
+        "mamba_d_state": 8,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+    },
     "mamba": {"state_size": 8},
     "falcon_mamba": {"state_size": 8},
     "jamba": {"mamba_d_state": 8, "attn_layer_period": 2, "attn_layer_offset": 1},

@@ -231,7 +231,7 @@ def _mamba1(path: str, mixer: nn.Module, plan: Plan) -> Plan:
 
 
 def _added(plan: Plan, path: str, layers, params, attrs, norms) -> Plan:
-    paths = {layer.path for layer in layers}
+    paths = {layer.path for layer in layers} | {param.path for param in params}  # Mamba's dt_proj: in place
     return replace(
         plan,
         layers=plan.layers + tuple(layers),

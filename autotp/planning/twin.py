@@ -170,8 +170,6 @@ def twin_config(config, factor: int | None = None):
             and getattr(twin, key) >= text_vocab
         ):
             setattr(twin, key, text_vocab - 1)
-    if isinstance(getattr(twin, "mamba_d_ssm", None), int):
-        twin.mamba_d_ssm //= factor
     for heads, width, channels in ssm_heads(twin):  # the heads kept (the plan splits them), each narrowed
         if channels % getattr(twin, heads) == 0:
             setattr(twin, width, channels // getattr(twin, heads))

@@ -168,7 +168,7 @@ def _from_structure(model: nn.Module, spoken: Sequence[str] = ()) -> Policy:
     """Blocks whose direct children are linears reading the hidden size and one linear writing it back, except those
     HF's plan decides (`spoken`: the module patterns it names)."""
     hidden = _field(model.config, "hidden_size")
-    patterns: dict[str, dict] = {}
+    patterns: dict[tuple[str, frozenset[str]], dict] = {}
     for name, module in model.named_modules():
         linears = {child: m for child, m in module.named_children() if is_linear(m)}
         if len(linears) < 2 or not isinstance(hidden, int):

@@ -167,8 +167,8 @@ def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
         attrs.append(AttrPlan(path, "groups_time_state_size", groups * state, tuple(g * state for g in local_groups)))
     if norm is not None and norm_groups == groups:
         attrs.append(AttrPlan(f"{path}.norm", "n_groups", groups, local_groups))
-    norms = ()
-    if norm is not None and groups < plan.tp_size:  # a group's channels span ranks: its statistics are summed over them
+    norms: tuple[GroupNormPlan, ...] = ()
+    if norm is not None and isinstance(group_size, int) and groups < plan.tp_size:  # a group spans ranks: sum its stats
         norms = (GroupNormPlan(f"{path}.norm", groups, group_size, tuple(r.start for r in layout.kv)),)
     return _added(plan, path, layers, params, attrs, norms)
 

@@ -244,8 +244,8 @@ class Plan:
             )
         for path in self.reentries:
             lines.append(f"  {'re-enter':<10} {path}  its summed output enters the TP span again")
-        for path, why in self.mixers:
-            lines.append(f"  {'mixer':<10} {path}  replicated: {why}")
+        for path, reason in self.mixers:
+            lines.append(f"  {'mixer':<10} {path}  replicated: {reason}")
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

@@ -71,12 +71,15 @@ def ssm_heads(config) -> list[tuple[str, str, int]]:
     """(heads field, head width field, channels) of each Mamba-2 mixer the config describes: channels are its
     expansion of the hidden size (Falcon-H1's own `mamba_d_ssm` where set), which the heads times their width fill."""
     hidden = getattr(config, "hidden_size", None)
+    own = getattr(config, "mamba_d_ssm", None)
     out = []
     for heads, width, expand in SSM_HEADS:
         values = [getattr(config, name, None) for name in (heads, width, expand)]
-        if isinstance(hidden, int) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            own = getattr(config, "mamba_d_ssm", None)
-            out.append((heads, width, own if isinstance(own, int) else int(values[2] * hidden)))
+        if not isinstance(hidden, int) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
+            continue
+        out.append((heads, width, own if isinstance(own, int) else int(getattr(config, expand) * hidden)))
     return out
 
 

@@ -39,12 +39,13 @@ CASES = {
         "layer_types": ["linear_attention", "full_attention"],
     },
     "mamba": {"state_size": 8},
+    "falcon_mamba": {"state_size": 8},
     "jamba": {"mamba_d_state": 8, "attn_layer_period": 2, "attn_layer_offset": 1},
     "falcon_h1": {"mamba_d_state": 8, "mamba_n_groups": 4, "mamba_rms_norm": True},
 }
 QUICK = ("mamba2", "mamba")  # Mamba-2 with one group over both ranks; Mamba's row x_proj read again
 # at tp 4: groups over ranks (1, 2), aligned (4: Falcon-H1's own norm), Mamba's norms on x_proj's output, a MoE hybrid
-SLOW = ("mamba2", "zamba2", "falcon_h1", "jamba", "granitemoehybrid")
+SLOW = ("mamba2", "zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba")
 
 
 def _model(family: str) -> torch.nn.Module:

@@ -8,6 +8,7 @@ depthwise conv1d over [x | B | C] follows by channel, `A_log`, `D`, `dt_bias` by
 channel, and `out_proj` is row-parallel. The gated norm normalises groups of channels: exact on a shard where each
 rank holds whole groups, else its statistics are summed over TP (`GroupNormPlan`).
 
+Zamba's Mamba is per head throughout (each head its own x_proj and dt_proj), split by heads with nothing re-entering.
 A Mamba (v1) mixer (Mamba, Falcon-Mamba, Jamba) is per channel: `in_proj` [x | z], conv1d, `dt_proj`, `A_log` and
 `D` by channel; `x_proj` reads the channels and writes dt, B and C, which every channel reads: a row-parallel layer
 whose summed output enters the TP span again (`Plan.reentries`); weighted norms on that output sum their
@@ -26,11 +27,14 @@ from torch import nn
 
 from ..compat.hf import is_transformers_class
 from .plan import AttrPlan, GroupNormPlan, LayerPlan, ParamPlan, Plan
-from .sharding import HeadLayout, Partition, layout_partition
+from .sharding import HeadLayout, Partition, layout_partition, split_ranges
 
 _MAMBA2 = {"in_proj": "h | h | g | g | t", "conv1d": "h | g | g", "A_log": "t", "D": "t", "dt_bias": "t"}
 _MAMBA2_ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
 _MAMBA1_ATTRS = ("intermediate_size", "ssm_state_size", "time_step_rank")
+# Zamba's Mamba: per-head x_proj / dt_proj tensors, in_proj rows (x, z) interleaved per channel
+_ZAMBA = ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D")
+_ZAMBA_ATTRS = ("n_mamba_heads", "mamba_head_dim", "intermediate_size")
 
 
 def with_mixers(model: nn.Module, plan: Plan) -> Plan:
@@ -46,7 +50,7 @@ def with_mixers(model: nn.Module, plan: Plan) -> Plan:
         why = _refusal(module)
         try:
             if not why:
-                out = (_mamba2 if kind == 2 else _mamba1)(path, module, out)
+                out = {1: _mamba1, 2: _mamba2, 3: _zamba}[kind](path, module, out)
                 continue
         except ValueError as err:
             why = str(err)
@@ -55,9 +59,12 @@ def with_mixers(model: nn.Module, plan: Plan) -> Plan:
 
 
 def _kind(module: nn.Module) -> int | None:
-    """2 for a Mamba-2 mixer, 1 for a Mamba mixer, None for anything else (by its parts, not its name)."""
+    """2 for a Mamba-2 mixer, 1 for a Mamba mixer, 3 for Zamba's per-head Mamba, None for anything else (by its
+    parts, not its name)."""
     if not all(isinstance(getattr(module, name, None), nn.Linear) for name in ("in_proj", "out_proj")):
         return None
+    if all(isinstance(getattr(module, name, None), nn.Parameter) for name in _ZAMBA) and _ints(module, _ZAMBA_ATTRS):
+        return 3
     if not isinstance(getattr(module, "conv1d", None), nn.Conv1d) or not isinstance(
         getattr(module, "D", None), nn.Parameter
     ):
@@ -228,6 +235,48 @@ def _mamba1(path: str, mixer: nn.Module, plan: Plan) -> Plan:
         reentries=out.reentries + (f"{path}.x_proj",),
         head_norms=out.head_norms + tuple(f"{path}.{name}" for name in norms),
     )
+
+
+def _zamba(path: str, mixer: nn.Module, plan: Plan) -> Plan:
+    """Zamba's Mamba: each head projects its own dt, B and C (`x_proj_weight[head]`), so nothing crosses heads but
+    `out_proj`; `in_proj` holds each channel's x and z rows side by side."""
+    heads, head_dim, inner = mixer.n_mamba_heads, mixer.mamba_head_dim, mixer.intermediate_size
+    if heads * head_dim != inner or mixer.in_proj.out_features != 2 * inner or mixer.conv1d.weight.shape[0] != inner:
+        raise ValueError(f"its sizes do not make Zamba's Mamba mixer ({heads} heads of {head_dim}, {inner} channels)")
+    known = {f"{name}.{p}" for name in ("in_proj", "out_proj", "conv1d") for p in ("weight", "bias")} | set(_ZAMBA)
+    extra = _others(mixer, known)
+    if extra:
+        raise ValueError(f"it holds {extra[0]}, which autotp does not know how to split")
+    if heads < plan.tp_size:
+        raise ValueError(f"its {heads} heads do not give every one of tp_size={plan.tp_size} ranks a head")
+    owned = {"h": split_ranges(heads, plan.tp_size)}
+    what = f"{heads} heads of {head_dim}"
+
+    def part(unit: int, dim: int = 0) -> Partition:
+        return layout_partition("h", dim, owned, {"h": unit})
+
+    layers = (
+        LayerPlan(
+            f"{path}.in_proj",
+            "column",
+            tuple(mixer.in_proj.weight.shape),
+            part(2 * head_dim),
+            f"(x z) per channel, {what}",
+            path,
+        ),
+        LayerPlan(f"{path}.out_proj", "row", tuple(mixer.out_proj.weight.shape), part(head_dim, 1), what, path),
+    )
+    params = [ParamPlan(path, name, tuple(getattr(mixer, name).shape), part(1), f"per head, {what}") for name in _ZAMBA]
+    for name, param in mixer.conv1d.named_parameters():
+        params.append(ParamPlan(f"{path}.conv1d", name, tuple(param.shape), part(head_dim), "channels"))
+    local = tuple(len(r) for r in owned["h"])
+    channels = tuple(n * head_dim for n in local)
+    attrs = [
+        AttrPlan(path, "n_mamba_heads", heads, local),
+        AttrPlan(path, "intermediate_size", inner, channels),
+        *(AttrPlan(f"{path}.conv1d", name, inner, channels) for name in ("in_channels", "out_channels", "groups")),
+    ]
+    return _added(plan, path, layers, params, attrs, ())
 
 
 def _added(plan: Plan, path: str, layers, params, attrs, norms) -> Plan:

@@ -40,12 +40,22 @@ CASES = {
     },
     "mamba": {"state_size": 8},
     "falcon_mamba": {"state_size": 8},
+    "zamba": {
+        "n_mamba_heads": 4,
+        "mamba_d_state": 8,
+        "mamba_dt_rank": 8,
+        "layers_block_type": ["mamba", "hybrid", "hybrid"],
+        "num_hidden_layers": 3,
+        "attention_hidden_size": 128,
+        "attention_head_dim": 32,
+    },
     "jamba": {"mamba_d_state": 8, "attn_layer_period": 2, "attn_layer_offset": 1},
     "falcon_h1": {"mamba_d_state": 8, "mamba_n_groups": 4, "mamba_rms_norm": True},
 }
 QUICK = ("mamba2", "mamba")  # Mamba-2 with one group over both ranks; Mamba's row x_proj read again
-# at tp 4: groups over ranks (1, 2), aligned (4: Falcon-H1's own norm), Mamba's norms on x_proj's output, a MoE hybrid
-SLOW = ("mamba2", "zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba")
+# at tp 4: groups over ranks (1, 2), aligned (4: Falcon-H1's own norm), Mamba's norms on x_proj's output, a MoE
+# hybrid, Zamba's per-head Mamba
+SLOW = ("mamba2", "zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba", "zamba")
 
 
 def _model(family: str) -> torch.nn.Module:

@@ -95,10 +95,43 @@ def _others(module: nn.Module, known: set[str]) -> list[str]:
 
 
 def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
+    layout, norm = _mamba2_layout(mixer, plan.tp_size)
+    owned = {"h": layout.q, "g": layout.kv, "t": layout.q}
+    units = {"h": head_dim, "g": state, "t": 1}
+
+    def part(spec: str, dim: int = 0) -> Partition:
+        return layout_partition(spec, dim, owned, units)
+
+    what = f"{heads} heads of {head_dim} in {groups} groups of state {state}"
+    in_proj = tuple(mixer.in_proj.weight.shape)
+    layers = (
+        LayerPlan(f"{path}.in_proj", "column", in_proj, part(_MAMBA2["in_proj"]), f"z | x | B | C | dt, {what}", path),
+        LayerPlan(f"{path}.out_proj", "row", tuple(mixer.out_proj.weight.shape), part("h", 1), f"{what}", path),
+    )
+    params = [
+        ParamPlan(path, name, tuple(getattr(mixer, name).shape), part(_MAMBA2[name]), f"per head, {what}")
+        for name in ("A_log", "D", "dt_bias")
+    ]
+    for name, param in mixer.conv1d.named_parameters():
+        params.append(ParamPlan(f"{path}.conv1d", name, tuple(param.shape), part(_MAMBA2["conv1d"]), "x | B | C"))
+    if norm is not None:
+        params.append(ParamPlan(f"{path}.norm", "weight", tuple(norm.weight.shape), part("h"), "gated norm"))
+    mup = getattr(mixer, "mup_vector", None)
+    if mup is not None:  # Falcon-H1's per-row multipliers of the projection: sliced as its rows
+        rows = part(_MAMBA2["in_proj"], mup.dim() - 1)
+        params.append(ParamPlan(path, "mup_vector", tuple(mup.shape), rows, "in_proj's rows", True))
+    norms: tuple[GroupNormPlan, ...] = ()
+    group_size = getattr(norm, "group_size", None)
+    if isinstance(group_size, int) and groups < plan.tp_size:  # a group spans ranks: its statistics are summed
+        norms = (GroupNormPlan(f"{path}.norm", groups, group_size, tuple(r.start for r in layout.kv)),)
+    return _added(plan, path, layers, params, _mamba2_attrs(path, mixer, layout, norm), norms)
+
+
+def _mamba2_layout(mixer: nn.Module, tp: int) -> tuple[HeadLayout, nn.Module | None]:
+    """The heads and groups each rank holds, and the gated norm (None: an identity), or ValueError saying why not."""
     heads, head_dim, groups = mixer.num_heads, mixer.head_dim, mixer.n_groups
     state, inner, conv_dim = mixer.ssm_state_size, mixer.intermediate_size, mixer.conv_dim
-    norm = getattr(mixer, "norm", None)
-    group_size = getattr(norm, "group_size", None)
     if heads * head_dim != inner or conv_dim != inner + 2 * groups * state:
         raise ValueError(
             f"its sizes do not make a Mamba-2 mixer ({heads} heads of {head_dim}, {inner} channels, {groups} groups "
@@ -112,72 +145,38 @@ def _mamba2(path: str, mixer: nn.Module, plan: Plan) -> Plan:
     if extra:
         raise ValueError(f"it holds {extra[0]}, which autotp does not know how to split")
     try:
-        layout = HeadLayout.plan(heads, groups, plan.tp_size)
+        layout = HeadLayout.plan(heads, groups, tp)
     except ValueError as err:  # its words are of query and key/value heads: the mixer's heads and groups
-        raise ValueError(
-            f"its {heads} heads in {groups} groups do not split over tp_size={plan.tp_size} ({err})"
-        ) from None
-    norm_groups = getattr(norm, "n_groups", None)  # Falcon-H1's gated norm: by its group count, not their width
+        raise ValueError(f"its {heads} heads in {groups} groups do not split over tp_size={tp} ({err})") from None
+    norm = getattr(mixer, "norm", None)
     if isinstance(norm, nn.Identity):
-        norm = None
-    elif group_size != inner // groups and not (norm_groups == groups and groups % plan.tp_size == 0):
+        return layout, None
+    by_count = getattr(norm, "n_groups", None) == groups and groups % tp == 0  # Falcon-H1's: by group count
+    if getattr(norm, "group_size", None) != inner // groups and not by_count:
         raise ValueError(f"its gated norm ({type(norm).__name__}) does not split over {groups} groups at this tp size")
-    owned = {"h": layout.q, "g": layout.kv, "t": layout.q}
-    units = {"h": head_dim, "g": state, "t": 1}
+    return layout, norm
 
-    def part(spec: str, dim: int = 0) -> Partition:
-        return layout_partition(spec, dim, owned, units)
 
-    what = f"{heads} heads of {head_dim} in {groups} groups of state {state}"
-    layers = (
-        LayerPlan(
-            f"{path}.in_proj",
-            "column",
-            tuple(mixer.in_proj.weight.shape),
-            part(_MAMBA2["in_proj"]),
-            f"z | x | B | C | dt, {what}",
-            path,
-        ),
-        LayerPlan(f"{path}.out_proj", "row", tuple(mixer.out_proj.weight.shape), part("h", 1), f"{what}", path),
-    )
-    params = [
-        ParamPlan(path, name, tuple(getattr(mixer, name).shape), part(_MAMBA2[name]), f"per head, {what}")
-        for name in ("A_log", "D", "dt_bias")
-    ]
-    for name, param in mixer.conv1d.named_parameters():
-        params.append(
-            ParamPlan(f"{path}.conv1d", name, tuple(param.shape), part(_MAMBA2["conv1d"]), "x | B | C channels")
-        )
-    if norm is not None:
-        params.append(
-            ParamPlan(f"{path}.norm", "weight", tuple(norm.weight.shape), part("h"), "gated norm, per channel")
-        )
-    mup = getattr(mixer, "mup_vector", None)
-    if mup is not None:  # Falcon-H1's per-row multipliers of the projection: sliced as its rows
-        params.append(
-            ParamPlan(
-                path, "mup_vector", tuple(mup.shape), part(_MAMBA2["in_proj"], mup.dim() - 1), "in_proj's rows", True
-            )
-        )
+def _mamba2_attrs(path: str, mixer: nn.Module, layout: HeadLayout, norm: nn.Module | None) -> list[AttrPlan]:
+    """The counts a Mamba-2 mixer reads to split its projection and reshape its heads, per rank."""
+    head_dim, groups, state = mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     local_heads = tuple(len(r) for r in layout.q)
     local_groups = tuple(len(r) for r in layout.kv)
     local_inner = tuple(n * head_dim for n in local_heads)
     local_conv = tuple(i + 2 * g * state for i, g in zip(local_inner, local_groups))
+    conv_dim = mixer.conv_dim
     attrs = [
-        AttrPlan(path, "num_heads", heads, local_heads),
+        AttrPlan(path, "num_heads", mixer.num_heads, local_heads),
         AttrPlan(path, "n_groups", groups, local_groups),
-        AttrPlan(path, "intermediate_size", inner, local_inner),
+        AttrPlan(path, "intermediate_size", mixer.intermediate_size, local_inner),
         AttrPlan(path, "conv_dim", conv_dim, local_conv),
         *(AttrPlan(f"{path}.conv1d", name, conv_dim, local_conv) for name in ("in_channels", "out_channels", "groups")),
     ]
     if isinstance(getattr(mixer, "groups_time_state_size", None), int):
         attrs.append(AttrPlan(path, "groups_time_state_size", groups * state, tuple(g * state for g in local_groups)))
-    if norm is not None and norm_groups == groups:
+    if norm is not None and getattr(norm, "n_groups", None) == groups:
         attrs.append(AttrPlan(f"{path}.norm", "n_groups", groups, local_groups))
-    norms: tuple[GroupNormPlan, ...] = ()
-    if norm is not None and isinstance(group_size, int) and groups < plan.tp_size:  # a group spans ranks: sum its stats
-        norms = (GroupNormPlan(f"{path}.norm", groups, group_size, tuple(r.start for r in layout.kv)),)
-    return _added(plan, path, layers, params, attrs, norms)
+    return attrs
 
 
 def _mamba1(path: str, mixer: nn.Module, plan: Plan) -> Plan:

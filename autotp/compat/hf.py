@@ -166,6 +166,14 @@ def avoid_grouped_mm(module: nn.Module, widths: Iterable[int], dtype: torch.dtyp
     return True
 
 
+def eager_experts(model: nn.Module) -> None:
+    """Run `model`'s experts on transformers' eager path where it has another (a planner's narrow twin: grouped_mm
+    needs 16-byte row strides, which narrowed experts may lack; every path computes the same sums)."""
+    current = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if isinstance(current, str) and current != "eager" and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+
+
 def failed_experts_kernel(model: nn.Module, err: BaseException) -> str | None:
     """The experts implementation ("grouped_mm", "batched_mm") whose transformers kernel raised `err`, or None.
 

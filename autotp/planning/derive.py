@@ -20,6 +20,7 @@ from .policy import Origin, Policy, mixer_rules, parse_policy
 
 _ATTENTION_HINTS = ("attn", "attention")
 _WHOLE = {"colwise_gather_output", "rowwise_split_input"}  # HF's styles that keep a block's computation whole
+_QKV = {"q_proj", "k_proj", "v_proj"}  # attention by its children where the block's name says "mixer" (Nemotron-H)
 _OUTPUT_NAMES = {"o_proj", "out_proj", "dense", "c_proj", "proj", "wo", "o", "output", "out"}  # then verified
 
 
@@ -77,6 +78,16 @@ def _spoken(block: str, paths: Sequence[str]) -> bool:
     return any(path == block or fnmatchcase(path, f"{block}.*") or fnmatchcase(block, f"{path}.*") for path in paths)
 
 
+def _spoken_inside(model: nn.Module, name: str, pattern: str, paths: Sequence[str]) -> bool:
+    """Whether HF's plan decides the block at `name`: it names the block's pattern or a module holding it, or a module
+    this block holds (not merely one its pattern's other blocks hold: Nemotron-H's MoE `mixer.experts` say nothing of
+    its attention and MLP mixers, which share the pattern)."""
+    if any(path == pattern or fnmatchcase(pattern, f"{path}.*") for path in paths):
+        return True
+    inside = [sub for sub, _ in model.get_submodule(name).named_modules() if sub]
+    return any(fnmatchcase(f"{name}.{sub}", path) for sub in inside for path in paths)
+
+
 def _field(config, name: str) -> int | None:
     """A positive integer config field, or None (absent, not an int, or refused by a per-layer config)."""
     try:
@@ -97,13 +108,14 @@ def _heads(config) -> tuple[int | None, int | None, int | None]:
 
 
 def _block_rule(
-    model: nn.Module, block: str, columns: dict[str, str], row_layers: list[str]
+    model: nn.Module, block: str, columns: dict[str, str], row_layers: list[str], path: str | None = None
 ) -> tuple[str, dict] | None:
-    """An attention or MLP rule for one block pattern, from its children's shapes; None if unclear."""
+    """An attention or MLP rule for one block pattern, from its children's shapes (those of the block at `path`, else
+    of the first the pattern names); None if unclear."""
     config = model.config
     heads, kv, head_dim = _heads(config)
     modules = dict(model.named_modules())
-    instance = next((m for name, m in modules.items() if fnmatchcase(name, block)), None)
+    instance = modules.get(path) if path else next((m for name, m in modules.items() if fnmatchcase(name, block)), None)
     if instance is None or len(row_layers) != 1:
         return None
     try:
@@ -114,7 +126,7 @@ def _block_rule(
         return None
     outs = {name: features(children[name])[0] for name in columns}
     row_in = features(children[row_layers[0]])[1]
-    looks_like_attention = any(h in block.rsplit(".", 1)[-1].lower() for h in _ATTENTION_HINTS)
+    looks_like_attention = any(h in block.rsplit(".", 1)[-1].lower() for h in _ATTENTION_HINTS) or _QKV <= set(columns)
     if looks_like_attention and heads and kv and head_dim and row_in == heads * head_dim:  # kv is set with heads
         layout = {}
         for name, out in outs.items():
@@ -175,7 +187,7 @@ def _from_structure(model: nn.Module, spoken: Sequence[str] = ()) -> Policy:
     """Blocks whose direct children are linears reading the hidden size and one linear writing it back, except those
     HF's plan decides (`spoken`: the module patterns it names)."""
     hidden = _field(model.config, "hidden_size")
-    patterns: dict[str, dict] = {}
+    patterns: dict[tuple[str, frozenset[str]], dict] = {}
     for name, module in model.named_modules():
         linears = {child: m for child, m in module.named_children() if is_linear(m)}
         if len(linears) < 2 or not isinstance(hidden, int):
@@ -192,12 +204,18 @@ def _from_structure(model: nn.Module, spoken: Sequence[str] = ()) -> Policy:
         if not writes and len(reads) > 2:  # square attention: the output projection is known by its name
             writes = [c for c in reads if c.lower() in _OUTPUT_NAMES][:1]
             reads = {c: "w" for c in reads if c not in writes}
+        named = [c for c in writes if c.lower() in _OUTPUT_NAMES]
+        if len(writes) > 1 and len(named) == 1:  # a query as wide as the hidden size, in a block not named attention
+            reads.update({c: "w" for c in writes if c not in named})
+            writes = named
         pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
-        if reads and len(writes) == 1 and not _spoken(pattern, spoken):
-            patterns.setdefault(pattern, {"column": reads, "row": writes})
+        if reads and len(writes) == 1 and not _spoken_inside(model, name, pattern, spoken):
+            # one pattern may name blocks of several kinds (Nemotron-H's `layers.*.mixer`: Mamba, attention, MLP):
+            # a rule for each set of children, which claims only the blocks holding them
+            patterns.setdefault((pattern, frozenset(linears)), {"column": reads, "row": writes, "path": name})
     data: dict[str, list] = {"attention": [], "mlp": [], "experts": []}
-    for block, entry in patterns.items():
-        found = _block_rule(model, block, entry["column"], entry["row"])
+    for (block, _), entry in patterns.items():
+        found = _block_rule(model, block, entry["column"], entry["row"], entry["path"])
         if found:
             data[found[0]].append(found[1])
     return parse_policy(data, name=model.config.model_type, origin=Origin.DETECTED)

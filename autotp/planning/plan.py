@@ -62,13 +62,26 @@ class RegionPlan:
 @dataclass(frozen=True)
 class ParamPlan:
     """A parameter of a sharded mixer split in place with the mixer's heads or channels (a depthwise convolution's
-    weight, `A_log`, a gate's per-head matrices): its input is already this rank's channels, so it needs no collective
-    and its gradient is local. `path` is the parameter's full name, `block` the mixer holding it."""
+    weight, `A_log`, `D`, `dt_bias`, a gated norm's weight, a gate's per-head matrices): its input is already this
+    rank's channels, so it needs no collective and its gradient is local. `path` is the parameter's full name, `block`
+    the mixer holding it. `in_span`: its mixer mixes tokens only after its column projections, on the whole sequence
+    sequence parallelism gathers there (Mamba's convolution and scan), so SP composes with it."""
 
     path: str
     shape: tuple[int, ...]
     partition: Partition
     block: str
+    reason: str = ""
+    buffer: bool = False  # a non-persistent buffer (Falcon-H1's mup_vector): sliced per forward, never saved
+    in_span: bool = False
+
+    @property
+    def module(self) -> str:
+        return self.path.rpartition(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,17 @@ class HeadsPlan:
 
 
 @dataclass(frozen=True)
+class GroupNormPlan:
+    """A gated RMS norm over groups of channels a shard cuts (Mamba-2 with fewer groups than ranks): each rank's
+    channels lie in group `group[rank]` of `groups`, whose statistics are summed over TP (`group_size` channels)."""
+
+    path: str
+    groups: int
+    group_size: int
+    group: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class VocabPlan:
     """Vocab parallelism: the LM head (a column layer in `layers`) and the embedding share this row split."""
 
@@ -152,10 +176,13 @@ class Plan:
     replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
-    params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place
+    params: tuple[ParamPlan, ...] = ()  # mixer parameters sharded in place (a policy's mixer rule, `planning.mixers`)
     states: tuple[MixerState, ...] = ()  # mixer states passed in whole, read and written by channel
     whole: tuple[str, ...] = ()  # inside sharded mixers: computed whole on the replicated input, gradients whole
     gathered_outputs: tuple[str, ...] = ()  # column layers whose output is gathered whole (a gate on a row layer's sum)
+    group_norms: tuple[GroupNormPlan, ...] = ()
+    mixers: tuple[tuple[str, str], ...] = ()  # (state-space mixer path, why it stays replicated)
+    reentries: tuple[str, ...] = ()  # row layers whose summed output sharded compute reads (Mamba's x_proj)
 
     def partitions(self) -> list[Partition]:
         return (
@@ -177,7 +204,7 @@ class Plan:
                 out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
         for region in self.regions:
             out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
-        out.update({param.path: param.partition for param in self.params})
+        out.update({param.path: param.partition for param in self.params if not param.buffer})
         if self.vocab is not None and self.vocab.embedding is not None:
             out[f"{self.vocab.embedding}.weight"] = self.vocab.partition
         return out
@@ -239,9 +266,10 @@ class Plan:
                     f"  ({region.reason})"
                 )
         for param in self.params:
+            said = param.reason or f"with {param.block}'s channels"
             lines.append(
                 f"  {'in place':<10} {param.path}  {param.shape} -> {_local_shapes(param.shape, param.partition)}"
-                f"  (with {param.block}'s channels)"
+                f"  ({said})"
             )
         for mixer_state in self.states:
             lines.append(
@@ -250,6 +278,15 @@ class Plan:
             )
         for path in self.whole:
             lines.append(f"  {'whole':<10} {path}  replicated inside the mixer, on its replicated input")
+        for norm in self.group_norms:
+            lines.append(
+                f"  {'group-norm':<10} {norm.path}  statistics of its {norm.groups} groups of {norm.group_size} "
+                f"summed over TP (a group spans ranks)"
+            )
+        for path in self.reentries:
+            lines.append(f"  {'re-enter':<10} {path}  its summed output enters the TP span again")
+        for path, reason in self.mixers:
+            lines.append(f"  {'mixer':<10} {path}  replicated: {reason}")
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

@@ -21,6 +21,7 @@ from ..compat.hf import is_causal_lm, own_loss
 from ..options import WrapOptions
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
+from .mixers import with_mixers
 from .plan import VOCAB_OFF, LayerPlan, Plan, VocabPlan
 from .policy import Policy, as_policy, find_policy
 from .policy_plan import plan_from_policy
@@ -50,7 +51,7 @@ def build_plan(
             f"autotp shards Hugging Face models (a transformers PreTrainedModel with a .config); got "
             f"{type(model).__name__}. Wrap the PreTrainedModel itself, not a module around it"
         )
-    plan = keep_ties(model, _build_plan(model, tp_size, policy, example_inputs))
+    plan = with_mixers(model, keep_ties(model, _build_plan(model, tp_size, policy, example_inputs)))
     if not vocab_parallel:
         return replace(plan, vocab_reason=VOCAB_OFF)
     return with_vocab(model, plan)

@@ -131,6 +131,18 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
             for r in plan.regions
             for name, shape, p in r.partitions
         ],
+        "in_place": [  # state-space mixers' parameters sharded with their heads (autotp.planning.mixers)
+            {
+                "path": p.path,
+                "shape": list(p.shape),
+                "local_rows": [p.partition.local_size(k) for k in range(plan.tp_size)],
+                "dim": p.partition.dim,
+                "reason": p.reason,
+            }
+            for p in plan.params
+        ],
+        "group_norms": [norm.path for norm in plan.group_norms],
+        "replicated_mixers": [{"path": path, "why": why} for path, why in plan.mixers],
         "replicated": [{"path": path, "why": str(why)} for path, why in plan.replicated],
         "vocab_parallel": plan.vocab is not None,
         "vocab_reason": plan.vocab_reason,

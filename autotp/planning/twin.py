@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..compat.hf import eager_experts
 from .probe import IMAGE_TOKEN_KEYS, probe_inputs
 
 log = logging.getLogger("autotp")
@@ -56,6 +57,30 @@ _MAX_TWIN_PARAMS = 400_000_000  # ~1.6 GB in fp32: beyond this the twin is not b
 # Llama 4's and the vision-language MoEs' text_config are sub-configs, handled as parts).
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "moe_top_k", "top_k_experts")
+
+
+# Mamba-2 mixers' (heads, head width, expansion) fields: the heads must fill the expanded width
+SSM_HEADS = (
+    ("num_heads", "head_dim", "expand"),
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
+)
+
+
+def ssm_heads(config) -> list[tuple[str, str, int]]:
+    """(heads field, head width field, channels) of each Mamba-2 mixer the config describes: channels are its
+    expansion of the hidden size (Falcon-H1's own `mamba_d_ssm` where set), which the heads times their width fill."""
+    hidden = getattr(config, "hidden_size", None)
+    own = getattr(config, "mamba_d_ssm", None)
+    out = []
+    for heads, width, expand in SSM_HEADS:
+        values = [getattr(config, name, None) for name in (heads, width, expand)]
+        if not isinstance(hidden, int) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
+            continue
+        out.append((heads, width, own if isinstance(own, int) else int(getattr(config, expand) * hidden)))
+    return out
 
 
 def width_fields(config) -> dict[str, int]:
@@ -148,6 +173,9 @@ def twin_config(config, factor: int | None = None):
             and getattr(twin, key) >= text_vocab
         ):
             setattr(twin, key, text_vocab - 1)
+    for heads, width, channels in ssm_heads(twin):  # the heads kept (the plan splits them), each narrowed
+        if channels % getattr(twin, heads) == 0:
+            setattr(twin, width, channels // getattr(twin, heads))
     twin.use_cache = False
     return twin
 
@@ -213,6 +241,7 @@ def structural_twin(model: nn.Module) -> nn.Module | None:
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(0)  # the same twin whatever ran before: a plan depends on the config only
             twin = type(model)(config).float()
+            eager_experts(twin)  # its narrow experts may break grouped_mm's 16-byte strides; the sums are the same
             if fewer is not None:  # a cut its code cannot run (routing the fields above do not describe) is no twin
                 with torch.no_grad():
                     twin.eval()(**probe_inputs(twin))

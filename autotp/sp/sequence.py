@@ -43,8 +43,11 @@ def sequence_layout(
             "sequence_parallel supports dense attention and MLP blocks; this plan has MoE experts "
             "or per-head inputs (ALiBi)"
         )
-    if plan.params or plan.states or plan.gathered_outputs:
-        mixer = next(iter([p.block for p in plan.params] + [s.path for s in plan.states] + list(plan.gathered_outputs)))
+    mixing = (
+        [p.block for p in plan.params if not p.in_span] + [s.path for s in plan.states] + list(plan.gathered_outputs)
+    )
+    if mixing:  # a state-space mixer (`in_span`) mixes tokens after its column projection, on the gathered sequence
+        mixer = mixing[0]
         raise ValueError(
             f"sequence_parallel supports dense attention and MLP blocks; this plan shards a token mixer or a gated "
             f"output ({mixer}), whose code mixes tokens or gates on the whole sequence; use sequence_parallel=False"

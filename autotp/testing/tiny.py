@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import AutoConfig, PretrainedConfig
 
 from ..planning.probe import IMAGE_TOKEN_KEYS
+from ..planning.twin import ssm_heads
 
 SHRINK = {
     "hidden_size": 64,
@@ -118,11 +119,23 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         ):
             setattr(config, key, 0.0)
     _cut_per_layer(config, before, heterogeneous)
+    _ssm_heads(config)
     if isinstance(getattr(config, "attention_types", None), list):  # GPT-Neo: [[kinds, repeats]] makes the list
         kinds = config.attention_types[0][0]
         config.attention_types = [[kinds, max(1, config.num_layers // len(kinds))]]
     if all(isinstance(getattr(config, k, None), int) for k in ("d_head", "d_model", "n_head")):
         config.d_head = config.d_model // config.n_head  # XLNet checks it
+
+
+def _ssm_heads(config: PretrainedConfig) -> None:
+    """A Mamba-2 mixer's heads that fill its shrunk width (expand x hidden, Falcon-H1's `mamba_d_ssm` shrunk to it),
+    as the model requires; a head wider than half of it (Zamba2's 640) narrowed to 16."""
+    if isinstance(getattr(config, "mamba_d_ssm", None), int):
+        config.mamba_d_ssm = None  # the expansion of the shrunk hidden size
+    for heads, width, channels in ssm_heads(config):
+        if 2 * getattr(config, width) > channels or channels % getattr(config, width):
+            setattr(config, width, 16)
+        setattr(config, heads, channels // getattr(config, width))
 
 
 def _cut_per_layer(config: PretrainedConfig, before: int | None, heterogeneous: bool) -> None:

@@ -27,6 +27,7 @@ from .block_entry import BlockEntry
 from .heads import AttentionWeights, tag_heads
 from .inplace import InPlaceParams
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
+from .mixer import GroupStatNorm, reenter, slice_buffer
 from .mixer_state import StateChannels
 from .streams import install_sharded_streams
 
@@ -73,13 +74,7 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
         partitions = {name: partition for name, _, partition in region.partitions}
         state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
         _experts_path(modules[region.path], partitions.values())
-    if plan.params:
-        state.regions.append(InPlaceParams(model, plan.params, tp_group, rank))
-    for layer in (layer for layer in plan.layers if layer.path in plan.gathered_outputs):
-        gather = functools.partial(_gathered_output, layer.partition, tp_group)
-        model.get_submodule(layer.path).register_forward_hook(state.sharded_only(gather))
-    for mixer_state in plan.states:
-        StateChannels(modules[mixer_state.path], mixer_state, tp_group, rank, state)
+    _mixers(model, state)
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)
@@ -101,6 +96,26 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
     blocks = sorted({layer.block for layer in plan.layers if layer.block} - {plan.vocab.head if plan.vocab else ""})
     install_sharded_streams(model, blocks, [r.path for r in plan.regions], tp_group, state)
     attach(model, state)
+
+
+def _mixers(model: nn.Module, state: TPState) -> None:
+    """Token mixers' parts besides their linears: in-place parameters (`autotp.tp.inplace`), constant buffers sliced
+    per forward, gathered outputs, recurrent states read by channel (`autotp.tp.mixer_state`), group norms and
+    re-entries (`autotp.tp.mixer`)."""
+    plan, group, rank = state.plan, state.tp_group, state.tp_rank
+    params = tuple(param for param in plan.params if not param.buffer)
+    if params:
+        state.regions.append(InPlaceParams(model, params, group, rank))
+    for buffer in (param for param in plan.params if param.buffer):
+        slice_buffer(model.get_submodule(buffer.module), buffer, rank, state)
+    for layer in (layer for layer in plan.layers if layer.path in plan.gathered_outputs):
+        gather = functools.partial(_gathered_output, layer.partition, group)
+        model.get_submodule(layer.path).register_forward_hook(state.sharded_only(gather))
+    for mixer_state in plan.states:
+        StateChannels(model.get_submodule(mixer_state.path), mixer_state, group, rank, state)
+    state.regions.extend(GroupStatNorm(model.get_submodule(norm.path), norm, group) for norm in plan.group_norms)
+    for path in plan.reentries:
+        model.get_submodule(path).register_forward_hook(state.sharded_only(reenter(group)))
 
 
 def _gathered_output(partition: Partition, group, module, args, output: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ class PipelineParallelism(Dimension):
     other stages (`shared`)."""
 
     name = "pp"
+    owns_step = True  # `autotp.forward_backward` runs the schedule (`step`)
     allows_ddp = False  # the copies of a parameter several stages train are summed by `autotp.allreduce_gradients`
 
     cut: Cut
@@ -145,7 +146,15 @@ class PipelineParallelism(Dimension):
         state.dims[self.name] = self
         return []
 
-    def forward_backward(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    def step(self, model: nn.Module, batch: dict[str, Any]) -> CausalLMOutputWithPast:
+        """The schedule's forward and backward of the whole batch; the output holds its loss only."""
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile(model)
+            raise NotImplementedError(
+                f"autotp.forward_backward(torch.compile(model)) at pp_size={group_size(self.runner.group)}: a "
+                f"pipeline runs the model's own forward on each stage through torch's schedule, so a compiled whole "
+                f"model would never run; pass the wrapped model itself (autotp.forward_backward(model, **batch)) and "
+                f"compile its decoder layers instead (for layer in model.model.layers: layer.compile())"
+            )
         batch = dict(batch)
         if "labels" not in batch or "input_ids" not in batch:
             raise ValueError("autotp.forward_backward at pp_size > 1 needs input_ids and labels (the pipeline's loss)")
@@ -162,7 +171,7 @@ class PipelineParallelism(Dimension):
         self.refuse_replaced_loss()
         self.running = True
         try:
-            return self.runner.step(dict(batch), num_items)
+            return CausalLMOutputWithPast(loss=self.runner.run(batch, "step", num_items))
         finally:
             self.running = False
             self.unsynced = bool(self.shared)

@@ -166,24 +166,22 @@ class Runner:
         self._keys: dict[str, tuple] = {}  # "step" or "eval": the shapes its schedule was built for
         self._schedules: dict[str, Any] = {}
 
-    def step(self, batch: dict[str, Any], num_items: Any = None) -> torch.Tensor:
-        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline. `num_items`: the
-        label tokens the loss is divided by (the Trainer's count over its accumulation window), else the batch's."""
-        return self._run(batch, "step", num_items)
-
     def evaluate(self, batch: dict[str, Any], num_items: Any = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
-        whole batch, on every rank of the pipeline. `num_items`: as `step`'s (Trainer's evaluation passes it)."""
+        whole batch, on every rank of the pipeline. `num_items`: as `run`'s (Trainer's evaluation passes it)."""
         last = self.modules[-1]
         last.logits = [] if last.last else None
         try:
-            loss = self._run(batch, "eval", num_items)
+            loss = self.run(batch, "eval", num_items)
             logits = self._shared(torch.cat(last.logits) if last.logits else None)
         finally:
             last.logits = None
         return (loss if "labels" in batch else None), logits
 
-    def _run(self, batch: dict[str, Any], how: str, num_items: Any = None) -> torch.Tensor:
+    def run(self, batch: dict[str, Any], how: str, num_items: Any = None) -> torch.Tensor:
+        """The whole batch's loss on every rank of the pipeline, from its forward and backward (`how`: "step") or its
+        forward only ("eval"). `num_items`: the label tokens the loss is divided by (the Trainer's count over its
+        accumulation window), else the batch's."""
         ids = batch.pop("input_ids")
         microbatches = self.microbatches
         if how == "eval":  # any row count: as many micro-batches as divide it (generate's single row included)

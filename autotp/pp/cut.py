@@ -195,6 +195,14 @@ def before_layers(decoder: nn.Module, layers: str) -> list[str]:
     return [c for c in children[: children.index(layers)] if (m := first[c]) is None or m.start() < loop.start()]
 
 
+def after_layers(decoder: nn.Module, layers: str) -> list[str]:
+    """The decoder model's children with parameters that run after its layers (the final norm): those neither the
+    layer list nor `before_layers`."""
+    before = set(before_layers(decoder, layers))
+    children = decoder.named_children()
+    return [c for c, m in children if c != layers and c not in before and next(m.parameters(), None) is not None]
+
+
 def owner(model: nn.Module, cut: Cut) -> Callable[[str], int]:
     """Which stage trains (and saves) each parameter or buffer, by its name: a decoder layer's its stage; the decoder
     model's children that run before its layers (`before_layers`: the embeddings), the input embedding, and in a

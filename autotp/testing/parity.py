@@ -127,12 +127,9 @@ def compare_training(
         allreduce_gradients(model)
         report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))
         if step == 0:
+            report["grad"] = gradient_errors(model, ref_params, group, staged)
             if staged:  # what one process trains: each name on some stage
                 report["reference_trained"] = sum(p.grad is not None for p in ref_params.values())
-            for name, p in model.named_parameters():
-                expected = ref_params[name].grad
-                if expected is not None and (not staged or p.grad is not None):
-                    report["grad"][name] = grad_error(full_tensor(p.grad, p, group), expected)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
@@ -141,6 +138,18 @@ def compare_training(
             report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
     report["sharded"] = sum(hasattr(p, "autotp_shard") for p in model.parameters())
     return report
+
+
+def gradient_errors(
+    model: nn.Module, ref_params: dict[str, nn.Parameter], group: Group, staged: bool
+) -> dict[str, float]:
+    """`grad_error` of each gradient one process computes, of the parameters this rank trains (`staged`: a rank's
+    step trains only its part, a pipeline's stages, and holds other parameters it leaves untrained)."""
+    return {
+        name: grad_error(full_tensor(p.grad, p, group), ref_params[name].grad)
+        for name, p in model.named_parameters()
+        if ref_params[name].grad is not None and (not staged or p.grad is not None)
+    }
 
 
 def compare_loading(rank: int, world: int, path: str, task: str | None = None) -> dict:

@@ -88,7 +88,7 @@ class StageModule(nn.Module):
         if not self.last:
             view.update((name, Passed()) for name in after_layers(model.get_submodule(cut.base), cut.layers))
         object.__setattr__(self, "view", view)  # not registered: the model holds them
-        object.__setattr__(self, "patched", forward)  # the model's forward, which runs `body` while this stage runs
+        object.__setattr__(self, "patched", forward)  # the model's forward: this stage's part while it runs
         mine = cut.layer_range(stage)
         object.__setattr__(self, "entry", view[cut.layers][mine.start])
         object.__setattr__(self, "exit", view[cut.layers][mine.stop - 1])

@@ -34,8 +34,8 @@ from ..compat import trainer as trainer_compat
 from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
 from ..dp.fsdp import fully_shard as autotp_fully_shard
 from ..mesh import group_size, named_failure
-from ..pp.step import forward_backward
 from ..runtime.collectives import all_gather
+from ..runtime.dimension import forward_backward, stepping
 from ..runtime.rng import sync_replicated_stream
 from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
@@ -287,13 +287,14 @@ class AutoTPTrainer(Trainer):
         return result
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """The usual step; the loss returned for logging is the mean over DP replicas (TP ranks agree already). Under
-        expert parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before
-        Trainer clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
-        if pp_size(self.model) > 1:
-            loss = self._pipeline_step(inputs, num_items_in_batch)
-        else:
+        """The usual step, or `autotp.forward_backward` where a dimension runs the step itself (a pipeline's
+        schedule); the loss returned for logging is the mean over DP replicas (TP ranks agree already). Under expert
+        parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before Trainer
+        clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
+        if stepping(self.model) is None:
             loss = super().training_step(model, inputs, num_items_in_batch)
+        else:
+            loss = self._pipeline_step(inputs, num_items_in_batch)
         if not state_of(self.model).allows_ddp() and self.accelerator.sync_gradients:
             allreduce_gradients(wrapped_model(self.model))
         group = dp_group(self.model)

@@ -24,7 +24,7 @@ from ..planning.probe import probe_inputs
 from ..planning.twin import structural_twin
 from .cut import Cut, trainers
 from .release import released, unowned
-from .schedule import StageModule
+from .schedule import StageForward, StageModule, patched_forward
 
 OUTSIDE = (
     "it computes something outside its decoder layers (from the embeddings, or from the layers' results) that a stage "
@@ -174,11 +174,12 @@ def _staged(subject: nn.Module, cut: Cut, inputs: dict) -> str | None:
         received: list[Any] = [None]  # each stage's input: the previous one's output, detached
         outputs = []
         kept: list[torch.Tensor] = []  # the last stage's logits
+        forward = StageForward(subject.forward)  # patched as wrap patches it, for the stages' runs
         for stage in range(cut.stages):
-            module = StageModule(subject, cut, stage)
+            module = StageModule(subject, cut, stage, forward)
             module.logits = kept if module.last else None
-            with released(subject, unowned(subject, cut, [stage])):  # what the stage frees, as it runs
-                outputs.append(module(received[-1], ids, labels=ids, **rest))
+            with released(subject, unowned(subject, cut, [stage])), patched_forward(subject, forward):
+                outputs.append(module(received[-1], ids, labels=ids, **rest))  # what the stage frees, as it runs
             received.append(outputs[-1].detach().requires_grad_())
         staged = kept[0]
         got: dict[str, torch.Tensor] = {}

@@ -195,6 +195,24 @@ def before_layers(decoder: nn.Module, layers: str) -> list[str]:
     return [c for c in children[: children.index(layers)] if (m := first[c]) is None or m.start() < loop.start()]
 
 
+def after_layers(decoder: nn.Module, layers: str) -> list[str]:
+    """The decoder model's children with parameters that run after its layers (the final norm): those its forward's
+    source first names after the layers, or, where it names them nowhere, registered after them (as `before_layers`
+    reads the order; Phi-4-multimodal registers its image embedding after its layers and runs it before)."""
+    order = list(dict(decoder.named_children()))
+    source = _source(type(decoder).forward)
+    loop = re.search(rf"self\.{re.escape(layers)}\b", source)
+
+    def after(child: str) -> bool:
+        named = re.search(rf"self\.{re.escape(child)}\b", source)
+        if named is None or loop is None:
+            return order.index(child) > order.index(layers)
+        return named.start() > loop.start()
+
+    children = decoder.named_children()
+    return [c for c, m in children if c != layers and next(m.parameters(), None) is not None and after(c)]
+
+
 def owner(model: nn.Module, cut: Cut) -> Callable[[str], int]:
     """Which stage trains (and saves) each parameter or buffer, by its name: a decoder layer's its stage; the decoder
     model's children that run before its layers (`before_layers`: the embeddings), the input embedding, and in a

@@ -5,7 +5,6 @@ the tied embedding's: `autotp.pp.shared`)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from .cut import Cut, find_cut, skip_others
 from .generate import PipelineGenerate
 from .release import release, unowned
 from .router import Balance, unsupported
-from .schedule import LOOPED, SCHEDULES, Runner
+from .schedule import LOOPED, SCHEDULES, Runner, StageForward
 from .shared import SharedGroup, shared_groups, sync_shared, tied_names, uncounted
 from .stage_names import StageNames
 from .stage_tensors import StageTensors, stage_tensors
@@ -60,6 +59,7 @@ class PipelineParallelism(Dimension):
     other stages (`shared`)."""
 
     name = "pp"
+    owns_step = True  # `autotp.forward_backward` runs the schedule (`step`)
     allows_ddp = False  # the copies of a parameter several stages train are summed by `autotp.allreduce_gradients`
 
     cut: Cut
@@ -68,7 +68,6 @@ class PipelineParallelism(Dimension):
     released: dict[str, nn.Module]  # what this rank's stages do not own, by path, with what replaces it
     shared: list[SharedGroup]
     ties: list[tuple[str, ...]]  # the names of each parameter held under several, over the whole model
-    running = False  # inside `forward_backward`: the model's own forward is the stages'
     split_sequence = False  # context parallelism: a model(...) call's sequence is split before our forward
     adapters: frozenset[int] = frozenset()  # PEFT's LoRA layers the model held when wrapped (`autotp.api.wrap`)
     checks_inputs = False  # `wrap(..., check_inputs=True)`: the pipeline's ranks compare their batches (`check_inputs`)
@@ -160,13 +159,14 @@ class PipelineParallelism(Dimension):
         skip_others(model, self.cut, self.stages)
         balance = Balance(model, group) if getattr(model.config, "output_router_logits", False) else None
         microbatches = options.pp_microbatches or options.pp_size
-        self.runner = Runner(model, self.cut, self.stages, group, options.pp_schedule, microbatches, balance)
+        forward = PipelineForward(self, model.forward)  # the model's forward: the stages' while they run
+        self.runner = Runner(model, self.cut, self.stages, group, options.pp_schedule, microbatches, forward, balance)
         self.runner.sequence_length = lambda length: sequence_length(state, length)
         self.split_sequence = options.cp_size > 1  # by the model's forward pre-hook, around ours
         self.checks_inputs = options.check_inputs
         release(model, self.released)
         self.loss = model.loss_function  # transformers' or a dimension's stand-in for it: what the stages compute
-        patch_attribute(model, "forward", PipelineForward(self, model.forward))
+        patch_attribute(model, "forward", forward)
         if callable(getattr(model, "generate", None)):
             patch_attribute(model, "generate", PipelineGenerate(model.generate))
         state.dims[self.name] = self
@@ -176,7 +176,15 @@ class PipelineParallelism(Dimension):
         """LoRA added later would draw other values than one process draws: refused then (`refuse_peft`)."""
         self.adapters = adapters
 
-    def forward_backward(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    def step(self, model: nn.Module, batch: dict[str, Any]) -> CausalLMOutputWithPast:
+        """The schedule's forward and backward of the whole batch; the output holds its loss only."""
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile(model)
+            raise NotImplementedError(
+                f"autotp.forward_backward(torch.compile(model)) at pp_size={group_size(self.runner.group)}: a "
+                f"pipeline runs the model's own forward on each stage through torch's schedule, so a compiled whole "
+                f"model would never run; pass the wrapped model itself (autotp.forward_backward(model, **batch)) and "
+                f"compile its decoder layers instead (for layer in model.model.layers: layer.compile())"
+            )
         batch = dict(batch)
         if "labels" not in batch or "input_ids" not in batch:
             raise ValueError("autotp.forward_backward at pp_size > 1 needs input_ids and labels (the pipeline's loss)")
@@ -191,11 +199,9 @@ class PipelineParallelism(Dimension):
         refuse_peft(model, self.cut.stages // len(self.stages), self.adapters)  # added after wrap: before any step
         self.check_inputs(batch, num_items)
         self.refuse_replaced_loss()
-        self.running = True
         try:
-            return self.runner.step(dict(batch), num_items)
+            return CausalLMOutputWithPast(loss=self.runner.run(batch, "step", num_items))
         finally:
-            self.running = False
             self.unsynced = bool(self.shared)
 
     def check_inputs(self, batch: dict[str, Any], num_items: Any) -> None:
@@ -333,18 +339,16 @@ def without(plan: Plan, prefixes: tuple[str, ...]) -> Plan:
     return dataclasses.replace(plan, **changes)
 
 
-class PipelineForward:
-    """The wrapped model's `forward` at pp > 1. Inside the schedule it is the model's own; a training forward is
+class PipelineForward(StageForward):
+    """The wrapped model's `forward` at pp > 1. Inside the schedule it is the running stage's; a training forward is
     refused, naming `forward_backward`; under `torch.no_grad()` it runs the forward-only schedule and returns the
     whole batch's loss and logits on every rank, as one process's forward does."""
 
     def __init__(self, pipeline: PipelineParallelism, forward: Any):
-        self.pipeline, self.forward = pipeline, forward
-        self.__signature__ = inspect.signature(forward)  # what the Trainer reads for the columns a batch keeps
+        super().__init__(forward)
+        self.pipeline = pipeline
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline.running:
-            return self.forward(*args, **kwargs)
+    def outside(self, *args: Any, **kwargs: Any) -> Any:
         size = group_size(self.pipeline.runner.group)
         if torch.is_grad_enabled():
             raise RuntimeError(
@@ -371,11 +375,7 @@ class PipelineForward:
         self.pipeline.check_inputs(batch, num_items)
         if "labels" in batch:
             self.pipeline.refuse_replaced_loss()
-        self.pipeline.running = True
-        try:
-            loss, logits = self.pipeline.runner.evaluate(batch, num_items)
-        finally:
-            self.pipeline.running = False
+        loss, logits = self.pipeline.runner.evaluate(batch, num_items)
         if not isinstance(keep, int) or keep:
             logits = logits[:, slice(-keep, None) if isinstance(keep, int) else keep]
         out = CausalLMOutputWithPast(loss=loss, logits=logits)

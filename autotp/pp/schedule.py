@@ -15,6 +15,7 @@ shape repeats): no stage locks the sequence length of its first step.
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -31,7 +32,7 @@ from torch.distributed.pipelining.schedules import (
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..mesh import Group, device_of, named_failure
-from .cut import Cut, base_of, stage_view, swapped
+from .cut import Cut, after_layers, base_of, stage_view, swapped
 from .draws import Draws, SeededStage
 from .router import Balance
 from .zero_bubble import ZERO_BUBBLE, VForwardOnly, refuse_compiled, stage_rank
@@ -41,29 +42,54 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # torch's names
 LOOPED = ("Interleaved1F1B",)  # several stages per rank (2 unless `pp_stages_per_rank` says otherwise)
 
 
-class _StageOutput(Exception):
-    """Raised after a stage's last layer: the hidden states for the next stage (the rest of the model's forward is
-    the later stages')."""
+class StageForward:
+    """The model's forward under a pipeline, patched once (at wrap; for the chain check, on its twin): while one of
+    this rank's stages runs (`stage`), that stage's part of the model's forward (all of it on the last stage, else
+    `StageModule.until_last_layer`), else `outside`."""
 
-    def __init__(self, hidden: torch.Tensor):
-        super().__init__()
-        self.hidden = hidden
+    def __init__(self, forward: Callable[..., Any]):
+        self.forward = forward
+        self.stage: StageModule | None = None
+        self.__signature__ = inspect.signature(forward)  # what the Trainer reads for the columns a batch keeps
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.stage is None:
+            return self.outside(*args, **kwargs)
+        return self.forward(*args, **kwargs) if self.stage.last else self.stage.until_last_layer(kwargs)
+
+    def outside(self, *args: Any, **kwargs: Any) -> Any:
+        """A call outside the stages' runs: the model's own forward (`autotp.pp.dimension.PipelineForward` refuses a
+        training forward and evaluates through the schedule)."""
+        return self.forward(*args, **kwargs)
+
+
+class Passed(nn.Module):
+    """A module the decoder model runs after its layers, in the view of a stage before the last: its input passed on
+    unchanged (the stage sends its last layer's output, taken there; what the decoder model computes after it is not
+    used)."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
 
 
 class StageModule(nn.Module):
     """One stage's forward, for torch's `PipelineStage`: the model's own forward from the micro-batch's `input_ids`
-    (and a VLM's `pixel_values` on the first stage), with only this stage's layers. Everything the model computes before its layers (the embeddings, position
-    embeddings, rotary tables, the mask) is computed on every stage as one process computes it; a stage after the
-    first then hands its first layer the hidden states it received instead, and a stage before the last stops after
-    its last layer. The last returns its micro-batch's share of the whole batch's loss."""
+    (and a VLM's `pixel_values` on the first stage), with only this stage's layers. Everything the model computes
+    before its layers (the embeddings, position embeddings, rotary tables, the mask) is computed on every stage as one
+    process computes it; a stage after the first then hands its first layer the hidden states it received instead,
+    and a stage before the last sends its last layer's output (the decoder model's modules after the layers passed
+    over). The last returns its micro-batch's share of the whole batch's loss."""
 
-    def __init__(self, model: nn.Module, cut: Cut, stage: int, balance: Balance | None = None):
+    def __init__(self, model: nn.Module, cut: Cut, stage: int, forward: StageForward, balance: Balance | None = None):
         super().__init__()
         self.model = model
         self.cut, self.stage = cut, stage
         self.first, self.last = stage == 0, stage == cut.stages - 1
         view = stage_view(model, cut, stage)
+        if not self.last:
+            view.update((name, Passed()) for name in after_layers(model.get_submodule(cut.base), cut.layers))
         object.__setattr__(self, "view", view)  # not registered: the model holds them
+        object.__setattr__(self, "patched", forward)  # the model's forward: this stage's part while it runs
         mine = cut.layer_range(stage)
         object.__setattr__(self, "entry", view[cut.layers][mine.start])
         object.__setattr__(self, "exit", view[cut.layers][mine.stop - 1])
@@ -72,9 +98,9 @@ class StageModule(nn.Module):
         self.num_items: torch.Tensor | None = None
         self.logits: list[torch.Tensor] | None = None  # the last stage's, kept while evaluating
         self._received: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, **batch: Any) -> torch.Tensor:
-        base = self.model.get_submodule(self.cut.base)
         self._received = None if self.first else x
         # first, so that a hook of the layer's own (FSDP's gradient hooks) sees the received hidden states
         hooks = (
@@ -86,37 +112,45 @@ class StageModule(nn.Module):
             batch["output_router_logits"] = False
         if not self.first:  # a VLM's images: the vision tower is the first stage's (`autotp.pp.release`)
             batch.pop("pixel_values", None)
+        if self.last:
+            batch["num_items_in_batch"] = self.num_items
+        else:
+            batch.pop("labels", None)
+        self.patched.stage = self
         try:
-            with swapped(base, self.view):
-                if self.last:
-                    out = self.model(input_ids=tokens, **batch, use_cache=False, num_items_in_batch=self.num_items)
-                    if self.logits is not None:
-                        self.logits.append(out.logits.detach())
-                    share = self.balance.take() if self.balance is not None else None
-                    if out.loss is None:
-                        return out.logits.new_zeros(())
-                    return out.loss if share is None else out.loss + share.to(out.loss.dtype)
-                batch.pop("labels", None)
-                with body(self.model, lambda **kwargs: self._until_exit(kwargs)):
-                    hidden = self.model(input_ids=tokens, **batch, use_cache=False).last_hidden_state
-                return hidden if self.balance is None else self.balance.attach(hidden)
+            with swapped(self.model.get_submodule(self.cut.base), self.view):
+                return self._output(self.model(input_ids=tokens, **batch, use_cache=False))
         finally:
-            self._received = None
+            self.patched.stage = None
+            self._received = self._sent = None
             for hook in hooks:
                 hook.remove()
 
-    def _until_exit(self, kwargs: dict[str, Any]) -> BaseModelOutputWithPast:
-        """A stage before the last: the decoder model's forward up to this stage's last layer, its output returned as
-        the decoder model's. It runs as the model's forward, so the model's own hooks run around it as around one
-        process's forward: FSDP's root gathers the embedding, CP splits the micro-batch's sequence (and leaves the
-        hidden states, not a sequence's hidden-state tuple, as they are)."""
+    def until_last_layer(self, kwargs: dict[str, Any]) -> BaseModelOutputWithPast:
+        """A stage before the last: its base model's forward, run inside the model's own call so that the model's
+        hooks run around it as around one process's forward (FSDP's root gathers the embedding, CP splits the
+        micro-batch's sequence); its output is this stage's last layer's, returned as the decoder model's (the hidden
+        states, not a sequence's hidden-state tuple, which CP's hook leaves as they are)."""
         base = base_of(self.model)  # a VLM's: with its vision tower
         assert base is not None  # `autotp.pp.cut.find_cut` refused the model otherwise
-        try:
-            base(**kwargs)
-        except _StageOutput as done:
-            return BaseModelOutputWithPast(last_hidden_state=done.hidden)
-        raise RuntimeError(f"pipeline stage {self.stage}: its last layer never ran in {type(base).__name__}.forward")
+        base(**kwargs)
+        if self._sent is None:
+            raise RuntimeError(
+                f"pipeline stage {self.stage}: its last layer never ran in {type(base).__name__}.forward"
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self._sent)
+
+    def _output(self, out: Any) -> torch.Tensor:
+        """What the stage sends: the hidden states before the last stage, its loss (and the MoE share) on it."""
+        if not self.last:
+            hidden = out.last_hidden_state
+            return hidden if self.balance is None else self.balance.attach(hidden)
+        if self.logits is not None:
+            self.logits.append(out.logits.detach())
+        share = self.balance.take() if self.balance is not None else None
+        if out.loss is None:
+            return out.logits.new_zeros(())
+        return out.loss if share is None else out.loss + share.to(out.loss.dtype)
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
@@ -124,11 +158,11 @@ class StageModule(nn.Module):
         return args, {**kwargs, "hidden_states": self._received}
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        raise _StageOutput((output[0] if isinstance(output, tuple) else output).contiguous())  # sent as one buffer
+        self._sent = (output[0] if isinstance(output, tuple) else output).contiguous()  # sent as one buffer
 
 
 @contextmanager
-def body(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+def patched_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
     """`module.forward` replaced for the duration: `module(...)` then runs its hooks around `forward`."""
     saved = module.__dict__.get("forward")
     module.forward = forward
@@ -152,34 +186,33 @@ class Runner:
         group: Group,
         schedule: str,
         microbatches: int,
+        forward: StageForward,
         balance: Balance | None = None,
     ):
         self.model, self.cut, self.stages, self.group = model, cut, stages, group
         self.schedule_name, self.microbatches, self.balance = schedule, microbatches, balance
-        self.modules = [StageModule(model, cut, s, balance) for s in stages]
+        self.modules = [StageModule(model, cut, s, forward, balance) for s in stages]
         self.draws = Draws()  # dropout's and a router's jitter's seeds, per stage and micro-batch
         self.sequence_length: Callable[[int], int] = lambda length: length  # of the hidden states the stages send
         self._keys: dict[str, tuple] = {}  # "step" or "eval": the shapes its schedule was built for
         self._schedules: dict[str, Any] = {}
 
-    def step(self, batch: dict[str, Any], num_items: Any = None) -> torch.Tensor:
-        """Forward and backward of the whole batch; returns its loss, on every rank of the pipeline. `num_items`: the
-        label tokens the loss is divided by (the Trainer's count over its accumulation window), else the batch's."""
-        return self._run(batch, "step", num_items)
-
     def evaluate(self, batch: dict[str, Any], num_items: Any = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The forward only (torch's `eval` of the schedule): the loss (None without labels) and the logits of the
-        whole batch, on every rank of the pipeline. `num_items`: as `step`'s (Trainer's evaluation passes it)."""
+        whole batch, on every rank of the pipeline. `num_items`: as `run`'s (Trainer's evaluation passes it)."""
         last = self.modules[-1]
         last.logits = [] if last.last else None
         try:
-            loss = self._run(batch, "eval", num_items)
+            loss = self.run(batch, "eval", num_items)
             logits = self._shared(torch.cat(last.logits) if last.logits else None)
         finally:
             last.logits = None
         return (loss if "labels" in batch else None), logits
 
-    def _run(self, batch: dict[str, Any], how: str, num_items: Any = None) -> torch.Tensor:
+    def run(self, batch: dict[str, Any], how: str, num_items: Any = None) -> torch.Tensor:
+        """The whole batch's loss on every rank of the pipeline, from its forward and backward (`how`: "step") or its
+        forward only ("eval"). `num_items`: the label tokens the loss is divided by (the Trainer's count over its
+        accumulation window), else the batch's."""
         ids = batch.pop("input_ids")
         microbatches = self.microbatches
         if how == "eval":  # any row count: as many micro-batches as divide it (generate's single row included)

@@ -1,11 +1,11 @@
 """A parallel dimension as one unit: its axis, its refusals, its step in `autotp.parallelize`, and its part of each
-operation that spans the dimensions.
+operation that spans the dimensions, the training step (`forward_backward`) among them.
 
 Each dimension package (`autotp.tp`, `autotp.vocab`, `autotp.sp`, `autotp.cp`, `autotp.ep`) defines one `Dimension`;
 `autotp.parallelize` lists them in order, and each one's `apply` records it in `TPState.dims` when it is active. The
 gradient sync and norm (`autotp.dp.ddp`), FSDP (`autotp.dp.fsdp`), the DDP guard, the saved and exported layouts and
 the Trainer loop over `TPState.dims` instead of branching on one dimension. Every hook does nothing by default, so a
-dimension implements only the parts it has. A dimension that holds the model in parts over its ranks (a pipeline's
+dimension implements only the parts it has (`step`: the model's own forward and backward). A dimension that holds the model in parts over its ranks (a pipeline's
 stages) says what this rank holds (`owned`, a `Part`) and how every part is collected as one model's (`collect`, a
 `Collected`), so saving, loading and exporting need not know which dimension it is.
 """
@@ -93,6 +93,7 @@ class Dimension:
     name: str = ""
     allows_ddp: bool = True  # whether DDP may sync its gradients (else `autotp.allreduce_gradients` must, each step)
     splits_sequence: bool = False  # whether each of its ranks holds part of the sequence (no whole-sequence head)
+    owns_step: bool = False  # whether its `step` runs a training step's forward and backward itself (a schedule)
 
     def refuse(self, model: nn.Module, plan: Plan, options: WrapOptions) -> None:
         """Raise, naming the reason, for options this model cannot take: at planning time, with no process group."""
@@ -116,6 +117,14 @@ class Dimension:
     def after_wrap(self, model: nn.Module, state: TPState, adapters: frozenset[int]) -> None:
         """Once `autotp.wrap` has put PEFT's LoRA layers back (`adapters`: their ids), which it lifts out around the
         steps."""
+
+    def step(self, model: nn.Module, batch: dict[str, Any]) -> Any:
+        """A training step's forward and backward of the whole `batch` (`forward_backward`), returning the model's
+        output: the model's own forward and a backward of its loss, unless the dimension `owns_step` (a pipeline runs
+        its schedule)."""
+        out = model(**batch)
+        out.loss.backward()
+        return out
 
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """Its part of `autotp.allreduce_gradients` (`replicas`: the DP x CP size the dense gradients average over)."""
@@ -204,3 +213,26 @@ def collected(model: nn.Module, params: dict[str, torch.Tensor], state: TPState 
         if found is not None:
             return found
     return None
+
+
+def stepping(model: nn.Module) -> Dimension | None:
+    """The active dimension that runs a training step itself (`owns_step`), or None: the step is then the model's own
+    forward and backward. Seen through `torch.compile(model)` too, whose step that dimension runs or refuses."""
+    state = find_state(model)
+    compiled = getattr(model, "_orig_mod", None) if state is None else None  # torch.compile(model)'s module
+    if isinstance(compiled, nn.Module):
+        state = find_state(compiled)
+    return None if state is None else next((d for d in state.dims.values() if d.owns_step), None)
+
+
+def forward_backward(model: nn.Module, **batch: Any) -> Any:
+    """Run the forward and the backward of the whole `batch`; return the model's output, whose `.loss` is, on every
+    rank, the loss one process computes on the whole batch.
+
+    Where no dimension runs the step itself (`owns_step`), and on a model autotp did not wrap, this is
+    `out = model(**batch); out.loss.backward()`. Under a pipeline it is the pipeline's `step`: torch's schedule
+    (`pp_schedule`) over `pp_microbatches` micro-batches, the batch's rows split evenly; the output then holds the loss
+    only. Every rank is given the same whole batch. Then, as at every layout: `autotp.allreduce_gradients(model)` (it
+    also sums a tied embedding's two copies) and `optimizer.step()`.
+    """
+    return (stepping(model) or Dimension()).step(model, batch)  # no dimension's own: the model's forward, backward

@@ -18,8 +18,8 @@ from ..api import wrap
 from ..dp.ddp import allreduce_gradients
 from ..mesh import Group
 from ..planning.probe import image_token, probe_inputs
-from ..pp.step import forward_backward
 from ..runtime.collectives import all_gather_full
+from ..runtime.dimension import forward_backward, stepping
 from ..runtime.rows import dp_full
 from ..state import state_of
 
@@ -96,8 +96,9 @@ def compare_training(
     from the same random state: what a user does to a loaded model (resize its vocabulary, unfreeze).
     `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.planning.probe`); `ids` may
     be None when they hold the model's main input (Whisper's `input_features`), and then `labels` is needed.
-    At `pp_size` > 1 both take their steps through `autotp.forward_backward` (`model(**batch)` and the backward for
-    the reference), the wrapped one then `allreduce_gradients`; a rank reports the parameters its stages train.
+    Both take their steps through `autotp.forward_backward` (`model(**batch)` and the backward for the reference), the
+    wrapped one then `allreduce_gradients`, as at every layout; under a pipeline (`pp_size` > 1) a rank reports the
+    parameters its stages train.
     """
     model = wrap(
         copy.deepcopy(reference),
@@ -114,6 +115,7 @@ def compare_training(
         edit(model)
     labels = ids if labels is None else labels
     group = state_of(model).tp_group
+    staged = stepping(model) is not None  # each rank's step trains only its part (a pipeline: its stages' parameters)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-6) for m in (reference, model)]
     ref_params = dict(reference.named_parameters())
     report: dict[str, Any] = {"loss": 0.0, "grad": {}, "param": {}}
@@ -122,24 +124,32 @@ def compare_training(
         for m in (reference, model):
             batch = {**({} if ids is None else {"input_ids": ids}), "labels": labels, **(inputs or {})}
             losses.append(forward_backward(m, **batch).loss.item())
-        if pp_size > 1:
-            allreduce_gradients(model)
+        allreduce_gradients(model)
         report["loss"] = max(report["loss"], abs(losses[0] - losses[1]))
         if step == 0:
-            if pp_size > 1:  # what one process trains: each name on some stage
+            report["grad"] = gradient_errors(model, ref_params, group, staged)
+            if staged:  # what one process trains: each name on some stage
                 report["reference_trained"] = sum(p.grad is not None for p in ref_params.values())
-            for name, p in model.named_parameters():
-                expected = ref_params[name].grad
-                if expected is not None and (pp_size == 1 or p.grad is not None):
-                    report["grad"][name] = grad_error(full_tensor(p.grad, p, group), expected)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
     for name, p in model.named_parameters():
-        if pp_size == 1 or name in report["grad"]:  # under a pipeline: the parameters this rank's stages train
+        if not staged or name in report["grad"]:  # under a pipeline: the parameters this rank's stages train
             report["param"][name] = (full_tensor(p, p, group) - ref_params[name].detach()).abs().max().item()
     report["sharded"] = sum(hasattr(p, "autotp_shard") for p in model.parameters())
     return report
+
+
+def gradient_errors(
+    model: nn.Module, ref_params: dict[str, nn.Parameter], group: Group, staged: bool
+) -> dict[str, float]:
+    """`grad_error` of each gradient one process computes, of the parameters this rank trains (`staged`: a rank's
+    step trains only its part, a pipeline's stages, and holds other parameters it leaves untrained)."""
+    return {
+        name: grad_error(full_tensor(p.grad, p, group), ref_params[name].grad)
+        for name, p in model.named_parameters()
+        if ref_params[name].grad is not None and (not staged or p.grad is not None)
+    }
 
 
 def compare_loading(rank: int, world: int, path: str, task: str | None = None) -> dict:

@@ -35,7 +35,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `integrations.hf_methods`, `parallelize`, `api`
 8. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.pipeline_rows`, `integrations.trainer`,
+9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.batch_rows`, `integrations.trainer`,
    `integrations.trainer_checkpoints`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
 """
 

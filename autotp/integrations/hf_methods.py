@@ -82,12 +82,8 @@ class ResizeTokenEmbeddings:
             return model.get_input_embeddings()
         if state.is_gathered():
             raise RuntimeError("resize_token_embeddings inside GatherReplacedLayerParams: call it outside the context")
-        if state.options.pp_size > 1:
-            raise NotImplementedError(
-                f"resize_token_embeddings at pp_size={state.options.pp_size} is not supported: the first pipeline "
-                f"stage holds the embedding and the last the head, which transformers resizes together (and ties). "
-                f"Resize before autotp.wrap (model.resize_token_embeddings(n), then wrap); nothing was changed"
-            )
+        for dimension in state.dims.values():  # a pipeline's stages hold the embedding and the head apart
+            dimension.refuse_resize()
         if state.fsdp:
             raise NotImplementedError(
                 "resize_token_embeddings under autotp.fully_shard is not supported: FSDP keeps "

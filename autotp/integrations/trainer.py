@@ -39,7 +39,7 @@ from ..runtime.dimension import forward_backward, stepping
 from ..runtime.rng import sync_replicated_stream
 from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
-from .pipeline_rows import refuse_uneven_batch, refuse_uneven_batches
+from .batch_rows import refuse_uneven_batch, refuse_uneven_batches
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 
 

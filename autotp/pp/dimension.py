@@ -162,7 +162,8 @@ class PipelineParallelism(Dimension):
         forward = PipelineForward(self, model.forward)  # the model's forward: the stages' while they run
         self.runner = Runner(model, self.cut, self.stages, group, options.pp_schedule, microbatches, forward, balance)
         self.runner.sequence_length = lambda length: sequence_length(state, length)
-        self.split_sequence = options.cp_size > 1  # by the model's forward pre-hook, around ours
+        # a dimension whose ranks are given one whole batch splits its sequence by a forward pre-hook, around ours (CP)
+        self.split_sequence = any(d.batch_group() is not None for d in state.dims.values())
         self.checks_inputs = options.check_inputs
         release(model, self.released)
         self.loss = model.loss_function  # transformers' or a dimension's stand-in for it: what the stages compute
@@ -171,6 +172,18 @@ class PipelineParallelism(Dimension):
             patch_attribute(model, "generate", PipelineGenerate(model.generate))
         state.dims[self.name] = self
         return []
+
+    def refuse_resize(self) -> None:
+        raise NotImplementedError(
+            f"resize_token_embeddings at pp_size={group_size(self.runner.group)} is not supported: the first pipeline "
+            f"stage holds the embedding and the last the head, which transformers resizes together (and ties). "
+            f"Resize before autotp.wrap (model.resize_token_embeddings(n), then wrap); nothing was changed"
+        )
+
+    def row_multiple(self) -> tuple[int, str, str]:
+        """A batch is split by rows into `pp_microbatches` micro-batches (AutoTPTrainer refuses one that does not
+        split evenly, naming the Trainer's settings that fix it)."""
+        return self.runner.microbatches, "pp_microbatches", f"pp_size={group_size(self.runner.group)}"
 
     def after_wrap(self, model: nn.Module, state: TPState, adapters: frozenset[int]) -> None:
         """LoRA added later would draw other values than one process draws: refused then (`refuse_peft`)."""

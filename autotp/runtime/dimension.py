@@ -126,6 +126,11 @@ class Dimension:
         out.loss.backward()
         return out
 
+    def row_multiple(self) -> tuple[int, str, str]:
+        """What a training batch's rows must be a multiple of (a pipeline's micro-batches), the option that sets it,
+        and where the model is held (for the Trainer's refusal): `(1, "", "")`, any rows."""
+        return 1, "", ""
+
     def sync_gradients(self, model: nn.Module, state: TPState, replicas: int, average: bool) -> None:
         """Its part of `autotp.allreduce_gradients` (`replicas`: the DP x CP size the dense gradients average over)."""
 
@@ -169,6 +174,9 @@ class Dimension:
     def layout(self) -> dict[str, int]:
         """What a training checkpoint records of it (`autotp.io.checkpoint.save.layout`)."""
         return {}
+
+    def refuse_resize(self) -> None:
+        """Raise if `resize_token_embeddings` cannot resize the model as this dimension holds it (nothing changed)."""
 
     def refuse_export(self, target: Any) -> None:
         """Raise if `autotp.export_weights` cannot send its tensors to the engine layout `target`."""

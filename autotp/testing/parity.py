@@ -79,11 +79,9 @@ def compare_training(
     policy: str | Path | Mapping[str, Any] | None = None,
     lr: float = 1e-3,
     labels: torch.Tensor | None = None,
-    sequence_parallel: bool = False,
-    vocab_parallel: bool = True,
     edit: Callable[[nn.Module], Any] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
-    pp_size: int = 1,
+    **options: Any,
 ) -> dict:
     """Train `reference` and a wrapped copy of it side by side with AdamW; report the worst differences.
 
@@ -97,17 +95,11 @@ def compare_training(
     `inputs` are further forward arguments (a vision-language model's pixels, see `autotp.planning.probe`); `ids` may
     be None when they hold the model's main input (Whisper's `input_features`), and then `labels` is needed.
     Both take their steps through `autotp.forward_backward` (`model(**batch)` and the backward for the reference), the
-    wrapped one then `allreduce_gradients`, as at every layout; under a pipeline (`pp_size` > 1) a rank reports the
-    parameters its stages train.
+    wrapped one then `allreduce_gradients`, as at every layout; where a dimension runs the step itself (a pipeline) a
+    rank reports the parameters its part of the model trains. `options` are `wrap`'s (`sequence_parallel=True`,
+    `pp_size=2`, ...).
     """
-    model = wrap(
-        copy.deepcopy(reference),
-        tp_size,
-        policy=policy,
-        sequence_parallel=sequence_parallel,
-        vocab_parallel=vocab_parallel,
-        pp_size=pp_size,
-    )
+    model = wrap(copy.deepcopy(reference), tp_size, policy=policy, **options)
     if edit is not None:
         rng = torch.get_rng_state()
         edit(reference)

@@ -48,38 +48,16 @@ ALLOWED: dict[str, str] = {
     "split_vocab, options.example_inputs)": PLANNER,
 }
 
-# Lines of other dimensions not moved yet, in functions issue 50's other items rewrite now (testing.parity,
-# io.checkpoint.save.layout, the pipeline's forward): held apart from ALLOWED, to move once those land.
-NOT_YET_MOVED: dict[str, str] = {
-    "testing/parity.py (vocab): vocab_parallel: bool = True,": "compare_training's options passed on to wrap by name",
-    "testing/parity.py (vocab): vocab_parallel=vocab_parallel,": "the same (beside its pp_size, which ppstep rewrites)",
-    "pp/dimension.py (cp): self.split_sequence = options.cp_size > 1": (
-        "evaluation through the pipeline's patched forward refused under CP, which ppstep's `step` rewrites"
-    ),
-}
-
 # The pipeline's lines outside autotp/pp/ left to issue 50's `step` hook; shrunk to what remains once
 # those land (held apart from ALLOWED, whose limit they do not count against until then).
 STEP = (
     "the Trainer's and testing.parity's pp_size branches, replaced by the `step` hook (issue 50 item 2, helper ppstep)"
 )
 PIPELINE_LEFTOVERS: dict[str, str] = {
-    "integrations/hf_methods.py (pp): if state.options.pp_size > 1:": "resize_token_embeddings refused at pp > 1 (a refusal the pipeline's own hook can raise)",
-    'integrations/hf_methods.py (pp): f"resize_token_embeddings at pp_size={state.options.pp_size} is not supported: the first pipeline "': "the same refusal's message",
-    "integrations/pipeline_rows.py (pp): from ..accessors import pp_size": STEP,
-    "integrations/pipeline_rows.py (pp): return state_of(trainer.model).options.pp_microbatches or pp_size(trainer.model)": STEP,
-    "integrations/pipeline_rows.py (pp): pp = pp_size(trainer.model)": STEP,
-    'integrations/pipeline_rows.py (pp): raise ValueError(_short(pp_size(trainer.model), rows, size, micro, "this batch"))': STEP,
     "integrations/trainer.py (pp): from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, pp_size, tp_group, tp_size": STEP,
-    "integrations/trainer.py (pp): if pp_size(self.model) > 1:": STEP,
     'integrations/trainer.py (pp): f"AutoTPTrainer at pp_size={pp_size(self.model)} without num_items_in_batch (a model whose forward "': STEP,
     "integrations/trainer.py (pp): if own and pp_size(trainer.model) > 1:": STEP,
     'integrations/trainer.py (pp): f"{type(trainer).__name__} at pp_size={pp_size(trainer.model)}: {own[0]}.compute_loss computes the loss "': STEP,
-    "testing/parity.py (pp): pp_size: int = 1,": STEP,
-    "testing/parity.py (pp): pp_size=pp_size,": STEP,
-    "testing/parity.py (pp): if pp_size > 1:": STEP,
-    "testing/parity.py (pp): if expected is not None and (pp_size == 1 or p.grad is not None):": STEP,
-    'testing/parity.py (pp): if pp_size == 1 or name in report["grad"]:': STEP,
 }
 
 BRANCH = re.compile(r"\bstate\.(ep|context)\b|\bautotp_state\.(ep|context)\b")
@@ -185,7 +163,7 @@ def dimension_lines() -> dict[str, list[int]]:
 
 def test_no_module_names_a_dimension_outside_its_package() -> None:
     found = dimension_lines()
-    listed = {**ALLOWED, **NOT_YET_MOVED, **PIPELINE_LEFTOVERS}
+    listed = {**ALLOWED, **PIPELINE_LEFTOVERS}
     new = [f"{key} (line {', '.join(map(str, lines))})" for key, lines in found.items() if key not in listed]
     assert new == [], (
         "a dimension named outside its package: move the behaviour behind a hook of autotp.runtime.dimension."
@@ -193,7 +171,7 @@ def test_no_module_names_a_dimension_outside_its_package() -> None:
     )
     assert [key for key in listed if key not in found] == [], "an allowed line no longer exists: delete its entry"
     assert sum(len(found[key]) for key in ALLOWED) <= 4, "at most 4 lines across all dimensions (issue 50)"
-    assert all(ALLOWED.values()) and all(NOT_YET_MOVED.values()) and all(PIPELINE_LEFTOVERS.values())
+    assert all(ALLOWED.values()) and all(PIPELINE_LEFTOVERS.values())
     assert all(" (pp): " in key for key in PIPELINE_LEFTOVERS)
 
 

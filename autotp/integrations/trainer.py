@@ -40,6 +40,8 @@ from ..runtime.rng import sync_replicated_stream
 from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
 from .pipeline_rows import refuse_uneven_batch, refuse_uneven_batches
+from .trl_pipeline import check_pipeline_trainer
+from .trl_pipeline import pipeline_step as trl_pipeline_step
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 
 
@@ -308,7 +310,12 @@ class AutoTPTrainer(Trainer):
         """Under a pipeline the step is `autotp.forward_backward` (a schedule interleaves its micro-batches' forwards
         and backwards), each gradient accumulation step one schedule over `pp_microbatches` micro-batches of its batch.
         Its loss is divided by the accumulation window's label tokens, as Trainer divides the model's at pp 1 (with
-        token averaging: the count over DP, each replica's share times the DP size, which the DP average undoes)."""
+        token averaging: the count over DP, each replica's share times the DP size, which the DP average undoes).
+        TRL's trainers run their own `compute_loss` on the last stage instead (`autotp.integrations.trl_pipeline`)."""
+        if own_loss(self):
+            refuse_uneven_batch(self, find_batch_size(inputs))
+            self.model.train()
+            return trl_pipeline_step(self, trainer_compat.prepare_inputs(self, inputs), num_items_in_batch).detach()
         if num_items_in_batch is None:
             raise NotImplementedError(
                 f"AutoTPTrainer at pp_size={pp_size(self.model)} without num_items_in_batch (a model whose forward "
@@ -372,17 +379,18 @@ def check_replica_part(trainer: Trainer, sampler: Sampler, dataset: Dataset) -> 
         )
 
 
+def own_loss(trainer: Trainer) -> list[type]:
+    """The classes of `trainer` (TRL's trainers, a user's subclass) that define their own `compute_loss`."""
+    return [c for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (AutoTPTrainer, Trainer)]
+
+
 def refuse_own_loss(trainer: Trainer) -> None:
     """Under a pipeline the step is `autotp.forward_backward`, whose loss is the model's own on the last stage: a
-    subclass's `compute_loss` (TRL's trainers, a user's) would never run, its loss silently replaced, so refuse it."""
-    own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (AutoTPTrainer, Trainer)]
+    subclass's `compute_loss` would never run, its loss silently replaced. TRL's SFT and DPO run theirs on the last
+    stage (`autotp.integrations.trl_pipeline`); any other is refused there, by name."""
+    own = own_loss(trainer)
     if own and pp_size(trainer.model) > 1:
-        raise NotImplementedError(
-            f"{type(trainer).__name__} at pp_size={pp_size(trainer.model)}: {own[0]}.compute_loss computes the loss "
-            f"itself, but under a pipeline a step is autotp.forward_backward, whose loss is the model's own (from "
-            f"the labels, on the last stage), so that compute_loss would not run; a trainer with its own loss (TRL's) "
-            f"under a pipeline is not built yet: use AutoTPTrainer, or pp_size=1"
-        )
+        check_pipeline_trainer(trainer, own)
 
 
 def tp_trainer(trainer_class: type[Trainer]) -> type[Trainer]:

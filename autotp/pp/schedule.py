@@ -70,6 +70,7 @@ class StageModule(nn.Module):
         object.__setattr__(self, "layers", [view[cut.layers][i] for i in mine])
         self.num_items: torch.Tensor | None = None
         self.logits: list[torch.Tensor] | None = None  # the last stage's, kept while evaluating
+        self.own_loss: Callable[..., torch.Tensor] | None = None  # a trainer's loss in place of the model's
         self._received: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, **batch: Any) -> torch.Tensor:
@@ -87,6 +88,8 @@ class StageModule(nn.Module):
             batch.pop("pixel_values", None)
         try:
             with swapped(base, self.view):
+                if self.last and self.own_loss is not None:  # `autotp.pp.own_loss`
+                    return self.own_loss(tokens, batch)
                 if self.last:
                     out = self.model(input_ids=tokens, **batch, use_cache=False, num_items_in_batch=self.num_items)
                     if self.logits is not None:

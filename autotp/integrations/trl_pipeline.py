@@ -89,8 +89,8 @@ def _refused_option(trainer: Trainer, kind: str) -> str | None:
     state = find_state(wrapped_model(ref) or ref)
     if state is not None and state.options.pp_size > 1:
         return (
-            "a ref_model wrapped with pp_size > 1 (its forward would run on the last stage only); give an unwrapped "
-            "reference model, or one wrapped with tp_size over the last stage's ranks"
+            "a ref_model wrapped with pp_size > 1 (compute_loss runs it on the last stage only); give an unwrapped "
+            "reference model"
         )
     return None
 

@@ -155,15 +155,15 @@ def refusals(pp: int, tp: int, output: str) -> dict[str, str]:
     return said
 
 
-def pipeline_runs(rank: int, world: int, output: str, pp: int) -> dict:
-    """Every run at pp x (world / pp), in one spawn: SFT padded and packed, DPO, and the refusals."""
+def pipeline_runs(rank: int, world: int, output: str, pp: int, refused: bool) -> dict:
+    """Every run at pp x (world / pp), in one spawn: SFT padded and packed, DPO, and (`refused`) the refusals."""
     _as_rank(rank, world)
     tp = world // pp
     return {
         "sft": sft(f"{output}/sft", pp, tp, packed=False),
         "packed": sft(f"{output}/packed", pp, tp, packed=True),
         "dpo": dpo(f"{output}/dpo", pp, tp),
-        "refused": refusals(pp, tp, f"{output}/refused"),
+        "refused": refusals(pp, tp, f"{output}/refused") if refused else None,
     }
 
 

@@ -40,9 +40,9 @@ from ..runtime.rng import sync_replicated_stream
 from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
 from .pipeline_rows import refuse_uneven_batch, refuse_uneven_batches
+from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 from .trl_pipeline import check_pipeline_trainer
 from .trl_pipeline import pipeline_step as trl_pipeline_step
-from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
 
 
 class _EpochBatches(BatchSampler):

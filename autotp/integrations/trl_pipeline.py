@@ -36,8 +36,11 @@ from ..state import find_state, wrapped_model
 from .pipeline_rows import microbatches
 
 Layout = tuple[torch.Tensor, list[dict[str, Any]], list[float]]  # row order, micro-batches' inputs, loss weights
-UNSPLIT_DPO_LOSSES = {"aot": "sorts the batch's log-ratios", "aot_unpaired": "sorts the batch's log-ratios",
-                      "sft": "is a mean over the batch's chosen tokens"}  # fmt: skip
+UNSPLIT_DPO_LOSSES = {
+    "aot": "sorts the batch's log-ratios",
+    "aot_unpaired": "sorts the batch's log-ratios",
+    "sft": "is a mean over the batch's chosen tokens",
+}
 
 
 def trl_kind(trainer: Trainer) -> str | None:
@@ -66,7 +69,6 @@ def check_pipeline_trainer(trainer: Trainer, own: list[type]) -> None:
 
 
 def _refused_option(trainer: Trainer, kind: str) -> str | None:
-    args = trainer.args
     if getattr(trainer, "aux_loss_enabled", False):
         return "the MoE load-balancing loss (router_aux_loss_coef; the pipeline adds it per stage itself)"
     if kind == "SFTTrainer":
@@ -146,8 +148,9 @@ def _replay(
         trainer._tp_size = 1  # TRL divides its token count by it: here each replica's tokens are gathered once
     try:
         with torch.no_grad(), _gathers(trainer, dp_group(trainer.model)), trainer.compute_loss_context_manager():
-            whole = trainer.compute_loss(Replay(outputs, order, _ordered(scheduled, order), who), inputs,
-                                         num_items_in_batch=num_items)  # fmt: skip
+            whole = trainer.compute_loss(
+                Replay(outputs, order, _ordered(scheduled, order), who), inputs, num_items_in_batch=num_items
+            )
     finally:
         if tp_size is not None:
             trainer._tp_size = tp_size
@@ -218,8 +221,10 @@ def _gathers(trainer: Trainer, group: Any) -> Iterator[None]:
 
 def _rows(inputs: dict[str, Any], rows: torch.Tensor, count: int) -> dict[str, Any]:
     """`inputs` with its tensors of `count` rows taken at `rows`; other values as they are."""
-    return {k: v[rows.to(v.device)] if torch.is_tensor(v) and v.dim() and v.shape[0] == count else v
-            for k, v in inputs.items()}  # fmt: skip
+    return {
+        k: v[rows.to(v.device)] if torch.is_tensor(v) and v.dim() and v.shape[0] == count else v
+        for k, v in inputs.items()
+    }
 
 
 def _sft(trainer: Trainer, inputs: dict[str, Any], micro: int) -> Layout:
@@ -241,8 +246,10 @@ def _dpo(trainer: Trainer, inputs: dict[str, Any], micro: int) -> Layout:
             f"into pp_microbatches={micro} micro-batches of whole pairs; give a multiple of {micro} pairs"
         )
     per = pairs // micro
-    parts = [torch.cat([torch.arange(k * per, (k + 1) * per), pairs + torch.arange(k * per, (k + 1) * per)])
-             for k in range(micro)]  # fmt: skip
+    parts = [
+        torch.cat([torch.arange(k * per, (k + 1) * per), pairs + torch.arange(k * per, (k + 1) * per)])
+        for k in range(micro)
+    ]
     order = torch.cat(parts)
     return order, [_rows(inputs, part, rows) for part in parts], [per / pairs] * micro
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import Group, device_of, named_failure
-from ..state import find_state
 from ..runtime.process_hooks import patch_attribute
+from ..state import find_state
 from .dimension import PipelineParallelism
 
 SCHEDULED = ("input_ids", "attention_mask", "position_ids")  # what the earlier stages read of a micro-batch

@@ -30,8 +30,9 @@ def _as_rank(rank: int, world: int) -> None:
 
 
 def _policy(pp: int, tp: int, seed: int = 0) -> torch.nn.Module:
-    import autotp
     from train_trainer import tiny_llama
+
+    import autotp
 
     torch.manual_seed(seed)
     model = tiny_llama()
@@ -74,7 +75,9 @@ def sft_data(vocab: int):
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(0)
-    return Dataset.from_dict({"input_ids": [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in LENGTHS]})
+    return Dataset.from_dict(
+        {"input_ids": [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in LENGTHS]}
+    )
 
 
 def sft(output: str, pp: int, tp: int, packed: bool) -> dict:
@@ -112,6 +115,7 @@ def dpo(output: str, pp: int, tp: int, **options: Any) -> Any:
     from grpo_lora import tokenizer
     from train_trainer import tiny_llama
     from trl import DPOTrainer
+
     from trl_runs import dpo_config, preferences
 
     policy = _policy(pp, tp)

@@ -41,7 +41,7 @@ from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
 from .pipeline_rows import refuse_uneven_batch, refuse_uneven_batches
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
-from .trl_pipeline import check_pipeline_trainer
+from .trl_pipeline import check_pipeline_trainer, runs_pipeline
 from .trl_pipeline import pipeline_step as trl_pipeline_step
 
 
@@ -276,7 +276,12 @@ class AutoTPTrainer(Trainer):
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages
-        (TRL's SFT with a MoE load-balancing loss: its token count over the DP size instead, see `adds_aux_loss`)."""
+        (TRL's SFT with a MoE load-balancing loss: its token count over the DP size instead, see `adds_aux_loss`).
+        Under a pipeline, a TRL trainer's training step runs the whole schedule here, its `compute_loss` on the last
+        stage per micro-batch (`autotp.integrations.trl_pipeline`), so that its own `training_step` still runs."""
+        if runs_pipeline(self):
+            refuse_uneven_batch(self, find_batch_size(inputs))
+            return trl_pipeline_step(self, inputs, num_items_in_batch, return_outputs)
         shared = self.args.average_tokens_across_devices and num_items_in_batch is not None and adds_aux_loss(self)
         count = num_items_in_batch / dp_size(self.model) if shared else num_items_in_batch
         with self._no_world_token_average() as average:
@@ -292,7 +297,7 @@ class AutoTPTrainer(Trainer):
         """The usual step; the loss returned for logging is the mean over DP replicas (TP ranks agree already). Under
         expert parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before
         Trainer clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
-        if pp_size(self.model) > 1:
+        if pp_size(self.model) > 1 and not own_loss(self):
             loss = self._pipeline_step(inputs, num_items_in_batch)
         else:
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -311,11 +316,7 @@ class AutoTPTrainer(Trainer):
         and backwards), each gradient accumulation step one schedule over `pp_microbatches` micro-batches of its batch.
         Its loss is divided by the accumulation window's label tokens, as Trainer divides the model's at pp 1 (with
         token averaging: the count over DP, each replica's share times the DP size, which the DP average undoes).
-        TRL's trainers run their own `compute_loss` on the last stage instead (`autotp.integrations.trl_pipeline`)."""
-        if own_loss(self):
-            refuse_uneven_batch(self, find_batch_size(inputs))
-            self.model.train()
-            return trl_pipeline_step(self, trainer_compat.prepare_inputs(self, inputs), num_items_in_batch).detach()
+        TRL's trainers keep Trainer's step and run the pipeline from `compute_loss` instead (`compute_loss`)."""
         if num_items_in_batch is None:
             raise NotImplementedError(
                 f"AutoTPTrainer at pp_size={pp_size(self.model)} without num_items_in_batch (a model whose forward "

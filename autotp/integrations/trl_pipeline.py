@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer
 
 from ..accessors import cp_size, dp_group, pp_size
@@ -32,6 +33,7 @@ from ..pp.own_loss import (
     run_own_loss,
 )
 from ..runtime.collectives import all_gather
+from ..runtime.rng import sync_replicated_stream
 from ..state import find_state, wrapped_model
 from .pipeline_rows import microbatches
 
@@ -44,9 +46,9 @@ UNSPLIT_DPO_LOSSES = {
 
 
 def trl_kind(trainer: Trainer) -> str | None:
-    """`"SFTTrainer"` or `"DPOTrainer"` when `trainer` is one of them (TRL's own), else None."""
+    """`"SFTTrainer"`, `"DPOTrainer"` or `"GRPOTrainer"` when `trainer` is one of them (TRL's own), else None."""
     names = {c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl.")}
-    return next((kind for kind in ("SFTTrainer", "DPOTrainer") if kind in names), None)
+    return next((kind for kind in LAYOUTS if kind in names), None)
 
 
 def check_pipeline_trainer(trainer: Trainer, own: list[type]) -> None:
@@ -57,8 +59,9 @@ def check_pipeline_trainer(trainer: Trainer, own: list[type]) -> None:
     if kind is None or foreign:
         raise NotImplementedError(
             f"{name} at pp_size={pp}: {(foreign or [own[0].__name__])[0]}.compute_loss computes the loss itself; under "
-            f"a pipeline autotp runs only TRL's SFTTrainer's and DPOTrainer's compute_loss on the last stage (it knows "
-            f"how their losses add up over micro-batches): use AutoTPTrainer, one of those, or pp_size=1"
+            f"a pipeline autotp runs only TRL's SFTTrainer's, DPOTrainer's and GRPOTrainer's compute_loss on the last "
+            f"stage (it knows how their losses add up over micro-batches): use AutoTPTrainer, one of those, or "
+            f"pp_size=1"
         )
     why = _refused_option(trainer, kind)
     if why is None and cp_size(trainer.model) > 1:
@@ -66,9 +69,14 @@ def check_pipeline_trainer(trainer: Trainer, own: list[type]) -> None:
     if why is not None:
         raise NotImplementedError(f"{name} at pp_size={pp} with {why}: use pp_size=1 for it")
     guard(wrapped_model(trainer.model), name)
+    trainer._autotp_pipelined, trainer._autotp_inside = True, False
+    if kind == "GRPOTrainer":  # every rank of the pipeline samples the same completions: one generator state
+        sync_replicated_stream(pipeline_group(wrapped_model(trainer.model)))
 
 
 def _refused_option(trainer: Trainer, kind: str) -> str | None:
+    if trainer.args.fp16:
+        return "fp16 (its gradient scaler scales the loss Trainer back-propagates, not the pipeline's)"
     if getattr(trainer, "aux_loss_enabled", False):
         return "the MoE load-balancing loss (router_aux_loss_coef; the pipeline adds it per stage itself)"
     if kind == "SFTTrainer":
@@ -80,6 +88,8 @@ def _refused_option(trainer: Trainer, kind: str) -> str | None:
         if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
             return "compute_loss_func or label smoothing (they call the model twice per batch)"
         return None
+    if kind == "GRPOTrainer":
+        return _refused_grpo_option(trainer)
     unsplit = [f"loss_type={t!r} ({UNSPLIT_DPO_LOSSES[t]})" for t in trainer.loss_types if t in UNSPLIT_DPO_LOSSES]
     if unsplit:
         return f"{unsplit[0]}, which does not add up over micro-batches"
@@ -97,15 +107,50 @@ def _refused_option(trainer: Trainer, kind: str) -> str | None:
     return None
 
 
-def pipeline_step(trainer: Trainer, inputs: dict[str, Any], num_items: Any) -> torch.Tensor:
+def _refused_grpo_option(trainer: Trainer) -> str | None:
+    """GRPO: what computes log-probs outside the training step (the reference's, the old policy's), or a loss that
+    does not add up over micro-batches."""
+    args = trainer.args
+    if trainer.beta != 0.0:
+        return f"beta={trainer.beta} (the reference's log-probs are computed at generation, outside the training step)"
+    if args.gradient_accumulation_steps % (args.steps_per_generation * trainer.num_iterations) or args.use_vllm:
+        return "old-policy log-probs computed at generation (num_iterations > 1, steps_per_generation, or use_vllm)"
+    if trainer.top_entropy_quantile < 1.0:
+        return f"top_entropy_quantile={trainer.top_entropy_quantile} (a quantile over the batch's entropies)"
+    if trainer.loss_type not in GRPO_WEIGHTS:
+        return f"loss_type={trainer.loss_type!r}, whose sum over micro-batches autotp does not know"
+    return None
+
+
+def runs_pipeline(trainer: Trainer) -> bool:
+    """Whether `compute_loss` is Trainer's training step's call at pp > 1 (not a micro-batch's, not evaluation's)."""
+    return trainer.model.training and getattr(trainer, "_autotp_pipelined", False) and not trainer._autotp_inside
+
+
+def pipeline_step(trainer: Trainer, inputs: dict[str, Any], num_items: Any, outputs: bool = False) -> torch.Tensor:
     """One accumulation step's forward and backward of `inputs` through the pipeline, the trainer's loss per
-    micro-batch on the last stage; returns the step's loss (as Trainer's `training_step` returns it) on every rank,
-    and leaves the trainer's logged metrics as one process's on every rank of the pipeline."""
+    micro-batch on the last stage, and the trainer's logged metrics left as one process's on every rank of the
+    pipeline. Returns, for Trainer's `training_step` (which divides it for gradient accumulation where the trainer
+    did not, and back-propagates it), the loss as the trainer's `compute_loss` returns it, a leaf: the gradients are
+    in already."""
     kind = trl_kind(trainer)
     assert kind is not None  # `check_pipeline_trainer` refused any other trainer
+    if outputs:
+        raise NotImplementedError(f"{type(trainer).__name__}.compute_loss(return_outputs=True) at pp_size > 1")
+    trainer._autotp_inside = True
+    try:
+        total, scale = _step(trainer, kind, inputs, num_items)
+    finally:
+        trainer._autotp_inside = False
+    return (total / scale).requires_grad_()
+
+
+def _step(trainer: Trainer, kind: str, inputs: dict[str, Any], num_items: Any) -> tuple[torch.Tensor, float]:
     order, micro, weights = LAYOUTS[kind](trainer, inputs, microbatches(trainer))
-    batch = {k: inputs[k][order] for k in SCHEDULED if torch.is_tensor(inputs.get(k))}
-    batch["labels"] = inputs.get("labels", inputs["input_ids"])[order]  # the pipeline's; the trainer computes its own
+    model_inputs = _grpo_model_inputs(inputs) if kind == "GRPOTrainer" else inputs
+    batch = {k: model_inputs[k][order] for k in SCHEDULED if torch.is_tensor(model_inputs.get(k))}
+    labels = model_inputs.get("labels")  # the pipeline's; the trainer computes its own loss
+    batch["labels"] = labels[order] if torch.is_tensor(labels) else batch["input_ids"]
     scale = 1.0 if _scaled_for_accumulation(trainer, num_items) else 1.0 / trainer.current_gradient_accumulation_steps
     kept = _logged_state(trainer)
 
@@ -125,7 +170,7 @@ def pipeline_step(trainer: Trainer, inputs: dict[str, Any], num_items: Any) -> t
     _restore(trainer, logged[1])
     if logged[0] is not None:
         raise RuntimeError(logged[0])
-    return total
+    return total, scale
 
 
 def _replay(
@@ -192,7 +237,7 @@ def _restore(trainer: Trainer, state: dict[str, Any]) -> None:
 
 @contextmanager
 def _gathers(trainer: Trainer, group: Any) -> Iterator[None]:
-    """The accelerator's gathers (TRL's metrics), over `group` (None: this rank's values alone) instead of every
+    """The accelerator's gathers and reduces (TRL's metrics), over `group` (None: this rank's values alone) instead of every
     process: only the last stage's ranks run `compute_loss` under a pipeline."""
     accelerator = trainer.accelerator
 
@@ -207,8 +252,17 @@ def _gathers(trainer: Trainer, group: Any) -> Iterator[None]:
             all_gather(parts, value.contiguous(), group)
         return torch.cat(parts)
 
-    saved = {k: vars(accelerator).get(k) for k in ("gather", "gather_for_metrics")}
+    def reduce(value: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        if not torch.is_tensor(value) or group is None or group_size(group) == 1:
+            return value * scale if torch.is_tensor(value) else value
+        total = value.clone()
+        with named_failure(group, "the pipeline's reduce of TRL's metrics over DP"):
+            dist.all_reduce(total, group=group)
+        return total * scale / (group_size(group) if reduction == "mean" else 1)
+
+    saved = {k: vars(accelerator).get(k) for k in ("gather", "gather_for_metrics", "reduce")}
     accelerator.gather = accelerator.gather_for_metrics = gather
+    accelerator.reduce = reduce
     try:
         yield
     finally:
@@ -254,4 +308,42 @@ def _dpo(trainer: Trainer, inputs: dict[str, Any], micro: int) -> Layout:
     return order, [_rows(inputs, part, rows) for part in parts], [per / pairs] * micro
 
 
-LAYOUTS: dict[str, Callable[[Trainer, dict[str, Any], int], Layout]] = {"SFTTrainer": _sft, "DPOTrainer": _dpo}
+def _grpo(trainer: Trainer, inputs: dict[str, Any], micro: int) -> Layout:
+    """GRPO: consecutive completions, the model's input its prompt and completion side by side; each micro-batch's
+    loss weighed as its loss type averages (over sequences: its share of them; over tokens: its share of the scored
+    tokens; over the generation batch's tokens, `num_items_in_batch`: as it is)."""
+    rows = inputs["completion_ids"].shape[0]
+    order = torch.arange(rows)
+    parts = order.chunk(micro)
+    mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+    over = GRPO_WEIGHTS[trainer.loss_type]
+    tokens = mask.sum().clamp(min=1)
+    weights = [
+        1.0 if over == "items" else len(p) / rows if over == "rows" else float(mask[p].sum() / tokens) for p in parts
+    ]
+    return order, [_rows(inputs, part, rows) for part in parts], weights
+
+
+def _grpo_model_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """What GRPO's `compute_loss` passes the model: the prompt and the completion, side by side."""
+    return {
+        "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+        "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+    }
+
+
+GRPO_WEIGHTS = {
+    "grpo": "rows",
+    "sapo": "rows",
+    "luspo": "rows",
+    "dr_grpo": "rows",
+    "bnpo": "tokens",
+    "dapo": "items",
+    "cispo": "items",
+    "vespo": "items",
+}
+LAYOUTS: dict[str, Callable[[Trainer, dict[str, Any], int], Layout]] = {
+    "SFTTrainer": _sft,
+    "DPOTrainer": _dpo,
+    "GRPOTrainer": _grpo,
+}

@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer (padded and packed) and DPOTrainer under a pipeline, for tests/integrations/test_trl_pipeline.py (a
+"""TRL's SFTTrainer (padded and packed), DPOTrainer and GRPOTrainer under a pipeline, for tests/integrations/test_trl_pipeline.py (a
 helper module beside it, not a test module).
 
 Each run is `tp_trainer(...)` on examples/train_trainer.py's tiny Llama (2 layers: one a stage at pp 2) wrapped at
@@ -135,27 +135,60 @@ def dpo(output: str, pp: int, tp: int, **options: Any) -> Any:
     return _result(build(model=policy, ref_model=reference, **kwargs), output)
 
 
-def refusals(pp: int, tp: int, output: str) -> dict[str, str]:
-    """What `tp_trainer(...)` at pp x tp says of trainers and options whose loss a pipeline cannot run."""
-    from grpo_lora import config, dataset, low_tokens, tokenizer
+def grpo(output: str, pp: int, tp: int, **options: Any) -> Any:
+    """examples/grpo_lora.py's GRPO settings (8 completions a step, 2 prompts x 4, 8 tokens at most, sampled by the
+    model itself at temperature 0.1; fp32) without the KL term (`beta` 0, GRPOConfig's default), full fine-tuning; 4
+    completions a micro-batch at pp 2. TRL's own GRPOTrainer in one process (its own sampler: autotp reads it too).
+    With `options`: the trainer's refusal."""
+    from grpo_lora import Recorder, config, dataset, low_tokens, tokenizer
     from trl import GRPOTrainer
 
     from autotp.hf_trainer import tp_trainer
 
-    said = {"aot": dpo(output, pp, tp, loss_type=["aot"]), "sft loss": dpo(output, pp, tp, loss_type=["sft"])}
     args = config(output, STEPS)
-    args.beta = 0.0  # no reference model to load
-    try:
-        tp_trainer(GRPOTrainer)(
-            model=_policy(pp, tp),
-            reward_funcs=low_tokens,
-            args=args,
-            train_dataset=dataset(256),
-            processing_class=tokenizer(256),
-        )
-        said["grpo"] = "built"
-    except NotImplementedError as error:
-        said["grpo"] = str(error)
+    args.beta = 0.0
+    for key, value in options.items():
+        setattr(args, key, value)
+    base = tp_trainer(GRPOTrainer) if pp else GRPOTrainer
+    build = type("RecordingGRPO", (Recorder, base), {})
+    kwargs = {
+        "reward_funcs": low_tokens,
+        "args": args,
+        "train_dataset": dataset(256),
+        "processing_class": tokenizer(256),
+    }
+    if options:
+        try:
+            build(model=_policy(pp, tp), **kwargs)
+        except NotImplementedError as error:
+            return str(error)
+        return "built"
+    trainer = build(model=_policy(pp, tp), **kwargs)
+    return {**_result(trainer, output), "completions": trainer.completions}
+
+
+def refusals(pp: int, tp: int, output: str) -> dict[str, str]:
+    """What `tp_trainer(...)` at pp x tp says of trainers and options whose loss a pipeline cannot run."""
+    from sft_lora import tokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from autotp.hf_trainer import tp_trainer
+
+    class Doubled(tp_trainer(SFTTrainer)):  # a user's loss: autotp cannot know how it adds up over micro-batches
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            return super().compute_loss(*args, **kwargs) * 2
+
+    said = {"aot": dpo(output, pp, tp, loss_type=["aot"]), "sft loss": dpo(output, pp, tp, loss_type=["sft"])}
+    said["grpo quantile"] = grpo(output, pp, tp, top_entropy_quantile=0.5)
+    config = SFTConfig(output_dir=output, report_to=[], use_cpu=True, bf16=False, max_length=32)
+    for name, build, options in (("subclass", Doubled, {}), ("bfd", tp_trainer(SFTTrainer), {"packing": True})):
+        for key, value in options.items():
+            setattr(config, key, value)
+        try:
+            build(model=_policy(pp, tp), args=config, train_dataset=sft_data(256), processing_class=tokenizer(256))
+            said[name] = "built"
+        except NotImplementedError as error:
+            said[name] = str(error)
     return said
 
 
@@ -167,6 +200,7 @@ def pipeline_runs(rank: int, world: int, output: str, pp: int, refused: bool) ->
         "sft": sft(f"{output}/sft", pp, tp, packed=False),
         "packed": sft(f"{output}/packed", pp, tp, packed=True),
         "dpo": dpo(f"{output}/dpo", pp, tp),
+        "grpo": grpo(f"{output}/grpo", pp, tp),
         "refused": refusals(pp, tp, f"{output}/refused") if refused else None,
     }
 
@@ -177,4 +211,5 @@ def one_process(output: str) -> dict:
         "sft": sft(f"{output}/sft", 0, 1, packed=False),
         "packed": sft(f"{output}/packed", 0, 1, packed=True),
         "dpo": dpo(f"{output}/dpo", 0, 1),
+        "grpo": grpo(f"{output}/grpo", 0, 1),
     }

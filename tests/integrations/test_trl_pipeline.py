@@ -1,4 +1,4 @@
-"""TRL's SFTTrainer (padded and packed), DPOTrainer and GRPOTrainer through `tp_trainer(...)` under a pipeline train
+"""TRL's SFTTrainer (padded and packed), DPOTrainer and GRPOTrainer through `tp_trainer(...)` under a pipeline train as one process
 does: the last stage runs the trainer's own `compute_loss` per micro-batch, the metrics TRL logs come from the whole
 batch's outputs. A trainer or option whose loss does not add up over micro-batches is refused by name. The runs are
 in trl_pp_runs.py."""
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from trl_pp_runs import STEPS, one_process, pipeline_runs
-
 
 # GRPO's wall time, and what it computes at generation from gathers over every process, in which each rank of a
 # pipeline (as each TP rank at pp 1) repeats its replica's completions: its token count (pp x tp times one

@@ -150,7 +150,7 @@ def _step(trainer: Trainer, kind: str, inputs: dict[str, Any], num_items: Any) -
     model_inputs = _grpo_model_inputs(inputs) if kind == "GRPOTrainer" else inputs
     batch = {k: model_inputs[k][order] for k in SCHEDULED if torch.is_tensor(model_inputs.get(k))}
     labels = model_inputs.get("labels")  # the pipeline's; the trainer computes its own loss
-    batch["labels"] = labels[order] if torch.is_tensor(labels) else batch["input_ids"]
+    batch["labels"] = labels[order] if isinstance(labels, torch.Tensor) else batch["input_ids"]
     scale = 1.0 if _scaled_for_accumulation(trainer, num_items) else 1.0 / trainer.current_gradient_accumulation_steps
     kept = _logged_state(trainer)
 

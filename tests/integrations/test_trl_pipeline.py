@@ -1,7 +1,7 @@
-"""TRL's SFTTrainer (padded and packed), DPOTrainer and GRPOTrainer through `tp_trainer(...)` under a pipeline train as one process
-does: the last stage runs the trainer's own `compute_loss` per micro-batch, the metrics TRL logs come from the whole
-batch's outputs. A trainer or option whose loss does not add up over micro-batches is refused by name. The runs are
-in trl_pp_runs.py."""
+"""TRL's SFTTrainer (padded and packed), DPOTrainer and GRPOTrainer through `tp_trainer(...)` under a pipeline train
+as one process does: the last stage runs the trainer's own `compute_loss` per micro-batch, the metrics TRL logs come
+from the whole batch's outputs. A trainer or option whose loss does not add up over micro-batches is refused by name.
+The runs are in trl_pp_runs.py."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
 from .pipeline_rows import refuse_uneven_batch, refuse_uneven_batches
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
-from .trl_pipeline import check_pipeline_trainer, runs_pipeline
+from .trl_pipeline import check_pipeline_trainer, runs_pipeline, sync_generators
 from .trl_pipeline import pipeline_step as trl_pipeline_step
 
 
@@ -343,6 +343,7 @@ class AutoTPTrainer(Trainer):
         different replicas' files, or none (more ranks than saved): each TP group then takes its rank 0's
         generators, as `wrap` does, since its ranks must draw alike."""
         trainer_compat.replaced(self, AutoTPTrainer, "load_rng_state")(checkpoint)
+        sync_generators(self)  # under a pipeline, GRPO's stages too
         sync_replicated_stream(tp_group(self.model))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

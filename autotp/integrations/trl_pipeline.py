@@ -70,7 +70,13 @@ def check_pipeline_trainer(trainer: Trainer, own: list[type]) -> None:
         raise NotImplementedError(f"{name} at pp_size={pp} with {why}: use pp_size=1 for it")
     guard(wrapped_model(trainer.model), name)
     trainer._autotp_pipelined, trainer._autotp_inside = True, False
-    if kind == "GRPOTrainer":  # every rank of the pipeline samples the same completions: one generator state
+    sync_generators(trainer)
+
+
+def sync_generators(trainer: Trainer) -> None:
+    """Every rank of the pipeline samples GRPO's completions alike: the pipeline's first rank's generator state (at
+    construction, and after a resume reads each process's own)."""
+    if getattr(trainer, "_autotp_pipelined", False) and trl_kind(trainer) == "GRPOTrainer":
         sync_replicated_stream(pipeline_group(wrapped_model(trainer.model)))
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..mesh import Group, device_of, named_failure
+from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import patch_attribute
 from ..state import find_state
 from .dimension import PipelineParallelism
@@ -120,6 +121,8 @@ def run_own_loss(
         outputs.append(stand.out)
         return value
 
+    # the trainer's batch (GRPO's completions, sampled on every rank) must be the same on every stage
+    check_same_batch(pipeline.runner.group, [(f"{k}=", batch[k]) for k in sorted(batch)], "PP")
     if last.last:
         last.own_loss = run
     try:

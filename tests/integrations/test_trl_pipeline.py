@@ -43,11 +43,11 @@ def _check(ranks: list[dict], one: dict) -> None:
     gaps = _compare(ranks, one)
     print({run: tuple(f"{g:.1e}" for g in gap) for run, gap in gaps.items()})
     # fp32 throughout; the pipeline changes only where the micro-batches' token sums are added (and at tp 2 the order
-    # of the sharded matmuls' reductions): loss and logged gaps are ~1e-7 of the value, weights after 3 AdamW steps at
-    # lr 1e-3 (each moving a weight ~1e-3) within 1e-5, 1% of a step; GRPO's lr is 1e-2, so 1e-4 (its second step's
-    # loss is ~1e-8, the advantages nearly zero, and Adam's normalised step turns that noise into ~1e-5)
+    # of the sharded matmuls' reductions): loss and logged gaps are ~1e-7 of the value (observed <= 1.1e-6), weights
+    # after 3 AdamW steps (lr 1e-3, GRPO's 1e-2, each step moving a weight about that) within 1e-5, at most 1% of a
+    # step (observed <= 1.7e-6)
     for run, (loss, logs, weight) in gaps.items():
-        assert loss <= 1e-5 and logs <= 1e-5 and weight <= (1e-4 if run == "grpo" else 1e-5), (run, gaps)
+        assert loss <= 1e-5 and logs <= 1e-5 and weight <= 1e-5, (run, gaps)
     for key in ("mean_token_accuracy", "entropy", "num_tokens"):  # SFT's logged metrics, the whole batch's
         assert key in ranks[0]["sft"]["logs"][0]
     assert "rewards/margins" in ranks[0]["dpo"]["logs"][0]
@@ -64,19 +64,26 @@ def _check_refusals(refused: dict[str, str]) -> None:
     assert "padding_free" in refused["bfd"], refused["bfd"]
 
 
-@pytest.mark.timeout(280)
-def test_trl_sft_dpo_grpo_at_pp2_train_as_one_process(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def one(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """TRL's own trainers in this process, once for both layouts."""
+    return one_process(str(tmp_path_factory.mktemp("one")))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trl_sft_dpo_grpo_at_pp2_train_as_one_process(tmp_path: Path, one: dict) -> None:
     from autotp.testing.spawn import run_ranks
 
     ranks = run_ranks(pipeline_runs, 2, str(tmp_path / "pp"), 2, True)
-    _check(ranks, one_process(str(tmp_path / "one")))
+    _check(ranks, one)
     _check_refusals(ranks[0]["refused"])
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(280)
-def test_trl_sft_dpo_grpo_at_pp2_tp2_train_as_one_process(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_trl_sft_dpo_grpo_at_pp2_tp2_train_as_one_process(tmp_path: Path, one: dict) -> None:
     from autotp.testing.spawn import run_ranks
 
     ranks = run_ranks(pipeline_runs, 4, str(tmp_path / "pp"), 2, False)
-    _check(ranks, one_process(str(tmp_path / "one")))
+    _check(ranks, one)

@@ -110,8 +110,9 @@ def sft(output: str, pp: int, tp: int, packed: bool) -> dict:
 
 
 def dpo(output: str, pp: int, tp: int, **options: Any) -> Any:
-    """DPOTrainer (trl_runs.py's settings and preference pairs), 2 pairs a step (one a micro-batch at pp 2), full
-    fine-tuning against a separate, unwrapped reference model. With `options`: the trainer built, or its refusal."""
+    """DPOTrainer (trl_runs.py's settings and preference pairs), 2 accumulation steps of 2 pairs a step (one pair a
+    micro-batch at pp 2), full fine-tuning against a separate, unwrapped reference model. With `options`: the trainer
+    built, or its refusal."""
     from grpo_lora import tokenizer
     from train_trainer import tiny_llama
     from trl import DPOTrainer
@@ -122,6 +123,7 @@ def dpo(output: str, pp: int, tp: int, **options: Any) -> Any:
     torch.manual_seed(1)  # a reference unlike the policy, so the first step's rewards are not zero already
     reference = tiny_llama()
     args = dpo_config(output)
+    args.gradient_accumulation_steps = 2  # DPO's loss is divided for accumulation by Trainer, not by itself
     for key, value in options.items():
         setattr(args, key, value)
     build = _trainer("RecordingDPO", DPOTrainer, pp)

@@ -63,6 +63,7 @@ def _check_refusals(refused: dict[str, str]) -> None:
     assert "top_entropy_quantile=0.5" in refused["grpo quantile"], refused["grpo quantile"]
     assert "Doubled.compute_loss computes the loss itself" in refused["subclass"], refused["subclass"]
     assert "padding_free" in refused["bfd"], refused["bfd"]
+    assert "fused LM head outside a training step" in refused["evaluate"], refused["evaluate"]
 
 
 @pytest.fixture(scope="module")

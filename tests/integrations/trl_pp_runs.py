@@ -187,11 +187,17 @@ def refusals(pp: int, tp: int, output: str) -> dict[str, str]:
     said = {"aot": dpo(output, pp, tp, loss_type=["aot"]), "sft loss": dpo(output, pp, tp, loss_type=["sft"])}
     said["grpo quantile"] = grpo(output, pp, tp, top_entropy_quantile=0.5)
     config = SFTConfig(output_dir=output, report_to=[], use_cpu=True, bf16=False, max_length=32)
+    data = {"train_dataset": sft_data(256), "eval_dataset": sft_data(256), "processing_class": tokenizer(256)}
+    try:  # evaluation calls TRL's fused head outside a training step: it would run only this rank's layers
+        tp_trainer(SFTTrainer)(model=_policy(pp, tp), args=config, **data).evaluate()
+        said["evaluate"] = "evaluated"
+    except NotImplementedError as error:
+        said["evaluate"] = str(error)
     for name, build, options in (("subclass", Doubled, {}), ("bfd", tp_trainer(SFTTrainer), {"packing": True})):
         for key, value in options.items():
             setattr(config, key, value)
         try:
-            build(model=_policy(pp, tp), args=config, train_dataset=sft_data(256), processing_class=tokenizer(256))
+            build(model=_policy(pp, tp), args=config, **data)
             said[name] = "built"
         except NotImplementedError as error:
             said[name] = str(error)

@@ -1,10 +1,12 @@
-"""TRL's SFTTrainer and DPOTrainer under a pipeline (`AutoTPTrainer` at pp_size > 1).
+"""TRL's SFTTrainer, DPOTrainer and GRPOTrainer under a pipeline (`AutoTPTrainer` at pp_size > 1).
 
 Their `compute_loss` runs on the last stage once per micro-batch against a stand-in model (`autotp.pp.own_loss`). The
 micro-batches' losses must add up to one process's loss of the whole batch: SFT divides its token sums by the
 accumulation window's label tokens (`num_items_in_batch`), so each micro-batch's loss counts as it is; DPO averages
 over its pairs, so each micro-batch's loss is weighted by its share of the pairs, and each micro-batch holds whole
-pairs (its chosen rows, then the same pairs' rejected rows, as DPO's batch does). What TRL logs is computed once more
+pairs (its chosen rows, then the same pairs' rejected rows, as DPO's batch does); GRPO's weight follows its
+`loss_type` (`GRPO_WEIGHTS`). Trainer's `training_step` (and TRL's around it: GRPO generates there) runs as at pp 1;
+its call of `compute_loss` runs the schedule (`pipeline_step`). What TRL logs is computed once more
 for the whole batch on the last stage from the micro-batches' outputs (`Replay`: the metrics one process computes,
 and the loss, checked against the micro-batches' sum), then sent to every rank of the pipeline. Options whose loss
 does not add up over micro-batches, or that call the model outside the training step, are refused by name.

@@ -171,10 +171,10 @@ def _step(trainer: Trainer, kind: str, inputs: dict[str, Any], num_items: Any) -
     with trainer.compute_loss_context_manager():
         total, outputs = run_own_loss(model, trainer.model, batch, loss)
     _restore(trainer, kept)
-    verdict = None
-    if holds_last_stage(model):
+    verdict, last = None, holds_last_stage(model)
+    if last:
         verdict = _replay(trainer, inputs, num_items, outputs, order, batch, total, scale)
-    logged = from_last_stage(pipeline_group(model), (verdict, _logged_state(trainer)))
+    logged = from_last_stage(pipeline_group(model), (verdict, _logged_state(trainer)), last)
     _restore(trainer, logged[1])
     if logged[0] is not None:
         raise RuntimeError(logged[0])

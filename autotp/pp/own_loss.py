@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import Group, device_of, named_failure
+from ..mesh import Group, named_failure
 from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import patch_attribute
 from ..state import find_state
@@ -109,7 +109,7 @@ def run_own_loss(
     state = find_state(model)
     pipeline = None if state is None else state.dim(PipelineParallelism)
     assert pipeline is not None  # the caller runs this at pp > 1 only
-    last = pipeline.runner.modules[-1]
+    last = _last_stage(pipeline)
     outputs: list[Any] = []
 
     def run(tokens: torch.Tensor, micro: dict[str, Any]) -> torch.Tensor:
@@ -123,19 +123,25 @@ def run_own_loss(
 
     # the trainer's batch (GRPO's completions, sampled on every rank) must be the same on every stage
     check_same_batch(pipeline.runner.group, [(f"{k}=", batch[k]) for k in sorted(batch)], "PP")
-    if last.last:
+    if last is not None:
         last.own_loss = run
     try:
         total = pipeline.forward_backward(model, batch)
     finally:
-        last.own_loss = None
+        if last is not None:
+            last.own_loss = None
     return total, outputs
+
+
+def _last_stage(pipeline: PipelineParallelism) -> Any:
+    """This rank's module of the pipeline's last stage, or None (a looped or V schedule puts it on any rank)."""
+    return next((module for module in pipeline.runner.modules if module.last), None)
 
 
 def holds_last_stage(model: nn.Module) -> bool:
     state = find_state(model)
     pipeline = None if state is None else state.dim(PipelineParallelism)
-    return pipeline is not None and pipeline.runner.modules[-1].last
+    return pipeline is not None and _last_stage(pipeline) is not None
 
 
 def pipeline_group(model: nn.Module) -> Group:
@@ -145,13 +151,13 @@ def pipeline_group(model: nn.Module) -> Group:
     return pipeline.runner.group
 
 
-def from_last_stage(group: Group, value: Any) -> Any:
-    """`value` as the last stage of the pipeline holds it, on every rank of the pipeline (any picklable object)."""
-    last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
-    box = [value]
-    with named_failure(group, "the pipeline's broadcast of the trainer's logged metrics from the last stage"):
-        dist.broadcast_object_list(box, src=last, group=group, device=device_of(group))
-    return box[0]
+def from_last_stage(group: Group, value: Any, holds_last: bool) -> Any:
+    """`value` as the rank holding the pipeline's last stage (`holds_last`: this one) has it, on every rank of the
+    pipeline (any picklable object; the schedule decides which rank that is, so each says)."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    with named_failure(group, "the pipeline's gather of the trainer's logged metrics from the last stage"):
+        dist.all_gather_object(everyone, (holds_last, value if holds_last else None), group=group)
+    return next(held for holds, held in everyone if holds)
 
 
 class Guarded:

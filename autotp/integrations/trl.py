@@ -14,8 +14,9 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 
-from ..accessors import cp_size, dp_rank, dp_size, pp_size
+from ..accessors import cp_size, dp_rank, dp_size
 from ..compat import trainer as trainer_compat
+from ..pp.own_loss import pipeline_size
 from ..state import find_state, wrapped_model
 from .fused_head import make_vocab_parallel
 
@@ -58,7 +59,7 @@ def _count_replicas_in_generation_batch(trainer: Trainer) -> None:
         )
         if value == std
     ]
-    if (trainer.get_tp_size() > 1 or pp_size(trainer.model) > 1) and (whole or local % trainer.num_generations):
+    if (trainer.get_tp_size() > 1 or pipeline_size(trainer.model) > 1) and (whole or local % trainer.num_generations):
         name = type(trainer).__name__
         raise ValueError(
             f"autotp: TRL's {name} gathers rewards over every process, where TP and PP ranks repeat their "

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
-from ..accessors import cp_size, dp_group, pp_size
+from ..accessors import cp_size, dp_group
 from ..mesh import group_size, named_failure
 from ..pp.own_loss import (
     SCHEDULED,
@@ -32,11 +32,12 @@ from ..pp.own_loss import (
     guard,
     holds_last_stage,
     pipeline_group,
+    pipeline_size,
     run_own_loss,
 )
 from ..runtime.collectives import all_gather
 from ..runtime.rng import sync_replicated_stream
-from ..state import find_state, wrapped_model
+from ..state import wrapped_model
 from .pipeline_rows import microbatches
 
 Layout = tuple[torch.Tensor, list[dict[str, Any]], list[float]]  # row order, micro-batches' inputs, loss weights
@@ -56,7 +57,7 @@ def trl_kind(trainer: Trainer) -> str | None:
 def check_pipeline_trainer(trainer: Trainer, own: list[type]) -> None:
     """At construction, pp_size > 1, a trainer with its own `compute_loss` (`own`: the classes defining it): TRL's SFT
     and DPO with options whose loss adds up over micro-batches; anything else refused, naming the class or option."""
-    pp, name, kind = pp_size(trainer.model), type(trainer).__name__, trl_kind(trainer)
+    pp, name, kind = pipeline_size(trainer.model), type(trainer).__name__, trl_kind(trainer)
     foreign = [c.__name__ for c in own if not c.__module__.startswith("trl.")]
     if kind is None or foreign:
         raise NotImplementedError(
@@ -106,8 +107,7 @@ def _refused_option(trainer: Trainer, kind: str) -> str | None:
     ref = getattr(trainer, "ref_model", None)
     if ref is None:
         return "no ref_model (the reference would be the policy's own layers with its adapters off)"
-    state = find_state(wrapped_model(ref) or ref)
-    if state is not None and state.options.pp_size > 1:
+    if pipeline_size(ref) > 1:
         return (
             "a ref_model wrapped with pp_size > 1 (compute_loss runs it on the last stage only); give an unwrapped "
             "reference model"
@@ -304,7 +304,7 @@ def _dpo(trainer: Trainer, inputs: dict[str, Any], micro: int) -> Layout:
     pairs = rows // 2
     if pairs % micro:
         raise ValueError(
-            f"{type(trainer).__name__} at pp_size={pp_size(trainer.model)}: a batch of {pairs} pairs does not split "
+            f"{type(trainer).__name__} at pp_size={pipeline_size(trainer.model)}: a batch of {pairs} pairs does not split "
             f"into pp_microbatches={micro} micro-batches of whole pairs; give a multiple of {micro} pairs"
         )
     per = pairs // micro

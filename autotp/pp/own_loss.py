@@ -144,6 +144,13 @@ def holds_last_stage(model: nn.Module) -> bool:
     return pipeline is not None and _last_stage(pipeline) is not None
 
 
+def pipeline_size(model: nn.Module) -> int:
+    """The ranks of `model`'s pipeline (1 without one): what an integration asks instead of reading the options."""
+    state = find_state(model)
+    pipeline = None if state is None else state.dim(PipelineParallelism)
+    return 1 if pipeline is None else dist.get_world_size(pipeline.runner.group)
+
+
 def pipeline_group(model: nn.Module) -> Group:
     state = find_state(model)
     pipeline = None if state is None else state.dim(PipelineParallelism)

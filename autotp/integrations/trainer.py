@@ -388,8 +388,8 @@ def own_loss(trainer: Trainer) -> list[type]:
 
 def refuse_own_loss(trainer: Trainer) -> None:
     """Under a pipeline the step is `autotp.forward_backward`, whose loss is the model's own on the last stage: a
-    subclass's `compute_loss` would never run, its loss silently replaced. TRL's SFT, DPO and GRPO run theirs on the last
-    stage (`autotp.integrations.trl_pipeline`); any other is refused there, by name."""
+    subclass's `compute_loss` would never run, its loss silently replaced. TRL's SFT, DPO and GRPO run theirs on the
+    last stage (`autotp.integrations.trl_pipeline`); any other is refused there, by name."""
     own = own_loss(trainer)
     if own and pp_size(trainer.model) > 1:
         check_pipeline_trainer(trainer, own)

@@ -245,7 +245,7 @@ def _restore(trainer: Trainer, state: dict[str, Any]) -> None:
 
 @contextmanager
 def _gathers(trainer: Trainer, group: Any) -> Iterator[None]:
-    """The accelerator's gathers and reduces (TRL's metrics), over `group` (None: this rank's values alone) instead of every
+    """The accelerator's gathers and reduces (TRL's metrics), over `group` (None: this rank's values alone), not every
     process: only the last stage's ranks run `compute_loss` under a pipeline."""
     accelerator = trainer.accelerator
 
@@ -304,8 +304,8 @@ def _dpo(trainer: Trainer, inputs: dict[str, Any], micro: int) -> Layout:
     pairs = rows // 2
     if pairs % micro:
         raise ValueError(
-            f"{type(trainer).__name__} at pp_size={pipeline_size(trainer.model)}: a batch of {pairs} pairs does not split "
-            f"into pp_microbatches={micro} micro-batches of whole pairs; give a multiple of {micro} pairs"
+            f"{type(trainer).__name__} at pp_size={pipeline_size(trainer.model)}: a batch of {pairs} pairs does not "
+            f"split into pp_microbatches={micro} micro-batches of whole pairs; give a multiple of {micro} pairs"
         )
     per = pairs // micro
     parts = [

@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer (padded and packed), DPOTrainer and GRPOTrainer under a pipeline, for tests/integrations/test_trl_pipeline.py (a
-helper module beside it, not a test module).
+"""TRL's SFTTrainer (padded and packed), DPOTrainer and GRPOTrainer under a pipeline, for
+tests/integrations/test_trl_pipeline.py (a helper module beside it, not a test module).
 
 Each run is `tp_trainer(...)` on examples/train_trainer.py's tiny Llama (2 layers: one a stage at pp 2) wrapped at
 pp x tp, or TRL's own trainer in one process (pp 0), as a user runs either. It returns every step's loss, what TRL

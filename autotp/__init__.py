@@ -24,7 +24,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,
    `ep.grads`, `ep.fsdp`, `ep.groups`, `ep.dispatch`, `ep.regions`, `ep.guard`, `ep.gathered`, `ep.modality`,
-   `ep.apply`, `ep.dimension`, `pp`, `pp.cut`, `pp.release`, `pp.router`, `pp.sharded`, `pp.draws`, `pp.zero_bubble`, `pp.schedule`, `pp.shared`, `pp.chain`, `pp.stage_names`, `pp.stage_tensors`, `pp.dimension`, `pp.generate`, `pp.report`
+   `ep.apply`, `ep.dimension`, `pp`, `pp.cut`, `pp.release`, `pp.router`, `pp.sharded`, `pp.draws`, `pp.zero_bubble`, `pp.schedule`, `pp.shared`, `pp.chain`, `pp.stage_names`, `pp.stage_tensors`, `pp.dimension`, `pp.generate`, `pp.own_loss`, `pp.report`
 6. files: `io`, `io.errors`, `io.streaming`, `io.staging`, `io.hf`, `io.hf.safetensors`, `io.hf.parts`,
    `io.hf.save`, `io.hf.load`, `io.checkpoint`, `io.checkpoint.rng_state`, `io.checkpoint.chunks`,
    `io.checkpoint.save`, `io.checkpoint.legacy`, `io.checkpoint.legacy_optimizer`, `io.checkpoint.restore`,
@@ -35,7 +35,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `integrations.hf_methods`, `parallelize`, `api`
 8. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.batch_rows`, `integrations.trainer`,
+9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.batch_rows`, `integrations.trl_pipeline`, `integrations.trainer`,
    `integrations.trainer_checkpoints`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
 """
 

@@ -28,7 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
 
-from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, pp_size, tp_group, tp_size
+from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, tp_group, tp_size
 from ..compat import check_versions
 from ..compat import trainer as trainer_compat
 from ..dp.ddp import allreduce_gradients, clip_grad_norm_, data_parallel_sampler
@@ -39,8 +39,10 @@ from ..runtime.dimension import forward_backward, stepping
 from ..runtime.rng import sync_replicated_stream
 from ..state import state_of, wrapped_model
 from . import trainer_checkpoints
-from .batch_rows import refuse_uneven_batch, refuse_uneven_batches
+from .batch_rows import refuse_uneven_batch, refuse_uneven_batches, row_multiple
 from .trl import adds_aux_loss, check_trl_setup, generates, generation_loader, grpo_eval_loader
+from .trl_pipeline import check_pipeline_trainer, runs_pipeline, sync_generators
+from .trl_pipeline import pipeline_step as trl_pipeline_step
 
 
 class _EpochBatches(BatchSampler):
@@ -274,7 +276,12 @@ class AutoTPTrainer(Trainer):
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         """With token averaging the loss is this replica's share of the global sum: times the DP size, as DDP averages
-        (TRL's SFT with a MoE load-balancing loss: its token count over the DP size instead, see `adds_aux_loss`)."""
+        (TRL's SFT with a MoE load-balancing loss: its token count over the DP size instead, see `adds_aux_loss`).
+        Under a pipeline, a TRL trainer's training step runs the whole schedule here, its `compute_loss` on the last
+        stage per micro-batch (`autotp.integrations.trl_pipeline`), so that its own `training_step` still runs."""
+        if runs_pipeline(self):
+            refuse_uneven_batch(self, find_batch_size(inputs))
+            return trl_pipeline_step(self, inputs, num_items_in_batch, return_outputs)
         shared = self.args.average_tokens_across_devices and num_items_in_batch is not None and adds_aux_loss(self)
         count = num_items_in_batch / dp_size(self.model) if shared else num_items_in_batch
         with self._no_world_token_average() as average:
@@ -291,7 +298,7 @@ class AutoTPTrainer(Trainer):
         schedule); the loss returned for logging is the mean over DP replicas (TP ranks agree already). Under expert
         parallelism (no DDP) the gradients are synced after the accumulation window's last micro-batch, before Trainer
         clips them: `autotp.allreduce_gradients`, the experts over expert-DP."""
-        if stepping(self.model) is None:
+        if stepping(self.model) is None or own_loss(self):  # a trainer's own loss: run by its compute_loss
             loss = super().training_step(model, inputs, num_items_in_batch)
         else:
             loss = self._pipeline_step(inputs, num_items_in_batch)
@@ -309,10 +316,11 @@ class AutoTPTrainer(Trainer):
         """Under a pipeline the step is `autotp.forward_backward` (a schedule interleaves its micro-batches' forwards
         and backwards), each gradient accumulation step one schedule over `pp_microbatches` micro-batches of its batch.
         Its loss is divided by the accumulation window's label tokens, as Trainer divides the model's at pp 1 (with
-        token averaging: the count over DP, each replica's share times the DP size, which the DP average undoes)."""
+        token averaging: the count over DP, each replica's share times the DP size, which the DP average undoes).
+        TRL's trainers keep Trainer's step and run the pipeline from `compute_loss` instead (`compute_loss`)."""
         if num_items_in_batch is None:
             raise NotImplementedError(
-                f"AutoTPTrainer at pp_size={pp_size(self.model)} without num_items_in_batch (a model whose forward "
+                f"AutoTPTrainer at {row_multiple(self)[2]} without num_items_in_batch (a model whose forward "
                 f"takes no loss keywords, or batches without labels): a pipeline divides its loss by the label tokens "
                 f"Trainer counts"
             )
@@ -336,6 +344,7 @@ class AutoTPTrainer(Trainer):
         different replicas' files, or none (more ranks than saved): each TP group then takes its rank 0's
         generators, as `wrap` does, since its ranks must draw alike."""
         trainer_compat.replaced(self, AutoTPTrainer, "load_rng_state")(checkpoint)
+        sync_generators(self)  # under a pipeline, GRPO's stages too
         sync_replicated_stream(tp_group(self.model))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -373,17 +382,17 @@ def check_replica_part(trainer: Trainer, sampler: Sampler, dataset: Dataset) -> 
         )
 
 
+def own_loss(trainer: Trainer) -> list[type]:
+    """The classes of `trainer` (TRL's trainers, a user's subclass) that define their own `compute_loss`."""
+    return [c for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (AutoTPTrainer, Trainer)]
+
+
 def refuse_own_loss(trainer: Trainer) -> None:
-    """Under a pipeline the step is `autotp.forward_backward`, whose loss is the model's own on the last stage: a
-    subclass's `compute_loss` (TRL's trainers, a user's) would never run, its loss silently replaced, so refuse it."""
-    own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (AutoTPTrainer, Trainer)]
-    if own and pp_size(trainer.model) > 1:
-        raise NotImplementedError(
-            f"{type(trainer).__name__} at pp_size={pp_size(trainer.model)}: {own[0]}.compute_loss computes the loss "
-            f"itself, but under a pipeline a step is autotp.forward_backward, whose loss is the model's own (from "
-            f"the labels, on the last stage), so that compute_loss would not run; a trainer with its own loss (TRL's) "
-            f"under a pipeline is not built yet: use AutoTPTrainer, or pp_size=1"
-        )
+    """Under a pipeline a subclass's `compute_loss` would never run (the step is the schedule's, the loss the model's
+    own): TRL's SFT, DPO and GRPO run theirs on the last stage (`integrations.trl_pipeline`), any other refused there."""
+    own = own_loss(trainer)
+    if own and stepping(trainer.model) is not None:
+        check_pipeline_trainer(trainer, own)
 
 
 def tp_trainer(trainer_class: type[Trainer]) -> type[Trainer]:

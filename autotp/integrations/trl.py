@@ -18,6 +18,7 @@ from transformers import Trainer
 from ..accessors import dp_rank, dp_size
 from ..compat import trainer as trainer_compat
 from ..mesh import group_size
+from ..pp.own_loss import pipeline_size
 from ..state import find_state, state_of, wrapped_model
 from .fused_head import make_vocab_parallel
 
@@ -61,10 +62,10 @@ def _count_replicas_in_generation_batch(trainer: Trainer) -> None:
         )
         if value == std
     ]
-    if trainer.get_tp_size() > 1 and (whole or local % trainer.num_generations):
+    if (trainer.get_tp_size() > 1 or pipeline_size(trainer.model) > 1) and (whole or local % trainer.num_generations):
         name = type(trainer).__name__
         raise ValueError(
-            f"autotp: TRL's {name} gathers rewards over every process, where TP ranks repeat their "
+            f"autotp: TRL's {name} gathers rewards over every process, where TP and PP ranks repeat their "
             "replica's: "
             + (
                 f"{' and '.join(whole)} take a std over all of them (GRPO: use "

@@ -97,6 +97,7 @@ class StageModule(nn.Module):
         object.__setattr__(self, "layers", [view[cut.layers][i] for i in mine])
         self.num_items: torch.Tensor | None = None
         self.logits: list[torch.Tensor] | None = None  # the last stage's, kept while evaluating
+        self.own_loss: Callable[..., torch.Tensor] | None = None  # a trainer's loss in place of the model's
         self._received: torch.Tensor | None = None
         self._sent: torch.Tensor | None = None
 
@@ -119,6 +120,8 @@ class StageModule(nn.Module):
         self.patched.stage = self
         try:
             with swapped(self.model.get_submodule(self.cut.base), self.view):
+                if self.last and self.own_loss is not None:  # a trainer's loss (`autotp.pp.own_loss`)
+                    return self.own_loss(tokens, batch)
                 return self._output(self.model(input_ids=tokens, **batch, use_cache=False))
         finally:
             self.patched.stage = None

@@ -48,18 +48,6 @@ ALLOWED: dict[str, str] = {
     "split_vocab, options.example_inputs)": PLANNER,
 }
 
-# The pipeline's lines outside autotp/pp/ left to issue 50's `step` hook; shrunk to what remains once
-# those land (held apart from ALLOWED, whose limit they do not count against until then).
-STEP = (
-    "the Trainer's and testing.parity's pp_size branches, replaced by the `step` hook (issue 50 item 2, helper ppstep)"
-)
-PIPELINE_LEFTOVERS: dict[str, str] = {
-    "integrations/trainer.py (pp): from ..accessors import dp_cp_group, dp_group, dp_rank, dp_size, pp_size, tp_group, tp_size": STEP,
-    'integrations/trainer.py (pp): f"AutoTPTrainer at pp_size={pp_size(self.model)} without num_items_in_batch (a model whose forward "': STEP,
-    "integrations/trainer.py (pp): if own and pp_size(trainer.model) > 1:": STEP,
-    'integrations/trainer.py (pp): f"{type(trainer).__name__} at pp_size={pp_size(trainer.model)}: {own[0]}.compute_loss computes the loss "': STEP,
-}
-
 BRANCH = re.compile(r"\bstate\.(ep|context)\b|\bautotp_state\.(ep|context)\b")
 
 
@@ -163,7 +151,7 @@ def dimension_lines() -> dict[str, list[int]]:
 
 def test_no_module_names_a_dimension_outside_its_package() -> None:
     found = dimension_lines()
-    listed = {**ALLOWED, **PIPELINE_LEFTOVERS}
+    listed = ALLOWED
     new = [f"{key} (line {', '.join(map(str, lines))})" for key, lines in found.items() if key not in listed]
     assert new == [], (
         "a dimension named outside its package: move the behaviour behind a hook of autotp.runtime.dimension."
@@ -171,8 +159,7 @@ def test_no_module_names_a_dimension_outside_its_package() -> None:
     )
     assert [key for key in listed if key not in found] == [], "an allowed line no longer exists: delete its entry"
     assert sum(len(found[key]) for key in ALLOWED) <= 4, "at most 4 lines across all dimensions (issue 50)"
-    assert all(ALLOWED.values()) and all(PIPELINE_LEFTOVERS.values())
-    assert all(" (pp): " in key for key in PIPELINE_LEFTOVERS)
+    assert all(ALLOWED.values())
 
 
 def test_the_count_sees_each_kind_of_name() -> None:

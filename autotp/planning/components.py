@@ -80,6 +80,7 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
         head_norms=tuple(move(h) for h in plan.head_norms),
         head_inputs=tuple(replace(h, path=move(h.path)) for h in plan.head_inputs),
         attention=tuple(replace(a, path=move(a.path)) for a in plan.attention),
+        params=tuple(replace(p, path=move(p.path)) for p in plan.params),
         replicated=tuple((move(p), why) for p, why in plan.replicated),
     )
 
@@ -108,6 +109,7 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
         head_norms=tuple(h for _, p in parts for h in p.head_norms),
         head_inputs=tuple(h for _, p in parts for h in p.head_inputs),
         attention=tuple(a for _, p in parts for a in p.attention),
+        params=tuple(h for _, p in parts for h in p.params),
         replicated=tuple(r for _, p in parts for r in p.replicated) + outside,
         vocab_reason=next((p.vocab_reason for _, p in parts if p.vocab_reason), ""),
     )

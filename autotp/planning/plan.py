@@ -55,6 +55,17 @@ class RegionPlan:
     path: str
     partitions: tuple[tuple[str, tuple[int, ...], Partition], ...]  # (param name, full shape, partition)
     reason: str
+    bias_once: tuple[str, ...] = ()  # per-expert output biases: whole on every rank, added to the sum once
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """A parameter of a sharded attention block with one entry per query head (gpt-oss's sinks): split with them."""
+
+    path: str  # the block
+    name: str
+    shape: tuple[int, ...]
+    partition: Partition
 
 
 @dataclass(frozen=True)
@@ -124,9 +135,11 @@ class Plan:
     replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
+    params: tuple[ParamPlan, ...] = ()  # per-head parameters split with their heads
 
     def partitions(self) -> list[Partition]:
-        return [layer.partition for layer in self.layers] + [p for r in self.regions for _, _, p in r.partitions]
+        regions = [p for r in self.regions for _, _, p in r.partitions]
+        return [layer.partition for layer in self.layers] + regions + [p.partition for p in self.params]
 
     def replica_groups(self) -> set[tuple[int, ...]]:
         """Sets of TP ranks that hold the same rows of some tensor (replicated KV heads)."""
@@ -141,6 +154,7 @@ class Plan:
                 out[f"{layer.path}.bias"] = layer.partition.with_dim(0)
         for region in self.regions:
             out.update({f"{region.path}.{name}": partition for name, _, partition in region.partitions})
+        out.update({f"{param.path}.{param.name}": param.partition for param in self.params})
         if self.vocab is not None and self.vocab.embedding is not None:
             out[f"{self.vocab.embedding}.weight"] = self.vocab.partition
         return out
@@ -199,6 +213,13 @@ class Plan:
                     f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
                     f"  ({region.reason})"
                 )
+            for name in region.bias_once:
+                lines.append(f"  {'experts':<10} {region.path}.{name}  replicated, added to the sum on TP rank 0")
+        for param in self.params:
+            lines.append(
+                f"  {'per-head':<10} {param.path}.{param.name}  {param.shape} -> "
+                f"{_local_shapes(param.shape, param.partition)}  (split with the block's heads)"
+            )
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

@@ -53,6 +53,8 @@ class Rule:
     head_norms: tuple[str, ...] = ()
     head_inputs: tuple[str, ...] = ()  # kwargs holding (batch*heads, ...) tensors, such as ALiBi
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
+    head_params: tuple[str, ...] = ()  # attention: parameters with one entry per query head on dim 0 (sinks)
+    bias_once: tuple[str, ...] = ()  # experts: per-expert output biases, added on one TP rank (the sum counts it once)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ _RULE_KEYS = {
     "head_norms",
     "head_inputs",
     "local_config",
+    "head_params",
+    "bias_once",
 }
 
 
@@ -113,6 +117,8 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         head_norms=tuple(raw.get("head_norms", ())),
         head_inputs=_names(raw.get("head_inputs", ()), f"{where}: head_inputs"),
         local_config=tuple(raw.get("local_config", ())),
+        head_params=_names(raw.get("head_params", ()), f"{where}: head_params"),
+        bias_once=_names(raw.get("bias_once", ()), f"{where}: bias_once"),
     )
 
 

@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, Plan, RegionPlan, Replicated, Why
+from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, ParamPlan, Plan, RegionPlan, Replicated, Why
 from .policy import Policy, Rule
 from .sharding import HeadLayout, layout_partition, split_ranges
 
@@ -67,6 +67,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         tuple(acc.attention),
         replicated,
         vocab_reason=policy.no_vocab_parallel,
+        params=tuple(acc.params),
     )
 
 
@@ -78,6 +79,7 @@ class _Accumulator:
     head_norms: list[str] = field(default_factory=list)
     head_inputs: list[HeadInputPlan] = field(default_factory=list)
     attention: list[HeadsPlan] = field(default_factory=list)
+    params: list[ParamPlan] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -101,7 +103,9 @@ def _count(config, spec: str | int) -> int:
 
 
 def _parts(layout: str) -> int:
-    return layout.count("|") + 1
+    """Rows per item of a layout: one per "|" part, and per token of an interleaved "(w w)" part."""
+    blocks = [b.strip() for b in layout.split("|")]
+    return sum(len(b.strip("()").split()) if b.startswith("(") else 1 for b in blocks)
 
 
 def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
@@ -167,7 +171,22 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
     local_heads = tuple((r.start, len(r)) for r in layout.q)
     acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
     acc.attention.append(HeadsPlan(path, heads, local_heads))
+    acc.params.extend(_head_params(path, block, rule, acc.attention[-1]))
     return True
+
+
+def _head_params(path: str, block: nn.Module, rule: Rule, heads: HeadsPlan) -> list[ParamPlan]:
+    """The rule's per-head parameters of `block` (sinks), split along dim 0 as its query heads are."""
+    out = []
+    for name in rule.head_params:
+        param = getattr(block, name, None)
+        if param is None:
+            continue
+        if not isinstance(param, nn.Parameter) or param.dim() == 0 or param.shape[0] != heads.heads:
+            shape = tuple(getattr(param, "shape", ()))
+            raise ValueError(f"{path}.{name}: a per-head parameter needs {heads.heads} rows on dim 0, got {shape}")
+        out.append(ParamPlan(path, name, tuple(param.shape), heads.partition(0)))
+    return out
 
 
 def _attr(acc: _Accumulator, path: str, name: str, full: int, local: tuple[int, ...]) -> None:
@@ -211,7 +230,7 @@ def _check_width(path: str, what: str, width: int, tp: int) -> None:
 
 
 def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
-    found = {name: getattr(block, name, None) for name in rule.params}
+    found = {name: getattr(block, name, None) for name in [*rule.params, *rule.bias_once]}
     params = {name: p for name, p in found.items() if isinstance(p, nn.Parameter)}
     if len(params) != len(found):  # a rule's tensor is missing or not a parameter: not this block
         return False
@@ -225,5 +244,5 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
         (name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
         for name, (dim, spec) in rule.params.items()
     )
-    acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
+    acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split", rule.bias_once))
     return True

@@ -106,6 +106,7 @@ def without_blocks(plan: Plan, reasons: dict[str, str]) -> Plan:
         head_norms=tuple(h for h in plan.head_norms if not inside(h)),
         head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
         attention=tuple(a for a in plan.attention if not inside(a.path)),
+        params=tuple(p for p in plan.params if not inside(p.path)),
     )
 
 
@@ -225,6 +226,8 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     extra = [name for name, p in block.named_parameters() if id(p) not in sharded]
     allowed = {h[len(path) + 1 :] for h in plan.head_norms if h.startswith(path + ".")}
     extra = [name for name in extra if name.rsplit(".", 1)[0] not in allowed]
+    params = [p for p in plan.params if p.path == path]
+    extra = [name for name in extra if name not in {p.name for p in params}]
     if extra:
         return f"it holds parameters besides its projections ({extra[0]}), whose gradients would be partial"
     attrs = [a for a in plan.attrs if a.path == path or a.path.startswith(path + ".")]
@@ -233,7 +236,7 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     total = torch.zeros_like(expected)
     for rank in range(plan.tp_size):
         try:
-            total += _partial(block, path, layers, attrs, rank, record).float()
+            total += _partial(block, path, layers, attrs, params, rank, record).float()
         except Exception as err:  # the block cannot run on a shard at all: keep it whole
             return f"a shard of it fails to run ({_what(err, 100)})"
     gap = (total - expected).abs().max().item()
@@ -254,9 +257,12 @@ def _relative_tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if torch.finfo(dtype).bits >= 32 else 2e-2
 
 
-def _partial(block: nn.Module, path: str, layers, attrs, rank: int, record: dict) -> torch.Tensor:
-    """One rank's partial output: a copy of `block` holding only that rank's rows (row bias on rank 0)."""
+def _partial(block: nn.Module, path: str, layers, attrs, params, rank: int, record: dict) -> torch.Tensor:
+    """One rank's partial output: a copy of `block` holding only that rank's rows (row bias on rank 0) and its
+    heads' entries of each per-head parameter."""
     clone = copy.deepcopy(block)
+    for param in params:
+        setattr(clone, param.name, nn.Parameter(param.partition.shard(getattr(clone, param.name).detach(), rank)))
     for layer in layers:
         linear = clone.get_submodule(layer.path[len(path) + 1 :])
         linear.weight = nn.Parameter(layer.partition.shard(linear.weight.detach(), rank))

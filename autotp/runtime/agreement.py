@@ -78,6 +78,9 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
     }
     for region in plan.regions:
         entries[region.path] = f"experts {[(name, shape, p.dim, p.runs) for name, shape, p in region.partitions]}"
+        entries[region.path] += f" bias once {region.bias_once}" if region.bias_once else ""
+    for param in plan.params:
+        entries[f"{param.path}.{param.name}"] = f"per-head {param.shape} {param.partition.runs}"
     for attr in plan.attrs:
         entries[f"{attr.path}.{attr.name}"] = f"{attr.full} {attr.local}"
     for head_input in plan.head_inputs:

@@ -25,6 +25,7 @@ from ..state import TPState, attach
 from .block_entry import BlockEntry
 from .heads import AttentionWeights, tag_heads
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
+from .params import ShardedParams
 from .streams import install_sharded_streams
 
 
@@ -68,8 +69,11 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
             )
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
-        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
+        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state, region.bias_once))
         _experts_path(modules[region.path], partitions.values())
+    for path in dict.fromkeys(param.path for param in plan.params):
+        partitions = {param.name: param.partition for param in plan.params if param.path == path}
+        state.regions.append(ShardedParams(modules[path], partitions, tp_group))
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)

@@ -1,0 +1,50 @@
+"""Parameters sharded outside a linear: per-head entries split with their heads, an expert bias counted once.
+
+A per-head parameter (gpt-oss's attention sinks, one logit per query head) is read by the attention code beside the
+heads it belongs to: each rank keeps its heads' entries, so the attention needs no collective for it and its
+gradient is complete on the rank that holds it. An expert's output bias (gpt-oss's `down_proj_bias`) is added inside
+the experts module, before the TP sum of the partial outputs: every rank keeps it whole, and every rank but the
+first takes its routed contribution back out, detached from the bias, so the sum holds it once while every rank's
+bias gradient is the whole one (each rank sees the same output gradient and routing weights).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from ..mesh import Group, group_rank
+from ..planning.sharding import Partition
+from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
+
+
+class ShardedParams:
+    """Parameters of one module holding this rank's rows (`partitions`), switched whole and back in gathered mode."""
+
+    def __init__(self, module: nn.Module, partitions: Mapping[str, Partition], group: Group):
+        self.module, self.group, self.names = module, group, list(partitions)
+        rank = group_rank(group)
+        for name, partition in partitions.items():
+            setattr(module, name, shard_parameter(getattr(module, name), partition, rank))
+
+    def gather_(self) -> None:
+        for name in self.names:
+            gather_parameter_(getattr(self.module, name), self.group)
+
+    def partition_(self) -> None:
+        for name in self.names:
+            partition_parameter_(getattr(self.module, name))
+
+
+def routed_bias(module: nn.Module, name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Each token's sum of its routed experts' `name` bias rows, weighted as the experts' outputs are, with the bias
+    detached: `experts(hidden_states, top_k_index, top_k_weights)`, transformers' experts signature."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    _, index, weights = list(bound.values())[:3]
+    bias = getattr(module, name).detach()
+    valid = index < bias.shape[0]  # an index past the last expert masks a slot (gpt-oss skips it)
+    rows = bias[index.clamp(max=bias.shape[0] - 1)] * (weights * valid)[..., None]
+    return rows.sum(-2)

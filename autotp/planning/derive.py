@@ -109,11 +109,28 @@ def _block_rule(
             "heads": "num_attention_heads",
             "kv_heads": kv,
         }
+        per_head = [name for name, p in instance.named_parameters(recurse=False) if p.dim() and p.shape[0] == heads]
+        if per_head:  # one entry per query head (gpt-oss's sinks): split with the heads, then verified
+            rule["head_params"] = per_head
+        norms = _head_norms(instance, head_dim, set(children))
+        if norms:  # a norm over each head's dim (Qwen3's q_norm): whole on each rank, gradient summed, then verified
+            rule["head_norms"] = norms
         return "attention", rule
     parts = {name: 2 if columns[name] == "w | w" else 1 for name in columns}
     if all(out == row_in * parts[name] for name, out in outs.items()):
         return "mlp", {"match": block, "column": dict(columns), "row": list(row_layers)}
     return None
+
+
+def _head_norms(block: nn.Module, head_dim: int, linears: set[str]) -> list[str]:
+    """The children of an attention block, its projections aside, whose every parameter is one vector of a head's
+    size: norms applied to each head alone, so each rank runs them whole on its own heads."""
+    out = []
+    for name, child in block.named_children():
+        params = list(child.parameters())
+        if name not in linears and params and all(p.shape == (head_dim,) for p in params):
+            out.append(name)
+    return out
 
 
 def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
@@ -129,10 +146,12 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
             entry["row"].append(child)
         elif style == "replicated_with_grad_allreduce":
             entry["norms"].append(child)
+        elif style == "moe_tp_experts":  # the block's experts child is sharded as experts; its linears still count
+            entry["experts"] = True
         else:
             entry["other"].append(style)
     data: dict[str, list] = {"attention": [], "mlp": [], "experts": []}
-    experts = {path for path, e in blocks.items() if "moe_tp_experts" in e["other"]}
+    experts = {path for path, e in blocks.items() if e.get("experts")}
     for block, entry in blocks.items():
         parent = block.rpartition(".")[0]
         if parent in experts and set(entry["column"]) <= {"gate_up_proj"} and entry["row"] == ["down_proj"]:
@@ -147,7 +166,7 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
         if found:
             kind, rule = found
             if kind == "attention" and entry["norms"]:
-                rule["head_norms"] = entry["norms"]
+                rule["head_norms"] = sorted({*rule.get("head_norms", ()), *entry["norms"]})
             data[kind].append(rule)
     return parse_policy(data, name=model.config.model_type, origin=Origin.HF_PLAN)
 

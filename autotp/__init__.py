@@ -19,7 +19,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `runtime.shards`, `runtime.lazy_logits`, `runtime.param_steps`, `runtime.second_order`, `runtime.dimension`,
    `runtime.forward_end`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
-   `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
+   `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.params`, `tp.layers`, `tp.heads`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.hooked`, `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.chunked`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,

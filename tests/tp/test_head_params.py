@@ -21,7 +21,12 @@ from models import batch
 
 # What must be sharded (a rank holds its heads' sinks, its width of every expert); each name is under model.layers.0
 SHARDED = {
-    "gpt_oss": ["self_attn.sinks", "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj"],
+    "gpt_oss": [
+        "self_attn.sinks",
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.gate_up_proj_bias",
+        "mlp.experts.down_proj",
+    ],
     "flint": ["self_attn.sinks", "self_attn.q_proj.weight", "self_attn.o_proj.weight"],
 }
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))

@@ -1,6 +1,7 @@
 """Per-head parameters split with their heads and experts under TP alone (issue 51, items 1 and 4): gpt-oss's
 attention sinks and its experts (gate|up interleaved column by column, a bias on each, a clamped SwiGLU, the output
-bias counted once), and flint's sinks and per-head q/k norms (found by detection, verified by emulation), against one
+bias counted once), flint's sinks and per-head q/k norms (found by detection, verified by emulation) and MPT's fused
+Wqkv with ALiBi (a shipped policy), against one
 process: loss, every gradient, parameters after 3 AdamW steps (autotp.testing's fp32 tolerances: only the order of
 sums differs), and greedy generate with a cache (logits within 1e-5: fp32 rounding of reordered sums; a head's sink on
 the wrong rank or a bias counted twice moves them by a good part of their scale).
@@ -19,7 +20,7 @@ from autotp.planning.sharding import layout_partition, split_ranges
 from autotp.testing import assert_parity, compare_training, run_ranks, tiny_config
 from models import batch
 
-# What must be sharded (a rank holds its heads' sinks, its width of every expert); each name is under model.layers.0
+# What must be sharded (a rank holds its heads' sinks, its width of every expert), under each family's first layer
 SHARDED = {
     "gpt_oss": [
         "self_attn.sinks",
@@ -28,7 +29,9 @@ SHARDED = {
         "mlp.experts.down_proj",
     ],
     "flint": ["self_attn.sinks", "self_attn.q_proj.weight", "self_attn.o_proj.weight"],
+    "mpt": ["attn.Wqkv.weight", "attn.out_proj.weight", "ffn.up_proj.weight"],  # ALiBi sliced to each rank's heads
 }
+LAYERS = {"gpt_oss": "model.layers", "flint": "model.layers", "mpt": "transformer.blocks"}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
@@ -71,7 +74,7 @@ def families_parity(rank: int, world: int, families: list[str]) -> dict:
 def test_sinks_norms_and_experts_shard_with_one_process_parity(tp: int) -> None:
     for reports in run_ranks(families_parity, tp, list(SHARDED)):
         for family, report in reports.items():
-            missing = [n for n in SHARDED[family] if f"model.layers.0.{n}" not in report["shards"]]
+            missing = [n for n in SHARDED[family] if f"{LAYERS[family]}.0.{n}" not in report["shards"]]
             assert not missing, f"{family}: not sharded at tp {tp}: {missing}"
             assert_parity(report)
             same_tokens, gap = report["generate"]
@@ -94,6 +97,7 @@ def test_plan_shards_sinks_and_experts_on_meta(family: str) -> None:
     plan = build_plan(model, 4)
     sharded = plan.sharded_params(model)
     for name in SHARDED[family]:
-        assert f"model.layers.1.{name}" in sharded, (family, name)
-    sinks = sharded["model.layers.1.self_attn.sinks"]
-    assert [sinks.local_size(r) for r in range(4)] == [1, 1, 1, 1]
+        assert f"{LAYERS[family]}.1.{name}" in sharded, (family, name)
+    if family != "mpt":
+        sinks = sharded["model.layers.1.self_attn.sinks"]
+        assert [sinks.local_size(r) for r in range(4)] == [1, 1, 1, 1]

@@ -81,6 +81,7 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
         head_inputs=tuple(replace(h, path=move(h.path)) for h in plan.head_inputs),
         attention=tuple(replace(a, path=move(a.path)) for a in plan.attention),
         params=tuple(replace(p, path=move(p.path)) for p in plan.params),
+        norms=tuple(replace(n, path=move(n.path)) for n in plan.norms),
         replicated=tuple((move(p), why) for p, why in plan.replicated),
     )
 
@@ -110,6 +111,7 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
         head_inputs=tuple(h for _, p in parts for h in p.head_inputs),
         attention=tuple(a for _, p in parts for a in p.attention),
         params=tuple(h for _, p in parts for h in p.params),
+        norms=tuple(n for _, p in parts for n in p.norms),
         replicated=tuple(r for _, p in parts for r in p.replicated) + outside,
         vocab_reason=next((p.vocab_reason for _, p in parts if p.vocab_reason), ""),
     )

@@ -59,6 +59,16 @@ class RegionPlan:
 
 
 @dataclass(frozen=True)
+class NormPlan:
+    """A norm over a width TP splits (BitNet's attn_sub_norm, before the row projection): each rank normalises its
+    columns by the whole row's statistic, the `stat` ("mean" or "sum") of x^2 over `width` columns, all-reduced."""
+
+    path: str
+    stat: str
+    width: int
+
+
+@dataclass(frozen=True)
 class ParamPlan:
     """A parameter of a sharded attention block with one entry per query head (gpt-oss's sinks): split with them."""
 
@@ -135,7 +145,8 @@ class Plan:
     replicated: tuple[tuple[str, Why], ...] = ()  # (linear path, why it stays replicated)
     vocab: VocabPlan | None = None
     vocab_reason: str = ""
-    params: tuple[ParamPlan, ...] = ()  # per-head parameters split with their heads
+    params: tuple[ParamPlan, ...] = ()  # per-head parameters split with their heads, and sharded norms' weights
+    norms: tuple[NormPlan, ...] = ()  # norms over a split width: their statistics all-reduced
 
     def partitions(self) -> list[Partition]:
         regions = [p for r in self.regions for _, _, p in r.partitions]
@@ -215,10 +226,14 @@ class Plan:
                 )
             for name in region.bias_once:
                 lines.append(f"  {'experts':<10} {region.path}.{name}  replicated, added to the sum on TP rank 0")
+        for norm in self.norms:
+            lines.append(
+                f"  {'norm':<10} {norm.path}  on each rank's columns, {norm.stat} of x^2 over {norm.width} summed"
+            )
         for param in self.params:
             lines.append(
                 f"  {'per-head':<10} {param.path}.{param.name}  {param.shape} -> "
-                f"{_local_shapes(param.shape, param.partition)}  (split with the block's heads)"
+                f"{_local_shapes(param.shape, param.partition)}  (split with the block's heads or width)"
             )
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")

@@ -55,6 +55,9 @@ class Rule:
     local_config: tuple[str, ...] = ()  # config fields the block reads as head counts
     head_params: tuple[str, ...] = ()  # attention: parameters with one entry per query head on dim 0 (sinks)
     bias_once: tuple[str, ...] = ()  # experts: per-expert output biases, added on one TP rank (the sum counts it once)
+    sharded_norms: Mapping[str, str] = field(
+        default_factory=dict
+    )  # norm over the split width -> "mean" or "sum" of x^2
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ _RULE_KEYS = {
     "local_config",
     "head_params",
     "bias_once",
+    "sharded_norms",
 }
 
 
@@ -119,7 +123,14 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         local_config=tuple(raw.get("local_config", ())),
         head_params=_names(raw.get("head_params", ()), f"{where}: head_params"),
         bias_once=_names(raw.get("bias_once", ()), f"{where}: bias_once"),
+        sharded_norms=_norms(raw.get("sharded_norms", {}), f"{where}: sharded_norms"),
     )
+
+
+def _norms(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(v in ("mean", "sum") for v in value.values()):
+        raise ValueError(f'{where} maps each norm to the statistic it takes of x^2, "mean" or "sum"; got {value!r}')
+    return dict(value)
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:

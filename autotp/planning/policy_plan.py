@@ -13,9 +13,20 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .linears import features, is_linear, weight_dim
-from .plan import AttrPlan, HeadInputPlan, HeadsPlan, LayerPlan, ParamPlan, Plan, RegionPlan, Replicated, Why
+from .plan import (
+    AttrPlan,
+    HeadInputPlan,
+    HeadsPlan,
+    LayerPlan,
+    NormPlan,
+    ParamPlan,
+    Plan,
+    RegionPlan,
+    Replicated,
+    Why,
+)
 from .policy import Policy, Rule
-from .sharding import HeadLayout, layout_partition, split_ranges
+from .sharding import HeadLayout, Partition, layout_partition, split_ranges
 
 # Attributes HF attention code may read to reshape heads, and which count each holds.
 _HEAD_ATTRS = {
@@ -68,6 +79,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         replicated,
         vocab_reason=policy.no_vocab_parallel,
         params=tuple(acc.params),
+        norms=tuple(acc.norms),
     )
 
 
@@ -80,6 +92,7 @@ class _Accumulator:
     head_inputs: list[HeadInputPlan] = field(default_factory=list)
     attention: list[HeadsPlan] = field(default_factory=list)
     params: list[ParamPlan] = field(default_factory=list)
+    norms: list[NormPlan] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -172,7 +185,24 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
     acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
     acc.attention.append(HeadsPlan(path, heads, local_heads))
     acc.params.extend(_head_params(path, block, rule, acc.attention[-1]))
+    _sharded_norms(path, block, rule, layout_partition("w", 0, {"w": layout.q}, {"w": head_dim}), acc)
     return True
+
+
+def _sharded_norms(path: str, block: nn.Module, rule: Rule, partition: Partition, acc: _Accumulator) -> None:
+    """The rule's norms over the width the block splits (`partition`): their statistic all-reduced, their weight (if
+    any) split as the width is."""
+    for name, stat in rule.sharded_norms.items():
+        found = _children(block, [name])
+        if found is None:
+            continue
+        weights = dict(found[name].named_parameters())
+        if set(weights) - {"weight"} or ("weight" in weights and weights["weight"].shape != (partition.full_size,)):
+            shapes = {n: tuple(p.shape) for n, p in weights.items()}
+            raise ValueError(f"{path}.{name}: a norm over {partition.full_size} columns holds {shapes}")
+        acc.norms.append(NormPlan(f"{path}.{name}", stat, partition.full_size))
+        if weights:
+            acc.params.append(ParamPlan(f"{path}.{name}", "weight", (partition.full_size,), partition))
 
 
 def _head_params(path: str, block: nn.Module, rule: Rule, heads: HeadsPlan) -> list[ParamPlan]:
@@ -208,6 +238,7 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
         raise ValueError(f"{path}: the MLP projections disagree on the width: {widths}")
     _check_width(path, "MLP width", width, tp)
     owned = {"w": split_ranges(width, tp)}
+    _sharded_norms(path, block, rule, layout_partition("w", 0, owned, {"w": 1}), acc)
     for style, mapping in (("column", rule.column), ("row", rule.row)):
         for name, spec in mapping.items():
             module = children[name]

@@ -107,6 +107,7 @@ def without_blocks(plan: Plan, reasons: dict[str, str]) -> Plan:
         head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
         attention=tuple(a for a in plan.attention if not inside(a.path)),
         params=tuple(p for p in plan.params if not inside(p.path)),
+        norms=tuple(n for n in plan.norms if not inside(n.path)),
     )
 
 

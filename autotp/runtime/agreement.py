@@ -79,6 +79,8 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
     for region in plan.regions:
         entries[region.path] = f"experts {[(name, shape, p.dim, p.runs) for name, shape, p in region.partitions]}"
         entries[region.path] += f" bias once {region.bias_once}" if region.bias_once else ""
+    for norm in plan.norms:
+        entries[norm.path] = f"sharded norm {norm.stat} over {norm.width}"
     for param in plan.params:
         entries[f"{param.path}.{param.name}"] = f"per-head {param.shape} {param.partition.runs}"
     for attr in plan.attrs:

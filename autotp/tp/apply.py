@@ -25,7 +25,7 @@ from ..state import TPState, attach
 from .block_entry import BlockEntry
 from .heads import AttentionWeights, tag_heads
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
-from .params import ShardedParams
+from .params import ShardedNorm, ShardedParams
 from .streams import install_sharded_streams
 
 
@@ -74,6 +74,8 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
     for path in dict.fromkeys(param.path for param in plan.params):
         partitions = {param.name: param.partition for param in plan.params if param.path == path}
         state.regions.append(ShardedParams(modules[path], partitions, tp_group))
+    for norm in plan.norms:
+        ShardedNorm(modules[norm.path], norm.stat, norm.width, tp_group, state)
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)

@@ -1,4 +1,5 @@
-"""Parameters sharded outside a linear: per-head entries split with their heads, an expert bias counted once.
+"""Parameters sharded outside a linear: per-head entries split with their heads, an expert bias counted once, and
+norms over a split width computed exactly.
 
 A per-head parameter (gpt-oss's attention sinks, one logit per query head) is read by the attention code beside the
 heads it belongs to: each rank keeps its heads' entries, so the attention needs no collective for it and its
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..mesh import Group, group_rank
 from ..planning.sharding import Partition
+from ..runtime.collectives import copy_to_tp, reduce_from_tp
 from ..runtime.shards import gather_parameter_, partition_parameter_, shard_parameter
 
 
@@ -48,3 +50,24 @@ def routed_bias(module: nn.Module, name: str, args: tuple, kwargs: dict) -> torc
     valid = index < bias.shape[0]  # an index past the last expert masks a slot (gpt-oss skips it)
     rows = bias[index.clamp(max=bias.shape[0] - 1)] * (weights * valid)[..., None]
     return rows.sum(-2)
+
+
+class ShardedNorm:
+    """A norm over a width TP splits, exact: the module runs on this rank's columns, then its output is rescaled from
+    its own columns' statistic to the whole row's (the `stat`, mean or sum, of x^2 all-reduced). RMS and L2 norms
+    scale each row by rsqrt(stat + eps), whatever their weight does, so the ratio is exact for either."""
+
+    def __init__(self, module: nn.Module, stat: str, width: int, group: Group, state):
+        self.stat, self.width, self.group = stat, width, group
+        self.eps = next(getattr(module, n) for n in ("variance_epsilon", "eps", "epsilon") if hasattr(module, n))
+        module.register_forward_hook(state.sharded_only(self._rescale))
+
+    def _rescale(self, module, args, output):
+        x = args[0].float()
+        local = x.pow(2).sum(-1, keepdim=True)
+        # forward: the all-reduced sum; backward: every rank's part of its gradient summed (the clone: reduce_from_tp
+        # sums in place, and copy_to_tp returns its input)
+        whole = reduce_from_tp(copy_to_tp(local, self.group).clone(), self.group)
+        if self.stat == "mean":
+            local, whole = local / x.shape[-1], whole / self.width
+        return output * (torch.sqrt(local + self.eps) * torch.rsqrt(whole + self.eps)).to(output.dtype)

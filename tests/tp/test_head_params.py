@@ -1,7 +1,7 @@
 """Per-head parameters split with their heads and experts under TP alone (issue 51, items 1 and 4): gpt-oss's
 attention sinks and its experts (gate|up interleaved column by column, a bias on each, a clamped SwiGLU, the output
 bias counted once), flint's sinks and per-head q/k norms (found by detection, verified by emulation) and MPT's fused
-Wqkv with ALiBi (a shipped policy), against one
+Wqkv with ALiBi and BitNet's sub-norms over the split width (statistics all-reduced; shipped policies), against one
 process: loss, every gradient, parameters after 3 AdamW steps (autotp.testing's fp32 tolerances: only the order of
 sums differs), and greedy generate with a cache (logits within 1e-5: fp32 rounding of reordered sums; a head's sink on
 the wrong rank or a bias counted twice moves them by a good part of their scale).
@@ -30,8 +30,9 @@ SHARDED = {
     ],
     "flint": ["self_attn.sinks", "self_attn.q_proj.weight", "self_attn.o_proj.weight"],
     "mpt": ["attn.Wqkv.weight", "attn.out_proj.weight", "ffn.up_proj.weight"],  # ALiBi sliced to each rank's heads
+    "bitnet": ["self_attn.attn_sub_norm.weight", "mlp.ffn_sub_norm.weight", "self_attn.o_proj.weight"],
 }
-LAYERS = {"gpt_oss": "model.layers", "flint": "model.layers", "mpt": "transformer.blocks"}
+LAYERS = {"gpt_oss": "model.layers", "flint": "model.layers", "mpt": "transformer.blocks", "bitnet": "model.layers"}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
@@ -98,6 +99,6 @@ def test_plan_shards_sinks_and_experts_on_meta(family: str) -> None:
     sharded = plan.sharded_params(model)
     for name in SHARDED[family]:
         assert f"{LAYERS[family]}.1.{name}" in sharded, (family, name)
-    if family != "mpt":
+    if family in ("gpt_oss", "flint"):
         sinks = sharded["model.layers.1.self_attn.sinks"]
         assert [sinks.local_size(r) for r in range(4)] == [1, 1, 1, 1]

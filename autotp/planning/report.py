@@ -23,7 +23,8 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
 
     One forward reduction per row layer; one backward reduction per block for its column layers (they
     share their input); expert regions reduce their output and the gradients of their two float
-    inputs (hidden states, routing weights); per-head norms and replicated KV rows add gradient sums;
+    inputs (hidden states, routing weights); per-head norms and replicated KV rows add gradient sums; a norm over
+    the split width sums its statistic and that statistic's gradient;
     vocab parallelism adds the embedding's reduction, the loss's two (fp32) and the LM head's input
     gradient. tests/tp/test_collectives.py checks the total against the bytes real all-reduces move.
     """
@@ -54,6 +55,9 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     for path in plan.head_norms:
         size = sum(p.numel() for p in model.get_submodule(path).parameters()) * element
         out.append(Collective(f"{path} (gradient)", "backward", 1, size))
+    for norm in plan.norms:  # a norm over the split width: its fp32 statistic, one a token, and that one's gradient
+        out.append(Collective(f"{norm.path} (statistic)", "forward", 1, tokens * 4))
+        out.append(Collective(f"{norm.path} (statistic gradient)", "backward", 1, tokens * 4))
     if plan.vocab is not None:
         if plan.vocab.embedding:
             out.append(Collective(plan.vocab.embedding, "forward", 1, tokens * hidden * element))

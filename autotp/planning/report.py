@@ -44,10 +44,13 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
             column_blocks.setdefault(parent, tokens * in_features * element)
         for _, length, _ in layer.partition.replicas(0):
             row_size = module.weight.numel() // module.weight.shape[layer.partition.dim]
-            out.append(Collective(f"{layer.path} (replicated KV rows)", "backward", 1, length * row_size * element))
+            bias = length if layer.style == "column" and getattr(module, "bias", None) is not None else 0
+            out.append(
+                Collective(f"{layer.path} (replicated KV rows)", "backward", 1, (length * row_size + bias) * element)
+            )
     out += [Collective(f"{parent} (input gradient)", "backward", 1, size) for parent, size in column_blocks.items()]
     hidden = getattr(model.config, "hidden_size", 0)
-    top_k = getattr(model.config, "num_experts_per_tok", 1)
+    top_k = _top_k(model.config)
     for region in plan.regions:  # experts(hidden_states, top_k_index, top_k_weights): two float inputs
         out.append(Collective(region.path, "forward", 1, tokens * hidden * element))
         out.append(Collective(f"{region.path} (hidden-state gradient)", "backward", 1, tokens * hidden * element))
@@ -214,7 +217,7 @@ def expert_cost(
     )
     dense = [b - whole for b in replace(plan, regions=()).param_bytes(model)]
     tokens = -(-batch * seq // plan.tp_size)
-    top_k = getattr(model.config, "num_experts_per_tok", 1)
+    top_k = _top_k(model.config)
     routed = tokens * top_k * getattr(model.config, "hidden_size", 0) * element
     return {
         "ep_size": ep,
@@ -224,3 +227,8 @@ def expert_cost(
         "all_to_alls_per_step": 4 * len(experts),
         "all_to_all_bytes_per_step": 4 * len(experts) * routed * (ep - 1) // ep,
     }
+
+
+def _top_k(config) -> int:
+    """Experts a token is routed to: `num_experts_per_tok`, or Aria's `moe_topk`."""
+    return getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1

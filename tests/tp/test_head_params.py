@@ -1,7 +1,8 @@
 """Per-head parameters split with their heads and experts under TP alone (issue 51, items 1 and 4): gpt-oss's
 attention sinks and its experts (gate|up interleaved column by column, a bias on each, a clamped SwiGLU, the output
 bias counted once), flint's sinks and per-head q/k norms (found by detection, verified by emulation) and MPT's fused
-Wqkv with ALiBi and BitNet's sub-norms over the split width (statistics all-reduced; shipped policies), against one
+Wqkv with ALiBi and BitNet's sub-norms over the split width (statistics all-reduced; shipped policies), and experts
+found by transformers' own layout flags (Zaya's [gate | up], Aria's transposed), against one
 process: loss, every gradient, parameters after 3 AdamW steps (autotp.testing's fp32 tolerances: only the order of
 sums differs), and greedy generate with a cache (logits within 1e-5: fp32 rounding of reordered sums; a head's sink on
 the wrong rank or a bias counted twice moves them by a good part of their scale).
@@ -33,8 +34,11 @@ SHARDED = {
     "flint": ["self_attn.sinks", "self_attn.q_proj.weight", "self_attn.o_proj.weight"],
     "mpt": ["attn.Wqkv.weight", "attn.out_proj.weight", "ffn.up_proj.weight"],  # ALiBi sliced to each rank's heads
     "bitnet": ["self_attn.attn_sub_norm.weight", "mlp.ffn_sub_norm.weight", "self_attn.o_proj.weight"],
+    # experts laid out as transformers' use_experts_implementation flags say (no plan of HF's names them whole)
+    "zaya": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # [experts, gate | up, hidden]
+    "aria_text": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # transposed: [experts, hidden, gate | up]
 }
-LAYERS = {"gpt_oss": "model.layers", "flint": "model.layers", "mpt": "transformer.blocks", "bitnet": "model.layers"}
+LAYERS = {family: "model.layers" for family in SHARDED} | {"mpt": "transformer.blocks"}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
 
 

@@ -34,7 +34,7 @@ def derive_policy(model: nn.Module) -> Policy:
 
 def _derived(model: nn.Module) -> Policy:
     hf_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    detected = _from_structure(model, spoken=_hf_paths(model, _beside_experts(hf_plan)))
+    detected = _from_structure(model, spoken=_hf_paths(model, hf_plan))
     if not hf_plan:
         return detected
     from_hf = _from_hf_plan(model, hf_plan)
@@ -89,13 +89,6 @@ def _hf_paths(model: nn.Module, hf_plan: dict[str, str]) -> list[str]:
     """Every module pattern HF's plan names, from the model's root."""
     prefix = _prefix(model)
     return [f"{prefix}.{key}" if prefix else key for key in hf_plan]
-
-
-def _beside_experts(hf_plan: dict[str, str]) -> dict[str, str]:
-    """HF's plan without its experts entries: a plan that names a block's experts alone leaves the block's own linears
-    (Jamba's dense feed_forward layers, which share the MoE layers' name) to detection."""
-    experts = [key for key, style in hf_plan.items() if style == "moe_tp_experts"]
-    return {k: v for k, v in hf_plan.items() if not any(k == e or k.startswith(e + ".") for e in experts)}
 
 
 def _spoken(block: str, paths: Sequence[str]) -> bool:
@@ -191,12 +184,10 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
             entry["row"].append(child)
         elif style == "replicated_with_grad_allreduce":
             entry["norms"].append(child)
-        elif style == "moe_tp_experts":  # the block's experts child is sharded as experts; its linears still count
-            entry["experts"] = True
         else:
             entry["other"].append(style)
     data: dict[str, list] = {"attention": [], "mlp": [], "experts": []}
-    experts = {path for path, e in blocks.items() if e.get("experts")}
+    experts = {path for path, e in blocks.items() if "moe_tp_experts" in e["other"]}
     for block, entry in blocks.items():
         parent = block.rpartition(".")[0]
         if parent in experts and set(entry["column"]) <= {"gate_up_proj"} and entry["row"] == ["down_proj"]:

@@ -37,7 +37,6 @@ SHARDED = {
     # experts laid out as transformers' use_experts_implementation flags say (no plan of HF's names them whole)
     "zaya": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # [experts, gate | up, hidden]
     "aria_text": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # transposed: [experts, hidden, gate | up]
-    "jamba": ["feed_forward.gate_proj.weight"],  # a dense MLP named as the MoE layers, whose experts HF's plan names
 }
 LAYERS = {family: "model.layers" for family in SHARDED} | {"mpt": "transformer.blocks"}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))

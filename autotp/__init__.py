@@ -12,14 +12,14 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
 2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.placement`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
 3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
-   `planning.policy_plan`, `planning.ties`, `planning.mixers`, `planning.planner`, `planning.report`
+   `planning.head_params`, `planning.policy_plan`, `planning.ties`, `planning.mixers`, `planning.planner`, `planning.report`
 4. the mesh, the state and the shared runtime: `mesh`, `state`, `accessors`, `runtime`, `runtime.rows`, `runtime.collectives`,
    `runtime.seq_collectives`, `runtime.grad_hooks`, `runtime.replicas`, `runtime.agreement`, `runtime.rollback`,
    `runtime.process_hooks`, `runtime.replaced`, `runtime.slot_guard`, `runtime.input_agreement`, `runtime.rng`,
    `runtime.shards`, `runtime.lazy_logits`, `runtime.param_steps`, `runtime.second_order`, `runtime.dimension`,
    `runtime.forward_end`
 5. the dimensions, one package each (tp is the base the others extend; no other pair imports each other):
-   `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.layers`, `tp.mixer`, `tp.heads`, `tp.inplace`, `tp.mixer_state`, `tp.streams`, `tp.state_dict`, `tp.apply`,
+   `tp`, `tp.overlap`, `tp.glu`, `tp.float8`, `tp.block_entry`, `tp.params`, `tp.layers`, `tp.mixer`, `tp.heads`, `tp.inplace`, `tp.mixer_state`, `tp.streams`, `tp.state_dict`, `tp.apply`,
    `tp.hooked`, `tp.lora`, `tp.lora_lift`, `tp.dimension`, `vocab`, `vocab.layers`, `vocab.chunked`, `vocab.logprobs`, `vocab.tokens`, `vocab.apply`,
    `vocab.dimension`, `sp`, `sp.sequence`, `sp.dimension`, `cp`, `cp.layout`, `cp.dropout`, `cp.attention`, `cp.loss`,
    `cp.support`, `cp.apply`, `cp.dimension`, `dp`, `dp.ddp`, `dp.fsdp`, `ep`, `ep.collectives`,

@@ -47,8 +47,13 @@ def _derived(model: nn.Module) -> Policy:
 
     transformers' plans speak for some blocks only (since 5.24, the embedding alone for a dozen model types; MoE
     plans often the experts alone): a block HF's plan names keeps HF's decision, replicated included, and the
-    others are detected as for a model with no plan. Both are verified by emulation before anything is sharded.
+    others are detected as for a model with no plan, and experts no rule covers from transformers' own layout flags
+    (`_with_flagged_experts`). All are verified by emulation before anything is sharded.
     """
+    return _with_flagged_experts(model, _hf_and_detected(model))
+
+
+def _hf_and_detected(model: nn.Module) -> Policy:
     hf_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     detected = _from_structure(model, spoken=_hf_paths(model, hf_plan))
     if not hf_plan:
@@ -59,6 +64,40 @@ def _derived(model: nn.Module) -> Policy:
     if not detected.rules:
         return from_hf
     return replace(from_hf, rules=from_hf.rules + detected.rules, origin=Origin.HF_PLAN_FILLED)
+
+
+_EXPERT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+
+
+def _with_flagged_experts(model: nn.Module, policy: Policy) -> Policy:
+    """`policy` with an experts rule for each experts module transformers' `use_experts_implementation` built that no
+    rule covers: its flags say how the tensors are laid out, and its forward (every implementation) follows them.
+
+    The width splits inside each expert: [gate | up] (`is_concatenated`), gate and up interleaved, or up alone
+    (`has_gate` false), on dim 1 of [experts, 2 x width, hidden] or dim 2 when `is_transposed`; the output bias is
+    counted once. A norm of each expert's whole output (`has_post_expert_norm`) keeps the experts whole.
+    """
+    covered = [rule.match for rule in policy.rules if rule.kind == "experts"]
+    found: dict[str, dict] = {}
+    for name, module in model.named_modules():
+        if not all(isinstance(getattr(module, flag, None), bool) for flag in _EXPERT_FLAGS):
+            continue
+        pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        if module.has_post_expert_norm or pattern in found or any(fnmatchcase(name, m) for m in covered):
+            continue
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        layout = ("w | w" if module.is_concatenated else "(w w)") if module.has_gate else "w"
+        width_dim, down_dim = (2, 1) if module.is_transposed else (1, 2)
+        params = {first: {"dim": width_dim, "layout": layout}, "down_proj": {"dim": down_dim}}
+        rule: dict = {"match": pattern, "params": params}
+        if module.has_bias:
+            params[f"{first}_bias"] = {"dim": 1, "layout": layout}
+            rule["bias_once"] = ["down_proj_bias"]
+        found[pattern] = rule
+    if not found:
+        return policy
+    rules = parse_policy({"experts": list(found.values())}, name=policy.name, origin=policy.origin).rules
+    return replace(policy, rules=policy.rules + rules)
 
 
 def _prefix(model: nn.Module) -> str:
@@ -140,11 +179,28 @@ def _block_rule(
             "heads": "num_attention_heads",
             "kv_heads": kv,
         }
+        per_head = [name for name, p in instance.named_parameters(recurse=False) if p.dim() and p.shape[0] == heads]
+        if per_head:  # one entry per query head (gpt-oss's sinks): split with the heads, then verified
+            rule["head_params"] = per_head
+        norms = _head_norms(instance, head_dim, set(children))
+        if norms:  # a norm over each head's dim (Qwen3's q_norm): whole on each rank, gradient summed, then verified
+            rule["head_norms"] = norms
         return "attention", rule
     parts = {name: 2 if columns[name] == "w | w" else 1 for name in columns}
     if all(out == row_in * parts[name] for name, out in outs.items()):
         return "mlp", {"match": block, "column": dict(columns), "row": list(row_layers)}
     return None
+
+
+def _head_norms(block: nn.Module, head_dim: int, linears: set[str]) -> list[str]:
+    """The children of an attention block, its projections aside, whose every parameter is one vector of a head's
+    size: norms applied to each head alone, so each rank runs them whole on its own heads."""
+    out = []
+    for name, child in block.named_children():
+        params = list(child.parameters())
+        if name not in linears and params and all(p.shape == (head_dim,) for p in params):
+            out.append(name)
+    return out
 
 
 def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
@@ -178,7 +234,7 @@ def _from_hf_plan(model: nn.Module, hf_plan: dict[str, str]) -> Policy:
         if found:
             kind, rule = found
             if kind == "attention" and entry["norms"]:
-                rule["head_norms"] = entry["norms"]
+                rule["head_norms"] = sorted({*rule.get("head_norms", ()), *entry["norms"]})
             data[kind].append(rule)
     return parse_policy(data, name=model.config.model_type, origin=Origin.HF_PLAN)
 

@@ -57,6 +57,17 @@ class RegionPlan:
     path: str
     partitions: tuple[tuple[str, tuple[int, ...], Partition], ...]  # (param name, full shape, partition)
     reason: str
+    bias_once: tuple[str, ...] = ()  # per-expert output biases: whole on every rank, added to the sum once
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """A norm over a width TP splits (BitNet's attn_sub_norm, before the row projection): each rank normalises its
+    columns by the whole row's statistic, the `stat` ("mean" or "sum") of x^2 over `width` columns, all-reduced."""
+
+    path: str
+    stat: str
+    width: int
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,7 @@ class Plan:
     group_norms: tuple[GroupNormPlan, ...] = ()
     mixers: tuple[tuple[str, str], ...] = ()  # (state-space mixer path, why it stays replicated)
     reentries: tuple[str, ...] = ()  # row layers whose summed output sharded compute reads (Mamba's x_proj)
+    norms: tuple[NormPlan, ...] = ()  # norms over a split width: their statistics all-reduced
 
     def partitions(self) -> list[Partition]:
         return (
@@ -265,6 +277,12 @@ class Plan:
                     f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
                     f"  ({region.reason})"
                 )
+            for name in region.bias_once:
+                lines.append(f"  {'experts':<10} {region.path}.{name}  replicated, added to the sum on TP rank 0")
+        for norm in self.norms:
+            lines.append(
+                f"  {'norm':<10} {norm.path}  on each rank's columns, {norm.stat} of x^2 over {norm.width} summed"
+            )
         for param in self.params:
             said = param.reason or f"with {param.block}'s channels"
             lines.append(
@@ -278,9 +296,10 @@ class Plan:
             )
         for path in self.whole:
             lines.append(f"  {'whole':<10} {path}  replicated inside the mixer, on its replicated input")
-        for norm in self.group_norms:
+        for group_norm in self.group_norms:
             lines.append(
-                f"  {'group-norm':<10} {norm.path}  statistics of its {norm.groups} groups of {norm.group_size} "
+                f"  {'group-norm':<10} {group_norm.path}  statistics of its {group_norm.groups} groups of "
+                f"{group_norm.group_size} "
                 f"summed over TP (a group spans ranks)"
             )
         for path in self.reentries:

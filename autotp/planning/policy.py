@@ -58,6 +58,11 @@ class Rule:
     gathered_outputs: tuple[str, ...] = ()  # mlp, mixer: split by output, the output gathered (a gate on the sum)
     whole: tuple[str, ...] = ()  # mixer: modules or parameters under it computed whole on its replicated input
     refuse: str = ""  # mixer: why a block it recognises stays replicated (it cannot be split exactly)
+    head_params: tuple[str, ...] = ()  # attention: parameters with one entry per query head on dim 0 (sinks)
+    bias_once: tuple[str, ...] = ()  # experts: per-expert output biases, added on one TP rank (the sum counts it once)
+    sharded_norms: Mapping[str, str] = field(
+        default_factory=dict
+    )  # norm over the split width -> "mean" or "sum" of x^2
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ _RULE_KEYS = {
     "gathered_outputs",
     "whole",
     "refuse",
+    "head_params",
+    "bias_once",
+    "sharded_norms",
 }
 _STATE_KEYS = {"arg", "items", "dim", "layer"}
 
@@ -133,6 +141,9 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         whole=_names(raw.get("whole", ()), f"{where}: whole"),
         refuse=str(raw.get("refuse", "")),
         gathered_outputs=_names(raw.get("gathered_outputs", ()), f"{where}: gathered_outputs"),
+        head_params=_names(raw.get("head_params", ()), f"{where}: head_params"),
+        bias_once=_names(raw.get("bias_once", ()), f"{where}: bias_once"),
+        sharded_norms=_norms(raw.get("sharded_norms", {}), f"{where}: sharded_norms"),
     )
 
 
@@ -148,6 +159,12 @@ def _state(value: Any, where: str) -> dict[str, Any]:
         "dim": int(value["dim"]),
         "layer": str(value["layer"]),
     }
+
+
+def _norms(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(v in ("mean", "sum") for v in value.values()):
+        raise ValueError(f'{where} maps each norm to the statistic it takes of x^2, "mean" or "sum"; got {value!r}')
+    return dict(value)
 
 
 def _names(value: Any, where: str) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from .head_params import head_params, sharded_norms
 from .linears import features, is_linear, weight_dim
 from .plan import (
     AttrPlan,
@@ -19,6 +20,7 @@ from .plan import (
     HeadsPlan,
     LayerPlan,
     MixerState,
+    NormPlan,
     ParamPlan,
     Plan,
     RegionPlan,
@@ -89,6 +91,7 @@ def plan_from_policy(model: nn.Module, tp_size: int, policy: Policy) -> Plan:
         states=tuple(acc.states),
         gathered_outputs=tuple(acc.gathered_outputs),
         whole=tuple(acc.whole),
+        norms=tuple(acc.norms),
     )
 
 
@@ -128,6 +131,7 @@ class _Accumulator:
     states: list[MixerState] = field(default_factory=list)
     gathered_outputs: list[str] = field(default_factory=list)
     whole: list[str] = field(default_factory=list)
+    norms: list[NormPlan] = field(default_factory=list)
 
 
 def _children(block: nn.Module, names) -> dict[str, nn.Module] | None:
@@ -151,7 +155,9 @@ def _count(config, spec: str | int) -> int:
 
 
 def _parts(layout: str) -> int:
-    return layout.count("|") + 1
+    """Rows per item of a layout: one per "|" part, and per token of an interleaved "(w w)" part."""
+    blocks = [b.strip() for b in layout.split("|")]
+    return sum(len(b.strip("()").split()) if b.startswith("(") else 1 for b in blocks)
 
 
 def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
@@ -217,7 +223,15 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
     local_heads = tuple((r.start, len(r)) for r in layout.q)
     acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
     acc.attention.append(HeadsPlan(path, heads, local_heads))
+    acc.params.extend(head_params(path, block, rule, acc.attention[-1]))
+    _norms(path, block, rule, layout_partition("w", 0, {"w": layout.q}, {"w": head_dim}), acc)
     return True
+
+
+def _norms(path: str, block: nn.Module, rule: Rule, partition: Partition, acc: _Accumulator) -> None:
+    norms, weights = sharded_norms(path, block, rule, partition)
+    acc.norms.extend(norms)
+    acc.params.extend(weights)
 
 
 def _attr(acc: _Accumulator, path: str, name: str, full: int, local: tuple[int, ...]) -> None:
@@ -239,6 +253,7 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
         raise ValueError(f"{path}: the MLP projections disagree on the width: {widths}")
     _check_width(path, "MLP width", width, tp)
     owned = {"w": split_ranges(width, tp)}
+    _norms(path, block, rule, layout_partition("w", 0, owned, {"w": 1}), acc)
     for style, mapping in (("column", rule.column), ("row", rule.row)):
         for name, spec in mapping.items():
             module = children[name]
@@ -261,7 +276,7 @@ def _check_width(path: str, what: str, width: int, tp: int) -> None:
 
 
 def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
-    found = {name: getattr(block, name, None) for name in rule.params}
+    found = {name: getattr(block, name, None) for name in [*rule.params, *rule.bias_once]}
     params = {name: p for name, p in found.items() if isinstance(p, nn.Parameter)}
     if len(params) != len(found):  # a rule's tensor is missing or not a parameter: not this block
         return False
@@ -275,7 +290,7 @@ def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc:
         (name, tuple(params[name].shape), layout_partition(spec, dim, owned, {"w": 1}))
         for name, (dim, spec) in rule.params.items()
     )
-    acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split"))
+    acc.regions.append(RegionPlan(path, partitions, f"each expert's width {width} split", rule.bias_once))
     return True
 
 

@@ -23,7 +23,8 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
 
     One forward reduction per row layer; one backward reduction per block for its column layers (they
     share their input); expert regions reduce their output and the gradients of their two float
-    inputs (hidden states, routing weights); per-head norms and replicated KV rows add gradient sums;
+    inputs (hidden states, routing weights); per-head norms and replicated KV rows add gradient sums; a norm over
+    the split width sums its statistic and that statistic's gradient;
     vocab parallelism adds the embedding's reduction, the loss's two (fp32) and the LM head's input
     gradient. tests/tp/test_collectives.py checks the total against the bytes real all-reduces move.
     """
@@ -43,10 +44,13 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
             column_blocks.setdefault(parent, tokens * in_features * element)
         for _, length, _ in layer.partition.replicas(0):
             row_size = module.weight.numel() // module.weight.shape[layer.partition.dim]
-            out.append(Collective(f"{layer.path} (replicated KV rows)", "backward", 1, length * row_size * element))
+            bias = length if layer.style == "column" and getattr(module, "bias", None) is not None else 0
+            out.append(
+                Collective(f"{layer.path} (replicated KV rows)", "backward", 1, (length * row_size + bias) * element)
+            )
     out += [Collective(f"{parent} (input gradient)", "backward", 1, size) for parent, size in column_blocks.items()]
     hidden = getattr(model.config, "hidden_size", 0)
-    top_k = getattr(model.config, "num_experts_per_tok", 1)
+    top_k = _top_k(model.config)
     for region in plan.regions:  # experts(hidden_states, top_k_index, top_k_weights): two float inputs
         out.append(Collective(region.path, "forward", 1, tokens * hidden * element))
         out.append(Collective(f"{region.path} (hidden-state gradient)", "backward", 1, tokens * hidden * element))
@@ -54,6 +58,9 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     for path in plan.head_norms:
         size = sum(p.numel() for p in model.get_submodule(path).parameters()) * element
         out.append(Collective(f"{path} (gradient)", "backward", 1, size))
+    for norm in plan.norms:  # a norm over the split width: its fp32 statistic, one a token, and that one's gradient
+        out.append(Collective(f"{norm.path} (statistic)", "forward", 1, tokens * 4))
+        out.append(Collective(f"{norm.path} (statistic gradient)", "backward", 1, tokens * 4))
     if plan.vocab is not None:
         if plan.vocab.embedding:
             out.append(Collective(plan.vocab.embedding, "forward", 1, tokens * hidden * element))
@@ -222,7 +229,7 @@ def expert_cost(
     )
     dense = [b - whole for b in replace(plan, regions=()).param_bytes(model)]
     tokens = -(-batch * seq // plan.tp_size)
-    top_k = getattr(model.config, "num_experts_per_tok", 1)
+    top_k = _top_k(model.config)
     routed = tokens * top_k * getattr(model.config, "hidden_size", 0) * element
     return {
         "ep_size": ep,
@@ -232,3 +239,8 @@ def expert_cost(
         "all_to_alls_per_step": 4 * len(experts),
         "all_to_all_bytes_per_step": 4 * len(experts) * routed * (ep - 1) // ep,
     }
+
+
+def _top_k(config) -> int:
+    """Experts a token is routed to: `num_experts_per_tok`, or Aria's `moe_topk`."""
+    return getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None) or 1

@@ -11,6 +11,7 @@ Fused tensors are described by a layout string over heads (or MLP width):
     "q | k | v"     concatenated parts              (Phi-3 qkv_proj, GPT-2 c_attn, MQA c_attn)
     "(q* k v)"      per KV group: its query heads, then its k and v head (GPT-NeoX, Bloom, Falcon)
     "w", "w | w"    MLP width, plain or concatenated gate|up (Phi-3 gate_up_proj, MoE experts)
+    "(w w)"         MLP width, gate and up interleaved column by column (gpt-oss's experts: gate_up[..., ::2])
 """
 
 from __future__ import annotations
@@ -235,18 +236,19 @@ def layout_partition(
         repeats = _count(owned, "k" if "k" in tokens else tokens[0].rstrip("*")) if grouped else 1
         index = {role: 0 for role in owned}
         for _ in range(repeats):
+            start = dict(index)  # a role named twice in a group ("(w w)") interleaves: both tokens are item `first`
             for token in tokens:
                 role = token.rstrip("*")
                 if role not in owned:
                     raise ValueError(f"layout {layout!r}: unknown part {token!r}")
                 count = (group if token.endswith("*") else 1) if grouped else _count(owned, role)
-                first, unit = index[role], units[role]
+                first, unit = start[role], units[role]
                 for rank in range(tp_size):
                     mine = owned[role][rank]
                     lo, hi = max(first, mine.start), min(first + count, mine.stop)
                     if lo < hi:
                         runs[rank].append((cursor + (lo - first) * unit, (hi - lo) * unit))
-                index[role] += count
+                index[role] = first + count
                 cursor += count * unit
     return Partition(dim, cursor, _merge_unshared(runs))
 

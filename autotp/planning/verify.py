@@ -104,12 +104,13 @@ def without_blocks(plan: Plan, reasons: dict[str, str]) -> Plan:
         replicated=replicated,
         attrs=tuple(a for a in plan.attrs if not inside(a.path)),
         head_norms=tuple(h for h in plan.head_norms if not inside(h)),
-        params=tuple(p for p in plan.params if p.block not in rejected),
+        params=tuple(p for p in plan.params if p.block not in rejected and not inside(p.path)),
         states=tuple(s for s in plan.states if s.path not in rejected),
         whole=tuple(w for w in plan.whole if not inside(w)),
         gathered_outputs=tuple(g for g in plan.gathered_outputs if g in {layer.path for layer in kept}),
         head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
         attention=tuple(a for a in plan.attention if not inside(a.path)),
+        norms=tuple(n for n in plan.norms if not inside(n.path)),
     )
 
 

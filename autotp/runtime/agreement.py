@@ -78,6 +78,9 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
     }
     for region in plan.regions:
         entries[region.path] = f"experts {[(name, shape, p.dim, p.runs) for name, shape, p in region.partitions]}"
+        entries[region.path] += f" bias once {region.bias_once}" if region.bias_once else ""
+    for norm in plan.norms:
+        entries[norm.path] = f"sharded norm {norm.stat} over {norm.width}"
     for param in plan.params:
         entries[param.path] = f"in place {param.shape} dim {param.partition.dim} {param.partition.runs}"
     for mixer_state in plan.states:

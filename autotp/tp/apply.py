@@ -29,6 +29,7 @@ from .inplace import InPlaceParams
 from .layers import LinearAllreduce, LinearLayer, ParallelLinear, ShardedRegion
 from .mixer import GroupStatNorm, reenter, slice_buffer
 from .mixer_state import StateChannels
+from .params import ShardedNorm
 from .streams import install_sharded_streams
 
 
@@ -72,9 +73,11 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
             )
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
-        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state))
+        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state, region.bias_once))
         _experts_path(modules[region.path], partitions.values())
     _mixers(model, state)
+    for norm in plan.norms:
+        ShardedNorm(modules[norm.path], norm.stat, norm.width, tp_group, state)
     for path in {attr.path for attr in plan.attrs if attr.name.startswith("config.")}:
         modules[path].config = copy.copy(modules[path].config)  # the block's own head counts
     _set_attrs(modules, plan.attrs, rank, gathered=False)

@@ -30,6 +30,7 @@ from ..runtime.shards import gather_parameter_, held_shard, partition_parameter_
 from .block_entry import BlockEntry
 from .float8 import SHARDED_OPERANDS, float8_matmul
 from .glu import glu_linear, match
+from .params import routed_bias
 
 
 class ParallelLinear(nn.Linear):
@@ -275,21 +276,26 @@ class ShardedRegion:
     model is gathered (`state.sharded_only`).
     """
 
-    def __init__(self, module: nn.Module, partitions: Mapping[str, Partition], group: Group, state):
+    def __init__(
+        self, module: nn.Module, partitions: Mapping[str, Partition], group: Group, state, bias_once: tuple = ()
+    ):
         self.module, self.group = module, group
-        rank = group_rank(group)
+        self.rank = group_rank(group)
         for name, partition in partitions.items():
-            setattr(module, name, shard_parameter(getattr(module, name), partition, rank))
-        self.names = list(partitions)
+            setattr(module, name, shard_parameter(getattr(module, name), partition, self.rank))
+        self.names, self.bias_once = list(partitions), bias_once
         module.register_forward_pre_hook(state.sharded_only(self._enter), with_kwargs=True)
-        module.register_forward_hook(state.sharded_only(self._leave))
+        module.register_forward_hook(state.sharded_only(self._leave), with_kwargs=True)
         module.autotp_region = self
 
     def _enter(self, module, args, kwargs):
         copy = lambda t: copy_to_tp(t, self.group) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
         return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
 
-    def _leave(self, module, args, output):
+    def _leave(self, module, args, kwargs, output):
+        if self.rank:  # the experts' output biases are counted on rank 0 (`autotp.tp.params`)
+            for name in self.bias_once:
+                output = output - routed_bias(module, name, args, kwargs).to(output.dtype)
         return reduce_from_tp(output, self.group)
 
     def gather_(self) -> None:

@@ -262,23 +262,10 @@ class Plan:
             out.append(f"autotp: vocab parallelism is off: {self.vocab_reason}")
         return out
 
-    def describe(self, model: nn.Module | None = None) -> str:
-        """A table of every decision, for people; with the model, also each rank's parameter bytes."""
-        lines = [f"autotp plan: tp_size={self.tp_size}, from {self.origin.value} {self.source}"]
-        for layer in self.layers:
-            style = "gathered" if layer.path in self.gathered_outputs else layer.style
-            lines.append(
-                f"  {style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
-                f"  ({layer.reason})"
-            )
-        for region in self.regions:
-            for name, shape, partition in region.partitions:
-                lines.append(
-                    f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
-                    f"  ({region.reason})"
-                )
-            for name in region.bias_once:
-                lines.append(f"  {'experts':<10} {region.path}.{name}  replicated, added to the sum on TP rank 0")
+    def _beside_linears(self) -> list[str]:
+        """The lines of what a sharded block holds besides its linears: sharded norms, parameters split in place, a
+        mixer's state, what it keeps whole, group norms, re-entries, and mixers kept replicated."""
+        lines: list[str] = []
         for norm in self.norms:
             lines.append(
                 f"  {'norm':<10} {norm.path}  on each rank's columns, {norm.stat} of x^2 over {norm.width} summed"
@@ -299,13 +286,32 @@ class Plan:
         for group_norm in self.group_norms:
             lines.append(
                 f"  {'group-norm':<10} {group_norm.path}  statistics of its {group_norm.groups} groups of "
-                f"{group_norm.group_size} "
-                f"summed over TP (a group spans ranks)"
+                f"{group_norm.group_size} summed over TP (a group spans ranks)"
             )
         for path in self.reentries:
             lines.append(f"  {'re-enter':<10} {path}  its summed output enters the TP span again")
         for path, reason in self.mixers:
             lines.append(f"  {'mixer':<10} {path}  replicated: {reason}")
+        return lines
+
+    def describe(self, model: nn.Module | None = None) -> str:
+        """A table of every decision, for people; with the model, also each rank's parameter bytes."""
+        lines = [f"autotp plan: tp_size={self.tp_size}, from {self.origin.value} {self.source}"]
+        for layer in self.layers:
+            style = "gathered" if layer.path in self.gathered_outputs else layer.style
+            lines.append(
+                f"  {style:<10} {layer.path}  {layer.shape} -> {_local_shapes(layer.shape, layer.partition)}"
+                f"  ({layer.reason})"
+            )
+        for region in self.regions:
+            for name, shape, partition in region.partitions:
+                lines.append(
+                    f"  {'experts':<10} {region.path}.{name}  {shape} -> {_local_shapes(shape, partition)}"
+                    f"  ({region.reason})"
+                )
+            for name in region.bias_once:
+                lines.append(f"  {'experts':<10} {region.path}.{name}  replicated, added to the sum on TP rank 0")
+        lines += self._beside_linears()
         for path in self.head_norms:
             lines.append(f"  {'head-norm':<10} {path}  replicated, gradient summed over TP (acts on sharded heads)")
         for attr in self.attrs:

@@ -48,8 +48,8 @@ def count_replicas_once(trainer: Trainer) -> None:
             _replace_reward_stds(trainer, trainer._metrics[mode], replica_rows[0])
         return output
 
-    trainer._generate, trainer._calculate_rewards = generate_once, rewards_once  # type: ignore[method-assign]
-    trainer._generate_and_score_completions = score_once  # type: ignore[method-assign]
+    trainer._generate, trainer._calculate_rewards = generate_once, rewards_once
+    trainer._generate_and_score_completions = score_once
 
 
 def _replace_reward_stds(trainer: Trainer, metrics: dict[str, list[float]], rewards: torch.Tensor) -> None:

@@ -35,8 +35,9 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `integrations.hf_methods`, `parallelize`, `api`
 8. the parity harness: `testing`, `testing.spawn`, `testing.tiny`, `testing.parity`, `testing.memory`,
    `testing.varlen`
-9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.batch_rows`, `integrations.trl_pipeline`, `integrations.trainer`,
-   `integrations.trainer_checkpoints`, `hf_trainer`, `rollout`, `__main__`, `__init__` (this package)
+9. tools: `cli`, `integrations.fused_head`, `integrations.trl`, `integrations.batch_rows`, `integrations.trl_pipeline`,
+   `integrations.replica_metrics`, `integrations.trainer`, `integrations.trainer_checkpoints`, `hf_trainer`, `rollout`,
+   `__main__`, `__init__` (this package)
 """
 
 from . import rollout as rollout  # vLLM-free: autotp.rollout.vllm_sync imports vLLM when called

@@ -101,8 +101,10 @@ class Recorder(LossRecorder):
 
 def step_metrics(trainer: GRPOTrainer) -> list[dict[str, float]]:
     """What GRPO logged at each step of the log-probabilities it computed: the policy's entropy and its KL to the
-    reference (a frozen copy of the starting adapter, which GRPO adds to a PeftModel when beta > 0)."""
-    return [{k: log[k] for k in ("entropy", "kl")} for log in trainer.state.log_history if "kl" in log]
+    reference (a frozen copy of the starting adapter, which GRPO adds to a PeftModel when beta > 0); and of its
+    generation: the tokens seen so far and the rewards' standard deviations."""
+    names = ("entropy", "kl", "num_tokens", "reward_std", "rewards/low_tokens/std")
+    return [{k: log[k] for k in names} for log in trainer.state.log_history if "kl" in log]
 
 
 class RecordingGRPO(Recorder, tp_trainer(GRPOTrainer)):

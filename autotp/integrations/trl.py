@@ -2,8 +2,9 @@
 
 TRL's GRPO counts every process as a replica in its generation batch, deals generation batches over processes,
 and evaluates each prompt repeated once per completion; here only DP replicas are replicas, and the TP ranks of
-one replica read the same batches. TRL's fused-LM-head patch reads `lm_head.weight` whole, which vocab
-parallelism splits, so under vocab parallelism autotp's own fused head takes its place (`autotp.integrations.fused_head`).
+one replica read the same batches (GRPO's generation metrics are counted once per replica: `replica_metrics`).
+TRL's fused-LM-head patch reads `lm_head.weight` whole, which vocab parallelism splits, so under vocab parallelism
+autotp's own fused head takes its place (`autotp.integrations.fused_head`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..mesh import group_size
 from ..pp.own_loss import pipeline_size
 from ..state import find_state, state_of, wrapped_model
 from .fused_head import make_vocab_parallel
+from .replica_metrics import count_replicas_once
 
 
 def generates(trainer: Trainer) -> bool:
@@ -46,6 +48,7 @@ def check_trl_setup(trainer: Trainer) -> None:
             make_vocab_parallel(model, state, forward, type(trainer).__name__)
     if generates(trainer):
         _count_replicas_in_generation_batch(trainer)
+        count_replicas_once(trainer)
 
 
 def _count_replicas_in_generation_batch(trainer: Trainer) -> None:

@@ -163,7 +163,7 @@ def _step(trainer: Trainer, kind: str, inputs: dict[str, Any], num_items: Any) -
     kept = _logged_state(trainer)
 
     def loss(stand: StandIn, k: int) -> torch.Tensor:
-        with _gathers(trainer, None):  # this micro-batch's metrics are dropped: the replay logs the batch's
+        with metric_gathers(trainer, None):  # this micro-batch's metrics are dropped: the replay logs the batch's
             return trainer.compute_loss(stand, micro[k], num_items_in_batch=num_items) * (weights[k] * scale)
 
     loss.who = f"{type(trainer).__name__}.compute_loss"  # type: ignore[attr-defined]
@@ -200,7 +200,7 @@ def _replay(
     if tp_size is not None:
         trainer._tp_size = 1  # TRL divides its token count by it: here each replica's tokens are gathered once
     try:
-        with torch.no_grad(), _gathers(trainer, dp_group(trainer.model)), trainer.compute_loss_context_manager():
+        with torch.no_grad(), metric_gathers(trainer, dp_group(trainer.model)), trainer.compute_loss_context_manager():
             whole = trainer.compute_loss(
                 Replay(outputs, order, _ordered(scheduled, order), who), inputs, num_items_in_batch=num_items
             )
@@ -244,9 +244,10 @@ def _restore(trainer: Trainer, state: dict[str, Any]) -> None:
 
 
 @contextmanager
-def _gathers(trainer: Trainer, group: Any) -> Iterator[None]:
+def metric_gathers(trainer: Trainer, group: Any) -> Iterator[None]:
     """The accelerator's gathers and reduces (TRL's metrics), over `group` (None: this rank's values alone), not every
-    process: only the last stage's ranks run `compute_loss` under a pipeline."""
+    process: only the last stage's ranks run `compute_loss` under a pipeline, and a replica's ranks repeat its values
+    (GRPO's generation metrics, `replica_metrics`)."""
     accelerator = trainer.accelerator
 
     def gather(value: Any, *args: Any, **kwargs: Any) -> Any:
@@ -256,7 +257,7 @@ def _gathers(trainer: Trainer, group: Any) -> Iterator[None]:
         if group is None or group_size(group) == 1:
             return value
         parts = [torch.empty_like(value) for _ in range(group_size(group))]
-        with named_failure(group, "the pipeline's gather of TRL's metrics over DP"):
+        with named_failure(group, "the gather of TRL's metrics over DP"):
             all_gather(parts, value.contiguous(), group)
         return torch.cat(parts)
 
@@ -264,7 +265,7 @@ def _gathers(trainer: Trainer, group: Any) -> Iterator[None]:
         if not torch.is_tensor(value) or group is None or group_size(group) == 1:
             return value * scale if torch.is_tensor(value) else value
         total = value.clone()
-        with named_failure(group, "the pipeline's reduce of TRL's metrics over DP"):
+        with named_failure(group, "the reduce of TRL's metrics over DP"):
             dist.all_reduce(total, group=group)
         return total * scale / (group_size(group) if reduction == "mean" else 1)
 

@@ -136,13 +136,18 @@ def test_grpo_with_lora_at_tp2_samples_and_trains_as_one_process(tmp_path: Path,
     losses, metrics, one_metrics = got["losses"], got["metrics"], step_metrics(one)
     trained = [s for s in agree if s < steps]
     gaps = {"loss": max(abs(losses[s] - one.losses[s]) for s in trained)}
-    for name in ("entropy", "kl"):
+    for name in ("entropy", "kl", "reward_std", "rewards/low_tokens/std"):  # TP ranks repeat a replica's rewards
         gaps[name] = max(abs(metrics[s][name] - one_metrics[s][name]) for s in trained)
+    same_so_far = [s for s in trained if s < len(agree) and agree[s] == s]  # no earlier step sampled apart
+    # the tokens seen so far, counted once per replica (TRL counted each of the 2 TP ranks' copies)
+    gaps["num_tokens"] = max(
+        (abs(metrics[s]["num_tokens"] - one_metrics[s]["num_tokens"]) for s in same_so_far), default=0.0
+    )
     if set(range(steps, steps + 4)) <= set(agree):  # the evaluation: each prompt's group of completions on one replica
         gaps.update(
             {
                 name: abs(got["evaluation"][name] - one_evaluation[name])
-                for name in ("eval_loss", "eval_reward", "eval_kl", "eval_entropy")
+                for name in ("eval_loss", "eval_reward", "eval_reward_std", "eval_kl", "eval_entropy")
             }
         )
     print(f"largest differences from one process on those steps: {gaps}")

@@ -138,7 +138,7 @@ def summary(model: nn.Module, plan: Plan, batch: int, seq: int, dp: int = 1) -> 
             for r in plan.regions
             for name, shape, p in r.partitions
         ],
-        "in_place": [  # state-space mixers' parameters sharded with their heads (autotp.planning.mixers)
+        "in_place": [  # parameters split in place with their block's heads or channels (mixers, sinks, sharded norms)
             {
                 "path": p.path,
                 "shape": list(p.shape),

@@ -58,6 +58,7 @@ class RegionPlan:
     partitions: tuple[tuple[str, tuple[int, ...], Partition], ...]  # (param name, full shape, partition)
     reason: str
     bias_once: tuple[str, ...] = ()  # per-expert output biases: whole on every rank, added to the sum once
+    side: str = ""  # "column"/"row": one parallel-experts linear: its input enters TP / its output is summed; "": both
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from .expert_linears import add_layer, plan_expert_linears
 from .head_params import head_params, sharded_norms
 from .linears import features, is_linear, weight_dim
 from .plan import (
@@ -187,7 +188,9 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     f"{path}.{name}: {rows} {'output' if style == 'column' else 'input'} features, but layout "
                     f"{spec!r} with {heads} query / {kv} key-value heads of {head_dim} gives {partition.full_size}"
                 )
-            acc.layers.append(
+            add_layer(
+                acc,
+                module,
                 LayerPlan(
                     f"{path}.{name}",
                     style,
@@ -195,7 +198,7 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     partition,
                     f"{spec} over {heads} heads / {kv} kv heads of {head_dim}",
                     path,
-                )
+                ),
             )
     local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
     full = {"q": heads, "kv": kv}
@@ -276,6 +279,8 @@ def _check_width(path: str, what: str, width: int, tp: int) -> None:
 
 
 def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
+    if rule.column or rule.row:  # parallel-experts linears (JetMoE's), each a column or row layer inside every expert
+        return plan_expert_linears(path, block, rule, tp, acc)
     found = {name: getattr(block, name, None) for name in [*rule.params, *rule.bias_once]}
     params = {name: p for name, p in found.items() if isinstance(p, nn.Parameter)}
     if len(params) != len(found):  # a rule's tensor is missing or not a parameter: not this block

@@ -73,7 +73,9 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
             )
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
-        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state, region.bias_once))
+        state.regions.append(
+            ShardedRegion(modules[region.path], partitions, tp_group, state, region.bias_once, region.side)
+        )
         _experts_path(modules[region.path], partitions.values())
     _mixers(model, state)
     for norm in plan.norms:

@@ -225,7 +225,7 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
     acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
     local_heads = tuple((r.start, len(r)) for r in layout.q)
     acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
-    acc.attention.append(HeadsPlan(path, heads, local_heads))
+    acc.attention.append(HeadsPlan(path, heads, local_heads, _count(config, rule.head_repeats)))
     acc.params.extend(head_params(path, block, rule, acc.attention[-1]))
     _norms(path, block, rule, layout_partition("w", 0, {"w": layout.q}, {"w": head_dim}), acc)
     return True

@@ -88,7 +88,7 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
             state.sharded_only(_head_slicer(head_input, state)), with_kwargs=True
         )
     for heads in plan.attention:
-        tag = functools.partial(tag_heads, heads, heads.local[rank][1])
+        tag = functools.partial(tag_heads, heads, heads.local[rank][1] * heads.repeats)
         modules[heads.path].register_forward_hook(state.sharded_only(tag))
     if plan.attention:
         weights = AttentionWeights(tp_group)

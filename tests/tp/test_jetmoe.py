@@ -60,7 +60,20 @@ def jetmoe_parity(rank: int, world: int) -> dict:
     report["shards"] = {n for n, p in wrapped.named_parameters() if hasattr(p, "autotp_shard")}
     report["generate"] = (torch.equal(tokens, got_tokens), (logits - got_logits).abs().max().item())
     report["collective_bytes"] = step_bytes(autotp.wrap(trained_like(), world))
+    report["attentions"] = attentions_gap(world)
     return report
+
+
+def attentions_gap(world: int) -> float:
+    """`output_attentions=True` (eager): the weights of every head of each of a token's top-k attention experts, in
+    one process's order, though each rank computes only its kv heads' (each of its top-k runs gathered by heads)."""
+    models = [trained_like().eval() for _ in range(2)]
+    for model in models:
+        model.set_attn_implementation("eager")
+    models[1] = autotp.wrap(models[1], world)
+    with torch.no_grad():
+        whole, gathered = (model(PROMPT, output_attentions=True).attentions for model in models)
+    return max((a - b).abs().max().item() if a.shape == b.shape else float("inf") for a, b in zip(whole, gathered))
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -73,6 +86,7 @@ def test_jetmoe_attention_and_moe_experts_shard_with_one_process_parity(tp: int)
         assert same_tokens and gap < 1e-5, report["generate"]
         predicted, moved = report["collective_bytes"]
         assert predicted == moved, f"autotp plan predicts {predicted} bytes a step, {moved} moved"
+        assert report["attentions"] < 1e-6, report["attentions"]
 
 
 def test_jetmoe_default_config_at_tp8_holds_an_eighth_a_rank_on_meta() -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_head_params import step_bytes
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
 from autotp.planning.planner import build_plan
 from autotp.testing import assert_parity, compare_training, run_ranks, tiny_config
 from models import batch
-from test_head_params import step_bytes
 
 SHARDED = [  # under the first layer: what each rank holds a part of
     "self_attention.kv_proj.weight",

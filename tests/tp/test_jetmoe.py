@@ -9,14 +9,18 @@ scale), and the all-reduce bytes `autotp plan` predicts against those a step mov
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_head_params import step_bytes
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
 from autotp.planning.planner import build_plan
 from autotp.testing import assert_parity, compare_training, run_ranks, tiny_config
+from autotp.testing.parity import compare_loading
 from models import batch
 
 SHARDED = [  # under the first layer: what each rank holds a part of
@@ -52,7 +56,7 @@ def generated(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return out.sequences, torch.stack(out.logits)
 
 
-def jetmoe_parity(rank: int, world: int) -> dict:
+def jetmoe_parity(rank: int, world: int, path: str) -> dict:
     report = compare_training(trained_like(), batch(512), world)
     tokens, logits = generated(trained_like().eval())
     wrapped = autotp.wrap(trained_like().eval(), world)
@@ -61,6 +65,13 @@ def jetmoe_parity(rank: int, world: int) -> dict:
     report["generate"] = (torch.equal(tokens, got_tokens), (logits - got_logits).abs().max().item())
     report["collective_bytes"] = step_bytes(autotp.wrap(trained_like(), world))
     report["attentions"] = attentions_gap(world)
+    report["loading"] = compare_loading(rank, world, f"{path}/hf")
+    autotp.save_pretrained(wrapped, f"{path}/ours-{world}")
+    if rank == 0:
+        saved = load_file(f"{path}/ours-{world}/model.safetensors")
+        whole = trained_like().state_dict()
+        report["saved"] = sorted(k for k in whole if k in saved and not torch.equal(saved[k], whole[k]))
+        report["saved_names"] = set(saved) == set(whole) - {"lm_head.weight"}  # tied to the embedding
     return report
 
 
@@ -77,8 +88,11 @@ def attentions_gap(world: int) -> float:
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_jetmoe_attention_and_moe_experts_shard_with_one_process_parity(tp: int) -> None:
-    for report in run_ranks(jetmoe_parity, tp):
+def test_jetmoe_attention_and_moe_experts_shard_with_one_process_parity(tp: int, tmp_path: Path) -> None:
+    """Also its checkpoints: transformers' save loads into the shards as `wrap` does after transformers' own load
+    (bit for bit), and `autotp.save_pretrained` writes the one-process tensors (bit for bit: gathers copy rows)."""
+    trained_like().save_pretrained(tmp_path / "hf")
+    for report in run_ranks(jetmoe_parity, tp, str(tmp_path)):
         missing = [n for n in SHARDED if f"model.layers.0.{n}" not in report["shards"]]
         assert not missing, f"not sharded at tp {tp}: {missing}"
         assert_parity(report)
@@ -87,6 +101,10 @@ def test_jetmoe_attention_and_moe_experts_shard_with_one_process_parity(tp: int)
         predicted, moved = report["collective_bytes"]
         assert predicted == moved, f"autotp plan predicts {predicted} bytes a step, {moved} moved"
         assert report["attentions"] < 1e-6, report["attentions"]
+        loading = report["loading"]
+        assert loading["keys"] and loading["unequal"] == [] and loading["shards"] > 0, loading
+        assert loading["logits"] == 0.0 and loading["loss"] == 0.0 and loading["grads"] == [], loading
+        assert report.get("saved", []) == [] and report.get("saved_names", True), report.get("saved")
 
 
 def test_jetmoe_default_config_at_tp8_holds_an_eighth_a_rank_on_meta() -> None:

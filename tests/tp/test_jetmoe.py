@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_head_params import step_bytes
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import autotp
 from autotp.planning.planner import build_plan
 from autotp.testing import assert_parity, compare_training, run_ranks, tiny_config
 from autotp.testing.parity import compare_loading
-from models import batch
+from models import batch, step_bytes
 
 SHARDED = [  # under the first layer: what each rank holds a part of
     "self_attention.kv_proj.weight",

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import autotp
+from autotp.planning.report import summary
 from autotp.testing import parity, tiny_config
 
 COMMON = dict(
@@ -467,3 +468,23 @@ def focal_loss(
     kept = target != ignore_index
     picked = logp[kept].gather(-1, target[kept, None]).squeeze(-1)
     return (-((1 - picked.exp()) ** 2) * picked).mean()
+
+
+def step_bytes(model: nn.Module) -> tuple[int, int]:
+    """The all-reduce bytes `autotp plan` predicts for a training step, and those a step moves (after a first one:
+    it checks the random streams once)."""
+    ids = batch(512, (1, 8))
+    predicted = summary(model, model.autotp_state.plan, *ids.shape)["collective_bytes_per_step"]
+    model(ids, labels=ids).loss.backward()
+    moved, original = [0], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        moved[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        model(ids, labels=ids).loss.backward()
+    finally:
+        dist.all_reduce = original
+    return predicted, moved[0]

@@ -41,8 +41,9 @@ def takes_routing(module: nn.Module) -> bool:
 
 
 def _candidates(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
-    """The plan's expert regions, then every other module named `*experts` with an integer `num_experts`."""
-    found = {region.path: model.get_submodule(region.path) for region in plan.regions}
+    """The plan's expert regions, then every other module named `*experts` with an integer `num_experts`. Not a
+    parallel-experts linear (a region with a `side`: JetMoE's): a layer of its block, which routes tokens itself."""
+    found = {region.path: model.get_submodule(region.path) for region in plan.regions if not region.side}
     for name, module in model.named_modules():
         inside = any(name.startswith(f"{path}.") for path in found)
         if (

@@ -58,6 +58,7 @@ class RegionPlan:
     partitions: tuple[tuple[str, tuple[int, ...], Partition], ...]  # (param name, full shape, partition)
     reason: str
     bias_once: tuple[str, ...] = ()  # per-expert output biases: whole on every rank, added to the sum once
+    side: str = ""  # "column"/"row": one parallel-experts linear: its input enters TP / its output is summed; "": both
 
 
 @dataclass(frozen=True)
@@ -139,15 +140,19 @@ class HeadInputPlan:
 @dataclass(frozen=True)
 class HeadsPlan:
     """An attention block whose query heads are split: each rank's (first head, count). What it returns per head
-    (its attention weights, for `output_attentions=True`) is gathered back into every head, in order."""
+    (its attention weights, for `output_attentions=True`) is gathered back into every head, in order. `repeats`: its
+    per-head tensors hold the heads that many times over (JetMoE: each of a token's top-k attention experts' queries
+    over every kv head), each time split the same way."""
 
     path: str
     heads: int
     local: tuple[tuple[int, int], ...]
+    repeats: int = 1
 
     def partition(self, dim: int) -> Partition:
-        """The split of the heads along `dim` of a per-head tensor."""
-        return Partition(dim, self.heads, tuple(((first, count),) for first, count in self.local))
+        """The split of the heads (each of their repeats) along `dim` of a per-head tensor."""
+        runs = tuple(tuple((k * self.heads + first, count) for k in range(self.repeats)) for first, count in self.local)
+        return Partition(dim, self.heads * self.repeats, runs)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ class Rule:
     whole: tuple[str, ...] = ()  # mixer: modules or parameters under it computed whole on its replicated input
     refuse: str = ""  # mixer: why a block it recognises stays replicated (it cannot be split exactly)
     head_params: tuple[str, ...] = ()  # attention: parameters with one entry per query head on dim 0 (sinks)
+    head_repeats: str | int = 1  # attention: how many times over its per-head outputs hold the heads (JetMoE: top-k)
     bias_once: tuple[str, ...] = ()  # experts: per-expert output biases, added on one TP rank (the sum counts it once)
     sharded_norms: Mapping[str, str] = field(
         default_factory=dict
@@ -98,6 +99,7 @@ _RULE_KEYS = {
     "whole",
     "refuse",
     "head_params",
+    "head_repeats",
     "bias_once",
     "sharded_norms",
 }
@@ -142,6 +144,7 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         refuse=str(raw.get("refuse", "")),
         gathered_outputs=_names(raw.get("gathered_outputs", ()), f"{where}: gathered_outputs"),
         head_params=_names(raw.get("head_params", ()), f"{where}: head_params"),
+        head_repeats=raw.get("head_repeats", 1),
         bias_once=_names(raw.get("bias_once", ()), f"{where}: bias_once"),
         sharded_norms=_norms(raw.get("sharded_norms", {}), f"{where}: sharded_norms"),
     )

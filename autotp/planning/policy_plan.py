@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from .expert_linears import add_layer, plan_expert_linears
 from .head_params import head_params, sharded_norms
 from .linears import features, is_linear, weight_dim
 from .plan import (
@@ -187,7 +188,9 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     f"{path}.{name}: {rows} {'output' if style == 'column' else 'input'} features, but layout "
                     f"{spec!r} with {heads} query / {kv} key-value heads of {head_dim} gives {partition.full_size}"
                 )
-            acc.layers.append(
+            add_layer(
+                acc,
+                module,
                 LayerPlan(
                     f"{path}.{name}",
                     style,
@@ -195,7 +198,7 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     partition,
                     f"{spec} over {heads} heads / {kv} kv heads of {head_dim}",
                     path,
-                )
+                ),
             )
     local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
     full = {"q": heads, "kv": kv}
@@ -222,7 +225,7 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
     acc.head_norms.extend(f"{path}.{name}" for name in rule.head_norms if _children(block, [name]))
     local_heads = tuple((r.start, len(r)) for r in layout.q)
     acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
-    acc.attention.append(HeadsPlan(path, heads, local_heads))
+    acc.attention.append(HeadsPlan(path, heads, local_heads, _count(config, rule.head_repeats)))
     acc.params.extend(head_params(path, block, rule, acc.attention[-1]))
     _norms(path, block, rule, layout_partition("w", 0, {"w": layout.q}, {"w": head_dim}), acc)
     return True
@@ -276,6 +279,8 @@ def _check_width(path: str, what: str, width: int, tp: int) -> None:
 
 
 def _plan_experts(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Accumulator) -> bool:
+    if rule.column or rule.row:  # parallel-experts linears (JetMoE's), each a column or row layer inside every expert
+        return plan_expert_linears(path, block, rule, tp, acc)
     found = {name: getattr(block, name, None) for name in [*rule.params, *rule.bias_once]}
     params = {name: p for name, p in found.items() if isinstance(p, nn.Parameter)}
     if len(params) != len(found):  # a rule's tensor is missing or not a parameter: not this block

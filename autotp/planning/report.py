@@ -52,6 +52,16 @@ def step_collectives(model: nn.Module, plan: Plan, batch: int, seq: int) -> list
     hidden = getattr(model.config, "hidden_size", 0)
     top_k = _top_k(model.config)
     for region in plan.regions:  # experts(hidden_states, top_k_index, top_k_weights): two float inputs
+        if region.side:  # a parallel-experts linear: one collective on its top_k x tokens rows
+            out_features, in_features = features(model.get_submodule(region.path))
+            column = region.side == "column"
+            size = tokens * top_k * (in_features if column else out_features) * element
+            out.append(
+                Collective(
+                    region.path + (" (input gradient)" if column else ""), "backward" if column else "forward", 1, size
+                )
+            )
+            continue
         out.append(Collective(region.path, "forward", 1, tokens * hidden * element))
         out.append(Collective(f"{region.path} (hidden-state gradient)", "backward", 1, tokens * hidden * element))
         out.append(Collective(f"{region.path} (routing-weight gradient)", "backward", 1, tokens * top_k * element))

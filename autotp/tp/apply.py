@@ -73,7 +73,9 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
             )
     for region in plan.regions:
         partitions = {name: partition for name, _, partition in region.partitions}
-        state.regions.append(ShardedRegion(modules[region.path], partitions, tp_group, state, region.bias_once))
+        state.regions.append(
+            ShardedRegion(modules[region.path], partitions, tp_group, state, region.bias_once, region.side)
+        )
         _experts_path(modules[region.path], partitions.values())
     _mixers(model, state)
     for norm in plan.norms:
@@ -86,7 +88,7 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
             state.sharded_only(_head_slicer(head_input, state)), with_kwargs=True
         )
     for heads in plan.attention:
-        tag = functools.partial(tag_heads, heads, heads.local[rank][1])
+        tag = functools.partial(tag_heads, heads, heads.local[rank][1] * heads.repeats)
         modules[heads.path].register_forward_hook(state.sharded_only(tag))
     if plan.attention:
         weights = AttentionWeights(tp_group)

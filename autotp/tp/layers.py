@@ -273,19 +273,28 @@ class ShardedRegion:
     """A module computed on sharded parameters (MoE experts): float inputs enter a TP span, the output is reduced.
 
     The module keeps its class, forward and parameter names; hooks add the two collectives, and do nothing while the
-    model is gathered (`state.sharded_only`).
+    model is gathered (`state.sharded_only`). `side`: a parallel-experts linear (`autotp.planning.expert_linears`)
+    gets only the entry ("column") or only the sum ("row").
     """
 
     def __init__(
-        self, module: nn.Module, partitions: Mapping[str, Partition], group: Group, state, bias_once: tuple = ()
+        self,
+        module: nn.Module,
+        partitions: Mapping[str, Partition],
+        group: Group,
+        state,
+        bias_once: tuple = (),
+        side: str = "",
     ):
         self.module, self.group = module, group
         self.rank = group_rank(group)
         for name, partition in partitions.items():
             setattr(module, name, shard_parameter(getattr(module, name), partition, self.rank))
         self.names, self.bias_once = list(partitions), bias_once
-        module.register_forward_pre_hook(state.sharded_only(self._enter), with_kwargs=True)
-        module.register_forward_hook(state.sharded_only(self._leave), with_kwargs=True)
+        if side != "row":
+            module.register_forward_pre_hook(state.sharded_only(self._enter), with_kwargs=True)
+        if side != "column":
+            module.register_forward_hook(state.sharded_only(self._leave), with_kwargs=True)
         module.autotp_region = self
 
     def _enter(self, module, args, kwargs):

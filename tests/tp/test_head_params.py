@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.planning.planner import build_plan
-from autotp.planning.report import summary
 from autotp.planning.sharding import layout_partition, split_ranges
 from autotp.testing import assert_parity, compare_training, run_ranks, tiny_config
-from models import batch
+from models import batch, step_bytes
 
 # What must be sharded (a rank holds its heads' sinks, its width of every expert), under each family's first layer
 SHARDED = {
@@ -76,26 +74,6 @@ def families_parity(rank: int, world: int, families: list[str]) -> dict:
         report["collective_bytes"] = step_bytes(autotp.wrap(trained_like(family), world))
         out[family] = report
     return out
-
-
-def step_bytes(model: nn.Module) -> tuple[int, int]:
-    """The all-reduce bytes `autotp plan` predicts for a training step, and those a step moves (after a first one:
-    it checks the random streams once)."""
-    ids = batch(512, (1, 8))
-    predicted = summary(model, model.autotp_state.plan, *ids.shape)["collective_bytes_per_step"]
-    model(ids, labels=ids).loss.backward()
-    moved, original = [0], dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        moved[0] += tensor.numel() * tensor.element_size()
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        model(ids, labels=ids).loss.backward()
-    finally:
-        dist.all_reduce = original
-    return predicted, moved[0]
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])

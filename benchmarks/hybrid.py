@@ -1,0 +1,274 @@
+"""Hybrid models at tp 2 against one process, side by side in the same run: per-rank memory and step time (issue 51).
+
+    python benchmarks/hybrid.py [--families nemotron_h qwen3_next] [--rounds 2] [--steps 4] [--warmup 1]
+
+Two reduced hybrids, hidden 512, vocab 4096, each with its family's default layer pattern (transformers' default
+config) over 4 layers, fp32, random weights saved once and read by every run:
+- Nemotron-H: `layers_block_type` mamba, moe, attention, mlp (a Mamba-2 mixer of 16 heads of 64 in 2 groups of state
+  64; 8 routed experts of width 256, top-2, and a shared expert of 512; 8/2 attention heads; a relu2 MLP of 1024);
+- Qwen3-Next: `layer_types` 3 x linear_attention (a gated delta-net, 4 key / 8 value heads of 64), then
+  full_attention (gated, 8/2 heads); every layer's MLP 8 routed experts of width 256, top-2, and a shared expert.
+
+Each run is fresh processes, 1 thread per rank, gloo, `MALLOC_MMAP_THRESHOLD_=131072` (RSS follows the live bytes,
+as in `activation_memory.py`): one process reads the model with transformers' `from_pretrained`, tp 2 with
+`autotp.from_pretrained(path, 2)`. Both train on the same batch of 2 x 128 tokens with AdamW; one process and tp 2
+alternate within each round. Reported per rank: the bytes of its parameters, and of its parameters, gradients and
+AdamW's two moments after the last step (`to_local()`, each tensor once); how far its RSS rose above where it stood
+before the model was read (the peak, VmHWM, reset once the model is read: the model, the step's gradients,
+optimizer state and activations, not the load's transients); the median step (forward, backward, AdamW) after the
+warm-up, the slower rank's, median over rounds; and each step's loss, against one process's (a sanity line). From the
+plan (`autotp.explain` on the meta device): the tensors it shards, the bytes it puts on each rank (to equal the
+measured ones) and the largest tensors it leaves whole.
+
+Step time on a 2-core CPU is not tp 2's speed-up: the two ranks share the cores with gloo's threads (and with
+whatever else runs), the collectives go through loopback TCP, and the state-space and delta-net scans run
+transformers' reference PyTorch code (no `mamba_ssm` / `fla` kernels on CPU), whose per-chunk loops do not halve
+with the heads. Read the memory ratios; the time ratio is what this machine measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from activation_memory import rss, spawn_ranks  # noqa: E402
+
+VOCAB = 4096
+BATCH = (2, 128)
+LR = 1e-4
+FAMILIES = {
+    "nemotron_h": dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        layers_block_type=["mamba", "moe", "attention", "mlp"],
+        mamba_num_heads=16,
+        mamba_head_dim=64,
+        n_groups=2,
+        ssm_state_size=64,
+        chunk_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        moe_shared_expert_intermediate_size=512,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    ),
+    "qwen3_next": dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    ),
+}
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def config(family: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **FAMILIES[family])
+
+
+def nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's own parameters, their gradients and the optimizer's tensors, each storage once."""
+    params = list(model.parameters())
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0),
+    }
+
+
+def rank_main(rank: int, world: int, path: str, steps: int, warmup: int, port: int, out) -> None:
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    import autotp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    base = rss("VmRSS")
+    model = AutoModelForCausalLM.from_pretrained(path) if world == 1 else autotp.from_pretrained(path, world)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids = torch.randint(0, VOCAB, BATCH, generator=torch.Generator().manual_seed(1))
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS: the load's transients left out
+    times, losses = [], []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()  # at the start, so the last step's gradients are still held when counted
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    report = {
+        **held(model, optimizer),
+        "peak": rss("VmHWM") - base,
+        "median": statistics.median(times),
+        "losses": losses,
+        "numels": {name: nbytes(p) // p.element_size() for name, p in model.named_parameters()},
+    }
+    out.put((rank, report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(path: str, world: int, steps: int, warmup: int) -> list[dict]:
+    return [report for _, report in spawn_ranks(rank_main, world, (path, steps, warmup), MALLOC)]
+
+
+def planned(family: str, tp: int) -> dict:
+    """What the plan shards at `tp`, planned on the meta device as `autotp plan` plans it."""
+    from transformers import AutoModelForCausalLM
+
+    import autotp
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config(family))
+    plan = autotp.explain(model, tp)
+    sharded = plan.sharded_params(model)
+    params = dict(model.named_parameters())
+    whole: dict[str, int] = defaultdict(int)  # module -> bytes of its parameters the plan keeps whole
+    for name, p in params.items():
+        if name not in sharded:
+            whole[name.rsplit(".", 1)[0]] += p.numel() * p.element_size()
+    return {
+        "tensors": len(params),
+        "sharded": len(sharded),
+        "per_rank": plan.param_bytes(model),
+        "total": sum(p.numel() * p.element_size() for p in params.values()),
+        "whole": sorted(whole.items(), key=lambda item: -item[1]),
+        "vocab": plan.vocab is not None,
+    }
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def per_rank(ranks: list[dict], key) -> tuple[str, int]:
+    """`key`'s value on each rank, as `a / b` MiB, and the largest."""
+    values = [key(r) for r in ranks]
+    return " / ".join(mib(v) for v in values), max(values)
+
+
+def table(family: str, rounds: dict[int, list[list[dict]]], plan: dict) -> None:
+    """The family's side-by-side table, its plan line and its loss line."""
+    print(f"\n{family}: {mib(plan['total'])} MiB of fp32 parameters, batch {BATCH[0]} x {BATCH[1]}, AdamW")
+    print(
+        "| run | s/step, median (min-max) over rounds | vs one process | parameters, MiB per rank | parameters + "
+        "gradients + AdamW, MiB per rank | vs one process | peak RSS growth, MiB per rank | vs one process |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    state = lambda r: r["params"] + r["grads"] + r["optimizer"]  # noqa: E731
+    one = {}
+    for world, label in ((1, "one process, 1 thread"), (2, "tp 2, 2 ranks x 1 thread")):
+        if world not in rounds:
+            continue
+        steps = [max(r["median"] for r in ranks) for ranks in rounds[world]]
+        last = rounds[world][-1]
+        params, _ = per_rank(last, lambda r: r["params"])
+        held, held_max = per_rank(last, state)
+        peak, peak_max = per_rank(last, lambda r: r["peak"])
+        time = statistics.median(steps)
+        one = one or {"time": time, "held": held_max, "peak": peak_max}
+        print(
+            f"| {label} | {time:.3f} ({min(steps):.3f}-{max(steps):.3f}) | {time / one['time']:.2f} | {params} | "
+            f"{held} | {held_max / one['held']:.3f} | {peak} | {peak_max / one['peak']:.3f} |"
+        )
+    if 1 not in rounds or 2 not in rounds:
+        return
+    whole = {name: n for name, n in rounds[1][-1][0]["numels"].items()}
+    measured = sum(1 for name, n in rounds[2][-1][0]["numels"].items() if n < whole[name])
+    kept = ", ".join(f"{name} {mib(size)}" for name, size in plan["whole"][:4])
+    rest = sum(size for _, size in plan["whole"][4:])
+    print(
+        f"- plan at tp 2: {plan['sharded']} of {plan['tensors']} parameter tensors sharded ({measured} measured "
+        f"smaller on a rank); {' / '.join(mib(b) for b in plan['per_rank'])} MiB planned per rank (measured "
+        f"{per_rank(rounds[2][-1], lambda r: r['params'])[0]}), {max(plan['per_rank']) / plan['total']:.3f} of the "
+        f"whole; vocab-parallel: {'yes' if plan['vocab'] else 'no'}; kept whole (MiB): {kept}, "
+        f"{len(plan['whole']) - 4} more modules {rest / 2**20:.2f}"
+    )
+    pairs = [
+        (a, b)
+        for one_run, tp_run in zip(rounds[1], rounds[2])
+        for a, b in zip(one_run[0]["losses"], tp_run[0]["losses"])
+    ]
+    single, split = rounds[1][-1][0]["losses"], rounds[2][-1][0]["losses"]
+    print(
+        f"- loss, one process / tp 2: step 1 {single[0]:.6f} / {split[0]:.6f}, step {len(single)} {single[-1]:.6f} / "
+        f"{split[-1]:.6f}; largest difference over every step of every round {max(abs(a - b) for a, b in pairs):.1e} (fp32)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(tempfile.mkdtemp(prefix="autotp-hybrid-"))
+    for family in args.families:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config(family)).save_pretrained(folder / family)
+    results: dict[str, dict[int, list[list[dict]]]] = defaultdict(lambda: defaultdict(list))
+    for round_index in range(args.rounds):
+        for family in args.families:
+            for world in (1, 2):
+                try:
+                    ranks = run(str(folder / family), world, args.steps, args.warmup)
+                except Exception as err:  # a run that fails is reported with its reason, not fatal
+                    print(f"{family} at {world} ranks failed: {str(err).strip().splitlines()[-1][:300]}", flush=True)
+                    continue
+                results[family][world].append(ranks)
+                print(
+                    f"round {round_index + 1}, {family}, {world} rank(s): "
+                    f"{max(r['median'] for r in ranks):.3f} s/step, loss {ranks[0]['losses'][-1]:.6f}",
+                    flush=True,
+                )
+    print(
+        f"\n{args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up, each run in fresh "
+        f"processes, 1 thread per rank; ratios are tp 2's larger rank over one process"
+    )
+    for family in args.families:
+        table(family, results[family], planned(family, 2))
+
+
+if __name__ == "__main__":
+    main()

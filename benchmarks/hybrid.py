@@ -124,20 +124,24 @@ def rank_main(rank: int, world: int, path: str, steps: int, warmup: int, port: i
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     ids = torch.randint(0, VOCAB, BATCH, generator=torch.Generator().manual_seed(1))
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS: the load's transients left out
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad()  # at the start, so the last step's gradients are still held when counted
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         losses.append(loss.item())
+    state = held(model, optimizer)
     report = {
-        **held(model, optimizer),
+        **state,
+        "state": sum(state.values()),
         "peak": rss("VmHWM") - base,
         "median": statistics.median(times),
+        "cpu": statistics.median(cpu),
         "losses": losses,
         "numels": {name: nbytes(p) // p.element_size() for name, p in model.named_parameters()},
     }
@@ -179,58 +183,63 @@ def mib(value: float) -> str:
     return f"{value / 2**20:.1f}"
 
 
-def per_rank(ranks: list[dict], key) -> tuple[str, int]:
-    """`key`'s value on each rank, as `a / b` MiB, and the largest."""
-    values = [key(r) for r in ranks]
-    return " / ".join(mib(v) for v in values), max(values)
-
-
 def table(family: str, rounds: dict[int, list[list[dict]]], plan: dict) -> None:
-    """The family's side-by-side table, its plan line and its loss line."""
+    """The family's side-by-side table (ratios: tp 2's larger rank over one process), its plan and loss lines."""
     print(f"\n{family}: {mib(plan['total'])} MiB of fp32 parameters, batch {BATCH[0]} x {BATCH[1]}, AdamW")
-    print(
-        "| run | s/step, median (min-max) over rounds | vs one process | parameters, MiB per rank | parameters + "
-        "gradients + AdamW, MiB per rank | vs one process | peak RSS growth, MiB per rank | vs one process |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    state = lambda r: r["params"] + r["grads"] + r["optimizer"]  # noqa: E731
-    one = {}
-    for world, label in ((1, "one process, 1 thread"), (2, "tp 2, 2 ranks x 1 thread")):
-        if world not in rounds:
-            continue
-        steps = [max(r["median"] for r in ranks) for ranks in rounds[world]]
-        last = rounds[world][-1]
-        params, _ = per_rank(last, lambda r: r["params"])
-        held, held_max = per_rank(last, state)
-        peak, peak_max = per_rank(last, lambda r: r["peak"])
-        time = statistics.median(steps)
-        one = one or {"time": time, "held": held_max, "peak": peak_max}
-        print(
-            f"| {label} | {time:.3f} ({min(steps):.3f}-{max(steps):.3f}) | {time / one['time']:.2f} | {params} | "
-            f"{held} | {held_max / one['held']:.3f} | {peak} | {peak_max / one['peak']:.3f} |"
-        )
     if 1 not in rounds or 2 not in rounds:
+        print("- not compared: a run failed (its reason is above)")
         return
-    whole = {name: n for name, n in rounds[1][-1][0]["numels"].items()}
+    print(
+        "| run | s/step, median (min-max) over rounds | vs one process | CPU s/step per rank | vs one process | "
+        "parameters, MiB per rank | parameters + gradients + AdamW, MiB per rank | vs one process | peak RSS growth, "
+        "MiB per rank | vs one process |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    walls = {world: [max(r["median"] for r in ranks) for ranks in rounds[world]] for world in (1, 2)}
+    wall = {world: statistics.median(walls[world]) for world in (1, 2)}
+    cpu = {
+        world: [statistics.median(ranks[i]["cpu"] for ranks in rounds[world]) for i in range(world)] for world in (1, 2)
+    }
+    last = {
+        world: {key: [r[key] for r in rounds[world][-1]] for key in ("params", "state", "peak")} for world in (1, 2)
+    }
+    ratio = lambda key: f"{max(last[2][key]) / max(last[1][key]):.3f}"  # noqa: E731
+    ranks = lambda world, key: " / ".join(mib(v) for v in last[world][key])  # noqa: E731
+    for world, label, vs in (
+        (1, "one process, 1 thread", ("1.00", "1.00", "1.000", "1.000")),
+        (
+            2,
+            "tp 2, 2 ranks x 1 thread",
+            (f"{wall[2] / wall[1]:.2f}", f"{max(cpu[2]) / cpu[1][0]:.2f}", ratio("state"), ratio("peak")),
+        ),
+    ):
+        print(
+            f"| {label} | {wall[world]:.3f} ({min(walls[world]):.3f}-{max(walls[world]):.3f}) | {vs[0]} | "
+            f"{' / '.join(f'{c:.3f}' for c in cpu[world])} | {vs[1]} | {ranks(world, 'params')} | "
+            f"{ranks(world, 'state')} | {vs[2]} | {ranks(world, 'peak')} | {vs[3]} |"
+        )
+    print_plan(plan, rounds, ranks(2, "params"))
+    losses = [(one[0]["losses"], tp[0]["losses"]) for one, tp in zip(rounds[1], rounds[2])]
+    largest = max(abs(a - b) for single, split in losses for a, b in zip(single, split))
+    single, split = losses[-1]
+    print(
+        f"- loss, one process / tp 2: step 1 {single[0]:.6f} / {split[0]:.6f}, step {len(single)} {single[-1]:.6f} / "
+        f"{split[-1]:.6f}; largest difference over every step of every round {largest:.1e} (fp32)"
+    )
+
+
+def print_plan(plan: dict, rounds: dict[int, list[list[dict]]], measured_bytes: str) -> None:
+    """What the plan shards and keeps whole, beside what the tp 2 run's rank 0 holds."""
+    whole = rounds[1][-1][0]["numels"]
     measured = sum(1 for name, n in rounds[2][-1][0]["numels"].items() if n < whole[name])
     kept = ", ".join(f"{name} {mib(size)}" for name, size in plan["whole"][:4])
     rest = sum(size for _, size in plan["whole"][4:])
     print(
         f"- plan at tp 2: {plan['sharded']} of {plan['tensors']} parameter tensors sharded ({measured} measured "
         f"smaller on a rank); {' / '.join(mib(b) for b in plan['per_rank'])} MiB planned per rank (measured "
-        f"{per_rank(rounds[2][-1], lambda r: r['params'])[0]}), {max(plan['per_rank']) / plan['total']:.3f} of the "
-        f"whole; vocab-parallel: {'yes' if plan['vocab'] else 'no'}; kept whole (MiB): {kept}, "
-        f"{len(plan['whole']) - 4} more modules {rest / 2**20:.2f}"
-    )
-    pairs = [
-        (a, b)
-        for one_run, tp_run in zip(rounds[1], rounds[2])
-        for a, b in zip(one_run[0]["losses"], tp_run[0]["losses"])
-    ]
-    single, split = rounds[1][-1][0]["losses"], rounds[2][-1][0]["losses"]
-    print(
-        f"- loss, one process / tp 2: step 1 {single[0]:.6f} / {split[0]:.6f}, step {len(single)} {single[-1]:.6f} / "
-        f"{split[-1]:.6f}; largest difference over every step of every round {max(abs(a - b) for a, b in pairs):.1e} (fp32)"
+        f"{measured_bytes}), {max(plan['per_rank']) / plan['total']:.3f} of the whole; vocab-parallel: "
+        f"{'yes' if plan['vocab'] else 'no'}; kept whole (MiB): {kept}, {len(plan['whole']) - 4} more modules "
+        f"{rest / 2**20:.2f}"
     )
 
 

@@ -12,18 +12,23 @@ config) over 4 layers, fp32, random weights saved once and read by every run:
 Each run is fresh processes, 1 thread per rank, gloo, `MALLOC_MMAP_THRESHOLD_=131072` (RSS follows the live bytes,
 as in `activation_memory.py`): one process reads the model with transformers' `from_pretrained`, tp 2 with
 `autotp.from_pretrained(path, 2)`. Both train on the same batch of 2 x 128 tokens with AdamW; one process and tp 2
-alternate within each round. Reported per rank: the bytes of its parameters, and of its parameters, gradients and
-AdamW's two moments after the last step (`to_local()`, each tensor once); how far its RSS rose above where it stood
-before the model was read (the peak, VmHWM, reset once the model is read: the model, the step's gradients,
-optimizer state and activations, not the load's transients); the median step (forward, backward, AdamW) after the
-warm-up, the slower rank's, median over rounds; and each step's loss, against one process's (a sanity line). From the
-plan (`autotp.explain` on the meta device): the tensors it shards, the bytes it puts on each rank (to equal the
-measured ones) and the largest tensors it leaves whole.
+alternate within each round. Reported per rank:
+- the bytes of its parameters, and of its parameters, gradients and AdamW's two moments after the last step (a
+  DTensor's `to_local()`);
+- how far its RSS rose above where it stood before the model was read (the peak, VmHWM, reset once the model is read:
+  the model, the steps' gradients, optimizer state and activations, not the load's transients);
+- the median step (forward, backward, AdamW) after the warm-up, the slower rank's, median over rounds; and its CPU
+  seconds (`time.process_time()`: the rank's process, gloo's threads included), each rank's median over rounds,
+  which other jobs on the machine sway less than the wall clock;
+- each step's loss, against one process's (a sanity line).
+From the plan (`autotp.explain` on the meta device): the tensors it shards, the bytes it puts on each rank (beside the
+measured ones) and the largest modules it keeps whole.
 
 Step time on a 2-core CPU is not tp 2's speed-up: the two ranks share the cores with gloo's threads (and with
-whatever else runs), the collectives go through loopback TCP, and the state-space and delta-net scans run
-transformers' reference PyTorch code (no `mamba_ssm` / `fla` kernels on CPU), whose per-chunk loops do not halve
-with the heads. Read the memory ratios; the time ratio is what this machine measured.
+whatever else runs), and the collectives go through loopback TCP. The CPU seconds say how much of one process's work
+a rank does: what the plan keeps whole (the embedding and LM head while the vocabulary is not split) runs on both
+ranks. The state-space and delta-net scans run transformers' reference PyTorch code here (no `mamba_ssm` / `fla`
+kernels on CPU). Read the memory ratios; the time ratios are what this machine measured.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of this rank's own parameters, their gradients and the optimizer's tensors, each storage once."""
+    """Bytes of this rank's own parameters (tied ones once), their gradients and the optimizer's tensors."""
     params = list(model.parameters())
     return {
         "params": sum(nbytes(p) for p in params),
@@ -234,7 +234,7 @@ def table(family: str, rounds: dict[int, list[list[dict]]], plan: dict) -> None:
 
 
 def print_plan(plan: dict, rounds: dict[int, list[list[dict]]], measured_bytes: str) -> None:
-    """What the plan shards and keeps whole, beside what the tp 2 run's rank 0 holds."""
+    """What the plan shards and keeps whole, beside what the tp 2 run's ranks hold."""
     whole = rounds[1][-1][0]["numels"]
     measured = sum(1 for name, n in rounds[2][-1][0]["numels"].items() if n < whole[name])
     kept = ", ".join(f"{name} {mib(size)}" for name, size in plan["whole"][:4])
@@ -248,6 +248,23 @@ def print_plan(plan: dict, rounds: dict[int, list[list[dict]]], measured_bytes: 
     )
 
 
+def measure(
+    results: dict[int, list[list[dict]]], path: str, world: int, args: argparse.Namespace, round_index: int
+) -> None:
+    """One run of the model at `path` on `world` ranks, added to `results`; a run that fails prints its reason."""
+    try:
+        ranks = run(path, world, args.steps, args.warmup)
+    except Exception as err:  # reported, not fatal: the other runs still compare
+        print(f"{Path(path).name} at {world} ranks failed: {str(err).strip().splitlines()[-1][:300]}", flush=True)
+        return
+    results[world].append(ranks)
+    print(
+        f"round {round_index + 1}, {Path(path).name}, {world} rank(s): "
+        f"{max(r['median'] for r in ranks):.3f} s/step, loss {ranks[0]['losses'][-1]:.6f}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
@@ -257,25 +274,15 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
-    folder = Path(tempfile.mkdtemp(prefix="autotp-hybrid-"))
-    for family in args.families:
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config(family)).save_pretrained(folder / family)
     results: dict[str, dict[int, list[list[dict]]]] = defaultdict(lambda: defaultdict(list))
-    for round_index in range(args.rounds):
+    with tempfile.TemporaryDirectory(prefix="autotp-hybrid-") as folder:
         for family in args.families:
-            for world in (1, 2):
-                try:
-                    ranks = run(str(folder / family), world, args.steps, args.warmup)
-                except Exception as err:  # a run that fails is reported with its reason, not fatal
-                    print(f"{family} at {world} ranks failed: {str(err).strip().splitlines()[-1][:300]}", flush=True)
-                    continue
-                results[family][world].append(ranks)
-                print(
-                    f"round {round_index + 1}, {family}, {world} rank(s): "
-                    f"{max(r['median'] for r in ranks):.3f} s/step, loss {ranks[0]['losses'][-1]:.6f}",
-                    flush=True,
-                )
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config(family)).save_pretrained(Path(folder) / family)
+        for round_index in range(args.rounds):
+            for family in args.families:
+                for world in (1, 2):
+                    measure(results[family], str(Path(folder) / family), world, args, round_index)
     print(
         f"\n{args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up, each run in fresh "
         f"processes, 1 thread per rank; ratios are tp 2's larger rank over one process"

@@ -1,6 +1,7 @@
-"""A sharded attention block's tensors besides its projections, from a policy rule: per-head parameters (gpt-oss's
-sinks, one entry per query head) split with the heads, and norms over the width the block splits (BitNet's sub-norms)
-computed exactly, their statistic all-reduced and their weight split as the width is."""
+"""A sharded block's tensors besides its projections, from a policy rule: per-head or per-column parameters (gpt-oss's
+sinks, one entry per query head; Dory's per-channel scales) split with the heads or the width, and norms over the
+width the block splits (BitNet's sub-norms) computed exactly, their statistic all-reduced and their weight split as
+the width is."""
 
 from __future__ import annotations
 
@@ -32,15 +33,22 @@ def sharded_norms(
     return norms, weights
 
 
-def head_params(path: str, block: nn.Module, rule: Rule, heads: HeadsPlan) -> list[ParamPlan]:
-    """The rule's per-head parameters of `block` (sinks), split along dim 0 as its query heads are."""
+def head_params(path: str, block: nn.Module, rule: Rule, heads: HeadsPlan | None, width: Partition) -> list[ParamPlan]:
+    """The rule's parameters of `block` split on dim 0 with what the block splits: one entry per query head (sinks,
+    `heads.partition`), or one per column of the split width (`width`: the heads' channels, Dory's `sqk` and `s_gate`,
+    or an MLP's width, its `suv_gate`). A block without heads (an MLP) has the width alone."""
     out = []
     for name in rule.head_params:
         param = getattr(block, name, None)
         if param is None:
             continue
-        if not isinstance(param, nn.Parameter) or param.dim() == 0 or param.shape[0] != heads.heads:
+        rows = param.shape[0] if isinstance(param, nn.Parameter) and param.dim() else None
+        if heads is not None and rows == heads.heads:
+            out.append(ParamPlan(f"{path}.{name}", tuple(param.shape), heads.partition(0), path, "per head"))
+        elif rows == width.full_size:
+            out.append(ParamPlan(f"{path}.{name}", tuple(param.shape), width.with_dim(0), path, "per column"))
+        else:
             shape = tuple(getattr(param, "shape", ()))
-            raise ValueError(f"{path}.{name}: a per-head parameter needs {heads.heads} rows on dim 0, got {shape}")
-        out.append(ParamPlan(f"{path}.{name}", tuple(param.shape), heads.partition(0), path, "per head"))
+            counts = f"{heads.heads} (one per head) or " if heads is not None else ""
+            raise ValueError(f"{path}.{name}: a split parameter needs {counts}{width.full_size} rows on dim 0, got {shape}")
     return out

@@ -1,7 +1,8 @@
 """Per-head parameters split with their heads and experts under TP alone (issue 51, items 1 and 4): gpt-oss's
 attention sinks and its experts (gate|up interleaved column by column, a bias on each, a clamped SwiGLU, the output
 bias counted once), flint's sinks and per-head q/k norms (found by detection, verified by emulation) and MPT's fused
-Wqkv with ALiBi and BitNet's sub-norms over the split width (statistics all-reduced; shipped policies), and experts
+Wqkv with ALiBi, BitNet's sub-norms over the split width (statistics all-reduced) and Dory's per-column scales and
+L2 sub-norms (shipped policies), and experts
 found by transformers' own layout flags (Zaya's [gate | up], Aria's transposed), against one
 process: loss, every gradient, parameters after 3 AdamW steps (autotp.testing's fp32 tolerances: only the order of
 sums differs), and greedy generate with a cache (logits within 1e-5: fp32 rounding of reordered sums; a head's sink on
@@ -34,23 +35,29 @@ SHARDED = {
     "flint": ["self_attn.sinks", "self_attn.q_proj.weight", "self_attn.o_proj.weight"],
     "mpt": ["attn.Wqkv.weight", "attn.out_proj.weight", "ffn.up_proj.weight"],  # ALiBi sliced to each rank's heads
     "bitnet": ["self_attn.attn_sub_norm.weight", "mlp.ffn_sub_norm.weight", "self_attn.o_proj.weight"],
+    # per-column scales split with the heads' channels and the MLP width, weightless L2 sub-norms over the split width
+    "dory": ["self_attn.sqk", "self_attn.s_gate", "self_attn.gate_proj.weight", "mlp.suv_gate", "mlp.suv_up"],
     # experts laid out as transformers' use_experts_implementation flags say (no plan of HF's names them whole)
     "zaya": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # [experts, gate | up, hidden]
     "aria_text": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # transposed: [experts, hidden, gate | up]
 }
 LAYERS = {family: "model.layers" for family in SHARDED} | {"mpt": "transformer.blocks"}
+# `autotp plan` counts each block's collectives once a step; Dory runs its (here: every) layer n_recurrent_loops times
+RUNS = {"dory": tiny_config("dory").n_recurrent_loops}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
 def trained_like(family: str) -> nn.Module:
-    """The tiny model with every bias and sink drawn at random, as a checkpoint holds them (HF initialises some to 0,
-    which would hide a bias counted twice)."""
+    """The tiny model with every bias and sink drawn at random, and every per-column scale varied, as a checkpoint holds
+    them (HF initialises some to 0 or to one constant, which would hide a bias counted twice or a scale misplaced)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")):
                 param.normal_(0.0, 0.1)
+            elif name.endswith(("sqk", "s_gate", "suv_gate", "suv_up")):
+                param.mul_(torch.empty_like(param).uniform_(0.5, 1.5))
     return model
 
 
@@ -108,7 +115,8 @@ def test_sinks_norms_and_experts_shard_with_one_process_parity(tp: int) -> None:
             same_tokens, gap = report["generate"]
             assert same_tokens and gap < 1e-5, (family, report["generate"])
             predicted, moved = report["collective_bytes"]
-            assert predicted == moved, f"{family}: autotp plan predicts {predicted} bytes a step, {moved} moved"
+            runs = RUNS.get(family, 1)
+            assert predicted * runs == moved, f"{family}: autotp plan predicts {predicted} bytes x {runs}, {moved} moved"
 
 
 def test_interleaved_layout_keeps_each_gate_beside_its_up() -> None:

@@ -36,14 +36,23 @@ SHARDED = {
     "mpt": ["attn.Wqkv.weight", "attn.out_proj.weight", "ffn.up_proj.weight"],  # ALiBi sliced to each rank's heads
     "bitnet": ["self_attn.attn_sub_norm.weight", "mlp.ffn_sub_norm.weight", "self_attn.o_proj.weight"],
     # per-column scales split with the heads' channels and the MLP width, weightless L2 sub-norms over the split width
+    # heads dim_head wide; the model's relative position bias table split with the heads (checked by parity)
+    "cpmant": ["self_att.self_attention.project_q.weight", "ffn.ffn.w_in.w_0.weight"],
+    # the dense MLP by a shipped policy, the attention replicated with its reason (tests below)
+    "doge": ["mlp.gate_proj.weight", "mlp.down_proj.weight"],
     "dory": ["self_attn.sqk", "self_attn.s_gate", "self_attn.gate_proj.weight", "mlp.suv_gate", "mlp.suv_up"],
     # experts laid out as transformers' use_experts_implementation flags say (no plan of HF's names them whole)
     "zaya": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # [experts, gate | up, hidden]
     "aria_text": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # transposed: [experts, hidden, gate | up]
 }
-LAYERS = {family: "model.layers" for family in SHARDED} | {"mpt": "transformer.blocks"}
-# `autotp plan` counts each block's collectives once a step; Dory runs its (here: every) layer n_recurrent_loops times
-RUNS = {"dory": tiny_config("dory").n_recurrent_loops}
+LAYERS = {family: "model.layers" for family in SHARDED} | {"mpt": "transformer.blocks", "cpmant": "cpmant.encoder.layers"}
+# CPM-Ant's defaults draw weights with std 1 and a 10240-wide MLP: logits so large that fp32 rounding alone moves the
+# loss by 3e-4 (2e-12 in fp64); at a checkpoint-like scale the harness's fp32 tolerances hold
+# Dory runs its layers in input, looped and output sections that overlap in a 2-layer model (each layer twice), which
+# `autotp plan`'s byte count (each block once a step) does not know: no output section here, so each layer runs once
+CONFIG = {"cpmant": {"init_std": 0.02, "dim_ff": 128}, "dory": {"n_output_layers": 0}}
+# `autotp plan` counts the tokens it is given: CPM-Ant prepends `prompt_length` prompt tokens to each row of 8
+TOKENS = {"cpmant": (8 + tiny_config("cpmant").prompt_length) / 8}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
@@ -51,7 +60,10 @@ def trained_like(family: str) -> nn.Module:
     """The tiny model with every bias and sink drawn at random, and every per-column scale varied, as a checkpoint holds
     them (HF initialises some to 0 or to one constant, which would hide a bias counted twice or a scale misplaced)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    config = tiny_config(family)
+    for key, value in CONFIG.get(family, {}).items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")):
@@ -115,8 +127,8 @@ def test_sinks_norms_and_experts_shard_with_one_process_parity(tp: int) -> None:
             same_tokens, gap = report["generate"]
             assert same_tokens and gap < 1e-5, (family, report["generate"])
             predicted, moved = report["collective_bytes"]
-            runs = RUNS.get(family, 1)
-            assert predicted * runs == moved, f"{family}: autotp plan predicts {predicted} bytes x {runs}, {moved} moved"
+            tokens = TOKENS.get(family, 1)
+            assert predicted * tokens == moved, f"{family}: autotp plan predicts {predicted} bytes x {tokens}, {moved} moved"
 
 
 def test_interleaved_layout_keeps_each_gate_beside_its_up() -> None:
@@ -139,3 +151,11 @@ def test_plan_shards_sinks_and_experts_on_meta(family: str) -> None:
     if family in ("gpt_oss", "flint"):
         sinks = sharded["model.layers.0.self_attn.sinks"]
         assert [sinks.local_size(r) for r in range(4)] == [1, 1, 1, 1]
+
+
+def test_doge_attention_stays_replicated_with_its_reason() -> None:
+    """Doge's dynamic mask reads every key/value head's values: its attention is never split, and the plan says why."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("doge"))
+    reasons = dict(build_plan(model, 2).replicated)
+    assert "dynamic mask" in reasons["model.layers.0.self_attn.dt_proj"].detail

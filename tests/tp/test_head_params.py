@@ -38,6 +38,8 @@ SHARDED = {
     # per-column scales split with the heads' channels and the MLP width, weightless L2 sub-norms over the split width
     # heads dim_head wide; the model's relative position bias table split with the heads (checked by parity)
     "cpmant": ["self_att.self_attention.project_q.weight", "ffn.ffn.w_in.w_0.weight"],
+    # full attention by heads as BERT's (CONFIG: block-sparse stays replicated, with its reason) and the MLP
+    "big_bird": ["attention.self.query.weight", "attention.output.dense.weight", "intermediate.dense.weight"],
     # the dense MLP by a shipped policy, the attention replicated with its reason (tests below)
     "doge": ["mlp.gate_proj.weight", "mlp.down_proj.weight"],
     "dory": ["self_attn.sqk", "self_attn.s_gate", "self_attn.gate_proj.weight", "mlp.suv_gate", "mlp.suv_up"],
@@ -45,25 +47,37 @@ SHARDED = {
     "zaya": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # [experts, gate | up, hidden]
     "aria_text": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # transposed: [experts, hidden, gate | up]
 }
-LAYERS = {family: "model.layers" for family in SHARDED} | {"mpt": "transformer.blocks", "cpmant": "cpmant.encoder.layers"}
+LAYERS = {family: "model.layers" for family in SHARDED} | {
+    "mpt": "transformer.blocks",
+    "cpmant": "cpmant.encoder.layers",
+    "big_bird": "bert.encoder.layer",
+}
 # CPM-Ant's defaults draw weights with std 1 and a 10240-wide MLP: logits so large that fp32 rounding alone moves the
 # loss by 3e-4 (2e-12 in fp64); at a checkpoint-like scale the harness's fp32 tolerances hold
 # Dory runs its layers in input, looped and output sections that overlap in a 2-layer model (each layer twice), which
 # `autotp plan`'s byte count (each block once a step) does not know: no output section here, so each layer runs once
-CONFIG = {"cpmant": {"init_std": 0.02, "dim_ff": 128}, "dory": {"n_output_layers": 0}}
+CONFIG = {
+    "cpmant": {"init_std": 0.02, "dim_ff": 128},
+    "dory": {"n_output_layers": 0},
+    "big_bird": {"attention_type": "original_full"},
+}
 # `autotp plan` counts the tokens it is given: CPM-Ant prepends `prompt_length` prompt tokens to each row of 8
 TOKENS = {"cpmant": (8 + tiny_config("cpmant").prompt_length) / 8}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
+
+
+def config_of(family: str):
+    config = tiny_config(family)
+    for key, value in CONFIG.get(family, {}).items():
+        setattr(config, key, value)
+    return config
 
 
 def trained_like(family: str) -> nn.Module:
     """The tiny model with every bias and sink drawn at random, and every per-column scale varied, as a checkpoint holds
     them (HF initialises some to 0 or to one constant, which would hide a bias counted twice or a scale misplaced)."""
     torch.manual_seed(0)
-    config = tiny_config(family)
-    for key, value in CONFIG.get(family, {}).items():
-        setattr(config, key, value)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config_of(family), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")):
@@ -143,7 +157,7 @@ def test_interleaved_layout_keeps_each_gate_beside_its_up() -> None:
 def test_plan_shards_sinks_and_experts_on_meta(family: str) -> None:
     """At tp 4 on the meta device (what `autotp plan` prints): the sinks by heads, one head a rank."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tiny_config(family))
+        model = AutoModelForCausalLM.from_config(config_of(family))
     plan = build_plan(model, 4)
     sharded = plan.sharded_params(model)
     for name in SHARDED[family]:
@@ -159,3 +173,12 @@ def test_doge_attention_stays_replicated_with_its_reason() -> None:
         model = AutoModelForCausalLM.from_config(tiny_config("doge"))
     reasons = dict(build_plan(model, 2).replicated)
     assert "dynamic mask" in reasons["model.layers.0.self_attn.dt_proj"].detail
+
+
+def test_big_bird_block_sparse_attention_stays_replicated_with_its_reason() -> None:
+    """Block-sparse attention (BigBird's default) draws random blocks head by head: replicated, the MLP still split."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("big_bird"))
+    plan = build_plan(model, 2)
+    assert "block-sparse" in dict(plan.replicated)["bert.encoder.layer.0.attention.self.query"].detail
+    assert "bert.encoder.layer.0.intermediate.dense.weight" in plan.sharded_params(model)

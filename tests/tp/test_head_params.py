@@ -40,6 +40,8 @@ SHARDED = {
     "cpmant": ["self_att.self_attention.project_q.weight", "ffn.ffn.w_in.w_0.weight"],
     # full attention by heads as BERT's (CONFIG: block-sparse stays replicated, with its reason) and the MLP
     "big_bird": ["attention.self.query.weight", "attention.output.dense.weight", "intermediate.dense.weight"],
+    # the feed-forward by width (its relative attention is einsum tensors with no row linear: replicated)
+    "xlnet": ["ff.layer_1.weight", "ff.layer_2.weight"],
     # the dense MLP by a shipped policy, the attention replicated with its reason (tests below)
     "doge": ["mlp.gate_proj.weight", "mlp.down_proj.weight"],
     "dory": ["self_attn.sqk", "self_attn.s_gate", "self_attn.gate_proj.weight", "mlp.suv_gate", "mlp.suv_up"],
@@ -51,6 +53,7 @@ LAYERS = {family: "model.layers" for family in SHARDED} | {
     "mpt": "transformer.blocks",
     "cpmant": "cpmant.encoder.layers",
     "big_bird": "bert.encoder.layer",
+    "xlnet": "transformer.layer",
 }
 # CPM-Ant's defaults draw weights with std 1 and a 10240-wide MLP: logits so large that fp32 rounding alone moves the
 # loss by 3e-4 (2e-12 in fp64); at a checkpoint-like scale the harness's fp32 tolerances hold
@@ -60,6 +63,7 @@ CONFIG = {
     "cpmant": {"init_std": 0.02, "dim_ff": 128},
     "dory": {"n_output_layers": 0},
     "big_bird": {"attention_type": "original_full"},
+    "xlnet": {"d_inner": 128},  # its default feed-forward is 4096 wide: the same split, at a test's cost
 }
 # `autotp plan` counts the tokens it is given: CPM-Ant prepends `prompt_length` prompt tokens to each row of 8
 TOKENS = {"cpmant": (8 + tiny_config("cpmant").prompt_length) / 8}

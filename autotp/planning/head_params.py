@@ -33,22 +33,26 @@ def sharded_norms(
     return norms, weights
 
 
-def head_params(path: str, block: nn.Module, rule: Rule, heads: HeadsPlan | None, width: Partition) -> list[ParamPlan]:
-    """The rule's parameters of `block` split on dim 0 with what the block splits: one entry per query head (sinks,
-    `heads.partition`), or one per column of the split width (`width`: the heads' channels, Dory's `sqk` and `s_gate`,
-    or an MLP's width, its `suv_gate`). A block without heads (an MLP) has the width alone."""
+def head_params(path: str, block: nn.Module, rule: Rule, split: HeadsPlan | Partition) -> list[ParamPlan]:
+    """The rule's parameters of `block` split along dim 0 with what it splits. An attention block's heads (a
+    `HeadsPlan`): one entry per head (sinks) or a run per head (Dory's `sqk`, `s_gate`: one per query column). An MLP's
+    width (a `Partition`): one entry per column (Dory's `suv_gate`, `suv_up`)."""
     out = []
     for name in rule.head_params:
         param = getattr(block, name, None)
         if param is None:
             continue
-        rows = param.shape[0] if isinstance(param, nn.Parameter) and param.dim() else None
-        if heads is not None and rows == heads.heads:
-            out.append(ParamPlan(f"{path}.{name}", tuple(param.shape), heads.partition(0), path, "per head"))
-        elif rows == width.full_size:
-            out.append(ParamPlan(f"{path}.{name}", tuple(param.shape), width.with_dim(0), path, "per column"))
-        else:
+        rows = param.shape[0] if isinstance(param, nn.Parameter) and param.dim() else 0
+        count = split.heads if isinstance(split, HeadsPlan) else split.full_size
+        if not rows or rows % count or not isinstance(split, HeadsPlan) and rows != count:
             shape = tuple(getattr(param, "shape", ()))
-            counts = f"{heads.heads} (one per head) or " if heads is not None else ""
-            raise ValueError(f"{path}.{name}: a split parameter needs {counts}{width.full_size} rows on dim 0, got {shape}")
+            what = f"a multiple of {count} heads'" if isinstance(split, HeadsPlan) else f"the width's {count}"
+            raise ValueError(f"{path}.{name}: a parameter split with the block needs {what} rows on dim 0, got {shape}")
+        if isinstance(split, HeadsPlan):
+            unit = rows // count
+            runs = tuple(((first * unit, n * unit),) for first, n in split.local)
+            reason = "per head" if unit == 1 else f"per head, {unit} entries each"
+            out.append(ParamPlan(f"{path}.{name}", tuple(param.shape), Partition(0, rows, runs), path, reason))
+        else:
+            out.append(ParamPlan(f"{path}.{name}", tuple(param.shape), split.with_dim(0), path, "per column"))
     return out

@@ -58,7 +58,7 @@ class Rule:
     gathered_outputs: tuple[str, ...] = ()  # mlp, mixer: split by output, the output gathered (a gate on the sum)
     whole: tuple[str, ...] = ()  # mixer: modules or parameters under it computed whole on its replicated input
     refuse: str = ""  # mixer: why a block it recognises stays replicated (it cannot be split exactly)
-    head_params: tuple[str, ...] = ()  # attention, mlp: one entry per query head or split column on dim 0 (sinks)
+    head_params: tuple[str, ...] = ()  # attention: parameters with one entry per query head on dim 0 (sinks)
     bias_once: tuple[str, ...] = ()  # experts: per-expert output biases, added on one TP rank (the sum counts it once)
     sharded_norms: Mapping[str, str] = field(
         default_factory=dict

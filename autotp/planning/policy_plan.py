@@ -223,9 +223,8 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
     local_heads = tuple((r.start, len(r)) for r in layout.q)
     acc.head_inputs.extend(HeadInputPlan(path, name, heads, local_heads) for name in rule.head_inputs)
     acc.attention.append(HeadsPlan(path, heads, local_heads))
-    width = layout_partition("w", 0, {"w": layout.q}, {"w": head_dim})
-    acc.params.extend(head_params(path, block, rule, acc.attention[-1], width))
-    _norms(path, block, rule, width, acc)
+    acc.params.extend(head_params(path, block, rule, acc.attention[-1]))
+    _norms(path, block, rule, layout_partition("w", 0, {"w": layout.q}, {"w": head_dim}), acc)
     return True
 
 
@@ -254,8 +253,8 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
         raise ValueError(f"{path}: the MLP projections disagree on the width: {widths}")
     _check_width(path, "MLP width", width, tp)
     owned = {"w": split_ranges(width, tp)}
-    acc.params.extend(head_params(path, block, rule, None, layout_partition("w", 0, owned, {"w": 1})))
     _norms(path, block, rule, layout_partition("w", 0, owned, {"w": 1}), acc)
+    acc.params.extend(head_params(path, block, rule, layout_partition("w", 0, owned, {"w": 1})))
     for style, mapping in (("column", rule.column), ("row", rule.row)):
         for name, spec in mapping.items():
             module = children[name]

@@ -146,7 +146,9 @@ def test_sinks_norms_and_experts_shard_with_one_process_parity(tp: int) -> None:
             assert same_tokens and gap < 1e-5, (family, report["generate"])
             predicted, moved = report["collective_bytes"]
             tokens = TOKENS.get(family, 1)
-            assert predicted * tokens == moved, f"{family}: autotp plan predicts {predicted} bytes x {tokens}, {moved} moved"
+            assert predicted * tokens == moved, (
+                f"{family}: autotp plan predicts {predicted} bytes x {tokens}, {moved} moved"
+            )
 
 
 def test_interleaved_layout_keeps_each_gate_beside_its_up() -> None:

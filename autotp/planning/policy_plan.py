@@ -257,6 +257,7 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
     _check_width(path, "MLP width", width, tp)
     owned = {"w": split_ranges(width, tp)}
     _norms(path, block, rule, layout_partition("w", 0, owned, {"w": 1}), acc)
+    acc.params.extend(head_params(path, block, rule, layout_partition("w", 0, owned, {"w": 1})))
     for style, mapping in (("column", rule.column), ("row", rule.row)):
         for name, spec in mapping.items():
             module = children[name]

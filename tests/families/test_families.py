@@ -7,7 +7,7 @@ import pytest
 
 from autotp.testing import assert_parity
 from autotp.testing.spawn import run_ranks
-from models import DERIVED, OTHER_POLICY_FAMILIES, family_parity
+from models import DERIVED, MORE_FAMILIES, OTHER_POLICY_FAMILIES, family_parity
 
 pytestmark = pytest.mark.slow  # the all-family sweep; test_parity.py keeps the Llama family in the quick tier
 
@@ -45,3 +45,16 @@ def test_derived_plan_parity(family: str, tp: int) -> None:
     for report in run_ranks(family_parity, tp, family):
         assert_parity(report)
         assert report["sharded"] > 0, "nothing was sharded"
+
+
+def ranks_more_families(rank: int, world: int) -> dict:
+    return {family: family_parity(rank, world, family) for family in MORE_FAMILIES}
+
+
+def test_more_families_parity() -> None:
+    """TrOCR (its decoder layers' MLP), Moshi (attention through its linear wrappers, packed gate|up MLP) and Beam
+    (gated attention, its per-head gate bias split with the heads): sharded, and equal to one process at tp 2."""
+    for reports in run_ranks(ranks_more_families, 2):
+        for report in reports.values():
+            assert_parity(report)
+        assert not [family for family, report in reports.items() if not report["sharded"]], "nothing was sharded"

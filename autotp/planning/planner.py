@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -156,7 +157,8 @@ def _own_plan(
     language model is the root model itself, beside its vision and audio sub-models); None where nothing is planned.
     Verified as any shipped policy is (its custom classes only), on the structural twin for a meta-device model."""
     policy = find_policy(model.config.model_type)
-    if policy is None:
+    outside = [name for name, _ in model.named_modules() if not _inside(name, paths)]
+    if policy is None or not any(fnmatchcase(name, rule.match) for rule in policy.rules for name in outside):
         return None
     plan = _verified(
         model,
@@ -171,16 +173,17 @@ def _own_plan(
 
 def _outside(plan: Plan, paths: list[str]) -> Plan:
     """`plan` without what it plans inside the sub-models at `paths`: each of those is planned from its own config."""
-
-    def inside(path: str) -> bool:
-        return any(path == p or path.startswith(p + ".") for p in paths)
-
-    out = without_blocks(plan, {layer.block: "" for layer in plan.layers if inside(layer.block or layer.path)})
+    out = without_blocks(plan, {layer.block: "" for layer in plan.layers if _inside(layer.block or layer.path, paths)})
     return replace(
         out,
-        regions=tuple(r for r in out.regions if not inside(r.path)),
-        replicated=tuple(r for r in out.replicated if not inside(r[0])),
+        regions=tuple(r for r in out.regions if not _inside(r.path, paths)),
+        replicated=tuple(r for r in out.replicated if not _inside(r[0], paths)),
     )
+
+
+def _inside(path: str, paths: list[str]) -> bool:
+    """Whether the module `path` is one of `paths` or lies under one of them."""
+    return any(path == p or path.startswith(p + ".") for p in paths)
 
 
 def _component_at(model: nn.Module, path: str) -> nn.Module:

@@ -225,6 +225,15 @@ def test_a_parameter_transformers_plan_splits_beside_the_projections_goes_with_t
     assert names == {"q_proj", "k_proj", "v_proj", "gate_proj", "o_proj"}
 
 
+def test_trocr_splits_its_mlp_and_says_why_its_attention_stays_whole() -> None:
+    """TrOCR's attention reshapes its output to its input's width, which a rank's heads do not fill: its policy
+    splits the decoder layers' fc1/fc2 and keeps self- and cross-attention whole, with that reason in the plan."""
+    plan = autotp.explain(tiny_model("trocr"), 2)
+    assert [layer.path.rsplit(".", 1)[-1] for layer in plan.layers] == ["fc1", "fc2"] * 2
+    reasons = {str(why) for path, why in plan.replicated if "_attn." in path}
+    assert len(reasons) == 1 and "reshapes its output to its input's width" in reasons.pop()
+
+
 @pytest.mark.parametrize("hf_plan", [{"embed_tokens": "embedding_rowwise"}, HF_MLP_PLAN])
 def test_a_filled_plan_trains_like_one_process(hf_plan: dict) -> None:
     """Detected blocks beside an embedding-only or MLP-only HF plan: loss, every gradient and the parameters after 3

@@ -238,6 +238,32 @@ MIXERS = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # Bailing-hybrid's delta attention (layer 0: full-rank forget and output gates; from policies/mixers.toml,
+    # verified by emulation), then MLA attention with MoE experts (layer 1)
+    "bailing_hybrid": lambda: tf.BailingHybridConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_attention_heads=4,  # the delta attention's heads too (linear_num_heads)
+        num_key_value_heads=4,
+        head_dim=16,  # the delta attention's head dim (linear_head_dim)
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        vocab_size=256,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Qwen3.5's gated delta-net (q | k | v in one projection of unequal parts), then gated attention
     "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(
         hidden_size=64,
@@ -255,9 +281,14 @@ MIXERS = {
         max_position_embeddings=64,
     ),
 }
+# Families the causal sweep once left whole, at the sweep's tiny config: TrOCR's decoder-layer MLP and Moshi's wrapped
+# attention and packed MLP (shipped policies), Beam's gated attention with a per-head gate bias (transformers' plan).
+# One spawn runs them all (tests/families/test_families.py), so they stay out of the per-family sweeps.
+MORE_FAMILIES = {family: (lambda family=family: tiny_config(family)) for family in ("trocr", "moshi", "beam")}
 LLAMA_FAMILY = ["gemma", "llama", "mistral", "qwen2", "qwen3"]
 # Every other family a shipped policy covers: fused projections, MQA/GQA, MoE, encoders.
 OTHER_POLICY_FAMILIES = [f for f in CONFIGS if f not in LLAMA_FAMILY and f not in DERIVED]
+CONFIGS.update(MORE_FAMILIES)
 
 
 def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:

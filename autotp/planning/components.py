@@ -90,7 +90,8 @@ def rebased(plan: Plan, old: str, new: str) -> Plan:
 
 
 def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Plan:
-    """One plan from each component's (already rebased) plan; linears outside every component stay replicated.
+    """One plan from each component's (already rebased) plan, and the model's own ("": the blocks outside every
+    component that its own policy plans); the other linears outside every component stay replicated.
 
     Its origin is that of the component holding the input embeddings (the language model): what the
     vocabulary decisions read. `source` names every component's origin.
@@ -106,7 +107,7 @@ def joined(model: nn.Module, parts: list[tuple[str, Plan]], tp_size: int) -> Pla
     return Plan(
         tp_size,
         _text_origin(model, parts),
-        "; ".join(f"{name}: {p.origin.value} {p.source}" for name, p in parts),
+        "; ".join(f"{name or 'the model itself'}: {p.origin.value} {p.source}" for name, p in parts),
         layers=tuple(layer for _, p in parts for layer in p.layers),
         regions=tuple(r for _, p in parts for r in p.regions),
         attrs=tuple(a for _, p in parts for a in p.attrs),

@@ -157,6 +157,9 @@ def _block_rule(
     instance = modules.get(path) if path else next((m for name, m in modules.items() if fnmatchcase(name, block)), None)
     if instance is None or len(row_layers) != 1:
         return None
+    # a bare parameter HF's plan splits with the projections (Beam's gate_bias, sinks) is no linear: it is one entry
+    # per head (`head_params` below) or stays for verification to refuse
+    columns = {name: s for name, s in columns.items() if not isinstance(getattr(instance, name, None), nn.Parameter)}
     try:
         children = {name: instance.get_submodule(name) for name in [*columns, *row_layers]}
     except AttributeError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,7 +29,7 @@ from .policy_plan import plan_from_policy
 from .sharding import Partition
 from .ties import keep_ties
 from .twin import structural_twin
-from .verify import apply_verdicts, verdicts, verify_by_emulation
+from .verify import apply_verdicts, verdicts, verify_by_emulation, without_blocks
 
 PolicyArg = Policy | str | Path | Mapping[str, Any] | None
 
@@ -145,7 +146,44 @@ def _composite_plan(model: nn.Module, tp_size: int, parts, example: Mapping[str,
                 ),
             )
         )
-    return joined(model, planned, tp_size)
+    own = _own_plan(model, tp_size, [path for path, _ in parts], twin, example)
+    return joined(model, planned + ([("", own)] if own is not None else []), tp_size)
+
+
+def _own_plan(
+    model: nn.Module, tp_size: int, paths: list[str], twin: Callable[[], nn.Module | None], example
+) -> Plan | None:
+    """A composite's blocks outside its sub-models, by the shipped policy of its own model type (Phi-4-multimodal's
+    language model is the root model itself, beside its vision and audio sub-models); None where nothing is planned.
+    Verified as any shipped policy is (its custom classes only), on the structural twin for a meta-device model."""
+    policy = find_policy(model.config.model_type)
+    outside = [name for name, _ in model.named_modules() if not _inside(name, paths)]
+    if policy is None or not any(fnmatchcase(name, rule.match) for rule in policy.rules for name in outside):
+        return None
+    plan = _verified(
+        model,
+        _outside(plan_from_policy(model, tp_size, policy), paths),
+        True,
+        twin,
+        lambda other: _outside(plan_from_policy(other, tp_size, policy), paths),
+        example,
+    )
+    return plan if plan.layers else None
+
+
+def _outside(plan: Plan, paths: list[str]) -> Plan:
+    """`plan` without what it plans inside the sub-models at `paths`: each of those is planned from its own config."""
+    out = without_blocks(plan, {layer.block: "" for layer in plan.layers if _inside(layer.block or layer.path, paths)})
+    return replace(
+        out,
+        regions=tuple(r for r in out.regions if not _inside(r.path, paths)),
+        replicated=tuple(r for r in out.replicated if not _inside(r[0], paths)),
+    )
+
+
+def _inside(path: str, paths: list[str]) -> bool:
+    """Whether the module `path` is one of `paths` or lies under one of them."""
+    return any(path == p or path.startswith(p + ".") for p in paths)
 
 
 def _component_at(model: nn.Module, path: str) -> nn.Module:

@@ -4,10 +4,12 @@ KV-head replication and uneven heads. Tolerances as in test_parity."""
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
-from autotp.testing import assert_parity
+from autotp.testing import assert_parity, compare_training, tiny_config
 from autotp.testing.spawn import run_ranks
-from models import DERIVED, OTHER_POLICY_FAMILIES, family_parity
+from models import DERIVED, MORE_FAMILIES, OTHER_POLICY_FAMILIES, batch, family_parity
 
 pytestmark = pytest.mark.slow  # the all-family sweep; test_parity.py keeps the Llama family in the quick tier
 
@@ -45,3 +47,21 @@ def test_derived_plan_parity(family: str, tp: int) -> None:
     for report in run_ranks(family_parity, tp, family):
         assert_parity(report)
         assert report["sharded"] > 0, "nothing was sharded"
+
+
+def ranks_more_families(rank: int, world: int) -> dict:
+    reports = {family: family_parity(rank, world, family) for family in MORE_FAMILIES}
+    torch.manual_seed(0)  # a composite whose language model is the root model itself, trained on text
+    phi4 = AutoModelForCausalLM.from_config(tiny_config("phi4_multimodal"), dtype=torch.float32)
+    reports["phi4_multimodal"] = compare_training(phi4, batch(), world)
+    return reports
+
+
+def test_more_families_parity() -> None:
+    """TrOCR (its decoder layers' MLP), Moshi (attention through its linear wrappers, packed gate|up MLP), Beam
+    (gated attention, its per-head gate bias split with the heads) and Phi-4-multimodal (its root language model by
+    the Phi-3 policy, beside its vision and audio sub-models): sharded, and equal to one process at tp 2."""
+    for reports in run_ranks(ranks_more_families, 2):
+        for report in reports.values():
+            assert_parity(report)
+        assert not [family for family, report in reports.items() if not report["sharded"]], "nothing was sharded"

@@ -215,6 +215,25 @@ def test_a_block_transformers_plan_keeps_replicated_is_not_detected() -> None:
     ]
 
 
+def test_a_parameter_transformers_plan_splits_beside_the_projections_goes_with_the_heads() -> None:
+    """Beam's plan names its attention's `gate_bias` (one entry per head, no linear) colwise with q/k/v and the gate:
+    the attention is split by head, the bias with its heads, verified by emulation (it was all kept whole)."""
+    plan = autotp.explain(tiny_model("beam"), 2)
+    assert plan.origin is autotp.Origin.HF_PLAN
+    assert [p.path for p in plan.params] == [f"model.layers.{i}.self_attn.gate_bias" for i in range(2)]
+    names = {layer.path.rsplit(".", 1)[-1] for layer in plan.layers if ".self_attn." in layer.path}
+    assert names == {"q_proj", "k_proj", "v_proj", "gate_proj", "o_proj"}
+
+
+def test_trocr_splits_its_mlp_and_says_why_its_attention_stays_whole() -> None:
+    """TrOCR's attention reshapes its output to its input's width, which a rank's heads do not fill: its policy
+    splits the decoder layers' fc1/fc2 and keeps self- and cross-attention whole, with that reason in the plan."""
+    plan = autotp.explain(tiny_model("trocr"), 2)
+    assert [layer.path.rsplit(".", 1)[-1] for layer in plan.layers] == ["fc1", "fc2"] * 2
+    reasons = {str(why) for path, why in plan.replicated if "_attn." in path}
+    assert len(reasons) == 1 and "reshapes its output to its input's width" in reasons.pop()
+
+
 @pytest.mark.parametrize("hf_plan", [{"embed_tokens": "embedding_rowwise"}, HF_MLP_PLAN])
 def test_a_filled_plan_trains_like_one_process(hf_plan: dict) -> None:
     """Detected blocks beside an embedding-only or MLP-only HF plan: loss, every gradient and the parameters after 3

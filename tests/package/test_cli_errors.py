@@ -114,10 +114,11 @@ def test_every_option_and_positional_has_help() -> None:
                 assert action.help, f"{name}: {action.dest} has no help text"
 
 
-def test_verify_says_so_when_nothing_is_sharded(autotp_cli) -> None:
-    # XLNet's feed-forward returns more than its row projection's output (its residual and norm are inside), so
-    # verification cannot place the reduction and every block stays replicated (no policy covers XLNet).
-    done = autotp_cli("verify", "xlnet", "--tp", "2", "--steps", "1")
+def test_verify_says_so_when_nothing_is_sharded(autotp_cli, tmp_path: Path) -> None:
+    # a policy of the user's with no rule keeps every block of XLNet whole (the shipped policy splits its feed-forward)
+    policy = tmp_path / "whole.toml"
+    policy.write_text('description = "XLNet kept whole"\nmodel_types = ["xlnet"]\n')
+    done = autotp_cli("verify", "xlnet", "--tp", "2", "--steps", "1", "--policy", str(policy))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "NOTHING SHARDED: every layer of xlnet stays replicated at tp=2" in done.stdout
     assert "OK:" not in done.stdout

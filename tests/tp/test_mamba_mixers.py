@@ -51,11 +51,40 @@ CASES = {
     },
     "jamba": {"mamba_d_state": 8, "attn_layer_period": 2, "attn_layer_offset": 1},
     "falcon_h1": {"mamba_d_state": 8, "mamba_n_groups": 4, "mamba_rms_norm": True},
+    # Mamba-2, experts, attention and an MLP in its 4 layers (`layers.*.mixer` each); 8 heads where the defaults' 128
+    # would fill 8192 channels
+    "nemotron_h": {
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "n_groups": 2,
+        "ssm_state_size": 8,
+        "moe_shared_expert_intermediate_size": 64,
+    },
+    "bamba": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 8,
+        "attn_layer_indices": [1],
+    },
 }
 QUICK = ("mamba2", "mamba")  # Mamba-2 with one group over both ranks; Mamba's row x_proj read again
 # at tp 4: groups over ranks (1, 2), aligned (4: Falcon-H1's own norm), Mamba's norms on x_proj's output, a MoE
 # hybrid, Zamba's per-head Mamba
-SLOW = ("mamba2", "zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba", "zamba")
+SLOW = (
+    "mamba2",
+    "zamba2",
+    "falcon_h1",
+    "jamba",
+    "granitemoehybrid",
+    "falcon_mamba",
+    "zamba",
+    "mamba",
+    "nemotron_h",
+    "bamba",
+)
+# at tp 2 besides QUICK, in the slow tier: the hybrids and Falcon-Mamba
+HYBRIDS = ("zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba", "nemotron_h", "bamba")
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -112,6 +141,11 @@ def _check(reports: list[dict]) -> None:
 
 def test_mamba_mixers_tp2() -> None:
     _check(run_ranks(mixers_parity, 2, QUICK, True))
+
+
+@pytest.mark.slow
+def test_hybrid_mixers_tp2() -> None:
+    _check(run_ranks(mixers_parity, 2, HYBRIDS))
 
 
 @pytest.mark.slow

@@ -2,9 +2,9 @@
 attention sinks and its experts (gate|up interleaved column by column, a bias on each, a clamped SwiGLU, the output
 bias counted once), flint's sinks and per-head q/k norms (found by detection, verified by emulation) and MPT's fused
 Wqkv with ALiBi and BitNet's sub-norms over the split width (statistics all-reduced; shipped policies), and experts
-found by transformers' own layout flags (Zaya's [gate | up], Aria's transposed), against one
-process: loss, every gradient, parameters after 3 AdamW steps (autotp.testing's fp32 tolerances: only the order of
-sums differs), and greedy generate with a cache (logits within 1e-5: fp32 rounding of reordered sums; a head's sink on
+found by transformers' own layout flags (Zaya's [gate | up], Aria's transposed; MiniMax's beside its attention),
+against one process: loss, every gradient, parameters after 3 AdamW steps (autotp.testing's fp32 tolerances: only the
+order of sums differs), and greedy generate with a cache (logits within 1e-5: fp32 rounding of reordered sums; a head's sink on
 the wrong rank or a bias counted twice moves them by a good part of their scale).
 """
 
@@ -37,6 +37,8 @@ SHARDED = {
     # experts laid out as transformers' use_experts_implementation flags say (no plan of HF's names them whole)
     "zaya": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # [experts, gate | up, hidden]
     "aria_text": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # transposed: [experts, hidden, gate | up]
+    # full attention (layer 0) and experts; its lightning attention (layer 1) stays replicated, the reason in the plan
+    "minimax": ["self_attn.q_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }
 LAYERS = {family: "model.layers" for family in SHARDED} | {"mpt": "transformer.blocks"}
 PROMPT = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))

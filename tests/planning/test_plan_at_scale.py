@@ -9,7 +9,7 @@ whole. Every key of the default model must be in the tiny one, with the same sty
 
 Planning a default config verifies each derived block on a structural twin that keeps the layer count (qwen3_next's
 48 layers of 512 experts: about 50 s on 2 cores); the default config is therefore cut to the fewest layers that still
-hold every kind of parameter of the full depth and every layer type it lists (checked below), all widths and counts
+hold every kind of parameter of the full depth and every layer type it lists (`_shallow` checks), all widths and counts
 kept. The tiny configs are those the parity tests train: tests/models.py's, else `tiny_config` with the layer
 pattern edited so that every kind appears (`KINDS`).
 """

@@ -113,6 +113,19 @@ def test_sinks_norms_and_experts_shard_with_one_process_parity(tp: int) -> None:
             assert predicted == moved, f"{family}: autotp plan predicts {predicted} bytes a step, {moved} moved"
 
 
+def families_pipelined(rank: int, world: int, families: list[str]) -> dict:
+    """Per family: the training parity report at tp 2 x pp `world // 2`."""
+    return {family: compare_training(trained_like(family), batch(512), 2, pp_size=world // 2) for family in families}
+
+
+@pytest.mark.slow
+def test_sinks_and_experts_under_a_pipeline_train_as_one_process() -> None:
+    """gpt-oss's sinks and experts, MPT's ALiBi heads, MiniMax's experts at tp 2 x pp 2."""
+    for reports in run_ranks(families_pipelined, 4, ["gpt_oss", "mpt", "minimax"]):
+        for report in reports.values():
+            assert_parity(report)  # fp32: only the order of sums differs
+
+
 def test_interleaved_layout_keeps_each_gate_beside_its_up() -> None:
     """ "(w w)": rank r holds gate and up columns of its own width items, in their stored order."""
     partition = layout_partition("(w w)", 1, {"w": split_ranges(6, 2)}, {"w": 1})

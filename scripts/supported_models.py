@@ -31,6 +31,8 @@ TASKS = {
 TP4 = "sweep_results_tp4.json"  # causal LMs only
 EP = "sweep_results_ep.json"  # causal LMs with routed experts only (scripts/sweep_expert_parallel.py)
 PP = "sweep_results_pp.json"  # causal LMs at pp 2 (scripts/sweep_pipeline.py)
+FRACTIONS = "plan_fractions.json"  # causal LMs at their default configs, planned on meta (scripts/plan_fractions.py)
+SHARE = "a rank holds at tp 8"
 EP_VERDICTS = ["matched", "refused", "run-time error", "MISMATCH", "not built", "no experts found"]
 
 INTRO = """\
@@ -80,6 +82,11 @@ trained 3 AdamW steps at pp 2 on 2 CPU ranks (2 decoder layers cut into 2 stages
 `autotp.forward_backward`, against one process through the same call: the loss of every step, the first step's
 gradients and the parameters after the steps, each stage checking what it trains, and every parameter trained on
 some stage. "refused" gives autotp's reason. See [Pipeline parallelism](pipeline.md).
+
+The causal-LM column "a rank holds at tp 8" is the share of the parameter bytes the largest rank holds at tp 8, the
+type planned on the meta device at its default (flagship-sized) transformers config as `autotp plan <config> --tp 8`
+plans it (`scripts/plan_fractions.py --write`; ideal 0.125, 1.0 where nothing is sharded). It is blank for the types
+not measured yet.
 """
 
 
@@ -148,6 +155,13 @@ def ep_counts(ep: dict[str, dict]) -> str:
     )
 
 
+def share(r: dict | None) -> str:
+    """A type's "a rank holds at tp 8" cell: the fraction, "refused" with `autotp plan`'s reason, or blank."""
+    if r is None:
+        return ""
+    return f"{r['fraction']:.3f}" if "fraction" in r else f"refused: {r['refused']}".replace("|", "/")
+
+
 def pp_tally(pp: dict[str, dict]) -> str:
     """'110 matched, 20 refused, ...': the verdicts the pipeline sweep gave, in the order above."""
     tally = {v: sum(r["result"] == v for r in pp.values()) for v in VERDICTS}
@@ -163,11 +177,15 @@ def table(
     tp4: dict[str, dict] | None = None,
     ep: dict[str, dict] | None = None,
     pp: dict[str, dict] | None = None,
+    fractions: dict[str, dict] | None = None,
 ) -> list[str]:
     head = f"| model type | result | plan from | from_pretrained plan = wrap plan | {LOADS} = wrap | {SAVES} | note |"
     rule = "|---|---|---|---|---|---|---|"
     if tp4 is not None:
         head = head.replace("| result |", "| result | at tp=4 |")
+        rule += "---|"
+    if fractions is not None:
+        head = head.replace("| plan from |", f"| {SHARE} | plan from |")
         rule += "---|"
     if ep is not None:
         head = head.replace("| plan from |", "| ep 2 | plan from |")
@@ -180,6 +198,8 @@ def table(
         cells = [model_type, r["result"]]
         if tp4 is not None:
             cells.append(tp4[model_type]["result"] if model_type in tp4 else "")
+        if fractions is not None:
+            cells.append(share(fractions.get(model_type)))
         if ep is not None:
             cells.append(expert_parallel(ep.get(model_type)))
         if pp is not None:
@@ -213,7 +233,7 @@ def render() -> str:
                 "",
                 pp_counts(load(PP)),
                 "",
-                *table(results, load(TP4), load(EP), load(PP)),
+                *table(results, load(TP4), load(EP), load(PP), load(FRACTIONS)),
                 "",
             ]
         else:

@@ -2,10 +2,10 @@
 attention sinks and its experts (gate|up interleaved column by column, a bias on each, a clamped SwiGLU, the output
 bias counted once), flint's sinks and per-head q/k norms (found by detection, verified by emulation) and MPT's fused
 Wqkv with ALiBi, BitNet's sub-norms over the split width (statistics all-reduced) and Dory's per-column scales and
-L2 sub-norms (shipped policies), and experts
-found by transformers' own layout flags (Zaya's [gate | up], Aria's transposed), against one
-process: loss, every gradient, parameters after 3 AdamW steps (autotp.testing's fp32 tolerances: only the order of
-sums differs), and greedy generate with a cache (logits within 1e-5: fp32 rounding of reordered sums; a head's sink on
+L2 sub-norms (shipped policies), and experts found by transformers' own layout flags (Zaya's [gate | up], Aria's
+transposed; MiniMax's beside its attention), against one process: loss, every gradient, parameters after 3 AdamW
+steps (autotp.testing's fp32 tolerances: only the order of sums differs), and greedy generate with a cache (logits
+within 1e-5: fp32 rounding of reordered sums; a head's sink on
 the wrong rank or a bias counted twice moves them by a good part of their scale).
 """
 
@@ -46,6 +46,8 @@ SHARDED = {
     # experts laid out as transformers' use_experts_implementation flags say (no plan of HF's names them whole)
     "zaya": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # [experts, gate | up, hidden]
     "aria_text": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # transposed: [experts, hidden, gate | up]
+    # full attention (layer 0) and experts; its lightning attention (layer 1) stays replicated, the reason in the plan
+    "minimax": ["self_attn.q_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }
 LAYERS = {family: "model.layers" for family in SHARDED} | {
     "mpt": "transformer.blocks",
@@ -127,6 +129,19 @@ def test_sinks_norms_and_experts_shard_with_one_process_parity(tp: int) -> None:
             assert predicted * tokens == moved, (
                 f"{family}: autotp plan predicts {predicted} bytes x {tokens}, {moved} moved"
             )
+
+
+def families_pipelined(rank: int, world: int, families: list[str]) -> dict:
+    """Per family: the training parity report at tp 2 x pp `world // 2`."""
+    return {family: compare_training(trained_like(family), batch(512), 2, pp_size=world // 2) for family in families}
+
+
+@pytest.mark.slow
+def test_sinks_and_experts_under_a_pipeline_train_as_one_process() -> None:
+    """gpt-oss's sinks and experts, MPT's ALiBi heads, MiniMax's experts at tp 2 x pp 2."""
+    for reports in run_ranks(families_pipelined, 4, ["gpt_oss", "mpt", "minimax"]):
+        for report in reports.values():
+            assert_parity(report)  # fp32: only the order of sums differs
 
 
 def test_interleaved_layout_keeps_each_gate_beside_its_up() -> None:

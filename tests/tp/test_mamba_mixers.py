@@ -51,11 +51,42 @@ CASES = {
     },
     "jamba": {"mamba_d_state": 8, "attn_layer_period": 2, "attn_layer_offset": 1},
     "falcon_h1": {"mamba_d_state": 8, "mamba_n_groups": 4, "mamba_rms_norm": True},
+    # Mamba-2, experts, attention and an MLP in its 4 layers (`layers.*.mixer` each); 8 heads where the defaults' 128
+    # would fill 8192 channels
+    "nemotron_h": {
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "n_groups": 2,
+        "ssm_state_size": 8,
+        "moe_shared_expert_intermediate_size": 64,
+    },
+    "bamba": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 8,
+        "attn_layer_indices": [1],
+    },
 }
 QUICK = ("mamba2", "mamba")  # Mamba-2 with one group over both ranks; Mamba's row x_proj read again
 # at tp 4: groups over ranks (1, 2), aligned (4: Falcon-H1's own norm), Mamba's norms on x_proj's output, a MoE
 # hybrid, Zamba's per-head Mamba
-SLOW = ("mamba2", "zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba", "zamba")
+SLOW = (
+    "mamba2",
+    "zamba2",
+    "falcon_h1",
+    "jamba",
+    "granitemoehybrid",
+    "falcon_mamba",
+    "zamba",
+    "mamba",
+    "nemotron_h",
+    "bamba",
+)
+# at tp 2 besides QUICK, in the slow tier: the hybrids and Falcon-Mamba
+HYBRIDS = ("zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba", "nemotron_h", "bamba")
+# at tp 2 x pp 2 (slow): Mamba-2 with one group over both TP ranks, and two hybrids of issue 51's table
+PIPELINED = ("mamba2", "nemotron_h", "falcon_h1")
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -99,6 +130,12 @@ def mixers_parity(rank: int, world: int, families: tuple[str, ...], sequence_par
     return reports
 
 
+def mixers_pipelined(rank: int, world: int, families: tuple[str, ...]) -> dict:
+    """Runs on each rank: per family, the training report at tp 2 x pp `world // 2` against one process."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    return {family: parity.compare_training(_model(family), ids, 2, steps=2, pp_size=world // 2) for family in families}
+
+
 def _check(reports: list[dict]) -> None:
     for report in reports:
         for family, found in report.items():
@@ -115,7 +152,19 @@ def test_mamba_mixers_tp2() -> None:
 
 
 @pytest.mark.slow
+def test_hybrid_mixers_tp2() -> None:
+    _check(run_ranks(mixers_parity, 2, HYBRIDS))
+
+
+@pytest.mark.slow
 def test_mamba_mixers_tp4() -> None:
     reports = run_ranks(mixers_parity, 4, SLOW)
     _check(reports)
     assert all(reports[0][family]["group_norms"] for family in ("mamba2", "zamba2", "granitemoehybrid"))
+
+
+@pytest.mark.slow
+def test_mamba_mixers_under_a_pipeline() -> None:
+    for reports in run_ranks(mixers_pipelined, 4, PIPELINED):
+        for report in reports.values():
+            parity.assert_parity(report)  # fp32: only the order of sums differs

@@ -195,6 +195,7 @@ class Plan:
     mixers: tuple[tuple[str, str], ...] = ()  # (state-space mixer path, why it stays replicated)
     reentries: tuple[str, ...] = ()  # row layers whose summed output sharded compute reads (Mamba's x_proj)
     norms: tuple[NormPlan, ...] = ()  # norms over a split width: their statistics all-reduced
+    shared: tuple[tuple[str, str], ...] = ()  # (block, the block it is tied to whole): made that module (`ties`)
 
     def partitions(self) -> list[Partition]:
         return (
@@ -292,6 +293,8 @@ class Plan:
             lines.append(f"  {'re-enter':<10} {path}  its summed output enters the TP span again")
         for path, reason in self.mixers:
             lines.append(f"  {'mixer':<10} {path}  replicated: {reason}")
+        for path, source in self.shared:
+            lines.append(f"  {'shared':<10} {path}  tied whole to {source}: made that module, sharded with it")
         return lines
 
     def describe(self, model: nn.Module | None = None) -> str:

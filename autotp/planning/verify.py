@@ -266,7 +266,7 @@ def _scaled_row_output(record: dict) -> bool:
     output, row = record.get("output"), record.get("row_output")
     if row is output:
         return True
-    if not torch.is_tensor(row) or not torch.is_tensor(output) or row.shape != output.shape:
+    if not isinstance(row, torch.Tensor) or not isinstance(output, torch.Tensor) or row.shape != output.shape:
         return False
     row64, output64 = row.double(), output.double()
     norm = (row64 * row64).sum().item()

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from autotp.planning.planner import build_plan
 from autotp.planning.plan import Replicated
+from autotp.planning.planner import build_plan
 from models import tiny_model
 
 

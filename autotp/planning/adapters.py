@@ -9,19 +9,22 @@ gradient, so `down`'s gradient is whole on every rank (`Plan.whole`, allowed by 
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from torch import nn
 
 from .linears import features, is_linear, weight_dim
 from .plan import LayerPlan
 
 
-def adapter_layers(path: str, block: nn.Module, adapters: dict[str, str], planned: list[LayerPlan]):
-    """(the adapters' `up` layers, split as their targets; the `down` modules kept whole) for the rule's `adapters`
-    (list name -> column projection) under the block at `path`; a list the block lacks is skipped (an option off),
-    an item that is not a `down -> up` pair of linears writing the target's rows is a ValueError."""
-    targets = {layer.path: layer for layer in planned}
-    layers: list[LayerPlan] = []
-    whole: list[str] = []
+def add_adapters(
+    path: str, block: nn.Module, adapters: Mapping[str, str], layers: list[LayerPlan], whole: list[str]
+) -> None:
+    """Append to `layers` the adapters' `up` layers, split as their targets (already in `layers`), and to `whole` the
+    `down` modules, for a rule's `adapters` (list name -> column projection) under the block at `path`. A list the
+    block lacks is skipped (an option off); an item that is not a `down -> up` pair of linears writing the target's
+    rows is a ValueError."""
+    targets = {layer.path: layer for layer in layers}
     for name, target in adapters.items():
         items = getattr(block, name, None)
         if items is None:
@@ -34,10 +37,9 @@ def adapter_layers(path: str, block: nn.Module, adapters: dict[str, str], planne
             pair = list(item.children()) if isinstance(item, nn.Sequential) else []
             if len(pair) != 2 or not all(is_linear(m) for m in pair):
                 raise ValueError(f"{where}: an adapter of {target} is not a pair of linears (down, up)")
-            down, up = pair
+            up = pair[1]
             if features(up)[0] != column.shape[column.partition.dim] or weight_dim(up, "column") != 0:
                 raise ValueError(f"{where}.1 writes {features(up)[0]} features, not {target}'s rows")
             reason = f"adapter added to {target}, split as it"
             layers.append(LayerPlan(f"{where}.1", "column", tuple(up.weight.shape), column.partition, reason, path))
             whole.append(f"{where}.0")
-    return layers, whole

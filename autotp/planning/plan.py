@@ -283,7 +283,9 @@ class Plan:
                 f"and written by channel (dim {mixer_state.partition.dim}), the layer's slice gathered back"
             )
         for path in self.whole:
-            lines.append(f"  {'whole':<10} {path}  replicated inside the mixer, on its replicated input")
+            lines.append(
+                f"  {'whole':<10} {path}  replicated inside its sharded block, on the block's replicated input"
+            )
         for group_norm in self.group_norms:
             lines.append(
                 f"  {'group-norm':<10} {group_norm.path}  statistics of its {group_norm.groups} groups of "

@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from .adapters import adapter_layers
+from .adapters import add_adapters
 from .head_params import head_params, sharded_norms
 from .linears import features, is_linear, weight_dim
 from .plan import (
@@ -198,7 +198,7 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     path,
                 )
             )
-    _adapters(path, block, rule, acc)
+    add_adapters(path, block, rule.adapters, acc.layers, acc.whole)
     local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
     full = {"q": heads, "kv": kv}
     linears = {id(m) for m in children.values()}
@@ -266,15 +266,8 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
                     f"{path}.{name}", style, tuple(module.weight.shape), partition, f"MLP width {width}{parts}", path
                 )
             )
-    _adapters(path, block, rule, acc)
+    add_adapters(path, block, rule.adapters, acc.layers, acc.whole)
     return True
-
-
-def _adapters(path: str, block: nn.Module, rule: Rule, acc: _Accumulator) -> None:
-    """The rule's built-in adapters (`autotp.planning.adapters`): each `up` split as the projection it adds to."""
-    layers, whole = adapter_layers(path, block, dict(rule.adapters), acc.layers)
-    acc.layers.extend(layers)
-    acc.whole.extend(whole)
 
 
 def _check_width(path: str, what: str, width: int, tp: int) -> None:

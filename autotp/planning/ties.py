@@ -30,9 +30,9 @@ def keep_ties(model: nn.Module, plan: Plan) -> Plan:
         names.setdefault(id(param), []).append(name)
     reasons: dict[str, str] = {}
     for layer in plan.layers:
+        copies = [copy + layer.path[len(layer.block) :] for copy, source in shared.items() if source == layer.block]
         for local, param in modules[layer.path].named_parameters(recurse=False):
-            copies = [copy for copy, source in shared.items() if source == layer.block]
-            own = {f"{layer.path}.{local}"} | {f"{copy}{layer.path[len(layer.block) :]}.{local}" for copy in copies}
+            own = {f"{path}.{local}" for path in [layer.path, *copies]}
             elsewhere = [n for n in names.get(id(param), []) if n not in own]
             if elsewhere and layer.block not in reasons:
                 reasons[layer.block] = (

@@ -41,6 +41,16 @@ def keep_ties(model: nn.Module, plan: Plan) -> Plan:
     return without_blocks(plan, reasons)
 
 
+def unshared(plan: Plan) -> Plan:
+    """`plan` with its shared blocks replicated, sources and copies alike: under a pipeline the copies may lie on other
+    stages, each stage training its own tensor (`autotp.pp.shared` sums their gradients), which the source's shards
+    alone would not match."""
+    if not plan.shared:
+        return plan
+    why = "it is tied to the same block in other layers, which a pipeline may place on other stages"
+    return replace(without_blocks(plan, {source: why for _, source in plan.shared}), shared=())
+
+
 def _copies(modules: dict[str, nn.Module], blocks: list[str]) -> dict[str, str]:
     """Each block (path) that is a copy of an earlier one -> that block's path: `_same` in every parameter."""
     found: dict[str, str] = {}

@@ -13,7 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autotp
+from autotp.planning.plan import Replicated
 from autotp.planning.planner import build_plan
+from autotp.planning.ties import unshared
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config
@@ -106,3 +108,15 @@ def test_shared_blocks_tp2() -> None:
             ("model.layers.1.shared_transformer.self_attn", "model.layers.0.shared_transformer.self_attn"),
             ("model.layers.1.shared_transformer.feed_forward", "model.layers.0.shared_transformer.feed_forward"),
         ]
+
+
+def test_pipeline_keeps_the_tied_block_replicated() -> None:
+    """Under a pipeline the tied copies may lie on other stages, each training its own tensor (`autotp.pp.shared` sums
+    their gradients): the block and its copies stay replicated there (`unshared`, which `pp_size > 1` applies), as
+    before they were shared, rather than shards on one stage against whole copies on another."""
+    plan = unshared(build_plan(_model("zamba2"), 2))
+    assert not plan.shared
+    block = "model.layers.0.shared_transformer"
+    assert not [layer.path for layer in plan.layers if layer.path.startswith(block)]
+    why = dict(plan.replicated)[f"{block}.self_attn.q_proj"]
+    assert why.reason is Replicated.NOT_VERIFIED and "pipeline" in str(why), why

@@ -9,6 +9,7 @@ Generation is greedy with the cache, compared token for token, and the last step
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -16,9 +17,11 @@ import autotp
 from autotp.planning.plan import Replicated
 from autotp.planning.planner import build_plan
 from autotp.planning.ties import unshared
+from autotp.sp.sequence import sequence_layout
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
 from autotp.testing.tiny import tiny_config
+from models import tiny_model
 
 # multipliers other than 1 so that a factor applied twice or not at all shows; Zamba2 with two hybrid layers (the
 # block tied across them) and its attention adapters on (adapters need heads x head_dim = 2 x hidden)
@@ -120,3 +123,23 @@ def test_pipeline_keeps_the_tied_block_replicated() -> None:
     assert not [layer.path for layer in plan.layers if layer.path.startswith(block)]
     why = dict(plan.replicated)[f"{block}.self_attn.q_proj"]
     assert why.reason is Replicated.NOT_VERIFIED and "pipeline" in str(why), why
+
+
+def test_sequence_parallel_refuses_a_module_kept_whole_in_a_block() -> None:
+    """A module a rule keeps whole inside a sharded block (an adapter's down-projection, a mixer's `whole`) would see
+    one chunk of the sequence under sequence parallelism, its weight gradient partial: refused by name, up front."""
+    policy = {
+        "mixer": [
+            {
+                "match": "model.layers.*.mlp",
+                "heads": "intermediate_size",
+                "column": ["gate_proj", "up_proj"],
+                "row": ["down_proj"],
+                "whole": ["act_fn"],
+            }
+        ]
+    }
+    model = tiny_model("llama")
+    plan = build_plan(model, 2, policy=policy)
+    with pytest.raises(ValueError, match=r"keeps model\.layers\.0\.mlp\.act_fn whole .* sequence_parallel=False"):
+        sequence_layout(model, plan)

@@ -98,6 +98,7 @@ def shared_parity(rank: int, world: int) -> dict:
     return reports
 
 
+@pytest.mark.slow
 def test_shared_blocks_tp2() -> None:
     for report in run_ranks(shared_parity, 2):
         for family, found in report.items():

@@ -200,6 +200,7 @@ class Plan:
     mixers: tuple[tuple[str, str], ...] = ()  # (state-space mixer path, why it stays replicated)
     reentries: tuple[str, ...] = ()  # row layers whose summed output sharded compute reads (Mamba's x_proj)
     norms: tuple[NormPlan, ...] = ()  # norms over a split width: their statistics all-reduced
+    shared: tuple[tuple[str, str], ...] = ()  # (block, the block it is tied to whole): made that module (`ties`)
 
     def partitions(self) -> list[Partition]:
         return (
@@ -287,7 +288,9 @@ class Plan:
                 f"and written by channel (dim {mixer_state.partition.dim}), the layer's slice gathered back"
             )
         for path in self.whole:
-            lines.append(f"  {'whole':<10} {path}  replicated inside the mixer, on its replicated input")
+            lines.append(
+                f"  {'whole':<10} {path}  replicated inside its sharded block, on the block's replicated input"
+            )
         for group_norm in self.group_norms:
             lines.append(
                 f"  {'group-norm':<10} {group_norm.path}  statistics of its {group_norm.groups} groups of "
@@ -297,6 +300,8 @@ class Plan:
             lines.append(f"  {'re-enter':<10} {path}  its summed output enters the TP span again")
         for path, reason in self.mixers:
             lines.append(f"  {'mixer':<10} {path}  replicated: {reason}")
+        for path, source in self.shared:
+            lines.append(f"  {'shared':<10} {path}  tied whole to {source}: made that module, sharded with it")
         return lines
 
     def describe(self, model: nn.Module | None = None) -> str:

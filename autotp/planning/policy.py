@@ -64,6 +64,8 @@ class Rule:
     sharded_norms: Mapping[str, str] = field(
         default_factory=dict
     )  # norm over the split width -> "mean" or "sum" of x^2
+    # attention, mlp: a list of low-rank adapters (Zamba2's) -> the column projection each adds its output to
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ _RULE_KEYS = {
     "head_repeats",
     "bias_once",
     "sharded_norms",
+    "adapters",
 }
 _STATE_KEYS = {"arg", "items", "dim", "layer"}
 
@@ -147,6 +150,7 @@ def _rule(kind: str, raw: Mapping[str, Any], where: str) -> Rule:
         head_repeats=raw.get("head_repeats", 1),
         bias_once=_names(raw.get("bias_once", ()), f"{where}: bias_once"),
         sharded_norms=_norms(raw.get("sharded_norms", {}), f"{where}: sharded_norms"),
+        adapters=_adapters(raw.get("adapters", {}), column, f"{where}: adapters"),
     )
 
 
@@ -167,6 +171,12 @@ def _state(value: Any, where: str) -> dict[str, Any]:
 def _norms(value: Any, where: str) -> dict[str, str]:
     if not isinstance(value, Mapping) or not all(v in ("mean", "sum") for v in value.values()):
         raise ValueError(f'{where} maps each norm to the statistic it takes of x^2, "mean" or "sum"; got {value!r}')
+    return dict(value)
+
+
+def _adapters(value: Any, column: Mapping[str, str], where: str) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(target in column for target in value.values()):
+        raise ValueError(f"{where} maps each adapter list to one of the rule's column projections; got {value!r}")
     return dict(value)
 
 

@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from .adapters import add_adapters
 from .expert_linears import add_layer, plan_expert_linears
 from .head_params import head_params, sharded_norms
 from .linears import features, is_linear, weight_dim
@@ -188,18 +189,10 @@ def _plan_attention(path: str, block: nn.Module, rule: Rule, config, tp: int, ac
                     f"{path}.{name}: {rows} {'output' if style == 'column' else 'input'} features, but layout "
                     f"{spec!r} with {heads} query / {kv} key-value heads of {head_dim} gives {partition.full_size}"
                 )
-            add_layer(
-                acc,
-                module,
-                LayerPlan(
-                    f"{path}.{name}",
-                    style,
-                    tuple(module.weight.shape),
-                    partition,
-                    f"{spec} over {heads} heads / {kv} kv heads of {head_dim}",
-                    path,
-                ),
-            )
+            what = f"{spec} over {heads} heads / {kv} kv heads of {head_dim}"
+            shape = tuple(module.weight.shape)
+            add_layer(acc, module, LayerPlan(f"{path}.{name}", style, shape, partition, what, path))
+    add_adapters(path, block, rule.adapters, acc.layers, acc.whole)
     local = {"q": tuple(len(r) for r in layout.q), "kv": tuple(len(r) for r in layout.kv)}
     full = {"q": heads, "kv": kv}
     linears = {id(m) for m in children.values()}
@@ -268,6 +261,7 @@ def _plan_mlp(path: str, block: nn.Module, rule: Rule, config, tp: int, acc: _Ac
                     f"{path}.{name}", style, tuple(module.weight.shape), partition, f"MLP width {width}{parts}", path
                 )
             )
+    add_adapters(path, block, rule.adapters, acc.layers, acc.whole)
     return True
 
 

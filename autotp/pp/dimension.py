@@ -18,6 +18,7 @@ from ..compat.torchao import is_torchao
 from ..mesh import Group, group_size, named_failure
 from ..options import WrapOptions
 from ..planning.plan import Plan
+from ..planning.ties import unshared
 from ..runtime.dimension import Dimension
 from ..runtime.input_agreement import check_same_batch
 from ..runtime.process_hooks import patch_attribute, watch_optimizer_steps
@@ -131,7 +132,7 @@ class PipelineParallelism(Dimension):
             options.pp_schedule, pp, cut.stages // pp, dist.get_rank() // (dist.get_world_size() // pp)
         )
         released = unowned(model, cut, stages)
-        kept = without(plan, cut.prefixes(stages) + tuple(f"{p}." for p in released))
+        kept = without(unshared(plan), cut.prefixes(stages) + tuple(f"{p}." for p in released))
         return kept, (), Split(cut, stages, released)
 
     def before_load(self, model: nn.Module, state: TPState) -> tuple[str, ...]:

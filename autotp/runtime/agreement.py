@@ -95,6 +95,7 @@ def _plan_entries(plan: Plan) -> dict[str, str]:
     entries["per-head norms"] = str(plan.head_norms)
     entries["gathered outputs"] = str(plan.gathered_outputs)
     entries["whole inside mixers"] = str(plan.whole)
+    entries["shared blocks"] = str(plan.shared)
     vocab = plan.vocab
     entries["vocab"] = (
         "none" if vocab is None else f"{vocab.head} {vocab.embedding} {vocab.tied} {vocab.partition.runs}"

@@ -52,6 +52,11 @@ def sequence_layout(
             f"sequence_parallel supports dense attention and MLP blocks; this plan shards a token mixer or a gated "
             f"output ({mixer}), whose code mixes tokens or gates on the whole sequence; use sequence_parallel=False"
         )
+    if plan.whole:  # a module kept whole inside a sharded block (an adapter's down-projection) would see one chunk
+        raise ValueError(
+            f"sequence_parallel supports dense attention and MLP blocks; this plan keeps {plan.whole[0]} whole inside "
+            f"a sharded block, where it would see one chunk of the sequence; use sequence_parallel=False"
+        )
     blocks = _blocks(plan)
     moe = tuple(f"{path.rpartition('.')[0]}." for path in experts)
     nested = [b for b in blocks if b.startswith(moe)]

@@ -41,6 +41,9 @@ def apply_plan(model: nn.Module, state: TPState) -> None:
     parameters: a hook belongs to one Parameter object.
     """
     plan, options, tp_group, rank = state.plan, state.options, state.tp_group, state.tp_rank
+    for path, source in plan.shared:  # a block tied whole to another becomes it (`autotp.planning.ties`)
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, model.get_submodule(source))
     modules = dict(model.named_modules())
     entries: dict[str, BlockEntry] = {}
     head = plan.vocab.head if plan.vocab is not None else None

@@ -63,10 +63,7 @@ KINDS = {
 # shipped policy's plan stands.
 FULL_DEPTH = {"rwkv"}
 # Being fixed by other work of issue 51; strict, so the mark goes once they shard alike.
-KNOWN = {
-    "jetmoe": "JetMoE's mixture-of-attention and experts (JetMoeMoA, JetMoeMoE) are sharded at no size yet: another "
-    "helper of issue 51 is sharding them",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _tiny(family: str) -> PretrainedConfig:

@@ -86,7 +86,7 @@ def tiny_config(model_type: str, recipe: str = "shrunk") -> PretrainedConfig:
 def _shrink(config: PretrainedConfig, sizes: dict) -> None:
     """Integer fields from `sizes`, token ids inside the vocabulary, dropout off, no cache."""
     kept, heterogeneous = {}, getattr(config, "is_heterogeneous", False)
-    before = getattr(config, "num_hidden_layers", None)
+    before, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
     if isinstance(getattr(config, "num_experts_per_tok", None), int):  # never more than the model allows (ZAYA: 1)
         sizes = {**sizes, "num_experts_per_tok": min(config.num_experts_per_tok, sizes.get("num_experts_per_tok", 99))}
     if heterogeneous:  # per-layer overrides (Gemma4): those of the first layers and of the last, which
@@ -119,12 +119,21 @@ def _shrink(config: PretrainedConfig, sizes: dict) -> None:
         ):
             setattr(config, key, 0.0)
     _cut_per_layer(config, before, heterogeneous)
+    _derived_widths(config, hidden)
     _ssm_heads(config)
     if isinstance(getattr(config, "attention_types", None), list):  # GPT-Neo: [[kinds, repeats]] makes the list
         kinds = config.attention_types[0][0]
         config.attention_types = [[kinds, max(1, config.num_layers // len(kinds))]]
     if all(isinstance(getattr(config, k, None), int) for k in ("d_head", "d_model", "n_head")):
         config.d_head = config.d_model // config.n_head  # XLNet checks it
+
+
+def _derived_widths(config: PretrainedConfig, hidden: int | None) -> None:
+    """Widths the config computed from the default hidden size at init (Zamba's and Zamba2's attention over hidden |
+    embeddings: `attention_hidden_size` = 2 x hidden), scaled with it as the model requires."""
+    value, now = getattr(config, "attention_hidden_size", None), getattr(config, "hidden_size", None)
+    if isinstance(value, int) and isinstance(hidden, int) and isinstance(now, int) and hidden != now:
+        config.attention_hidden_size = value * now // hidden
 
 
 def _ssm_heads(config: PretrainedConfig) -> None:

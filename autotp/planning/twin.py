@@ -43,6 +43,7 @@ _WIDTHS = {
     "word_embed_proj_dim",
     "ffn_hidden_size",
     "kv_channels",
+    "attention_hidden_size",  # Zamba2's shared attention reads the hidden states and the embeddings, concatenated
     # a vision tower's output width, which is its language model's input width
     "out_hidden_size",
     "projection_dim",

@@ -29,16 +29,20 @@ from .sharding import Partition
 def logits_path_refusal(
     model: nn.Module, tp_size: int, twin: Callable[[], nn.Module | None], example: Mapping[str, Any] | None = None
 ) -> str:
-    """ "" when the LM head's output reaches the loss and the returned logits elementwise along the vocabulary at
-    `tp_size`, else why not. `twin` builds the structural twin a meta-device model is checked on; `example` is the
+    """Why the LM head's output does not reach the loss and the returned logits elementwise along the vocabulary at
+    `tp_size`, or the empty string when it does. `twin` builds the structural twin a meta-device model is checked on; `example` is the
     user's `example_inputs=` (forward keyword arguments), else probe inputs are used."""
-    subject: nn.Module | None = model
-    if any(p.device.type == "meta" for p in model.parameters()):
-        with torch.device("cpu"):  # the caller may have made meta the default device
-            subject = twin()
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return _checked(model, tp_size, example)
+    with torch.device("cpu"):  # the caller may have made meta the default device
+        subject = twin()
         if subject is None:
             return "the model is on the meta device and no structural twin of it could be built to check its logits"
-        example = None  # the twin has a vocabulary of its own: probe inputs in it
+        return _checked(subject, tp_size, None)  # the twin has a vocabulary of its own: probe inputs in it
+
+
+def _checked(subject: nn.Module, tp_size: int, example: Mapping[str, Any] | None) -> str:
+    """`logits_path_refusal` of a model that runs; its modules' train/eval modes are restored."""
     head = subject.get_output_embeddings()
     modes = {m: m.training for m in subject.modules()}
     subject.eval()  # dropout would make the runs differ

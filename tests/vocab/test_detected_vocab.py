@@ -63,10 +63,17 @@ def ranks_detected(rank: int, world: int) -> dict:
 
 def test_detected_models_split_the_vocabulary_only_where_their_logits_allow() -> None:
     """Before, every plan no policy wrote kept the vocabulary whole ("only models covered by a policy")."""
+    plan = autotp.build_plan(hybrid(), 2)
+    assert plan.origin is Origin.DETECTED and plan.vocab is not None, plan.vocab_reason
     refused = autotp.build_plan(mixing(), 2)
     assert refused.origin is Origin.DETECTED and refused.vocab is None
     assert "the logits given to self.loss_function differ" in refused.vocab_reason, refused.vocab_reason
     assert "not elementwise" in refused.vocab_reason
+
+
+@pytest.mark.slow
+def test_detected_models_train_and_generate_as_one_process() -> None:
+    """The hybrid with its vocabulary split and the mixing model with its head whole both train as one process."""
     for reports in run_ranks(ranks_detected, 2):
         # fp32, the harness's tolerances: the sharded head's sums differ from one process's only in rounding order;
         # the mixing model's head is replicated, and trains as one process

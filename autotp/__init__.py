@@ -11,7 +11,7 @@ upward import or a cycle). Each folder is one concern; its `__init__` says what 
    `compat.hf`, `compat.hf_conversion`, `compat.torchao`
 2. plan data, no torch.distributed: `planning`, `options`, `planning.sharding`, `planning.placement`, `planning.policy`,
    `planning.linears`, `planning.plan`, `planning.components`
-3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`,
+3. building a plan: `planning.derive`, `planning.twin`, `planning.probe`, `planning.verify`, `planning.logits_path`,
    `planning.head_params`, `planning.expert_linears`, `planning.adapters`, `planning.policy_plan`, `planning.ties`, `planning.mixers`, `planning.planner`, `planning.report`
 4. the mesh, the state and the shared runtime: `mesh`, `state`, `accessors`, `runtime`, `runtime.rows`, `runtime.collectives`,
    `runtime.seq_collectives`, `runtime.grad_hooks`, `runtime.replicas`, `runtime.agreement`, `runtime.rollback`,

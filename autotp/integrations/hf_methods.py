@@ -113,7 +113,8 @@ class ResizeTokenEmbeddings:
         for param in _vocab_tensors(model):  # a same-size resize keeps the gathered parameters
             forget_shard(param)
         layers = tuple(layer for layer in state.plan.layers if layer.path != vocab.head)
-        plan = with_vocab(model, replace(state.plan, layers=layers, vocab=None))
+        # the logits' path was checked when the plan split the vocabulary (`autotp.planning.logits_path`)
+        plan = with_vocab(model, replace(state.plan, layers=layers, vocab=None), lambda: "")
         if plan.vocab is None:
             raise RuntimeError(f"after resizing, vocab parallelism no longer applies: {plan.vocab_reason}")
         state.plan = plan

@@ -22,6 +22,7 @@ from ..compat.hf import is_causal_lm, own_loss
 from ..options import WrapOptions
 from .components import as_planned, components, joined, rebased
 from .derive import derive_policy
+from .logits_path import logits_path_refusal
 from .mixers import with_mixers
 from .plan import VOCAB_OFF, LayerPlan, Plan, VocabPlan
 from .policy import Policy, as_policy, find_policy
@@ -43,19 +44,22 @@ def build_plan(
 ) -> Plan:
     """The plan for `model` at `tp_size`: from `policy`, else a shipped policy, HF's plan or detection.
 
-    `vocab_parallel` shards the embedding and LM head by vocabulary where the model allows it
-    (policy-covered causal LMs whose loss goes through `self.loss_function`). `example_inputs` are forward
-    keyword arguments verification runs the model on, for a model that takes no token ids.
+    `vocab_parallel` shards the embedding and LM head by vocabulary where the model allows it (causal LMs whose
+    loss goes through `self.loss_function`; one no policy covers once its logits' path is checked by emulation).
+    `example_inputs` are forward keyword arguments verification runs the model on, for a model that takes no token
+    ids.
     """
     if not isinstance(getattr(model, "config", None), PretrainedConfig):
         raise TypeError(
             f"autotp shards Hugging Face models (a transformers PreTrainedModel with a .config); got "
             f"{type(model).__name__}. Wrap the PreTrainedModel itself, not a module around it"
         )
-    plan = with_mixers(model, keep_ties(model, _build_plan(model, tp_size, policy, example_inputs)))
+    twin = functools.cache(lambda: structural_twin(model))  # built once, for verification and the logits' path
+    plan = with_mixers(model, keep_ties(model, _build_plan(model, tp_size, policy, example_inputs, twin)))
     if not vocab_parallel:
         return replace(plan, vocab_reason=VOCAB_OFF)
-    return with_vocab(model, plan)
+    logits_path = None if components(model) else lambda: logits_path_refusal(model, tp_size, twin, example_inputs)
+    return with_vocab(model, plan, logits_path)
 
 
 def plan_for(model: nn.Module, tp_size: int, options: WrapOptions, split_vocab: bool = False) -> Plan:
@@ -64,7 +68,9 @@ def plan_for(model: nn.Module, tp_size: int, options: WrapOptions, split_vocab: 
     return build_plan(model, tp_size, options.policy, options.vocab_parallel or split_vocab, options.example_inputs)
 
 
-def _build_plan(model: nn.Module, tp_size: int, policy, example: Mapping[str, Any] | None) -> Plan:
+def _build_plan(
+    model: nn.Module, tp_size: int, policy, example: Mapping[str, Any] | None, twin: Callable[[], nn.Module | None]
+) -> Plan:
     parts = components(model) if policy is None else []
     if parts:
         return _composite_plan(model, tp_size, parts, example)
@@ -76,7 +82,7 @@ def _build_plan(model: nn.Module, tp_size: int, policy, example: Mapping[str, An
         model,
         plan_from_policy(model, tp_size, policy),
         not derived,
-        lambda: structural_twin(model),
+        twin,
         lambda twin: plan_from_policy(twin, tp_size, policy),
         example,
     )
@@ -207,9 +213,11 @@ def _component_plan(component: nn.Module, path: str, tp_size: int, policy: Polic
         raise ValueError(f"{path} ({type(component).__name__}): {err}") from None
 
 
-def with_vocab(model: nn.Module, plan: Plan) -> Plan:
-    """Add vocab parallelism when it is known to be safe, else say why not."""
-    why = _vocab_refusal(model, plan)
+def with_vocab(model: nn.Module, plan: Plan, logits_path: Callable[[], str] | None = None) -> Plan:
+    """Add vocab parallelism when it is known to be safe, else say why not. A plan no policy wrote needs
+    `logits_path`: it says why the LM head's output does not reach the loss and the logits elementwise along the
+    vocabulary, "" when it does (`autotp.planning.logits_path`); without it such a plan is refused."""
+    why = _vocab_refusal(model, plan, logits_path)
     if why:
         return replace(plan, vocab_reason=why)
     modules = {id(m): name for name, m in model.named_modules()}
@@ -232,12 +240,12 @@ def with_vocab(model: nn.Module, plan: Plan) -> Plan:
     )
 
 
-def _vocab_refusal(model: nn.Module, plan: Plan) -> str:
+def _vocab_refusal(model: nn.Module, plan: Plan, logits_path: Callable[[], str] | None) -> str:
     if plan.tp_size == 1:
         return "tp_size=1"
     if plan.vocab_reason:  # the policy says why not
         return plan.vocab_reason
-    if not plan.origin.checked_by_hand:
+    if not plan.origin.checked_by_hand and logits_path is None:
         return "only models covered by a policy (the loss and logits path of others is unchecked)"
     if not is_causal_lm(model):
         return f"{type(model).__name__} is not a causal LM"
@@ -257,4 +265,6 @@ def _vocab_refusal(model: nn.Module, plan: Plan) -> str:
     shared = [p for p in (head.weight, head.bias) if p is not None and names.get(id(p), 0) > 1 and id(p) not in allowed]
     if shared:
         return "the LM head shares a parameter with another module (besides a tied embedding)"
+    if not plan.origin.checked_by_hand and logits_path is not None:  # last: it runs the model (or its twin)
+        return logits_path()
     return ""

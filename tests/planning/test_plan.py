@@ -12,7 +12,7 @@ import autotp
 from autotp.planning.plan import Replicated
 from autotp.testing import assert_parity, tiny_config
 from autotp.testing.spawn import run_ranks
-from models import CONFIGS, DERIVED, SoftmaxMLP, family_parity, tiny_model
+from models import CONFIGS, DERIVED, SoftmaxMLP, family_parity, focal_loss, tiny_model
 
 
 def test_explain_on_meta_device_without_process_group() -> None:
@@ -156,7 +156,9 @@ def logged(rank: int, world: int) -> list[tuple[str, str]]:
     logger = logging.getLogger("autotp")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    autotp.wrap(tiny_model("olmo"), world)  # an HF-derived plan: vocab parallelism stays off
+    model = tiny_model("olmo")
+    model.loss_function = focal_loss  # a loss of the user's: vocab parallelism stays off
+    autotp.wrap(model, world)
     return [(r.levelname, r.getMessage()) for r in records]
 
 
@@ -166,8 +168,8 @@ def test_wrap_logs_a_summary_and_warns_on_rank0_only() -> None:
     assert first[0][0] == "INFO" and "tp_size=2" in first[0][1] and "sharded" in first[0][1]
     assert (
         "WARNING",
-        "autotp: vocab parallelism is off: only models covered by a policy (the loss and logits "
-        "path of others is unchecked)",
+        "autotp: vocab parallelism is off: the model's loss_function is focal_loss, not transformers' causal-LM "
+        "loss, so it gets whole logits",
     ) in first
 
 
@@ -175,7 +177,9 @@ def test_vocab_parallelism_off_is_a_warning_only_when_it_was_asked_for() -> None
     """The plan knows whether vocab parallelism was asked for (`VOCAB_OFF`), so its warnings need no option passed."""
     off = "autotp: vocab parallelism is off"
     assert not any(w.startswith(off) for w in autotp.explain(tiny_model("llama"), 2, vocab_parallel=False).warnings())
-    assert any(w.startswith(off) for w in autotp.explain(tiny_model("olmo"), 2).warnings())  # not covered by a policy
+    own = tiny_model("olmo")
+    own.loss_function = focal_loss  # the user's loss: it gets whole logits
+    assert any(w.startswith(off) for w in autotp.explain(own, 2).warnings())
 
 
 HF_MLP_PLAN = {
@@ -195,8 +199,8 @@ HF_MLP_PLAN = {
 def test_blocks_transformers_plan_leaves_out_are_detected(hf_plan: dict, origin: autotp.Origin) -> None:
     """transformers' plan is taken where it speaks; the blocks it leaves out are detected (and verified) as for a model
     with no plan, so an embedding-only plan shards what detection alone shards."""
-    plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2)
-    detected = autotp.explain(tiny_model("olmo", base_model_tp_plan={}), 2)
+    plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2, vocab_parallel=False)  # blocks only
+    detected = autotp.explain(tiny_model("olmo", base_model_tp_plan={}), 2, vocab_parallel=False)
     assert plan.origin is origin and detected.origin is autotp.Origin.DETECTED
     block_layers = [(layer.path, layer.style) for layer in plan.layers if layer.block]
     assert block_layers == [(layer.path, layer.style) for layer in detected.layers if layer.block]
@@ -206,7 +210,7 @@ def test_blocks_transformers_plan_leaves_out_are_detected(hf_plan: dict, origin:
 def test_a_block_transformers_plan_keeps_replicated_is_not_detected() -> None:
     """A block HF's plan names in a style autotp does not shard (here attention gathered) keeps HF's decision."""
     hf_plan = {**HF_MLP_PLAN, "layers.*.self_attn.q_proj": "colwise_gather_output"}
-    plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2)
+    plan = autotp.explain(tiny_model("olmo", base_model_tp_plan=hf_plan), 2, vocab_parallel=False)  # blocks only
     assert plan.origin is autotp.Origin.HF_PLAN
     assert sorted({layer.path.rsplit(".", 1)[-1] for layer in plan.layers if layer.block}) == [
         "down_proj",
@@ -239,7 +243,7 @@ def test_a_filled_plan_trains_like_one_process(hf_plan: dict) -> None:
     """Detected blocks beside an embedding-only or MLP-only HF plan: loss, every gradient and the parameters after 3
     AdamW steps equal one process at tp=2 (fp32 tolerances of autotp.testing.parity: reduction order only)."""
     for report in run_ranks(family_parity, 2, "olmo", 3, None, {"base_model_tp_plan": hf_plan}):
-        assert report["sharded"] == 14, report
+        assert report["sharded"] == 16, report  # 14 block linears, the LM head and embedding split by vocabulary
         assert_parity(report)
 
 

@@ -124,8 +124,9 @@ FAMILIES = ["llama", "gemma2", "cohere", "gpt2"]  # gpt2: a tied nn.Linear head 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("vocab_parallel", [True, False])
 def test_each_family_at_each_tp_matches_one_process_over_chunks(family: str, tp: int, vocab_parallel: bool) -> None:
-    """Gemma 2 is vocab-parallel under TP (the softcap on the shards), Cohere and GPT-2 are not (no policy; not a
-    causal LM by transformers' loss_type): their replicated head is chunked. Tied where the family's default is."""
+    """Gemma 2 and Cohere are vocab-parallel under TP (the softcap and the logit scale on the shards; Cohere's plan is
+    transformers', its logits' path checked by emulation), GPT-2 is not (not a causal LM by transformers' loss_type):
+    its replicated head is chunked. Tied where the family's default is."""
     tied = family in ("gemma2", "gpt2")
     for num_items, smoothing in ((True, 0.0), (False, 0.1)):
         if tp == 1:

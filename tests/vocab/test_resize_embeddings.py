@@ -34,9 +34,12 @@ def resize_parity(rank: int, world: int, family: str, new_vocab: int, vocab_para
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family,new_vocab", [("llama", 262), ("gemma", 262), ("llama", 256), ("llama", 200)])
+@pytest.mark.parametrize(
+    "family,new_vocab", [("llama", 262), ("gemma", 262), ("llama", 256), ("llama", 200), ("gpt_neo", 262)]
+)
 def test_resize_token_embeddings_keeps_parity(family: str, new_vocab: int, tp: int) -> None:
-    """Grow unevenly (262 = 66/66/65/65 at tp 4), tied (gemma) or not, same size, shrink."""
+    """Grow unevenly (262 = 66/66/65/65 at tp 4), tied (gemma) or not, same size, shrink; a plan by detection
+    (gpt_neo), whose logits' path was checked when it was wrapped."""
     reports = run_ranks(resize_parity, tp, family, new_vocab, True)
     for report in reports:
         assert_parity(report)

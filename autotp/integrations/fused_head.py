@@ -49,8 +49,6 @@ def make_vocab_parallel(model: nn.Module, state: TPState, fused: Callable, train
         why = f"its fused head lacks the settings autotp reads ({', '.join(missing)}): another TRL version"
     elif state.splits_sequence():
         why = "its fused head under sequence or context parallelism is not supported yet"
-    elif getattr(settings["text_config"], "output_router_logits", False):
-        why = "its fused head's MoE load-balancing loss is not supported yet"
     if why is not None:
         raise ValueError(
             f"autotp: {trainer} replaced the model's forward with a fused LM head, which reads "
@@ -70,7 +68,7 @@ def _fused_forward(state: TPState, settings: Mapping[str, Any]) -> Callable:
     assert vocab is not None  # always: the only caller (`autotp.integrations.trl`) makes it vocab-parallel only then
     partition = vocab.partition
     ((start, _),) = partition.runs[group_rank(state.tp_group)]
-    cast = settings["cast_lm_head_to_fp32"]
+    cast, text_config = settings["cast_lm_head_to_fp32"], settings["text_config"]
 
     def project(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary rows of the logits of `hidden`, through the head's own forward."""
@@ -98,7 +96,10 @@ def _fused_forward(state: TPState, settings: Mapping[str, Any]) -> Callable:
             passed = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
             return original(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
         kwargs["use_cache"] = False
-        hidden = getattr(self, settings["backbone_attr"])(*args, **kwargs).last_hidden_state
+        if getattr(text_config, "output_router_logits", False):  # MoE: the router logits, as the model's forward
+            kwargs.setdefault("output_router_logits", True)
+        backbone = getattr(self, settings["backbone_attr"])(*args, **kwargs)
+        hidden = backbone.last_hidden_state
         if shift_labels is None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
@@ -118,17 +119,29 @@ def _fused_forward(state: TPState, settings: Mapping[str, Any]) -> Callable:
             None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in statistics
         )
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss, aux = -log_probs.sum() / count, None
+        if kwargs.get("output_router_logits"):  # the routers are whole on every rank: TRL's load-balancing loss
+            aux = router_loss(backbone.router_logits, text_config, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux
         return FusedCausalLMOutput(
-            loss=-log_probs.sum() / count,
+            loss=loss,
             log_probs=log_probs,
             entropy=entropy,
             log_sum_sq_probs=log_sum_sq,
             mean_logits=mean,
             is_top1=top1,
             label_mask=mask,
+            aux_loss=aux,
         )
 
     return forward
+
+
+def router_loss(router_logits: Any, config: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mixtral's load-balancing loss, the one TRL's fused head adds for every MoE family, on the routers' logits."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func(router_logits, config.num_experts, config.num_experts_per_tok, attention_mask)
 
 
 def _chunkable(head: nn.Module) -> bool:

@@ -226,7 +226,13 @@ def with_vocab(model: nn.Module, plan: Plan, logits_path: Callable[[], str] | No
     tied = embedding is not None and embedding.weight is head.weight
     rows = head.out_features
     partition = Partition.even(0, rows, plan.tp_size)
-    embedding_ok = isinstance(embedding, nn.Embedding) and embedding.weight.shape[0] == rows
+    # an embedding holding parameters besides its rows (Inkling2's norm after the lookup) would train them on only
+    # the tokens of this rank's rows: it stays whole
+    embedding_ok = (
+        isinstance(embedding, nn.Embedding)
+        and embedding.weight.shape[0] == rows
+        and [name for name, _ in embedding.named_parameters()] == ["weight"]
+    )
     if tied and not embedding_ok:
         return replace(plan, vocab_reason=f"the LM head is tied to a {type(embedding).__name__} autotp cannot split")
     head_path = modules[id(head)]

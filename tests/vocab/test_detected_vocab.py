@@ -1,8 +1,9 @@
 """Vocab parallelism for models no policy covers (issue 51): the LM head's path to the loss and the logits is checked by
 emulation (`autotp.planning.logits_path`). Falcon-H1 (planned by detection, its logits scaled by `lm_head_multiplier`)
 splits its vocabulary and trains and generates as one process; a model that mixes the vocabulary between its head and
-its loss keeps the head whole, says why in the plan, and still trains as one process; the hybrids' default configs
-planned on meta split the vocabulary."""
+its loss keeps the head whole, says why in the plan, and still trains as one process; an embedding with a norm of its
+own (Inkling2-Loop's) stays whole beside a split head; the hybrids' default configs planned on meta split the
+vocabulary."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def mixing() -> torch.nn.Module:
     return MixingGPTNeoForCausalLM(CONFIGS["gpt_neo"]())
 
 
+def normed() -> torch.nn.Module:
+    """Inkling2-Loop: its embedding normalises each looked-up row with a weight of its own."""
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("inkling2_loop_text"), dtype=torch.float32)
+
+
 def complete(model: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -52,7 +59,7 @@ def ranks_detected(rank: int, world: int) -> dict:
     and whether its greedy generation with a cache gives one process's tokens."""
     out = {
         name: compare_training(build(), batch(), world, steps=2)
-        for name, build in (("hybrid", hybrid), ("mixing", mixing))
+        for name, build in (("hybrid", hybrid), ("mixing", mixing), ("normed", normed))
     }
     wrapped = autotp.wrap(hybrid().eval(), world)
     plan = state_of(wrapped).plan
@@ -69,6 +76,10 @@ def test_detected_models_split_the_vocabulary_only_where_their_logits_allow() ->
     assert refused.origin is Origin.DETECTED and refused.vocab is None
     assert "the logits given to self.loss_function differ" in refused.vocab_reason, refused.vocab_reason
     assert "not elementwise" in refused.vocab_reason
+    # an embedding with a norm of its own keeps its rows whole (split, each rank trained that norm on its rows' tokens
+    # alone: gradients 1.2 apart at tp 2, found by the causal sweep); the head alone is split
+    split = autotp.build_plan(normed(), 2).vocab
+    assert split is not None and split.embedding is None, split
 
 
 @pytest.mark.slow
@@ -79,6 +90,7 @@ def test_detected_models_train_and_generate_as_one_process() -> None:
         # the mixing model's head is replicated, and trains as one process
         assert_parity(reports["hybrid"])
         assert_parity(reports["mixing"])
+        assert_parity(reports["normed"])
         hybrid_report = reports["hybrid"]
         assert hybrid_report["origin"] is Origin.DETECTED and hybrid_report["vocab"], hybrid_report["reason"]
         assert hybrid_report["generate"], "generate with a cache differs from one process"

@@ -144,13 +144,15 @@ def _sequence_parallel(options: WrapOptions, block: str) -> bool:
     return options.sequence_parallel and bool(block)
 
 
-def register_grad_hooks(model: nn.Module, state: TPState) -> list[GradHook]:
+def register_grad_hooks(model: nn.Module, state: TPState, rank_sets: set[tuple[int, ...]]) -> list[GradHook]:
     """Gradient sums for replicated KV rows (over the ranks sharing them) and per-head norms (over TP).
 
     Collective (it creates the replica process groups): every rank calls it once, after the
-    parameters are final. Frozen parameters get their hook when they are unfrozen.
+    parameters are final, with the same `rank_sets` (the whole model's plan's: a pipeline stage's own plan may lack a
+    set another stage's needs, and the groups are created by every rank). Frozen parameters get their hook when they
+    are unfrozen.
     """
-    replicas = state.replica_groups = build_subgroups(state.plan.replica_groups(), state.mesh, state.timeout)
+    replicas = state.replica_groups = build_subgroups(rank_sets, state.mesh, state.timeout)
     hooks, seen = [], set()
     for module in model.modules():
         for param in module.parameters(recurse=False):

@@ -43,4 +43,4 @@ class GradientHooks:
     """The `autotp.parallelize` step after loading: gradient sums on the parameters once they are final (`register_grad_hooks`)."""
 
     def apply(self, model: nn.Module, plan: Plan, state: TPState) -> list[Removable]:
-        return list(register_grad_hooks(model, state))
+        return list(register_grad_hooks(model, state, plan.replica_groups()))

@@ -85,8 +85,9 @@ SLOW = (
 )
 # at tp 2 besides QUICK, in the slow tier: the hybrids and Falcon-Mamba
 HYBRIDS = ("zamba2", "falcon_h1", "jamba", "granitemoehybrid", "falcon_mamba", "nemotron_h", "bamba")
-# at tp 2 x pp 2 (slow): Mamba-2 with one group over both TP ranks, and two hybrids of issue 51's table
-PIPELINED = ("mamba2", "nemotron_h", "falcon_h1")
+# at tp 2 x pp 2 (slow): Mamba-2 with one group over both TP ranks, and every family here that the pipeline sweep
+# matches at pp 2 (Bamba's pipeline is refused; Zamba2's shared block is kept whole when its copies span stages)
+PIPELINED = ("mamba2", "nemotron_h", "falcon_h1", "zamba2", "granitemoehybrid", "falcon_mamba", "mamba", "jamba")
 
 
 def _model(family: str) -> torch.nn.Module:

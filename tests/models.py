@@ -519,3 +519,25 @@ def step_bytes(model: nn.Module) -> tuple[int, int]:
     finally:
         dist.all_reduce = original
     return predicted, moved[0]
+
+
+def edited_model(family: str, edits: dict) -> torch.nn.Module:
+    """`family`'s tiny config with `edits`, built in fp32 from seed 0."""
+    tiny = tiny_config(family)
+    config = type(tiny)(**{**tiny.to_dict(), **edits})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def cached_generation(reference: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """Greedy generation with the cache, both models: whether the tokens are equal, and the last cached step's
+    logits' largest difference over their scale."""
+    out = {}
+    for name, m in (("reference", reference), ("wrapped", model)):
+        m.eval()
+        with torch.no_grad():
+            tokens = m.generate(ids[:, :6], max_new_tokens=4, do_sample=False, use_cache=True)
+            out[name] = (tokens, m(tokens).logits[:, -1])
+    (tokens, logits), (got, got_logits) = out["reference"], out["wrapped"]
+    scale = logits.abs().max().item() or 1.0
+    return {"tokens": torch.equal(tokens, got), "logits": (logits - got_logits).abs().max().item() / scale}

@@ -17,7 +17,9 @@ pattern edited so that every kind appears (`KINDS`).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,28 +32,15 @@ from autotp.testing import tiny_config
 from models import CONFIGS, MIXERS
 
 TP = 2
-# the quick tier runs the first (see tests/conftest.py): Nemotron-H, the issue's example, plans in a few seconds
-FAMILIES = [
-    "nemotron_h",
-    "llama",
-    "qwen3_next",
-    "gpt_oss",
-    "mamba2",
-    "bamba",
-    "zamba2",
-    "falcon_h1",
-    "recurrent_gemma",
-    "lfm2",
-    "jamba",
-    "granitemoehybrid",
-    "rwkv",
-    "jetmoe",
-    "mpt",
-    "mamba",
-    "falcon_mamba",
-    "minimax",
-    "kimi_linear",
-]
+# issue 51's families, those scripts/plan_fractions.py measures; the quick tier runs the first (see tests/conftest.py):
+# Nemotron-H, the issue's example, plans in a few seconds
+_SPEC = importlib.util.spec_from_file_location(
+    "plan_fractions", Path(__file__).parents[2] / "scripts" / "plan_fractions.py"
+)
+assert _SPEC is not None and _SPEC.loader is not None
+_FRACTIONS = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_FRACTIONS)
+FAMILIES = ["nemotron_h", *(family for family in _FRACTIONS.FAMILIES if family != "nemotron_h")]
 # tiny_config's 2 layers edited to hold every kind of layer the default has (as tests/tp/test_mamba_mixers.py does)
 KINDS = {
     "zamba2": {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1]},

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.planning.planner import build_plan
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from autotp.testing.tiny import tiny_config
+from models import cached_generation, edited_model
 
 # family -> config edits: `n_groups` chosen so that both norms run (whole groups per rank, and one group over several
 # ranks, its statistics summed); the hybrids with an attention layer, which their cache needs to generate
@@ -91,24 +90,7 @@ PIPELINED = ("mamba2", "nemotron_h", "falcon_h1", "zamba2", "granitemoehybrid", 
 
 
 def _model(family: str) -> torch.nn.Module:
-    tiny = tiny_config(family)
-    config = type(tiny)(**{**tiny.to_dict(), **CASES[family]})
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def _generation(reference: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor) -> dict:
-    """Greedy generation with the cache, both models: equal tokens, and the last cached step's logits."""
-    out = {}
-    for name, m in (("reference", reference), ("wrapped", model)):
-        m.eval()
-        with torch.no_grad():
-            tokens = m.generate(ids[:, :6], max_new_tokens=4, do_sample=False, use_cache=True)
-            full = m(tokens).logits[:, -1]
-        out[name] = (tokens, full)
-    (tokens, logits), (got, got_logits) = out["reference"], out["wrapped"]
-    scale = logits.abs().max().item() or 1.0
-    return {"tokens": torch.equal(tokens, got), "logits": (logits - got_logits).abs().max().item() / scale}
+    return edited_model(family, CASES[family])
 
 
 def mixers_parity(rank: int, world: int, families: tuple[str, ...], sequence_parallel: bool = False) -> dict:
@@ -122,7 +104,7 @@ def mixers_parity(rank: int, world: int, families: tuple[str, ...], sequence_par
         plan = build_plan(reference, world)
         report = parity.compare_training(reference, ids, world, steps=2)
         model = autotp.wrap(_model(family), world)
-        report["generate"] = _generation(_model(family), model, ids)
+        report["generate"] = cached_generation(_model(family), model, ids)
         report["mixers"] = sum(p.name == "A_log" for p in plan.params)
         report["group_norms"] = len(plan.group_norms)
         if sequence_parallel:

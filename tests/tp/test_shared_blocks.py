@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import autotp
 from autotp.planning.plan import Replicated
@@ -20,8 +19,7 @@ from autotp.planning.ties import unshared
 from autotp.sp.sequence import sequence_layout
 from autotp.testing import parity
 from autotp.testing.spawn import run_ranks
-from autotp.testing.tiny import tiny_config
-from models import tiny_model
+from models import cached_generation, edited_model, tiny_model
 
 # multipliers other than 1 so that a factor applied twice or not at all shows; Zamba2 with two hybrid layers (the
 # block tied across them) and its attention adapters on (adapters need heads x head_dim = 2 x hidden)
@@ -59,23 +57,7 @@ BLOCKS = {  # what each family's plan must shard
 
 
 def _model(family: str) -> torch.nn.Module:
-    tiny = tiny_config(family)
-    config = type(tiny)(**{**tiny.to_dict(), **CASES[family]})
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def _generation(reference: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor) -> dict:
-    """Greedy generation with the cache, both models: equal tokens, and the last cached step's logits."""
-    out = {}
-    for name, m in (("reference", reference), ("wrapped", model)):
-        m.eval()
-        with torch.no_grad():
-            tokens = m.generate(ids[:, :6], max_new_tokens=4, do_sample=False, use_cache=True)
-            out[name] = (tokens, m(tokens).logits[:, -1])
-    (tokens, logits), (got, got_logits) = out["reference"], out["wrapped"]
-    scale = logits.abs().max().item() or 1.0
-    return {"tokens": torch.equal(tokens, got), "logits": (logits - got_logits).abs().max().item() / scale}
+    return edited_model(family, CASES[family])
 
 
 def shared_parity(rank: int, world: int) -> dict:
@@ -87,7 +69,7 @@ def shared_parity(rank: int, world: int) -> dict:
         plan = build_plan(_model(family), world)
         report = parity.compare_training(_model(family), ids, world, steps=2)
         model = autotp.wrap(_model(family), world)
-        report["generate"] = _generation(_model(family), model, ids)
+        report["generate"] = cached_generation(_model(family), model, ids)
         report["sharded"] = [layer.path for layer in plan.layers]
         report["shared"] = list(plan.shared)
         layers = model.model.layers

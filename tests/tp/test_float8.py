@@ -133,11 +133,12 @@ def test_float8_ran(recipe) -> None:
 def test_a_float8_qwen3_moe_at_tp2_matches_one_process(recipe) -> None:
     """A family without a policy: the planner checks each block's sharding by emulation, in high precision (float8
     would round each emulated shard with its own scale, and the block stayed replicated). Its attention projections
-    (8) become sharded float8 layers; the experts, 3-D tensors torchao does not convert, are sharded as without it,
-    and the routers, not sharded, stay torchao's Float8Linear."""
+    (8) and its vocab-parallel LM head (its logits' path checked by emulation) become sharded float8 layers; the
+    experts, 3-D tensors torchao does not convert, are sharded as without it, and the routers, not sharded, stay
+    torchao's Float8Linear."""
     expected = float8_training(0, 1, 1, "qwen3_moe", recipe=recipe)
     for got in run_ranks(float8_training, 2, 2, "qwen3_moe", None, True, recipe):
-        assert got["float8_layers"] == 8
+        assert got["float8_layers"] == 9
         assert_matches(got, expected)
 
 
@@ -172,7 +173,7 @@ def test_float8_at_tp2_dp2_matches_one_process_on_the_global_batch(family, recip
     tensorwise weight's amax is the whole weight's (before, fully_shard refused float8)."""
     expected = float8_training(0, 1, 1, family, None, True, recipe, "ddp", *GLOBAL_BATCH)
     for got in run_ranks(float8_training, 4, 2, family, None, True, recipe, dp, *GLOBAL_BATCH):
-        assert got["float8_layers"] == (15 if family == "llama" else 8)
+        assert got["float8_layers"] == (15 if family == "llama" else 9)  # attention projections and the LM head
         assert_matches(got, expected)
 
 

@@ -30,7 +30,7 @@ from .policy_plan import plan_from_policy
 from .sharding import Partition
 from .ties import keep_ties
 from .twin import structural_twin
-from .verify import apply_verdicts, verdicts, verify_by_emulation, without_blocks
+from .verify import apply_verdicts, under, verdicts, verify_by_emulation, without_blocks
 
 PolicyArg = Policy | str | Path | Mapping[str, Any] | None
 
@@ -163,7 +163,7 @@ def _own_plan(
     language model is the root model itself, beside its vision and audio sub-models); None where nothing is planned.
     Verified as any shipped policy is (its custom classes only), on the structural twin for a meta-device model."""
     policy = find_policy(model.config.model_type)
-    outside = [name for name, _ in model.named_modules() if not _inside(name, paths)]
+    outside = [name for name, _ in model.named_modules() if not under(name, paths)]
     if policy is None or not any(fnmatchcase(name, rule.match) for rule in policy.rules for name in outside):
         return None
     plan = _verified(
@@ -179,17 +179,12 @@ def _own_plan(
 
 def _outside(plan: Plan, paths: list[str]) -> Plan:
     """`plan` without what it plans inside the sub-models at `paths`: each of those is planned from its own config."""
-    out = without_blocks(plan, {layer.block: "" for layer in plan.layers if _inside(layer.block or layer.path, paths)})
+    out = without_blocks(plan, {layer.block: "" for layer in plan.layers if under(layer.block or layer.path, paths)})
     return replace(
         out,
-        regions=tuple(r for r in out.regions if not _inside(r.path, paths)),
-        replicated=tuple(r for r in out.replicated if not _inside(r[0], paths)),
+        regions=tuple(r for r in out.regions if not under(r.path, paths)),
+        replicated=tuple(r for r in out.replicated if not under(r[0], paths)),
     )
-
-
-def _inside(path: str, paths: list[str]) -> bool:
-    """Whether the module `path` is one of `paths` or lies under one of them."""
-    return any(path == p or path.startswith(p + ".") for p in paths)
 
 
 def _component_at(model: nn.Module, path: str) -> nn.Module:

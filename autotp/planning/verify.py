@@ -7,7 +7,7 @@ import inspect
 import re
 import traceback
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 from torch import nn
@@ -235,7 +235,7 @@ def _check_block(block: nn.Module, path: str, plan: Plan, record: dict | None) -
     # projections reading it all-reduce their input's gradient, so its gradient is whole on every rank
     allowed = {h[len(path) + 1 :] for h in (*plan.head_norms, *plan.whole) if h.startswith(path + ".")}
     in_place = {p.path[len(path) + 1 :] for p in plan.params if p.block == path}
-    extra = [name for name in extra if not _under(name.rsplit(".", 1)[0], allowed) and name not in in_place]
+    extra = [name for name in extra if not under(name.rsplit(".", 1)[0], allowed) and name not in in_place]
     if extra:
         return f"it holds parameters besides its projections ({extra[0]}), whose gradients would be partial"
     attrs = [a for a in plan.attrs if a.path == path or a.path.startswith(path + ".")]
@@ -275,7 +275,7 @@ def _scaled_row_output(record: dict) -> bool:
     return bool(factor) and gap <= _relative_tolerance(output.dtype) * (output64.abs().max().item() or 1.0)
 
 
-def _under(path: str, paths: set[str]) -> bool:
+def under(path: str, paths: Collection[str]) -> bool:
     """Whether the module `path` is one of `paths`, or lies under one of them."""
     return any(path == p or path.startswith(p + ".") for p in paths)
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .plan import Plan
-from .verify import without_blocks
+from .verify import under, without_blocks
 
 
 def keep_ties(model: nn.Module, plan: Plan) -> Plan:
@@ -112,20 +112,17 @@ def _shared(plan: Plan, shared: dict[str, str]) -> Plan:
     if not shared:
         return plan
 
-    def inside(path: str) -> bool:
-        return any(path == c or path.startswith(c + ".") for c in shared)
-
     return replace(
         plan,
-        layers=tuple(layer for layer in plan.layers if not inside(layer.block)),
-        attrs=tuple(a for a in plan.attrs if not inside(a.path)),
-        head_norms=tuple(h for h in plan.head_norms if not inside(h)),
-        head_inputs=tuple(h for h in plan.head_inputs if not inside(h.path)),
-        attention=tuple(a for a in plan.attention if not inside(a.path)),
-        norms=tuple(n for n in plan.norms if not inside(n.path)),
-        params=tuple(p for p in plan.params if not inside(p.block)),
-        whole=tuple(w for w in plan.whole if not inside(w)),
-        gathered_outputs=tuple(g for g in plan.gathered_outputs if not inside(g)),
-        replicated=tuple((p, why) for p, why in plan.replicated if not inside(p)),
+        layers=tuple(layer for layer in plan.layers if not under(layer.block, shared)),
+        attrs=tuple(a for a in plan.attrs if not under(a.path, shared)),
+        head_norms=tuple(h for h in plan.head_norms if not under(h, shared)),
+        head_inputs=tuple(h for h in plan.head_inputs if not under(h.path, shared)),
+        attention=tuple(a for a in plan.attention if not under(a.path, shared)),
+        norms=tuple(n for n in plan.norms if not under(n.path, shared)),
+        params=tuple(p for p in plan.params if not under(p.block, shared)),
+        whole=tuple(w for w in plan.whole if not under(w, shared)),
+        gathered_outputs=tuple(g for g in plan.gathered_outputs if not under(g, shared)),
+        replicated=tuple((p, why) for p, why in plan.replicated if not under(p, shared)),
         shared=plan.shared + tuple(shared.items()),
     )
